@@ -1,0 +1,65 @@
+#pragma once
+// One exception type for everything cohort reports. Each error says which rank hit it,
+// which operation was running, the sizes involved, and the most likely fix, because the
+// person reading it is usually looking at the interleaved logs of many processes.
+
+#include <chrono>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "cohort/version.hpp"
+
+namespace cohort::inline v0 {
+
+class error : public std::runtime_error {
+ public:
+  // rank < 0 means "not known here" (for example before the launch environment is read).
+  error(int rank, std::string operation, std::string detail, std::string hint = {})
+      : std::runtime_error(compose(rank, operation, detail, hint)),
+        rank_(rank),
+        operation_(std::move(operation)),
+        detail_(std::move(detail)),
+        hint_(std::move(hint)) {}
+
+  int rank() const noexcept { return rank_; }
+  const std::string& operation() const noexcept { return operation_; }
+  const std::string& detail() const noexcept { return detail_; }
+  const std::string& hint() const noexcept { return hint_; }
+
+ private:
+  static std::string compose(int rank, const std::string& operation, const std::string& detail,
+                             const std::string& hint) {
+    std::string text = "cohort";
+    if (rank >= 0) text += " [rank " + std::to_string(rank) + "]";
+    text += " " + operation + ": " + detail;
+    if (!hint.empty()) text += " (hint: " + hint + ")";
+    return text;
+  }
+
+  int rank_;
+  std::string operation_;
+  std::string detail_;
+  std::string hint_;
+};
+
+// A wait that ran out of time: a peer that never arrived, a key never set, a collective
+// some rank never entered. Separate type so callers can retry or abort deliberately.
+class timeout_error : public error {
+ public:
+  using error::error;
+};
+
+namespace detail {
+inline std::string format_duration(std::chrono::milliseconds ms) {
+  std::ostringstream out;
+  if (ms.count() % 1000 == 0)
+    out << ms.count() / 1000 << " s";
+  else
+    out << ms.count() << " ms";
+  return out.str();
+}
+}  // namespace detail
+
+}  // namespace cohort::inline v0

@@ -1,0 +1,239 @@
+#pragma once
+// Rendezvous key-value stores: how ranks find each other before any collective exists.
+//
+// `store` is the interface every algorithm and backend uses (Gloo's rendezvous, NCCL's
+// unique-id exchange, subgroups, guards). Implementations:
+//   memory_store  one process, ranks as threads (tests, single-process programs);
+//   prefix_store  a namespace inside another store (subgroups, restarts);
+//   tcp_store     PyTorch c10d TCPStore wire protocol, server and client (tcp_store.hpp);
+//   file_store    a shared filesystem directory, scoped by run id (file_store.hpp).
+// Every wait is bounded by a timeout and a timeout names the keys, the rank and the time.
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "cohort/error.hpp"
+
+namespace cohort::inline v0 {
+
+using bytes = std::vector<std::uint8_t>;
+
+inline bytes to_bytes(std::string_view text) { return bytes(text.begin(), text.end()); }
+inline std::string to_string(std::span<const std::uint8_t> data) {
+  return std::string(data.begin(), data.end());
+}
+
+class store {
+ public:
+  static constexpr std::chrono::milliseconds default_timeout{std::chrono::seconds(300)};
+
+  virtual ~store() = default;
+
+  virtual void set(std::string_view key, std::span<const std::uint8_t> value) = 0;
+  // Waits until the key exists (at most timeout()), then returns its value.
+  virtual bytes get(std::string_view key) = 0;
+  // Atomically adds delta to the integer stored under key (absent counts as 0) and returns
+  // the new value. The stored form is the decimal text, as c10d stores it.
+  virtual std::int64_t add(std::string_view key, std::int64_t delta) = 0;
+  // Sets key to desired when its current value equals expected (an absent key matches an
+  // empty expected). Returns the value held afterwards.
+  virtual bytes compare_set(std::string_view key, std::span<const std::uint8_t> expected,
+                            std::span<const std::uint8_t> desired) = 0;
+  // True when every key exists right now.
+  virtual bool check(std::span<const std::string> keys) = 0;
+  // Waits until every key exists; throws timeout_error naming the missing keys.
+  virtual void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) = 0;
+  // True when the key existed.
+  virtual bool delete_key(std::string_view key) = 0;
+  virtual std::int64_t num_keys() = 0;
+
+  void set(std::string_view key, std::string_view value) {
+    const bytes data = to_bytes(value);
+    set(key, std::span<const std::uint8_t>(data));
+  }
+  std::string get_string(std::string_view key) { return to_string(get(key)); }
+  void wait(std::span<const std::string> keys) { wait(keys, timeout()); }
+  void wait(std::initializer_list<std::string> keys) {
+    std::vector<std::string> list(keys);
+    wait(std::span<const std::string>(list), timeout());
+  }
+
+  std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+  void set_timeout(std::chrono::milliseconds timeout) noexcept { timeout_ = timeout; }
+  // The rank that owns this handle, used only in error messages (-1 when unknown).
+  int rank() const noexcept { return rank_; }
+  void set_rank(int rank) noexcept { rank_ = rank; }
+
+ protected:
+  [[noreturn]] void throw_timeout(std::string_view operation, std::span<const std::string> keys,
+                                  std::chrono::milliseconds waited) const {
+    std::string names;
+    for (const auto& key : keys) names += (names.empty() ? "'" : ", '") + key + "'";
+    throw timeout_error(rank_, std::string("store.") + std::string(operation),
+                        "waited " + detail::format_duration(waited) + " for key(s) " + names,
+                        "a peer has not arrived or crashed before publishing; check that every "
+                        "rank was started with the same world size and master address");
+  }
+
+ private:
+  std::chrono::milliseconds timeout_ = default_timeout;
+  int rank_ = -1;
+};
+
+// A namespace inside another store: every key is stored as prefix + key.
+class prefix_store final : public store {
+ public:
+  prefix_store(std::shared_ptr<store> inner, std::string prefix)
+      : inner_(std::move(inner)), prefix_(std::move(prefix)) {
+    set_timeout(inner_->timeout());
+    set_rank(inner_->rank());
+  }
+
+  void set(std::string_view key, std::span<const std::uint8_t> value) override {
+    inner_->set(full(key), value);
+  }
+  using store::set;
+  bytes get(std::string_view key) override {
+    sync_settings();
+    return inner_->get(full(key));
+  }
+  std::int64_t add(std::string_view key, std::int64_t delta) override {
+    return inner_->add(full(key), delta);
+  }
+  bytes compare_set(std::string_view key, std::span<const std::uint8_t> expected,
+                    std::span<const std::uint8_t> desired) override {
+    return inner_->compare_set(full(key), expected, desired);
+  }
+  bool check(std::span<const std::string> keys) override { return inner_->check(full(keys)); }
+  void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) override {
+    sync_settings();
+    const auto names = full(keys);
+    inner_->wait(std::span<const std::string>(names), timeout);
+  }
+  using store::wait;
+  bool delete_key(std::string_view key) override { return inner_->delete_key(full(key)); }
+  // Counts the inner store's keys: c10d has no per-prefix count either.
+  std::int64_t num_keys() override { return inner_->num_keys(); }
+
+  const std::string& prefix() const noexcept { return prefix_; }
+  const std::shared_ptr<store>& inner() const noexcept { return inner_; }
+
+ private:
+  std::string full(std::string_view key) const { return prefix_ + std::string(key); }
+  std::vector<std::string> full(std::span<const std::string> keys) const {
+    std::vector<std::string> out;
+    out.reserve(keys.size());
+    for (const auto& key : keys) out.push_back(full(key));
+    return out;
+  }
+  void sync_settings() {
+    inner_->set_timeout(timeout());
+  }
+
+  std::shared_ptr<store> inner_;
+  std::string prefix_;
+};
+
+// All ranks in one process: threads share one memory_store (hold it by shared_ptr).
+class memory_store final : public store {
+ public:
+  void set(std::string_view key, std::span<const std::uint8_t> value) override {
+    {
+      std::lock_guard lock(mutex_);
+      data_[std::string(key)] = bytes(value.begin(), value.end());
+    }
+    changed_.notify_all();
+  }
+  using store::set;
+
+  bytes get(std::string_view key) override {
+    const std::string name(key);
+    std::unique_lock lock(mutex_);
+    wait_locked(lock, std::span<const std::string>(&name, 1), timeout(), "get");
+    return data_.at(name);
+  }
+
+  std::int64_t add(std::string_view key, std::int64_t delta) override {
+    std::int64_t value = 0;
+    {
+      std::lock_guard lock(mutex_);
+      auto& slot = data_[std::string(key)];
+      if (!slot.empty()) value = std::stoll(to_string(slot));
+      value += delta;
+      slot = to_bytes(std::to_string(value));
+    }
+    changed_.notify_all();
+    return value;
+  }
+
+  bytes compare_set(std::string_view key, std::span<const std::uint8_t> expected,
+                    std::span<const std::uint8_t> desired) override {
+    bytes result;
+    {
+      std::lock_guard lock(mutex_);
+      auto it = data_.find(std::string(key));
+      if (it == data_.end()) {
+        if (!expected.empty()) return bytes(expected.begin(), expected.end());
+        it = data_.emplace(std::string(key), bytes(desired.begin(), desired.end())).first;
+      } else if (std::equal(it->second.begin(), it->second.end(), expected.begin(),
+                            expected.end())) {
+        it->second.assign(desired.begin(), desired.end());
+      }
+      result = it->second;
+    }
+    changed_.notify_all();
+    return result;
+  }
+
+  bool check(std::span<const std::string> keys) override {
+    std::lock_guard lock(mutex_);
+    return all_present(keys);
+  }
+
+  void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) override {
+    std::unique_lock lock(mutex_);
+    wait_locked(lock, keys, timeout, "wait");
+  }
+  using store::wait;
+
+  bool delete_key(std::string_view key) override {
+    std::lock_guard lock(mutex_);
+    return data_.erase(std::string(key)) > 0;
+  }
+
+  std::int64_t num_keys() override {
+    std::lock_guard lock(mutex_);
+    return static_cast<std::int64_t>(data_.size());
+  }
+
+ private:
+  bool all_present(std::span<const std::string> keys) const {
+    return std::all_of(keys.begin(), keys.end(),
+                       [&](const std::string& key) { return data_.count(key) > 0; });
+  }
+  void wait_locked(std::unique_lock<std::mutex>& lock, std::span<const std::string> keys,
+                   std::chrono::milliseconds timeout, std::string_view operation) {
+    if (!changed_.wait_for(lock, timeout, [&] { return all_present(keys); })) {
+      std::vector<std::string> missing;
+      for (const auto& key : keys)
+        if (!data_.count(key)) missing.push_back(key);
+      throw_timeout(operation, missing, timeout);
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::map<std::string, bytes, std::less<>> data_;
+};
+
+}  // namespace cohort::inline v0
