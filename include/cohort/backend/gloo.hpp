@@ -1,0 +1,447 @@
+#pragma once
+// Host backend on Gloo (Debian libgloo-dev): collectives over TCP on host memory.
+//
+// Each backend instance owns one Gloo context and one FIFO worker thread; every call is
+// queued on the worker and returns a work handle at once, so collectives run
+// asynchronously and complete in issue order. Gloo has no half/bfloat16 arithmetic and
+// no averaging; cohort supplies both. reduce_scatter is an all-to-all followed by a local
+// reduction, which puts (n-1)/n of the data on the wire, as a bandwidth-optimal
+// reduce-scatter does, instead of all-reducing everything and keeping a slice.
+
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/alltoall.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "cohort/detail/fifo_worker.hpp"
+#include "cohort/detail/host_math.hpp"
+#include "cohort/error.hpp"
+#include "cohort/launch.hpp"
+#include "cohort/store.hpp"
+#include "cohort/types.hpp"
+
+namespace cohort::inline v0 {
+
+namespace detail {
+
+// Gloo's rendezvous talks to cohort's store, so Gloo and NCCL share one rendezvous.
+class gloo_store_adapter final : public ::gloo::rendezvous::Store {
+ public:
+  gloo_store_adapter(std::shared_ptr<cohort::store> inner, std::chrono::milliseconds timeout)
+      : inner_(std::move(inner)), timeout_(timeout) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    inner_->set(key, std::span<const std::uint8_t>(
+                         reinterpret_cast<const std::uint8_t*>(data.data()), data.size()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    const std::string name = key;
+    inner_->wait(std::span<const std::string>(&name, 1), timeout_);
+    const bytes value = inner_->get(key);
+    return std::vector<char>(value.begin(), value.end());
+  }
+  void wait(const std::vector<std::string>& keys) override { inner_->wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    inner_->wait(keys, timeout.count() > 0 ? timeout : timeout_);
+  }
+
+ private:
+  std::shared_ptr<cohort::store> inner_;
+  std::chrono::milliseconds timeout_;
+};
+
+struct gloo_task {
+  enum class kind : std::uint8_t {
+    all_reduce, reduce_scatter, all_gather, broadcast, all_to_all, send, recv, barrier, function
+  };
+  kind what = kind::function;
+  dtype type = dtype::float32;
+  op reduce = op::sum;
+  const void* in = nullptr;
+  void* out = nullptr;
+  std::size_t count = 0;  // elements (per rank for reduce_scatter, all_gather, all_to_all)
+  int peer = 0;           // root for broadcast, peer for send/recv
+  std::uint64_t tag = 0;
+  std::function<void()> fn;
+};
+
+inline bool is_loopback(const std::string& address) {
+  return address == "localhost" || address == "::1" || address.rfind("127.", 0) == 0;
+}
+
+}  // namespace detail
+
+class gloo {
+ public:
+  static constexpr memory_space space = memory_space::host;
+  static constexpr std::string_view name = "gloo";
+
+  struct options {
+    // Bounds every collective and the rendezvous: a peer that never arrives or dies turns
+    // into a timeout_error on every other rank after at most this long.
+    std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+    // Cross-rank checks of every call's signature, and of collectives inside on_main.
+    // Also turned on by the environment variable COHORT_DEBUG=1.
+    bool debug_checks = false;
+    // Address this rank listens on. Empty: loopback when MASTER_ADDR is loopback,
+    // else this host's name (GLOO_SOCKET_IFNAME / `interface` select a NIC instead).
+    std::string hostname;
+    std::string interface;
+  };
+
+  using worker_type = detail::fifo_worker<detail::gloo_task>;
+
+  // A completion handle: (worker, sequence number). Copyable; an empty handle is complete.
+  class work {
+   public:
+    work() = default;
+    work(std::shared_ptr<worker_type> worker, std::uint64_t seq)
+        : worker_(std::move(worker)), seq_(seq) {}
+
+    // True when complete; rethrows the failure of a failed operation.
+    bool test() const {
+      if (!worker_) return true;
+      if (!worker_->done(seq_)) return false;
+      rethrow_failure();
+      return true;
+    }
+    // Blocks until complete. Engine operations are bounded by the group's timeout, so this
+    // returns or throws within it.
+    void wait() const {
+      if (!worker_) return;
+      worker_->wait_until_done(seq_, std::chrono::steady_clock::time_point::max());
+      rethrow_failure();
+    }
+    // False when still running after `timeout`.
+    bool wait_for(std::chrono::milliseconds timeout) const {
+      if (!worker_) return true;
+      if (!worker_->wait_until_done(seq_, std::chrono::steady_clock::now() + timeout))
+        return false;
+      rethrow_failure();
+      return true;
+    }
+    std::uint64_t sequence() const noexcept { return seq_; }
+
+   private:
+    void rethrow_failure() const {
+      if (auto failure = worker_->failure(seq_)) std::rethrow_exception(failure);
+    }
+    std::shared_ptr<worker_type> worker_;
+    std::uint64_t seq_ = 0;
+  };
+
+  // Rendezvous through `store` (keys under the store's own prefix) and connect a full mesh.
+  gloo(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts)
+      : rank_(env.rank), size_(env.world_size), options_(opts) {
+    device_ = make_device(env, opts);
+    connect(std::move(store));
+  }
+
+  // A new context over an existing device (subgroups).
+  gloo(const gloo& parent, std::shared_ptr<cohort::store> store, int rank, int size)
+      : rank_(rank), size_(size), options_(parent.options_), device_(parent.device_) {
+    connect(std::move(store));
+  }
+
+  gloo(const gloo&) = delete;
+  gloo& operator=(const gloo&) = delete;
+  // Finishes queued work first: the worker's tasks refer to this context.
+  ~gloo() {
+    if (worker_) worker_->shutdown();
+  }
+
+  // Subgroup of a split (process_group::split did the bookkeeping): a new Gloo context over
+  // the same device, rendezvousing under the subgroup's store prefix.
+  static std::unique_ptr<gloo> split(gloo& parent, std::shared_ptr<cohort::store> sub_store, int color,
+                                     int /*key*/, int new_rank, int new_size) {
+    if (color < 0) return nullptr;
+    return std::make_unique<gloo>(parent, std::move(sub_store), new_rank, new_size);
+  }
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  const options& settings() const noexcept { return options_; }
+  const std::shared_ptr<::gloo::Context>& context() const noexcept { return context_; }
+
+  // --- collectives (type-erased; process_group<gloo> adds the typed, checked surface) -----
+  work all_reduce(const void* in, void* out, std::size_t count, dtype type, op reduce) {
+    return submit(task(task_kind::all_reduce, type, reduce, in, out, count));
+  }
+  work reduce_scatter(const void* in, void* out, std::size_t count_per_rank, dtype type, op reduce) {
+    return submit(task(task_kind::reduce_scatter, type, reduce, in, out, count_per_rank));
+  }
+  work all_gather(const void* in, void* out, std::size_t count_per_rank, dtype type) {
+    return submit(task(task_kind::all_gather, type, op::sum, in, out, count_per_rank));
+  }
+  work broadcast(void* data, std::size_t count, dtype type, int root) {
+    return submit(task(task_kind::broadcast, type, op::sum, nullptr, data, count, root));
+  }
+  work all_to_all(const void* in, void* out, std::size_t count_per_rank, dtype type) {
+    return submit(task(task_kind::all_to_all, type, op::sum, in, out, count_per_rank));
+  }
+  work send(const void* data, std::size_t count, dtype type, int peer, std::uint64_t tag) {
+    return submit(task(task_kind::send, type, op::sum, data, nullptr, count, peer, tag));
+  }
+  work recv(void* data, std::size_t count, dtype type, int peer, std::uint64_t tag) {
+    return submit(task(task_kind::recv, type, op::sum, nullptr, data, count, peer, tag));
+  }
+  work barrier() { return submit(task(task_kind::barrier)); }
+
+  // --- ordering and memory: what algorithms written once over any backend need ----------
+  // Runs fn on the worker after everything queued before it (host "kernels").
+  work enqueue(std::function<void()> fn) {
+    auto queued = task(task_kind::function);
+    queued.fn = std::move(fn);
+    return submit(std::move(queued));
+  }
+  // Completes when everything queued so far has completed.
+  work record() { return submit(task(task_kind::function)); }
+
+  static void* allocate(std::size_t bytes) {
+    return ::operator new(bytes == 0 ? 1 : bytes, std::align_val_t{64});
+  }
+  static void deallocate(void* pointer, std::size_t /*bytes*/) noexcept {
+    ::operator delete(pointer, std::align_val_t{64});
+  }
+  work copy(void* destination, const void* source, std::size_t bytes) {
+    return enqueue([=] { std::memmove(destination, source, bytes); });
+  }
+
+ private:
+  using task_kind = detail::gloo_task::kind;
+
+  static std::shared_ptr<::gloo::transport::Device> make_device(const launch_env& env,
+                                                                const options& opts) {
+    ::gloo::transport::tcp::attr attr;
+    std::string interface = opts.interface;
+    if (interface.empty()) {
+      if (const char* name = std::getenv("GLOO_SOCKET_IFNAME")) interface = name;
+    }
+    if (!opts.hostname.empty())
+      attr.hostname = opts.hostname;
+    else if (!interface.empty())
+      attr.iface = interface;
+    else if (detail::is_loopback(env.master_addr) || env.world_size == env.local_world_size)
+      attr.hostname = "127.0.0.1";  // one node: stay on loopback, never expose a port
+    try {
+      return ::gloo::transport::tcp::CreateDevice(attr);
+    } catch (const std::exception& failure) {
+      throw error(env.rank, "gloo.create_device",
+                  std::string("cannot open a TCP device: ") + failure.what(),
+                  "set options.hostname or GLOO_SOCKET_IFNAME to an address of this host");
+    }
+  }
+
+  void connect(std::shared_ptr<cohort::store> store) {
+    auto context = std::make_shared<::gloo::rendezvous::Context>(rank_, size_);
+    context->setTimeout(options_.timeout);
+    detail::gloo_store_adapter adapter(std::move(store), options_.timeout);
+    try {
+      context->connectFullMesh(adapter, device_);
+    } catch (const timeout_error& failure) {
+      throw timeout_error(rank_, "gloo.rendezvous",
+                          "world of " + std::to_string(size_) + ": " + failure.detail(),
+                          "a rank never arrived: is every rank started with the same WORLD_SIZE "
+                          "and MASTER_ADDR/MASTER_PORT?");
+    } catch (const ::gloo::Exception& failure) {
+      throw error(rank_, "gloo.rendezvous",
+                  "world of " + std::to_string(size_) + ": " + failure.what(),
+                  "a peer is unreachable: check the network interface (GLOO_SOCKET_IFNAME)");
+    }
+    context_ = std::move(context);
+    worker_ = std::make_shared<worker_type>([this](detail::gloo_task& task) { run(task); });
+  }
+
+  static detail::gloo_task task(task_kind what, dtype type = dtype::uint8, op reduce = op::sum,
+                                const void* in = nullptr, void* out = nullptr, std::size_t count = 0,
+                                int peer = 0, std::uint64_t tag = 0) {
+    detail::gloo_task queued;
+    queued.what = what;
+    queued.type = type;
+    queued.reduce = reduce;
+    queued.in = in;
+    queued.out = out;
+    queued.count = count;
+    queued.peer = peer;
+    queued.tag = tag;
+    return queued;
+  }
+
+  work submit(detail::gloo_task queued) {
+    const std::uint64_t seq = worker_->submit(std::move(queued));
+    return work(worker_, seq);
+  }
+
+  static std::string describe(const detail::gloo_task& task) {
+    static constexpr const char* names[] = {"all_reduce", "reduce_scatter", "all_gather",
+                                            "broadcast",  "all_to_all",     "send",
+                                            "recv",       "barrier",        "host_task"};
+    std::string text = names[static_cast<int>(task.what)];
+    if (task.what == task_kind::barrier || task.what == task_kind::function) return text;
+    text += "(" + std::string(to_string(task.type)) + " x " + std::to_string(task.count);
+    if (task.what == task_kind::all_reduce || task.what == task_kind::reduce_scatter)
+      text += ", " + std::string(to_string(task.reduce));
+    if (task.what == task_kind::broadcast) text += ", root " + std::to_string(task.peer);
+    if (task.what == task_kind::send || task.what == task_kind::recv)
+      text += ", peer " + std::to_string(task.peer);
+    return text + ")";
+  }
+
+  void run(detail::gloo_task& task) {
+    try {
+      execute(task);
+    } catch (const error&) {
+      throw;
+    } catch (const ::gloo::IoException& failure) {
+      const std::string what = failure.what();
+      if (what.find("Timed out") != std::string::npos || what.find("timed out") != std::string::npos)
+        throw timeout_error(rank_, "gloo." + describe(task), what,
+                            "a peer did not enter the same collective within " +
+                                detail::format_duration(options_.timeout) +
+                                ": it hangs, crashed, or issued collectives in another order");
+      throw error(rank_, "gloo." + describe(task), what,
+                  "a peer closed its connection: it crashed or exited early, or sizes differ "
+                  "across ranks");
+    } catch (const std::exception& failure) {
+      throw error(rank_, "gloo." + describe(task), failure.what(),
+                  "sizes or dtypes may differ across ranks (set COHORT_DEBUG=1 to check)");
+    }
+  }
+
+  void execute(detail::gloo_task& task) {
+    switch (task.what) {
+      case task_kind::function:
+        if (task.fn) task.fn();
+        return;
+      case task_kind::barrier: {
+        ::gloo::BarrierOptions opts(context_);
+        opts.setTimeout(options_.timeout);
+        ::gloo::barrier(opts);
+        return;
+      }
+      default: break;
+    }
+    if (task.count == 0) return;  // nothing moves; every rank agrees on that without talking
+    visit_dtype(task.type, [&](auto sample) { execute_typed<decltype(sample)>(task); });
+  }
+
+  template <class T>
+  void execute_typed(detail::gloo_task& task) {
+    T* out = static_cast<T*>(task.out);
+    const T* in = static_cast<const T*>(task.in);
+    const std::size_t n = task.count;
+    const std::size_t world = static_cast<std::size_t>(size_);
+    switch (task.what) {
+      case task_kind::all_reduce: {
+        if (in != out) std::memcpy(out, in, n * sizeof(T));
+        ::gloo::AllreduceOptions opts(context_);
+        opts.setOutput(out, n);
+        opts.setReduceFunction(detail::reduce_function<T>(task.reduce));
+        opts.setTimeout(options_.timeout);
+        ::gloo::allreduce(opts);
+        if (task.reduce == op::avg) detail::divide(out, n, size_);
+        return;
+      }
+      case task_kind::reduce_scatter: {
+        // All-to-all puts every rank's contribution to my chunk side by side, then one
+        // local pass reduces them: (n-1)/n of the input crosses the wire.
+        auto& scratch = scratch_bytes(world * n * sizeof(T));
+        T* gathered = reinterpret_cast<T*>(scratch.data());
+        if (world > 1) {
+          ::gloo::AlltoallOptions opts(context_);
+          opts.setInput(const_cast<T*>(in), world * n);
+          opts.setOutput(gathered, world * n);
+          opts.setTimeout(options_.timeout);
+          ::gloo::alltoall(opts);
+        } else {
+          std::memcpy(gathered, in, n * sizeof(T));
+        }
+        std::memmove(out, gathered, n * sizeof(T));
+        const auto reduce = detail::reduce_function<T>(task.reduce);
+        for (std::size_t r = 1; r < world; ++r) reduce(out, out, gathered + r * n, n);
+        if (task.reduce == op::avg) detail::divide(out, n, size_);
+        return;
+      }
+      case task_kind::all_gather: {
+        ::gloo::AllgatherOptions opts(context_);
+        T* own_slot = out + static_cast<std::size_t>(rank_) * n;
+        if (in != own_slot) std::memcpy(own_slot, in, n * sizeof(T));
+        opts.setOutput(out, world * n);
+        opts.setTimeout(options_.timeout);
+        ::gloo::allgather(opts);
+        return;
+      }
+      case task_kind::broadcast: {
+        ::gloo::BroadcastOptions opts(context_);
+        opts.setOutput(out, n);
+        opts.setRoot(task.peer);
+        opts.setTimeout(options_.timeout);
+        ::gloo::broadcast(opts);
+        return;
+      }
+      case task_kind::all_to_all: {
+        if (world == 1) {
+          if (in != out) std::memcpy(out, in, n * sizeof(T));
+          return;
+        }
+        ::gloo::AlltoallOptions opts(context_);
+        opts.setInput(const_cast<T*>(in), world * n);
+        opts.setOutput(out, world * n);
+        opts.setTimeout(options_.timeout);
+        ::gloo::alltoall(opts);
+        return;
+      }
+      case task_kind::send: {
+        auto buffer = context_->createUnboundBuffer(const_cast<T*>(in), n * sizeof(T));
+        buffer->send(task.peer, point_to_point_slot(task.tag));
+        if (!buffer->waitSend(options_.timeout)) throw_timeout(task);
+        return;
+      }
+      case task_kind::recv: {
+        auto buffer = context_->createUnboundBuffer(out, n * sizeof(T));
+        buffer->recv(task.peer, point_to_point_slot(task.tag));
+        if (!buffer->waitRecv(options_.timeout)) throw_timeout(task);
+        return;
+      }
+      default: return;
+    }
+  }
+
+  [[noreturn]] void throw_timeout(const detail::gloo_task& task) const {
+    throw timeout_error(rank_, "gloo." + describe(task),
+                        "no matching peer operation within " + detail::format_duration(options_.timeout),
+                        "the peer never posted the matching send/recv with the same tag");
+  }
+
+  // User tags live in their own slot range, away from the slots Gloo's collectives use.
+  static std::uint64_t point_to_point_slot(std::uint64_t tag) { return (1ull << 56) | tag; }
+
+  std::vector<std::byte>& scratch_bytes(std::size_t bytes) {
+    if (scratch_.size() < bytes) scratch_.resize(bytes);
+    return scratch_;
+  }
+
+  int rank_;
+  int size_;
+  options options_;
+  std::shared_ptr<::gloo::transport::Device> device_;
+  std::shared_ptr<::gloo::Context> context_;
+  std::vector<std::byte> scratch_;  // used by the worker thread only
+  std::shared_ptr<worker_type> worker_;  // last: its thread runs run(), which uses the above
+};
+
+}  // namespace cohort::inline v0

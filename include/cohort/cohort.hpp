@@ -1,0 +1,21 @@
+#pragma once
+// The umbrella header: everything cohort offers. Backends come in when their engine is
+// available: Gloo when its headers are found (or COHORT_HAS_GLOO=1), NCCL when the
+// cohort::nccl target defines COHORT_HAS_NCCL=1 (it needs CUDA and NCCL to link).
+
+#include "cohort/error.hpp"
+#include "cohort/launch.hpp"
+#include "cohort/process_group.hpp"
+#include "cohort/store.hpp"
+#include "cohort/types.hpp"
+#include "cohort/version.hpp"
+
+#if !defined(COHORT_HAS_GLOO) && __has_include(<gloo/context.h>)
+#define COHORT_HAS_GLOO 1
+#endif
+#if defined(COHORT_HAS_GLOO) && COHORT_HAS_GLOO
+#include "cohort/backend/gloo.hpp"
+#endif
+#if defined(COHORT_HAS_NCCL) && COHORT_HAS_NCCL
+#include "cohort/backend/nccl.hpp"
+#endif

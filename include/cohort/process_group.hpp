@@ -1,0 +1,323 @@
+#pragma once
+// process_group<Backend>: who am I, how many are we, and the collectives, on any backend.
+//
+//   auto env   = cohort::launch_env::detect();
+//   auto store = cohort::connect_store(env);
+//   cohort::process_group<cohort::gloo> pg{store, env};       // or cohort::nccl
+//   pg.all_reduce(std::span<float>(grad), cohort::op::avg).wait();
+//
+// Every collective is asynchronous and returns the backend's work handle (wait, test,
+// wait_for); collectives on one group complete in issue order. The group checks what can
+// be checked locally (sizes, roots, peers) and, with debug checks on (options or
+// COHORT_DEBUG=1), compares every call's signature across ranks before it runs, so a
+// mismatch is a clear error instead of a hang or silent corruption.
+
+#include <algorithm>
+#include <atomic>
+#include <concepts>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "cohort/error.hpp"
+#include "cohort/launch.hpp"
+#include "cohort/store.hpp"
+#include "cohort/types.hpp"
+
+namespace cohort::inline v0 {
+
+// What an engine must provide for algorithms to be written once over it: collectives on
+// type-erased buffers returning work handles, an ordering primitive (record), memory in
+// its own space (allocate, deallocate, copy), and subgroups.
+template <class B>
+concept backend = requires(B& b, const void* in, void* out, std::size_t n, dtype type, op reduce,
+                           int peer, std::uint64_t tag, const typename B::work& w) {
+  typename B::options;
+  { B::space } -> std::convertible_to<memory_space>;
+  { b.rank() } -> std::convertible_to<int>;
+  { b.size() } -> std::convertible_to<int>;
+  { b.all_reduce(in, out, n, type, reduce) } -> std::same_as<typename B::work>;
+  { b.reduce_scatter(in, out, n, type, reduce) } -> std::same_as<typename B::work>;
+  { b.all_gather(in, out, n, type) } -> std::same_as<typename B::work>;
+  { b.all_to_all(in, out, n, type) } -> std::same_as<typename B::work>;
+  { b.broadcast(out, n, type, peer) } -> std::same_as<typename B::work>;
+  { b.send(in, n, type, peer, tag) } -> std::same_as<typename B::work>;
+  { b.recv(out, n, type, peer, tag) } -> std::same_as<typename B::work>;
+  { b.barrier() } -> std::same_as<typename B::work>;
+  { b.record() } -> std::same_as<typename B::work>;
+  { b.copy(out, in, n) } -> std::same_as<typename B::work>;
+  { b.allocate(n) } -> std::same_as<void*>;
+  { B::split(b, std::shared_ptr<store>(), peer, peer, peer, peer) } -> std::same_as<std::unique_ptr<B>>;
+  b.deallocate(out, n);
+  w.wait();
+  { w.test() } -> std::convertible_to<bool>;
+  { w.wait_for(std::chrono::milliseconds(1)) } -> std::convertible_to<bool>;
+};
+
+namespace detail {
+inline bool debug_from_environment() {
+  const char* value = std::getenv("COHORT_DEBUG");
+  return value && *value && std::string(value) != "0";
+}
+}  // namespace detail
+
+template <class B>
+class process_group {
+ public:
+  using backend_type = B;
+  using work = typename B::work;
+  using options = typename B::options;
+  static constexpr memory_space space = B::space;
+
+  // Collective: every rank of env constructs its group in the same order. `store` is the
+  // rendezvous (see connect_store); the group keeps its keys under its own prefix.
+  process_group(std::shared_ptr<store> rendezvous, const launch_env& env, options opts = {})
+      : env_(env), debug_(opts.debug_checks || detail::debug_from_environment()) {
+    validate_env(env);
+    // The n-th group a rank creates on a store gets prefix n, so several groups (say one
+    // Gloo and one NCCL) can share one store as long as every rank creates them in order.
+    const auto index = rendezvous->add("cohort/groups_created/" + std::to_string(env.rank), 1);
+    store_ = std::make_shared<prefix_store>(rendezvous, "cohort/pg" + std::to_string(index) + "/");
+    store_->set_rank(env.rank);
+    store_->set_timeout(opts.timeout);
+    backend_ = std::make_unique<B>(store_, env, opts);
+  }
+
+  process_group(process_group&&) noexcept = default;
+  process_group& operator=(process_group&&) noexcept = default;
+
+  int rank() const noexcept { return env_.rank; }
+  int size() const noexcept { return env_.world_size; }
+  int local_rank() const noexcept { return env_.local_rank; }
+  int local_size() const noexcept { return env_.local_world_size; }
+  const launch_env& env() const noexcept { return env_; }
+  B& backend() noexcept { return *backend_; }
+  const std::shared_ptr<prefix_store>& group_store() const noexcept { return store_; }
+  bool debug_checks() const noexcept { return debug_; }
+  void set_debug_checks(bool on) noexcept { debug_ = on; }
+
+  // --- collectives -----------------------------------------------------------------------
+  template <element T>
+  work all_reduce(std::span<T> data, op reduce = op::sum) {
+    return all_reduce(std::span<const T>(data), data, reduce);
+  }
+  template <element T>
+  work all_reduce(std::span<const std::type_identity_t<T>> in, std::span<T> out, op reduce = op::sum) {
+    static_assert(!std::is_const_v<T>, "the output of a collective must be writable");
+    enter("all_reduce", dtype_v<T>, in.size(), reduce);
+    if (in.size() != out.size())
+      fail("all_reduce", in.size(), "input has " + std::to_string(in.size()) +
+                                        " elements but output has " + std::to_string(out.size()),
+           "all_reduce keeps the size: pass spans of equal length");
+    return backend_->all_reduce(in.data(), out.data(), in.size(), dtype_v<T>, reduce);
+  }
+
+  // in: size() chunks of out.size() elements; chunk r is reduced across ranks into rank r's out.
+  template <element T>
+  work reduce_scatter(std::span<const std::type_identity_t<T>> in, std::span<T> out, op reduce = op::sum) {
+    enter("reduce_scatter", dtype_v<T>, in.size(), reduce);
+    if (in.size() != out.size() * static_cast<std::size_t>(size()))
+      fail("reduce_scatter", in.size(),
+           "input has " + std::to_string(in.size()) + " elements, expected output size " +
+               std::to_string(out.size()) + " x world " + std::to_string(size()),
+           "pad the input to a multiple of the world size (sharded_parameters does this)");
+    return backend_->reduce_scatter(in.data(), out.data(), out.size(), dtype_v<T>, reduce);
+  }
+
+  // out: size() chunks of in.size() elements, rank r's input in chunk r. `in` may be the
+  // rank's own chunk of `out` (in place).
+  template <element T>
+  work all_gather(std::span<const std::type_identity_t<T>> in, std::span<T> out) {
+    enter("all_gather", dtype_v<T>, in.size(), op::sum);
+    if (out.size() != in.size() * static_cast<std::size_t>(size()))
+      fail("all_gather", in.size(),
+           "output has " + std::to_string(out.size()) + " elements, expected input size " +
+               std::to_string(in.size()) + " x world " + std::to_string(size()),
+           "the output holds one input-sized chunk per rank");
+    return backend_->all_gather(in.data(), out.data(), in.size(), dtype_v<T>);
+  }
+
+  template <element T>
+  work broadcast(std::span<T> data, int root = 0) {
+    enter("broadcast", dtype_v<T>, data.size(), op::sum, root);
+    check_peer("broadcast", data.size(), root, "root");
+    return backend_->broadcast(data.data(), data.size(), dtype_v<T>, root);
+  }
+
+  // in and out: size() chunks of equal length; chunk r of my input goes to rank r, chunk r
+  // of my output comes from rank r.
+  template <element T>
+  work all_to_all(std::span<const std::type_identity_t<T>> in, std::span<T> out) {
+    enter("all_to_all", dtype_v<T>, in.size(), op::sum);
+    const auto world = static_cast<std::size_t>(size());
+    if (in.size() != out.size() || in.size() % world != 0)
+      fail("all_to_all", in.size(),
+           "input " + std::to_string(in.size()) + " and output " + std::to_string(out.size()) +
+               " elements must be equal and divisible by world " + std::to_string(size()),
+           "pad to a multiple of the world size");
+    return backend_->all_to_all(in.data(), out.data(), in.size() / world, dtype_v<T>);
+  }
+
+  template <element T>
+  work send(std::span<const std::type_identity_t<T>> data, int peer, std::uint64_t tag = 0) {
+    check_main_only("send", data.size());
+    check_peer("send", data.size(), peer, "peer");
+    return backend_->send(data.data(), data.size(), dtype_v<T>, peer, tag);
+  }
+  template <element T>
+  work send(std::span<T> data, int peer, std::uint64_t tag = 0) {
+    return send<std::remove_const_t<T>>(std::span<const std::remove_const_t<T>>(data), peer, tag);
+  }
+
+  template <element T>
+  work recv(std::span<T> data, int peer, std::uint64_t tag = 0) {
+    check_main_only("recv", data.size());
+    check_peer("recv", data.size(), peer, "peer");
+    return backend_->recv(data.data(), data.size(), dtype_v<T>, peer, tag);
+  }
+
+  work barrier() {
+    enter("barrier", dtype::uint8, 0, op::sum);
+    return backend_->barrier();
+  }
+
+  // --- subgroups ---------------------------------------------------------------------------
+  // Collective over this group. Ranks with the same color form a new group, ordered by
+  // (key, rank); a negative color joins no group (nullopt). Like MPI_Comm_split.
+  std::optional<process_group> split(int color, int key) {
+    const auto index = split_count_++;
+    const std::string base = "split" + std::to_string(index) + "/";
+    const int my_node = rank() - local_rank();
+    store_->set(base + std::to_string(rank()), std::to_string(color) + "," + std::to_string(key) +
+                                                   "," + std::to_string(my_node));
+    struct member { int color, key, node, rank; };
+    std::vector<member> mine;
+    for (int r = 0; r < size(); ++r) {
+      const std::string text = store_->get_string(base + std::to_string(r));
+      const auto first = text.find(',');
+      const auto second = text.find(',', first + 1);
+      const member m{std::stoi(text.substr(0, first)),
+                     std::stoi(text.substr(first + 1, second - first - 1)),
+                     std::stoi(text.substr(second + 1)), r};
+      if (color >= 0 && m.color == color) mine.push_back(m);
+    }
+    std::sort(mine.begin(), mine.end(), [](const member& a, const member& b) {
+      return a.key != b.key ? a.key < b.key : a.rank < b.rank;
+    });
+    launch_env sub_env = env_;
+    sub_env.rank = -1;
+    sub_env.world_size = static_cast<int>(mine.size());
+    sub_env.local_rank = 0;
+    sub_env.local_world_size = 0;
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      if (mine[i].rank == rank()) {
+        sub_env.rank = static_cast<int>(i);
+        sub_env.local_rank = sub_env.local_world_size;
+      }
+      if (mine[i].node == my_node) ++sub_env.local_world_size;
+    }
+    auto sub_store =
+        std::make_shared<prefix_store>(store_, base + "color" + std::to_string(color) + "/");
+    auto sub_backend = B::split(*backend_, sub_store, color, key, sub_env.rank, sub_env.world_size);
+    if (color < 0 || !sub_backend) return std::nullopt;
+    return process_group(std::move(sub_env), std::move(sub_store), std::move(sub_backend), debug_);
+  }
+
+  // The ranks of this node (ranks placed node by node, as torchrun, mpirun by slot and srun
+  // place them: the node's first global rank is rank - local_rank).
+  process_group node_local() {
+    auto group = split(rank() - local_rank(), local_rank());
+    return std::move(*group);
+  }
+
+  // --- on_main support ---------------------------------------------------------------------
+  // While a section is alive, a collective on this group is an error: only the main rank
+  // runs the section, so the others would never join the collective (a deadlock).
+  class main_only_scope {
+   public:
+    explicit main_only_scope(process_group& group) : group_(&group) { ++*group_->main_only_depth_; }
+    main_only_scope(const main_only_scope&) = delete;
+    main_only_scope& operator=(const main_only_scope&) = delete;
+    ~main_only_scope() { --*group_->main_only_depth_; }
+
+   private:
+    process_group* group_;
+  };
+  main_only_scope main_only_section() { return main_only_scope(*this); }
+
+ private:
+  process_group(launch_env env, std::shared_ptr<prefix_store> group_store, std::unique_ptr<B> impl,
+                bool debug)
+      : env_(std::move(env)), store_(std::move(group_store)), backend_(std::move(impl)), debug_(debug) {}
+
+  static void validate_env(const launch_env& env) {
+    if (env.world_size < 1 || env.rank < 0 || env.rank >= env.world_size)
+      throw error(env.rank, "process_group", "rank " + std::to_string(env.rank) +
+                                                 " is outside a world of " + std::to_string(env.world_size),
+                  "check RANK and WORLD_SIZE");
+  }
+
+  [[noreturn]] void fail(const char* operation, std::size_t count, const std::string& detail,
+                         const std::string& hint) const {
+    throw error(rank(), std::string(B::name) + "." + operation + "(" + std::to_string(count) + " elements)",
+                detail, hint);
+  }
+
+  void check_peer(const char* operation, std::size_t count, int peer, const char* role) const {
+    if (peer < 0 || peer >= size())
+      fail(operation, count, std::string(role) + " " + std::to_string(peer) + " is outside a world of " +
+                                 std::to_string(size()),
+           "ranks are numbered 0 .. world-1 inside this group");
+  }
+
+  void check_main_only(const char* operation, std::size_t count) const {
+    if (main_only_depth_->load(std::memory_order_relaxed) > 0)
+      fail(operation, count,
+           "collective issued inside on_main: only the main rank runs that code, so the other "
+           "ranks never join and every rank would hang",
+           "move the collective out of on_main, or use main_process_first");
+  }
+
+  // Local checks, then (debug) the cross-rank signature check.
+  void enter(const char* operation, dtype type, std::size_t count, op reduce, int root = -1) {
+    check_main_only(operation, count);
+    if (debug_) check_signature(operation, type, count, reduce, root);
+  }
+
+  // Every rank publishes the call it is about to make; all must agree. Uses the store, so
+  // it works for device backends too, and costs a store round trip per call (debug only).
+  void check_signature(const char* operation, dtype type, std::size_t count, op reduce, int root) {
+    const auto seq = debug_calls_++;
+    const std::string signature = std::string(operation) + "(" + std::string(to_string(type)) + " x " +
+                                  std::to_string(count) + ", " + std::string(to_string(reduce)) +
+                                  (root >= 0 ? ", root " + std::to_string(root) : "") + ")";
+    const std::string base = "debug/" + std::to_string(seq) + "/";
+    store_->set(base + std::to_string(rank()), signature);
+    for (int r = 0; r < size(); ++r) {
+      if (r == rank()) continue;
+      const std::string theirs = store_->get_string(base + std::to_string(r));
+      if (theirs != signature)
+        throw error(rank(), std::string(B::name) + "." + operation,
+                    "call #" + std::to_string(seq) + " differs across ranks: rank " + std::to_string(rank()) +
+                        " issued " + signature + " but rank " + std::to_string(r) + " issued " + theirs,
+                    "every rank must issue the same collectives, in the same order, with the same "
+                    "sizes and dtypes");
+    }
+  }
+
+  launch_env env_;
+  std::shared_ptr<prefix_store> store_;
+  std::unique_ptr<B> backend_;
+  bool debug_ = false;
+  std::uint64_t debug_calls_ = 0;
+  std::uint64_t split_count_ = 0;
+  // Behind a pointer so the group stays movable.
+  std::unique_ptr<std::atomic<int>> main_only_depth_ = std::make_unique<std::atomic<int>>(0);
+};
+
+}  // namespace cohort::inline v0
