@@ -6,6 +6,8 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,6 +21,41 @@ namespace cohort_test {
   std::fflush(stdout);
   std::_Exit(77);
 }
+
+// Catch2 v2 assertions are not thread-safe: inside rank threads use RANK_CHECK, which
+// throws; run_ranks rethrows the first failure on the test's own thread, where Catch
+// reports it with the rank, file, line and the failed condition.
+struct rank_failure : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+#define RANK_CHECK(condition, ...)                                                          \
+  do {                                                                                    \
+    if (!(condition)) {                                                                   \
+      std::ostringstream cohort_test_message;                                             \
+      cohort_test_message << __FILE__ << ":" << __LINE__ << ": RANK_CHECK(" #condition ") failed. " \
+                          __VA_OPT__(<< __VA_ARGS__);                                     \
+      throw ::cohort_test::rank_failure(cohort_test_message.str());                       \
+    }                                                                                     \
+  } while (false)
+
+// Checks that fn throws an Exception whose what() contains `needle`; returns the text.
+template <class Exception, class Fn>
+std::string expect_throw(Fn&& fn, const std::string& needle, const char* where) {
+  try {
+    fn();
+  } catch (const Exception& failure) {
+    const std::string text = failure.what();
+    if (text.find(needle) == std::string::npos)
+      throw rank_failure(std::string(where) + ": error text lacks '" + needle + "': " + text);
+    return text;
+  }
+  throw rank_failure(std::string(where) + ": expected an exception containing '" + needle + "'");
+}
+#define COHORT_STRINGIFY2(x) #x
+#define COHORT_STRINGIFY(x) COHORT_STRINGIFY2(x)
+#define RANK_CHECK_THROWS(Exception, expression, needle) \
+  ::cohort_test::expect_throw<Exception>([&] { (void)(expression); }, needle, __FILE__ ":" COHORT_STRINGIFY(__LINE__))
 
 // Runs fn(rank) on `world` threads and rethrows the first exception any rank threw, after
 // every thread has finished (so a failing rank cannot leave the others dangling).
@@ -35,8 +72,16 @@ inline void run_ranks(int world, const std::function<void(int)>& fn) {
     });
   }
   for (auto& thread : threads) thread.join();
-  for (auto& error : errors)
-    if (error) std::rethrow_exception(error);
+  for (int rank = 0; rank < world; ++rank) {
+    auto& error = errors[static_cast<std::size_t>(rank)];
+    if (!error) continue;
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& failure) {
+      throw rank_failure("rank " + std::to_string(rank) + " of " + std::to_string(world) + ": " +
+                         failure.what());
+    }
+  }
 }
 
 }  // namespace cohort_test

@@ -312,7 +312,8 @@ class gloo {
         throw timeout_error(rank_, "gloo." + describe(task), what,
                             "a peer did not enter the same collective within " +
                                 detail::format_duration(options_.timeout) +
-                                ": it hangs, crashed, or issued collectives in another order");
+                                ": it hangs, crashed, issued collectives in another order, or "
+                                "passed another size or dtype (COHORT_DEBUG=1 names the calls)");
       throw error(rank_, "gloo." + describe(task), what,
                   "a peer closed its connection: it crashed or exited early, or sizes differ "
                   "across ranks");
@@ -329,6 +330,7 @@ class gloo {
         return;
       case task_kind::barrier: {
         ::gloo::BarrierOptions opts(context_);
+        opts.setTag(collective_tag(task));
         opts.setTimeout(options_.timeout);
         ::gloo::barrier(opts);
         return;
@@ -349,6 +351,7 @@ class gloo {
       case task_kind::all_reduce: {
         if (in != out) std::memcpy(out, in, n * sizeof(T));
         ::gloo::AllreduceOptions opts(context_);
+        opts.setTag(collective_tag(task));
         opts.setOutput(out, n);
         opts.setReduceFunction(detail::reduce_function<T>(task.reduce));
         opts.setTimeout(options_.timeout);
@@ -363,6 +366,7 @@ class gloo {
         T* gathered = reinterpret_cast<T*>(scratch.data());
         if (world > 1) {
           ::gloo::AlltoallOptions opts(context_);
+        opts.setTag(collective_tag(task));
           opts.setInput(const_cast<T*>(in), world * n);
           opts.setOutput(gathered, world * n);
           opts.setTimeout(options_.timeout);
@@ -378,6 +382,7 @@ class gloo {
       }
       case task_kind::all_gather: {
         ::gloo::AllgatherOptions opts(context_);
+        opts.setTag(collective_tag(task));
         T* own_slot = out + static_cast<std::size_t>(rank_) * n;
         if (in != own_slot) std::memcpy(own_slot, in, n * sizeof(T));
         opts.setOutput(out, world * n);
@@ -387,6 +392,7 @@ class gloo {
       }
       case task_kind::broadcast: {
         ::gloo::BroadcastOptions opts(context_);
+        opts.setTag(collective_tag(task));
         opts.setOutput(out, n);
         opts.setRoot(task.peer);
         opts.setTimeout(options_.timeout);
@@ -399,6 +405,7 @@ class gloo {
           return;
         }
         ::gloo::AlltoallOptions opts(context_);
+        opts.setTag(collective_tag(task));
         opts.setInput(const_cast<T*>(in), world * n);
         opts.setOutput(out, world * n);
         opts.setTimeout(options_.timeout);
@@ -407,13 +414,13 @@ class gloo {
       }
       case task_kind::send: {
         auto buffer = context_->createUnboundBuffer(const_cast<T*>(in), n * sizeof(T));
-        buffer->send(task.peer, point_to_point_slot(task.tag));
+        buffer->send(task.peer, point_to_point_slot(task));
         if (!buffer->waitSend(options_.timeout)) throw_timeout(task);
         return;
       }
       case task_kind::recv: {
         auto buffer = context_->createUnboundBuffer(out, n * sizeof(T));
-        buffer->recv(task.peer, point_to_point_slot(task.tag));
+        buffer->recv(task.peer, point_to_point_slot(task));
         if (!buffer->waitRecv(options_.timeout)) throw_timeout(task);
         return;
       }
@@ -421,14 +428,41 @@ class gloo {
     }
   }
 
+  // Gloo matches messages by slot, and a message larger than the receiver expects aborts
+  // the process from Gloo's I/O thread. Deriving the tag from what the call moves (kind,
+  // dtype, count, op, root) makes mismatched calls use different slots: they never match,
+  // and the mismatch surfaces as a timeout error on every rank instead of a crash.
+  static std::uint64_t signature(const detail::gloo_task& task) {
+    std::uint64_t hash = 1469598103934665603ull;  // FNV-1a
+    auto mix = [&](std::uint64_t value) {
+      for (int byte = 0; byte < 8; ++byte) {
+        hash ^= (value >> (8 * byte)) & 0xffu;
+        hash *= 1099511628211ull;
+      }
+    };
+    mix(static_cast<std::uint64_t>(task.what));
+    mix(static_cast<std::uint64_t>(task.type));
+    mix(task.count);
+    mix(static_cast<std::uint64_t>(task.reduce));
+    if (task.what == task_kind::broadcast) mix(static_cast<std::uint64_t>(task.peer));
+    if (task.what == task_kind::send || task.what == task_kind::recv) mix(task.tag);
+    return hash;
+  }
+  static std::uint32_t collective_tag(const detail::gloo_task& task) {
+    return static_cast<std::uint32_t>(signature(task) & 0x7fffffffu);
+  }
+
   [[noreturn]] void throw_timeout(const detail::gloo_task& task) const {
     throw timeout_error(rank_, "gloo." + describe(task),
                         "no matching peer operation within " + detail::format_duration(options_.timeout),
-                        "the peer never posted the matching send/recv with the same tag");
+                        "the peer never posted the matching send/recv with the same tag, size and dtype");
   }
 
-  // User tags live in their own slot range, away from the slots Gloo's collectives use.
-  static std::uint64_t point_to_point_slot(std::uint64_t tag) { return (1ull << 56) | tag; }
+  // Point-to-point slots carry the user tag and the message size (see signature), in a
+  // range of their own, away from the slots Gloo's collectives use.
+  static std::uint64_t point_to_point_slot(const detail::gloo_task& task) {
+    return (1ull << 63) | (signature(task) >> 1);
+  }
 
   std::vector<std::byte>& scratch_bytes(std::size_t bytes) {
     if (scratch_.size() < bytes) scratch_.resize(bytes);

@@ -1,0 +1,339 @@
+// process_group<gloo>: every collective x dtype x op on 2, 3 and 4 ranks (threads, each
+// with its own Gloo context over loopback), against expectations computed here
+// independently; then the faults: a rank that never arrives, a rank that dies, mismatched
+// sizes, collectives inside on_main.
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <cohort/backend/gloo.hpp>
+#include <cohort/process_group.hpp>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "support.hpp"
+
+using namespace std::chrono_literals;
+using cohort::op;
+using group = cohort::process_group<cohort::gloo>;
+
+namespace {
+
+// Small integers keep every dtype exact (uint8 products included: at most 3^4 = 81).
+int contribution(int rank, std::size_t index) { return static_cast<int>((rank + index) % 3) + 1; }
+
+template <class T>
+T make(double value) {
+  if constexpr (std::is_same_v<T, cohort::half> || std::is_same_v<T, cohort::bfloat16>)
+    return T(static_cast<float>(value));
+  else
+    return static_cast<T>(value);
+}
+
+template <class T>
+double value_of(T value) {
+  if constexpr (std::is_same_v<T, cohort::half> || std::is_same_v<T, cohort::bfloat16>)
+    return static_cast<double>(static_cast<float>(value));
+  else
+    return static_cast<double>(value);
+}
+
+// The reduction of every rank's contribution at one index, computed directly.
+template <class T>
+double expected_reduction(op reduce, int world, std::size_t index) {
+  double acc = contribution(0, index);
+  for (int r = 1; r < world; ++r) {
+    const double v = contribution(r, index);
+    switch (reduce) {
+      case op::sum:
+      case op::avg: acc += v; break;
+      case op::product: acc *= v; break;
+      case op::min: acc = std::min(acc, v); break;
+      case op::max: acc = std::max(acc, v); break;
+    }
+  }
+  if (reduce == op::avg) {
+    if constexpr (std::is_integral_v<T>)
+      acc = std::trunc(acc / world);
+    else
+      acc /= world;
+  }
+  return acc;
+}
+
+template <class T>
+bool close_enough(double got, double want, op reduce) {
+  double tolerance = 0;
+  if (reduce == op::avg && !std::is_integral_v<T>)
+    tolerance = (sizeof(T) == 2 ? 1e-2 : 1e-6) * std::abs(want);
+  return std::abs(got - want) <= tolerance;
+}
+
+std::shared_ptr<cohort::memory_store> fresh_store() { return std::make_shared<cohort::memory_store>(); }
+
+group make_group(const std::shared_ptr<cohort::memory_store>& store, int rank, int world,
+                 std::chrono::milliseconds timeout = 20s, bool debug = false) {
+  cohort::gloo::options opts;
+  opts.timeout = timeout;
+  opts.debug_checks = debug;
+  return group(store, cohort::launch_env::explicit_ranks(rank, world), opts);
+}
+
+const std::vector<std::size_t> sizes{0, 1, 7, 1000, 65537};
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("all_reduce matches the directly computed reduction", "[process_group][gloo]",
+                   float, double, cohort::half, cohort::bfloat16, std::int32_t, std::int64_t,
+                   std::uint8_t) {
+  for (int world : {2, 3, 4}) {
+    auto store = fresh_store();
+    cohort_test::run_ranks(world, [&](int rank) {
+      auto pg = make_group(store, rank, world);
+      for (op reduce : {op::sum, op::avg, op::min, op::max, op::product}) {
+        for (std::size_t n : sizes) {
+          std::vector<TestType> in(n), out(n);
+          for (std::size_t i = 0; i < n; ++i) in[i] = make<TestType>(contribution(rank, i));
+          pg.all_reduce(std::span<const TestType>(in), std::span<TestType>(out), reduce).wait();
+          // in place too
+          pg.all_reduce(std::span<TestType>(in), reduce).wait();
+          for (std::size_t i = 0; i < n; ++i) {
+            const double want = expected_reduction<TestType>(reduce, world, i);
+            RANK_CHECK(close_enough<TestType>(value_of(out[i]), want, reduce) &&
+                           close_enough<TestType>(value_of(in[i]), want, reduce),
+                       "world " << world << " op " << cohort::to_string(reduce) << " n " << n << " i " << i
+                                << ": got " << value_of(out[i]) << " / " << value_of(in[i]) << ", want " << want);
+          }
+        }
+      }
+    });
+  }
+}
+
+TEMPLATE_TEST_CASE("reduce_scatter leaves each rank its reduced chunk", "[process_group][gloo]",
+                   float, double, cohort::half, cohort::bfloat16, std::int32_t, std::int64_t,
+                   std::uint8_t) {
+  for (int world : {2, 3, 4}) {
+    auto store = fresh_store();
+    cohort_test::run_ranks(world, [&](int rank) {
+      auto pg = make_group(store, rank, world);
+      for (op reduce : {op::sum, op::avg, op::min, op::max, op::product}) {
+        for (std::size_t chunk : {std::size_t{0}, std::size_t{1}, std::size_t{5}, std::size_t{4099}}) {
+          const std::size_t n = chunk * static_cast<std::size_t>(world);
+          std::vector<TestType> in(n), out(chunk);
+          for (std::size_t i = 0; i < n; ++i) in[i] = make<TestType>(contribution(rank, i));
+          pg.reduce_scatter(std::span<const TestType>(in), std::span<TestType>(out), reduce).wait();
+          for (std::size_t i = 0; i < chunk; ++i) {
+            const std::size_t global = static_cast<std::size_t>(rank) * chunk + i;
+            const double want = expected_reduction<TestType>(reduce, world, global);
+            RANK_CHECK(close_enough<TestType>(value_of(out[i]), want, reduce),
+                       "world " << world << " op " << cohort::to_string(reduce) << " chunk " << chunk
+                                << " i " << i << ": got " << value_of(out[i]) << ", want " << want);
+          }
+        }
+      }
+    });
+  }
+}
+
+TEMPLATE_TEST_CASE("all_gather, broadcast and all_to_all move every rank's data", "[process_group][gloo]",
+                   float, double, cohort::half, cohort::bfloat16, std::int32_t, std::int64_t,
+                   std::uint8_t) {
+  for (int world : {2, 3, 4}) {
+    auto store = fresh_store();
+    cohort_test::run_ranks(world, [&](int rank) {
+      auto pg = make_group(store, rank, world);
+      const auto w = static_cast<std::size_t>(world);
+      for (std::size_t chunk : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{10007}}) {
+        // all_gather, out of place and in place
+        std::vector<TestType> mine(chunk), gathered(chunk * w), in_place(chunk * w);
+        for (std::size_t i = 0; i < chunk; ++i) {
+          mine[i] = make<TestType>(contribution(rank, i));
+          in_place[static_cast<std::size_t>(rank) * chunk + i] = mine[i];
+        }
+        pg.all_gather(std::span<const TestType>(mine), std::span<TestType>(gathered)).wait();
+        pg.all_gather(std::span<const TestType>(in_place.data() + static_cast<std::size_t>(rank) * chunk, chunk),
+                      std::span<TestType>(in_place))
+            .wait();
+        for (int r = 0; r < world; ++r)
+          for (std::size_t i = 0; i < chunk; ++i) {
+            const double want = contribution(r, i);
+            RANK_CHECK(value_of(gathered[static_cast<std::size_t>(r) * chunk + i]) == want);
+            RANK_CHECK(value_of(in_place[static_cast<std::size_t>(r) * chunk + i]) == want);
+          }
+        // broadcast from every root
+        for (int root = 0; root < world; ++root) {
+          std::vector<TestType> data(chunk * 2 + 1);
+          for (std::size_t i = 0; i < data.size(); ++i) data[i] = make<TestType>(contribution(rank, i));
+          pg.broadcast(std::span<TestType>(data), root).wait();
+          for (std::size_t i = 0; i < data.size(); ++i) RANK_CHECK(value_of(data[i]) == contribution(root, i));
+        }
+        // all_to_all: chunk r of my input goes to rank r; encode (sender, destination, i)
+        std::vector<TestType> send(chunk * w), received(chunk * w);
+        for (std::size_t r = 0; r < w; ++r)
+          for (std::size_t i = 0; i < chunk; ++i)
+            send[r * chunk + i] = make<TestType>(static_cast<double>((static_cast<std::size_t>(rank) * 7 + r * 3 + i) % 50));
+        pg.all_to_all(std::span<const TestType>(send), std::span<TestType>(received)).wait();
+        for (std::size_t from = 0; from < w; ++from)
+          for (std::size_t i = 0; i < chunk; ++i)
+            RANK_CHECK(value_of(received[from * chunk + i]) ==
+                    static_cast<double>((from * 7 + static_cast<std::size_t>(rank) * 3 + i) % 50));
+      }
+    });
+  }
+}
+
+TEST_CASE("send and recv pair up by peer and tag; collectives complete in issue order",
+          "[process_group][gloo]") {
+  auto store = fresh_store();
+  cohort_test::run_ranks(3, [&](int rank) {
+    auto pg = make_group(store, rank, 3);
+    const int next = (rank + 1) % 3, previous = (rank + 2) % 3;
+    std::vector<std::int64_t> out(1000, rank), in(1000, -1), out2(3, rank * 100), in2(3, -1);
+    auto s1 = pg.send(std::span<const std::int64_t>(out), next, 7);
+    auto s2 = pg.send(std::span<const std::int64_t>(out2), next, 8);
+    auto r2 = pg.recv(std::span<std::int64_t>(in2), previous, 8);
+    auto r1 = pg.recv(std::span<std::int64_t>(in), previous, 7);
+    // Many asynchronous collectives in flight at once, waited in reverse order.
+    std::vector<std::vector<float>> buffers(20, std::vector<float>(100, 1.0f));
+    std::vector<group::work> works;
+    for (auto& buffer : buffers) works.push_back(pg.all_reduce(std::span<float>(buffer)));
+    for (auto it = works.rbegin(); it != works.rend(); ++it) it->wait();
+    for (auto& buffer : buffers) RANK_CHECK(buffer[99] == 3.0f);
+    for (auto* w : {&s1, &s2, &r1, &r2}) w->wait();
+    RANK_CHECK(in == std::vector<std::int64_t>(1000, previous));
+    RANK_CHECK(in2 == std::vector<std::int64_t>(3, previous * 100));
+    RANK_CHECK(works.front().test());
+  });
+}
+
+TEST_CASE("split and node_local form the right subgroups", "[process_group][gloo]") {
+  auto store = fresh_store();
+  cohort_test::run_ranks(4, [&](int rank) {
+    // Two simulated nodes of two ranks each.
+    cohort::gloo::options opts;
+    opts.timeout = 20s;
+    group pg(store, cohort::launch_env::explicit_values(rank, 4, rank % 2, 2), opts);
+    auto evens = pg.split(rank % 2 == 0 ? 0 : -1, -rank);  // odd ranks join none; reversed order
+    if (rank % 2 == 0) {
+      RANK_CHECK(evens.has_value());
+      RANK_CHECK(evens->size() == 2);
+      RANK_CHECK(evens->rank() == (rank == 2 ? 0 : 1));
+      std::vector<int> value{rank};
+      evens->all_reduce(std::span<int>(value)).wait();
+      RANK_CHECK(value[0] == 2);
+    } else {
+      RANK_CHECK(!evens.has_value());
+    }
+    auto node = pg.node_local();
+    RANK_CHECK(node.size() == 2);
+    RANK_CHECK(node.rank() == rank % 2);
+    std::vector<int> sum{rank};
+    node.all_reduce(std::span<int>(sum)).wait();
+    RANK_CHECK(sum[0] == (rank < 2 ? 1 : 5));
+  });
+}
+
+TEST_CASE("a rank that never arrives is a timeout error on the others, not a hang",
+          "[process_group][gloo][faults]") {
+  auto store = fresh_store();
+  const auto started = std::chrono::steady_clock::now();
+  // World of 3; rank 2 never starts.
+  std::vector<std::string> messages(2);
+  cohort_test::run_ranks(2, [&](int rank) {
+    try {
+      auto pg = make_group(store, rank, 3, 2s);
+      throw cohort_test::rank_failure("the group formed without rank 2");
+    } catch (const cohort::timeout_error& failure) {
+      messages[static_cast<std::size_t>(rank)] = failure.what();
+    }
+  });
+  const auto elapsed = std::chrono::steady_clock::now() - started;
+  RANK_CHECK(elapsed < 15s);
+  for (const auto& text : messages) {
+    INFO(text);
+    REQUIRE_THAT(text, Catch::Contains("rendezvous") && Catch::Contains("rank"));
+  }
+}
+
+TEST_CASE("a peer that stops participating turns a collective into an error within the timeout",
+          "[process_group][gloo][faults]") {
+  auto store = fresh_store();
+  cohort_test::run_ranks(2, [&](int rank) {
+    auto pg = make_group(store, rank, 2, 2s);
+    std::vector<float> data(1000, 1.0f);
+    pg.all_reduce(std::span<float>(data)).wait();
+    if (rank == 1) return;  // rank 1 leaves: its group (and sockets) is destroyed here
+    const auto started = std::chrono::steady_clock::now();
+    RANK_CHECK_THROWS(cohort::error, pg.all_reduce(std::span<float>(data)).wait(), "all_reduce");
+    RANK_CHECK(std::chrono::steady_clock::now() - started < 10s);
+    // The group is unusable afterwards and says so rather than hanging.
+    RANK_CHECK_THROWS(cohort::error, pg.barrier().wait(), "rank 0");
+  });
+}
+
+TEST_CASE("mismatched sizes across ranks: a clear error with debug checks, never silent",
+          "[process_group][gloo][faults]") {
+  SECTION("debug checks name both calls") {
+    auto store = fresh_store();
+    std::vector<std::string> messages(2);
+    cohort_test::run_ranks(2, [&](int rank) {
+      auto pg = make_group(store, rank, 2, 2s, /*debug=*/true);
+      std::vector<float> data(rank == 0 ? 100 : 99, 1.0f);
+      try {
+        pg.all_reduce(std::span<float>(data)).wait();
+      } catch (const cohort::error& failure) {
+        messages[static_cast<std::size_t>(rank)] = failure.what();
+      }
+    });
+    for (const auto& text : messages) {
+      INFO(text);
+      REQUIRE_THAT(text, Catch::Contains("float x 100") && Catch::Contains("float x 99"));
+    }
+  }
+  SECTION("without debug checks the engine still fails within the timeout") {
+    auto store = fresh_store();
+    int failures = 0;
+    std::mutex mutex;
+    cohort_test::run_ranks(2, [&](int rank) {
+      auto pg = make_group(store, rank, 2, 2s);
+      std::vector<float> data(rank == 0 ? 4096 : 1024, 1.0f);
+      try {
+        pg.all_reduce(std::span<float>(data)).wait();
+      } catch (const cohort::error&) {
+        std::lock_guard lock(mutex);
+        ++failures;
+      }
+    });
+    RANK_CHECK(failures >= 1);
+  }
+}
+
+TEST_CASE("local checks reject impossible calls with the sizes in the message", "[process_group][gloo]") {
+  auto store = fresh_store();
+  cohort_test::run_ranks(2, [&](int rank) {
+    auto pg = make_group(store, rank, 2);
+    std::vector<float> in(10), out(4);
+    RANK_CHECK_THROWS(cohort::error, pg.reduce_scatter(std::span<const float>(in), std::span<float>(out)),
+                      "10 elements, expected output size 4 x world 2");
+    RANK_CHECK_THROWS(cohort::error, pg.broadcast(std::span<float>(out), 2), "root 2");
+    RANK_CHECK_THROWS(cohort::error, pg.all_reduce(std::span<const float>(in), std::span<float>(out)),
+                      "output has 4");
+    pg.barrier().wait();
+  });
+}
+
+TEST_CASE("a collective inside a main-only section is refused instead of deadlocking",
+          "[process_group][gloo][faults]") {
+  auto store = fresh_store();
+  cohort_test::run_ranks(2, [&](int rank) {
+    auto pg = make_group(store, rank, 2);
+    if (rank == 0) {
+      auto section = pg.main_only_section();
+      std::vector<float> data(4);
+      RANK_CHECK_THROWS(cohort::error, pg.all_reduce(std::span<float>(data)), "on_main");
+    }
+    pg.barrier().wait();  // outside the section everything works again
+  });
+}
