@@ -1,0 +1,865 @@
+// Rendezvous stores: tcp_store (client and server, c10d TCPStore wire protocol) and file_store.
+// Multi-process cases fork while the test process is still single-threaded; children report
+// through their exit status (and stderr), never through Catch2.
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cohort/file_store.hpp"
+#include "cohort/tcp_store.hpp"
+#include "support.hpp"
+
+namespace {
+
+using namespace std::chrono_literals;
+namespace protocol = cohort::detail::tcp_store_protocol;
+
+// --- processes -----------------------------------------------------------------------------
+
+void expect(bool condition, const std::string& what) {
+  if (!condition) throw std::runtime_error(what);
+}
+
+// Runs fn in a child process, which exits with fn's result (1 when it throws).
+pid_t spawn(const std::function<int()>& fn) {
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    int code = 1;
+    try {
+      code = fn();
+    } catch (const std::exception& failure) {
+      std::fprintf(stderr, "child %d: %s\n", static_cast<int>(::getpid()), failure.what());
+    }
+    std::fflush(nullptr);
+    ::_exit(code);
+  }
+  REQUIRE(pid > 0);
+  return pid;
+}
+
+// The child's exit code; -1 when it had to be killed after `limit`, 128+signal when it died.
+int wait_child(pid_t pid, std::chrono::milliseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  int status = 0;
+  while (::waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return -1;
+    }
+    std::this_thread::sleep_for(2ms);
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// --- sockets -------------------------------------------------------------------------------
+
+// A port nobody listens on right now (bound once, then released).
+std::uint16_t unused_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0);
+  socklen_t length = sizeof(address);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+// A plain blocking socket to 127.0.0.1:port, reads bounded by 5 s.
+struct raw_connection {
+  int fd = -1;
+  explicit raw_connection(std::uint16_t port) {
+    fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_port = htons(port);
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0);
+    timeval limit{5, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
+  }
+  raw_connection(const raw_connection&) = delete;
+  raw_connection& operator=(const raw_connection&) = delete;
+  ~raw_connection() { ::close(fd); }
+
+  void send(const cohort::bytes& data) const {
+    // The server may already have closed: a failed send is fine, the read below tells.
+    (void)::send(fd, data.data(), data.size(), MSG_NOSIGNAL);
+  }
+  // True when the server closed the connection (EOF or reset) within 5 s.
+  bool closed_by_server() const {
+    std::uint8_t sink[256];
+    for (;;) {
+      const ssize_t got = ::recv(fd, sink, sizeof(sink), 0);
+      if (got == 0) return true;
+      if (got < 0) return errno == ECONNRESET;
+    }
+  }
+};
+
+cohort::bytes validate_message() {
+  cohort::bytes message;
+  protocol::message_writer write(message);
+  write.command(protocol::command::validate);
+  write.u32(protocol::validation_magic);
+  return message;
+}
+
+cohort::tcp_store_options client_of(std::uint16_t port, int rank = -1) {
+  cohort::tcp_store_options options;
+  options.port = port;
+  options.rank = rank;
+  options.timeout = 10s;
+  options.connect_timeout = 10s;
+  return options;
+}
+
+cohort::tcp_store_options hosting(std::chrono::milliseconds timeout = 10s) {
+  cohort::tcp_store_options options;
+  options.port = 0;
+  options.is_server = true;
+  options.timeout = timeout;
+  return options;
+}
+
+// --- a common sequence, run on every store and compared with memory_store's results --------
+
+std::vector<std::string> semantics_log(cohort::store& s) {
+  using cohort::to_bytes;
+  std::vector<std::string> log;
+  auto record = [&](const std::string& what) { log.push_back(what); };
+  const auto none = cohort::bytes{};
+  s.set("plain", "v1");
+  record(s.get_string("plain"));
+  record(std::to_string(s.add("count", 5)));
+  record(std::to_string(s.add("count", -7)));
+  record(s.get_string("count"));
+  const auto one = to_bytes("one");
+  const auto two = to_bytes("two");
+  const auto three = to_bytes("three");
+  record(cohort::to_string(s.compare_set("cas", none, one)));    // absent, empty expected
+  record(cohort::to_string(s.compare_set("cas", two, three)));   // wrong expected
+  record(cohort::to_string(s.compare_set("cas", one, two)));     // right expected
+  record(cohort::to_string(s.compare_set("absent", one, two)));  // absent, non-empty
+  const std::vector<std::string> present{"plain", "cas"};
+  const std::vector<std::string> partly{"plain", "absent"};
+  record(s.check(present) ? "present" : "missing");
+  record(s.check(partly) ? "present" : "missing");
+  record(s.delete_key("plain") ? "deleted" : "not deleted");
+  record(s.delete_key("plain") ? "deleted" : "not deleted");
+  const std::vector<std::string> gone{"plain"};
+  record(s.check(gone) ? "present" : "missing");
+  cohort::bytes binary(256);
+  for (int i = 0; i < 256; ++i) binary[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(i);
+  s.set("binary", std::span<const std::uint8_t>(binary));
+  record(s.get("binary") == binary ? "binary intact" : "binary garbled");
+  s.set("empty", std::span<const std::uint8_t>());
+  record("empty:" + s.get_string("empty"));
+  return log;
+}
+
+}  // namespace
+
+// ===========================================================================================
+// Protocol
+
+TEST_CASE("store: the TCPStore request parser waits for whole messages and bounds lengths") {
+  cohort::bytes message;
+  protocol::message_writer write(message);
+  write.command(protocol::command::compare_set);
+  write.string("key");
+  write.data(cohort::to_bytes("old"));
+  write.data(cohort::to_bytes("new"));
+  REQUIRE(message.size() == 1 + 3 * 8 + 3 + 3 + 3);
+
+  protocol::request request;
+  for (std::size_t prefix = 0; prefix < message.size(); ++prefix) {
+    const auto result =
+        protocol::parse_request(std::span<const std::uint8_t>(message.data(), prefix), request);
+    INFO("prefix of " << prefix << " bytes");
+    CHECK(result.status == protocol::parse_status::incomplete);
+    CHECK(result.bytes > prefix);
+    CHECK(result.bytes <= message.size());
+  }
+  message.push_back(0xAB);  // the start of the next request must not be taken
+  const auto result = protocol::parse_request(message, request);
+  REQUIRE(result.status == protocol::parse_status::complete);
+  CHECK(result.bytes == message.size() - 1);
+  CHECK(request.command == protocol::command::compare_set);
+  REQUIRE(request.keys.size() == 1);
+  CHECK(request.keys[0] == "key");
+  REQUIRE(request.values.size() == 2);
+  CHECK(cohort::to_string(request.values[0]) == "old");
+  CHECK(cohort::to_string(request.values[1]) == "new");
+
+  SECTION("an oversized key length is rejected before its bytes arrive") {
+    cohort::bytes bad;
+    protocol::message_writer w(bad);
+    w.command(protocol::command::get);
+    w.u64(protocol::max_key_bytes + 1);
+    const auto r = protocol::parse_request(bad, request);
+    CHECK(r.status == protocol::parse_status::malformed);
+    CHECK_THAT(r.error, Catch::Contains(std::to_string(protocol::max_key_bytes + 1)));
+  }
+  SECTION("an oversized key count is rejected") {
+    cohort::bytes bad;
+    protocol::message_writer w(bad);
+    w.command(protocol::command::wait);
+    w.u64(std::uint64_t{1} << 60);
+    CHECK(protocol::parse_request(bad, request).status == protocol::parse_status::malformed);
+  }
+  SECTION("an unknown command is rejected") {
+    const cohort::bytes bad{200};
+    CHECK(protocol::parse_request(bad, request).status == protocol::parse_status::malformed);
+  }
+}
+
+// ===========================================================================================
+// TCP store
+
+TEST_CASE("store: tcp server and client processes set, get, add, wait and compare-set") {
+  constexpr int clients = 4;
+  int port_pipe[2];
+  int stop_pipe[2];
+  REQUIRE(::pipe(port_pipe) == 0);
+  REQUIRE(::pipe(stop_pipe) == 0);
+
+  const pid_t server = spawn([&] {
+    ::close(stop_pipe[1]);
+    cohort::tcp_store_server host("127.0.0.1", 0);
+    const std::uint16_t port = host.port();
+    expect(::write(port_pipe[1], &port, sizeof(port)) == sizeof(port), "port pipe");
+    char sink;
+    while (::read(stop_pipe[0], &sink, 1) > 0) {
+    }  // serve until the parent closes the pipe
+    return 0;
+  });
+  ::close(stop_pipe[0]);
+  std::uint16_t port = 0;
+  REQUIRE(::read(port_pipe[0], &port, sizeof(port)) == sizeof(port));
+  REQUIRE(port != 0);
+
+  std::vector<pid_t> children;
+  for (int rank = 0; rank < clients; ++rank) {
+    children.push_back(spawn([port, rank] {
+      cohort::tcp_store s(client_of(port, rank));
+      const std::string me = std::to_string(rank);
+      s.set("rank/" + me, "value-" + me);
+      s.add("counter", rank + 1);
+      std::vector<std::string> everyone;
+      for (int other = 0; other < clients; ++other)
+        everyone.push_back("rank/" + std::to_string(other));
+      s.wait(everyone);
+      for (int other = 0; other < clients; ++other) {
+        const std::string got = s.get_string("rank/" + std::to_string(other));
+        expect(got == "value-" + std::to_string(other), "rank " + me + " read '" + got + "'");
+      }
+      // Election: the first compare-set on the absent key wins; everyone sees that winner.
+      const auto winner = cohort::to_string(
+          s.compare_set("leader", cohort::bytes{}, cohort::to_bytes("rank-" + me)));
+      expect(winner.rfind("rank-", 0) == 0, "leader is '" + winner + "'");
+      s.set("leader-seen/" + me, winner);
+      std::vector<std::string> seen;
+      for (int other = 0; other < clients; ++other)
+        seen.push_back("leader-seen/" + std::to_string(other));
+      s.wait(seen);
+      for (const auto& key : seen)
+        expect(s.get_string(key) == winner, key + " disagrees with " + winner);
+      expect(s.get_string("counter") == std::to_string(clients * (clients + 1) / 2),
+             "counter after every add: " + s.get_string("counter"));
+      return 0;
+    }));
+  }
+  for (const pid_t child : children) CHECK(wait_child(child, 20s) == 0);
+
+  {
+    cohort::tcp_store observer(client_of(port));
+    CHECK(observer.get_string("counter") == std::to_string(clients * (clients + 1) / 2));
+    // rank/*, leader-seen/* (4 each), counter, leader
+    CHECK(observer.num_keys() == 2 * clients + 2);
+  }
+  ::close(stop_pipe[1]);
+  CHECK(wait_child(server, 10s) == 0);
+  ::close(port_pipe[0]);
+  ::close(port_pipe[1]);
+}
+
+TEST_CASE("store: tcp store follows c10d semantics like memory_store") {
+  cohort::memory_store reference;
+  const auto expected = semantics_log(reference);
+  cohort::tcp_store s(hosting());
+  CHECK(semantics_log(s) == expected);
+  CHECK(s.num_keys() == reference.num_keys());
+
+  SECTION("extensions: append, multi_get, multi_set, ping") {
+    s.append("log", cohort::to_bytes("ab"));
+    s.append("log", cohort::to_bytes("cd"));
+    CHECK(s.get_string("log") == "abcd");
+    const std::vector<std::string> keys{"m1", "m2"};
+    const std::vector<cohort::bytes> values{cohort::to_bytes("x"), cohort::to_bytes("yz")};
+    s.multi_set(keys, values);
+    CHECK(s.multi_get(keys) == values);
+    s.ping();
+  }
+  SECTION("keys carry c10d's '/' prefix on the wire") {
+    auto raw_options = client_of(s.port());
+    raw_options.key_prefix = "";
+    cohort::tcp_store raw(raw_options);
+    s.set("shared", "via-prefix");
+    CHECK(raw.get_string("/shared") == "via-prefix");
+  }
+  SECTION("a prefix_store over tcp keeps attempts apart") {
+    auto inner = std::make_shared<cohort::tcp_store>(client_of(s.port()));
+    cohort::prefix_store attempt0(inner, "/worker/attempt_0/");
+    cohort::prefix_store attempt1(inner, "/worker/attempt_1/");
+    attempt0.set("k", "zero");
+    attempt1.set("k", "one");
+    CHECK(attempt0.get_string("k") == "zero");
+    CHECK(attempt1.get_string("k") == "one");
+  }
+  SECTION("ADD on a value that is not an integer closes that connection only") {
+    s.set("text", "abc");
+    cohort::tcp_store victim(client_of(s.port()));
+    CHECK_THROWS_AS(victim.add("text", 1), cohort::error);
+    CHECK_THROWS_WITH(victim.ping(), Catch::Contains("closed by an earlier failure"));
+    CHECK(s.get_string("text") == "abc");
+  }
+}
+
+TEST_CASE("store: tcp waits time out naming the key, the rank and the time") {
+  auto options = hosting(300ms);
+  options.rank = 3;
+  cohort::tcp_store s(options);
+
+  SECTION("get") {
+    try {
+      (void)s.get("never-set");
+      FAIL("get of a key nobody sets returned");
+    } catch (const cohort::timeout_error& failure) {
+      const std::string text = failure.what();
+      CHECK_THAT(text, Catch::Contains("'never-set'"));
+      CHECK_THAT(text, Catch::Contains("rank 3"));
+      CHECK_THAT(text, Catch::Contains("300 ms"));
+      CHECK_THAT(text, Catch::Contains("store.get"));
+    }
+  }
+  SECTION("wait names only the missing keys") {
+    s.set("here", "1");
+    try {
+      s.wait({"here", "not-here"});
+      FAIL("wait returned");
+    } catch (const cohort::timeout_error& failure) {
+      const std::string text = failure.what();
+      CHECK_THAT(text, Catch::Contains("'not-here'"));
+      CHECK_THAT(text, !Catch::Contains("'here'"));
+    }
+  }
+  // The cancelled WAIT must leave the connection in step for what follows.
+  s.set("after", "fine");
+  CHECK(s.get_string("after") == "fine");
+  s.ping();
+
+  // A wait satisfied by another client returns, on the handle that timed out before.
+  cohort::tcp_store other(client_of(s.port()));
+  std::thread setter([&] {
+    std::this_thread::sleep_for(50ms);
+    other.set("late", "arrived");
+  });
+  s.set_timeout(5s);
+  CHECK(s.get_string("late") == "arrived");
+  setter.join();
+}
+
+TEST_CASE("store: a tcp client started before its server connects once the server appears") {
+  const std::uint16_t port = unused_port();
+  const pid_t early = spawn([port] {
+    auto options = client_of(port, 1);
+    options.initial_backoff = 5ms;
+    options.max_backoff = 100ms;
+    cohort::tcp_store s(options);
+    s.set("hello", "from an early client");
+    expect(s.get_string("reply") == "welcome", "reply");
+    return 0;
+  });
+  std::this_thread::sleep_for(300ms);  // the child is retrying by now
+  auto options = client_of(port, 0);
+  options.is_server = true;
+  cohort::tcp_store s(options);
+  CHECK(s.get_string("hello") == "from an early client");
+  s.set("reply", "welcome");
+  CHECK(wait_child(early, 15s) == 0);
+}
+
+TEST_CASE("store: a tcp client gives up connecting after its timeout, naming address and rank") {
+  const std::uint16_t port = unused_port();
+  auto options = client_of(port, 5);
+  options.connect_timeout = 300ms;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    cohort::tcp_store s(options);
+    FAIL("connected to a port nobody listens on");
+  } catch (const cohort::timeout_error& failure) {
+    const std::string text = failure.what();
+    CHECK_THAT(text, Catch::Contains("127.0.0.1:" + std::to_string(port)));
+    CHECK_THAT(text, Catch::Contains("rank 5"));
+    CHECK_THAT(text, Catch::Contains("300 ms"));
+  }
+  CHECK(std::chrono::steady_clock::now() - start < 5s);
+}
+
+TEST_CASE("store: the tcp server listens only on the address it is given") {
+  cohort::tcp_store_server server("127.0.0.1", 0);
+  sockaddr_in bound{};
+  // Ask the kernel which address the listening socket has: connect and read our peer's name.
+  raw_connection connection(server.port());
+  socklen_t length = sizeof(bound);
+  REQUIRE(::getpeername(connection.fd, reinterpret_cast<sockaddr*>(&bound), &length) == 0);
+  CHECK(ntohl(bound.sin_addr.s_addr) == INADDR_LOOPBACK);
+  // /proc/net/tcp lists the listener with its local address: 0100007F is 127.0.0.1.
+  char wanted[32];
+  std::snprintf(wanted, sizeof(wanted), "0100007F:%04X 00000000:0000 0A", server.port());
+  std::FILE* table = std::fopen("/proc/net/tcp", "r");
+  if (!table) cohort_test::skip("/proc/net/tcp is not readable here");
+  bool listed_on_loopback = false;
+  bool listed_on_any = false;
+  char any[32];
+  std::snprintf(any, sizeof(any), "00000000:%04X 00000000:0000 0A", server.port());
+  char line[512];
+  while (std::fgets(line, sizeof(line), table)) {
+    if (std::strstr(line, wanted)) listed_on_loopback = true;
+    if (std::strstr(line, any)) listed_on_any = true;
+  }
+  std::fclose(table);
+  CHECK(listed_on_loopback);
+  CHECK_FALSE(listed_on_any);
+}
+
+TEST_CASE("store: malformed and oversized messages close that connection, the server serves on") {
+  cohort::tcp_store s(hosting());
+  const auto& server = *s.server();
+  s.set("before", "1");
+
+  auto expect_rejected = [&](const cohort::bytes& message, const std::string& reason) {
+    const std::size_t rejected = server.rejected_connections();
+    raw_connection connection(s.port());
+    connection.send(message);
+    CHECK(connection.closed_by_server());
+    CHECK(server.rejected_connections() == rejected + 1);
+    CHECK_THAT(server.last_rejection(), Catch::Contains(reason));
+    // Still serving: the long-lived client and a new one.
+    CHECK(s.get_string("before") == "1");
+    cohort::tcp_store fresh(client_of(s.port()));
+    CHECK(fresh.get_string("before") == "1");
+  };
+
+  SECTION("not TCPStore at all") {
+    const std::string http = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+    expect_rejected(cohort::bytes(http.begin(), http.end()), "unknown command");
+  }
+  SECTION("a wrong validation magic") {
+    cohort::bytes message;
+    protocol::message_writer write(message);
+    write.command(protocol::command::validate);
+    write.u32(0xDEADBEEF);
+    expect_rejected(message, "magic");
+  }
+  SECTION("a request before VALIDATE") {
+    cohort::bytes message;
+    protocol::message_writer write(message);
+    write.command(protocol::command::set);
+    write.string("k");
+    write.data(cohort::to_bytes("v"));
+    expect_rejected(message, "not VALIDATE");
+  }
+  SECTION("an oversized key length") {
+    auto message = validate_message();
+    protocol::message_writer write(message);
+    write.command(protocol::command::set);
+    write.u64(std::uint64_t{1} << 40);
+    expect_rejected(message, "exceeds");
+  }
+  SECTION("an oversized value length") {
+    auto message = validate_message();
+    protocol::message_writer write(message);
+    write.command(protocol::command::set);
+    write.string("k");
+    write.u64(protocol::max_value_bytes + 1);
+    expect_rejected(message, "exceeds");
+  }
+  SECTION("an absurd key count") {
+    auto message = validate_message();
+    protocol::message_writer write(message);
+    write.command(protocol::command::wait);
+    write.u64(~std::uint64_t{0});
+    expect_rejected(message, "exceeds");
+  }
+  SECTION("an unknown command after VALIDATE") {
+    auto message = validate_message();
+    message.push_back(99);
+    expect_rejected(message, "unknown command 99");
+  }
+  SECTION("half a message, then hanging up, is no rejection and no harm") {
+    const std::size_t rejected = server.rejected_connections();
+    {
+      raw_connection connection(s.port());
+      auto message = validate_message();
+      protocol::message_writer write(message);
+      write.command(protocol::command::set);
+      write.string("half");
+      write.u64(1000);
+      message.resize(message.size() + 10);
+      connection.send(message);
+    }
+    CHECK(s.get_string("before") == "1");
+    CHECK_FALSE(s.check(std::vector<std::string>{"half"}));
+    CHECK(server.rejected_connections() == rejected);
+  }
+  SECTION("a well-formed raw PING is echoed") {
+    raw_connection connection(s.port());
+    auto message = validate_message();
+    protocol::message_writer write(message);
+    write.command(protocol::command::ping);
+    write.u32(0x12345678);
+    connection.send(message);
+    std::uint32_t echoed = 0;
+    REQUIRE(::recv(connection.fd, &echoed, sizeof(echoed), MSG_WAITALL) == sizeof(echoed));
+    CHECK(echoed == 0x12345678u);
+  }
+}
+
+TEST_CASE("store: a tcp client refuses values over the limit before sending") {
+  cohort::tcp_store s(hosting());
+  const cohort::bytes huge(protocol::max_value_bytes + 1);
+  CHECK_THROWS_WITH(s.set("huge", std::span<const std::uint8_t>(huge)),
+                    Catch::Contains("exceeds the store's limit"));
+  s.ping();  // nothing was sent: the connection is fine
+}
+
+TEST_CASE("store: tcp store wait_for_workers counts clients in") {
+  auto options = hosting(5s);
+  options.num_workers = 3;
+  const std::uint16_t port = unused_port();
+  options.port = port;
+  std::vector<pid_t> children;
+  for (int rank = 1; rank < 3; ++rank) {
+    children.push_back(spawn([port, rank] {
+      auto client = client_of(port, rank);
+      client.num_workers = 3;
+      cohort::tcp_store s(client);
+      return 0;
+    }));
+  }
+  cohort::tcp_store s(options);  // returns once both children counted themselves in
+  auto raw_options = client_of(port);
+  raw_options.key_prefix = "";  // c10d's "init/" key has no '/' before it
+  cohort::tcp_store raw(raw_options);
+  CHECK(raw.get_string("init/") == "3");
+  for (const pid_t child : children) CHECK(wait_child(child, 10s) == 0);
+}
+
+TEST_CASE("store: connect_store hosts on rank 0 and connects the others") {
+  const std::uint16_t port = unused_port();
+  const pid_t worker = spawn([port] {
+    auto env = cohort::launch_env::explicit_ranks(1, 2);
+    env.master_port = port;
+    cohort::tcp_store_options options;
+    options.timeout = 10s;
+    options.connect_timeout = 10s;
+    auto s = cohort::connect_store(env, options);
+    s->set("from-1", "hi");
+    expect(s->get_string("from-0") == "hello", "from-0");
+    s->add("done", 1);
+    return 0;
+  });
+  auto env = cohort::launch_env::explicit_ranks(0, 2);
+  env.master_port = port;
+  cohort::tcp_store_options options;
+  options.timeout = 10s;
+  auto s = cohort::connect_store(env, options);
+  REQUIRE(dynamic_cast<cohort::tcp_store*>(s.get()) != nullptr);
+  CHECK(dynamic_cast<cohort::tcp_store&>(*s).server() != nullptr);
+  s->set("from-0", "hello");
+  CHECK(s->get_string("from-1") == "hi");
+  s->wait({"done"});
+  CHECK(wait_child(worker, 15s) == 0);
+
+  SECTION("under torchrun's agent store: a client under /worker/attempt_<n>/") {
+    auto agent_env = cohort::launch_env::explicit_ranks(1, 2);
+    agent_env.master_port = dynamic_cast<cohort::tcp_store&>(*s).port();
+    agent_env.use_agent_store = true;
+    agent_env.restart_count = 2;
+    auto agent = cohort::connect_store(agent_env, options);
+    auto* prefixed = dynamic_cast<cohort::prefix_store*>(agent.get());
+    REQUIRE(prefixed != nullptr);
+    CHECK(prefixed->prefix() == "/worker/attempt_2/");
+    agent->set("k", "v");
+    CHECK(s->get_string("/worker/attempt_2/k") == "v");
+  }
+}
+
+// ===========================================================================================
+// Against PyTorch's TCPStore
+
+namespace {
+
+// Starts tests/torch_store_peer.py and returns it with its first line read. The peer checks
+// for a PyTorch 2.x itself (one torch import, which takes seconds, instead of two) and says
+// "SKIP <reason>" when there is none; then this test reports itself skipped.
+std::FILE* start_peer(const std::string& arguments, std::string& first_line);
+
+std::string peer_command(const std::string& arguments) {
+  return std::string("python3 ") + COHORT_TEST_SOURCE_DIR + "/torch_store_peer.py " + arguments;
+}
+
+std::string read_line(std::FILE* stream) {
+  char line[256] = {};
+  if (!std::fgets(line, sizeof(line), stream)) return {};
+  std::string text(line);
+  while (!text.empty() && (text.back() == '\n' || text.back() == '\r')) text.pop_back();
+  return text;
+}
+
+std::FILE* start_peer(const std::string& arguments, std::string& first_line) {
+  std::FILE* peer = ::popen(peer_command(arguments).c_str(), "r");
+  REQUIRE(peer != nullptr);
+  first_line = read_line(peer);
+  if (first_line.rfind("SKIP ", 0) == 0) {
+    ::pclose(peer);
+    cohort_test::skip(first_line.substr(5));
+  }
+  if (first_line.empty()) {
+    const int status = ::pclose(peer);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 127)
+      cohort_test::skip("no python3 on PATH, so no PyTorch TCPStore to test against");
+    FAIL("tests/torch_store_peer.py said nothing (exit status " << status << ")");
+  }
+  return peer;
+}
+
+}  // namespace
+
+TEST_CASE("store: our tcp client against PyTorch's TCPStore server (libuv and classic)") {
+  std::string ports;
+  std::FILE* peer = start_peer("master", ports);
+  INFO("peer said: " << ports);
+  unsigned libuv_port = 0;
+  unsigned classic_port = 0;
+  REQUIRE(std::sscanf(ports.c_str(), "PORTS %u %u", &libuv_port, &classic_port) == 2);
+
+  for (const unsigned port : {libuv_port, classic_port}) {
+    INFO("TCPStore server on port " << port);
+    cohort::tcp_store s(client_of(static_cast<std::uint16_t>(port)));
+    CHECK(s.get_string("py/x") == "from-python");
+    CHECK(s.add("counter", 5) == 7);
+    CHECK(cohort::to_string(s.compare_set("cas", cohort::bytes{}, cohort::to_bytes("one"))) ==
+          "one");
+    CHECK(cohort::to_string(
+              s.compare_set("cas", cohort::to_bytes("zz"), cohort::to_bytes("two"))) == "one");
+    CHECK(s.check(std::vector<std::string>{"py/x"}));
+    CHECK_FALSE(s.check(std::vector<std::string>{"py/x", "nope"}));
+    cohort::bytes binary(256);
+    for (int i = 0; i < 256; ++i)
+      binary[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(i);
+    s.set("cpp/binary", std::span<const std::uint8_t>(binary));
+    s.set("cpp/deleted", "x");
+    CHECK(s.delete_key("cpp/deleted"));
+    CHECK_FALSE(s.delete_key("cpp/deleted"));
+    CHECK(s.num_keys() >= 4);
+    // A wait that times out must leave the torch server and our connection in step.
+    CHECK_THROWS_AS(s.wait(std::vector<std::string>{"never"}, 200ms), cohort::timeout_error);
+    s.ping();
+    s.set("cpp/a", "hello");
+    CHECK(s.get_string("py/late") == "late");  // the peer sets it once it has seen cpp/a
+    s.set("cpp/done", "1");
+  }
+  std::string verdict;
+  for (std::string line; !(line = read_line(peer)).empty();) verdict = line;
+  const int status = ::pclose(peer);
+  CHECK(verdict == "OK");
+  CHECK(status == 0);
+}
+
+TEST_CASE("store: PyTorch's TCPStore client against our tcp server") {
+  cohort::tcp_store s(hosting(20s));
+  s.set("cpp/x", "from-cpp");
+  s.set("n", "4");
+  std::string ready;
+  std::FILE* peer = start_peer("client " + std::to_string(s.port()), ready);
+  REQUIRE(ready == "READY");
+  s.wait({"py/a"});
+  s.set("cpp/late", "late");
+  s.wait({"py/done"});
+  CHECK(s.get_string("after-timeout") == "1");
+  CHECK(s.get_string("cas") == "w");
+  CHECK(s.get_string("app") == "abcd");
+  CHECK(s.get_string("m2") == "b");
+  CHECK(s.get_string("n") == "7");
+  CHECK_FALSE(s.check(std::vector<std::string>{"py/a"}));  // the peer deleted it
+  std::string verdict;
+  for (std::string line; !(line = read_line(peer)).empty();) verdict = line;
+  const int status = ::pclose(peer);
+  CHECK(verdict == "OK");
+  CHECK(status == 0);
+  CHECK(s.server()->rejected_connections() == 0);
+}
+
+// ===========================================================================================
+// File store
+
+namespace {
+
+struct temporary_directory {
+  std::filesystem::path path;
+  temporary_directory() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "cohort-store-XXXXXX").string();
+    REQUIRE(::mkdtemp(pattern.data()) != nullptr);
+    path = pattern;
+  }
+  ~temporary_directory() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path, ignored);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("store: file store follows c10d semantics like memory_store") {
+  temporary_directory dir;
+  cohort::memory_store reference;
+  const auto expected = semantics_log(reference);
+  cohort::file_store s(dir.path, "run");
+  CHECK(semantics_log(s) == expected);
+  CHECK(s.num_keys() == reference.num_keys());
+}
+
+TEST_CASE("store: file store never reads the files of a run with another id") {
+  temporary_directory dir;
+  {
+    cohort::file_store earlier(dir.path, "run-1");
+    earlier.set("x", "stale");
+    earlier.add("counter", 41);
+  }
+  cohort::file_store now(dir.path, "run-2", 7);
+  now.set_timeout(200ms);
+  CHECK_FALSE(now.check(std::vector<std::string>{"x"}));
+  CHECK(now.num_keys() == 0);
+  CHECK(now.add("counter", 1) == 1);
+  try {
+    (void)now.get("x");
+    FAIL("read a key of the earlier run");
+  } catch (const cohort::timeout_error& failure) {
+    CHECK_THAT(failure.what(), Catch::Contains("'x'"));
+    CHECK_THAT(failure.what(), Catch::Contains("rank 7"));
+  }
+  // The earlier run's data is still there under its own id (isolation, not loss).
+  cohort::file_store again(dir.path, "run-1");
+  CHECK(again.get_string("x") == "stale");
+  CHECK_THROWS_AS(cohort::file_store(dir.path, ""), cohort::error);
+}
+
+TEST_CASE("store: file store add is atomic across processes") {
+  temporary_directory dir;
+  constexpr int children_count = 4;
+  constexpr int adds_each = 40;
+  std::vector<pid_t> children;
+  for (int rank = 0; rank < children_count; ++rank) {
+    children.push_back(spawn([&dir, rank] {
+      cohort::file_store s(dir.path, "run", rank);
+      s.set_timeout(10s);
+      std::string returned;
+      for (int i = 0; i < adds_each; ++i) returned += std::to_string(s.add("counter", 1)) + " ";
+      s.set("returned/" + std::to_string(rank), returned);
+      return 0;
+    }));
+  }
+  for (const pid_t child : children) CHECK(wait_child(child, 30s) == 0);
+  cohort::file_store s(dir.path, "run");
+  CHECK(s.get_string("counter") == std::to_string(children_count * adds_each));
+  // Every add returned a different value: no two read-modify-writes overlapped.
+  std::multiset<int> seen;
+  for (int rank = 0; rank < children_count; ++rank) {
+    std::istringstream values(s.get_string("returned/" + std::to_string(rank)));
+    for (int value; values >> value;) seen.insert(value);
+  }
+  REQUIRE(seen.size() == static_cast<std::size_t>(children_count * adds_each));
+  int expected = 1;
+  for (const int value : seen) CHECK(value == expected++);
+}
+
+TEST_CASE("store: file store readers never see a partly written value") {
+  temporary_directory dir;
+  constexpr std::size_t size = 256 * 1024;
+  const pid_t writer = spawn([&dir] {
+    cohort::file_store s(dir.path, "run");
+    for (int round = 0; round < 60; ++round) s.set("big", std::string(size, round % 2 ? 'B' : 'A'));
+    s.set("writer-done", "1");
+    return 0;
+  });
+  cohort::file_store s(dir.path, "run");
+  s.set_timeout(20s);
+  int reads = 0;
+  while (!s.check(std::vector<std::string>{"writer-done"})) {
+    if (!s.check(std::vector<std::string>{"big"})) continue;
+    const std::string value = s.get_string("big");
+    ++reads;
+    REQUIRE(value.size() == size);
+    REQUIRE(value.find_first_not_of(value.front()) == std::string::npos);
+  }
+  CHECK(wait_child(writer, 30s) == 0);
+  INFO("reads while writing: " << reads);
+  CHECK(reads > 0);
+}
+
+TEST_CASE("store: file store keys may hold any bytes") {
+  temporary_directory dir;
+  cohort::file_store s(dir.path, "run/with spaces");
+  const std::string long_a(1000, 'a');
+  const std::vector<std::string> keys{
+      "",  ".hidden",    "..",         "a/b c",     "%41",
+      "A", long_a + "1", long_a + "2", "tab\there", std::string("\0z", 2)};
+  for (std::size_t i = 0; i < keys.size(); ++i) s.set(keys[i], "value-" + std::to_string(i));
+  for (std::size_t i = 0; i < keys.size(); ++i)
+    CHECK(s.get_string(keys[i]) == "value-" + std::to_string(i));
+  CHECK(s.num_keys() == static_cast<std::int64_t>(keys.size()));
+  CHECK(std::filesystem::is_directory(s.path()));
+  CHECK(s.path().parent_path() == dir.path);
+}
+
+TEST_CASE("store: file store waits time out naming the missing keys") {
+  temporary_directory dir;
+  cohort::file_store s(dir.path, "run", 2);
+  s.set("here", "1");
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    s.wait(std::vector<std::string>{"here", "not-here"}, 200ms);
+    FAIL("wait returned");
+  } catch (const cohort::timeout_error& failure) {
+    const std::string text = failure.what();
+    CHECK_THAT(text, Catch::Contains("'not-here'"));
+    CHECK_THAT(text, !Catch::Contains("'here'"));
+    CHECK_THAT(text, Catch::Contains("200 ms"));
+    CHECK_THAT(text, Catch::Contains("rank 2"));
+  }
+  CHECK(std::chrono::steady_clock::now() - start >= 200ms);
+}
