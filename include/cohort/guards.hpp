@@ -1,0 +1,360 @@
+#pragma once
+// Main-process guards: side effects (downloads, logs, checkpoints) done once, safely.
+//
+//   if (cohort::is_main_process(pg)) ...                  global rank 0
+//   cohort::on_main(pg, [&] { save_config(); });          rank 0 only; a collective on pg inside
+//                                                         throws instead of hanging the others
+//   cohort::main_process_first(pg, [&] { load_or_download(); });
+//                                                         rank 0 first, then everyone else
+//   cohort::rank_logger log{pg};  log("loss ", loss);      "[rank 0/8] loss 0.25", main only
+//   cohort::atomic_write_on_main(pg, "ckpt.bin", bytes);  temp file + fsync + rename on rank 0;
+//                                                         the others wait until it is complete
+//
+// Every function is a template over any group with the members it uses (rank(), size(),
+// local_rank(), barrier().wait(), ...), so they work with process_group<gloo>,
+// process_group<nccl>, or a user's own type.
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <concepts>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <thread>
+#include <type_traits>
+#include <utility>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include "cohort/error.hpp"
+#include "cohort/types.hpp"
+
+namespace cohort::inline v0 {
+
+// ---- what a group must offer --------------------------------------------------------------
+
+template <class G>
+concept rank_group = requires(G& group) {
+  { group.rank() } -> std::convertible_to<int>;
+  { group.size() } -> std::convertible_to<int>;
+};
+
+template <class G>
+concept local_rank_group = rank_group<G> && requires(G& group) {
+  { group.local_rank() } -> std::convertible_to<int>;
+  { group.local_size() } -> std::convertible_to<int>;
+};
+
+template <class G>
+concept barrier_group = rank_group<G> && requires(G& group) { group.barrier().wait(); };
+
+namespace detail {
+// Groups whose broadcast takes host memory can tell the waiting ranks whether the main
+// rank's work succeeded; for the others (NCCL) a barrier is all there is.
+template <class G>
+concept host_broadcast_group = barrier_group<G> && requires(G& group, std::span<std::uint8_t> bytes) {
+  group.broadcast(bytes, 0).wait();
+  requires G::space == memory_space::host;
+};
+}  // namespace detail
+
+// ---- who is main ----------------------------------------------------------------------------
+
+template <rank_group G>
+bool is_main_process(const G& group) {
+  return group.rank() == 0;
+}
+
+template <local_rank_group G>
+bool is_local_main_process(const G& group) {
+  return group.local_rank() == 0;
+}
+
+// ---- on_main ----------------------------------------------------------------------------------
+
+// Runs fn on the main rank only; returns its result there (std::optional, empty elsewhere).
+// fn must not issue collectives on `group`: the other ranks never enter them. Groups that
+// offer main_only_section() (cohort's process_group) turn such a collective into a
+// cohort::error instead of a hang.
+template <rank_group G, class Fn>
+  requires std::invocable<Fn&>
+auto on_main(G& group, Fn&& fn) {
+  using result = std::invoke_result_t<Fn&>;
+  auto run = [&]() -> decltype(auto) {
+    if constexpr (requires { group.main_only_section(); }) {
+      [[maybe_unused]] auto section = group.main_only_section();
+      return std::invoke(fn);
+    } else {
+      return std::invoke(fn);
+    }
+  };
+  if constexpr (std::is_void_v<result>) {
+    if (group.rank() == 0) run();
+  } else {
+    std::optional<std::remove_cvref_t<result>> value;
+    if (group.rank() == 0) value.emplace(run());
+    return value;
+  }
+}
+
+// ---- main first ---------------------------------------------------------------------------------
+
+namespace detail {
+
+// The leader has finished (maybe with `failure`); lets everyone past the same point. On
+// host-broadcast groups the followers learn of the failure and throw too, rather than go on
+// to read a cache or file that was never written.
+template <barrier_group G>
+void release_followers(G& group, bool leader, const std::exception_ptr& failure, const char* operation,
+                       int leader_rank_for_message) {
+  if constexpr (host_broadcast_group<G>) {
+    // byte 0: 1 = failed; then the leader's message, truncated, NUL-terminated.
+    std::array<std::uint8_t, 512> status{};
+    if (leader && failure) {
+      status[0] = 1;
+      std::string text = "unknown exception";
+      try {
+        std::rethrow_exception(failure);
+      } catch (const std::exception& e) {
+        text = e.what();
+      } catch (...) {
+      }
+      const auto length = std::min(text.size(), status.size() - 2);
+      std::memcpy(status.data() + 1, text.data(), length);
+    }
+    // Everyone joins the broadcast from rank 0; a failed local leader that is not rank 0 is
+    // still reported through the barrier below only (its own exception is rethrown there).
+    group.broadcast(std::span<std::uint8_t>(status), 0).wait();
+    group.barrier().wait();
+    if (!leader && status[0] == 1)
+      throw error(group.rank(), operation,
+                  "rank " + std::to_string(leader_rank_for_message) + " failed: " +
+                      std::string(reinterpret_cast<const char*>(status.data() + 1)),
+                  "fix the failure on the main rank; the other ranks did not run their part");
+  } else {
+    (void)failure;
+    (void)operation;
+    (void)leader_rank_for_message;
+    group.barrier().wait();
+  }
+}
+
+template <barrier_group G, class Fn>
+void leader_first(G& group, bool leader, Fn& fn, const char* operation, bool report_failure,
+                  bool followers_run_too = true) {
+  if (leader) {
+    std::exception_ptr failure;
+    try {
+      std::invoke(fn);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    // Always release the others, even on failure: a leader that throws before the barrier
+    // would leave them waiting until their timeout.
+    release_followers(group, true, report_failure ? failure : std::exception_ptr{}, operation, 0);
+    if (failure) std::rethrow_exception(failure);
+  } else {
+    release_followers(group, false, {}, operation, 0);
+    if (followers_run_too) std::invoke(fn);
+  }
+}
+
+}  // namespace detail
+
+// Rank 0 runs fn while the others wait at a barrier; then the others run fn (download once,
+// then everyone reads the cache). Collective: every rank of `group` must call it. fn must not
+// use `group` itself (rank 0 runs it while the others sit in a barrier). If fn throws on
+// rank 0, the others are released and, on host groups (Gloo), throw a cohort::error naming
+// rank 0's failure instead of running fn.
+template <barrier_group G, class Fn>
+  requires std::invocable<Fn&>
+void main_process_first(G& group, Fn&& fn) {
+  detail::leader_first(group, group.rank() == 0, fn, "main_process_first", true);
+}
+
+// Like main_process_first with local rank 0 of every node as the leader (one download per
+// node, onto node-local disk). Every rank of `group` waits at one barrier, which is more
+// waiting than strictly needed across nodes but needs no node-local subgroup. A leader's
+// failure is not forwarded (only rank 0 can broadcast it); the followers of a failed leader
+// run fn themselves.
+template <barrier_group G, class Fn>
+  requires local_rank_group<G> && std::invocable<Fn&>
+void local_main_process_first(G& group, Fn&& fn) {
+  detail::leader_first(group, group.local_rank() == 0, fn, "local_main_process_first", false);
+}
+
+// ---- rank-aware logging ---------------------------------------------------------------------
+
+struct log_options {
+  // Print from every rank, not only rank 0.
+  bool all_ranks = false;
+  // Non-empty: every rank (main or not) also appends its lines to directory/rank-<r>.log.
+  std::filesystem::path directory = {};
+  // Where console lines go, one call per whole line (prefix included, no newline).
+  // Empty: std::clog.
+  std::function<void(std::string_view line)> console = {};
+};
+
+// "[rank r/N] message" lines. Cheap to copy around by reference; not copyable itself (it may
+// own a file).
+class rank_logger {
+ public:
+  rank_logger(int rank, int world, log_options options = {})
+      : rank_(rank), world_(world), options_(std::move(options)) {
+    prefix_ = "[rank " + std::to_string(rank_) + "/" + std::to_string(world_) + "] ";
+    if (!options_.directory.empty()) {
+      std::error_code ec;
+      std::filesystem::create_directories(options_.directory, ec);
+      file_path_ = options_.directory / ("rank-" + std::to_string(rank_) + ".log");
+      file_.open(file_path_, std::ios::out | std::ios::app);
+      if (!file_)
+        throw error(rank_, "rank_logger", "cannot open log file " + file_path_.string() + " for appending",
+                    "check that the log directory is writable");
+    }
+  }
+
+  template <rank_group G>
+  explicit rank_logger(const G& group, log_options options = {})
+      : rank_logger(static_cast<int>(group.rank()), static_cast<int>(group.size()), std::move(options)) {}
+
+  rank_logger(const rank_logger&) = delete;
+  rank_logger& operator=(const rank_logger&) = delete;
+
+  const std::string& prefix() const noexcept { return prefix_; }
+  const std::filesystem::path& file() const noexcept { return file_path_; }
+  bool prints_to_console() const noexcept { return options_.all_ranks || rank_ == 0; }
+
+  void log(std::string_view message) {
+    std::string line = prefix_;
+    line += message;
+    if (prints_to_console()) {
+      if (options_.console) {
+        options_.console(line);
+      } else {
+        std::clog << (line + '\n') << std::flush;  // one write keeps ranks' lines whole
+      }
+    }
+    if (file_.is_open()) {
+      std::lock_guard lock(file_mutex_);
+      file_ << line << '\n' << std::flush;
+    }
+  }
+
+  // log("step ", step, " loss ", loss): the pieces streamed into one line.
+  template <class... Parts>
+  void operator()(const Parts&... parts) {
+    std::ostringstream text;
+    (text << ... << parts);
+    log(text.str());
+  }
+
+ private:
+  int rank_;
+  int world_;
+  log_options options_;
+  std::string prefix_;
+  std::filesystem::path file_path_;
+  std::ofstream file_;
+  std::mutex file_mutex_;
+};
+
+// ---- atomic writes --------------------------------------------------------------------------------
+
+namespace detail {
+
+inline void fsync_path(const std::filesystem::path& path, bool directory, int rank) {
+  const int fd = ::open(path.c_str(), directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY);
+  if (fd < 0)
+    throw error(rank, "atomic_write", "cannot open " + path.string() + " to fsync: " + std::strerror(errno));
+  const int result = ::fsync(fd);
+  const int saved = errno;
+  ::close(fd);
+  // Some file systems cannot fsync a directory (EINVAL); the rename is still atomic there.
+  if (result != 0 && !(directory && (saved == EINVAL || saved == EROFS)))
+    throw error(rank, "atomic_write", "fsync of " + path.string() + " failed: " + std::strerror(saved),
+                "check free space and the file system's health");
+}
+
+inline std::filesystem::path temporary_sibling(const std::filesystem::path& target) {
+  // Same directory (rename must not cross file systems), hidden, unique per process and thread.
+  const auto unique = std::to_string(::getpid()) + "-" +
+                      std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id()));
+  return target.parent_path() / ("." + target.filename().string() + ".cohort-tmp-" + unique);
+}
+
+}  // namespace detail
+
+// Writes target atomically: readers see the old file (or none) until the new one is complete
+// and durable. The data goes to a temporary file in the same directory, which is flushed,
+// fsync'ed and renamed over target; then the directory is fsync'ed so the rename survives a
+// crash. `write` fills the stream; if it throws, target is untouched and the temporary removed.
+inline void atomic_write_file(const std::filesystem::path& target, const std::function<void(std::ostream&)>& write,
+                              int rank = -1) {
+  if (target.filename().empty())
+    throw error(rank, "atomic_write", "target '" + target.string() + "' names no file");
+  const auto temporary = detail::temporary_sibling(target);
+  try {
+    {
+      std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+      if (!out)
+        throw error(rank, "atomic_write", "cannot create " + temporary.string() + ": " + std::strerror(errno),
+                    "check that the directory exists and is writable");
+      write(out);
+      out.flush();
+      if (!out)
+        throw error(rank, "atomic_write", "writing " + temporary.string() + " failed",
+                    "check free space on the target's file system");
+    }
+    detail::fsync_path(temporary, false, rank);
+    std::error_code ec;
+    std::filesystem::rename(temporary, target, ec);
+    if (ec)
+      throw error(rank, "atomic_write", "renaming " + temporary.string() + " to " + target.string() +
+                                            " failed: " + ec.message());
+  } catch (...) {
+    std::error_code ignored;
+    std::filesystem::remove(temporary, ignored);
+    throw;
+  }
+  const auto directory = target.parent_path().empty() ? std::filesystem::path(".") : target.parent_path();
+  detail::fsync_path(directory, true, rank);
+}
+
+inline void atomic_write_file(const std::filesystem::path& target, std::string_view contents, int rank = -1) {
+  atomic_write_file(
+      target, [&](std::ostream& out) { out.write(contents.data(), static_cast<std::streamsize>(contents.size())); },
+      rank);
+}
+
+// Collective: rank 0 writes target atomically, the others wait until it is in place, so no
+// rank reads a half-written checkpoint. If rank 0 fails, it rethrows, and on host groups
+// (Gloo) the others throw a cohort::error naming the failure instead of reading a stale file.
+template <barrier_group G>
+void atomic_write_on_main(G& group, const std::filesystem::path& target,
+                          const std::function<void(std::ostream&)>& write) {
+  const int rank = static_cast<int>(group.rank());
+  auto write_it = [&] { atomic_write_file(target, write, rank); };
+  detail::leader_first(group, rank == 0, write_it, "atomic_write_on_main", true, false);
+}
+
+template <barrier_group G>
+void atomic_write_on_main(G& group, const std::filesystem::path& target, std::string_view contents) {
+  atomic_write_on_main(group, target, [&](std::ostream& out) {
+    out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
+  });
+}
+
+}  // namespace cohort::inline v0

@@ -1,0 +1,263 @@
+// Effective-batch planner, launch guard, loader-worker advice and per-device batch sequences.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cohort/batch.hpp"
+#include "support.hpp"
+
+namespace {
+
+struct fake_group {
+  int my_rank, my_size;
+  int rank() const { return my_rank; }
+  int size() const { return my_size; }
+};
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("batch: effective batch is per_device x accumulation x world", "[batch]") {
+  CHECK(cohort::batch_plan{.per_device = 2, .accumulation = 8, .world = 1}.effective() == 16);
+  CHECK(cohort::batch_plan{.per_device = 32, .accumulation = 1, .world = 8}.effective() == 256);
+  CHECK(cohort::batch_plan{.per_device = 65536, .accumulation = 65536, .world = 1024}.effective() ==
+        std::int64_t{1} << 42);  // no int overflow
+  CHECK(cohort::batch_plan{.per_device = 2, .accumulation = 8, .world = 4, .learning_rate = 0.1}.summary() ==
+        "per-device batch 2 x accumulation 8 x world 4 = effective batch 64, learning rate 0.1");
+}
+
+TEST_CASE("batch: rescaling keeps the effective batch by dividing accumulation", "[batch]") {
+  const cohort::batch_plan plan{.per_device = 2, .accumulation = 8, .world = 1, .learning_rate = 0.1};
+  const auto on_four = plan.rescaled_for(4);
+  CHECK(on_four.per_device == 2);
+  CHECK(on_four.accumulation == 2);
+  CHECK(on_four.world == 4);
+  CHECK(on_four.learning_rate == 0.1);
+  CHECK(on_four.effective() == plan.effective());
+
+  // Shrinking the world multiplies accumulation.
+  const auto back = on_four.rescaled_for(2);
+  CHECK(back.accumulation == 4);
+  CHECK(back.effective() == plan.effective());
+
+  // Exhaustively: it succeeds exactly when accumulation * world divides by the new world, and
+  // then keeps per_device and the effective batch.
+  for (int accumulation = 1; accumulation <= 12; ++accumulation)
+    for (int world = 1; world <= 8; ++world)
+      for (int new_world = 1; new_world <= 16; ++new_world) {
+        const cohort::batch_plan p{.per_device = 3, .accumulation = accumulation, .world = world};
+        INFO("accumulation=" << accumulation << " world=" << world << " new_world=" << new_world);
+        if ((accumulation * world) % new_world == 0) {
+          const auto q = p.rescaled_for(new_world);
+          CHECK(q.effective() == p.effective());
+          CHECK(q.per_device == 3);
+          CHECK(q.world == new_world);
+        } else {
+          CHECK_THROWS_AS(p.rescaled_for(new_world), cohort::error);
+        }
+      }
+}
+
+TEST_CASE("batch: an impossible rescale names the nearest valid world sizes", "[batch]") {
+  const cohort::batch_plan plan{.per_device = 2, .accumulation = 3, .world = 2};  // 6 micro-batches
+  try {
+    (void)plan.rescaled_for(4);
+    FAIL("expected an error");
+  } catch (const cohort::error& e) {
+    const std::string text = e.what();
+    INFO(text);
+    // Divisors of 6 nearest to 4, found here by brute force: 3 below and 6 above.
+    int below = 0, above = 0;
+    for (int w = 3; w >= 1 && !below; --w)
+      if (6 % w == 0) below = w;
+    for (int w = 5; w <= 6 && !above; ++w)
+      if (6 % w == 0) above = w;
+    CHECK(contains(text, "world 4"));
+    CHECK(contains(text, "effective batch 12"));
+    CHECK(contains(text, " " + std::to_string(below) + " (accumulation " + std::to_string(6 / below) + ")"));
+    CHECK(contains(text, " " + std::to_string(above) + " (accumulation " + std::to_string(6 / above) + ")"));
+    CHECK(contains(text, "keep::accumulation"));
+  }
+  CHECK_THROWS_AS(plan.rescaled_for(0), cohort::error);
+  CHECK_THROWS_AS((cohort::batch_plan{.per_device = 0}.rescaled_for(1)), cohort::error);
+}
+
+TEST_CASE("batch: keeping accumulation scales the learning rate linearly and reminds of warm-up", "[batch]") {
+  const cohort::batch_plan plan{.per_device = 4, .accumulation = 2, .world = 2, .learning_rate = 0.1};
+  const auto bigger = plan.rescaled_for(8, cohort::keep::accumulation);
+  CHECK(bigger.accumulation == 2);
+  CHECK(bigger.world == 8);
+  CHECK(bigger.effective() == 64);
+  CHECK(bigger.learning_rate == Approx(0.1 * 64.0 / 16.0));
+  CHECK(contains(bigger.note, "warm"));
+  CHECK(contains(bigger.note, "16 -> 64"));
+
+  const auto smaller = plan.rescaled_for(1, cohort::keep::accumulation);
+  CHECK(smaller.learning_rate == Approx(0.1 * 8.0 / 16.0));
+  CHECK_FALSE(contains(smaller.note, "warm"));  // a smaller rate needs no warm-up
+}
+
+TEST_CASE("batch: launching on another world size fails loudly unless acknowledged", "[batch]") {
+  const cohort::batch_plan configured{.per_device = 2, .accumulation = 8, .world = 1, .learning_rate = 0.1};
+
+  // Same world: every rank gets the plan, only rank 0 prints, one line.
+  for (int rank = 0; rank < 1; ++rank) {
+    fake_group group{rank, 1};
+    std::ostringstream out;
+    const auto plan = cohort::launch_plan(configured, group, cohort::world_change::refuse, out);
+    CHECK(plan.effective() == 16);
+    CHECK(out.str() == "cohort: " + configured.summary() + "\n");
+  }
+
+  // Another world, not acknowledged: every rank throws, naming both sizes.
+  for (int rank = 0; rank < 4; ++rank) {
+    fake_group group{rank, 4};
+    std::ostringstream out;
+    try {
+      (void)cohort::launch_plan(configured, group, cohort::world_change::refuse, out);
+      FAIL("expected an error");
+    } catch (const cohort::error& e) {
+      CHECK(contains(e.what(), "configured for world size 1"));
+      CHECK(contains(e.what(), "launched on 4 ranks"));
+      CHECK(e.rank() == rank);
+    }
+    CHECK(out.str().empty());
+  }
+
+  // Acknowledged: rescaled, and the summary is printed by rank 0 only.
+  for (int rank = 0; rank < 4; ++rank) {
+    fake_group group{rank, 4};
+    std::ostringstream out;
+    const auto plan = cohort::launch_plan(configured, group, cohort::world_change::keep_effective_batch, out);
+    CHECK(plan.accumulation == 2);
+    CHECK(plan.world == 4);
+    CHECK(plan.effective() == 16);
+    if (rank == 0) {
+      const auto text = out.str();
+      CHECK(contains(text, "effective batch 16"));
+      CHECK(contains(text, "rescaled from world 1"));
+      CHECK(std::count(text.begin(), text.end(), '\n') == 1);
+    } else {
+      CHECK(out.str().empty());
+    }
+  }
+  fake_group four{0, 4};
+  std::ostringstream out;
+  const auto linear = cohort::launch_plan(configured, four, cohort::world_change::keep_accumulation, out);
+  CHECK(linear.learning_rate == Approx(0.4));
+  CHECK(contains(out.str(), "warm"));
+}
+
+TEST_CASE("batch: loader workers share the cores and warn when oversubscribed", "[batch]") {
+  std::vector<std::string> warnings;
+  auto collect = [&](std::string_view m) { warnings.emplace_back(m); };
+
+  const auto fits = cohort::suggest_loader_workers(32, 4, -1, collect);
+  CHECK(fits.per_rank == 7);  // 32 cores / 4 ranks = 8, one kept for the training process
+  CHECK(fits.total == 28);
+  CHECK(fits.total + 4 <= 32);
+  CHECK(warnings.empty());
+
+  const auto few_cores = cohort::suggest_loader_workers(4, 8, -1, collect);
+  CHECK(few_cores.per_rank == 0);
+  CHECK(warnings.size() == 1);  // 8 training processes on 4 cores is already too many
+
+  warnings.clear();
+  const auto requested = cohort::suggest_loader_workers(16, 4, 8, collect);
+  CHECK(requested.per_rank == 8);
+  CHECK(requested.total == 32);
+  REQUIRE(warnings.size() == 1);
+  CHECK(contains(warnings[0], "16 cores"));
+  CHECK(contains(requested.warning, "suggested: 3"));
+
+  CHECK_THROWS_AS(cohort::suggest_loader_workers(8, 0), cohort::error);
+  CHECK(cohort::suggest_loader_workers_for_this_machine(1, -1, collect).per_rank >= 0);
+}
+
+TEST_CASE("batch: micro-batches tile the rank's indices and sync at the end of each step", "[batch]") {
+  for (std::uint64_t n : {1u, 22u, 23u, 40u, 97u}) {
+    for (int per_device : {1, 3, 4}) {
+      for (int accumulation : {1, 2, 3}) {
+        for (auto partial : {cohort::partial_batch::keep, cohort::partial_batch::drop}) {
+          INFO("n=" << n << " per_device=" << per_device << " accumulation=" << accumulation
+                    << " keep_partial=" << (partial == cohort::partial_batch::keep));
+          cohort::distributed_sampler sampler{n, 2, 1, {.shuffle = true, .seed = 11}};
+          sampler.set_epoch(4);
+          const auto expected_indices = sampler.indices();
+          sampler.set_epoch(4);  // a fresh pass, so iterating below does not warn
+          cohort::batch_sequence batches{sampler, per_device, accumulation, partial};
+
+          std::vector<cohort::micro_batch> seen;
+          for (auto batch : batches) seen.push_back(batch);
+          REQUIRE(seen.size() == batches.size());
+
+          // Independent expectation: cut the index list into chunks of per_device.
+          std::vector<std::vector<std::uint64_t>> chunks;
+          for (std::size_t i = 0; i < expected_indices.size(); i += static_cast<std::size_t>(per_device)) {
+            std::vector<std::uint64_t> chunk(expected_indices.begin() + static_cast<std::ptrdiff_t>(i),
+                                             expected_indices.begin() + static_cast<std::ptrdiff_t>(std::min(
+                                                 expected_indices.size(), i + static_cast<std::size_t>(per_device))));
+            if (chunk.size() < static_cast<std::size_t>(per_device) && partial == cohort::partial_batch::drop) break;
+            chunks.push_back(chunk);
+          }
+          REQUIRE(seen.size() == chunks.size());
+          const std::size_t steps = (chunks.size() + static_cast<std::size_t>(accumulation) - 1) /
+                                    static_cast<std::size_t>(accumulation);
+          CHECK(batches.steps() == steps);
+          std::size_t syncs = 0;
+          for (std::size_t b = 0; b < seen.size(); ++b) {
+            CHECK(seen[b].indices == chunks[b]);
+            CHECK(seen[b].batch == b);
+            CHECK(seen[b].is_partial() == (chunks[b].size() < static_cast<std::size_t>(per_device)));
+            // The micro-batches of step s are [s*a, min((s+1)*a, count)).
+            const std::size_t step = seen[b].step;
+            CHECK(step * static_cast<std::size_t>(accumulation) + static_cast<std::size_t>(seen[b].micro_step) == b);
+            const std::size_t step_end = std::min((step + 1) * static_cast<std::size_t>(accumulation), seen.size());
+            CHECK(static_cast<std::size_t>(seen[b].micro_steps) == step_end - step * static_cast<std::size_t>(accumulation));
+            CHECK(seen[b].sync == (b + 1 == step_end));
+            syncs += seen[b].sync ? 1 : 0;
+          }
+          CHECK(syncs == steps);  // one gradient sync per optimizer step, none left pending
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("batch: every rank yields the same steps and syncs at the same micro-batches", "[batch]") {
+  const cohort::batch_plan plan{.per_device = 4, .accumulation = 3, .world = 3};
+  std::vector<std::vector<std::pair<std::size_t, bool>>> schedules;
+  for (int rank = 0; rank < 3; ++rank) {
+    cohort::distributed_sampler sampler{50, 3, rank, {.shuffle = true}};
+    cohort::batch_sequence batches{sampler, plan};
+    std::vector<std::pair<std::size_t, bool>> schedule;
+    for (auto batch : batches) schedule.emplace_back(batch.step, batch.sync);
+    schedules.push_back(schedule);
+  }
+  CHECK(schedules[0] == schedules[1]);
+  CHECK(schedules[0] == schedules[2]);
+
+  cohort::distributed_sampler sampler{50, 2, 0};
+  CHECK_THROWS_AS((cohort::batch_sequence{sampler, plan}), cohort::error);  // plan for 3 ranks
+  CHECK_THROWS_AS((cohort::batch_sequence{sampler, 0, 1}), cohort::error);
+}
+
+TEST_CASE("batch: iterating batches twice without set_epoch warns once", "[batch]") {
+  std::vector<std::string> warnings;
+  cohort::distributed_sampler sampler{30, 2, 0,
+                                      {.shuffle = true, .warn = [&](std::string_view m) { warnings.emplace_back(m); }}};
+  cohort::batch_sequence batches{sampler, 4, 2};
+  for (int epoch = 0; epoch < 2; ++epoch)
+    for ([[maybe_unused]] auto batch : batches) {
+    }
+  CHECK(warnings.size() == 1);
+  sampler.set_epoch(1);
+  for ([[maybe_unused]] auto batch : batches) {
+  }
+  CHECK(warnings.size() == 1);
+}
