@@ -181,4 +181,11 @@ decltype(auto) visit_dtype(dtype value, Fn&& fn) {
 
 enum class memory_space { host, device };
 
+// One copy of a batched copy (cohort/ops.hpp).
+struct copy_region {
+  void* destination;
+  const void* source;
+  std::size_t bytes;
+};
+
 }  // namespace cohort::inline v0

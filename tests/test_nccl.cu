@@ -1,0 +1,139 @@
+// The NCCL backend at world size 1 (NCCL allows one rank per GPU, and CI has none):
+// every collective and dtype, the device element-wise ops, stream ordering and timeouts
+// of work handles. Without a GPU each case reports itself skipped.
+#include <catch2/catch.hpp>
+
+#include <cohort/backend/nccl.hpp>
+#include <cohort/ops.hpp>
+#include <cohort/process_group.hpp>
+
+#include <cmath>
+#include <vector>
+
+#include "support.hpp"
+
+namespace {
+
+void require_gpu() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    cohort_test::skip("no CUDA device on this machine: NCCL tests need a GPU");
+  }
+}
+
+template <class T>
+struct device_buffer {
+  T* data = nullptr;
+  std::size_t count = 0;
+  explicit device_buffer(std::size_t n) : count(n) { cudaMalloc(&data, n * sizeof(T) + 1); }
+  ~device_buffer() { cudaFree(data); }
+  void upload(const std::vector<T>& host) { cudaMemcpy(data, host.data(), count * sizeof(T), cudaMemcpyHostToDevice); }
+  std::vector<T> download() const {
+    std::vector<T> host(count);
+    cudaMemcpy(host.data(), data, count * sizeof(T), cudaMemcpyDeviceToHost);
+    return host;
+  }
+  std::span<T> span() { return {data, count}; }
+};
+
+cohort::process_group<cohort::nccl> make_group() {
+  return cohort::process_group<cohort::nccl>(std::make_shared<cohort::memory_store>(),
+                                             cohort::launch_env::explicit_ranks(0, 1));
+}
+
+}  // namespace
+
+static_assert(cohort::backend<cohort::nccl>);
+
+TEMPLATE_TEST_CASE("NCCL collectives at world size 1 keep the data", "[nccl]", float, double, cohort::half,
+                   cohort::bfloat16, std::int32_t, std::int64_t, std::uint8_t) {
+  require_gpu();
+  auto pg = make_group();
+  for (std::size_t n : {std::size_t{1}, std::size_t{7}, std::size_t{1} << 20}) {
+    std::vector<TestType> host(n);
+    for (std::size_t i = 0; i < n; ++i) host[i] = TestType(static_cast<float>(i % 5 + 1));
+    device_buffer<TestType> a(n), b(n);
+    a.upload(host);
+    for (cohort::op reduce : {cohort::op::sum, cohort::op::avg, cohort::op::min, cohort::op::max, cohort::op::product}) {
+      pg.all_reduce(std::span<const TestType>(a.data, n), b.span(), reduce).wait();
+      REQUIRE(b.download() == host);
+    }
+    pg.broadcast(a.span(), 0).wait();
+    pg.all_gather(std::span<const TestType>(a.data, n), b.span()).wait();
+    REQUIRE(b.download() == host);
+    pg.reduce_scatter(std::span<const TestType>(a.data, n), b.span()).wait();
+    REQUIRE(b.download() == host);
+    pg.all_to_all(std::span<const TestType>(a.data, n), b.span()).wait();
+    REQUIRE(b.download() == host);
+  }
+  pg.barrier().wait();
+}
+
+TEST_CASE("device element-wise ops match the host ones", "[nccl]") {
+  require_gpu();
+  auto pg = make_group();
+  auto& engine = pg.backend();
+  const std::size_t n = 100003;
+  std::vector<float> host(n);
+  for (std::size_t i = 0; i < n; ++i) host[i] = static_cast<float>(i) * 0.25f - 100.0f;
+  device_buffer<float> values(n), copy(n);
+  device_buffer<cohort::bfloat16> compressed(n);
+  device_buffer<std::int64_t> bad(1);
+  values.upload(host);
+  cohort::scale(engine, values.data, n, cohort::dtype::float32, 0.5).wait();
+  auto scaled = values.download();
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(scaled[i] == host[i] * 0.5f);
+  cohort::cast(engine, values.data, cohort::dtype::float32, compressed.data, cohort::dtype::bfloat16, n).wait();
+  auto narrowed = compressed.download();
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(narrowed[i] == cohort::bfloat16(scaled[i]));
+  std::vector<cohort::copy_region> regions;
+  for (std::size_t first = 0; first < n; first += 997)
+    regions.push_back({copy.data + first, values.data + first, std::min<std::size_t>(997, n - first) * sizeof(float)});
+  cohort::batched_copy(engine, std::span<const cohort::copy_region>(regions)).wait();
+  REQUIRE(copy.download() == scaled);
+  cudaMemset(bad.data, 0, sizeof(std::int64_t));
+  host[5] = NAN;
+  host[77] = INFINITY;
+  values.upload(host);
+  cohort::count_nonfinite(engine, values.data, n, cohort::dtype::float32, bad.data).wait();
+  REQUIRE(bad.download()[0] == 2);
+}
+
+TEST_CASE("a caller stream waits on a work without blocking the host", "[nccl]") {
+  require_gpu();
+  auto pg = make_group();
+  cudaStream_t caller;
+  cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking);
+  device_buffer<float> data(1 << 20);
+  cohort::fill(pg.backend(), data.data, data.count, cohort::dtype::float32, 2.0).wait();
+  pg.backend().wait_for_caller(caller);
+  auto w = pg.all_reduce(data.span(), cohort::op::sum);
+  w.make_stream_wait(caller);
+  float first = 0;
+  cudaMemcpyAsync(&first, data.data, sizeof first, cudaMemcpyDeviceToHost, caller);
+  cudaStreamSynchronize(caller);
+  REQUIRE(first == 2.0f);
+  REQUIRE(w.test());
+  cudaStreamDestroy(caller);
+}
+
+TEST_CASE("two ranks on one GPU are refused before NCCL sees them", "[nccl]") {
+  require_gpu();
+  auto store = std::make_shared<cohort::memory_store>();
+  std::vector<std::string> messages(2);
+  cohort_test::run_ranks(2, [&](int rank) {
+    cohort::nccl::options opts;
+    opts.device = 0;  // both ranks on GPU 0
+    opts.timeout = std::chrono::seconds(5);
+    try {
+      cohort::process_group<cohort::nccl> pg(store, cohort::launch_env::explicit_ranks(rank, 2), opts);
+    } catch (const cohort::error& failure) {
+      messages[static_cast<std::size_t>(rank)] = failure.what();
+    }
+  });
+  for (const auto& text : messages) {
+    INFO(text);
+    REQUIRE_THAT(text, Catch::Contains("ranks 0 and 1") && Catch::Contains("LOCAL_RANK"));
+  }
+}
