@@ -3,10 +3,18 @@
 // available: Gloo when its headers are found (or COHORT_HAS_GLOO=1), NCCL when the
 // cohort::nccl target defines COHORT_HAS_NCCL=1 (it needs CUDA and NCCL to link).
 
+#include "cohort/batch.hpp"
 #include "cohort/error.hpp"
+#include "cohort/file_store.hpp"
+#include "cohort/guards.hpp"
 #include "cohort/launch.hpp"
+#include "cohort/ops.hpp"
+#include "cohort/planner.hpp"
 #include "cohort/process_group.hpp"
+#include "cohort/sampler.hpp"
 #include "cohort/store.hpp"
+#include "cohort/tcp_store.hpp"
+#include "cohort/topology.hpp"
 #include "cohort/types.hpp"
 #include "cohort/version.hpp"
 
