@@ -1,0 +1,172 @@
+// Ranks as real processes: children started with the environment a launcher would give them
+// (torchrun, Open MPI, MPICH, Slurm) find each other through launch_env::detect() and the
+// TCP store, and run collectives over Gloo; a rank that dies becomes an error on the others.
+#include <catch2/catch.hpp>
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cohort/backend/gloo.hpp>
+#include <cohort/launch.hpp>
+#include <cohort/process_group.hpp>
+#include <cohort/tcp_store.hpp>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+std::uint16_t free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address);
+  socklen_t length = sizeof address;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+using environment = std::map<std::string, std::string>;
+
+// Forks one child per environment; each child sets its variables, runs body() and exits
+// with its return value (or 99 on an exception). Returns the exit codes; children still
+// running after `limit` are killed and reported as -1.
+std::vector<int> run_children(const std::vector<environment>& envs, const std::function<int()>& body,
+                              std::chrono::seconds limit = std::chrono::seconds(60)) {
+  std::vector<pid_t> children;
+  for (const auto& env : envs) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                               "TORCHELASTIC_USE_AGENT_STORE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID",
+                               "COHORT_RANK"})
+        ::unsetenv(name);
+      for (const auto& [name, value] : env) ::setenv(name.c_str(), value.c_str(), 1);
+      int code = 99;
+      try {
+        code = body();
+      } catch (const std::exception& failure) {
+        std::fprintf(stderr, "child: %s\n", failure.what());
+      }
+      std::fflush(nullptr);
+      ::_exit(code);
+    }
+    children.push_back(pid);
+  }
+  std::vector<int> codes(children.size(), -1);
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  std::size_t remaining = children.size();
+  while (remaining > 0 && std::chrono::steady_clock::now() < deadline) {
+    for (std::size_t i = 0; i < children.size(); ++i) {
+      if (codes[i] != -1 || children[i] == 0) continue;
+      int status = 0;
+      if (::waitpid(children[i], &status, WNOHANG) == children[i]) {
+        codes[i] = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        children[i] = 0;
+        --remaining;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  for (auto pid : children)
+    if (pid != 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  return codes;
+}
+
+// What every launched rank does: detect, rendezvous, all-reduce rank+1, check the sum.
+int sum_of_ranks() {
+  const auto env = cohort::launch_env::detect();
+  auto store = cohort::connect_store(env);
+  cohort::gloo::options opts;
+  opts.timeout = std::chrono::seconds(10);
+  cohort::process_group<cohort::gloo> pg{store, env, opts};
+  std::vector<double> value(1000, pg.rank() + 1.0);
+  pg.all_reduce(std::span<double>(value)).wait();
+  std::vector<double> gathered(static_cast<std::size_t>(pg.size()));
+  std::vector<double> mine{static_cast<double>(pg.rank())};
+  pg.all_gather(std::span<const double>(mine), std::span<double>(gathered)).wait();
+  pg.barrier().wait();
+  const double expected = pg.size() * (pg.size() + 1) / 2.0;
+  bool ok = value[999] == expected;
+  for (int r = 0; r < pg.size(); ++r) ok = ok && gathered[static_cast<std::size_t>(r)] == r;
+  return ok ? 0 : 1;
+}
+
+}  // namespace
+
+TEST_CASE("torchrun-style environments rendezvous through the TCP store", "[multiprocess]") {
+  const std::string port = std::to_string(free_port());
+  std::vector<environment> envs;
+  for (int r = 0; r < 3; ++r)
+    envs.push_back({{"RANK", std::to_string(r)}, {"WORLD_SIZE", "3"}, {"LOCAL_RANK", std::to_string(r)},
+                    {"LOCAL_WORLD_SIZE", "3"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}});
+  REQUIRE(run_children(envs, sum_of_ranks) == std::vector<int>(3, 0));
+}
+
+TEST_CASE("Open MPI, MPICH and Slurm environments run the same collectives", "[multiprocess]") {
+  SECTION("Open MPI") {
+    const std::string port = std::to_string(free_port());
+    std::vector<environment> envs;
+    for (int r = 0; r < 2; ++r)
+      envs.push_back({{"OMPI_COMM_WORLD_RANK", std::to_string(r)}, {"OMPI_COMM_WORLD_SIZE", "2"},
+                      {"OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(r)}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                      {"MASTER_PORT", port}});
+    REQUIRE(run_children(envs, sum_of_ranks) == std::vector<int>(2, 0));
+  }
+  SECTION("MPICH / Hydra") {
+    const std::string port = std::to_string(free_port());
+    std::vector<environment> envs;
+    for (int r = 0; r < 2; ++r)
+      envs.push_back({{"PMI_RANK", std::to_string(r)}, {"PMI_SIZE", "2"}, {"MPI_LOCALRANKID", std::to_string(r)},
+                      {"MPI_LOCALNRANKS", "2"}, {"MASTER_PORT", port}});
+    REQUIRE(run_children(envs, sum_of_ranks) == std::vector<int>(2, 0));
+  }
+  SECTION("Slurm, master from the node list") {
+    const std::string port = std::to_string(free_port());
+    std::vector<environment> envs;
+    for (int r = 0; r < 2; ++r)
+      envs.push_back({{"SLURM_PROCID", std::to_string(r)}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", std::to_string(r)},
+                      {"SLURM_NTASKS_PER_NODE", "2"}, {"SLURM_JOB_NODELIST", "localhost"}, {"MASTER_PORT", port}});
+    REQUIRE(run_children(envs, sum_of_ranks) == std::vector<int>(2, 0));
+  }
+}
+
+TEST_CASE("a rank process that dies is an error on the others within the timeout", "[multiprocess][faults]") {
+  const std::string port = std::to_string(free_port());
+  std::vector<environment> envs;
+  for (int r = 0; r < 3; ++r)
+    envs.push_back({{"RANK", std::to_string(r)}, {"WORLD_SIZE", "3"}, {"LOCAL_RANK", std::to_string(r)},
+                    {"LOCAL_WORLD_SIZE", "3"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}});
+  const auto started = std::chrono::steady_clock::now();
+  const auto codes = run_children(envs, [] {
+    const auto env = cohort::launch_env::detect();
+    auto store = cohort::connect_store(env);
+    cohort::gloo::options opts;
+    opts.timeout = std::chrono::seconds(2);
+    cohort::process_group<cohort::gloo> pg{store, env, opts};
+    std::vector<float> data(1 << 16, 1.0f);
+    pg.all_reduce(std::span<float>(data)).wait();
+    if (pg.rank() == 2) ::_exit(42);  // dies without a word, mid-training
+    try {
+      for (int step = 0; step < 100; ++step) pg.all_reduce(std::span<float>(data)).wait();
+    } catch (const cohort::error& failure) {
+      std::fprintf(stderr, "rank %d saw: %s\n", pg.rank(), failure.what());
+      return failure.rank() == pg.rank() ? 0 : 3;
+    }
+    return 1;  // training went on without rank 2: impossible
+  });
+  REQUIRE(codes == std::vector<int>{0, 0, 42});
+  REQUIRE(std::chrono::steady_clock::now() - started < std::chrono::seconds(30));
+}
