@@ -1,0 +1,325 @@
+// Bucketed, overlapped gradient all-reduce on Gloo ranks (threads of this process) with a
+// ResNet-50-shaped gradient set (161 tensors, 25.6 M parameters):
+//  1. communication alone: one raw all-reduce of everything, one all-reduce per tensor, and
+//     the reducer at bucket caps 1 .. 100 MiB;
+//  2. a simulated backward (per-layer busy-wait proportional to the layer's size, plus
+//     writing its gradient), without and with overlap: step time, compute time and exposed
+//     communication (step - compute).
+// Optionally runs bench/peers/torch_ddp.py (PyTorch DDP over Gloo, same shapes, same
+// simulated backward) in the same run and prints the ratio of step times.
+//
+//   bench_reducer [--ranks 2] [--iterations 8] [--compute-ms 52] [--json FILE]
+//                 [--torch-peer bench/peers/torch_ddp.py] [--python python3]
+#include <cohort/backend/gloo.hpp>
+#include <cohort/detail/json.hpp>
+#include <cohort/reducer.hpp>
+#include <cohort/store.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include <sys/wait.h>
+#include <unistd.h>
+#include <vector>
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+using group = cohort::process_group<cohort::gloo>;
+using cohort::detail::json;
+
+struct tensor_shape {
+  std::string name;
+  std::size_t count;
+};
+
+// torchvision's resnet50 parameters in declaration order: conv weights (no bias), batch-norm
+// weight and bias, and the classifier.
+std::vector<tensor_shape> resnet50() {
+  std::vector<tensor_shape> shapes;
+  auto conv = [&](const std::string& name, std::size_t out, std::size_t in, std::size_t k) {
+    shapes.push_back({name + ".weight", out * in * k * k});
+  };
+  auto bn = [&](const std::string& name, std::size_t channels) {
+    shapes.push_back({name + ".weight", channels});
+    shapes.push_back({name + ".bias", channels});
+  };
+  conv("conv1", 64, 3, 7);
+  bn("bn1", 64);
+  std::size_t in = 64;
+  const std::size_t widths[] = {64, 128, 256, 512};
+  const int blocks[] = {3, 4, 6, 3};
+  for (int stage = 0; stage < 4; ++stage) {
+    const std::size_t width = widths[stage];
+    for (int block = 0; block < blocks[stage]; ++block) {
+      const std::string prefix = "layer" + std::to_string(stage + 1) + "." + std::to_string(block) + ".";
+      conv(prefix + "conv1", width, in, 1);
+      bn(prefix + "bn1", width);
+      conv(prefix + "conv2", width, width, 3);
+      bn(prefix + "bn2", width);
+      conv(prefix + "conv3", width * 4, width, 1);
+      bn(prefix + "bn3", width * 4);
+      if (block == 0) {
+        conv(prefix + "downsample.0", width * 4, in, 1);
+        bn(prefix + "downsample.1", width * 4);
+      }
+      in = width * 4;
+    }
+  }
+  shapes.push_back({"fc.weight", 1000 * 2048});
+  shapes.push_back({"fc.bias", 1000});
+  return shapes;
+}
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+double ms_since(clock_type::time_point start) {
+  return std::chrono::duration<double, std::milli>(clock_type::now() - start).count();
+}
+
+void spin_for(std::chrono::nanoseconds duration) {
+  const auto until = clock_type::now() + duration;
+  while (clock_type::now() < until) {
+  }
+}
+
+struct settings {
+  int ranks = 2;
+  int iterations = 8;
+  double compute_ms = 52;
+  std::string json_path;
+  std::string torch_peer;
+  std::string python = "python3";
+};
+
+struct row {
+  std::string what;
+  double cap_mib = 0;
+  std::size_t buckets = 0;
+  double step_ms = 0;
+  double compute_ms = 0;
+};
+
+class bench {
+ public:
+  bench(const settings& s) : settings_(s), shapes_(resnet50()) {
+    for (const auto& shape : shapes_) {
+      sizes_.push_back(shape.count);
+      total_ += shape.count;
+    }
+  }
+
+  std::size_t tensors() const { return shapes_.size(); }
+  std::size_t parameters() const { return total_; }
+
+  // Runs every measurement on `ranks` threads; rank 0 records.
+  std::vector<row> run() {
+    auto store = std::make_shared<cohort::memory_store>();
+    std::vector<row> rows;
+    std::vector<std::exception_ptr> failures(static_cast<std::size_t>(settings_.ranks));
+    std::vector<std::thread> threads;
+    for (int rank = 0; rank < settings_.ranks; ++rank)
+      threads.emplace_back([&, rank] {
+        try {
+          cohort::gloo::options options;
+          options.timeout = std::chrono::seconds(60);
+          group pg(store, cohort::launch_env::explicit_ranks(rank, settings_.ranks), options);
+          measure_all(pg, rank == 0 ? &rows : nullptr);
+        } catch (...) {
+          failures[static_cast<std::size_t>(rank)] = std::current_exception();
+        }
+      });
+    for (auto& thread : threads) thread.join();
+    for (auto& failure : failures)
+      if (failure) std::rethrow_exception(failure);
+    return rows;
+  }
+
+ private:
+  // Median over iterations of fn's time, every rank starting together.
+  double timed(group& pg, const std::function<void()>& fn) {
+    std::vector<double> times;
+    for (int i = 0; i < settings_.iterations + 2; ++i) {
+      pg.barrier().wait();
+      const auto start = clock_type::now();
+      fn();
+      if (i >= 2) times.push_back(ms_since(start));  // two warm-up iterations
+    }
+    return median(times);
+  }
+
+  // One layer's share of the backward: busy-wait for its share of the compute time and
+  // write its gradient.
+  void layer_backward(std::size_t t, std::span<float> gradient) const {
+    spin_for(std::chrono::nanoseconds(static_cast<std::int64_t>(settings_.compute_ms * 1e6 *
+                                                                 static_cast<double>(sizes_[t]) / static_cast<double>(total_))));
+    std::fill(gradient.begin(), gradient.end(), 1e-3f * static_cast<float>(t % 7));
+  }
+
+  void measure_all(group& pg, std::vector<row>* rows) {
+    auto record = [&](row r) {
+      if (rows) rows->push_back(std::move(r));
+    };
+    const std::size_t n = sizes_.size();
+    // Communication alone.
+    {
+      std::vector<float> everything(total_, 1.0f);
+      record({"raw all-reduce of all gradients (one call)", 0, 1,
+              timed(pg, [&] { pg.all_reduce(std::span<float>(everything), cohort::op::avg).wait(); }), 0});
+      std::vector<std::span<float>> per_tensor;
+      std::size_t offset = 0;
+      for (auto count : sizes_) {
+        per_tensor.emplace_back(everything.data() + offset, count);
+        offset += count;
+      }
+      record({"per-tensor all-reduce (161 calls)", 0, n, timed(pg, [&] {
+                cohort::gloo::work last;
+                for (std::size_t t = n; t-- > 0;) last = pg.all_reduce(per_tensor[t], cohort::op::avg);
+                last.wait();
+              }), 0});
+    }
+    const double caps[] = {1, 5, 10, 25, 50, 100};
+    for (double cap : caps) {
+      const auto bytes = static_cast<std::size_t>(cap * (1 << 20));
+      cohort::gradient_reducer<cohort::gloo> ddp(pg, sizes_, {.first_bucket_bytes = bytes, .bucket_bytes = bytes});
+      record({"bucketed all-reduce, no compute", cap, ddp.bucket_count(), timed(pg, [&] {
+                for (std::size_t t = n; t-- > 0;) ddp.mark_ready(t);
+                ddp.finish();
+              }), 0});
+    }
+    // Simulated backward.
+    {
+      std::vector<float> scratch(total_);
+      const double compute = timed(pg, [&] {
+        std::size_t offset = total_;
+        for (std::size_t t = n; t-- > 0;) {
+          offset -= sizes_[t];
+          layer_backward(t, std::span<float>(scratch.data() + offset, sizes_[t]));
+        }
+      });
+      record({"backward compute alone", 0, 0, compute, compute});
+      cohort::gradient_reducer<cohort::gloo> ddp(pg, sizes_);
+      record({"backward, then all-reduce (no overlap)", 25, ddp.bucket_count(), timed(pg, [&] {
+                for (std::size_t t = n; t-- > 0;) layer_backward(t, ddp.gradient(t));
+                for (std::size_t t = n; t-- > 0;) ddp.mark_ready(t);
+                ddp.finish();
+              }), compute});
+      for (double cap : caps) {
+        const auto bytes = static_cast<std::size_t>(cap * (1 << 20));
+        cohort::gradient_reducer<cohort::gloo> overlapped(pg, sizes_, {.first_bucket_bytes = std::min<std::size_t>(bytes, 1 << 20), .bucket_bytes = bytes});
+        record({"backward overlapped with bucketed all-reduce", cap, overlapped.bucket_count(), timed(pg, [&] {
+                  for (std::size_t t = n; t-- > 0;) {
+                    layer_backward(t, overlapped.gradient(t));
+                    overlapped.mark_ready(t);
+                  }
+                  overlapped.finish();
+                }), compute});
+      }
+    }
+  }
+
+  settings settings_;
+  std::vector<tensor_shape> shapes_;
+  std::vector<std::size_t> sizes_;
+  std::size_t total_ = 0;
+};
+
+// Runs the PyTorch peer; returns its JSON, or null when it is skipped (no torch) or fails.
+json run_torch_peer(const settings& s) {
+  if (s.torch_peer.empty()) return {};
+  const std::string out = "/tmp/cohort_bench_reducer_torch_" + std::to_string(::getpid()) + ".json";
+  std::ostringstream command;
+  command << s.python << " " << s.torch_peer << " --ranks " << s.ranks << " --iterations " << s.iterations
+          << " --compute-ms " << s.compute_ms << " --json " << out;
+  std::printf("\nrunning the PyTorch DDP peer: %s\n", command.str().c_str());
+  std::fflush(stdout);
+  const int status = std::system(command.str().c_str());
+  if (status != 0) {
+    std::printf("PyTorch peer skipped or failed (exit status %d)\n", WEXITSTATUS(status));
+    return {};
+  }
+  std::ifstream file(out);
+  std::stringstream text;
+  text << file.rdbuf();
+  std::remove(out.c_str());
+  return cohort::detail::parse_json(text.str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  settings s;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&] { return i + 1 < argc ? std::string(argv[++i]) : throw std::runtime_error(arg + " needs a value"); };
+    if (arg == "--ranks") s.ranks = std::stoi(value());
+    else if (arg == "--iterations") s.iterations = std::stoi(value());
+    else if (arg == "--compute-ms") s.compute_ms = std::stod(value());
+    else if (arg == "--json") s.json_path = value();
+    else if (arg == "--torch-peer") s.torch_peer = value();
+    else if (arg == "--python") s.python = value();
+    else {
+      std::printf("usage: bench_reducer [--ranks N] [--iterations I] [--compute-ms MS] [--json FILE] "
+                  "[--torch-peer bench/peers/torch_ddp.py] [--python python3]\n");
+      return arg == "--help" ? 0 : 2;
+    }
+  }
+  bench b(s);
+  std::printf("ResNet-50 gradient set: %zu tensors, %zu parameters (%.1f MB), %d Gloo ranks (threads), median of %d\n",
+              b.tensors(), b.parameters(), static_cast<double>(b.parameters()) * 4 / 1e6, s.ranks, s.iterations);
+  const auto rows = b.run();
+  std::printf("\n%-46s %8s %8s %10s %10s %12s\n", "measurement", "cap MiB", "buckets", "step ms", "compute", "exposed comm");
+  json results = json::make_array();
+  double overlapped_default = 0;
+  for (const auto& r : rows) {
+    const double exposed = r.compute_ms > 0 ? r.step_ms - r.compute_ms : r.step_ms;
+    std::printf("%-46s %8s %8zu %10.1f %10.1f %12.1f\n", r.what.c_str(),
+                r.cap_mib > 0 ? std::to_string(static_cast<int>(r.cap_mib)).c_str() : "-", r.buckets, r.step_ms,
+                r.compute_ms, exposed);
+    if (r.what.find("overlapped") != std::string::npos && r.cap_mib == 25) overlapped_default = r.step_ms;
+    json entry = json::make_object();
+    entry.set("measurement", r.what);
+    entry.set("cap_mib", r.cap_mib);
+    entry.set("buckets", r.buckets);
+    entry.set("step_ms", r.step_ms);
+    entry.set("compute_ms", r.compute_ms);
+    entry.set("exposed_comm_ms", exposed);
+    results.push_back(std::move(entry));
+  }
+  json document = json::make_object();
+  document.set("benchmark", "bench_reducer");
+  document.set("ranks", s.ranks);
+  document.set("tensors", b.tensors());
+  document.set("parameters", b.parameters());
+  document.set("compute_ms_target", s.compute_ms);
+  document.set("results", std::move(results));
+  const json torch = run_torch_peer(s);
+  if (!torch.is_null()) {
+    const double torch_step = torch.at("ddp_step_ms").as_number();
+    std::printf("\nPyTorch %s DDP over Gloo (25 MB buckets): step %.1f ms, compute alone %.1f ms\n",
+                torch.at("torch_version").as_string().c_str(), torch_step, torch.at("compute_ms").as_number());
+    std::printf("cohort overlapped step (1 MiB first bucket, 25 MiB buckets): %.1f ms = %.2f x PyTorch DDP (target <= 0.65)\n",
+                overlapped_default, overlapped_default / torch_step);
+    document.set("torch", torch);
+    document.set("ratio_to_torch_ddp", overlapped_default / torch_step);
+  }
+  if (!s.json_path.empty()) {
+    std::ofstream(s.json_path) << document.dump(2) << "\n";
+    std::printf("wrote %s\n", s.json_path.c_str());
+  }
+  return 0;
+} catch (const std::exception& failure) {
+  std::fprintf(stderr, "bench_reducer: %s\n", failure.what());
+  return 1;
+}

@@ -1,0 +1,780 @@
+#pragma once
+// gradient_reducer<Backend>: data parallelism (the DDP job) for hand-written training code.
+//
+//   cohort::gradient_reducer<cohort::gloo> ddp{pg, model.parameter_sizes()};   // bucket views
+//   model.loss_and_gradients(params, ddp.gradients(), x, y, batch,
+//                            [&](std::size_t i) { ddp.mark_ready(i); });       // backward
+//   ddp.finish();                     // every gradient now holds the average over ranks
+//
+// Gradients are grouped into size-capped buckets in reverse declaration order (the order a
+// backward pass finishes them); a bucket's all-reduce starts as soon as its last gradient is
+// marked ready, while the rest of the backward pass still runs. Buckets launch in
+// bucket-index order on every rank, so every rank issues the same collective sequence even
+// when gradients become ready in different orders.
+//
+// Averaging: every bucket is all-reduced with op::avg through the process group: on Gloo a
+// sum followed by a division by the world size, on NCCL ncclAvg. Compressed buckets
+// (bfloat16, half) are averaged the same way in the compressed type.
+//
+// Memory: the reducer either owns the gradients (bucket views: one contiguous allocation per
+// bucket, gradient(i) is a span into it, nothing is copied) or copies user-owned buffers into
+// its buckets when a bucket launches and back after finish() (one batched copy per bucket,
+// one kernel on CUDA). Which one follows from the constructor: sizes give bucket views,
+// buffers give user buffers.
+//
+// Ordering: on Gloo every step is a task on the group's FIFO worker; on NCCL a kernel or
+// collective on the group's communication stream, which waits (through an event) for the
+// work queued on the caller's stream before each launch; finish() makes the caller's stream
+// wait for the communication stream instead of blocking the host.
+//
+// The device instantiation launches kernels (cohort/ops.hpp): compile it with nvcc.
+// Not thread-safe: one training thread calls mark_ready and finish.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
+#include <vector>
+
+#include "cohort/error.hpp"
+#include "cohort/ops.hpp"
+#include "cohort/process_group.hpp"
+#include "cohort/types.hpp"
+
+namespace cohort::inline v0 {
+
+// ---- bucket assignment: a pure function, testable without communication ---------------
+
+struct bucket_caps {
+  std::size_t first_bucket_bytes = std::size_t{1} << 20;  // small, so communication starts early
+  std::size_t bucket_bytes = std::size_t{25} << 20;
+};
+
+struct bucket_layout {
+  dtype type = dtype::float32;
+  std::vector<std::size_t> gradients;  // gradient indices, in the order they sit in the bucket
+  std::vector<std::size_t> offsets;    // element offset of each gradient inside the bucket
+  std::size_t elements = 0;            // including alignment padding
+  std::size_t bytes() const noexcept { return elements * size_of(type); }
+  friend bool operator==(const bucket_layout&, const bucket_layout&) = default;
+};
+
+namespace detail {
+// Every gradient starts on a 16-byte boundary inside its bucket, so device kernels can use
+// vector loads; the padding is zero and stays zero through the reduction.
+inline std::size_t aligned_elements(std::size_t elements, dtype type) {
+  const std::size_t per_word = std::max<std::size_t>(1, 16 / size_of(type));
+  return (elements + per_word - 1) / per_word * per_word;
+}
+}  // namespace detail
+
+// Walks the gradients in `order` (empty: reverse declaration order) and fills one open bucket
+// per dtype; a bucket closes when the next gradient would take it past its cap, or once it
+// reaches the cap. The first bucket closed of each dtype uses first_bucket_bytes, later ones
+// bucket_bytes. A gradient larger than a cap gets a bucket of its own. Buckets are numbered
+// by the position of their first gradient in `order`, so bucket 0 is the first one ready.
+inline std::vector<bucket_layout> assign_buckets(std::span<const std::size_t> sizes, std::span<const dtype> types,
+                                                 bucket_caps caps = {}, std::span<const std::size_t> order = {}) {
+  const std::size_t n = sizes.size();
+  if (types.size() != n)
+    throw error(-1, "assign_buckets", std::to_string(n) + " sizes but " + std::to_string(types.size()) + " dtypes",
+                "pass one dtype per gradient");
+  if (caps.first_bucket_bytes == 0 || caps.bucket_bytes == 0)
+    throw error(-1, "assign_buckets", "a bucket cap of 0 bytes", "caps must be positive");
+  std::vector<std::size_t> walk;
+  if (order.empty()) {
+    walk.resize(n);
+    for (std::size_t i = 0; i < n; ++i) walk[i] = n - 1 - i;
+  } else {
+    walk.assign(order.begin(), order.end());
+    std::vector<bool> seen(n, false);
+    if (walk.size() != n)
+      throw error(-1, "assign_buckets", "order lists " + std::to_string(walk.size()) + " gradients of " + std::to_string(n),
+                  "the order must be a permutation of 0 .. n-1");
+    for (auto index : walk) {
+      if (index >= n || seen[index])
+        throw error(-1, "assign_buckets", "order is not a permutation (index " + std::to_string(index) + ")",
+                    "list every gradient exactly once");
+      seen[index] = true;
+    }
+  }
+  struct open_bucket {
+    bucket_layout layout;
+    std::size_t first_position = 0;
+    std::size_t closed = 0;  // buckets of this dtype closed so far
+  };
+  struct finished {
+    bucket_layout layout;
+    std::size_t first_position;
+  };
+  std::vector<open_bucket> open;  // one per dtype seen, small
+  std::vector<finished> done;
+  auto open_for = [&](dtype type) -> open_bucket& {
+    for (auto& bucket : open)
+      if (bucket.layout.type == type) return bucket;
+    open.push_back({});
+    open.back().layout.type = type;
+    return open.back();
+  };
+  auto close = [&](open_bucket& bucket) {
+    if (bucket.layout.gradients.empty()) return;
+    done.push_back({std::move(bucket.layout), bucket.first_position});
+    bucket.layout = bucket_layout{};
+    bucket.layout.type = done.back().layout.type;
+    ++bucket.closed;
+  };
+  for (std::size_t position = 0; position < n; ++position) {
+    const std::size_t index = walk[position];
+    const dtype type = types[index];
+    open_bucket& bucket = open_for(type);
+    const std::size_t padded = detail::aligned_elements(sizes[index], type);
+    auto cap = [&] { return bucket.closed == 0 ? caps.first_bucket_bytes : caps.bucket_bytes; };
+    if (!bucket.layout.gradients.empty() && (bucket.layout.elements + padded) * size_of(type) > cap()) close(bucket);
+    if (bucket.layout.gradients.empty()) bucket.first_position = position;
+    bucket.layout.gradients.push_back(index);
+    bucket.layout.offsets.push_back(bucket.layout.elements);
+    bucket.layout.elements += padded;
+    if (bucket.layout.bytes() >= cap()) close(bucket);
+  }
+  for (auto& bucket : open) close(bucket);
+  std::stable_sort(done.begin(), done.end(),
+                   [](const finished& a, const finished& b) { return a.first_position < b.first_position; });
+  std::vector<bucket_layout> result;
+  result.reserve(done.size());
+  for (auto& bucket : done) result.push_back(std::move(bucket.layout));
+  return result;
+}
+
+// ---- options and results ----------------------------------------------------------------
+
+enum class gradient_storage { bucket_views, user_buffers };
+enum class unused_gradients { error, zero };
+enum class compression { none, bfloat16, half };
+
+struct reducer_options {
+  std::size_t first_bucket_bytes = std::size_t{1} << 20;
+  std::size_t bucket_bytes = std::size_t{25} << 20;
+  // error: finish() with unmarked gradients throws, listing them. zero: unmarked gradients
+  // count as zero, and a used-mask is all-reduced so every rank knows which gradients no
+  // rank produced (reduction_summary::unused).
+  unused_gradients unused = unused_gradients::error;
+  // Float buckets are cast to this type for the all-reduce and back (half the bytes).
+  compression compress = compression::none;
+  // After the first synchronised iteration, re-bucket in the observed ready order (rank 0's
+  // order, broadcast). gradient(i) spans change then: fetch them again after finish().
+  bool rebuild_after_first_iteration = false;
+  // After the reduction, count non-finite values (one all-reduced flag): every rank learns
+  // together whether to skip the step. On CUDA this one read blocks the host.
+  bool check_nonfinite = false;
+  // Called as each bucket's reduction is queued (bucket index): an event log for tests,
+  // tracing or profiling.
+  std::function<void(std::size_t bucket)> on_launch = {};
+};
+
+struct reduction_summary {
+  bool synchronized = false;  // false inside no_sync: nothing was communicated
+  bool nonfinite = false;     // check_nonfinite found a NaN or Inf on some rank
+  std::int64_t nonfinite_count = 0;
+  std::vector<std::size_t> unused;  // unused_gradients::zero: gradients no rank marked
+};
+
+// One gradient: its element count and type, and for user-owned storage its buffer.
+struct gradient_spec {
+  std::size_t count = 0;
+  dtype type = dtype::float32;
+  void* data = nullptr;
+
+  gradient_spec(std::size_t elements, dtype element_type = dtype::float32) : count(elements), type(element_type) {}
+  template <element T>
+    requires(!std::is_const_v<T>)
+  gradient_spec(std::span<T> buffer) : count(buffer.size()), type(dtype_v<T>), data(buffer.data()) {}
+};
+
+// What a communication hook sees: one bucket, laid out contiguously in the backend's memory.
+struct bucket_ref {
+  std::size_t index;
+  void* data;
+  std::size_t count;
+  dtype type;
+};
+
+namespace detail {
+template <class B>
+struct caller_stream_of {
+  using type = std::nullptr_t;
+};
+template <class B>
+  requires requires { typename B::stream_type; }
+struct caller_stream_of<B> {
+  using type = typename B::stream_type;
+};
+
+inline std::string describe_gradient(std::size_t index, std::size_t count, dtype type) {
+  return "gradient " + std::to_string(index) + " (" + std::to_string(count) + " x " + std::string(to_string(type)) + ")";
+}
+}  // namespace detail
+
+// ---- the reducer --------------------------------------------------------------------------
+
+template <backend B>
+class gradient_reducer {
+ public:
+  using work = typename B::work;
+  using stream_type = typename detail::caller_stream_of<B>::type;
+  // A user communication hook: reduce (average) the bucket in place across the group and
+  // return the work whose completion means it is done. Runs in bucket order, after the
+  // bucket's inputs are ready in the backend's order (FIFO worker / communication stream).
+  using comm_hook = std::function<work(process_group<B>&, const bucket_ref&)>;
+
+  // Collective: every rank constructs its reducer with the same gradients and caps; the
+  // layout is compared across ranks once, here. The reducer owns its buckets when every
+  // spec has no buffer (bucket views), and copies through them when every spec has one
+  // (user buffers).
+  gradient_reducer(process_group<B>& group, std::vector<gradient_spec> gradients, reducer_options options = {})
+      : group_(&group), specs_(std::move(gradients)), options_(std::move(options)) {
+    validate_specs();
+    std::vector<std::size_t> sizes;
+    std::vector<dtype> types;
+    for (const auto& spec : specs_) {
+      sizes.push_back(spec.count);
+      types.push_back(spec.type);
+    }
+    build(assign_buckets(sizes, types, caps()));
+    try {
+      check_layout_across_ranks();
+    } catch (...) {
+      release(buckets_);  // no destructor runs for a constructor that throws
+      throw;
+    }
+  }
+
+  // Bucket views of float32 gradients of these sizes.
+  gradient_reducer(process_group<B>& group, const std::vector<std::size_t>& sizes, reducer_options options = {})
+      : gradient_reducer(group, specs_from(sizes), std::move(options)) {}
+
+  // User buffers (spans of one element type), in declaration order.
+  template <element T>
+  gradient_reducer(process_group<B>& group, std::span<const std::span<T>> buffers, reducer_options options = {})
+      : gradient_reducer(group, specs_from(buffers), std::move(options)) {}
+  template <element T>
+  gradient_reducer(process_group<B>& group, const std::vector<std::span<T>>& buffers, reducer_options options = {})
+      : gradient_reducer(group, std::span<const std::span<T>>(buffers), std::move(options)) {}
+
+  gradient_reducer(const gradient_reducer&) = delete;
+  gradient_reducer& operator=(const gradient_reducer&) = delete;
+
+  ~gradient_reducer() {
+    // Queued reductions write into the buckets: let them finish before freeing.
+    try {
+      group_->backend().record().wait();
+    } catch (...) {
+    }
+    release(buckets_);
+  }
+
+  // ---- layout -------------------------------------------------------------------------------
+  gradient_storage storage() const noexcept { return storage_; }
+  std::size_t size() const noexcept { return specs_.size(); }
+  std::size_t bucket_count() const noexcept { return buckets_.size(); }
+  const std::vector<bucket_layout>& layout() const noexcept { return layout_; }
+  // Bumped by every rebuild: spans from gradient() of an older generation are stale.
+  std::size_t layout_generation() const noexcept { return generation_; }
+  // Which bucket holds gradient i.
+  std::size_t bucket_of(std::size_t i) const { return placement_.at(i).bucket; }
+
+  // Bucket views: the span the backward writes gradient i into. User buffers: the user's span.
+  template <element T = float>
+  std::span<T> gradient(std::size_t i) {
+    check_index("gradient", i);
+    if (dtype_v<T> != specs_[i].type)
+      throw error(rank(), "gradient_reducer.gradient", detail::describe_gradient(i, specs_[i].count, specs_[i].type) +
+                                                           " requested as " + std::string(to_string(dtype_v<T>)),
+                  "ask for the element type the gradient was declared with");
+    return std::span<T>(static_cast<T*>(location(i)), specs_[i].count);
+  }
+  // All gradients as spans (one element type), declaration order: what a backward takes.
+  template <element T = float>
+  std::vector<std::span<T>> gradients() {
+    std::vector<std::span<T>> all;
+    all.reserve(size());
+    for (std::size_t i = 0; i < size(); ++i) all.push_back(gradient<T>(i));
+    return all;
+  }
+
+  // ---- options after construction -------------------------------------------------------
+  void register_comm_hook(comm_hook hook) { hook_ = std::move(hook); }
+  // CUDA: the stream the backward runs on (default: the legacy default stream). Every bucket
+  // launch waits for the work queued on it so far; finish() makes it wait for the reduction.
+  void set_stream(stream_type stream) noexcept { caller_stream_ = stream; }
+
+  // ---- the iteration --------------------------------------------------------------------------
+  // Gradient i is final. When that completes the next buckets in index order, their
+  // reductions are queued at once.
+  void mark_ready(std::size_t i) {
+    check_index("mark_ready", i);
+    if (marked_[i])
+      throw error(rank(), "gradient_reducer.mark_ready",
+                  detail::describe_gradient(i, specs_[i].count, specs_[i].type) + " was marked ready twice in one iteration",
+                  "mark each gradient once per backward pass (shared parameters: accumulate first, then mark)");
+    marked_[i] = 1;
+    ++marked_count_;
+    if (!observed_order_complete_) observed_order_.push_back(i);
+    if (no_sync_depth_ > 0) return;
+    const std::size_t bucket = placement_[i].bucket;
+    --pending_[bucket];
+    launch_ready_buckets();
+  }
+  // The gradient whose storage starts at span.data() (a bucket view or a user buffer).
+  template <element T>
+  void mark_ready(std::span<T> gradient) {
+    const auto found = by_address_.find(static_cast<const void*>(gradient.data()));
+    if (found == by_address_.end())
+      throw error(rank(), "gradient_reducer.mark_ready", "no gradient starts at this span's address",
+                  "pass a span from gradient(i) (bucket views) or one of the buffers the reducer was built from");
+    mark_ready(found->second);
+  }
+
+  // Waits for every bucket (Gloo) or makes the caller's stream wait (CUDA); afterwards every
+  // gradient holds the average across ranks. Inside no_sync: only ends the micro-step.
+  reduction_summary finish() {
+    reduction_summary summary;
+    if (no_sync_depth_ > 0) {
+      reset_iteration();
+      return summary;
+    }
+    summary.synchronized = true;
+    auto& engine = group_->backend();
+    if (marked_count_ < size()) handle_unmarked(summary);
+    launch_ready_buckets();
+    if (storage_ == gradient_storage::user_buffers) {
+      for (auto& bucket : buckets_) batched_copy(engine, std::span<const copy_region>(bucket.copy_out));
+    }
+    if (options_.check_nonfinite) check_nonfinite(summary);
+    work last = engine.record();
+    if constexpr (B::space == memory_space::device) {
+      last.make_stream_wait(caller_stream_);
+    } else {
+      last.wait();
+    }
+    const bool rebuild_now = options_.rebuild_after_first_iteration && generation_ == 0;
+    observed_order_complete_ = true;
+    reset_iteration();
+    if (rebuild_now) rebuild_buckets();
+    return summary;
+  }
+
+  // Gradient-accumulation micro-steps: while the scope lives, mark_ready only bookkeeps and
+  // finish() communicates nothing. The gradients (views or user buffers) keep what the
+  // backward leaves there; accumulate into them, and the next synchronised step reduces the
+  // accumulated sums.
+  class no_sync_scope {
+   public:
+    explicit no_sync_scope(gradient_reducer& reducer) : reducer_(&reducer) { ++reducer_->no_sync_depth_; }
+    no_sync_scope(const no_sync_scope&) = delete;
+    no_sync_scope& operator=(const no_sync_scope&) = delete;
+    ~no_sync_scope() {
+      if (--reducer_->no_sync_depth_ == 0) reducer_->reset_iteration();
+    }
+
+   private:
+    gradient_reducer* reducer_;
+  };
+  [[nodiscard]] no_sync_scope no_sync() {
+    if (launched_ > 0)
+      throw error(rank(), "gradient_reducer.no_sync", std::to_string(launched_) + " bucket(s) already launched this iteration",
+                  "enter no_sync before the backward pass, not during it");
+    return no_sync_scope(*this);
+  }
+
+  // ---- observation ------------------------------------------------------------------------------
+  // Buckets whose reduction has been queued in the current iteration.
+  std::size_t launched_buckets() const noexcept { return launched_; }
+  // The completion of bucket b's reduction in the current iteration (valid once launched).
+  const work& bucket_work(std::size_t b) const { return buckets_.at(b).done; }
+  // The ready order observed in the first synchronised iteration (what a rebuild uses).
+  const std::vector<std::size_t>& observed_order() const noexcept { return observed_order_; }
+
+  // Collective: re-buckets in rank 0's observed ready order (broadcast, so every rank agrees).
+  // Gradient values are carried over; spans from gradient() must be fetched again.
+  void rebuild_buckets() {
+    if (marked_count_ > 0 || launched_ > 0)
+      throw error(rank(), "gradient_reducer.rebuild_buckets", "called in the middle of an iteration",
+                  "rebuild after finish(), before the next backward pass");
+    std::vector<std::int64_t> order(size());
+    const bool have_order = observed_order_.size() == size();
+    std::vector<bool> listed(size(), false);
+    std::size_t fill = 0;
+    if (have_order)
+      for (auto index : observed_order_) {
+        order[fill++] = static_cast<std::int64_t>(index);
+        listed[index] = true;
+      }
+    for (std::size_t i = size(); i-- > 0;)
+      if (!listed[i]) order[fill++] = static_cast<std::int64_t>(i);
+    order = broadcast_host(std::move(order), 0);
+    std::vector<std::size_t> agreed(order.begin(), order.end());
+    std::vector<std::size_t> sizes;
+    std::vector<dtype> types;
+    for (const auto& spec : specs_) {
+      sizes.push_back(spec.count);
+      types.push_back(spec.type);
+    }
+    auto layout = assign_buckets(sizes, types, caps(), agreed);
+    auto old_buckets = std::move(buckets_);
+    const auto old_placement = placement_;
+    build(std::move(layout));
+    if (storage_ == gradient_storage::bucket_views) {
+      // Carry the (reduced) values over to the new views.
+      std::vector<copy_region> moves;
+      for (std::size_t i = 0; i < size(); ++i) {
+        const auto& from = old_placement[i];
+        const std::size_t bytes = specs_[i].count * size_of(specs_[i].type);
+        moves.push_back({location(i), static_cast<char*>(old_buckets[from.bucket].data) + from.offset_bytes, bytes});
+      }
+      auto& engine = group_->backend();
+      batched_copy(engine, std::span<const copy_region>(moves));
+      work moved = engine.record();
+      if constexpr (B::space == memory_space::device) moved.make_stream_wait(caller_stream_);
+      moved.wait();
+    } else {
+      group_->backend().record().wait();
+    }
+    release(old_buckets);
+    ++generation_;
+  }
+
+ private:
+  struct placement {
+    std::size_t bucket = 0;
+    std::size_t offset_bytes = 0;
+  };
+  struct bucket_storage {
+    void* data = nullptr;
+    std::size_t bytes = 0;
+    void* compressed = nullptr;  // compression scratch, or nullptr
+    std::size_t compressed_bytes = 0;
+    std::vector<copy_region> copy_in;   // user buffers -> bucket
+    std::vector<copy_region> copy_out;  // bucket -> user buffers
+    work done;
+  };
+
+  static std::vector<gradient_spec> specs_from(const std::vector<std::size_t>& sizes) {
+    std::vector<gradient_spec> specs;
+    for (auto n : sizes) specs.emplace_back(n);
+    return specs;
+  }
+  template <element T>
+  static std::vector<gradient_spec> specs_from(std::span<const std::span<T>> buffers) {
+    std::vector<gradient_spec> specs;
+    for (auto buffer : buffers) specs.emplace_back(buffer);
+    return specs;
+  }
+
+  int rank() const noexcept { return group_->rank(); }
+  bucket_caps caps() const { return {options_.first_bucket_bytes, options_.bucket_bytes}; }
+
+  void validate_specs() {
+    std::size_t with_buffer = 0;
+    for (const auto& spec : specs_) with_buffer += spec.data != nullptr;
+    if (with_buffer != 0 && with_buffer != specs_.size())
+      throw error(rank(), "gradient_reducer", std::to_string(with_buffer) + " of " + std::to_string(specs_.size()) +
+                                                  " gradients come with a buffer",
+                  "give every gradient a buffer (user buffers) or none (bucket views)");
+    storage_ = with_buffer == 0 ? gradient_storage::bucket_views : gradient_storage::user_buffers;
+    if (specs_.empty())
+      throw error(rank(), "gradient_reducer", "no gradients", "pass the gradient sizes or buffers of the model");
+  }
+
+  void check_index(const char* operation, std::size_t i) const {
+    if (i >= size())
+      throw error(rank(), std::string("gradient_reducer.") + operation,
+                  "gradient " + std::to_string(i) + " of " + std::to_string(size()),
+                  "gradients are numbered 0 .. n-1 in declaration order");
+  }
+
+  void* location(std::size_t i) const {
+    if (storage_ == gradient_storage::user_buffers) return specs_[i].data;
+    const auto& where = placement_[i];
+    return static_cast<char*>(buckets_[where.bucket].data) + where.offset_bytes;
+  }
+
+  static bool compressible(dtype type) { return type == dtype::float32 || type == dtype::float64; }
+  dtype compressed_type() const {
+    return options_.compress == compression::bfloat16 ? dtype::bfloat16 : dtype::float16;
+  }
+
+  // Allocates the buckets of `layout` (zeroed) and the per-gradient bookkeeping.
+  void build(std::vector<bucket_layout> layout) {
+    auto& engine = group_->backend();
+    layout_ = std::move(layout);
+    placement_.assign(size(), placement{});
+    buckets_.clear();
+    buckets_.resize(layout_.size());
+    for (std::size_t b = 0; b < layout_.size(); ++b) {
+      auto& bucket = buckets_[b];
+      const auto& shape = layout_[b];
+      bucket.bytes = shape.bytes();
+      bucket.data = engine.allocate(bucket.bytes);
+      fill(engine, bucket.data, shape.elements, shape.type, 0.0);
+      if (options_.compress != compression::none && compressible(shape.type)) {
+        bucket.compressed_bytes = shape.elements * size_of(compressed_type());
+        bucket.compressed = engine.allocate(bucket.compressed_bytes);
+      }
+      for (std::size_t k = 0; k < shape.gradients.size(); ++k) {
+        const std::size_t i = shape.gradients[k];
+        placement_[i] = {b, shape.offsets[k] * size_of(shape.type)};
+      }
+    }
+    by_address_.clear();
+    for (std::size_t i = 0; i < size(); ++i) {
+      if (storage_ == gradient_storage::user_buffers) {
+        auto& bucket = buckets_[placement_[i].bucket];
+        void* inside = static_cast<char*>(bucket.data) + placement_[i].offset_bytes;
+        const std::size_t bytes = specs_[i].count * size_of(specs_[i].type);
+        bucket.copy_in.push_back({inside, specs_[i].data, bytes});
+        bucket.copy_out.push_back({specs_[i].data, inside, bytes});
+      }
+      by_address_[location(i)] = i;
+    }
+    engine.record().wait();  // the zero fill, before anyone writes a view
+    pending_.assign(buckets_.size(), 0);
+    marked_.assign(size(), 0);
+    reset_iteration();
+  }
+
+  void release(std::vector<bucket_storage>& buckets) {
+    auto& engine = group_->backend();
+    for (auto& bucket : buckets) {
+      if (bucket.data) engine.deallocate(bucket.data, bucket.bytes);
+      if (bucket.compressed) engine.deallocate(bucket.compressed, bucket.compressed_bytes);
+      bucket.data = bucket.compressed = nullptr;
+    }
+  }
+
+  void reset_iteration() {
+    std::fill(marked_.begin(), marked_.end(), std::uint8_t{0});
+    marked_count_ = 0;
+    launched_ = 0;
+    for (std::size_t b = 0; b < buckets_.size(); ++b) pending_[b] = layout_[b].gradients.size();
+    if (!observed_order_complete_) observed_order_.clear();
+  }
+
+  void launch_ready_buckets() {
+    while (launched_ < buckets_.size() && pending_[launched_] == 0) launch(launched_++);
+  }
+
+  void launch(std::size_t b) {
+    auto& engine = group_->backend();
+    auto& bucket = buckets_[b];
+    const auto& shape = layout_[b];
+    if constexpr (B::space == memory_space::device) engine.wait_for_caller(caller_stream_);
+    if (storage_ == gradient_storage::user_buffers) batched_copy(engine, std::span<const copy_region>(bucket.copy_in));
+    if (hook_) {
+      bucket.done = hook_(*group_, bucket_ref{b, bucket.data, shape.elements, shape.type});
+    } else if (bucket.compressed) {
+      const dtype small = compressed_type();
+      cast(engine, bucket.data, shape.type, bucket.compressed, small, shape.elements);
+      all_reduce_average(bucket.compressed, shape.elements, small);
+      bucket.done = cast(engine, bucket.compressed, small, bucket.data, shape.type, shape.elements);
+    } else {
+      bucket.done = all_reduce_average(bucket.data, shape.elements, shape.type);
+    }
+    if (options_.on_launch) options_.on_launch(b);
+  }
+
+  work all_reduce_average(void* data, std::size_t count, dtype type) {
+    return visit_dtype(type, [&](auto sample) {
+      using T = decltype(sample);
+      return group_->all_reduce(std::span<T>(static_cast<T*>(data), count), op::avg);
+    });
+  }
+
+  void handle_unmarked(reduction_summary& summary) {
+    std::vector<std::uint8_t> used(marked_.begin(), marked_.end());
+    if (options_.unused == unused_gradients::error) {
+      std::string list;
+      std::size_t shown = 0, missing = 0;
+      for (std::size_t i = 0; i < size(); ++i) {
+        if (marked_[i]) continue;
+        ++missing;
+        if (shown++ < 16) list += (list.empty() ? "" : ", ") + detail::describe_gradient(i, specs_[i].count, specs_[i].type);
+      }
+      if (missing > shown) list += ", ...";
+      reset_iteration();
+      throw error(rank(), "gradient_reducer.finish",
+                  std::to_string(missing) + " gradient(s) never marked ready: " + list,
+                  "mark every gradient in the backward pass, or set unused = unused_gradients::zero for "
+                  "parameters a step may skip");
+    }
+    // Unused here: zero in the bucket, then marked, so its bucket launches like any other.
+    auto& engine = group_->backend();
+    for (std::size_t i = 0; i < size(); ++i) {
+      if (marked_[i]) continue;
+      const auto& where = placement_[i];
+      fill(engine, static_cast<char*>(buckets_[where.bucket].data) + where.offset_bytes, specs_[i].count, specs_[i].type, 0.0);
+      if (storage_ == gradient_storage::user_buffers) drop_copy_in(i);
+      marked_[i] = 1;
+      ++marked_count_;
+      --pending_[where.bucket];
+    }
+    // The zero fill above runs in the backend's order, before the buckets that follow it.
+    launch_ready_buckets();
+    restore_copy_in();
+    // Which gradients did any rank produce? Every rank learns the same answer.
+    used = all_reduce_host(std::move(used), op::max);
+    for (std::size_t i = 0; i < size(); ++i)
+      if (!used[i]) summary.unused.push_back(i);
+  }
+
+  // A user buffer of a gradient unused this iteration is not read: its region is zero-filled.
+  void drop_copy_in(std::size_t i) {
+    auto& regions = buckets_[placement_[i].bucket].copy_in;
+    for (auto& region : regions)
+      if (region.source == specs_[i].data) {
+        dropped_.push_back({&region, region.bytes});
+        region.bytes = 0;
+      }
+  }
+  void restore_copy_in() {
+    for (auto& [region, bytes] : dropped_) region->bytes = bytes;
+    dropped_.clear();
+  }
+
+  void check_nonfinite(reduction_summary& summary) {
+    auto& engine = group_->backend();
+    auto* counter = static_cast<std::int64_t*>(engine.allocate(sizeof(std::int64_t)));
+    fill(engine, counter, 1, dtype::int64, 0.0);
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      count_nonfinite(engine, buckets_[b].data, layout_[b].elements, layout_[b].type, counter);
+    group_->all_reduce(std::span<std::int64_t>(counter, 1), op::sum);
+    std::int64_t found = 0;
+    engine.copy(&found, counter, sizeof found).wait();
+    engine.deallocate(counter, sizeof(std::int64_t));
+    summary.nonfinite_count = found;
+    summary.nonfinite = found > 0;
+  }
+
+  // Small host vectors through a collective, staged through backend memory where needed.
+  template <class T>
+  std::vector<T> all_reduce_host(std::vector<T> values, op reduce) {
+    return stage(std::move(values), values.size(), [&](T* in, T* out, std::size_t n) {
+      return group_->all_reduce(std::span<const T>(in, n), std::span<T>(out, n), reduce);
+    });
+  }
+  template <class T>
+  std::vector<T> all_gather_host(std::vector<T> values) {
+    const std::size_t out_count = values.size() * static_cast<std::size_t>(group_->size());
+    return stage(std::move(values), out_count, [&](T* in, T* out, std::size_t n) {
+      return group_->all_gather(std::span<const T>(in, n), std::span<T>(out, out_count));
+    });
+  }
+  template <class T>
+  std::vector<T> broadcast_host(std::vector<T> values, int root) {
+    const std::size_t n = values.size();
+    return stage(std::move(values), n, [&](T* in, T* out, std::size_t count) {
+      group_->backend().copy(out, in, count * sizeof(T));
+      return group_->broadcast(std::span<T>(out, count), root);
+    });
+  }
+  template <class T, class Collective>
+  std::vector<T> stage(std::vector<T> values, std::size_t out_count, Collective&& collective) {
+    std::vector<T> result(out_count);
+    if constexpr (B::space == memory_space::host) {
+      collective(values.data(), result.data(), values.size()).wait();
+    } else {
+      auto& engine = group_->backend();
+      const std::size_t in_bytes = values.size() * sizeof(T), out_bytes = out_count * sizeof(T);
+      auto* in = static_cast<T*>(engine.allocate(in_bytes));
+      auto* out = static_cast<T*>(engine.allocate(out_bytes));
+      engine.copy(in, values.data(), in_bytes);
+      collective(in, out, values.size());
+      engine.copy(result.data(), out, out_bytes).wait();
+      engine.deallocate(in, in_bytes);
+      engine.deallocate(out, out_bytes);
+    }
+    return result;
+  }
+
+  // Every rank's layout must match, or the collectives would pair mismatched buckets:
+  // compare (hash, gradients, elements, buckets) once.
+  void check_layout_across_ranks() {
+    std::uint64_t hash = 1469598103934665603ull;
+    auto mix = [&](std::uint64_t value) {
+      hash ^= value;
+      hash *= 1099511628211ull;
+    };
+    std::size_t elements = 0;
+    for (const auto& bucket : layout_) {
+      mix(static_cast<std::uint64_t>(bucket.type));
+      mix(bucket.elements);
+      for (std::size_t k = 0; k < bucket.gradients.size(); ++k) {
+        mix(bucket.gradients[k]);
+        mix(bucket.offsets[k]);
+      }
+    }
+    for (const auto& spec : specs_) elements += spec.count;
+    mix(static_cast<std::uint64_t>(options_.compress));
+    const std::vector<std::int64_t> mine{static_cast<std::int64_t>(hash & 0x7fffffffffffffffull),
+                                         static_cast<std::int64_t>(size()), static_cast<std::int64_t>(elements),
+                                         static_cast<std::int64_t>(buckets_.size())};
+    const auto all = all_gather_host(mine);
+    auto describe = [&](int r) {
+      const auto* row = &all[static_cast<std::size_t>(r) * 4];
+      return "rank " + std::to_string(r) + " has " + std::to_string(row[1]) + " gradients of " +
+             std::to_string(row[2]) + " elements in " + std::to_string(row[3]) + " buckets";
+    };
+    // Every rank sees the same table, so every rank names the same pair: rank 0 and the
+    // first rank that differs from it.
+    for (int r = 1; r < group_->size(); ++r) {
+      if (all[static_cast<std::size_t>(r) * 4] == all[0]) continue;
+      throw error(rank(), "gradient_reducer",
+                  "bucket layouts differ across ranks: " + describe(0) + "; " + describe(r) +
+                      " (or sizes, dtypes, caps or compression differ)",
+                  "build the reducer from the same model on every rank, with the same options");
+    }
+  }
+
+  process_group<B>* group_;
+  std::vector<gradient_spec> specs_;
+  reducer_options options_;
+  gradient_storage storage_ = gradient_storage::bucket_views;
+  std::vector<bucket_layout> layout_;
+  std::vector<bucket_storage> buckets_;
+  std::vector<placement> placement_;
+  std::unordered_map<const void*, std::size_t> by_address_;
+  std::vector<std::size_t> pending_;  // gradients still unmarked, per bucket
+  std::vector<std::uint8_t> marked_;
+  std::size_t marked_count_ = 0;
+  std::size_t launched_ = 0;  // buckets launched this iteration (always a prefix)
+  int no_sync_depth_ = 0;
+  std::vector<std::size_t> observed_order_;
+  bool observed_order_complete_ = false;
+  std::size_t generation_ = 0;
+  std::vector<std::pair<copy_region*, std::size_t>> dropped_;
+  comm_hook hook_;
+  stream_type caller_stream_{};
+};
+
+// ---- helpers ---------------------------------------------------------------------------------
+
+// Collective: every parameter takes rank `root`'s values, so replicas start equal. Returns
+// the last broadcast's work: collectives complete in issue order, so waiting on it waits
+// for all.
+template <backend B, element T>
+typename B::work broadcast_parameters(process_group<B>& group, std::span<const std::span<T>> parameters, int root = 0) {
+  typename B::work last;
+  for (auto parameter : parameters) last = group.broadcast(parameter, root);
+  return last;
+}
+template <backend B, element T>
+typename B::work broadcast_parameters(process_group<B>& group, const std::vector<std::span<T>>& parameters, int root = 0) {
+  return broadcast_parameters(group, std::span<const std::span<T>>(parameters), root);
+}
+
+}  // namespace cohort::inline v0
