@@ -184,7 +184,7 @@ TEMPLATE_TEST_CASE("all_gather, broadcast and all_to_all move every rank's data"
   }
 }
 
-TEST_CASE("send and recv pair up by peer and tag; collectives complete in issue order",
+TEST_CASE("send and recv pair up by peer and tag, and collectives complete in issue order",
           "[process_group][gloo]") {
   auto store = fresh_store();
   cohort_test::run_ranks(3, [&](int rank) {

@@ -64,9 +64,17 @@ class gloo_store_adapter final : public ::gloo::rendezvous::Store {
   std::chrono::milliseconds timeout_;
 };
 
+// A posted point-to-point operation, waited for separately (see gloo::send).
+struct gloo_p2p {
+  std::unique_ptr<::gloo::transport::UnboundBuffer> buffer;
+  std::uint64_t post_sequence = 0;
+  bool sending = false;
+};
+
 struct gloo_task {
   enum class kind : std::uint8_t {
-    all_reduce, reduce_scatter, all_gather, broadcast, all_to_all, send, recv, barrier, function
+    all_reduce, reduce_scatter, all_gather, broadcast, all_to_all, send, recv, barrier, function,
+    p2p_wait
   };
   kind what = kind::function;
   dtype type = dtype::float32;
@@ -77,6 +85,7 @@ struct gloo_task {
   int peer = 0;           // root for broadcast, peer for send/recv
   std::uint64_t tag = 0;
   std::function<void()> fn;
+  std::shared_ptr<gloo_p2p> p2p;
 };
 
 inline bool is_loopback(const std::string& address) {
@@ -162,6 +171,7 @@ class gloo {
   // Finishes queued work first: the worker's tasks refer to this context.
   ~gloo() {
     if (worker_) worker_->shutdown();
+    if (p2p_worker_) p2p_worker_->shutdown();
   }
 
   // Subgroup of a split (process_group::split did the bookkeeping): a new Gloo context over
@@ -193,11 +203,15 @@ class gloo {
   work all_to_all(const void* in, void* out, std::size_t count_per_rank, dtype type) {
     return submit(task(task_kind::all_to_all, type, op::sum, in, out, count_per_rank));
   }
+  // Point-to-point operations are posted in issue order on the group's worker, after every
+  // earlier call, and never block it: a blocking send in the queue would deadlock a ring of
+  // ranks that all send before they receive. A second worker waits for their completion, in
+  // posting order; the returned work completes when the peer has matched the operation.
   work send(const void* data, std::size_t count, dtype type, int peer, std::uint64_t tag) {
-    return submit(task(task_kind::send, type, op::sum, data, nullptr, count, peer, tag));
+    return post(task(task_kind::send, type, op::sum, data, nullptr, count, peer, tag));
   }
   work recv(void* data, std::size_t count, dtype type, int peer, std::uint64_t tag) {
-    return submit(task(task_kind::recv, type, op::sum, nullptr, data, count, peer, tag));
+    return post(task(task_kind::recv, type, op::sum, nullptr, data, count, peer, tag));
   }
   work barrier() { return submit(task(task_kind::barrier)); }
 
@@ -264,6 +278,7 @@ class gloo {
     }
     context_ = std::move(context);
     worker_ = std::make_shared<worker_type>([this](detail::gloo_task& task) { run(task); });
+    p2p_worker_ = std::make_shared<worker_type>([this](detail::gloo_task& task) { run(task); });
   }
 
   static detail::gloo_task task(task_kind what, dtype type = dtype::uint8, op reduce = op::sum,
@@ -286,17 +301,28 @@ class gloo {
     return work(worker_, seq);
   }
 
+  work post(detail::gloo_task operation) {
+    auto pending = std::make_shared<detail::gloo_p2p>();
+    auto completion = task(task_kind::p2p_wait, operation.type, op::sum, operation.in, operation.out,
+                           operation.count, operation.peer, operation.tag);
+    completion.p2p = pending;
+    operation.p2p = pending;
+    pending->sending = operation.what == task_kind::send;
+    pending->post_sequence = worker_->submit(std::move(operation));
+    return work(p2p_worker_, p2p_worker_->submit(std::move(completion)));
+  }
+
   static std::string describe(const detail::gloo_task& task) {
-    static constexpr const char* names[] = {"all_reduce", "reduce_scatter", "all_gather",
-                                            "broadcast",  "all_to_all",     "send",
-                                            "recv",       "barrier",        "host_task"};
+    static constexpr const char* names[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast",
+                                            "all_to_all", "send",           "recv",       "barrier",
+                                            "host_task",  "p2p_wait"};
     std::string text = names[static_cast<int>(task.what)];
     if (task.what == task_kind::barrier || task.what == task_kind::function) return text;
     text += "(" + std::string(to_string(task.type)) + " x " + std::to_string(task.count);
     if (task.what == task_kind::all_reduce || task.what == task_kind::reduce_scatter)
       text += ", " + std::string(to_string(task.reduce));
     if (task.what == task_kind::broadcast) text += ", root " + std::to_string(task.peer);
-    if (task.what == task_kind::send || task.what == task_kind::recv)
+    if (task.what == task_kind::send || task.what == task_kind::recv || task.what == task_kind::p2p_wait)
       text += ", peer " + std::to_string(task.peer);
     return text + ")";
   }
@@ -328,6 +354,16 @@ class gloo {
       case task_kind::function:
         if (task.fn) task.fn();
         return;
+      case task_kind::p2p_wait: {
+        worker_->wait_until_done(task.p2p->post_sequence, std::chrono::steady_clock::time_point::max());
+        if (auto failure = worker_->failure(task.p2p->post_sequence)) std::rethrow_exception(failure);
+        if (!task.p2p->buffer) return;  // zero elements: nothing was posted
+        const bool completed = task.p2p->sending ? task.p2p->buffer->waitSend(options_.timeout)
+                                       : task.p2p->buffer->waitRecv(options_.timeout);
+        task.p2p->buffer.reset();
+        if (!completed) throw_timeout(task);
+        return;
+      }
       case task_kind::barrier: {
         ::gloo::BarrierOptions opts(context_);
         opts.setTag(collective_tag(task));
@@ -413,15 +449,13 @@ class gloo {
         return;
       }
       case task_kind::send: {
-        auto buffer = context_->createUnboundBuffer(const_cast<T*>(in), n * sizeof(T));
-        buffer->send(task.peer, point_to_point_slot(task));
-        if (!buffer->waitSend(options_.timeout)) throw_timeout(task);
+        task.p2p->buffer = context_->createUnboundBuffer(const_cast<T*>(in), n * sizeof(T));
+        task.p2p->buffer->send(task.peer, point_to_point_slot(task));
         return;
       }
       case task_kind::recv: {
-        auto buffer = context_->createUnboundBuffer(out, n * sizeof(T));
-        buffer->recv(task.peer, point_to_point_slot(task));
-        if (!buffer->waitRecv(options_.timeout)) throw_timeout(task);
+        task.p2p->buffer = context_->createUnboundBuffer(out, n * sizeof(T));
+        task.p2p->buffer->recv(task.peer, point_to_point_slot(task));
         return;
       }
       default: return;
@@ -440,12 +474,14 @@ class gloo {
         hash *= 1099511628211ull;
       }
     };
-    mix(static_cast<std::uint64_t>(task.what));
+    // A send and its recv must share a slot: both count as "point to point".
+    const bool point_to_point = task.what == task_kind::send || task.what == task_kind::recv;
+    mix(point_to_point ? 0xffu : static_cast<std::uint64_t>(task.what));
     mix(static_cast<std::uint64_t>(task.type));
     mix(task.count);
     mix(static_cast<std::uint64_t>(task.reduce));
     if (task.what == task_kind::broadcast) mix(static_cast<std::uint64_t>(task.peer));
-    if (task.what == task_kind::send || task.what == task_kind::recv) mix(task.tag);
+    if (point_to_point) mix(task.tag);
     return hash;
   }
   static std::uint32_t collective_tag(const detail::gloo_task& task) {
@@ -475,7 +511,8 @@ class gloo {
   std::shared_ptr<::gloo::transport::Device> device_;
   std::shared_ptr<::gloo::Context> context_;
   std::vector<std::byte> scratch_;  // used by the worker thread only
-  std::shared_ptr<worker_type> worker_;  // last: its thread runs run(), which uses the above
+  std::shared_ptr<worker_type> worker_;      // last: their threads run run(), which uses the above
+  std::shared_ptr<worker_type> p2p_worker_;
 };
 
 }  // namespace cohort::inline v0

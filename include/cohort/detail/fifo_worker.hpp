@@ -1,8 +1,13 @@
 #pragma once
-// The ordering primitive of host backends: one worker thread runs submitted tasks strictly
-// in submission order, and a work handle is just (queue, sequence number). Completion is a
-// single monotonically increasing counter, so waiting costs no lock and a handle costs no
-// allocation; failures are rare and kept in a small side table.
+// The ordering primitive of host backends: submitted tasks run strictly in submission
+// order, one at a time, and a work handle is just (queue, sequence number).
+//
+// A worker thread gives asynchronous progress (a bucket's all-reduce runs while the
+// backward pass computes). A thread that waits for a task that has not started yet runs
+// the queued tasks up to it itself instead of handing them to the worker and sleeping:
+// issue-then-wait then costs no thread hand-off at all, which is what keeps the wrapper
+// free next to the raw engine call. Completion is one monotonically increasing counter,
+// so checking a handle takes no lock; failures are rare and kept in a side table.
 
 #include <atomic>
 #include <chrono>
@@ -17,23 +22,20 @@
 #include <thread>
 #include <utility>
 
-#include "cohort/error.hpp"
-
 namespace cohort::inline v0::detail {
 
 template <class Task>
 class fifo_worker {
  public:
-  // run(task) executes one task on the worker thread; it may throw. After the first
-  // failure every later task fails too without running (the group is considered aborted,
-  // as a collective engine cannot recover from a half-finished collective).
+  // run(task) executes one task; it may throw. After the first failure every later task
+  // fails with that error without running (the group is considered aborted, as a collective
+  // engine cannot recover from a half-finished collective).
   using runner = std::function<void(Task&)>;
 
   explicit fifo_worker(runner run) : run_(std::move(run)), thread_([this] { loop(); }) {}
 
   fifo_worker(const fifo_worker&) = delete;
   fifo_worker& operator=(const fifo_worker&) = delete;
-
   ~fifo_worker() { shutdown(); }
 
   // Runs everything already submitted, then stops the thread. Work handles that outlive
@@ -43,7 +45,7 @@ class fifo_worker {
       std::lock_guard lock(mutex_);
       stopping_ = true;
     }
-    ready_.notify_one();
+    ready_.notify_all();
     if (thread_.joinable()) thread_.join();
   }
 
@@ -53,8 +55,8 @@ class fifo_worker {
     bool sleeping;
     {
       std::lock_guard lock(mutex_);
-      tasks_.push_back(std::move(task));
       seq = ++submitted_;
+      tasks_.push_back(queued{seq, std::move(task)});
       queued_.store(tasks_.size(), std::memory_order_release);
       sleeping = worker_sleeping_;
     }
@@ -64,25 +66,23 @@ class fifo_worker {
     return seq;
   }
 
-  bool done(std::uint64_t seq) const noexcept {
-    return completed_.load(std::memory_order_acquire) >= seq;
-  }
+  bool done(std::uint64_t seq) const noexcept { return completed_.load(std::memory_order_acquire) >= seq; }
 
-  // Waits until task seq has run; true when it did within the timeout.
-  bool wait_until_done(std::uint64_t seq, std::chrono::steady_clock::time_point deadline) const {
-    // A short spin first: most waits follow a collective that is about to finish, and a
-    // futex sleep/wake costs more than the spin.
-    for (int spin = 0; spin < 2000; ++spin)
-      if (done(seq)) return true;
-    std::uint64_t seen = completed_.load(std::memory_order_acquire);
-    while (seen < seq) {
-      if (deadline == std::chrono::steady_clock::time_point::max()) {
-        completed_.wait(seen, std::memory_order_acquire);
-      } else {
-        std::unique_lock lock(mutex_);
-        if (!completed_cv_.wait_until(lock, deadline, [&] { return done(seq); })) return false;
+  // Waits until task seq has run, running queued tasks up to it on this thread when no
+  // one else is running one. True when done by the deadline.
+  bool wait_until_done(std::uint64_t seq, std::chrono::steady_clock::time_point deadline) {
+    if (done(seq)) return true;
+    std::unique_lock lock(mutex_);
+    while (!done(seq)) {
+      if (!executing_ && !tasks_.empty() && tasks_.front().seq <= seq) {
+        run_front(lock);
+        continue;
       }
-      seen = completed_.load(std::memory_order_acquire);
+      if (deadline == std::chrono::steady_clock::time_point::max()) {
+        completed_cv_.wait(lock);
+      } else if (completed_cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+        return done(seq);
+      }
     }
     return true;
   }
@@ -100,6 +100,38 @@ class fifo_worker {
   }
 
  private:
+  struct queued {
+    std::uint64_t seq;
+    Task task;
+  };
+
+  // Pops and runs the front task. The lock is held on entry and on return, and released
+  // while the task runs; `executing_` keeps every other thread from starting the next one.
+  void run_front(std::unique_lock<std::mutex>& lock) {
+    queued next = std::move(tasks_.front());
+    tasks_.pop_front();
+    queued_.store(tasks_.size(), std::memory_order_release);
+    executing_ = true;
+    std::exception_ptr failed = first_failure_;
+    lock.unlock();
+    if (!failed) {
+      try {
+        run_(next.task);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    }
+    lock.lock();
+    if (failed) {
+      if (!first_failure_) first_failure_ = failed;
+      failures_.emplace(next.seq, failed);
+    }
+    executing_ = false;
+    completed_.store(next.seq, std::memory_order_release);
+    completed_cv_.notify_all();
+    if (worker_sleeping_) ready_.notify_one();
+  }
+
   void loop() {
     for (;;) {
       // Poll briefly before sleeping: collectives are usually issued back to back, and a
@@ -108,57 +140,34 @@ class fifo_worker {
       const auto poll_until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
       while (queued_.load(std::memory_order_acquire) == 0 && std::chrono::steady_clock::now() < poll_until)
         std::this_thread::yield();
-      Task task;
-      {
-        std::unique_lock lock(mutex_);
-        if (tasks_.empty() && !stopping_) {
-          worker_sleeping_ = true;
-          ready_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
-          worker_sleeping_ = false;
-        }
-        if (tasks_.empty()) return;  // stopping, and everything submitted has run
-        task = std::move(tasks_.front());
-        tasks_.pop_front();
-        queued_.store(tasks_.size(), std::memory_order_release);
+      std::unique_lock lock(mutex_);
+      const auto can_run = [&] { return !tasks_.empty() && !executing_; };
+      if (!can_run() && !(stopping_ && tasks_.empty())) {
+        worker_sleeping_ = true;
+        ready_.wait(lock, [&] { return can_run() || (stopping_ && tasks_.empty()); });
+        worker_sleeping_ = false;
       }
-      const std::uint64_t seq = completed_.load(std::memory_order_relaxed) + 1;
-      std::exception_ptr failed = first_failure_snapshot();
-      if (!failed) {
-        try {
-          run_(task);
-        } catch (...) {
-          failed = std::current_exception();
-          std::lock_guard lock(mutex_);
-          first_failure_ = failed;
-        }
+      if (can_run()) {
+        run_front(lock);
+      } else if (stopping_ && tasks_.empty()) {
+        return;  // everything submitted has been taken; a waiter may still be finishing one
       }
-      {
-        std::lock_guard lock(mutex_);
-        if (failed) failures_.emplace(seq, failed);
-        completed_.store(seq, std::memory_order_release);
-      }
-      completed_.notify_all();
-      completed_cv_.notify_all();
     }
-  }
-
-  std::exception_ptr first_failure_snapshot() const {
-    std::lock_guard lock(mutex_);
-    return first_failure_;
   }
 
   runner run_;
   mutable std::mutex mutex_;
-  std::condition_variable ready_;
-  mutable std::condition_variable completed_cv_;
-  std::deque<Task> tasks_;
+  std::condition_variable ready_;         // wakes the worker
+  std::condition_variable completed_cv_;  // wakes waiters
+  std::deque<queued> tasks_;
   std::uint64_t submitted_ = 0;
   std::atomic<std::size_t> queued_{0};
+  bool executing_ = false;
   bool worker_sleeping_ = false;
+  bool stopping_ = false;
   std::atomic<std::uint64_t> completed_{0};
   std::map<std::uint64_t, std::exception_ptr> failures_;
   std::exception_ptr first_failure_;
-  bool stopping_ = false;
   std::thread thread_;  // last: starts after every member above exists
 };
 
