@@ -1,0 +1,242 @@
+// Sharded parameters against data parallelism, on Gloo ranks as threads over loopback.
+//
+//   bench_sharded [--ranks 4] [--units 16] [--unit-mib 4] [--steps 3] [--compute-us 2000] [--json FILE]
+//
+// A stack of equal units is trained for a few steps: forward gathers every unit, backward
+// gathers it again and reduce-scatters its gradient (the FSDP / ZeRO-3 pattern), with
+// prefetch depth 0, 1 and 2; each unit's compute is a sleep of --compute-us (an accelerator
+// working while the host waits), which prefetch can overlap. Data parallelism keeps full
+// replicas and all-reduces every unit's gradient. Reported per step: time, bytes each rank
+// put on the wire as counted by the container (bus bytes, nccl-tests convention) next to
+// the formulas 3(n-1)/n x P (sharded) and 2(n-1)/n x P (data parallel), and peak memory per
+// rank next to the unsharded footprint (full parameters + full gradients).
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cohort/backend/gloo.hpp"
+#include "cohort/detail/json.hpp"
+#include "cohort/process_group.hpp"
+#include "cohort/sharded.hpp"
+#include "cohort/store.hpp"
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+using group = cohort::process_group<cohort::gloo>;
+
+struct config {
+  int ranks = 4;
+  std::size_t units = 16;
+  double unit_mib = 4;
+  int steps = 3;
+  int compute_us = 2000;
+  std::string json_path;
+};
+
+struct result {
+  std::string mode;
+  int prefetch = 0;
+  double step_ms = 0;
+  double counted_bytes = 0;  // per rank per step
+  double formula_bytes = 0;
+  double peak_bytes = 0;     // per rank
+  double allocations = 0;
+};
+
+void run_threads(int ranks, const std::function<void(int)>& fn) {
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(ranks));
+  for (int r = 0; r < ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        fn(r);
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+group make_group(const std::shared_ptr<cohort::memory_store>& store, int rank, int world) {
+  cohort::gloo::options opts;
+  opts.timeout = std::chrono::seconds(60);
+  return group(store, cohort::launch_env::explicit_ranks(rank, world), opts);
+}
+
+void compute(const config& cfg) { std::this_thread::sleep_for(std::chrono::microseconds(cfg.compute_us)); }
+
+result run_sharded(const config& cfg, int prefetch) {
+  const std::size_t elements = static_cast<std::size_t>(cfg.unit_mib * (1 << 20)) / sizeof(float);
+  const double total_bytes = static_cast<double>(elements * sizeof(float) * cfg.units);
+  const double n = cfg.ranks;
+  auto store = std::make_shared<cohort::memory_store>();
+  result out;
+  out.mode = "sharded";
+  out.prefetch = prefetch;
+  out.formula_bytes = 3 * (n - 1) / n * total_bytes;
+  run_threads(cfg.ranks, [&](int rank) {
+    auto pg = make_group(store, rank, cfg.ranks);
+    cohort::sharded_parameters<cohort::gloo, float> params(
+        pg, std::vector<std::vector<std::size_t>>(cfg.units, std::vector<std::size_t>{elements}),
+        {.prefetch = prefetch});
+    params.init_with([](std::size_t, std::size_t, std::size_t first, std::span<float> values) {
+      for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>((first + i) % 7);
+    });
+    std::vector<float> gradient(elements, 0.5f);
+    auto step = [&] {
+      params.set_order(cohort::prefetch_order::forward);
+      for (std::size_t u = 0; u < cfg.units; ++u) {
+        auto unit = params.gather(u);
+        unit.wait();
+        compute(cfg);
+      }
+      params.set_order(cohort::prefetch_order::backward);
+      for (std::size_t u = cfg.units; u-- > 0;) {
+        auto unit = params.gather(u);
+        unit.wait();
+        compute(cfg);
+        unit.reset();
+        params.reduce_scatter_grad(u, gradient).wait();
+      }
+      params.record().wait();
+    };
+    step();  // warm-up: connections, first allocations
+    pg.barrier().wait();
+    params.reset_traffic();
+    const auto start = clock_type::now();
+    for (int s = 0; s < cfg.steps; ++s) step();
+    pg.barrier().wait();
+    const double seconds = std::chrono::duration<double>(clock_type::now() - start).count();
+    if (rank == 0) {
+      out.step_ms = seconds * 1e3 / cfg.steps;
+      out.counted_bytes = static_cast<double>(params.traffic().total()) / cfg.steps;
+      out.peak_bytes = static_cast<double>(params.peak_total());
+      out.allocations = static_cast<double>(params.allocations());
+    }
+  });
+  return out;
+}
+
+result run_data_parallel(const config& cfg) {
+  const std::size_t elements = static_cast<std::size_t>(cfg.unit_mib * (1 << 20)) / sizeof(float);
+  const double total_bytes = static_cast<double>(elements * sizeof(float) * cfg.units);
+  const double n = cfg.ranks;
+  auto store = std::make_shared<cohort::memory_store>();
+  result out;
+  out.mode = "data_parallel";
+  out.formula_bytes = 2 * (n - 1) / n * total_bytes;
+  out.counted_bytes = out.formula_bytes;  // one all-reduce of every gradient
+  out.peak_bytes = 2 * total_bytes;       // full parameters + full gradients
+  run_threads(cfg.ranks, [&](int rank) {
+    auto pg = make_group(store, rank, cfg.ranks);
+    std::vector<std::vector<float>> gradients(cfg.units, std::vector<float>(elements, 0.5f));
+    auto step = [&] {
+      for (std::size_t u = 0; u < cfg.units; ++u) compute(cfg);
+      std::vector<group::work> pending;
+      for (std::size_t u = cfg.units; u-- > 0;) {
+        compute(cfg);
+        pending.push_back(pg.all_reduce(std::span<float>(gradients[u]), cohort::op::avg));
+      }
+      for (auto& w : pending) w.wait();
+    };
+    step();
+    pg.barrier().wait();
+    const auto start = clock_type::now();
+    for (int s = 0; s < cfg.steps; ++s) step();
+    pg.barrier().wait();
+    if (rank == 0)
+      out.step_ms = std::chrono::duration<double>(clock_type::now() - start).count() * 1e3 / cfg.steps;
+  });
+  return out;
+}
+
+config parse(int argc, char** argv) {
+  config cfg;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::runtime_error(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--ranks") cfg.ranks = std::stoi(value());
+    else if (arg == "--units") cfg.units = std::stoul(value());
+    else if (arg == "--unit-mib") cfg.unit_mib = std::stod(value());
+    else if (arg == "--steps") cfg.steps = std::stoi(value());
+    else if (arg == "--compute-us") cfg.compute_us = std::stoi(value());
+    else if (arg == "--json") cfg.json_path = value();
+    else
+      throw std::runtime_error("unknown argument " + arg +
+                               " (usage: bench_sharded [--ranks N] [--units U] [--unit-mib M] [--steps S] "
+                               "[--compute-us C] [--json FILE])");
+  }
+  if (cfg.ranks < 1 || cfg.units < 1 || cfg.steps < 1 || cfg.unit_mib <= 0)
+    throw std::runtime_error("--ranks, --units, --steps and --unit-mib must be positive");
+  return cfg;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const config cfg = parse(argc, argv);
+    std::vector<result> results;
+    for (int prefetch : {0, 1, 2}) results.push_back(run_sharded(cfg, prefetch));
+    results.push_back(run_data_parallel(cfg));
+    const double mib = 1 << 20;
+    const double total = static_cast<double>(static_cast<std::size_t>(cfg.unit_mib * mib) / sizeof(float) *
+                                             sizeof(float) * cfg.units);
+    std::printf("bench_sharded: %d Gloo ranks (threads, loopback), %zu units x %.2f MiB = %.1f MiB of fp32 parameters, "
+                "%d steps, %d us compute per unit and pass\n",
+                cfg.ranks, cfg.units, cfg.unit_mib, total / mib, cfg.steps, cfg.compute_us);
+    std::printf("%-14s %8s %10s %16s %16s %14s %12s\n", "mode", "prefetch", "step ms", "moved MiB/rank",
+                "formula MiB", "peak MiB/rank", "allocations");
+    for (const auto& r : results)
+      std::printf("%-14s %8s %10.1f %16.2f %16.2f %14.2f %12s\n", r.mode.c_str(),
+                  r.mode == "sharded" ? std::to_string(r.prefetch).c_str() : "-", r.step_ms, r.counted_bytes / mib,
+                  r.formula_bytes / mib, r.peak_bytes / mib,
+                  r.mode == "sharded" ? std::to_string(static_cast<long>(r.allocations)).c_str() : "-");
+    std::printf("unsharded footprint (parameters + gradients): %.2f MiB per rank\n", 2 * total / mib);
+    if (!cfg.json_path.empty()) {
+      using cohort::detail::json;
+      json doc = json::make_object();
+      doc.set("benchmark", "bench_sharded");
+      doc.set("backend", "gloo");
+      doc.set("ranks", cfg.ranks);
+      doc.set("units", static_cast<unsigned long>(cfg.units));
+      doc.set("unit_bytes", static_cast<double>(total / static_cast<double>(cfg.units)));
+      doc.set("parameter_bytes", total);
+      doc.set("steps", cfg.steps);
+      doc.set("compute_us", cfg.compute_us);
+      doc.set("unsharded_bytes", 2 * total);
+      json rows = json::make_array();
+      for (const auto& r : results) {
+        json row = json::make_object();
+        row.set("mode", r.mode);
+        if (r.mode == "sharded") row.set("prefetch", r.prefetch);
+        row.set("step_ms", r.step_ms);
+        row.set("moved_bytes_per_rank", r.counted_bytes);
+        row.set("formula_bytes_per_rank", r.formula_bytes);
+        row.set("peak_bytes_per_rank", r.peak_bytes);
+        if (r.mode == "sharded") row.set("allocations", r.allocations);
+        rows.push_back(std::move(row));
+      }
+      doc.set("results", std::move(rows));
+      std::ofstream file(cfg.json_path);
+      file << doc.dump(2) << "\n";
+      if (!file) throw std::runtime_error("cannot write " + cfg.json_path);
+    }
+    return 0;
+  } catch (const std::exception& failure) {
+    std::fprintf(stderr, "bench_sharded: %s\n", failure.what());
+    return 1;
+  }
+}

@@ -1,0 +1,212 @@
+// Training the data-parallel example's MLP with sharded parameters (ZeRO-3 / FSDP) on the
+// CPU with Gloo: each rank keeps 1/N of every layer, gathers a layer's weights only while
+// it is used, reduce-scatters its gradient, and runs Adam on its shard only.
+//
+//   sharded --ranks 4                       # 4 ranks as threads of this process
+//   mpirun -np 4 sharded                    # or torchrun --nproc-per-node 4 --no-python sharded
+//
+// Prints each rank's peak memory against the unsharded footprint (full parameters, full
+// gradients and full Adam state), and checks the result against one process training on
+// the whole batch.
+#include <cohort/cohort.hpp>
+#include <cohort/optim.hpp>
+#include <cohort/sharded.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "mlp.hpp"
+
+namespace {
+
+struct config {
+  int ranks = 0;  // 0: read the launcher's environment
+  int steps = 12;
+  std::size_t batch = 48;
+  double lr = 1e-3;
+  int prefetch = 1;
+  std::vector<std::size_t> widths{32, 192, 192, 8};
+};
+
+using tensors = std::vector<std::vector<float>>;
+
+tensors zeros(const std::vector<std::size_t>& sizes) {
+  tensors out;
+  for (auto n : sizes) out.emplace_back(n, 0.0f);
+  return out;
+}
+
+cohort_examples::synthetic_data make_data(const config& cfg, const cohort_examples::mlp& model) {
+  return cohort_examples::synthetic_data::make(cfg.batch * static_cast<std::size_t>(cfg.steps), model.input_width(),
+                                               model.output_width(), 2024);
+}
+
+// One process, whole batches, Adam written out: the reference.
+tensors train_single(const config& cfg) {
+  const cohort_examples::mlp model(cfg.widths);
+  const auto data = make_data(cfg, model);
+  auto params = zeros(model.parameter_sizes());
+  auto grads = zeros(model.parameter_sizes());
+  auto m = zeros(model.parameter_sizes()), v = zeros(model.parameter_sizes());
+  model.initialize(std::vector<std::span<float>>(params.begin(), params.end()), 7);
+  for (int step = 0; step < cfg.steps; ++step) {
+    const std::size_t first = static_cast<std::size_t>(step) * cfg.batch;
+    model.loss_and_gradients(std::vector<std::span<float>>(params.begin(), params.end()),
+                             std::vector<std::span<float>>(grads.begin(), grads.end()),
+                             std::span<const float>(data.inputs).subspan(first * model.input_width()),
+                             std::span<const float>(data.targets).subspan(first * model.output_width()), cfg.batch);
+    const double t = step + 1;
+    for (std::size_t k = 0; k < params.size(); ++k)
+      for (std::size_t i = 0; i < params[k].size(); ++i) {
+        const float g = grads[k][i];
+        m[k][i] = 0.9f * m[k][i] + 0.1f * g;
+        v[k][i] = 0.999f * v[k][i] + static_cast<float>(1 - 0.999) * g * g;
+        const float m_hat = m[k][i] / static_cast<float>(1 - std::pow(0.9, t));
+        const float v_hat = v[k][i] / static_cast<float>(1 - std::pow(0.999, t));
+        params[k][i] -= static_cast<float>(cfg.lr) * (m_hat / (std::sqrt(v_hat) + 1e-8f));
+      }
+  }
+  return params;
+}
+
+// One rank's training; returns every parameter in full on rank 0 (empty elsewhere).
+tensors train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
+  cohort::rank_logger log(pg);
+  const cohort_examples::mlp model(cfg.widths);
+  const auto data = make_data(cfg, model);
+  const std::size_t layers = model.layers();
+  const auto sizes = model.parameter_sizes();
+  std::vector<std::vector<std::size_t>> units;
+  for (std::size_t l = 0; l < layers; ++l) units.push_back({sizes[2 * l], sizes[2 * l + 1]});
+
+  cohort::sharded_parameters<cohort::gloo, float> params(pg, units, {.prefetch = cfg.prefetch});
+  // Only rank 0 builds the full model; every rank receives its shards.
+  tensors initial;
+  if (pg.rank() == 0) {
+    initial = zeros(sizes);
+    model.initialize(std::vector<std::span<float>>(initial.begin(), initial.end()), 7);
+  }
+  params.scatter_from(0, initial);
+  initial.clear();
+  cohort::adam opt(params, {.lr = cfg.lr});
+
+  const std::size_t local = cfg.batch / static_cast<std::size_t>(pg.size());
+  auto grads = zeros(sizes);
+  for (int step = 0; step < cfg.steps; ++step) {
+    params.set_order(cohort::prefetch_order::forward);
+    std::vector<cohort::sharded_parameters<cohort::gloo, float>::gathered> gathered;
+    std::vector<std::span<float>> weights;
+    for (std::size_t l = 0; l < layers; ++l) {
+      gathered.push_back(params.gather(l));
+      for (auto w : gathered.back().params()) weights.push_back(w);
+    }
+    params.set_order(cohort::prefetch_order::backward);
+    std::vector<cohort::gloo::work> reductions;
+    const std::size_t first = static_cast<std::size_t>(step) * cfg.batch + static_cast<std::size_t>(pg.rank()) * local;
+    float loss = model.loss_and_gradients(
+        weights, std::vector<std::span<float>>(grads.begin(), grads.end()),
+        std::span<const float>(data.inputs).subspan(first * model.input_width()),
+        std::span<const float>(data.targets).subspan(first * model.output_width()), local, [&](std::size_t t) {
+          const std::size_t l = t / 2;
+          // Layer l+1's weights are last read before layer l's bias gradient is final.
+          if (t % 2 == 1 && l + 1 < layers) gathered[l + 1].reset();
+          if (t % 2 == 0) {
+            const std::vector<std::span<const float>> unit{grads[2 * l], grads[2 * l + 1]};
+            reductions.push_back(params.reduce_scatter_grad(l, unit));
+          }
+          if (t == 0) gathered[0].reset();
+        });
+    for (auto& w : reductions) w.wait();
+    opt.step();
+    pg.all_reduce(std::span<float>(&loss, 1), cohort::op::avg).wait();
+    if (cohort::is_main_process(pg) && (step % 4 == 0 || step + 1 == cfg.steps)) log("step ", step, " loss ", loss);
+  }
+
+  const auto peak = params.peak_memory();
+  std::size_t parameter_bytes = 0;
+  for (auto n : sizes) parameter_bytes += n * sizeof(float);
+  const std::size_t unsharded = 4 * parameter_bytes;  // parameters, gradients, Adam's two moments
+  log("peak ", params.peak_total(), " bytes (shards ", peak.shards, ", gradients ", peak.gradients, ", gathered ",
+      peak.gathered, ", pool ", peak.pool, ", optimizer ", peak.optimizer, ") against ", unsharded,
+      " bytes unsharded (", static_cast<int>(100.0 * static_cast<double>(params.peak_total()) / static_cast<double>(unsharded)),
+      "%)");
+  return params.gather_full_state(0);
+}
+
+int report(const tensors& distributed, const config& cfg) {
+  const tensors single = train_single(cfg);
+  double worst = 0;
+  for (std::size_t k = 0; k < single.size(); ++k)
+    for (std::size_t i = 0; i < single[k].size(); ++i)
+      worst = std::max(worst, std::abs(static_cast<double>(distributed[k][i]) - single[k][i]));
+  const bool match = worst <= 1e-5;
+  std::printf("final parameters: sharded vs single rank, max |difference| %.2e: %s\n", worst, match ? "match" : "MISMATCH");
+  return match ? 0 : 1;
+}
+
+config parse(int argc, char** argv) {
+  config cfg;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::runtime_error(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--ranks") cfg.ranks = std::stoi(value());
+    else if (arg == "--steps") cfg.steps = std::stoi(value());
+    else if (arg == "--batch") cfg.batch = std::stoul(value());
+    else if (arg == "--prefetch") cfg.prefetch = std::stoi(value());
+    else {
+      std::printf("usage: sharded [--ranks N] [--steps S] [--batch B] [--prefetch D]\n"
+                  "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
+      std::exit(arg == "--help" || arg == "-h" ? 0 : 2);
+    }
+  }
+  return cfg;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  const config cfg = parse(argc, argv);
+  if (cfg.ranks > 0) {
+    if (cfg.batch % static_cast<std::size_t>(cfg.ranks) != 0) throw std::runtime_error("--batch must be divisible by --ranks");
+    auto store = std::make_shared<cohort::memory_store>();
+    tensors result;
+    std::vector<std::exception_ptr> failures(static_cast<std::size_t>(cfg.ranks));
+    std::vector<std::thread> threads;
+    for (int rank = 0; rank < cfg.ranks; ++rank)
+      threads.emplace_back([&, rank] {
+        try {
+          cohort::process_group<cohort::gloo> pg{store, cohort::launch_env::explicit_ranks(rank, cfg.ranks)};
+          auto full = train(pg, cfg);
+          if (rank == 0) result = std::move(full);
+        } catch (...) {
+          failures[static_cast<std::size_t>(rank)] = std::current_exception();
+        }
+      });
+    for (auto& thread : threads) thread.join();
+    for (auto& failure : failures)
+      if (failure) std::rethrow_exception(failure);
+    return report(result, cfg);
+  }
+  const auto env = cohort::launch_env::detect();
+  auto store = cohort::connect_store(env);
+  cohort::process_group<cohort::gloo> pg{store, env};
+  if (cfg.batch % static_cast<std::size_t>(pg.size()) != 0) throw std::runtime_error("--batch must be divisible by the world size");
+  const auto full = train(pg, cfg);
+  int status = 0;
+  if (cohort::is_main_process(pg)) status = report(full, cfg);
+  pg.barrier().wait();
+  return status;
+} catch (const std::exception& failure) {
+  std::fprintf(stderr, "sharded: %s\n", failure.what());
+  return 1;
+}

@@ -1,0 +1,188 @@
+#pragma once
+// Optimizers on sharded parameters: each rank updates only its shard of every unit, from
+// its shard of the averaged gradient, so optimizer state is sharded too (ZeRO stages 1-3).
+//
+//   cohort::sharded_parameters<cohort::gloo, float> params{pg, units};
+//   cohort::adam opt{params, {.lr = 1e-3}};
+//   ... params.reduce_scatter_grad(u, full_grad) for every unit ...
+//   opt.step();   // queued after the reductions, in the backend's own order
+//
+// Host backends run the update as one task on the group's FIFO worker; device backends as
+// kernels on the group's stream (the translation unit must be compiled by nvcc). The
+// per-element formulas are shared with the kernels (detail::sgd_update, adam_update).
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cohort/ops.hpp"
+#include "cohort/sharded.hpp"
+
+namespace cohort::inline v0 {
+
+struct sgd_options {
+  double lr = 0.01;
+  double momentum = 0;       // 0: plain SGD, no state
+  double weight_decay = 0;   // L2, added to the gradient
+};
+
+struct adam_options {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0;   // decoupled (AdamW)
+};
+
+namespace detail {
+
+// State shards (state_count per unit) allocated in the backend's memory and zeroed.
+template <backend B, class T>
+class sharded_state {
+ public:
+  sharded_state(sharded_parameters<B, T>& params, std::size_t count) : params_(&params), count_(count) {
+    auto& engine = params.group().backend();
+    for (std::size_t u = 0; u < params.units(); ++u)
+      for (std::size_t k = 0; k < count; ++k) {
+        const std::size_t bytes = std::max<std::size_t>(params.shard_elements(u), 1) * sizeof(T);
+        T* data = static_cast<T*>(engine.allocate(bytes));
+        tensors_.push_back({data, bytes});
+        fill(engine, data, params.shard_elements(u), dtype_v<T>, 0.0);
+        params.account_optimizer(static_cast<std::ptrdiff_t>(bytes));
+      }
+    engine.record().wait();
+  }
+  sharded_state(const sharded_state&) = delete;
+  sharded_state& operator=(const sharded_state&) = delete;
+  ~sharded_state() {
+    auto& engine = params_->group().backend();
+    try {
+      engine.record().wait();
+    } catch (...) {
+      // A failed group: free regardless.
+    }
+    for (auto& [data, bytes] : tensors_) {
+      engine.deallocate(data, bytes);
+      params_->account_optimizer(-static_cast<std::ptrdiff_t>(bytes));
+    }
+  }
+  T* get(std::size_t unit, std::size_t index) const { return tensors_[unit * count_ + index].first; }
+  std::size_t count() const noexcept { return count_; }
+
+ private:
+  sharded_parameters<B, T>* params_;
+  std::size_t count_;
+  std::vector<std::pair<T*, std::size_t>> tensors_;
+};
+
+}  // namespace detail
+
+template <backend B, class T = float>
+class sgd final : public sharded_optimizer_state<T> {
+ public:
+  sgd(sharded_parameters<B, T>& params, sgd_options opts = {})
+      : params_(&params), options_(opts), state_(params, opts.momentum != 0 ? 1 : 0) {}
+
+  // Updates every unit's shard with its gradient shard; returns when-done work.
+  typename B::work step() {
+    ++steps_;
+    auto& engine = params_->group().backend();
+    const detail::sgd_coefficients c{options_.lr, options_.momentum, options_.weight_decay};
+    for (std::size_t u = 0; u < params_->units(); ++u) {
+      T* parameters = params_->shard(u).data();
+      const T* gradients = params_->grad_shard(u).data();
+      T* momentum = state_.count() ? state_.get(u, 0) : nullptr;
+      const std::size_t n = params_->shard_elements(u);
+      if constexpr (B::space == memory_space::host) {
+        engine.enqueue([=] {
+          for (std::size_t i = 0; i < n; ++i)
+            detail::sgd_update(parameters[i], gradients[i], momentum ? momentum + i : nullptr, c);
+        });
+      } else {
+#if defined(__CUDACC__)
+        detail::device::sgd_step(parameters, gradients, momentum, n, c, engine.stream());
+#else
+        COHORT_REQUIRE_NVCC(B);
+#endif
+      }
+    }
+    return engine.record();
+  }
+
+  void set_lr(double lr) noexcept { options_.lr = lr; }
+  const sgd_options& settings() const noexcept { return options_; }
+
+  std::string kind() const override { return "sgd"; }
+  std::size_t state_count() const override { return state_.count(); }
+  T* state(std::size_t unit, std::size_t index) override { return state_.get(unit, index); }
+  std::uint64_t steps() const override { return steps_; }
+  void set_steps(std::uint64_t steps) override { steps_ = steps; }
+
+ private:
+  sharded_parameters<B, T>* params_;
+  sgd_options options_;
+  detail::sharded_state<B, T> state_;
+  std::uint64_t steps_ = 0;
+};
+
+template <backend B, class T = float>
+class adam final : public sharded_optimizer_state<T> {
+ public:
+  adam(sharded_parameters<B, T>& params, adam_options opts = {})
+      : params_(&params), options_(opts), state_(params, 2) {}
+
+  typename B::work step() {
+    ++steps_;
+    auto& engine = params_->group().backend();
+    const double t = static_cast<double>(steps_);
+    const detail::adam_coefficients c{options_.lr,  options_.beta1, options_.beta2,
+                                      options_.eps, options_.weight_decay,
+                                      1 - std::pow(options_.beta1, t), 1 - std::pow(options_.beta2, t)};
+    for (std::size_t u = 0; u < params_->units(); ++u) {
+      T* parameters = params_->shard(u).data();
+      const T* gradients = params_->grad_shard(u).data();
+      T* first = state_.get(u, 0);
+      T* second = state_.get(u, 1);
+      const std::size_t n = params_->shard_elements(u);
+      if constexpr (B::space == memory_space::host) {
+        engine.enqueue([=] {
+          for (std::size_t i = 0; i < n; ++i) detail::adam_update(parameters[i], gradients[i], first[i], second[i], c);
+        });
+      } else {
+#if defined(__CUDACC__)
+        detail::device::adam_step(parameters, gradients, first, second, n, c, engine.stream());
+#else
+        COHORT_REQUIRE_NVCC(B);
+#endif
+      }
+    }
+    return engine.record();
+  }
+
+  void set_lr(double lr) noexcept { options_.lr = lr; }
+  const adam_options& settings() const noexcept { return options_; }
+
+  std::string kind() const override { return "adam"; }
+  std::size_t state_count() const override { return 2; }
+  T* state(std::size_t unit, std::size_t index) override { return state_.get(unit, index); }
+  std::uint64_t steps() const override { return steps_; }
+  void set_steps(std::uint64_t steps) override { steps_ = steps; }
+
+ private:
+  sharded_parameters<B, T>* params_;
+  adam_options options_;
+  detail::sharded_state<B, T> state_;
+  std::uint64_t steps_ = 0;
+};
+
+template <backend B, class T>
+sgd(sharded_parameters<B, T>&, sgd_options) -> sgd<B, T>;
+template <backend B, class T>
+sgd(sharded_parameters<B, T>&) -> sgd<B, T>;
+template <backend B, class T>
+adam(sharded_parameters<B, T>&, adam_options) -> adam<B, T>;
+template <backend B, class T>
+adam(sharded_parameters<B, T>&) -> adam<B, T>;
+
+}  // namespace cohort::inline v0
