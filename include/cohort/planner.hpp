@@ -69,7 +69,7 @@
 
 namespace cohort::inline v0 {
 
-enum class collective { all_reduce, all_gather, reduce_scatter, broadcast };
+enum class collective { all_reduce, all_gather, reduce_scatter, broadcast, alltoall };
 
 inline const char* to_string(collective op) noexcept {
   switch (op) {
@@ -77,16 +77,17 @@ inline const char* to_string(collective op) noexcept {
     case collective::all_gather: return "all_gather";
     case collective::reduce_scatter: return "reduce_scatter";
     case collective::broadcast: return "broadcast";
+    case collective::alltoall: return "alltoall";
   }
   return "?";
 }
 
 inline collective parse_collective(std::string_view name) {
   for (collective op : {collective::all_reduce, collective::all_gather, collective::reduce_scatter,
-                        collective::broadcast})
+                        collective::broadcast, collective::alltoall})
     if (name == to_string(op)) return op;
   throw error(-1, "parse collective", "unknown operation \"" + std::string(name) + "\"",
-              "one of all_reduce, all_gather, reduce_scatter, broadcast");
+              "one of all_reduce, all_gather, reduce_scatter, broadcast, alltoall");
 }
 
 // host: CPU memory over loopback or sockets (Gloo); unknown: a measurement of an unnamed link.
@@ -184,7 +185,8 @@ inline double predict_time(collective op, double bytes, int ranks, const link_mo
   switch (op) {
     case collective::all_reduce: return 2 * (p - 1) * a + 2 * (p - 1) / p * bytes * b;
     case collective::all_gather:
-    case collective::reduce_scatter: return (p - 1) * a + (p - 1) / p * bytes * b;
+    case collective::reduce_scatter:
+    case collective::alltoall: return (p - 1) * a + (p - 1) / p * bytes * b;
     case collective::broadcast: return (p - 1) * a + bytes * b;
   }
   return 0;
@@ -214,6 +216,9 @@ inline double predict_time(collective op, double bytes, int gpus_per_node, int n
     case collective::broadcast:
       return predict_time(collective::broadcast, bytes, nodes, inter) +
              predict_time(collective::broadcast, bytes, gpus_per_node, intra);
+    case collective::alltoall:  // the off-node share crosses the network, the rest stays inside
+      return predict_time(collective::alltoall, bytes, nodes, inter) +
+             predict_time(collective::alltoall, bytes / nodes, gpus_per_node, intra);
   }
   return 0;
 }
@@ -228,7 +233,8 @@ inline double bus_factor(collective op, int ranks) {
   switch (op) {
     case collective::all_reduce: return 2 * (p - 1) / p;
     case collective::all_gather:
-    case collective::reduce_scatter: return (p - 1) / p;
+    case collective::reduce_scatter:
+    case collective::alltoall: return (p - 1) / p;
     case collective::broadcast: return 1;
   }
   return 1;

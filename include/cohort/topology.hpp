@@ -264,7 +264,11 @@ inline std::string format_topology_matrix(const topology& topo) {
     out << "NUMA Affinity\n";
     for (std::size_t a = 0; a < n; ++a) {
       column("GPU" + std::to_string(a));
-      for (std::size_t b = 0; b < n; ++b) column(" " + cell_label(topo.links[a][b]));
+      for (std::size_t b = 0; b < n; ++b) {
+        std::string cell(1, ' ');  // built in place: GCC 12 -O3 warns falsely on " " + string
+        cell += cell_label(topo.links[a][b]);
+        column(cell);
+      }
       out << (topo.gpus[a].numa_node >= 0 ? std::to_string(topo.gpus[a].numa_node) : "N/A") << "\n";
     }
     out << "\nLegend:\n"

@@ -1,0 +1,153 @@
+// Host-side costs of cohort's building blocks (Google Benchmark):
+//   sampler   indices per second, sequential and shuffled (Feistel permutation)
+//   store     operations per second: memory_store (thread ranks) and tcp_store over loopback
+//   reducer   gradient_reducer::mark_ready, alone (inside no_sync) and with bucket launches
+//
+//   ./micro_host --benchmark_min_time=0.2
+
+#include <benchmark/benchmark.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cohort/sampler.hpp"
+#include "cohort/store.hpp"
+#include "cohort/tcp_store.hpp"
+
+#if __has_include("cohort/reducer.hpp") && defined(COHORT_HAS_GLOO)
+#include "cohort/backend/gloo.hpp"
+#include "cohort/process_group.hpp"
+#include "cohort/reducer.hpp"
+#define COHORT_MICRO_REDUCER 1
+#endif
+
+namespace {
+
+// --- sampler ----------------------------------------------------------------------------------
+void sampler_indices(benchmark::State& state) {
+  const bool shuffle = state.range(0) != 0;
+  cohort::distributed_sampler sampler(std::uint64_t{1} << 24, /*world=*/8, /*rank=*/3,
+                                      {.shuffle = shuffle, .seed = 7, .drop_last = false});
+  std::uint64_t epoch = 0, checksum = 0;
+  for (auto _ : state) {
+    sampler.set_epoch(epoch++);
+    for (std::uint64_t j = 0; j < 4096; ++j) checksum += sampler[j];
+  }
+  benchmark::DoNotOptimize(checksum);
+  state.SetItemsProcessed(state.iterations() * 4096);
+  state.SetLabel(shuffle ? "shuffled" : "sequential");
+}
+BENCHMARK(sampler_indices)->Arg(0)->Arg(1);
+
+// The whole per-epoch list, as a data loader would fetch it.
+void sampler_epoch_list(benchmark::State& state) {
+  cohort::distributed_sampler sampler(static_cast<std::uint64_t>(state.range(0)), 8, 3, {.shuffle = true, .seed = 7});
+  std::uint64_t epoch = 0;
+  for (auto _ : state) {
+    sampler.set_epoch(epoch++);
+    auto list = sampler.indices();
+    benchmark::DoNotOptimize(list.data());
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(sampler.size()));
+}
+BENCHMARK(sampler_epoch_list)->Arg(1 << 20)->Unit(benchmark::kMicrosecond);
+
+// --- store ------------------------------------------------------------------------------------
+template <class Store>
+void store_set_get(benchmark::State& state, Store& store) {
+  const std::string value(static_cast<std::size_t>(state.range(0)), 'x');
+  std::size_t i = 0;
+  for (auto _ : state) {
+    const std::string key = "k" + std::to_string(i++ % 64);
+    store.set(key, value);
+    auto back = store.get(key);
+    benchmark::DoNotOptimize(back.data());
+  }
+  state.SetItemsProcessed(state.iterations() * 2);  // two operations per iteration
+}
+
+template <class Store>
+void store_add(benchmark::State& state, Store& store) {
+  std::int64_t last = 0;
+  for (auto _ : state) last = store.add("counter", 1);
+  benchmark::DoNotOptimize(last);
+  state.SetItemsProcessed(state.iterations());
+}
+
+void memory_store_set_get(benchmark::State& state) {
+  cohort::memory_store store;
+  store_set_get(state, store);
+}
+BENCHMARK(memory_store_set_get)->Arg(16)->Arg(4096);
+
+void memory_store_add(benchmark::State& state) {
+  cohort::memory_store store;
+  store_add(state, store);
+}
+BENCHMARK(memory_store_add);
+
+// A server and one client over loopback: every operation is one request/response round trip.
+std::shared_ptr<cohort::tcp_store> loopback_tcp_store() {
+  cohort::tcp_store_options options;
+  options.host = "127.0.0.1";
+  options.port = 0;  // any free port
+  options.is_server = true;
+  return std::make_shared<cohort::tcp_store>(options);
+}
+
+void tcp_store_set_get(benchmark::State& state) {
+  auto store = loopback_tcp_store();
+  store_set_get(state, *store);
+}
+BENCHMARK(tcp_store_set_get)->Arg(16)->Arg(4096)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+void tcp_store_add(benchmark::State& state) {
+  auto store = loopback_tcp_store();
+  store_add(state, *store);
+}
+BENCHMARK(tcp_store_add)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+#if defined(COHORT_MICRO_REDUCER)
+// One rank (no peer to wait for): what mark_ready itself costs on the training thread.
+// range(0): gradients; each of 1024 floats (4 KiB), so the 64 KiB buckets hold 16 of them.
+struct one_rank_reducer {
+  std::shared_ptr<cohort::memory_store> store = std::make_shared<cohort::memory_store>();
+  cohort::process_group<cohort::gloo> pg{store, cohort::launch_env::explicit_ranks(0, 1)};
+  cohort::gradient_reducer<cohort::gloo> ddp;
+  explicit one_rank_reducer(std::size_t gradients)
+      : ddp(pg, std::vector<std::size_t>(gradients, 1024),
+            cohort::reducer_options{.first_bucket_bytes = 64 << 10, .bucket_bytes = 64 << 10}) {}
+};
+
+// Inside no_sync: bookkeeping only, no bucket launches (gradient accumulation micro-steps).
+void reducer_mark_ready_no_sync(benchmark::State& state) {
+  const auto n = static_cast<std::size_t>(state.range(0));
+  one_rank_reducer r(n);
+  for (auto _ : state) {
+    auto scope = r.ddp.no_sync();
+    for (std::size_t i = n; i-- > 0;) r.ddp.mark_ready(i);
+    r.ddp.finish();
+  }
+  state.SetItemsProcessed(state.iterations() * state.range(0));
+  state.SetLabel("items = mark_ready calls");
+}
+BENCHMARK(reducer_mark_ready_no_sync)->Arg(256)->Unit(benchmark::kMicrosecond);
+
+// A synchronised step: mark_ready launches each bucket as it fills; finish waits.
+void reducer_mark_ready_step(benchmark::State& state) {
+  const auto n = static_cast<std::size_t>(state.range(0));
+  one_rank_reducer r(n);
+  for (auto _ : state) {
+    for (std::size_t i = n; i-- > 0;) r.ddp.mark_ready(i);
+    r.ddp.finish();
+  }
+  state.SetItemsProcessed(state.iterations() * state.range(0));
+  state.SetLabel("items = mark_ready calls, 16 per bucket, incl. finish");
+}
+BENCHMARK(reducer_mark_ready_step)->Arg(256)->Unit(benchmark::kMicrosecond)->UseRealTime();
+#endif
+
+}  // namespace
+
+BENCHMARK_MAIN();
