@@ -57,11 +57,10 @@ class fifo_worker {
       std::lock_guard lock(mutex_);
       seq = ++submitted_;
       tasks_.push_back(queued{seq, std::move(task)});
-      queued_.store(tasks_.size(), std::memory_order_release);
       sleeping = worker_sleeping_;
     }
-    // Waking a sleeping thread is a system call; a worker that is still polling (it just
-    // finished the previous task) picks the task up without one.
+    // Waking a sleeping thread is a system call; a worker that is awake (running a task)
+    // finds the next one without it.
     if (sleeping) ready_.notify_one();
     return seq;
   }
@@ -110,7 +109,6 @@ class fifo_worker {
   void run_front(std::unique_lock<std::mutex>& lock) {
     queued next = std::move(tasks_.front());
     tasks_.pop_front();
-    queued_.store(tasks_.size(), std::memory_order_release);
     executing_ = true;
     std::exception_ptr failed = first_failure_;
     lock.unlock();
@@ -134,12 +132,10 @@ class fifo_worker {
 
   void loop() {
     for (;;) {
-      // Poll briefly before sleeping: collectives are usually issued back to back, and a
-      // futex wake-up costs more than the next call's arrival. Yielding keeps the poll
-      // harmless when threads outnumber cores.
-      const auto poll_until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
-      while (queued_.load(std::memory_order_acquire) == 0 && std::chrono::steady_clock::now() < poll_until)
-        std::this_thread::yield();
+      // No polling before sleeping: a thread that waits runs the work itself (see
+      // wait_until_done), so the worker matters only for progress in the background, where
+      // a futex wake-up is small next to a collective, and a polling thread would take the
+      // core from the ranks on machines with few cores.
       std::unique_lock lock(mutex_);
       const auto can_run = [&] { return !tasks_.empty() && !executing_; };
       if (!can_run() && !(stopping_ && tasks_.empty())) {
@@ -161,7 +157,6 @@ class fifo_worker {
   std::condition_variable completed_cv_;  // wakes waiters
   std::deque<queued> tasks_;
   std::uint64_t submitted_ = 0;
-  std::atomic<std::size_t> queued_{0};
   bool executing_ = false;
   bool worker_sleeping_ = false;
   bool stopping_ = false;
