@@ -1,0 +1,91 @@
+// The README's tour, run for real on 2 Gloo ranks (the README shows the NCCL flavour; the
+// calls are the same). If this stops compiling or passing, the README is lying.
+#include <catch2/catch.hpp>
+
+#include <cohort/cohort.hpp>
+#include <cohort/optim.hpp>
+#include <cohort/reducer.hpp>
+#include <cohort/sharded.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "support.hpp"
+
+TEST_CASE("the README tour runs on two Gloo ranks", "[readme]") {
+  auto store = std::make_shared<cohort::memory_store>();
+  const auto directory = std::filesystem::temp_directory_path() / ("cohort-readme-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(directory);
+  std::ostringstream summaries;
+  cohort_test::run_ranks(2, [&](int rank) {
+    const auto env = cohort::launch_env::explicit_ranks(rank, 2);
+    cohort::process_group<cohort::gloo> pg{store, env};
+
+    std::vector<float> grad(10, static_cast<float>(rank));
+    auto work = pg.all_reduce(std::span<float>(grad), cohort::op::avg);
+    RANK_CHECK(work.wait_for(std::chrono::seconds(20)));
+    RANK_CHECK(grad[9] == 0.5f);
+
+    // Data parallelism.
+    const std::vector<std::size_t> parameter_sizes{300, 20, 7};
+    std::vector<std::vector<float>> storage{std::vector<float>(300, 1.0f), std::vector<float>(20, 1.0f),
+                                            std::vector<float>(7, 1.0f)};
+    std::vector<std::span<float>> params(storage.begin(), storage.end());
+    if (rank == 1)
+      for (auto& p : params) std::fill(p.begin(), p.end(), 5.0f);
+    cohort::broadcast_parameters(pg, params, 0).wait();
+    RANK_CHECK(params[2][6] == 1.0f);
+    cohort::gradient_reducer<cohort::gloo> ddp{pg, parameter_sizes};
+    auto grads = ddp.gradients();
+    for (std::size_t i = grads.size(); i-- > 0;) {  // back to front, as a backward pass
+      std::fill(grads[i].begin(), grads[i].end(), static_cast<float>(rank + 1));
+      ddp.mark_ready(i);
+    }
+    ddp.finish();
+    for (auto& g : ddp.gradients()) RANK_CHECK(g.back() == 1.5f);
+    {
+      auto scope = ddp.no_sync();
+      for (std::size_t i = grads.size(); i-- > 0;) ddp.mark_ready(i);
+      ddp.finish();  // nothing communicated inside the scope
+    }
+
+    // Sharding.
+    const std::vector<std::vector<std::size_t>> units{{5, 3}, {4}};
+    cohort::sharded_parameters<cohort::gloo, float> weights{pg, units, {.prefetch = 1}};
+    weights.init_from_full(std::vector<std::vector<float>>{{1, 2, 3, 4, 5}, {6, 7, 8}, {9, 10, 11, 12}});
+    cohort::adam opt{weights, {.lr = 3e-4}};
+    {
+      auto layer = weights.gather(0);
+      RANK_CHECK(layer.param(0)[4] == 5.0f && layer.param(1)[2] == 8.0f);
+    }
+    const std::vector<float> full_grad(8, static_cast<float>(rank));
+    weights.reduce_scatter_grad(0, full_grad).wait();
+    weights.reduce_scatter_grad(1, std::vector<float>(4, 0.0f)).wait();
+    opt.step();
+
+    // Sampler.
+    cohort::distributed_sampler sampler{100, pg, {.shuffle = true, .seed = 0}};
+    sampler.set_epoch(3);
+    RANK_CHECK(sampler.size() == 50);
+
+    // Guards.
+    std::ostringstream mine;
+    auto plan = cohort::launch_plan(cohort::batch_plan{.per_device = 2, .accumulation = 8, .world = 2}, pg,
+                                    cohort::world_change::refuse, mine);
+    RANK_CHECK(plan.effective() == 32);
+    if (rank == 0) summaries << mine.str();
+    int downloads = 0;
+    cohort::main_process_first(pg, [&] { ++downloads; });
+    RANK_CHECK(downloads == 1);
+    cohort::atomic_write_on_main(pg, directory / "checkpoint.bin", [&](std::ostream& out) { out << "weights"; });
+    std::ifstream in(directory / "checkpoint.bin");
+    std::string text;
+    in >> text;
+    RANK_CHECK(text == "weights");
+    cohort::rank_logger log(pg);
+    log("done");
+  });
+  std::filesystem::remove_all(directory);
+  REQUIRE_THAT(summaries.str(), Catch::Contains("effective batch 32"));
+}
