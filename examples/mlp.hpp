@@ -52,72 +52,97 @@ class mlp {
     }
   }
 
+  // One layer at a time, for callers that hold only one layer's weights at once (sharded
+  // parameters gather a layer, run it, and release it).
+  //
+  // out = act(W in + b) for `batch` rows; act is tanh except on the last layer.
+  void forward_layer(std::size_t l, std::span<const float> w, std::span<const float> b, std::span<const float> in,
+                     std::span<float> out, std::size_t batch) const {
+    const std::size_t in_width = widths_[l], out_width = widths_[l + 1];
+    for (std::size_t s = 0; s < batch; ++s)
+      for (std::size_t o = 0; o < out_width; ++o) {
+        float sum = b[o];
+        const float* x = &in[s * in_width];
+        const float* row = &w[o * in_width];
+        for (std::size_t i = 0; i < in_width; ++i) sum += row[i] * x[i];
+        out[s * out_width + o] = l + 1 < layers() ? std::tanh(sum) : sum;
+      }
+  }
+
+  // Mean squared error of the network's output, and its gradient with respect to the output.
+  float output_loss(std::span<const float> out, std::span<const float> targets, std::size_t batch,
+                    std::span<float> delta) const {
+    const std::size_t n = batch * output_width();
+    double loss = 0;
+    for (std::size_t k = 0; k < n; ++k) {
+      const float diff = out[k] - targets[k];
+      loss += static_cast<double>(diff) * diff;
+      delta[k] = 2.0f * diff / static_cast<float>(n);
+    }
+    return static_cast<float>(loss / static_cast<double>(n));
+  }
+
+  // Given delta (the loss gradient at layer l's pre-activation output) and the layer's input,
+  // writes the gradients of W_l and b_l and, when `previous` is not empty, the delta of
+  // layer l-1 (through tanh', since every hidden layer's output is a tanh).
+  void backward_layer(std::size_t l, std::span<const float> w, std::span<const float> in, std::span<const float> delta,
+                      std::span<float> gw, std::span<float> gb, std::span<float> previous, std::size_t batch) const {
+    const std::size_t in_width = widths_[l], out_width = widths_[l + 1];
+    for (std::size_t o = 0; o < out_width; ++o) {
+      float sum = 0;
+      for (std::size_t s = 0; s < batch; ++s) sum += delta[s * out_width + o];
+      gb[o] = sum;
+    }
+    for (std::size_t o = 0; o < out_width; ++o)
+      for (std::size_t i = 0; i < in_width; ++i) {
+        float sum = 0;
+        for (std::size_t s = 0; s < batch; ++s) sum += delta[s * out_width + o] * in[s * in_width + i];
+        gw[o * in_width + i] = sum;
+      }
+    if (!previous.empty()) backward_layer_delta(l, w, in, delta, previous, batch);
+  }
+
   // Mean squared error over the batch, and its gradient into `gradients` (overwritten).
   // on_ready(t) is called as soon as gradient t is final: b_last, W_last, ..., b0, W0.
   float loss_and_gradients(std::span<const std::span<float>> parameters, std::span<const std::span<float>> gradients,
                            std::span<const float> inputs, std::span<const float> targets, std::size_t batch,
                            const std::function<void(std::size_t)>& on_ready = {}) const {
-    // Forward, keeping every layer's activations.
     std::vector<std::vector<float>> activation(layers() + 1);
     activation[0].assign(inputs.begin(), inputs.begin() + static_cast<std::ptrdiff_t>(batch * input_width()));
     for (std::size_t l = 0; l < layers(); ++l) {
-      const std::size_t in = widths_[l], out = widths_[l + 1];
-      const float* w = parameters[2 * l].data();
-      const float* b = parameters[2 * l + 1].data();
-      auto& next = activation[l + 1];
-      next.assign(batch * out, 0.0f);
-      for (std::size_t s = 0; s < batch; ++s)
-        for (std::size_t o = 0; o < out; ++o) {
-          float sum = b[o];
-          const float* x = &activation[l][s * in];
-          const float* row = &w[o * in];
-          for (std::size_t i = 0; i < in; ++i) sum += row[i] * x[i];
-          next[s * out + o] = l + 1 < layers() ? std::tanh(sum) : sum;
-        }
+      activation[l + 1].assign(batch * widths_[l + 1], 0.0f);
+      forward_layer(l, parameters[2 * l], parameters[2 * l + 1], activation[l], activation[l + 1], batch);
     }
-    // Loss and its gradient with respect to the output.
-    const std::size_t out_width = output_width();
-    std::vector<float> delta(batch * out_width);
-    double loss = 0;
-    for (std::size_t k = 0; k < batch * out_width; ++k) {
-      const float diff = activation.back()[k] - targets[k];
-      loss += static_cast<double>(diff) * diff;
-      delta[k] = 2.0f * diff / static_cast<float>(batch * out_width);
-    }
-    // Backward, last layer first.
+    std::vector<float> delta(batch * output_width());
+    const float loss = output_loss(activation.back(), targets, batch, delta);
     for (std::size_t l = layers(); l-- > 0;) {
-      const std::size_t in = widths_[l], out = widths_[l + 1];
-      float* gw = gradients[2 * l].data();
-      float* gb = gradients[2 * l + 1].data();
-      for (std::size_t o = 0; o < out; ++o) {
-        float sum = 0;
-        for (std::size_t s = 0; s < batch; ++s) sum += delta[s * out + o];
-        gb[o] = sum;
+      std::vector<float> previous(l > 0 ? batch * widths_[l] : 0);
+      // Bias first, then weights: report each as soon as it is final.
+      backward_layer(l, parameters[2 * l], activation[l], delta, gradients[2 * l], gradients[2 * l + 1], {}, batch);
+      if (on_ready) {
+        on_ready(2 * l + 1);
+        on_ready(2 * l);
       }
-      if (on_ready) on_ready(2 * l + 1);
-      for (std::size_t o = 0; o < out; ++o)
-        for (std::size_t i = 0; i < in; ++i) {
-          float sum = 0;
-          for (std::size_t s = 0; s < batch; ++s) sum += delta[s * out + o] * activation[l][s * in + i];
-          gw[o * in + i] = sum;
-        }
-      if (on_ready) on_ready(2 * l);
       if (l == 0) break;
-      std::vector<float> previous(batch * in, 0.0f);
-      const float* w = parameters[2 * l].data();
-      for (std::size_t s = 0; s < batch; ++s)
-        for (std::size_t i = 0; i < in; ++i) {
-          float sum = 0;
-          for (std::size_t o = 0; o < out; ++o) sum += delta[s * out + o] * w[o * in + i];
-          const float a = activation[l][s * in + i];
-          previous[s * in + i] = sum * (1.0f - a * a);  // tanh'
-        }
+      backward_layer_delta(l, parameters[2 * l], activation[l], delta, previous, batch);
       delta = std::move(previous);
     }
-    return static_cast<float>(loss / static_cast<double>(batch * out_width));
+    return loss;
   }
 
  private:
+  void backward_layer_delta(std::size_t l, std::span<const float> w, std::span<const float> in,
+                            std::span<const float> delta, std::span<float> previous, std::size_t batch) const {
+    const std::size_t in_width = widths_[l], out_width = widths_[l + 1];
+    for (std::size_t s = 0; s < batch; ++s)
+      for (std::size_t i = 0; i < in_width; ++i) {
+        float sum = 0;
+        for (std::size_t o = 0; o < out_width; ++o) sum += delta[s * out_width + o] * w[o * in_width + i];
+        const float a = in[s * in_width + i];
+        previous[s * in_width + i] = sum * (1.0f - a * a);  // tanh'
+      }
+  }
+
   std::vector<std::size_t> widths_;
 };
 

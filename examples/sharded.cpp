@@ -98,32 +98,42 @@ tensors train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
   cohort::adam opt(params, {.lr = cfg.lr});
 
   const std::size_t local = cfg.batch / static_cast<std::size_t>(pg.size());
-  auto grads = zeros(sizes);
+  using guard = cohort::sharded_parameters<cohort::gloo, float>::gathered;
   for (int step = 0; step < cfg.steps; ++step) {
-    params.set_order(cohort::prefetch_order::forward);
-    std::vector<cohort::sharded_parameters<cohort::gloo, float>::gathered> gathered;
-    std::vector<std::span<float>> weights;
-    for (std::size_t l = 0; l < layers; ++l) {
-      gathered.push_back(params.gather(l));
-      for (auto w : gathered.back().params()) weights.push_back(w);
-    }
-    params.set_order(cohort::prefetch_order::backward);
-    std::vector<cohort::gloo::work> reductions;
     const std::size_t first = static_cast<std::size_t>(step) * cfg.batch + static_cast<std::size_t>(pg.rank()) * local;
-    float loss = model.loss_and_gradients(
-        weights, std::vector<std::span<float>>(grads.begin(), grads.end()),
-        std::span<const float>(data.inputs).subspan(first * model.input_width()),
-        std::span<const float>(data.targets).subspan(first * model.output_width()), local, [&](std::size_t t) {
-          const std::size_t l = t / 2;
-          // Layer l+1's weights are last read before layer l's bias gradient is final.
-          if (t % 2 == 1 && l + 1 < layers) gathered[l + 1].reset();
-          if (t % 2 == 0) {
-            const std::vector<std::span<const float>> unit{grads[2 * l], grads[2 * l + 1]};
-            reductions.push_back(params.reduce_scatter_grad(l, unit));
-          }
-          if (t == 0) gathered[0].reset();
-        });
-    for (auto& w : reductions) w.wait();
+    // Forward: each layer's full weights exist only inside its scope (prefetching the next).
+    params.set_order(cohort::prefetch_order::forward);
+    std::vector<std::vector<float>> activation(layers + 1);
+    const auto inputs = std::span<const float>(data.inputs).subspan(first * model.input_width(), local * model.input_width());
+    activation[0].assign(inputs.begin(), inputs.end());
+    for (std::size_t l = 0; l < layers; ++l) {
+      guard layer = params.gather(l);
+      activation[l + 1].assign(local * cfg.widths[l + 1], 0.0f);
+      model.forward_layer(l, layer.param(0), layer.param(1), activation[l], activation[l + 1], local);
+    }  // released: the buffer goes back to the pool for the next gather
+    std::vector<float> delta(local * model.output_width());
+    float loss = model.output_loss(
+        activation.back(), std::span<const float>(data.targets).subspan(first * model.output_width()), local, delta);
+    // Backward: gather each layer again (FSDP's second all-gather), back to front; its
+    // gradient is reduce-scattered at once and only this rank's shard of it is kept.
+    params.set_order(cohort::prefetch_order::backward);
+    std::vector<std::pair<cohort::gloo::work, std::vector<float>>> in_flight;  // at most two layers' gradients
+    for (std::size_t l = layers; l-- > 0;) {
+      guard layer = params.gather(l);
+      std::vector<float> gradient(sizes[2 * l] + sizes[2 * l + 1]);
+      std::vector<float> previous(l > 0 ? local * cfg.widths[l] : 0);
+      auto gw = std::span<float>(gradient).first(sizes[2 * l]);
+      auto gb = std::span<float>(gradient).subspan(sizes[2 * l]);
+      model.backward_layer(l, layer.param(0), activation[l], delta, gw, gb, previous, local);
+      layer.reset();  // released before the next layer is gathered
+      in_flight.emplace_back(params.reduce_scatter_grad(l, std::span<const float>(gradient)), std::move(gradient));
+      if (in_flight.size() > 2) {
+        in_flight.front().first.wait();
+        in_flight.erase(in_flight.begin());
+      }
+      delta = std::move(previous);
+    }
+    for (auto& [work, gradient] : in_flight) work.wait();
     opt.step();
     pg.all_reduce(std::span<float>(&loss, 1), cohort::op::avg).wait();
     if (cohort::is_main_process(pg) && (step % 4 == 0 || step + 1 == cfg.steps)) log("step ", step, " loss ", loss);

@@ -1,0 +1,146 @@
+// bench_scaling: will N ranks beat one? Trains the data-parallel example's MLP for K steps on
+// 1 rank and on N ranks (threads, Gloo, cohort's gradient reducer), each rank with the same
+// per-device batch, and reports throughput, the ratio N-rank / 1-rank, and the scaling
+// efficiency (ratio / N). Below 0.75 x N it says so: the communication is eating the gain.
+//
+//   bench_scaling [--ranks N] [--steps K] [--per-device-batch B] [--widths 256,512,512,16] [--json FILE]
+#include <chrono>
+#include <cohort/backend/gloo.hpp>
+#include <cohort/detail/json.hpp>
+#include <cohort/process_group.hpp>
+#include <cohort/reducer.hpp>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../examples/mlp.hpp"
+
+namespace {
+
+struct config {
+  int ranks = 2;
+  int steps = 6;
+  std::size_t per_device_batch = 64;
+  std::vector<std::size_t> widths{256, 512, 512, 16};
+  std::string json_path;
+};
+
+// Seconds for `steps` synchronised steps on one rank of `pg` (after one warm-up step).
+double train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
+  const cohort_examples::mlp model(cfg.widths);
+  const auto data = cohort_examples::synthetic_data::make(cfg.per_device_batch, model.input_width(), model.output_width(),
+                                                          100 + static_cast<std::uint64_t>(pg.rank()));
+  std::vector<std::vector<float>> storage;
+  for (auto n : model.parameter_sizes()) storage.emplace_back(n, 0.0f);
+  std::vector<std::span<float>> params(storage.begin(), storage.end());
+  model.initialize(params, 7);
+  cohort::gradient_reducer<cohort::gloo> ddp{pg, model.parameter_sizes()};
+  auto step = [&] {
+    auto grads = ddp.gradients();
+    model.loss_and_gradients(params, grads, data.inputs, data.targets, cfg.per_device_batch,
+                             [&](std::size_t t) { ddp.mark_ready(t); });
+    ddp.finish();
+    for (std::size_t t = 0; t < params.size(); ++t)
+      for (std::size_t i = 0; i < params[t].size(); ++i) params[t][i] -= 0.01f * grads[t][i];
+  };
+  step();  // warm-up: first buckets, page faults
+  pg.barrier().wait();
+  const auto started = std::chrono::steady_clock::now();
+  for (int s = 0; s < cfg.steps; ++s) step();
+  pg.barrier().wait();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+}
+
+double run(int world, const config& cfg) {
+  auto store = std::make_shared<cohort::memory_store>();
+  std::vector<double> seconds(static_cast<std::size_t>(world));
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < world; ++rank)
+    threads.emplace_back([&, rank] {
+      cohort::process_group<cohort::gloo> pg{store, cohort::launch_env::explicit_ranks(rank, world)};
+      seconds[static_cast<std::size_t>(rank)] = train(pg, cfg);
+    });
+  for (auto& thread : threads) thread.join();
+  return seconds[0];
+}
+
+std::vector<std::size_t> parse_widths(const std::string& text) {
+  std::vector<std::size_t> widths;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) widths.push_back(std::stoul(item));
+  return widths;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  config cfg;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", arg.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (arg == "--ranks") cfg.ranks = std::stoi(value());
+    else if (arg == "--steps") cfg.steps = std::stoi(value());
+    else if (arg == "--per-device-batch") cfg.per_device_batch = std::stoul(value());
+    else if (arg == "--widths") cfg.widths = parse_widths(value());
+    else if (arg == "--json") cfg.json_path = value();
+    else {
+      std::fprintf(stderr,
+                   "usage: bench_scaling [--ranks N] [--steps K] [--per-device-batch B] [--widths a,b,...] [--json FILE]\n");
+      return 2;
+    }
+  }
+  const double one = run(1, cfg);
+  const double many = run(cfg.ranks, cfg);
+  const double samples_one = static_cast<double>(cfg.per_device_batch) * cfg.steps / one;
+  const double samples_many = static_cast<double>(cfg.per_device_batch) * cfg.steps * cfg.ranks / many;
+  const double ratio = samples_many / samples_one;
+  const double efficiency = ratio / cfg.ranks;
+  std::size_t parameters = 0;
+  for (auto n : cohort_examples::mlp(cfg.widths).parameter_sizes()) parameters += n;
+
+  std::printf("# scaling check: MLP of %zu parameters, %zu samples per rank per step, %d steps, Gloo ranks as threads\n",
+              parameters, cfg.per_device_batch, cfg.steps);
+  std::printf("# %6s %12s %14s %10s %11s\n", "ranks", "step (ms)", "samples/s", "ratio", "efficiency");
+  std::printf("  %6d %12.2f %14.1f %10.2f %10.0f%%\n", 1, 1e3 * one / cfg.steps, samples_one, 1.0, 100.0);
+  std::printf("  %6d %12.2f %14.1f %10.2f %10.0f%%\n", cfg.ranks, 1e3 * many / cfg.steps, samples_many, ratio,
+              100 * efficiency);
+  if (efficiency < 0.75)
+    std::printf("# %d ranks give %.2fx the throughput of one (%.0f%% efficiency, under 75%%): the communication is "
+                "eating it -- larger per-device batches, fewer synchronisations (no_sync accumulation), or a faster "
+                "link; run cohort-plan for the numbers\n",
+                cfg.ranks, ratio, 100 * efficiency);
+  else
+    std::printf("# %d ranks give %.2fx the throughput of one (%.0f%% efficiency)\n", cfg.ranks, ratio, 100 * efficiency);
+  std::printf("# (each rank is a thread: on a machine with fewer cores than ranks x 2 the ranks share cores, and the "
+              "ratio shows that too)\n");
+
+  if (!cfg.json_path.empty()) {
+    using cohort::detail::json;
+    json out = json::make_object();
+    out.set("tool", "bench_scaling");
+    out.set("parameters", parameters);
+    out.set("per_device_batch", cfg.per_device_batch);
+    out.set("steps", cfg.steps);
+    out.set("ranks", cfg.ranks);
+    out.set("seconds_one_rank", one);
+    out.set("seconds_n_ranks", many);
+    out.set("samples_per_second_one_rank", samples_one);
+    out.set("samples_per_second_n_ranks", samples_many);
+    out.set("throughput_ratio", ratio);
+    out.set("scaling_efficiency", efficiency);
+    out.set("communication_bound", efficiency < 0.75);
+    std::ofstream(cfg.json_path) << out.dump(2) << "\n";
+  }
+  return 0;
+}
