@@ -8,7 +8,7 @@
 // Optionally runs bench/peers/torch_ddp.py (PyTorch DDP over Gloo, same shapes, same
 // simulated backward) in the same run and prints the ratio of step times.
 //
-//   bench_reducer [--ranks 2] [--iterations 8] [--compute-ms 52] [--json FILE]
+//   bench_reducer [--ranks 2] [--iterations 8] [--compute-ms 52] [--compute-mode spin|sleep] [--json FILE]
 //                 [--torch-peer bench/peers/torch_ddp.py] [--python python3]
 #include <cohort/backend/gloo.hpp>
 #include <cohort/detail/json.hpp>
@@ -88,7 +88,13 @@ double ms_since(clock_type::time_point start) {
   return std::chrono::duration<double, std::milli>(clock_type::now() - start).count();
 }
 
-void spin_for(std::chrono::nanoseconds duration) {
+// spin: the compute occupies this thread's core (a CPU trainer); sleep: the thread is idle
+// while the compute runs elsewhere (a GPU trainer, whose host thread only launches kernels).
+void simulate_compute(std::chrono::nanoseconds duration, bool sleep) {
+  if (sleep) {
+    std::this_thread::sleep_for(duration);
+    return;
+  }
   const auto until = clock_type::now() + duration;
   while (clock_type::now() < until) {
   }
@@ -98,6 +104,7 @@ struct settings {
   int ranks = 2;
   int iterations = 8;
   double compute_ms = 52;
+  bool sleep_compute = false;  // --compute-mode sleep
   std::string json_path;
   std::string torch_peer;
   std::string python = "python3";
@@ -162,8 +169,9 @@ class bench {
   // One layer's share of the backward: busy-wait for its share of the compute time and
   // write its gradient.
   void layer_backward(std::size_t t, std::span<float> gradient) const {
-    spin_for(std::chrono::nanoseconds(static_cast<std::int64_t>(settings_.compute_ms * 1e6 *
-                                                                 static_cast<double>(sizes_[t]) / static_cast<double>(total_))));
+    simulate_compute(std::chrono::nanoseconds(static_cast<std::int64_t>(
+                         settings_.compute_ms * 1e6 * static_cast<double>(sizes_[t]) / static_cast<double>(total_))),
+                     settings_.sleep_compute);
     std::fill(gradient.begin(), gradient.end(), 1e-3f * static_cast<float>(t % 7));
   }
 
@@ -241,7 +249,8 @@ json run_torch_peer(const settings& s) {
   const std::string out = "/tmp/cohort_bench_reducer_torch_" + std::to_string(::getpid()) + ".json";
   std::ostringstream command;
   command << s.python << " " << s.torch_peer << " --ranks " << s.ranks << " --iterations " << s.iterations
-          << " --compute-ms " << s.compute_ms << " --json " << out;
+          << " --compute-ms " << s.compute_ms << " --compute-mode " << (s.sleep_compute ? "sleep" : "spin")
+          << " --json " << out;
   std::printf("\nrunning the PyTorch DDP peer: %s\n", command.str().c_str());
   std::fflush(stdout);
   const int status = std::system(command.str().c_str());
@@ -266,11 +275,15 @@ int main(int argc, char** argv) try {
     if (arg == "--ranks") s.ranks = std::stoi(value());
     else if (arg == "--iterations") s.iterations = std::stoi(value());
     else if (arg == "--compute-ms") s.compute_ms = std::stod(value());
-    else if (arg == "--json") s.json_path = value();
+    else if (arg == "--compute-mode") {
+      const std::string mode = value();
+      if (mode != "spin" && mode != "sleep") throw std::runtime_error("--compute-mode is spin or sleep");
+      s.sleep_compute = mode == "sleep";
+    } else if (arg == "--json") s.json_path = value();
     else if (arg == "--torch-peer") s.torch_peer = value();
     else if (arg == "--python") s.python = value();
     else {
-      std::printf("usage: bench_reducer [--ranks N] [--iterations I] [--compute-ms MS] [--json FILE] "
+      std::printf("usage: bench_reducer [--ranks N] [--iterations I] [--compute-ms MS] [--compute-mode spin|sleep] [--json FILE] "
                   "[--torch-peer bench/peers/torch_ddp.py] [--python python3]\n");
       return arg == "--help" ? 0 : 2;
     }

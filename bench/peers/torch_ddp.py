@@ -54,7 +54,13 @@ def resnet50_shapes():
     return shapes
 
 
+SLEEP_COMPUTE = False  # --compute-mode sleep: the host thread idles, as under a GPU's kernels
+
+
 def spin(seconds):
+    if SLEEP_COMPUTE:
+        time.sleep(seconds)
+        return
     until = time.perf_counter() + seconds
     while time.perf_counter() < until:
         pass
@@ -103,6 +109,8 @@ def timed(fn, iterations):
 
 
 def worker(rank, world, port, args, queue):
+    global SLEEP_COMPUTE
+    SLEEP_COMPUTE = args.compute_mode == "sleep"
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -154,6 +162,7 @@ def main():
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=8)
     parser.add_argument("--compute-ms", type=float, default=52.0)
+    parser.add_argument("--compute-mode", choices=["spin", "sleep"], default="spin")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
