@@ -149,34 +149,14 @@ config parse(int argc, char** argv) {
 
 int main(int argc, char** argv) try {
   const config cfg = parse(argc, argv);
-  if (cfg.ranks > 0) {
-    if (cfg.batch % static_cast<std::size_t>(cfg.ranks) != 0) throw std::runtime_error("--batch must be divisible by --ranks");
-    auto store = std::make_shared<cohort::memory_store>();
-    std::vector<float> final_loss(static_cast<std::size_t>(cfg.ranks));
-    std::vector<std::exception_ptr> failures(static_cast<std::size_t>(cfg.ranks));
-    std::vector<std::thread> threads;
-    for (int rank = 0; rank < cfg.ranks; ++rank)
-      threads.emplace_back([&, rank] {
-        try {
-          cohort::process_group<cohort::gloo> pg{store, cohort::launch_env::explicit_ranks(rank, cfg.ranks)};
-          final_loss[static_cast<std::size_t>(rank)] = train(pg, cfg);
-        } catch (...) {
-          failures[static_cast<std::size_t>(rank)] = std::current_exception();
-        }
-      });
-    for (auto& thread : threads) thread.join();
-    for (auto& failure : failures)
-      if (failure) std::rethrow_exception(failure);
-    return report(final_loss[0], cfg);
-  }
-  const auto env = cohort::launch_env::detect();
-  auto store = cohort::connect_store(env);
-  cohort::process_group<cohort::gloo> pg{store, env};
-  if (cfg.batch % static_cast<std::size_t>(pg.size()) != 0) throw std::runtime_error("--batch must be divisible by the world size");
-  const float loss = train(pg, cfg);
   int status = 0;
-  if (cohort::is_main_process(pg)) status = report(loss, cfg);
-  pg.barrier().wait();  // rank 0 hosts the store: keep it up until everyone is done
+  cohort::run_ranks(cfg.ranks, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+    if (cfg.batch % static_cast<std::size_t>(env.world_size) != 0)
+      throw std::runtime_error("--batch must be divisible by the number of ranks");
+    cohort::process_group<cohort::gloo> pg{store, env};
+    const float loss = train(pg, cfg);
+    if (cohort::is_main_process(pg)) status = report(loss, cfg);
+  });
   return status;
 } catch (const std::exception& failure) {
   std::fprintf(stderr, "data_parallel: %s\n", failure.what());

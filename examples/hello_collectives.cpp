@@ -14,26 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
-#include <thread>
 #include <vector>
-
-namespace {
-
-int run_rank(const std::shared_ptr<cohort::store>& store, const cohort::launch_env& env) {
-  cohort::process_group<cohort::gloo> pg{store, env};
-  std::vector<std::int64_t> value{pg.rank() + 1};
-  pg.all_reduce(std::span<std::int64_t>(value), cohort::op::sum).wait();
-  const std::int64_t expected = static_cast<std::int64_t>(pg.size()) * (pg.size() + 1) / 2;
-  if (cohort::is_main_process(pg))
-    std::printf("hello from %s: sum of rank+1 over %d ranks = %lld (expected %lld)\n",
-                std::string(cohort::to_string(env.source)).c_str(), pg.size(),
-                static_cast<long long>(value[0]), static_cast<long long>(expected));
-  // Nobody leaves before everyone has its answer: rank 0's store serves the others.
-  pg.barrier().wait();
-  return value[0] == expected ? 0 : 1;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   int threads = 0;
@@ -46,25 +27,20 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    if (threads > 0) {
-      auto store = std::make_shared<cohort::memory_store>();
-      std::vector<int> status(static_cast<std::size_t>(threads), 1);
-      std::vector<std::thread> ranks;
-      for (int rank = 0; rank < threads; ++rank)
-        ranks.emplace_back([&, rank] {
-          try {
-            status[static_cast<std::size_t>(rank)] = run_rank(store, cohort::launch_env::explicit_ranks(rank, threads));
-          } catch (const std::exception& failure) {
-            std::fprintf(stderr, "%s\n", failure.what());
-          }
-        });
-      for (auto& rank : ranks) rank.join();
-      for (int s : status)
-        if (s != 0) return 1;
-      return 0;
-    }
-    const auto env = cohort::launch_env::detect();
-    return run_rank(cohort::connect_store(env), env);
+    bool correct = true;
+    cohort::run_ranks(threads, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+      cohort::process_group<cohort::gloo> pg{store, env};
+      std::vector<std::int64_t> value{pg.rank() + 1};
+      pg.all_reduce(std::span<std::int64_t>(value), cohort::op::sum).wait();
+      const std::int64_t expected = static_cast<std::int64_t>(pg.size()) * (pg.size() + 1) / 2;
+      if (cohort::is_main_process(pg)) {
+        std::printf("hello from %s: sum of rank+1 over %d ranks = %lld (expected %lld)\n",
+                    std::string(cohort::to_string(env.source)).c_str(), pg.size(),
+                    static_cast<long long>(value[0]), static_cast<long long>(expected));
+        correct = value[0] == expected;
+      }
+    });
+    return correct ? 0 : 1;
   } catch (const std::exception& failure) {
     std::fprintf(stderr, "%s\n", failure.what());
     return 1;

@@ -1,0 +1,78 @@
+#pragma once
+// run_ranks: one entry point for "my program's ranks", however they were started.
+//
+//   cohort::run_ranks(threads, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+//     cohort::process_group<cohort::gloo> pg{store, env};
+//     ...
+//   });
+//
+//   threads > 0   that many ranks as threads of this process, meeting in one memory_store
+//                 (one box without a launcher, tests; what torch.multiprocessing.spawn does);
+//   threads == 0  this process is one rank of a launched job: launch_env::detect() and
+//                 connect_store(env) (mpirun, torchrun --no-python, srun).
+//
+// It returns when every rank of this process has returned. Under a launcher, rank 0 serves
+// the TCP store, so before leaving it waits (bounded by the store's timeout) until every rank
+// has finished: no rank loses its store because rank 0 was done first. When ranks fail, the
+// exception of the lowest failing rank is rethrown after every thread has ended.
+
+#include <exception>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "cohort/error.hpp"
+#include "cohort/launch.hpp"
+#include "cohort/store.hpp"
+#include "cohort/tcp_store.hpp"
+
+namespace cohort::inline v0 {
+
+template <class Fn>
+void run_ranks(int threads, Fn&& fn) {
+  if (threads < 0)
+    throw error(-1, "run_ranks", "threads = " + std::to_string(threads), "pass 0 (launched) or a positive count");
+  if (threads == 0) {
+    const auto env = launch_env::detect();
+    std::shared_ptr<store> rendezvous = connect_store(env);
+    std::exception_ptr failure;
+    try {
+      fn(rendezvous, env);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    // Everyone reports done; rank 0 keeps serving the store until all have.
+    const std::string done = "cohort/run_ranks/done";
+    try {
+      rendezvous->add(done, 1);
+      if (env.rank == 0) {
+        const auto deadline = std::chrono::steady_clock::now() + rendezvous->timeout();
+        while (rendezvous->add(done, 0) < env.world_size && std::chrono::steady_clock::now() < deadline)
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
+    if (failure) std::rethrow_exception(failure);
+    return;
+  }
+  auto shared = std::make_shared<memory_store>();
+  std::vector<std::exception_ptr> failures(static_cast<std::size_t>(threads));
+  std::vector<std::thread> ranks;
+  ranks.reserve(static_cast<std::size_t>(threads));
+  for (int rank = 0; rank < threads; ++rank)
+    ranks.emplace_back([&, rank] {
+      try {
+        fn(std::shared_ptr<store>(shared), launch_env::explicit_ranks(rank, threads));
+      } catch (...) {
+        failures[static_cast<std::size_t>(rank)] = std::current_exception();
+      }
+    });
+  for (auto& rank : ranks) rank.join();
+  for (auto& failure : failures)
+    if (failure) std::rethrow_exception(failure);
+}
+
+}  // namespace cohort::inline v0
