@@ -13,6 +13,7 @@
 #include <cohort/backend/gloo.hpp>
 #include <cohort/detail/json.hpp>
 #include <cohort/reducer.hpp>
+#include <cohort/run_ranks.hpp>
 #include <cohort/store.hpp>
 
 #include <algorithm>
@@ -132,24 +133,13 @@ class bench {
 
   // Runs every measurement on `ranks` threads; rank 0 records.
   std::vector<row> run() {
-    auto store = std::make_shared<cohort::memory_store>();
     std::vector<row> rows;
-    std::vector<std::exception_ptr> failures(static_cast<std::size_t>(settings_.ranks));
-    std::vector<std::thread> threads;
-    for (int rank = 0; rank < settings_.ranks; ++rank)
-      threads.emplace_back([&, rank] {
-        try {
-          cohort::gloo::options options;
-          options.timeout = std::chrono::seconds(60);
-          group pg(store, cohort::launch_env::explicit_ranks(rank, settings_.ranks), options);
-          measure_all(pg, rank == 0 ? &rows : nullptr);
-        } catch (...) {
-          failures[static_cast<std::size_t>(rank)] = std::current_exception();
-        }
-      });
-    for (auto& thread : threads) thread.join();
-    for (auto& failure : failures)
-      if (failure) std::rethrow_exception(failure);
+    cohort::run_ranks(settings_.ranks, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+      cohort::gloo::options options;
+      options.timeout = std::chrono::seconds(60);
+      group pg(store, env, options);
+      measure_all(pg, env.rank == 0 ? &rows : nullptr);
+    });
     return rows;
   }
 

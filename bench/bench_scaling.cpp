@@ -9,13 +9,13 @@
 #include <cohort/detail/json.hpp>
 #include <cohort/process_group.hpp>
 #include <cohort/reducer.hpp>
+#include <cohort/run_ranks.hpp>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "../examples/mlp.hpp"
@@ -57,16 +57,13 @@ double train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
 }
 
 double run(int world, const config& cfg) {
-  auto store = std::make_shared<cohort::memory_store>();
-  std::vector<double> seconds(static_cast<std::size_t>(world));
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < world; ++rank)
-    threads.emplace_back([&, rank] {
-      cohort::process_group<cohort::gloo> pg{store, cohort::launch_env::explicit_ranks(rank, world)};
-      seconds[static_cast<std::size_t>(rank)] = train(pg, cfg);
-    });
-  for (auto& thread : threads) thread.join();
-  return seconds[0];
+  double seconds = 0;
+  cohort::run_ranks(world, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+    cohort::process_group<cohort::gloo> pg{store, env};
+    const double mine = train(pg, cfg);
+    if (env.rank == 0) seconds = mine;
+  });
+  return seconds;
 }
 
 std::vector<std::size_t> parse_widths(const std::string& text) {

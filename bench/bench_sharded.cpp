@@ -23,6 +23,7 @@
 #include "cohort/backend/gloo.hpp"
 #include "cohort/detail/json.hpp"
 #include "cohort/process_group.hpp"
+#include "cohort/run_ranks.hpp"
 #include "cohort/sharded.hpp"
 #include "cohort/store.hpp"
 
@@ -50,26 +51,10 @@ struct result {
   double allocations = 0;
 };
 
-void run_threads(int ranks, const std::function<void(int)>& fn) {
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(ranks));
-  for (int r = 0; r < ranks; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        fn(r);
-      } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
-}
-
-group make_group(const std::shared_ptr<cohort::memory_store>& store, int rank, int world) {
+group make_group(const std::shared_ptr<cohort::store>& store, const cohort::launch_env& env) {
   cohort::gloo::options opts;
   opts.timeout = std::chrono::seconds(60);
-  return group(store, cohort::launch_env::explicit_ranks(rank, world), opts);
+  return group(store, env, opts);
 }
 
 void compute(const config& cfg) { std::this_thread::sleep_for(std::chrono::microseconds(cfg.compute_us)); }
@@ -78,13 +63,13 @@ result run_sharded(const config& cfg, int prefetch) {
   const std::size_t elements = static_cast<std::size_t>(cfg.unit_mib * (1 << 20)) / sizeof(float);
   const double total_bytes = static_cast<double>(elements * sizeof(float) * cfg.units);
   const double n = cfg.ranks;
-  auto store = std::make_shared<cohort::memory_store>();
   result out;
   out.mode = "sharded";
   out.prefetch = prefetch;
   out.formula_bytes = 3 * (n - 1) / n * total_bytes;
-  run_threads(cfg.ranks, [&](int rank) {
-    auto pg = make_group(store, rank, cfg.ranks);
+  cohort::run_ranks(cfg.ranks, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+    const int rank = env.rank;
+    auto pg = make_group(store, env);
     cohort::sharded_parameters<cohort::gloo, float> params(
         pg, std::vector<std::vector<std::size_t>>(cfg.units, std::vector<std::size_t>{elements}),
         {.prefetch = prefetch});
@@ -130,14 +115,14 @@ result run_data_parallel(const config& cfg) {
   const std::size_t elements = static_cast<std::size_t>(cfg.unit_mib * (1 << 20)) / sizeof(float);
   const double total_bytes = static_cast<double>(elements * sizeof(float) * cfg.units);
   const double n = cfg.ranks;
-  auto store = std::make_shared<cohort::memory_store>();
   result out;
   out.mode = "data_parallel";
   out.formula_bytes = 2 * (n - 1) / n * total_bytes;
   out.counted_bytes = out.formula_bytes;  // one all-reduce of every gradient
   out.peak_bytes = 2 * total_bytes;       // full parameters + full gradients
-  run_threads(cfg.ranks, [&](int rank) {
-    auto pg = make_group(store, rank, cfg.ranks);
+  cohort::run_ranks(cfg.ranks, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+    const int rank = env.rank;
+    auto pg = make_group(store, env);
     std::vector<std::vector<float>> gradients(cfg.units, std::vector<float>(elements, 0.5f));
     auto step = [&] {
       for (std::size_t u = 0; u < cfg.units; ++u) compute(cfg);
