@@ -26,9 +26,9 @@ namespace {
 
 struct config {
   int ranks = 0;  // 0: read the launcher's environment
-  int steps = 12;
+  int steps = 40;
   std::size_t batch = 48;  // global batch, split evenly over the ranks
-  float lr = 0.1f;
+  float lr = 0.3f;
   bool user_buffers = false;
   std::vector<std::size_t> widths{32, 192, 192, 8};
 };
@@ -107,7 +107,7 @@ float train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
     ddp->finish();
     // Equal shards: the batch loss is the average of the shard losses.
     pg.all_reduce(std::span<float>(&loss, 1), cohort::op::avg).wait();
-    log("step ", step, " loss ", loss);
+    if (step % 5 == 0 || step + 1 == cfg.steps) log("step ", step, " loss ", loss);
     for (std::size_t t = 0; t < params.size(); ++t)
       for (std::size_t i = 0; i < params[t].size(); ++i) params[t][i] -= cfg.lr * grads[t][i];
   }
