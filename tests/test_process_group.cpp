@@ -337,3 +337,25 @@ TEST_CASE("a collective inside a main-only section is refused instead of deadloc
     pg.barrier().wait();  // outside the section everything works again
   });
 }
+
+TEST_CASE("an unmatched recv does not hold up the group's destruction", "[process_group][gloo][faults]") {
+  auto store = fresh_store();
+  double seconds = 0;
+  cohort_test::run_ranks(2, [&](int rank) {
+    std::vector<float> never(16);
+    auto pg = std::make_unique<group>(make_group(store, rank, 2, 30s));
+    if (rank == 0) pg->recv(std::span<float>(never), 1, 99);  // rank 1 never sends this
+    pg->barrier().wait();
+    if (rank == 1) {
+      // Stay connected until rank 0 is gone, so nothing but the abort can end its wait.
+      store->get("rank 0 destroyed its group");
+      return;
+    }
+    const auto started = std::chrono::steady_clock::now();
+    pg.reset();
+    seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    store->set("rank 0 destroyed its group", "yes");
+  });
+  INFO("destruction took " << seconds << " s; the group's timeout is 30 s");
+  REQUIRE(seconds < 5.0);
+}

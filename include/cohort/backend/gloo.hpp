@@ -23,6 +23,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <string>
 #include <vector>
@@ -66,9 +67,20 @@ class gloo_store_adapter final : public ::gloo::rendezvous::Store {
 
 // A posted point-to-point operation, waited for separately (see gloo::send).
 struct gloo_p2p {
+  std::mutex mutex;  // guards buffer against abort() from the group's destructor
   std::unique_ptr<::gloo::transport::UnboundBuffer> buffer;
   std::uint64_t post_sequence = 0;
   bool sending = false;
+
+  // Ends a wait that no peer will ever match (the group is going away).
+  void abort() {
+    std::lock_guard lock(mutex);
+    if (!buffer) return;
+    if (sending)
+      buffer->abortWaitSend();
+    else
+      buffer->abortWaitRecv();
+  }
 };
 
 struct gloo_task {
@@ -171,6 +183,13 @@ class gloo {
   // Finishes queued work first: the worker's tasks refer to this context.
   ~gloo() {
     if (worker_) worker_->shutdown();
+    // Point-to-point operations still unmatched would keep the completion worker waiting
+    // for up to the timeout: end them, the group is going away.
+    {
+      std::lock_guard lock(p2p_mutex_);
+      for (auto& weak : live_p2p_)
+        if (auto pending = weak.lock()) pending->abort();
+    }
     if (p2p_worker_) p2p_worker_->shutdown();
   }
 
@@ -303,6 +322,11 @@ class gloo {
 
   work post(detail::gloo_task operation) {
     auto pending = std::make_shared<detail::gloo_p2p>();
+    {
+      std::lock_guard lock(p2p_mutex_);
+      std::erase_if(live_p2p_, [](const std::weak_ptr<detail::gloo_p2p>& weak) { return weak.expired(); });
+      live_p2p_.push_back(pending);
+    }
     auto completion = task(task_kind::p2p_wait, operation.type, op::sum, operation.in, operation.out,
                            operation.count, operation.peer, operation.tag);
     completion.p2p = pending;
@@ -357,10 +381,18 @@ class gloo {
       case task_kind::p2p_wait: {
         worker_->wait_until_done(task.p2p->post_sequence, std::chrono::steady_clock::time_point::max());
         if (auto failure = worker_->failure(task.p2p->post_sequence)) std::rethrow_exception(failure);
-        if (!task.p2p->buffer) return;  // zero elements: nothing was posted
-        const bool completed = task.p2p->sending ? task.p2p->buffer->waitSend(options_.timeout)
-                                       : task.p2p->buffer->waitRecv(options_.timeout);
-        task.p2p->buffer.reset();
+        ::gloo::transport::UnboundBuffer* buffer = nullptr;
+        {
+          std::lock_guard lock(task.p2p->mutex);
+          buffer = task.p2p->buffer.get();
+        }
+        if (!buffer) return;  // zero elements: nothing was posted
+        const bool completed =
+            task.p2p->sending ? buffer->waitSend(options_.timeout) : buffer->waitRecv(options_.timeout);
+        {
+          std::lock_guard lock(task.p2p->mutex);
+          task.p2p->buffer.reset();
+        }
         if (!completed) throw_timeout(task);
         return;
       }
@@ -449,13 +481,17 @@ class gloo {
         return;
       }
       case task_kind::send: {
-        task.p2p->buffer = context_->createUnboundBuffer(const_cast<T*>(in), n * sizeof(T));
-        task.p2p->buffer->send(task.peer, point_to_point_slot(task));
+        auto buffer = context_->createUnboundBuffer(const_cast<T*>(in), n * sizeof(T));
+        buffer->send(task.peer, point_to_point_slot(task));
+        std::lock_guard lock(task.p2p->mutex);
+        task.p2p->buffer = std::move(buffer);
         return;
       }
       case task_kind::recv: {
-        task.p2p->buffer = context_->createUnboundBuffer(out, n * sizeof(T));
-        task.p2p->buffer->recv(task.peer, point_to_point_slot(task));
+        auto buffer = context_->createUnboundBuffer(out, n * sizeof(T));
+        buffer->recv(task.peer, point_to_point_slot(task));
+        std::lock_guard lock(task.p2p->mutex);
+        task.p2p->buffer = std::move(buffer);
         return;
       }
       default: return;
@@ -513,6 +549,8 @@ class gloo {
   std::vector<std::byte> scratch_;  // used by the worker thread only
   std::shared_ptr<worker_type> worker_;      // last: their threads run run(), which uses the above
   std::shared_ptr<worker_type> p2p_worker_;
+  std::mutex p2p_mutex_;
+  std::vector<std::weak_ptr<detail::gloo_p2p>> live_p2p_;
 };
 
 }  // namespace cohort::inline v0
