@@ -12,9 +12,11 @@
 // bucket-index order on every rank, so every rank issues the same collective sequence even
 // when gradients become ready in different orders.
 //
-// Averaging: every bucket is all-reduced with op::avg through the process group: on Gloo a
-// sum followed by a division by the world size, on NCCL ncclAvg. Compressed buckets
-// (bfloat16, half) are averaged the same way in the compressed type.
+// Averaging: on NCCL every bucket is all-reduced with op::avg (ncclAvg). On Gloo a bucket is
+// all-reduced as a sum and finish() divides it by the world size on the calling thread as
+// soon as it arrives, so the division (a full pass over memory) overlaps the next bucket's
+// all-reduce instead of delaying it on the communication worker. Compressed buckets
+// (bfloat16, half) are averaged with op::avg in the compressed type on both.
 //
 // Memory: the reducer either owns the gradients (bucket views: one contiguous allocation per
 // bucket, gradient(i) is a span into it, nothing is copied) or copies user-owned buffers into
@@ -352,6 +354,19 @@ class gradient_reducer {
     auto& engine = group_->backend();
     if (marked_count_ < size()) handle_unmarked(summary);
     launch_ready_buckets();
+    if constexpr (B::space == memory_space::host) {
+      // Buckets complete in order; average each while the later ones are still on the wire.
+      for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        auto& bucket = buckets_[b];
+        if (!bucket.divide_on_finish) continue;
+        bucket.done.wait();
+        visit_dtype(layout_[b].type, [&](auto sample) {
+          using T = decltype(sample);
+          detail::divide(static_cast<T*>(bucket.data), layout_[b].elements, group_->size());
+        });
+        bucket.divide_on_finish = false;
+      }
+    }
     if (storage_ == gradient_storage::user_buffers) {
       for (auto& bucket : buckets_) batched_copy(engine, std::span<const copy_region>(bucket.copy_out));
     }
@@ -462,6 +477,7 @@ class gradient_reducer {
     std::vector<copy_region> copy_in;   // user buffers -> bucket
     std::vector<copy_region> copy_out;  // bucket -> user buffers
     work done;
+    bool divide_on_finish = false;  // summed, not yet averaged (host backends)
   };
 
   static std::vector<gradient_spec> specs_from(const std::vector<std::size_t>& sizes) {
@@ -561,7 +577,10 @@ class gradient_reducer {
     std::fill(marked_.begin(), marked_.end(), std::uint8_t{0});
     marked_count_ = 0;
     launched_ = 0;
-    for (std::size_t b = 0; b < buckets_.size(); ++b) pending_[b] = layout_[b].gradients.size();
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      pending_[b] = layout_[b].gradients.size();
+      buckets_[b].divide_on_finish = false;
+    }
     if (!observed_order_complete_) observed_order_.clear();
   }
 
@@ -582,6 +601,12 @@ class gradient_reducer {
       cast(engine, bucket.data, shape.type, bucket.compressed, small, shape.elements);
       all_reduce_average(bucket.compressed, shape.elements, small);
       bucket.done = cast(engine, bucket.compressed, small, bucket.data, shape.type, shape.elements);
+    } else if constexpr (B::space == memory_space::host) {
+      bucket.done = visit_dtype(shape.type, [&](auto sample) {
+        using T = decltype(sample);
+        return group_->all_reduce(std::span<T>(static_cast<T*>(bucket.data), shape.elements), op::sum);
+      });
+      bucket.divide_on_finish = true;
     } else {
       bucket.done = all_reduce_average(bucket.data, shape.elements, shape.type);
     }
@@ -606,6 +631,9 @@ class gradient_reducer {
         if (shown++ < 16) list += (list.empty() ? "" : ", ") + detail::describe_gradient(i, specs_[i].count, specs_[i].type);
       }
       if (missing > shown) list += ", ...";
+      // Buckets already launched still own their memory on the wire: let them land before
+      // the caller may write the next iteration's gradients there.
+      for (std::size_t b = 0; b < launched_; ++b) buckets_[b].done.wait();
       reset_iteration();
       throw error(rank(), "gradient_reducer.finish",
                   std::to_string(missing) + " gradient(s) never marked ready: " + list,
