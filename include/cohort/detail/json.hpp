@@ -128,7 +128,9 @@ class json {
     return as_object().back().second;
   }
 
-  friend bool operator==(const json&, const json&) = default;
+  // Defined after the class: nvcc's front end instantiates a defaulted comparison while
+  // json is still incomplete and rejects std::pair<std::string, json>.
+  friend bool operator==(const json& a, const json& b);
 
   // indent < 0: one line; otherwise pretty-printed with that many spaces per level.
   std::string dump(int indent = -1) const {
@@ -227,6 +229,8 @@ class json {
 
   std::variant<std::monostate, bool, double, std::string, array, object> value_;
 };
+
+inline bool operator==(const json& a, const json& b) { return a.value_ == b.value_; }
 
 struct json_limits {
   std::size_t max_bytes = std::size_t{64} << 20;
