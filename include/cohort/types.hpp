@@ -17,11 +17,7 @@
 #define COHORT_HAS_CUDA_TYPES 1
 #endif
 
-#if defined(__CUDACC__)
-#define COHORT_HOST_DEVICE __host__ __device__
-#else
-#define COHORT_HOST_DEVICE
-#endif
+#include "cohort/detail/host_device.hpp"
 
 namespace cohort::inline v0 {
 

@@ -86,16 +86,13 @@ class fifo_worker {
     return true;
   }
 
-  // The failure of task seq, if it failed.
+  // The failure of task seq, if it failed. Every wait asks, so the common case (nothing
+  // ever failed) is one atomic load, not a lock.
   std::exception_ptr failure(std::uint64_t seq) const {
+    if (!any_failure_.load(std::memory_order_acquire)) return nullptr;
     std::lock_guard lock(mutex_);
     auto it = failures_.find(seq);
     return it == failures_.end() ? nullptr : it->second;
-  }
-
-  std::exception_ptr first_failure() const {
-    std::lock_guard lock(mutex_);
-    return first_failure_;
   }
 
  private:
@@ -123,6 +120,7 @@ class fifo_worker {
     if (failed) {
       if (!first_failure_) first_failure_ = failed;
       failures_.emplace(next.seq, failed);
+      any_failure_.store(true, std::memory_order_release);
     }
     executing_ = false;
     completed_.store(next.seq, std::memory_order_release);
@@ -163,6 +161,7 @@ class fifo_worker {
   std::atomic<std::uint64_t> completed_{0};
   std::map<std::uint64_t, std::exception_ptr> failures_;
   std::exception_ptr first_failure_;
+  std::atomic<bool> any_failure_{false};
   std::thread thread_;  // last: starts after every member above exists
 };
 

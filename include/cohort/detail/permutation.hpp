@@ -26,13 +26,7 @@
 
 #include <cstdint>
 
-#ifndef COHORT_HOST_DEVICE
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define COHORT_HOST_DEVICE __host__ __device__
-#else
-#define COHORT_HOST_DEVICE
-#endif
-#endif
+#include "cohort/detail/host_device.hpp"
 
 namespace cohort::inline v0::detail {
 
