@@ -12,11 +12,16 @@
 // bucket-index order on every rank, so every rank issues the same collective sequence even
 // when gradients become ready in different orders.
 //
-// Averaging: on NCCL every bucket is all-reduced with op::avg (ncclAvg). On Gloo a bucket is
-// all-reduced as a sum and finish() divides it by the world size on the calling thread as
-// soon as it arrives, so the division (a full pass over memory) overlaps the next bucket's
-// all-reduce instead of delaying it on the communication worker. Compressed buckets
-// (bfloat16, half) are averaged with op::avg in the compressed type on both.
+// Averaging is "divide before" on both backends, as ncclAvg itself does for floating types
+// (it pre-multiplies each input by 1/n and sums). On NCCL every bucket is all-reduced with
+// op::avg. On Gloo mark_ready(i) divides floating gradient i by the world size on the calling
+// thread, while the backward has just written it and it is still in cache, and buckets are
+// all-reduced as sums: no cold pass over the whole gradient set after the wire, and nothing
+// added to the communication worker (on a host backend, communication and the backward share
+// the same cores and memory bandwidth). Integer buckets are summed and divided by finish(),
+// on the calling thread as each lands (dividing first would truncate every contribution).
+// Compressed buckets (bfloat16, half) are averaged with op::avg in the compressed type, and a
+// communication hook owns its bucket's averaging.
 //
 // Memory: the reducer either owns the gradients (bucket views: one contiguous allocation per
 // bucket, gradient(i) is a span into it, nothing is copied) or copies user-owned buffers into
@@ -329,6 +334,12 @@ class gradient_reducer {
     if (!observed_order_complete_) observed_order_.push_back(i);
     if (no_sync_depth_ > 0) return;
     const std::size_t bucket = placement_[i].bucket;
+    if (divides_when_marked(bucket)) {
+      visit_dtype(specs_[i].type, [&](auto sample) {
+        using T = decltype(sample);
+        detail::divide(static_cast<T*>(location(i)), specs_[i].count, group_->size());
+      });
+    }
     --pending_[bucket];
     launch_ready_buckets();
   }
@@ -584,6 +595,18 @@ class gradient_reducer {
     if (!observed_order_complete_) observed_order_.clear();
   }
 
+  // Host backends, plain floating buckets: mark_ready averages each gradient (see the top).
+  bool divides_when_marked(std::size_t b) const {
+    if constexpr (B::space == memory_space::host) {
+      const dtype type = layout_[b].type;
+      const bool floating = type == dtype::float32 || type == dtype::float64 || type == dtype::float16 ||
+                            type == dtype::bfloat16;
+      return floating && !hook_ && !buckets_[b].compressed;
+    } else {
+      return false;
+    }
+  }
+
   void launch_ready_buckets() {
     while (launched_ < buckets_.size() && pending_[launched_] == 0) launch(launched_++);
   }
@@ -606,7 +629,7 @@ class gradient_reducer {
         using T = decltype(sample);
         return group_->all_reduce(std::span<T>(static_cast<T*>(bucket.data), shape.elements), op::sum);
       });
-      bucket.divide_on_finish = true;
+      bucket.divide_on_finish = !divides_when_marked(b);
     } else {
       bucket.done = all_reduce_average(bucket.data, shape.elements, shape.type);
     }
