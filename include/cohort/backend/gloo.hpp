@@ -417,9 +417,11 @@ class gloo {
     const std::size_t world = static_cast<std::size_t>(size_);
     switch (task.what) {
       case task_kind::all_reduce: {
-        if (in != out) std::memcpy(out, in, n * sizeof(T));
         ::gloo::AllreduceOptions opts(context_);
         opts.setTag(collective_tag(task));
+        // Out of place, Gloo copies each input segment just before it sends or reduces it,
+        // while it is hot; a copy of the whole input first would be a cold pass of its own.
+        if (in != out) opts.setInput(const_cast<T*>(in), n);
         opts.setOutput(out, n);
         opts.setReduceFunction(detail::reduce_function<T>(task.reduce));
         opts.setTimeout(options_.timeout);

@@ -125,7 +125,9 @@ class fifo_worker {
     executing_ = false;
     completed_.store(next.seq, std::memory_order_release);
     completed_cv_.notify_all();
-    if (worker_sleeping_) ready_.notify_one();
+    // Wake a sleeping worker only for work it can take: a needless wake-up after every
+    // caller-run task puts a thread on the cores just as the caller's next call starts.
+    if (worker_sleeping_ && (!tasks_.empty() || stopping_)) ready_.notify_one();
   }
 
   void loop() {
