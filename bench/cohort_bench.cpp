@@ -53,14 +53,17 @@ Operations: all_reduce, all_gather, reduce_scatter, broadcast, alltoall
   --stat median|min    which timed block counts (default median; min drops blocks that a
                        busy machine preempted)
   --no-raw             do not time the raw engine call next to cohort's
+  --pairs P            single calls per side, interleaved cohort / raw, behind the cohort/raw
+                       column: the ratio of their medians (default iters x repetitions)
   --json FILE          write every row and the environment as JSON (rank 0)
   --timeout SECONDS    bound of every collective and of the rendezvous (default 300)
   -h, --help           this text
 
 Columns follow nccl-tests: size is the full buffer in bytes, time the mean of one call in
 microseconds averaged over ranks, algbw = size / time, busbw = algbw x 2(n-1)/n (all_reduce),
-(n-1)/n (all_gather, reduce_scatter, alltoall), 1 (broadcast). cohort/raw is the raw engine's
-time over cohort's (>= 0.98 means the wrapper costs under 2%).
+(n-1)/n (all_gather, reduce_scatter, alltoall), 1 (broadcast). cohort/raw is the median time
+of a raw engine call over that of cohort's, from single calls interleaved one by one (>= 0.98
+means the wrapper costs under 2%).
 )";
 
 [[noreturn]] void fail(const std::string& message, int code = 2) {
@@ -178,6 +181,8 @@ command_line parse(int argc, char** argv) {
       const std::string& name = value();
       if (name != "median" && name != "min") fail("--stat: median or min");
       cl.bench.fastest_block = name == "min";
+    } else if (flag == "--pairs") {
+      cl.bench.ratio_pairs = parse_int(flag, value(), 1);
     } else if (flag == "--no-raw") {
       cl.bench.compare_raw = false;
     } else if (flag == "--json") {

@@ -58,6 +58,14 @@ TEST_CASE("bench sizes, counts and bus bandwidth follow nccl-tests") {
   CHECK(cohort_bench::sizes(o) == std::vector<std::size_t>{8, 16, 32, 64});
 }
 
+TEST_CASE("bench quantiles interpolate between order statistics") {
+  CHECK(cohort_bench::quantile({5, 1, 4, 2, 3}, 0.25) == Approx(2.0));
+  CHECK(cohort_bench::quantile({4, 1, 3, 2}, 0.25) == Approx(1.75));
+  CHECK(cohort_bench::quantile({4, 1, 3, 2}, 0.5) == Approx(cohort_bench::median({4, 1, 3, 2})));
+  CHECK(cohort_bench::quantile({7}, 0.25) == Approx(7.0));
+  CHECK(cohort_bench::quantile({}, 0.25) == 0.0);
+}
+
 TEST_CASE("bench correctness check counts corrupted elements") {
   const auto shape = cohort_bench::layout_for(operation::all_reduce, 64, 4, 2);
   std::vector<float> expected(shape.count);
@@ -79,7 +87,7 @@ TEST_CASE("bench checks every collective on 2 gloo ranks with no wrong element")
       o.reduce = what == operation::all_reduce ? cohort::op::avg : cohort::op::max;
       o.root = 1;
       o.min_bytes = 64, o.max_bytes = 4096, o.factor = 8;
-      o.iterations = 2, o.warmup = 1, o.repetitions = 1;
+      o.iterations = 2, o.warmup = 1, o.repetitions = 1, o.ratio_pairs = 2;
       const auto rows = bench_on_threads(2, o);
       INFO(cohort_bench::to_string(what) << " " << cohort::to_string(type));
       REQUIRE(rows.size() == 3);
@@ -89,6 +97,9 @@ TEST_CASE("bench checks every collective on 2 gloo ranks with no wrong element")
         CHECK(r.time_us > 0);
         REQUIRE(r.raw_time_us);
         CHECK(*r.raw_time_us > 0);
+        REQUIRE(r.cohort_over_raw);
+        CHECK(*r.cohort_over_raw > 0);
+        CHECK(r.cohort_over_raw_median.value_or(0) > 0);
         // busbw is algbw times the collective's factor, algbw the full buffer over the time.
         CHECK(r.algbw_GBps == Approx(double(r.bytes) / (r.time_us * 1e-6) / 1e9));
         CHECK(r.busbw_GBps == Approx(r.algbw_GBps * cohort_bench::bus_factor(what, 2)));
@@ -139,7 +150,7 @@ TEST_CASE("planner alpha-beta fitted to a gloo all-reduce sweep predicts held-ou
 TEST_CASE("bench JSON is what the planner reads") {
   cohort_bench::options o;
   o.min_bytes = 1024, o.max_bytes = 8192, o.factor = 2;
-  o.iterations = 2, o.warmup = 1, o.repetitions = 1;
+  o.iterations = 2, o.warmup = 1, o.repetitions = 1, o.ratio_pairs = 2;
   const auto rows = bench_on_threads(2, o);
   REQUIRE(rows.size() == 4);
   auto env = cohort::detail::json::make_object();
