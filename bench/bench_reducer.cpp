@@ -2,14 +2,20 @@
 // ResNet-50-shaped gradient set (161 tensors, 25.6 M parameters):
 //  1. communication alone: one raw all-reduce of everything, one all-reduce per tensor, and
 //     the reducer at bucket caps 1 .. 100 MiB;
-//  2. a simulated backward (per-layer busy-wait proportional to the layer's size, plus
+//  2. a simulated backward (per-layer compute proportional to the layer's size, plus
 //     writing its gradient), without and with overlap: step time, compute time and exposed
 //     communication (step - compute).
+// The simulated compute comes in two kinds, each its own table: `spin` busy-waits (a CPU
+// trainer: the backward occupies the cores the communication needs too) and `sleep` idles
+// (a GPU trainer: the host thread only launches kernels). Every row also reports the CPU
+// time the whole process spent per step (all ranks: they are threads of this process), from
+// which a floor follows: on C cores no schedule finishes a step in less than
+// (compute CPU + communication CPU) / C, however well it overlaps.
 // Optionally runs bench/peers/torch_ddp.py (PyTorch DDP over Gloo, same shapes, same
 // simulated backward) in the same run and prints the ratio of step times.
 //
-//   bench_reducer [--ranks 2] [--iterations 8] [--compute-ms 52] [--compute-mode spin|sleep] [--json FILE]
-//                 [--torch-peer bench/peers/torch_ddp.py] [--python python3]
+//   bench_reducer [--ranks 2] [--iterations 8] [--compute-ms 52] [--compute-mode spin|sleep|both]
+//                 [--json FILE] [--torch-peer bench/peers/torch_ddp.py] [--python python3]
 #include <cohort/backend/gloo.hpp>
 #include <cohort/detail/json.hpp>
 #include <cohort/reducer.hpp>
@@ -27,6 +33,8 @@
 #include <string>
 #include <thread>
 
+#include <sched.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <vector>
@@ -89,6 +97,21 @@ double ms_since(clock_type::time_point start) {
   return std::chrono::duration<double, std::milli>(clock_type::now() - start).count();
 }
 
+// User + system CPU time of the whole process (every rank's threads, Gloo's I/O threads).
+double process_cpu_ms() {
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  auto ms = [](const timeval& t) { return static_cast<double>(t.tv_sec) * 1e3 + static_cast<double>(t.tv_usec) / 1e3; };
+  return ms(usage.ru_utime) + ms(usage.ru_stime);
+}
+
+// Cores this process may run on.
+int usable_cores() {
+  cpu_set_t set;
+  if (::sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
 // spin: the compute occupies this thread's core (a CPU trainer); sleep: the thread is idle
 // while the compute runs elsewhere (a GPU trainer, whose host thread only launches kernels).
 void simulate_compute(std::chrono::nanoseconds duration, bool sleep) {
@@ -106,6 +129,7 @@ struct settings {
   int iterations = 8;
   double compute_ms = 52;
   bool sleep_compute = false;  // --compute-mode sleep
+  bool both_modes = true;      // --compute-mode both (the default): a table for each
   std::string json_path;
   std::string torch_peer;
   std::string python = "python3";
@@ -117,6 +141,12 @@ struct row {
   std::size_t buckets = 0;
   double step_ms = 0;
   double compute_ms = 0;
+  double cpu_ms = 0;  // process CPU per step, all ranks
+};
+
+struct timing {
+  double wall_ms = 0;
+  double cpu_ms = 0;
 };
 
 class bench {
@@ -144,16 +174,21 @@ class bench {
   }
 
  private:
-  // Median over iterations of fn's time, every rank starting together.
-  double timed(group& pg, const std::function<void()>& fn) {
-    std::vector<double> times;
+  // Medians over iterations of fn's wall time and of the process's CPU time meanwhile, every
+  // rank starting together (the CPU window is rank 0's; the ranks start and end together).
+  timing timed(group& pg, const std::function<void()>& fn) {
+    std::vector<double> times, cpu;
     for (int i = 0; i < settings_.iterations + 2; ++i) {
       pg.barrier().wait();
+      const double cpu_start = process_cpu_ms();
       const auto start = clock_type::now();
       fn();
-      if (i >= 2) times.push_back(ms_since(start));  // two warm-up iterations
+      if (i >= 2) {  // two warm-up iterations
+        times.push_back(ms_since(start));
+        cpu.push_back(process_cpu_ms() - cpu_start);
+      }
     }
-    return median(times);
+    return {median(times), median(cpu)};
   }
 
   // One layer's share of the backward: busy-wait for its share of the compute time and
@@ -166,63 +201,64 @@ class bench {
   }
 
   void measure_all(group& pg, std::vector<row>* rows) {
-    auto record = [&](row r) {
-      if (rows) rows->push_back(std::move(r));
+    auto record = [&](std::string what, double cap, std::size_t buckets, timing t, double compute) {
+      if (rows) rows->push_back({std::move(what), cap, buckets, t.wall_ms, compute, t.cpu_ms});
     };
     const std::size_t n = sizes_.size();
     // Communication alone.
     {
       std::vector<float> everything(total_, 1.0f);
-      record({"raw all-reduce of all gradients (one call)", 0, 1,
-              timed(pg, [&] { pg.all_reduce(std::span<float>(everything), cohort::op::avg).wait(); }), 0});
+      record("raw all-reduce of all gradients (one call)", 0, 1,
+             timed(pg, [&] { pg.all_reduce(std::span<float>(everything), cohort::op::avg).wait(); }), 0);
       std::vector<std::span<float>> per_tensor;
       std::size_t offset = 0;
       for (auto count : sizes_) {
         per_tensor.emplace_back(everything.data() + offset, count);
         offset += count;
       }
-      record({"per-tensor all-reduce (161 calls)", 0, n, timed(pg, [&] {
-                cohort::gloo::work last;
-                for (std::size_t t = n; t-- > 0;) last = pg.all_reduce(per_tensor[t], cohort::op::avg);
-                last.wait();
-              }), 0});
+      record("per-tensor all-reduce (161 calls)", 0, n, timed(pg, [&] {
+               cohort::gloo::work last;
+               for (std::size_t t = n; t-- > 0;) last = pg.all_reduce(per_tensor[t], cohort::op::avg);
+               last.wait();
+             }), 0);
     }
     const double caps[] = {1, 5, 10, 25, 50, 100};
     for (double cap : caps) {
       const auto bytes = static_cast<std::size_t>(cap * (1 << 20));
       cohort::gradient_reducer<cohort::gloo> ddp(pg, sizes_, {.first_bucket_bytes = bytes, .bucket_bytes = bytes});
-      record({"bucketed all-reduce, no compute", cap, ddp.bucket_count(), timed(pg, [&] {
-                for (std::size_t t = n; t-- > 0;) ddp.mark_ready(t);
-                ddp.finish();
-              }), 0});
+      record("bucketed all-reduce, no compute", cap, ddp.bucket_count(), timed(pg, [&] {
+               for (std::size_t t = n; t-- > 0;) ddp.mark_ready(t);
+               ddp.finish();
+             }), 0);
     }
     // Simulated backward.
     {
       std::vector<float> scratch(total_);
-      const double compute = timed(pg, [&] {
+      const timing compute_alone = timed(pg, [&] {
         std::size_t offset = total_;
         for (std::size_t t = n; t-- > 0;) {
           offset -= sizes_[t];
           layer_backward(t, std::span<float>(scratch.data() + offset, sizes_[t]));
         }
       });
-      record({"backward compute alone", 0, 0, compute, compute});
+      const double compute = compute_alone.wall_ms;
+      record("backward compute alone", 0, 0, compute_alone, compute);
       cohort::gradient_reducer<cohort::gloo> ddp(pg, sizes_);
-      record({"backward, then all-reduce (no overlap)", 25, ddp.bucket_count(), timed(pg, [&] {
-                for (std::size_t t = n; t-- > 0;) layer_backward(t, ddp.gradient(t));
-                for (std::size_t t = n; t-- > 0;) ddp.mark_ready(t);
-                ddp.finish();
-              }), compute});
+      record("backward, then all-reduce (no overlap)", 25, ddp.bucket_count(), timed(pg, [&] {
+               for (std::size_t t = n; t-- > 0;) layer_backward(t, ddp.gradient(t));
+               for (std::size_t t = n; t-- > 0;) ddp.mark_ready(t);
+               ddp.finish();
+             }), compute);
       for (double cap : caps) {
         const auto bytes = static_cast<std::size_t>(cap * (1 << 20));
         cohort::gradient_reducer<cohort::gloo> overlapped(pg, sizes_, {.first_bucket_bytes = std::min<std::size_t>(bytes, 1 << 20), .bucket_bytes = bytes});
-        record({"backward overlapped with bucketed all-reduce", cap, overlapped.bucket_count(), timed(pg, [&] {
-                  for (std::size_t t = n; t-- > 0;) {
-                    layer_backward(t, overlapped.gradient(t));
-                    overlapped.mark_ready(t);
-                  }
-                  overlapped.finish();
-                }), compute});
+        record("backward overlapped with bucketed all-reduce", cap, overlapped.bucket_count(), timed(pg, [&] {
+                 for (std::size_t t = n; t-- > 0;) {
+                   layer_backward(t, overlapped.gradient(t));
+                   overlapped.mark_ready(t);
+                 }
+                 overlapped.finish();
+               }), compute);
       }
     }
   }
@@ -255,6 +291,76 @@ json run_torch_peer(const settings& s) {
   return cohort::detail::parse_json(text.str());
 }
 
+// One compute mode: cohort's table, the floor, and the PyTorch peer beside it.
+json run_mode(const settings& s) {
+  const char* mode = s.sleep_compute ? "sleep" : "spin";
+  bench b(s);
+  std::printf("\n== simulated backward: %s (%s) ==\n", mode,
+              s.sleep_compute ? "the host thread idles, as under a GPU's kernels" : "busy-waits on the core, as a CPU trainer");
+  const auto rows = b.run();
+  std::printf("\n%-46s %8s %8s %10s %10s %12s %10s\n", "measurement", "cap MiB", "buckets", "step ms", "compute",
+              "exposed comm", "CPU ms");
+  json results = json::make_array();
+  const row* overlapped = nullptr;
+  const row* compute_alone = nullptr;
+  const row* comm_alone = nullptr;
+  for (const auto& r : rows) {
+    const double exposed = r.compute_ms > 0 ? r.step_ms - r.compute_ms : r.step_ms;
+    std::printf("%-46s %8s %8zu %10.1f %10.1f %12.1f %10.1f\n", r.what.c_str(),
+                r.cap_mib > 0 ? std::to_string(static_cast<int>(r.cap_mib)).c_str() : "-", r.buckets, r.step_ms,
+                r.compute_ms, exposed, r.cpu_ms);
+    if (r.what.find("overlapped") != std::string::npos && r.cap_mib == 25) overlapped = &r;
+    if (r.what.find("compute alone") != std::string::npos) compute_alone = &r;
+    if (r.what.find("no compute") != std::string::npos && r.cap_mib == 25) comm_alone = &r;
+    json entry = json::make_object();
+    entry.set("measurement", r.what);
+    entry.set("cap_mib", r.cap_mib);
+    entry.set("buckets", r.buckets);
+    entry.set("step_ms", r.step_ms);
+    entry.set("compute_ms", r.compute_ms);
+    entry.set("exposed_comm_ms", exposed);
+    entry.set("cpu_ms", r.cpu_ms);
+    results.push_back(std::move(entry));
+  }
+  json document = json::make_object();
+  document.set("compute_mode", mode);
+  document.set("results", std::move(results));
+  if (!overlapped || !compute_alone || !comm_alone) return document;
+  // No schedule beats the longer of the two parts alone. On a host backend both also share
+  // the cores: with idle compute (sleep) the CPU the two need over the cores there are is a
+  // floor too; busy-waiting compute is elastic (a preempted spin ends on time all the same),
+  // so there it is not.
+  const int cores = usable_cores();
+  const double cpu_bound = (compute_alone->cpu_ms + comm_alone->cpu_ms) / cores;
+  double floor = std::max(compute_alone->step_ms, comm_alone->step_ms);
+  std::printf("\nfloor: compute alone %.1f ms, communication alone %.1f ms (25 MiB buckets; CPU %.1f ms on %d cores)",
+              compute_alone->step_ms, comm_alone->step_ms, comm_alone->cpu_ms, cores);
+  if (s.sleep_compute) {
+    floor = std::max(floor, cpu_bound);
+    std::printf(", CPU of both (%.1f + %.1f ms) / %d cores = %.1f ms", compute_alone->cpu_ms, comm_alone->cpu_ms, cores,
+                cpu_bound);
+  }
+  std::printf("\n  -> no overlap finishes a step in less than %.1f ms; the overlapped step is %.1f ms = %.2f x that\n", floor,
+              overlapped->step_ms, overlapped->step_ms / floor);
+  document.set("cores", cores);
+  document.set("floor_ms", floor);
+  document.set("overlapped_step_ms", overlapped->step_ms);
+  const json torch = run_torch_peer(s);
+  if (!torch.is_null()) {
+    const double torch_step = torch.at("ddp_step_ms").as_number();
+    std::printf("\nPyTorch %s DDP over Gloo (25 MB buckets): step %.1f ms (CPU %.1f ms), compute alone %.1f ms (CPU %.1f "
+                "ms)\n",
+                torch.at("torch_version").as_string().c_str(), torch_step, torch.at("ddp_step_cpu_ms").as_number(),
+                torch.at("compute_ms").as_number(), torch.at("compute_cpu_ms").as_number());
+    std::printf("cohort overlapped step (1 MiB first bucket, 25 MiB buckets): %.1f ms (CPU %.1f ms) = %.2f x PyTorch DDP "
+                "(target <= 0.65), compute %s\n",
+                overlapped->step_ms, overlapped->cpu_ms, overlapped->step_ms / torch_step, mode);
+    document.set("torch", torch);
+    document.set("ratio_to_torch_ddp", overlapped->step_ms / torch_step);
+  }
+  return document;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -267,56 +373,46 @@ int main(int argc, char** argv) try {
     else if (arg == "--compute-ms") s.compute_ms = std::stod(value());
     else if (arg == "--compute-mode") {
       const std::string mode = value();
-      if (mode != "spin" && mode != "sleep") throw std::runtime_error("--compute-mode is spin or sleep");
+      if (mode != "spin" && mode != "sleep" && mode != "both")
+        throw std::runtime_error("--compute-mode is spin, sleep or both");
+      s.both_modes = mode == "both";
       s.sleep_compute = mode == "sleep";
     } else if (arg == "--json") s.json_path = value();
     else if (arg == "--torch-peer") s.torch_peer = value();
     else if (arg == "--python") s.python = value();
     else {
-      std::printf("usage: bench_reducer [--ranks N] [--iterations I] [--compute-ms MS] [--compute-mode spin|sleep] [--json FILE] "
-                  "[--torch-peer bench/peers/torch_ddp.py] [--python python3]\n");
+      std::printf("usage: bench_reducer [--ranks N] [--iterations I] [--compute-ms MS] [--compute-mode spin|sleep|both] "
+                  "[--json FILE] [--torch-peer bench/peers/torch_ddp.py] [--python python3]\n");
       return arg == "--help" ? 0 : 2;
     }
   }
-  bench b(s);
-  std::printf("ResNet-50 gradient set: %zu tensors, %zu parameters (%.1f MB), %d Gloo ranks (threads), median of %d\n",
-              b.tensors(), b.parameters(), static_cast<double>(b.parameters()) * 4 / 1e6, s.ranks, s.iterations);
-  const auto rows = b.run();
-  std::printf("\n%-46s %8s %8s %10s %10s %12s\n", "measurement", "cap MiB", "buckets", "step ms", "compute", "exposed comm");
-  json results = json::make_array();
-  double overlapped_default = 0;
-  for (const auto& r : rows) {
-    const double exposed = r.compute_ms > 0 ? r.step_ms - r.compute_ms : r.step_ms;
-    std::printf("%-46s %8s %8zu %10.1f %10.1f %12.1f\n", r.what.c_str(),
-                r.cap_mib > 0 ? std::to_string(static_cast<int>(r.cap_mib)).c_str() : "-", r.buckets, r.step_ms,
-                r.compute_ms, exposed);
-    if (r.what.find("overlapped") != std::string::npos && r.cap_mib == 25) overlapped_default = r.step_ms;
-    json entry = json::make_object();
-    entry.set("measurement", r.what);
-    entry.set("cap_mib", r.cap_mib);
-    entry.set("buckets", r.buckets);
-    entry.set("step_ms", r.step_ms);
-    entry.set("compute_ms", r.compute_ms);
-    entry.set("exposed_comm_ms", exposed);
-    results.push_back(std::move(entry));
+  const bench shape(s);
+  std::printf("ResNet-50 gradient set: %zu tensors, %zu parameters (%.1f MB), %d Gloo ranks (threads), median of %d, "
+              "%d usable cores\n",
+              shape.tensors(), shape.parameters(), static_cast<double>(shape.parameters()) * 4 / 1e6, s.ranks,
+              s.iterations, usable_cores());
+  json modes = json::make_array();
+  std::vector<std::pair<std::string, double>> ratios;
+  for (const bool sleep : {false, true}) {
+    if (!s.both_modes && sleep != s.sleep_compute) continue;
+    settings one = s;
+    one.sleep_compute = sleep;
+    json result = run_mode(one);
+    if (const json* ratio = result.find("ratio_to_torch_ddp")) ratios.emplace_back(sleep ? "sleep" : "spin", ratio->as_number());
+    modes.push_back(std::move(result));
+  }
+  if (!ratios.empty()) {
+    std::printf("\ncohort / PyTorch DDP step (target <= 0.65):");
+    for (const auto& [mode, ratio] : ratios) std::printf("  %s %.2f", mode.c_str(), ratio);
+    std::printf("\n");
   }
   json document = json::make_object();
   document.set("benchmark", "bench_reducer");
   document.set("ranks", s.ranks);
-  document.set("tensors", b.tensors());
-  document.set("parameters", b.parameters());
+  document.set("tensors", shape.tensors());
+  document.set("parameters", shape.parameters());
   document.set("compute_ms_target", s.compute_ms);
-  document.set("results", std::move(results));
-  const json torch = run_torch_peer(s);
-  if (!torch.is_null()) {
-    const double torch_step = torch.at("ddp_step_ms").as_number();
-    std::printf("\nPyTorch %s DDP over Gloo (25 MB buckets): step %.1f ms, compute alone %.1f ms\n",
-                torch.at("torch_version").as_string().c_str(), torch_step, torch.at("compute_ms").as_number());
-    std::printf("cohort overlapped step (1 MiB first bucket, 25 MiB buckets): %.1f ms = %.2f x PyTorch DDP (target <= 0.65)\n",
-                overlapped_default, overlapped_default / torch_step);
-    document.set("torch", torch);
-    document.set("ratio_to_torch_ddp", overlapped_default / torch_step);
-  }
+  document.set("modes", std::move(modes));
   if (!s.json_path.empty()) {
     std::ofstream(s.json_path) << document.dump(2) << "\n";
     std::printf("wrote %s\n", s.json_path.c_str());

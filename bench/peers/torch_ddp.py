@@ -2,11 +2,13 @@
 """PyTorch DDP over Gloo with the same work as bench/bench_reducer.cpp: ResNet-50-shaped
 parameters (161 tensors, 25.6 M), a simulated backward that busy-waits per layer in
 proportion to its size and produces its gradient, back to front. Reports the step time of
-DDP (default settings: 25 MB buckets) and the compute time of the same backward alone.
+DDP (default settings: 25 MB buckets) and the compute time of the same backward alone, each
+with the CPU time all ranks' processes spent per step.
 
 Optional peer: exits with status 77 (skipped) when torch is not installed.
 
-    python3 bench/peers/torch_ddp.py [--ranks 2] [--iterations 8] [--compute-ms 52] [--json FILE]
+    python3 bench/peers/torch_ddp.py [--ranks 2] [--iterations 8] [--compute-ms 52]
+                                     [--compute-mode spin|sleep] [--json FILE]
 """
 import argparse
 import json
@@ -98,14 +100,21 @@ class Model(torch.nn.Module):
 
 
 def timed(fn, iterations):
+    """Median wall time of fn in ms, and the median CPU time per call of all ranks' processes
+    together (every thread of each process: autograd, Gloo's I/O)."""
     times = []
+    cpu = []
     for i in range(iterations + 2):
         dist.barrier()
+        cpu_start = time.process_time()
         start = time.perf_counter()
         fn()
         if i >= 2:
             times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+            cpu.append((time.process_time() - cpu_start) * 1e3)
+    cpu_all = torch.tensor([statistics.median(cpu)], dtype=torch.float64)
+    dist.all_reduce(cpu_all)
+    return statistics.median(times), cpu_all.item()
 
 
 def worker(rank, world, port, args, queue):
@@ -123,7 +132,7 @@ def worker(rank, world, port, args, queue):
         plain.zero_grad(set_to_none=True)
         plain(x).backward()
 
-    compute_ms = timed(compute_step, args.iterations)
+    compute_ms, compute_cpu_ms = timed(compute_step, args.iterations)
 
     model = Model(sizes, args.compute_ms / 1e3)
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
@@ -132,7 +141,7 @@ def worker(rank, world, port, args, queue):
         ddp.zero_grad(set_to_none=True)
         ddp(x).backward()  # returns once DDP's all-reduces have finished
 
-    ddp_ms = timed(ddp_step, args.iterations)
+    ddp_ms, ddp_cpu_ms = timed(ddp_step, args.iterations)
 
     view_model = Model(sizes, args.compute_ms / 1e3)
     ddp_view = torch.nn.parallel.DistributedDataParallel(view_model, bucket_cap_mb=25, gradient_as_bucket_view=True)
@@ -140,13 +149,14 @@ def worker(rank, world, port, args, queue):
     def ddp_view_step():
         ddp_view(x).backward()
 
-    ddp_view_ms = timed(ddp_view_step, args.iterations)
+    ddp_view_ms, _ = timed(ddp_view_step, args.iterations)
 
     whole = torch.ones(sum(sizes))
-    raw_ms = timed(lambda: dist.all_reduce(whole), args.iterations)
+    raw_ms, _ = timed(lambda: dist.all_reduce(whole), args.iterations)
     if rank == 0:
         queue.put({"torch_version": torch.__version__, "ranks": world, "tensors": len(sizes),
-                   "parameters": sum(sizes), "compute_ms": compute_ms, "ddp_step_ms": ddp_ms,
+                   "parameters": sum(sizes), "compute_ms": compute_ms, "compute_cpu_ms": compute_cpu_ms, "ddp_step_ms": ddp_ms,
+                   "ddp_step_cpu_ms": ddp_cpu_ms,
                    "ddp_bucket_view_step_ms": ddp_view_ms, "raw_all_reduce_ms": raw_ms})
     dist.destroy_process_group()
 
@@ -171,12 +181,28 @@ def main():
     procs = [ctx.Process(target=worker, args=(r, args.ranks, port, args, queue)) for r in range(args.ranks)]
     for p in procs:
         p.start()
-    result = queue.get(timeout=600)
+    # A rank that dies (a port taken between free_port() and the rendezvous, an exception)
+    # must end the run, not leave the parent waiting on the queue.
+    deadline = time.monotonic() + 600
+    result = None
+    while result is None:
+        try:
+            result = queue.get(timeout=1)
+        except Exception:  # queue.Empty
+            failed = [p for p in procs if p.exitcode not in (None, 0)]
+            ended = all(p.exitcode is not None for p in procs)
+            if failed or ended or time.monotonic() > deadline:
+                for p in procs:
+                    p.terminate()
+                print("PyTorch DDP peer failed: " +
+                      (f"rank exit codes {[p.exitcode for p in procs]}" if failed or ended else "no result in 600 s"))
+                sys.exit(1)
     for p in procs:
         p.join()
     print(f"PyTorch {result['torch_version']} DDP over Gloo, {args.ranks} ranks, {result['tensors']} tensors, "
           f"{result['parameters']} parameters")
-    for key in ["compute_ms", "ddp_step_ms", "ddp_bucket_view_step_ms", "raw_all_reduce_ms"]:
+    for key in ["compute_ms", "compute_cpu_ms", "ddp_step_ms", "ddp_step_cpu_ms", "ddp_bucket_view_step_ms",
+                "raw_all_reduce_ms"]:
         print(f"  {key:26s} {result[key]:8.1f}")
     if args.json:
         with open(args.json, "w") as f:
