@@ -20,6 +20,8 @@
 // added to the communication worker (on a host backend, communication and the backward share
 // the same cores and memory bandwidth). Integer buckets are summed and divided by finish(),
 // on the calling thread as each lands (dividing first would truncate every contribution).
+// So on Gloo, between mark_ready(i) and finish(), gradient i (view or user buffer) holds this
+// rank's share g / world, not g.
 // Compressed buckets (bfloat16, half) are averaged with op::avg in the compressed type, and a
 // communication hook owns its bucket's averaging.
 //
