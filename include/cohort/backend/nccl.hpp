@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -32,11 +33,14 @@ namespace cohort::inline v0 {
 
 namespace detail {
 
-inline void check_cuda(cudaError_t status, int rank, const std::string& operation, const std::string& hint = {}) {
-  if (status == cudaSuccess) return;
-  throw error(rank, "cuda." + operation,
+// Views, not strings: the calls made for every collective pass literals, and a std::string
+// parameter would build (past 15 characters, allocate) one per call just to drop it.
+inline void check_cuda(cudaError_t status, int rank, std::string_view operation, std::string_view hint = {}) {
+  if (status == cudaSuccess) [[likely]]
+    return;
+  throw error(rank, "cuda." + std::string(operation),
               std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status),
-              hint.empty() ? "check the device index and that the driver sees a GPU (nvidia-smi)" : hint);
+              hint.empty() ? "check the device index and that the driver sees a GPU (nvidia-smi)" : std::string(hint));
 }
 
 inline ncclDataType_t nccl_type(dtype type) {
@@ -212,8 +216,8 @@ class nccl {
     // The caller's stream waits for this work; the host does not.
     void make_stream_wait(cudaStream_t caller) const {
       if (!event_) return;
-      detail::check_cuda(cudaStreamWaitEvent(caller, event_->event, 0), event_->state->rank,
-                         "stream_wait_event(" + operation_ + ")");
+      if (const cudaError_t status = cudaStreamWaitEvent(caller, event_->event, 0); status != cudaSuccess)
+        detail::check_cuda(status, event_->state->rank, "stream_wait_event(" + operation_ + ")");
     }
     cudaEvent_t event() const noexcept { return event_ ? event_->event : nullptr; }
 
@@ -459,13 +463,15 @@ class nccl {
   template <class Call>
   work issue(const char* operation, Call&& call) {
     state_->check_usable(operation);
-    state_->settle(operation, call());
+    // settle() only when NCCL did not answer ncclSuccess: it reads the clock for its deadline.
+    if (const ncclResult_t status = call(); status != ncclSuccess) state_->settle(operation, status);
     return record_event(operation);
   }
 
   work record_event(const char* operation) {
     auto event = std::make_shared<detail::nccl_event>(state_, state_->take_event());
-    detail::check_cuda(cudaEventRecord(event->event, state_->stream), rank(), std::string("event_record(") + operation + ")");
+    if (const cudaError_t status = cudaEventRecord(event->event, state_->stream); status != cudaSuccess)
+      detail::check_cuda(status, rank(), std::string("event_record(") + operation + ")");
     return work(std::move(event), operation);
   }
 
