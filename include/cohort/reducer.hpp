@@ -336,7 +336,7 @@ class gradient_reducer {
     if (!observed_order_complete_) observed_order_.push_back(i);
     if (no_sync_depth_ > 0) return;
     const std::size_t bucket = placement_[i].bucket;
-    if (divides_when_marked(bucket)) {
+    if (group_->size() > 1 && divides_when_marked(bucket)) {  // dividing by 1 would be a pass for nothing
       visit_dtype(specs_[i].type, [&](auto sample) {
         using T = decltype(sample);
         detail::divide(static_cast<T*>(location(i)), specs_[i].count, group_->size());
@@ -631,7 +631,7 @@ class gradient_reducer {
         using T = decltype(sample);
         return group_->all_reduce(std::span<T>(static_cast<T*>(bucket.data), shape.elements), op::sum);
       });
-      bucket.divide_on_finish = !divides_when_marked(b);
+      bucket.divide_on_finish = group_->size() > 1 && !divides_when_marked(b);
     } else {
       bucket.done = all_reduce_average(bucket.data, shape.elements, shape.type);
     }
