@@ -161,14 +161,23 @@ inline constexpr std::size_t max_expanded_entries = 1'000'000;
               "Slurm writes counts like '2(x3),1'; check SLURM_TASKS_PER_NODE");
 }
 
+// Calls item(text) for each comma-separated item, empty ones included ("a,,b" has three):
+// both of Slurm's list formats are split this way before their items are parsed.
+template <class Item>
+void for_each_comma_item(std::string_view list, Item&& item) {
+  std::size_t start = 0;
+  while (start <= list.size()) {
+    auto comma = list.find(',', start);
+    if (comma == std::string_view::npos) comma = list.size();
+    item(list.substr(start, comma - start));
+    start = comma + 1;
+  }
+}
+
 // "01-03,07" -> {"01","02","03","07"}; the width of a range's lower bound is kept, as Slurm does.
 inline std::vector<std::string> expand_bracket(std::string_view nodelist, std::string_view inside) {
   std::vector<std::string> values;
-  std::size_t start = 0;
-  while (start <= inside.size()) {
-    auto comma = inside.find(',', start);
-    if (comma == std::string_view::npos) comma = inside.size();
-    const auto item = inside.substr(start, comma - start);
+  for_each_comma_item(inside, [&](std::string_view item) {
     const auto dash = item.find('-');
     const auto low_text = item.substr(0, dash);
     const auto high_text = dash == std::string_view::npos ? low_text : item.substr(dash + 1);
@@ -187,8 +196,7 @@ inline std::vector<std::string> expand_bracket(std::string_view nodelist, std::s
       if (digits.size() < low_text.size()) digits.insert(0, low_text.size() - digits.size(), '0');
       values.push_back(std::move(digits));
     }
-    start = comma + 1;
-  }
+  });
   return values;
 }
 
@@ -254,11 +262,7 @@ inline std::vector<int> expand_slurm_tasks_per_node(std::string_view tasks_per_n
   const auto text = detail::trim_spaces(tasks_per_node);
   std::vector<int> counts;
   if (text.empty()) fail("it is empty");
-  std::size_t start = 0;
-  while (start <= text.size()) {
-    auto comma = text.find(',', start);
-    if (comma == std::string_view::npos) comma = text.size();
-    const auto item = text.substr(start, comma - start);
+  detail::for_each_comma_item(text, [&](std::string_view item) {
     const auto paren = item.find('(');
     const auto count_text = item.substr(0, paren);
     long long repeat = 1;
@@ -274,8 +278,7 @@ inline std::vector<int> expand_slurm_tasks_per_node(std::string_view tasks_per_n
     if (repeat < 1 || counts.size() + static_cast<std::size_t>(repeat) > detail::max_expanded_entries)
       fail("'" + std::string(item) + "' has a repeat count out of range");
     counts.insert(counts.end(), static_cast<std::size_t>(repeat), static_cast<int>(*count));
-    start = comma + 1;
-  }
+  });
   return counts;
 }
 
