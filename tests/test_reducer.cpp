@@ -528,6 +528,78 @@ TEST_CASE("unused gradients count as zero when asked, and every rank learns whic
   });
 }
 
+TEST_CASE("unused gradients: a rank that marks every gradient and one that skips some stay in step", "[reducer][faults]") {
+  constexpr int world = 2;
+  const bool views = GENERATE(true, false);
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(world, [&](int rank) {
+    auto pg = make_group(store, rank, world);
+    const std::vector<std::size_t> sizes{8, 8, 8, 8};
+    auto user = zeros(sizes);
+    auto user_spans = spans(user);
+    cohort::reducer_options options{.first_bucket_bytes = 64, .bucket_bytes = 64, .unused = cohort::unused_gradients::zero};
+    auto ddp = views ? std::make_unique<reducer>(pg, sizes, options) : std::make_unique<reducer>(pg, user_spans, options);
+    auto g = ddp->gradients();
+    // Step 1: rank 0 marks all four, rank 1 skips gradient 1. Step 2: the other way round,
+    // rank 0 skips gradient 2. Step 3: both mark everything.
+    for (int step = 0; step < 3; ++step) {
+      const std::size_t skipped = step == 0 ? 1 : 2;
+      const bool skips = (step == 0 && rank == 1) || (step == 1 && rank == 0);
+      for (std::size_t t = 4; t-- > 0;) {
+        std::fill(g[t].begin(), g[t].end(), 4.0f * static_cast<float>(rank + 1));
+        if (skips && t == skipped) continue;
+        ddp->mark_ready(t);
+      }
+      const auto summary = ddp->finish();
+      RANK_CHECK(summary.unused.empty(), "step " << step << ": " << summary.unused.size() << " unused");
+      for (std::size_t t = 0; t < 4; ++t) {
+        const float want = step < 2 && t == skipped ? (skips ? 4.0f * (2 - rank) : 4.0f * (rank + 1)) / 2 : 6.0f;
+        for (auto x : g[t]) RANK_CHECK(x == want, "step " << step << " gradient " << t << ": " << x << " != " << want);
+      }
+    }
+  });
+}
+
+TEST_CASE("gradient sizes that differ only inside the alignment padding are refused on every rank", "[reducer][faults]") {
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(2, [&](int rank) {
+    auto pg = make_group(store, rank, 2);
+    // {4, 2} and {4, 3} floats pad to the same 16-byte layout.
+    const std::vector<std::size_t> sizes = rank == 1 ? std::vector<std::size_t>{4, 3} : std::vector<std::size_t>{4, 2};
+    const auto text = RANK_CHECK_THROWS(cohort::error, reducer(pg, sizes), "bucket layouts differ across ranks");
+    RANK_CHECK(text.find("gradient 1 is 2 x float on rank 0 but 3 x float on rank 1") != std::string::npos, text);
+  });
+}
+
+TEST_CASE("gradient dtypes that differ across ranks are refused, naming the gradient", "[reducer][faults]") {
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(3, [&](int rank) {
+    auto pg = make_group(store, rank, 3);
+    std::vector<cohort::gradient_spec> specs{{8, dtype::float32}, {8, rank == 2 ? dtype::int32 : dtype::float32}};
+    const auto text = RANK_CHECK_THROWS(cohort::error, reducer(pg, specs), "bucket layouts differ across ranks");
+    RANK_CHECK(text.find("gradient 1 is 8 x float on rank 0 but 8 x int32 on rank 2") != std::string::npos, text);
+  });
+}
+
+TEST_CASE("overlapping user buffers are refused on every rank, naming both gradients and the bytes", "[reducer][faults]") {
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(2, [&](int rank) {
+    auto pg = make_group(store, rank, 2);
+    std::vector<float> flat(32, 0.0f);
+    // Slices of one flat buffer; on rank 1 gradient 2 starts two floats too early.
+    const std::size_t start2 = rank == 1 ? 14 : 16;
+    std::vector<std::span<float>> buffers{std::span<float>(flat.data(), 8), std::span<float>(flat.data() + 8, 8),
+                                          std::span<float>(flat.data() + start2, 8)};
+    if (rank == 1) {
+      const auto text = RANK_CHECK_THROWS(cohort::error, reducer(pg, buffers), "gradient 2 (8 x float) and gradient 1 (8 x float) overlap");
+      RANK_CHECK(text.find("bytes 24..32 of gradient 1") != std::string::npos, text);
+    } else {
+      // Rank 0's own list is fine; it must not be left waiting for rank 1.
+      RANK_CHECK_THROWS(cohort::error, reducer(pg, buffers), "rank 1 refused its gradients");
+    }
+  });
+}
+
 // ---- rebuilt buckets ----------------------------------------------------------------------------------
 
 TEST_CASE("buckets rebuilt from the observed ready order give the same numbers", "[reducer]") {

@@ -42,6 +42,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <numeric>
 #include <optional>
@@ -51,6 +52,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cohort/detail/fnv1a.hpp"
 #include "cohort/error.hpp"
 #include "cohort/ops.hpp"
 #include "cohort/process_group.hpp"
@@ -245,18 +247,27 @@ class gradient_reducer {
   // layout is compared across ranks once, here. The reducer owns its buckets when every
   // spec has no buffer (bucket views), and copies through them when every spec has one
   // (user buffers).
+  //
+  // A rank whose own list is unusable (overlapping buffers, say) does not throw alone: the
+  // others would wait for it in the layout check until the timeout. Every rank first learns
+  // whether any rank refused, then all throw together; the refusing rank throws its reason.
   gradient_reducer(process_group<B>& group, std::vector<gradient_spec> gradients, reducer_options options = {})
       : group_(&group), specs_(std::move(gradients)), options_(std::move(options)) {
-    validate_specs();
-    std::vector<std::size_t> sizes;
-    std::vector<dtype> types;
-    for (const auto& spec : specs_) {
-      sizes.push_back(spec.count);
-      types.push_back(spec.type);
-    }
-    build(assign_buckets(sizes, types, caps()));
+    std::exception_ptr refusal;
     try {
-      check_layout_across_ranks();
+      validate_specs();
+      std::vector<std::size_t> sizes;
+      std::vector<dtype> types;
+      for (const auto& spec : specs_) {
+        sizes.push_back(spec.count);
+        types.push_back(spec.type);
+      }
+      build(assign_buckets(sizes, types, caps()));
+    } catch (...) {
+      refusal = std::current_exception();
+    }
+    try {
+      check_layout_across_ranks(refusal);
     } catch (...) {
       release(buckets_);  // no destructor runs for a constructor that throws
       throw;
@@ -365,8 +376,14 @@ class gradient_reducer {
     }
     summary.synchronized = true;
     auto& engine = group_->backend();
-    if (marked_count_ < size()) handle_unmarked(summary);
+    const bool find_unused = options_.unused == unused_gradients::zero;
+    std::vector<std::uint8_t> used;
+    if (find_unused) used = marked_;  // before handle_unmarked counts the zero-filled ones as marked
+    if (marked_count_ < size()) handle_unmarked();
     launch_ready_buckets();
+    // Every rank issues the used-mask exchange, whatever it marked: a rank that marked every
+    // gradient must still meet a rank that did not.
+    if (find_unused) find_unused_everywhere(std::move(used), summary);
     if constexpr (B::space == memory_space::host) {
       // Buckets complete in order; average each while the later ones are still on the wire.
       for (std::size_t b = 0; b < buckets_.size(); ++b) {
@@ -518,6 +535,41 @@ class gradient_reducer {
     storage_ = with_buffer == 0 ? gradient_storage::bucket_views : gradient_storage::user_buffers;
     if (specs_.empty())
       throw error(rank(), "gradient_reducer", "no gradients", "pass the gradient sizes or buffers of the model");
+    if (storage_ == gradient_storage::user_buffers) refuse_overlapping_buffers();
+  }
+
+  // An element in two regions would be copied into two bucket slots and come back from
+  // whichever is copied out last: averaged, yet silently wrong for the other gradient.
+  void refuse_overlapping_buffers() const {
+    struct region {
+      std::uintptr_t begin, end;
+      std::size_t index;
+    };
+    std::vector<region> regions;
+    for (std::size_t i = 0; i < specs_.size(); ++i) {
+      const auto begin = reinterpret_cast<std::uintptr_t>(specs_[i].data);
+      const std::size_t bytes = specs_[i].count * size_of(specs_[i].type);
+      if (bytes > 0) regions.push_back({begin, begin + bytes, i});
+    }
+    std::sort(regions.begin(), regions.end(), [](const region& a, const region& b) { return a.begin < b.begin; });
+    std::size_t reach = 0;  // the region seen so far that ends last
+    for (std::size_t k = 1; k < regions.size(); ++k) {
+      if (regions[k - 1].end > regions[reach].end) reach = k - 1;
+      const region& earlier = regions[reach];
+      const region& later = regions[k];
+      if (later.begin >= earlier.end) continue;
+      const auto describe = [&](const region& r) {
+        return detail::describe_gradient(r.index, specs_[r.index].count, specs_[r.index].type);
+      };
+      const std::size_t from = later.begin - earlier.begin;
+      const std::size_t to = std::min(later.end, earlier.end) - earlier.begin;
+      throw error(rank(), "gradient_reducer",
+                  describe(later) + " and " + describe(earlier) + " overlap: gradient " +
+                      std::to_string(later.index) + " starts at byte " + std::to_string(from) + " of gradient " +
+                      std::to_string(earlier.index) + ", so bytes " + std::to_string(from) + ".." +
+                      std::to_string(to) + " of gradient " + std::to_string(earlier.index) + " are in both",
+                  "each gradient needs its own bytes; check the offsets of the slices of your flat buffer");
+    }
   }
 
   void check_index(const char* operation, std::size_t i) const {
@@ -645,8 +697,7 @@ class gradient_reducer {
     });
   }
 
-  void handle_unmarked(reduction_summary& summary) {
-    std::vector<std::uint8_t> used(marked_.begin(), marked_.end());
+  void handle_unmarked() {
     if (options_.unused == unused_gradients::error) {
       std::string list;
       std::size_t shown = 0, missing = 0;
@@ -679,7 +730,10 @@ class gradient_reducer {
     // The zero fill above runs in the backend's order, before the buckets that follow it.
     launch_ready_buckets();
     restore_copy_in();
-    // Which gradients did any rank produce? Every rank learns the same answer.
+  }
+
+  // Which gradients did any rank produce? Every rank learns the same answer.
+  void find_unused_everywhere(std::vector<std::uint8_t> used, reduction_summary& summary) {
     used = all_reduce_host(std::move(used), op::max);
     for (std::size_t i = 0; i < size(); ++i)
       if (!used[i]) summary.unused.push_back(i);
@@ -716,7 +770,8 @@ class gradient_reducer {
   // Small host vectors through a collective, staged through backend memory where needed.
   template <class T>
   std::vector<T> all_reduce_host(std::vector<T> values, op reduce) {
-    return stage(std::move(values), values.size(), [&](T* in, T* out, std::size_t n) {
+    const std::size_t count = values.size();  // before the move: argument order is unspecified
+    return stage(std::move(values), count, [&](T* in, T* out, std::size_t n) {
       return group_->all_reduce(std::span<const T>(in, n), std::span<T>(out, n), reduce);
     });
   }
@@ -754,43 +809,87 @@ class gradient_reducer {
     return result;
   }
 
-  // Every rank's layout must match, or the collectives would pair mismatched buckets:
-  // compare (hash, gradients, elements, buckets) once.
-  void check_layout_across_ranks() {
-    std::uint64_t hash = 1469598103934665603ull;
-    auto mix = [&](std::uint64_t value) {
-      hash ^= value;
-      hash *= 1099511628211ull;
-    };
+  // Every rank's gradients and layout must match, or the collectives would pair mismatched
+  // buckets. The real sizes and dtypes are compared, not only the padded layout: {4, 2} and
+  // {4, 3} floats pad alike, and the third element would be averaged with padding. One
+  // all-gather of a fingerprint per rank; a second, on a mismatch only, names the gradient.
+  // A rank that refused its own list (`refusal`) says so here, so every rank throws at once.
+  void check_layout_across_ranks(const std::exception_ptr& refusal) {
+    detail::fnv1a hash;
     std::size_t elements = 0;
-    for (const auto& bucket : layout_) {
-      mix(static_cast<std::uint64_t>(bucket.type));
-      mix(bucket.elements);
-      for (std::size_t k = 0; k < bucket.gradients.size(); ++k) {
-        mix(bucket.gradients[k]);
-        mix(bucket.offsets[k]);
+    if (!refusal) {
+      for (const auto& spec : specs_) {
+        hash.mix(spec.count);
+        hash.mix(static_cast<std::uint64_t>(spec.type));
+        elements += spec.count;
       }
+      for (const auto& bucket : layout_) {
+        hash.mix(static_cast<std::uint64_t>(bucket.type));
+        hash.mix(bucket.elements);
+        for (std::size_t k = 0; k < bucket.gradients.size(); ++k) {
+          hash.mix(bucket.gradients[k]);
+          hash.mix(bucket.offsets[k]);
+        }
+      }
+      hash.mix(static_cast<std::uint64_t>(options_.compress));
     }
-    for (const auto& spec : specs_) elements += spec.count;
-    mix(static_cast<std::uint64_t>(options_.compress));
-    const std::vector<std::int64_t> mine{static_cast<std::int64_t>(hash & 0x7fffffffffffffffull),
-                                         static_cast<std::int64_t>(size()), static_cast<std::int64_t>(elements),
-                                         static_cast<std::int64_t>(buckets_.size())};
+    enum column : std::size_t { refused, fingerprint, gradient_count, element_count, bucket_total, width };
+    std::vector<std::int64_t> mine(width);
+    mine[refused] = refusal ? 1 : 0;
+    mine[fingerprint] = static_cast<std::int64_t>(hash.value() & 0x7fffffffffffffffull);
+    mine[gradient_count] = static_cast<std::int64_t>(size());
+    mine[element_count] = static_cast<std::int64_t>(elements);
+    mine[bucket_total] = static_cast<std::int64_t>(buckets_.size());
     const auto all = all_gather_host(mine);
-    auto describe = [&](int r) {
-      const auto* row = &all[static_cast<std::size_t>(r) * 4];
-      return "rank " + std::to_string(r) + " has " + std::to_string(row[1]) + " gradients of " +
-             std::to_string(row[2]) + " elements in " + std::to_string(row[3]) + " buckets";
-    };
+    const int world = group_->size();
+    const auto cell = [&](int r, column c) { return all[static_cast<std::size_t>(r) * width + c]; };
+    for (int r = 0; r < world; ++r) {
+      if (cell(r, refused) == 0) continue;
+      if (refusal) std::rethrow_exception(refusal);  // this rank's own reason
+      throw error(rank(), "gradient_reducer",
+                  "rank " + std::to_string(r) + " refused its gradients, so no rank builds a reducer",
+                  "rank " + std::to_string(r) + "'s own error names the cause");
+    }
     // Every rank sees the same table, so every rank names the same pair: rank 0 and the
     // first rank that differs from it.
-    for (int r = 1; r < group_->size(); ++r) {
-      if (all[static_cast<std::size_t>(r) * 4] == all[0]) continue;
-      throw error(rank(), "gradient_reducer",
-                  "bucket layouts differ across ranks: " + describe(0) + "; " + describe(r) +
-                      " (or sizes, dtypes, caps or compression differ)",
-                  "build the reducer from the same model on every rank, with the same options");
+    const auto differs = [&](int r) {
+      for (auto c : {fingerprint, gradient_count, element_count, bucket_total})
+        if (cell(r, c) != cell(0, c)) return true;
+      return false;
+    };
+    int other = 1;
+    while (other < world && !differs(other)) ++other;
+    if (other == world) return;
+    auto describe = [&](int r) {
+      return "rank " + std::to_string(r) + " has " + std::to_string(cell(r, gradient_count)) + " gradients of " +
+             std::to_string(cell(r, element_count)) + " elements in " + std::to_string(cell(r, bucket_total)) +
+             " buckets";
+    };
+    std::string detail = "bucket layouts differ across ranks: " + describe(0) + "; " + describe(other);
+    bool same_count = true;
+    for (int r = 1; r < world; ++r) same_count = same_count && cell(r, gradient_count) == cell(0, gradient_count);
+    std::string named;
+    if (same_count) {
+      std::vector<std::int64_t> shapes;
+      shapes.reserve(2 * size());
+      for (const auto& spec : specs_) {
+        shapes.push_back(static_cast<std::int64_t>(spec.count));
+        shapes.push_back(static_cast<std::int64_t>(spec.type));
+      }
+      const auto every = all_gather_host(shapes);
+      const auto shape = [&](int r, std::size_t i) {
+        const std::size_t at = (static_cast<std::size_t>(r) * size() + i) * 2;
+        return std::to_string(every[at]) + " x " + std::string(to_string(static_cast<dtype>(every[at + 1])));
+      };
+      for (std::size_t i = 0; i < size() && named.empty(); ++i)
+        for (int r = 1; r < world && named.empty(); ++r)
+          if (shape(r, i) != shape(0, i))
+            named = ": gradient " + std::to_string(i) + " is " + shape(0, i) + " on rank 0 but " + shape(r, i) +
+                    " on rank " + std::to_string(r);
     }
+    throw error(rank(), "gradient_reducer",
+                detail + (named.empty() ? " (sizes, dtypes, caps or compression differ)" : named),
+                "build the reducer from the same model on every rank, with the same options");
   }
 
   process_group<B>* group_;

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "cohort/detail/fifo_worker.hpp"
+#include "cohort/detail/fnv1a.hpp"
 #include "cohort/detail/host_math.hpp"
 #include "cohort/error.hpp"
 #include "cohort/launch.hpp"
@@ -505,13 +506,8 @@ class gloo {
   // dtype, count, op, root) makes mismatched calls use different slots: they never match,
   // and the mismatch surfaces as a timeout error on every rank instead of a crash.
   static std::uint64_t signature(const detail::gloo_task& task) {
-    std::uint64_t hash = 1469598103934665603ull;  // FNV-1a
-    auto mix = [&](std::uint64_t value) {
-      for (int byte = 0; byte < 8; ++byte) {
-        hash ^= (value >> (8 * byte)) & 0xffu;
-        hash *= 1099511628211ull;
-      }
-    };
+    detail::fnv1a hash;
+    const auto mix = [&](std::uint64_t value) { hash.mix(value); };
     // A send and its recv must share a slot: both count as "point to point".
     const bool point_to_point = task.what == task_kind::send || task.what == task_kind::recv;
     mix(point_to_point ? 0xffu : static_cast<std::uint64_t>(task.what));
@@ -520,7 +516,7 @@ class gloo {
     mix(static_cast<std::uint64_t>(task.reduce));
     if (task.what == task_kind::broadcast) mix(static_cast<std::uint64_t>(task.peer));
     if (point_to_point) mix(task.tag);
-    return hash;
+    return hash.value();
   }
   static std::uint32_t collective_tag(const detail::gloo_task& task) {
     return static_cast<std::uint32_t>(signature(task) & 0x7fffffffu);
