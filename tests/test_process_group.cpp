@@ -359,3 +359,19 @@ TEST_CASE("an unmatched recv does not hold up the group's destruction", "[proces
   INFO("destruction took " << seconds << " s; the group's timeout is 30 s");
   REQUIRE(seconds < 5.0);
 }
+
+TEST_CASE("building process groups leaves the caller's store settings alone", "[process_group][gloo][store]") {
+  auto store = fresh_store();
+  store->set_timeout(5s);
+  store->set_rank(-1);
+  cohort_test::run_ranks(3, [&](int rank) {
+    // Each group waits on the shared store with its own timeout; none may change the store's.
+    auto pg = make_group(store, rank, 3, std::chrono::milliseconds(1500 + 500 * rank));
+    pg.barrier().wait();
+    auto sub = pg.split(rank == 2 ? 1 : 0, rank);
+    RANK_CHECK(sub.has_value());
+    sub->barrier().wait();
+  });
+  CHECK(store->timeout() == 5s);
+  CHECK(store->rank() == -1);
+}

@@ -120,17 +120,18 @@ class file_store final : public store {
   }
   using store::set;
 
-  bytes get(std::string_view key) override {
+  bytes get(std::string_view key, std::chrono::milliseconds timeout) override {
     const std::string name(key);
-    const auto deadline = clock::now() + timeout();
+    const auto deadline = clock::now() + timeout;
     auto pause = first_pause;
     for (;;) {
       if (auto value = read("get", key)) return std::move(*value);
       if (clock::now() >= deadline)
-        throw_timeout("get", std::span<const std::string>(&name, 1), timeout());
+        throw_timeout("get", std::span<const std::string>(&name, 1), timeout);
       sleep_before_retry(pause, deadline);
     }
   }
+  using store::get;
 
   std::int64_t add(std::string_view key, std::int64_t delta) override {
     const auto lock = exclusive("add", key);

@@ -10,6 +10,7 @@
 // Every wait is bounded by a timeout and a timeout names the keys, the rank and the time.
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -40,8 +41,8 @@ class store {
   virtual ~store() = default;
 
   virtual void set(std::string_view key, std::span<const std::uint8_t> value) = 0;
-  // Waits until the key exists (at most timeout()), then returns its value.
-  virtual bytes get(std::string_view key) = 0;
+  // Waits until the key exists (at most `timeout`), then returns its value.
+  virtual bytes get(std::string_view key, std::chrono::milliseconds timeout) = 0;
   // Atomically adds delta to the integer stored under key (absent counts as 0) and returns
   // the new value. The stored form is the decimal text, as c10d stores it.
   virtual std::int64_t add(std::string_view key, std::int64_t delta) = 0;
@@ -61,6 +62,8 @@ class store {
     const bytes data = to_bytes(value);
     set(key, std::span<const std::uint8_t>(data));
   }
+  // Waits at most timeout().
+  bytes get(std::string_view key) { return get(key, timeout()); }
   std::string get_string(std::string_view key) { return to_string(get(key)); }
   void wait(std::span<const std::string> keys) { wait(keys, timeout()); }
   void wait(std::initializer_list<std::string> keys) {
@@ -68,29 +71,37 @@ class store {
     wait(std::span<const std::string>(list), timeout());
   }
 
-  std::chrono::milliseconds timeout() const noexcept { return timeout_; }
-  void set_timeout(std::chrono::milliseconds timeout) noexcept { timeout_ = timeout; }
+  // The bound of this handle's waits. A handle shared by threads may be read while one of
+  // them changes it, so both settings are atomic; views (prefix_store) keep their own.
+  std::chrono::milliseconds timeout() const noexcept {
+    return std::chrono::milliseconds(timeout_ms_.load(std::memory_order_relaxed));
+  }
+  void set_timeout(std::chrono::milliseconds timeout) noexcept {
+    timeout_ms_.store(timeout.count(), std::memory_order_relaxed);
+  }
   // The rank that owns this handle, used only in error messages (-1 when unknown).
-  int rank() const noexcept { return rank_; }
-  void set_rank(int rank) noexcept { rank_ = rank; }
+  int rank() const noexcept { return rank_.load(std::memory_order_relaxed); }
+  void set_rank(int rank) noexcept { rank_.store(rank, std::memory_order_relaxed); }
 
  protected:
   [[noreturn]] void throw_timeout(std::string_view operation, std::span<const std::string> keys,
                                   std::chrono::milliseconds waited) const {
     std::string names;
     for (const auto& key : keys) names += (names.empty() ? "'" : ", '") + key + "'";
-    throw timeout_error(rank_, std::string("store.") + std::string(operation),
+    throw timeout_error(rank(), std::string("store.") + std::string(operation),
                         "waited " + detail::format_duration(waited) + " for key(s) " + names,
                         "a peer has not arrived or crashed before publishing; check that every "
                         "rank was started with the same world size and master address");
   }
 
  private:
-  std::chrono::milliseconds timeout_ = default_timeout;
-  int rank_ = -1;
+  std::atomic<std::chrono::milliseconds::rep> timeout_ms_{default_timeout.count()};
+  std::atomic<int> rank_{-1};
 };
 
-// A namespace inside another store: every key is stored as prefix + key.
+// A namespace inside another store: every key is stored as prefix + key. Its waits use its
+// own timeout(), passed to the inner store with each call; the inner store's settings are
+// never changed (several groups share one store, each with its own timeout).
 class prefix_store final : public store {
  public:
   prefix_store(std::shared_ptr<store> inner, std::string prefix)
@@ -103,10 +114,10 @@ class prefix_store final : public store {
     inner_->set(full(key), value);
   }
   using store::set;
-  bytes get(std::string_view key) override {
-    sync_settings();
-    return inner_->get(full(key));
+  bytes get(std::string_view key, std::chrono::milliseconds timeout) override {
+    return inner_->get(full(key), timeout);
   }
+  using store::get;
   std::int64_t add(std::string_view key, std::int64_t delta) override {
     return inner_->add(full(key), delta);
   }
@@ -116,7 +127,6 @@ class prefix_store final : public store {
   }
   bool check(std::span<const std::string> keys) override { return inner_->check(full(keys)); }
   void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) override {
-    sync_settings();
     const auto names = full(keys);
     inner_->wait(std::span<const std::string>(names), timeout);
   }
@@ -136,10 +146,6 @@ class prefix_store final : public store {
     for (const auto& key : keys) out.push_back(full(key));
     return out;
   }
-  void sync_settings() {
-    inner_->set_timeout(timeout());
-  }
-
   std::shared_ptr<store> inner_;
   std::string prefix_;
 };
@@ -156,12 +162,13 @@ class memory_store final : public store {
   }
   using store::set;
 
-  bytes get(std::string_view key) override {
+  bytes get(std::string_view key, std::chrono::milliseconds timeout) override {
     const std::string name(key);
     std::unique_lock lock(mutex_);
-    wait_locked(lock, std::span<const std::string>(&name, 1), timeout(), "get");
+    wait_locked(lock, std::span<const std::string>(&name, 1), timeout, "get");
     return data_.at(name);
   }
+  using store::get;
 
   std::int64_t add(std::string_view key, std::int64_t delta) override {
     std::int64_t value = 0;

@@ -619,12 +619,13 @@ class tcp_store final : public store {
   using store::set;
 
   // Waits for the key (c10d's client also WAITs before its GET), then reads it.
-  bytes get(std::string_view key) override {
+  bytes get(std::string_view key, std::chrono::milliseconds timeout) override {
     const std::string name(key);
     std::lock_guard lock(mutex_);
-    wait_locked(std::span<const std::string>(&name, 1), timeout(), "get");
+    wait_locked(std::span<const std::string>(&name, 1), timeout, "get");
     return get_locked(wire_key("get", key), key);
   }
+  using store::get;
 
   std::int64_t add(std::string_view key, std::int64_t delta) override {
     return add_wire(wire_key("add", key), key, delta);

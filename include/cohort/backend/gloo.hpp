@@ -51,9 +51,7 @@ class gloo_store_adapter final : public ::gloo::rendezvous::Store {
                          reinterpret_cast<const std::uint8_t*>(data.data()), data.size()));
   }
   std::vector<char> get(const std::string& key) override {
-    const std::string name = key;
-    inner_->wait(std::span<const std::string>(&name, 1), timeout_);
-    const bytes value = inner_->get(key);
+    const bytes value = inner_->get(key, timeout_);
     return std::vector<char>(value.begin(), value.end());
   }
   void wait(const std::vector<std::string>& keys) override { inner_->wait(keys, timeout_); }
