@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cohort/backend/gloo.hpp>
+#include <cohort/ops.hpp>
 #include <cohort/process_group.hpp>
 #include <cstdint>
 #include <memory>
@@ -358,6 +359,19 @@ TEST_CASE("an unmatched recv does not hold up the group's destruction", "[proces
   });
   INFO("destruction took " << seconds << " s; the group's timeout is 30 s");
   REQUIRE(seconds < 5.0);
+}
+
+TEST_CASE("empty copies are no-ops whatever their pointers (null included)", "[process_group][gloo]") {
+  auto store = fresh_store();
+  cohort_test::run_ranks(1, [&](int rank) {
+    auto pg = make_group(store, rank, 1);
+    auto& engine = pg.backend();
+    engine.copy(nullptr, nullptr, 0).wait();
+    float a = 1.0f, b = 2.0f;
+    const std::vector<cohort::copy_region> regions{{nullptr, nullptr, 0}, {&a, &b, sizeof a}, {&b, nullptr, 0}};
+    cohort::batched_copy(engine, std::span<const cohort::copy_region>(regions)).wait();
+    RANK_CHECK(a == 2.0f && b == 2.0f);
+  });
 }
 
 TEST_CASE("building process groups leaves the caller's store settings alone", "[process_group][gloo][store]") {

@@ -6,6 +6,7 @@
 // compiled by nvcc (a clear static_assert says so otherwise).
 
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <vector>
 
@@ -74,7 +75,8 @@ template <backend B>
 typename B::work batched_copy(B& engine, std::span<const copy_region> regions) {
   if constexpr (B::space == memory_space::host) {
     return engine.enqueue([list = std::vector<copy_region>(regions.begin(), regions.end())] {
-      for (const auto& region : list) std::memmove(region.destination, region.source, region.bytes);
+      for (const auto& region : list)  // empty regions may carry null pointers, which memmove must not see
+        if (region.bytes != 0) std::memmove(region.destination, region.source, region.bytes);
     });
   } else {
 #if defined(__CUDACC__)

@@ -250,7 +250,10 @@ class gloo {
     ::operator delete(pointer, std::align_val_t{64});
   }
   work copy(void* destination, const void* source, std::size_t bytes) {
-    return enqueue([=] { std::memmove(destination, source, bytes); });
+    // Still queued when empty: the returned work orders after everything before it.
+    return enqueue([=] {
+      if (bytes != 0) std::memmove(destination, source, bytes);  // null is allowed when empty
+    });
   }
 
  private:
