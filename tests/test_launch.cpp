@@ -219,14 +219,39 @@ TEST_CASE("cohort's own variables override every launcher", "[launch]") {
 }
 
 TEST_CASE("precedence: torchrun > Open MPI > MPICH > Slurm", "[launch]") {
-  CHECK(detect(merged(merged(merged(slurm_vars, mpich_vars), open_mpi_vars), torchrun_vars)).source ==
+  // torchrun started by mpirun or srun: torchrun's own variables mark RANK as its.
+  const auto real_torchrun = merged(torchrun_vars, {{"TORCHELASTIC_RUN_ID", "job-7"}});
+  CHECK(detect(merged(merged(merged(slurm_vars, mpich_vars), open_mpi_vars), real_torchrun)).source ==
         launcher::torchrun);
+  CHECK(detect(merged(slurm_vars, merged(torchrun_vars, {{"GROUP_RANK", "1"}}))).rank == 5);
   CHECK(detect(merged(merged(slurm_vars, mpich_vars), open_mpi_vars)).source == launcher::open_mpi);
   CHECK(detect(merged(slurm_vars, mpich_vars)).source == launcher::mpich);
   const auto inside_mpirun = detect(merged(slurm_vars, open_mpi_vars));
   CHECK(inside_mpirun.source == launcher::open_mpi);
   CHECK(inside_mpirun.rank == 3);       // mpirun's rank, not srun's
   CHECK(inside_mpirun.hosts.empty());   // hosts belong to a Slurm launch only
+}
+
+TEST_CASE("RANK and WORLD_SIZE left in the shell are refused when a launcher disagrees", "[launch]") {
+  // `RANK=0 WORLD_SIZE=1 ...` left over, then `mpirun -np 2`: this is mpirun's rank 1 of 2.
+  const variables stale{{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "1"}};
+  const variables mpirun_rank1{{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
+                               {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}};
+  const auto text = detection_error(merged(stale, mpirun_rank1));
+  CHECK_THAT(text, Contains("RANK=0 WORLD_SIZE=1"));
+  CHECK_THAT(text, Contains("Open MPI's OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=2"));
+  CHECK_THAT(text, Contains("unset them"));
+  // Rank 0 of that mpirun agrees on the rank but not on the world size: refused as well.
+  CHECK_THAT(detection_error(merged(stale, {{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"},
+                                            {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}})),
+             Contains("OMPI_COMM_WORLD_SIZE=2"));
+  CHECK_THAT(detection_error(merged(stale, {{"PMI_RANK", "1"}, {"PMI_SIZE", "2"}})), Contains("PMI_SIZE=2"));
+  CHECK_THAT(detection_error(merged(stale, slurm_vars)), Contains("Slurm's SLURM_PROCID=6 SLURM_NTASKS=7"));
+  // Set by hand to agree with the launcher (a wrapper script): accepted.
+  const auto agreeing = detect(merged(mpirun_rank1, {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"},
+                                                     {"LOCAL_WORLD_SIZE", "2"}}));
+  CHECK(agreeing.rank == 1);
+  CHECK(agreeing.world_size == 2);
 }
 
 TEST_CASE("srun's PMI plugin alone (PMI_RANK, PMI_SIZE, no MPI_LOCAL*) is read as Slurm", "[launch]") {

@@ -23,6 +23,11 @@
 //   6. nothing set              a single process: rank 0 of 1.
 // A more specific launcher wins over a more general one: srun inside mpirun, or torchrun
 // started by srun, is read as mpirun's or torchrun's ranks, which are the ones that talk.
+// But RANK/WORLD_SIZE without any of torchrun's own variables (TORCHELASTIC_RUN_ID,
+// TORCHELASTIC_RESTART_COUNT, GROUP_RANK, ROLE_RANK) were set by hand or left in the shell:
+// when an MPI launcher or srun also started this process and their rank or world size
+// disagree, detection refuses, naming both sets (`RANK=0 WORLD_SIZE=1` left over, then
+// `mpirun -np 2`, would otherwise make two processes rank 0 of a world of one).
 //
 // MASTER_ADDR and MASTER_PORT (default 29500, valid 1..65535) are read for every launcher.
 // Without MASTER_ADDR: Slurm uses the first host of its node list; the others use 127.0.0.1
@@ -515,6 +520,32 @@ inline void read_slurm(const launch_reader& in, launch_env& env, rank_names& nam
   env.run_id = in.get("SLURM_JOB_ID").value_or(in.get("SLURM_JOBID").value_or(""));
 }
 
+// RANK/WORLD_SIZE set by something other than torchrun, beside a launcher that started this
+// process: see the precedence notes at the top.
+inline void refuse_stale_torchrun_names(const launch_reader& in, const launch_env& env) {
+  if (in.has_any({"TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "GROUP_RANK", "ROLE_RANK"})) return;
+  struct family {
+    launcher source;
+    std::string_view rank, world_size;
+  };
+  for (const family& other : {family{launcher::open_mpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
+                              family{launcher::mpich, "PMI_RANK", "PMI_SIZE"},
+                              family{launcher::slurm, "SLURM_PROCID", "SLURM_NTASKS"}}) {
+    const auto rank_text = in.get(other.rank), world_text = in.get(other.world_size);
+    if (!rank_text || !world_text) continue;
+    const auto rank = parse_integer(*rank_text), world = parse_integer(*world_text);
+    if (!rank || !world || (*rank == env.rank && *world == env.world_size)) continue;
+    throw error(-1, "launch detection",
+                "RANK=" + std::to_string(env.rank) + " WORLD_SIZE=" + std::to_string(env.world_size) +
+                    " (torchrun's names, but none of torchrun's own variables such as TORCHELASTIC_RUN_ID "
+                    "are set) disagree with " + std::string(to_string(other.source)) + "'s " +
+                    std::string(other.rank) + "=" + *rank_text + " " + std::string(other.world_size) + "=" +
+                    *world_text + ", which started this process",
+                "RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE look left over in the shell: unset them "
+                "(or make them agree with the launcher), then launch again");
+  }
+}
+
 inline void read_master(const launch_reader& in, launch_env& env) {
   if (const auto port = in.get("MASTER_PORT")) {
     const auto number = parse_integer(*port);
@@ -568,6 +599,7 @@ inline launch_env launch_env::detect(const getenv_fn& getenv) {
     detail::read_slurm(launch_reader{getenv, source}, env, names);
   }
   env.source = source;
+  if (source == launcher::torchrun) detail::refuse_stale_torchrun_names(probe, env);
 
   const launch_reader in{getenv, source};
   detail::validate_ranks(env, names, [&](const std::string& what, const std::string& hint) { in.fail(what, hint); });
