@@ -13,6 +13,7 @@
 #include <cohort/backend/gloo.hpp>
 #include <cohort/launch.hpp>
 #include <cohort/process_group.hpp>
+#include <cohort/run_ranks.hpp>
 #include <cohort/tcp_store.hpp>
 #include <cstdlib>
 #include <functional>
@@ -169,4 +170,62 @@ TEST_CASE("a rank process that dies is an error on the others within the timeout
   });
   REQUIRE(codes == std::vector<int>{0, 0, 42});
   REQUIRE(std::chrono::steady_clock::now() - started < std::chrono::seconds(30));
+}
+
+namespace {
+
+// A launched job through run_ranks, as the examples run it: rank `dying` exits mid-training
+// without a word; -1 for none. Exit codes: 0 for the error a survivor expects, 1 when
+// training went on, 99 for an unexpected exception.
+int launched_job(int dying) {
+  int code = 1;
+  try {
+    cohort::run_ranks(0, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+      cohort::gloo::options opts;
+      opts.timeout = std::chrono::seconds(2);  // the store keeps its default, minutes
+      cohort::process_group<cohort::gloo> pg{store, env, opts};
+      std::vector<float> data(1 << 12, 1.0f);
+      pg.all_reduce(std::span<float>(data)).wait();
+      if (pg.rank() == dying) ::_exit(42);
+      for (int step = 0; step < 100; ++step) pg.all_reduce(std::span<float>(data)).wait();
+    });
+  } catch (const cohort::error& failure) {
+    std::fprintf(stderr, "rank saw: %s\n", failure.what());
+    code = 0;
+  }
+  return code;
+}
+
+std::vector<environment> torchrun_envs(int launched, int world, const std::string& port) {
+  std::vector<environment> envs;
+  for (int r = 0; r < launched; ++r)
+    envs.push_back({{"RANK", std::to_string(r)}, {"WORLD_SIZE", std::to_string(world)}, {"LOCAL_RANK", std::to_string(r)},
+                    {"LOCAL_WORLD_SIZE", std::to_string(world)}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}});
+  return envs;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+TEST_CASE("run_ranks under a launcher: rank 0 stops serving soon after a peer dies", "[multiprocess][faults]") {
+  const auto started = std::chrono::steady_clock::now();
+  const auto codes = run_children(torchrun_envs(3, 3, std::to_string(free_port())), [] { return launched_job(2); });
+  const double took = seconds_since(started);
+  INFO("took " << took << " s; the group timeout is 2 s, the failure grace " << cohort::run_ranks_failure_grace.count()
+               << " s, the store timeout " << cohort::store::default_timeout.count() / 1000 << " s");
+  REQUIRE(codes == std::vector<int>{0, 0, 42});
+  REQUIRE(took < 2.0 + cohort::run_ranks_failure_grace.count() + 10.0);
+}
+
+TEST_CASE("run_ranks under a launcher: a peer that never arrives ends every rank within the timeouts", "[multiprocess][faults]") {
+  const auto started = std::chrono::steady_clock::now();
+  // World of 3, but only ranks 0 and 1 are started.
+  const auto codes = run_children(torchrun_envs(2, 3, std::to_string(free_port())), [] { return launched_job(-1); });
+  const double took = seconds_since(started);
+  INFO("took " << took << " s");
+  REQUIRE(codes == std::vector<int>{0, 0});
+  REQUIRE(took < 2.0 + cohort::run_ranks_failure_grace.count() + 10.0);
 }
