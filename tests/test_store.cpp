@@ -3,6 +3,7 @@
 // through their exit status (and stderr), never through Catch2.
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -722,6 +723,68 @@ TEST_CASE("store: PyTorch's TCPStore client against our tcp server") {
   CHECK(verdict == "OK");
   CHECK(status == 0);
   CHECK(s.server()->rejected_connections() == 0);
+}
+
+namespace {
+
+// PyTorch 1.x lives in Debian's python3 (python3-torch), often not the python3 on PATH.
+std::string torch1_peer(const std::string& arguments) {
+  const char* chosen = std::getenv("COHORT_TEST_TORCH1_PYTHON");
+  const std::string python = chosen ? chosen : (::access("/usr/bin/python3", X_OK) == 0 ? "/usr/bin/python3" : "python3");
+  return python + " " + COHORT_TEST_SOURCE_DIR + "/torch1_store_peer.py " + arguments;
+}
+
+}  // namespace
+
+TEST_CASE("store: a PyTorch 1.x TCPStore server is named as another protocol, not as a wrong address") {
+  // The peer serves until its stdin closes: keep a pipe to it open for the test's length.
+  int to_peer[2];
+  REQUIRE(::pipe(to_peer) == 0);
+  ::fcntl(to_peer[1], F_SETFD, FD_CLOEXEC);  // only the read end goes to the peer
+  const std::string command = torch1_peer("server") + " < /dev/fd/" + std::to_string(to_peer[0]);
+  std::FILE* peer = ::popen(command.c_str(), "r");
+  REQUIRE(peer != nullptr);
+  ::close(to_peer[0]);
+  const std::string first = read_line(peer);
+  if (first.rfind("SKIP ", 0) == 0 || first.empty()) {
+    ::close(to_peer[1]);
+    ::pclose(peer);
+    cohort_test::skip(first.empty() ? "no python3 to run tests/torch1_store_peer.py" : first.substr(5));
+  }
+  unsigned port = 0;
+  REQUIRE(std::sscanf(first.c_str(), "PORT %u", &port) == 1);
+  auto options = client_of(static_cast<std::uint16_t>(port));
+  options.connect_timeout = 30s;
+  const auto started = std::chrono::steady_clock::now();
+  std::string text;
+  try {
+    cohort::tcp_store s(options);
+  } catch (const cohort::error& failure) {
+    text = failure.what();
+  }
+  const auto took = std::chrono::steady_clock::now() - started;
+  ::close(to_peer[1]);
+  ::pclose(peer);
+  INFO(text);
+  CHECK_THAT(text, Catch::Matchers::Contains("another c10d store protocol"));
+  CHECK_THAT(text, Catch::Matchers::Contains("PyTorch 2.x"));
+  CHECK_THAT(text, !Catch::Matchers::Contains("check MASTER_ADDR"));
+  CHECK(took < 15s);  // an answer, not a connect timeout
+}
+
+TEST_CASE("store: a PyTorch 1.x client is refused and the server says it speaks another protocol") {
+  cohort::tcp_store s(hosting(20s));
+  std::FILE* peer = ::popen(torch1_peer("client " + std::to_string(s.port())).c_str(), "r");
+  REQUIRE(peer != nullptr);
+  const std::string result = read_line(peer);
+  ::pclose(peer);
+  if (result.rfind("SKIP ", 0) == 0 || result.empty())
+    cohort_test::skip(result.empty() ? "no python3 to run tests/torch1_store_peer.py" : result.substr(5));
+  INFO("the 1.x client said: " << result);
+  CHECK(result != "RESULT ok");
+  CHECK(s.server()->rejected_connections() >= 1);
+  CHECK_THAT(s.server()->last_rejection(), Catch::Matchers::Contains("not VALIDATE"));
+  CHECK_THAT(s.server()->last_rejection(), Catch::Matchers::Contains("another c10d store protocol"));
 }
 
 // ===========================================================================================

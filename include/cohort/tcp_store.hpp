@@ -29,6 +29,7 @@
 #include <chrono>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -129,6 +130,31 @@ inline std::string resolve(const std::string& host, std::uint16_t port, bool pas
   return {};
 }
 
+// "address:port" of a connected socket's peer, for the server's log.
+inline std::string peer_of(int fd) {
+  sockaddr_storage peer{};
+  socklen_t length = sizeof(peer);
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &length) != 0) return "an unknown peer";
+  char host[INET6_ADDRSTRLEN] = {};
+  std::uint16_t port = 0;
+  if (peer.ss_family == AF_INET6) {
+    const auto* v6 = reinterpret_cast<const sockaddr_in6*>(&peer);
+    ::inet_ntop(AF_INET6, &v6->sin6_addr, host, sizeof host);
+    port = ntohs(v6->sin6_port);
+  } else {
+    const auto* v4 = reinterpret_cast<const sockaddr_in*>(&peer);
+    ::inet_ntop(AF_INET, &v4->sin_addr, host, sizeof host);
+    port = ntohs(v4->sin_port);
+  }
+  return endpoint(host, port);
+}
+
+// What the handshake's failure most likely means, said on both sides of it.
+inline constexpr std::string_view other_protocol =
+    "it speaks another c10d store protocol (PyTorch before 2.0, Debian's python3-torch 1.13 for "
+    "one, numbers its commands from SET = 0 and sends no VALIDATE) or is not a TCPStore at all; "
+    "cohort speaks the TCPStore protocol of PyTorch 2.x (classic and libuv servers)";
+
 inline void set_no_delay(int fd) {
   const int on = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
@@ -171,7 +197,8 @@ class tcp_store_server {
   std::uint16_t port() const noexcept { return port_; }
   std::string endpoint() const { return detail::tcp::endpoint(host_, port_); }
 
-  // Connections closed because they sent something malformed, and the last reason why.
+  // Connections closed because they sent something malformed, and the last reason why. The
+  // first few are also printed on stderr (a refused rank would otherwise only see a reset).
   std::size_t rejected_connections() const noexcept { return rejected_.load(); }
   std::string last_rejection() const {
     std::lock_guard lock(report_mutex_);
@@ -195,6 +222,7 @@ class tcp_store_server {
     std::uint64_t input_needed = 0;  // don't re-parse until this many unconsumed bytes
     bytes_t output;
     std::size_t output_start = 0;
+    std::string peer;  // "address:port", for the log
     bool validated = false;
     bool closing = false;
     std::size_t keys_awaited = 0;
@@ -286,6 +314,7 @@ class tcp_store_server {
       detail::tcp::set_no_delay(fd);
       connection conn;
       conn.socket.reset(fd);
+      conn.peer = detail::tcp::peer_of(fd);
       connections_.emplace(next_id_++, std::move(conn));
     }
   }
@@ -347,14 +376,17 @@ class tcp_store_server {
     namespace protocol = detail::tcp_store_protocol;
     using protocol::command;
     if (!conn.validated && request.command != command::validate)
-      return reject(conn, std::string("first message was ") +
-                              protocol::command_name(request.command) + ", not VALIDATE");
+      return reject(conn, std::string("first message was ") + protocol::command_name(request.command) +
+                              " (command byte " + std::to_string(static_cast<int>(request.command)) +
+                              "), not VALIDATE: " + std::string(detail::tcp::other_protocol));
     bytes_t reply;
     protocol::message_writer write(reply);
     switch (request.command) {
       case command::validate:
         if (request.word != protocol::validation_magic)
-          return reject(conn, "VALIDATE carried magic " + std::to_string(request.word));
+          return reject(conn, "VALIDATE carried magic " + std::to_string(request.word) + ", not " +
+                                  std::to_string(protocol::validation_magic) + ": " +
+                                  std::string(detail::tcp::other_protocol));
         conn.validated = true;
         break;
       case command::ping: write.u32(request.word); break;
@@ -521,10 +553,16 @@ class tcp_store_server {
   void reject(connection& conn, const std::string& reason) {
     if (conn.closing) return;
     conn.closing = true;
-    ++rejected_;
+    const std::size_t count = ++rejected_;
+    if (count <= logged_rejections)
+      std::fprintf(stderr, "cohort%s tcp_store_server %s: closed the connection of %s: %s%s\n",
+                   rank_ >= 0 ? (" [rank " + std::to_string(rank_) + "]").c_str() : "", endpoint().c_str(),
+                   conn.peer.c_str(), reason.c_str(),
+                   count == logged_rejections ? " (further refusals are counted, not printed)" : "");
     std::lock_guard lock(report_mutex_);
     last_rejection_ = reason;
   }
+  static constexpr std::size_t logged_rejections = 8;
 
   void remove_closed() {
     for (auto it = connections_.begin(); it != connections_.end();) {
@@ -984,10 +1022,22 @@ class tcp_store final : public store {
     auto backoff = std::max(options_.initial_backoff, std::chrono::milliseconds(1));
     std::string last_error;
     int attempts = 0;
+    int refused_in_a_row = 0;
     for (;;) {
       ++attempts;
+      handshake_ = handshake::not_reached;
       last_error = try_connect(deadline);
       if (last_error.empty()) return;
+      // A server that accepts the connection and then closes it at cohort's first message is
+      // an answer, not a server still starting: after a few, say what it means.
+      refused_in_a_row = handshake_ == handshake::refused ? refused_in_a_row + 1 : 0;
+      if (refused_in_a_row == 3)
+        throw error(rank(), "tcp_store.connect",
+                    "the server at " + endpoint() + " accepted the connection and closed it during cohort's "
+                    "handshake (VALIDATE, then PING) 3 times in a row (last: " + last_error + "): " +
+                        std::string(detail::tcp::other_protocol),
+                    "run a PyTorch >= 2.0 TCPStore (torchrun of torch 2.x), or let cohort's rank 0 host the "
+                    "store; check that MASTER_PORT is not another service's port");
       const auto now = clock::now();
       if (now >= deadline) break;
       std::this_thread::sleep_for(std::min<clock::duration>(backoff, deadline - now));
@@ -996,7 +1046,11 @@ class tcp_store final : public store {
     throw timeout_error(rank(), "tcp_store.connect",
                         "could not connect to the store server at " + endpoint() + " within " +
                             detail::format_duration(options_.connect_timeout) + " (" +
-                            std::to_string(attempts) + " attempts; last error: " + last_error + ")",
+                            std::to_string(attempts) + " attempts; last error: " + last_error + ")" +
+                            (handshake_ == handshake::unanswered
+                                 ? "; the server accepted the connection but never answered the handshake: " +
+                                       std::string(detail::tcp::other_protocol)
+                                 : std::string()),
                         "check MASTER_ADDR and MASTER_PORT, that rank 0 (or the launcher's "
                         "agent) is running, and that no firewall blocks the port");
   }
@@ -1045,8 +1099,13 @@ class tcp_store final : public store {
         send_all("connect", message, handshake_deadline);
         ping_locked(handshake_deadline, "connect");
         return {};
+      } catch (const timeout_error& failure) {
+        socket_.reset();
+        handshake_ = handshake::unanswered;
+        last_error = "handshake failed: " + failure.detail();
       } catch (const error& failure) {
         socket_.reset();
+        handshake_ = handshake::refused;
         last_error = "handshake failed: " + failure.detail();
       }
     }
@@ -1087,6 +1146,8 @@ class tcp_store final : public store {
   detail::tcp::file_descriptor socket_;
   std::string broken_;
   std::uint32_t ping_count_ = 0;
+  // How the last connection attempt's handshake went (connect() only).
+  enum class handshake { not_reached, refused, unanswered } handshake_ = handshake::not_reached;
 };
 
 // Connects a launched program to its rendezvous store.
