@@ -207,10 +207,10 @@ class tcp_store_server {
 
  private:
   using bytes_t = std::vector<std::uint8_t>;
-  static constexpr std::size_t read_chunk = 64 * 1024;
+  static constexpr std::size_t read_chunk = std::size_t{64} << 10;
   // Reading stops after this much per connection per poll round, so one fast sender cannot
   // starve the others.
-  static constexpr std::size_t read_budget = 4 * 1024 * 1024;
+  static constexpr std::size_t read_budget = std::size_t{4} << 20;
   // A client that stops reading its replies is cut off once this much is queued for it.
   static constexpr std::uint64_t max_queued_reply_bytes =
       detail::tcp_store_protocol::max_request_bytes + detail::tcp_store_protocol::max_value_bytes;

@@ -190,7 +190,7 @@ class json {
   static void newline(std::string& out, int indent, int depth) {
     if (indent < 0) return;
     out += '\n';
-    out.append(static_cast<std::size_t>(indent * depth), ' ');
+    out.append(static_cast<std::size_t>(indent) * static_cast<std::size_t>(depth), ' ');
   }
 
   void write(std::string& out, int indent, int depth) const {

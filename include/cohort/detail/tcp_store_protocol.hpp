@@ -66,10 +66,10 @@ enum class wait_reply : std::uint8_t { stop_waiting = 0, wait_canceled = 1 };
 
 inline constexpr std::uint32_t validation_magic = 0x3C85F7CEu;
 
-inline constexpr std::uint64_t max_key_bytes = 64u * 1024u;
-inline constexpr std::uint64_t max_value_bytes = 256u * 1024u * 1024u;
-inline constexpr std::uint64_t max_keys_per_request = 128u * 1024u;
-inline constexpr std::uint64_t max_request_bytes = 2 * max_value_bytes + 16u * 1024u * 1024u;
+inline constexpr std::uint64_t max_key_bytes = std::uint64_t{64} << 10;
+inline constexpr std::uint64_t max_value_bytes = std::uint64_t{256} << 20;
+inline constexpr std::uint64_t max_keys_per_request = std::uint64_t{128} << 10;
+inline constexpr std::uint64_t max_request_bytes = 2 * max_value_bytes + (std::uint64_t{16} << 20);
 
 static_assert(std::endian::native == std::endian::little,
               "c10d's TCPStore sends integers in host order; cohort supports little-endian hosts");

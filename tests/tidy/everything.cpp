@@ -1,0 +1,123 @@
+// Not a test: the translation unit clang-tidy's bugprone checks read in CI (.ci/run). It
+// includes every public header and instantiates each template the way a trainer does, on
+// Gloo (host) and, for the parts a host compiler builds, on NCCL, so the checks see the
+// code users compile rather than uninstantiated templates. It is never run. Thrust's CPP
+// system stands in for the GPU so a host compiler reads the device sampler too.
+#ifndef THRUST_DEVICE_SYSTEM
+#define THRUST_DEVICE_SYSTEM THRUST_DEVICE_SYSTEM_CPP
+#endif
+#include <cohort/cohort.hpp>
+#include <cohort/sampler_thrust.hpp>
+
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <memory>
+#include <ostream>
+#include <span>
+#include <vector>
+
+namespace {
+
+template <class B>
+void collectives(cohort::process_group<B>& pg) {
+  std::vector<float> in(8 * static_cast<std::size_t>(pg.size())), out(in.size()), one(8);
+  pg.all_reduce(std::span<float>(in), cohort::op::avg).wait();
+  pg.all_reduce(std::span<const float>(in), std::span<float>(out)).wait();
+  pg.reduce_scatter(std::span<const float>(in), std::span<float>(one)).wait();
+  pg.all_gather(std::span<const float>(one), std::span<float>(out)).wait();
+  pg.all_to_all(std::span<const float>(in), std::span<float>(out)).wait();
+  pg.broadcast(std::span<float>(one), 0).wait();
+  pg.barrier().wait();
+  if (pg.size() > 1) {
+    auto sent = pg.send(std::span<const float>(one), (pg.rank() + 1) % pg.size(), 3);
+    pg.recv(std::span<float>(one), (pg.rank() + pg.size() - 1) % pg.size(), 3).wait();
+    sent.wait();
+  }
+  if (auto sub = pg.split(pg.rank() % 2, pg.rank())) sub->barrier().wait();
+}
+
+void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+  cohort::process_group<cohort::gloo> pg{store, env};
+  collectives(pg);
+
+  // Data parallelism: bucket views and user buffers.
+  std::vector<std::vector<float>> storage{std::vector<float>(300), std::vector<float>(20)};
+  std::vector<std::span<float>> params(storage.begin(), storage.end());
+  cohort::broadcast_parameters(pg, params, 0).wait();
+  cohort::gradient_reducer<cohort::gloo> ddp{pg, std::vector<std::size_t>{300, 20},
+                                             {.unused = cohort::unused_gradients::zero, .check_nonfinite = true}};
+  for (std::size_t i = ddp.size(); i-- > 0;) ddp.mark_ready(i);
+  (void)ddp.finish();
+  {
+    auto scope = ddp.no_sync();
+    for (auto gradient : ddp.gradients()) ddp.mark_ready(gradient);
+    (void)ddp.finish();
+  }
+  ddp.rebuild_buckets();
+  std::vector<std::vector<float>> user(2, std::vector<float>(16));
+  std::vector<std::span<float>> user_spans(user.begin(), user.end());
+  cohort::gradient_reducer<cohort::gloo> buffers{pg, user_spans, {.compress = cohort::compression::bfloat16}};
+  buffers.register_comm_hook([](cohort::process_group<cohort::gloo>& group, const cohort::bucket_ref& bucket) {
+    return group.all_reduce(std::span<float>(static_cast<float*>(bucket.data), bucket.count), cohort::op::avg);
+  });
+
+  // Sharding, optimizers, checkpoints.
+  const std::vector<std::vector<std::size_t>> units{{5, 3}, {4}};
+  cohort::sharded_parameters<cohort::gloo, float> weights{pg, units, {.prefetch = 1}};
+  weights.init_from_full(std::vector<std::vector<float>>{{1, 2, 3, 4, 5}, {6, 7, 8}, {9, 10, 11, 12}});
+  cohort::adam adam{weights, {.lr = 3e-4}};
+  cohort::sgd sgd{weights, {.lr = 0.1}};
+  {
+    auto layer = weights.gather(0);
+    (void)layer.param(1);
+  }
+  weights.reduce_scatter_grad(0, std::vector<float>(8)).wait();
+  weights.reduce_scatter_grad(1, std::vector<float>(4)).wait();
+  adam.step();
+  sgd.step();
+  const auto directory = std::filesystem::temp_directory_path() / "cohort-tidy";
+  weights.save_sharded(directory, &adam);
+  weights.load_sharded(directory, &adam);
+
+  // Sampler, batch bookkeeping, guards.
+  cohort::distributed_sampler sampler{100, pg, {.shuffle = true, .seed = 0}};
+  sampler.set_epoch(1);
+  for (auto index : sampler) (void)index;
+  (void)cohort::device_indices(sampler);
+  const auto plan = cohort::launch_plan(cohort::batch_plan{.per_device = 2, .accumulation = 8, .world = 2}, pg);
+  (void)plan.effective();
+  (void)cohort::suggest_loader_workers(16, pg.local_size());
+  cohort::main_process_first(pg, [] {});
+  cohort::local_main_process_first(pg, [] {});
+  (void)cohort::on_main(pg, [] { return 1; });
+  cohort::atomic_write_on_main(pg, directory / "file", [](std::ostream& out) { out << "x"; });
+  cohort::rank_logger log(pg);
+  log("done");
+}
+
+#if defined(COHORT_HAS_NCCL) && COHORT_HAS_NCCL
+void device_group(std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+  cohort::process_group<cohort::nccl> pg{store, env};
+  collectives(pg);
+}
+#endif
+
+}  // namespace
+
+int main() {
+  try {
+    cohort::run_ranks(2, host_training);
+    cohort::run_ranks(0, host_training);
+#if defined(COHORT_HAS_NCCL) && COHORT_HAS_NCCL
+    cohort::run_ranks(1, device_group);
+#endif
+    const auto topology = cohort::probe_topology();
+    (void)topology;
+    (void)cohort::plan(cohort::plan_input{});
+  } catch (const std::exception& failure) {
+    std::fprintf(stderr, "%s\n", failure.what());
+    return 1;
+  }
+  return 0;
+}
