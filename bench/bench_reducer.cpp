@@ -5,6 +5,11 @@
 //  2. a simulated backward (per-layer compute proportional to the layer's size, plus
 //     writing its gradient), without and with overlap: step time, compute time and exposed
 //     communication (step - compute).
+// --compute-ms is what the whole backward takes alone, gradient writes included: each side
+// (this program and the PyTorch peer) calibrates its per-layer busy time until its own
+// "compute alone" meets it, since the framework around the compute costs each side a
+// different amount (autograd and AccumulateGrad's copy into .grad on PyTorch's). The two
+// step times then compare like for like, and exposed communication is shown beside them.
 // The simulated compute comes in two kinds, each its own table: `spin` busy-waits (a CPU
 // trainer: the backward occupies the cores the communication needs too) and `sleep` idles
 // (a GPU trainer: the host thread only launches kernels). Every row also reports the CPU
@@ -14,7 +19,7 @@
 // Optionally runs bench/peers/torch_ddp.py (PyTorch DDP over Gloo, same shapes, same
 // simulated backward) in the same run and prints the ratio of step times.
 //
-//   bench_reducer [--ranks 2] [--iterations 8] [--compute-ms 52] [--compute-mode spin|sleep|both]
+//   bench_reducer [--ranks 2] [--iterations 8] [--compute-ms 120] [--compute-mode spin|sleep|both]
 //                 [--json FILE] [--torch-peer bench/peers/torch_ddp.py] [--python python3]
 #include <cohort/backend/gloo.hpp>
 #include <cohort/detail/json.hpp>
@@ -127,7 +132,7 @@ void simulate_compute(std::chrono::nanoseconds duration, bool sleep) {
 struct settings {
   int ranks = 2;
   int iterations = 8;
-  double compute_ms = 52;
+  double compute_ms = 120;
   bool sleep_compute = false;  // --compute-mode sleep
   bool both_modes = true;      // --compute-mode both (the default): a table for each
   std::string json_path;
@@ -142,6 +147,7 @@ struct row {
   double step_ms = 0;
   double compute_ms = 0;
   double cpu_ms = 0;  // process CPU per step, all ranks
+  double budget_ms = 0;  // compute alone: the calibrated busy time within compute_ms
 };
 
 struct timing {
@@ -191,13 +197,31 @@ class bench {
     return {median(times), median(cpu)};
   }
 
-  // One layer's share of the backward: busy-wait for its share of the compute time and
+  // One layer's share of the backward: busy-wait for its share of the compute budget and
   // write its gradient.
   void layer_backward(std::size_t t, std::span<float> gradient) const {
     simulate_compute(std::chrono::nanoseconds(static_cast<std::int64_t>(
-                         settings_.compute_ms * 1e6 * static_cast<double>(sizes_[t]) / static_cast<double>(total_))),
+                         budget_ms_ * 1e6 * static_cast<double>(sizes_[t]) / static_cast<double>(total_))),
                      settings_.sleep_compute);
     std::fill(gradient.begin(), gradient.end(), 1e-3f * static_cast<float>(t % 7));
+  }
+
+  // Sets the per-layer budget so that the whole backward alone takes --compute-ms (rank 0's
+  // median; every rank uses rank 0's budget). Returns the measured time.
+  timing calibrate(group& pg, const std::function<void()>& backward) {
+    budget_ms_ = settings_.compute_ms;
+    timing measured{};
+    constexpr int rounds = 6;
+    for (int round = 0;; ++round) {
+      measured = timed(pg, backward);
+      // Rank 0's measurement decides, for every rank: {measured, next budget}.
+      std::vector<double> state{measured.wall_ms, std::max(0.0, budget_ms_ + settings_.compute_ms - measured.wall_ms)};
+      pg.broadcast(std::span<double>(state), 0).wait();
+      const bool met = std::abs(state[0] - settings_.compute_ms) <= 0.01 * settings_.compute_ms;
+      if (met || round + 1 == rounds || (budget_ms_ == 0 && state[1] == 0)) break;
+      budget_ms_ = state[1];
+    }
+    return measured;
   }
 
   void measure_all(group& pg, std::vector<row>* rows) {
@@ -208,7 +232,11 @@ class bench {
     // Communication alone.
     {
       std::vector<float> everything(total_, 1.0f);
-      record("raw all-reduce of all gradients (one call)", 0, 1,
+      // Sum, in place: what the PyTorch peer's raw row does. Averaging on Gloo is the sum
+      // and then a pass dividing the result (Gloo has no average), shown separately.
+      record("raw all-reduce of all gradients (sum)", 0, 1,
+             timed(pg, [&] { pg.all_reduce(std::span<float>(everything), cohort::op::sum).wait(); }), 0);
+      record("raw all-reduce of all gradients (avg)", 0, 1,
              timed(pg, [&] { pg.all_reduce(std::span<float>(everything), cohort::op::avg).wait(); }), 0);
       std::vector<std::span<float>> per_tensor;
       std::size_t offset = 0;
@@ -234,7 +262,7 @@ class bench {
     // Simulated backward.
     {
       std::vector<float> scratch(total_);
-      const timing compute_alone = timed(pg, [&] {
+      const timing compute_alone = calibrate(pg, [&] {
         std::size_t offset = total_;
         for (std::size_t t = n; t-- > 0;) {
           offset -= sizes_[t];
@@ -243,6 +271,7 @@ class bench {
       });
       const double compute = compute_alone.wall_ms;
       record("backward compute alone", 0, 0, compute_alone, compute);
+      if (rows) rows->back().budget_ms = budget_ms_;
       cohort::gradient_reducer<cohort::gloo> ddp(pg, sizes_);
       record("backward, then all-reduce (no overlap)", 25, ddp.bucket_count(), timed(pg, [&] {
                for (std::size_t t = n; t-- > 0;) layer_backward(t, ddp.gradient(t));
@@ -264,6 +293,7 @@ class bench {
   }
 
   settings settings_;
+  double budget_ms_ = 0;  // per-step busy time the layers share (calibrated)
   std::vector<tensor_shape> shapes_;
   std::vector<std::size_t> sizes_;
   std::size_t total_ = 0;
@@ -345,18 +375,46 @@ json run_mode(const settings& s) {
   document.set("cores", cores);
   document.set("floor_ms", floor);
   document.set("overlapped_step_ms", overlapped->step_ms);
+  const row* raw_sum = nullptr;
+  for (const auto& r : rows)
+    if (r.what.find("(sum)") != std::string::npos) raw_sum = &r;
+  std::printf("calibrated compute: %.1f ms busy + %.1f ms writing gradients and looping = %.1f ms alone (target %.1f)\n",
+              compute_alone->budget_ms, compute_alone->step_ms - compute_alone->budget_ms, compute_alone->step_ms,
+              s.compute_ms);
   const json torch = run_torch_peer(s);
   if (!torch.is_null()) {
-    const double torch_step = torch.at("ddp_step_ms").as_number();
-    std::printf("\nPyTorch %s DDP over Gloo (25 MB buckets): step %.1f ms (CPU %.1f ms), compute alone %.1f ms (CPU %.1f "
-                "ms)\n",
-                torch.at("torch_version").as_string().c_str(), torch_step, torch.at("ddp_step_cpu_ms").as_number(),
-                torch.at("compute_ms").as_number(), torch.at("compute_cpu_ms").as_number());
-    std::printf("cohort overlapped step (1 MiB first bucket, 25 MiB buckets): %.1f ms (CPU %.1f ms) = %.2f x PyTorch DDP "
-                "(target <= 0.65), compute %s\n",
-                overlapped->step_ms, overlapped->cpu_ms, overlapped->step_ms / torch_step, mode);
+    // cohort's bucket views against DDP's gradient_as_bucket_view (the same memory layout:
+    // gradients live in the buckets), and DDP's default (copied into its buckets) beside it.
+    const double views_step = torch.at("ddp_bucket_view_step_ms").as_number();
+    const double views_compute = torch.at("bucket_view_compute_ms").as_number();
+    const double default_step = torch.at("ddp_step_ms").as_number();
+    const double default_compute = torch.at("compute_ms").as_number();
+    const double exposed = overlapped->step_ms - compute_alone->step_ms;
+    const double views_exposed = views_step - views_compute;
+    std::printf("\nside by side, compute %s, %d ranks, 25 MiB buckets (PyTorch %s DDP over Gloo):\n", mode, s.ranks,
+                torch.at("torch_version").as_string().c_str());
+    std::printf("  %-50s %9s %14s %12s\n", "", "cohort", "DDP bucket", "DDP default");
+    std::printf("  %-50s %9s %14s %12s\n", "", "views", "views", "");
+    const auto line = [](const char* what, double a, double b, double c) {
+      std::printf("  %-50s %9.1f %14.1f %12.1f\n", what, a, b, c);
+    };
+    line("backward compute alone, ms (calibrated to target)", compute_alone->step_ms, views_compute, default_compute);
+    line("  of which busy time, ms", compute_alone->budget_ms, torch.at("bucket_view_compute_budget_ms").as_number(),
+         torch.at("compute_budget_ms").as_number());
+    line("overlapped step, ms", overlapped->step_ms, views_step, default_step);
+    line("exposed communication = step - compute, ms", exposed, views_exposed, default_step - default_compute);
+    line("CPU per step, ms (all ranks)", overlapped->cpu_ms, torch.at("ddp_bucket_view_step_cpu_ms").as_number(),
+         torch.at("ddp_step_cpu_ms").as_number());
+    if (raw_sum)
+      std::printf("  %-50s %9.1f %14.1f\n", "one all-reduce of every gradient (sum, in place)", raw_sum->step_ms,
+                  torch.at("raw_all_reduce_ms").as_number());
+    std::printf("  cohort / DDP with bucket views: step %.2f, exposed communication %.2f\n", overlapped->step_ms / views_step,
+                exposed / views_exposed);
     document.set("torch", torch);
-    document.set("ratio_to_torch_ddp", overlapped->step_ms / torch_step);
+    document.set("ratio_to_torch_ddp", overlapped->step_ms / views_step);
+    document.set("exposed_comm_ms", exposed);
+    document.set("torch_exposed_comm_ms", views_exposed);
+    document.set("exposed_ratio_to_torch_ddp", exposed / views_exposed);
   }
   return document;
 }
@@ -392,18 +450,24 @@ int main(int argc, char** argv) try {
               shape.tensors(), shape.parameters(), static_cast<double>(shape.parameters()) * 4 / 1e6, s.ranks,
               s.iterations, usable_cores());
   json modes = json::make_array();
-  std::vector<std::pair<std::string, double>> ratios;
+  struct ratio_pair {
+    std::string mode;
+    double step, exposed;
+  };
+  std::vector<ratio_pair> ratios;
   for (const bool sleep : {false, true}) {
     if (!s.both_modes && sleep != s.sleep_compute) continue;
     settings one = s;
     one.sleep_compute = sleep;
     json result = run_mode(one);
-    if (const json* ratio = result.find("ratio_to_torch_ddp")) ratios.emplace_back(sleep ? "sleep" : "spin", ratio->as_number());
+    if (const json* ratio = result.find("ratio_to_torch_ddp"))
+      ratios.push_back({sleep ? "sleep" : "spin", ratio->as_number(), result.at("exposed_ratio_to_torch_ddp").as_number()});
     modes.push_back(std::move(result));
   }
   if (!ratios.empty()) {
-    std::printf("\ncohort / PyTorch DDP step (target <= 0.65):");
-    for (const auto& [mode, ratio] : ratios) std::printf("  %s %.2f", mode.c_str(), ratio);
+    std::printf("\ncohort / PyTorch DDP with bucket views, same calibrated compute:");
+    for (const auto& r : ratios)
+      std::printf("  %s: step %.2f, exposed communication %.2f", r.mode.c_str(), r.step, r.exposed);
     std::printf("\n");
   }
   json document = json::make_object();

@@ -5,6 +5,10 @@ proportion to its size and produces its gradient, back to front. Reports the ste
 DDP (default settings: 25 MB buckets) and the compute time of the same backward alone, each
 with the CPU time all ranks' processes spent per step.
 
+--compute-ms is what the whole backward takes alone: the per-layer busy time is calibrated
+until it does, since autograd and AccumulateGrad's copy into .grad cost time of their own
+(bench_reducer calibrates its side the same way, so both do the same compute).
+
 Optional peer: exits with status 77 (skipped) when torch is not installed.
 
     python3 bench/peers/torch_ddp.py [--ranks 2] [--iterations 8] [--compute-ms 52]
@@ -57,6 +61,7 @@ def resnet50_shapes():
 
 
 SLEEP_COMPUTE = False  # --compute-mode sleep: the host thread idles, as under a GPU's kernels
+BUDGET_SECONDS = 0.0   # the per-step busy time the layers share (calibrated)
 
 
 def spin(seconds):
@@ -85,17 +90,17 @@ class SimulatedLayer(torch.autograd.Function):
 
 
 class Model(torch.nn.Module):
-    def __init__(self, sizes, compute_seconds):
+    def __init__(self, sizes):
         super().__init__()
         total = sum(sizes)
         self.weights = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in sizes])
-        self.seconds = [compute_seconds * n / total for n in sizes]
+        self.shares = [n / total for n in sizes]
         self.gradients = [torch.full((n,), 1e-3 * (i % 7)) for i, n in enumerate(sizes)]
 
     def forward(self, x):
         # Declaration order forward, so autograd runs the backward last layer first.
-        for weight, seconds, gradient in zip(self.weights, self.seconds, self.gradients):
-            x = SimulatedLayer.apply(x, weight, seconds, gradient)
+        for weight, share, gradient in zip(self.weights, self.shares, self.gradients):
+            x = SimulatedLayer.apply(x, weight, BUDGET_SECONDS * share, gradient)
         return x.sum()
 
 
@@ -126,15 +131,32 @@ def worker(rank, world, port, args, queue):
     sizes = resnet50_shapes()
     x = torch.ones(1, requires_grad=True)
 
-    plain = Model(sizes, args.compute_ms / 1e3)
+    def calibrate(compute_step):
+        """Sets BUDGET_SECONDS so that compute_step (the backward alone) takes --compute-ms:
+        rank 0's median decides for every rank. Returns (compute ms, CPU ms, budget ms)."""
+        global BUDGET_SECONDS
+        BUDGET_SECONDS = args.compute_ms / 1e3
+        rounds = 8
+        for round_index in range(rounds):
+            compute_ms, compute_cpu_ms = timed(compute_step, args.iterations)
+            state = torch.tensor([compute_ms, max(0.0, BUDGET_SECONDS + (args.compute_ms - compute_ms) / 1e3)],
+                                 dtype=torch.float64)
+            dist.broadcast(state, 0)
+            met = abs(state[0].item() - args.compute_ms) <= 0.01 * args.compute_ms
+            if met or round_index + 1 == rounds or (BUDGET_SECONDS == 0 and state[1].item() == 0):
+                return state[0].item(), compute_cpu_ms, BUDGET_SECONDS * 1e3
+            BUDGET_SECONDS = state[1].item()
+
+    # Default DDP: gradients set to None each step, so AccumulateGrad hands DDP new tensors,
+    # which it copies into its buckets. Its compute alone is the same backward, same mode.
+    plain = Model(sizes)
 
     def compute_step():
         plain.zero_grad(set_to_none=True)
         plain(x).backward()
 
-    compute_ms, compute_cpu_ms = timed(compute_step, args.iterations)
-
-    model = Model(sizes, args.compute_ms / 1e3)
+    compute_ms, compute_cpu_ms, budget_ms = calibrate(compute_step)
+    model = Model(sizes)
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
 
     def ddp_step():
@@ -143,21 +165,29 @@ def worker(rank, world, port, args, queue):
 
     ddp_ms, ddp_cpu_ms = timed(ddp_step, args.iterations)
 
-    view_model = Model(sizes, args.compute_ms / 1e3)
+    # gradient_as_bucket_view: .grad are views of DDP's buckets (cohort's bucket views do the
+    # same) and AccumulateGrad adds into them in place; compute alone in that mode as well.
+    plain_views = Model(sizes)
+    compute_step_views = lambda: plain_views(x).backward()  # noqa: E731
+    plain_views(x).backward()  # .grad exist from here on: later backwards accumulate in place
+    view_compute_ms, _, view_budget_ms = calibrate(compute_step_views)
+    view_model = Model(sizes)
     ddp_view = torch.nn.parallel.DistributedDataParallel(view_model, bucket_cap_mb=25, gradient_as_bucket_view=True)
 
     def ddp_view_step():
         ddp_view(x).backward()
 
-    ddp_view_ms, _ = timed(ddp_view_step, args.iterations)
+    ddp_view_ms, ddp_view_cpu_ms = timed(ddp_view_step, args.iterations)
 
     whole = torch.ones(sum(sizes))
     raw_ms, _ = timed(lambda: dist.all_reduce(whole), args.iterations)
     if rank == 0:
         queue.put({"torch_version": torch.__version__, "ranks": world, "tensors": len(sizes),
-                   "parameters": sum(sizes), "compute_ms": compute_ms, "compute_cpu_ms": compute_cpu_ms, "ddp_step_ms": ddp_ms,
-                   "ddp_step_cpu_ms": ddp_cpu_ms,
-                   "ddp_bucket_view_step_ms": ddp_view_ms, "raw_all_reduce_ms": raw_ms})
+                   "parameters": sum(sizes), "compute_ms": compute_ms, "compute_cpu_ms": compute_cpu_ms,
+                   "compute_budget_ms": budget_ms, "ddp_step_ms": ddp_ms, "ddp_step_cpu_ms": ddp_cpu_ms,
+                   "bucket_view_compute_ms": view_compute_ms, "bucket_view_compute_budget_ms": view_budget_ms,
+                   "ddp_bucket_view_step_ms": ddp_view_ms, "ddp_bucket_view_step_cpu_ms": ddp_view_cpu_ms,
+                   "raw_all_reduce_ms": raw_ms})
     dist.destroy_process_group()
 
 
@@ -171,7 +201,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=8)
-    parser.add_argument("--compute-ms", type=float, default=52.0)
+    parser.add_argument("--compute-ms", type=float, default=120.0)
     parser.add_argument("--compute-mode", choices=["spin", "sleep"], default="spin")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
@@ -201,8 +231,9 @@ def main():
         p.join()
     print(f"PyTorch {result['torch_version']} DDP over Gloo, {args.ranks} ranks, {result['tensors']} tensors, "
           f"{result['parameters']} parameters")
-    for key in ["compute_ms", "compute_cpu_ms", "ddp_step_ms", "ddp_step_cpu_ms", "ddp_bucket_view_step_ms",
-                "raw_all_reduce_ms"]:
+    for key in ["compute_ms", "compute_budget_ms", "compute_cpu_ms", "ddp_step_ms", "ddp_step_cpu_ms",
+                "bucket_view_compute_ms", "bucket_view_compute_budget_ms", "ddp_bucket_view_step_ms",
+                "ddp_bucket_view_step_cpu_ms", "raw_all_reduce_ms"]:
         print(f"  {key:26s} {result[key]:8.1f}")
     if args.json:
         with open(args.json, "w") as f:
