@@ -499,17 +499,30 @@ TEST_CASE("bucket layouts that differ across ranks are an error naming the ranks
   });
 }
 
+namespace {
+// Four gradients of 8 floats, one per 64-byte bucket, unused ones counted as zero; bucket
+// views or user buffers.
+struct unused_as_zero {
+  tensors user = zeros({8, 8, 8, 8});
+  std::vector<std::span<float>> user_spans = spans(user);
+  std::unique_ptr<reducer> ddp;
+  unused_as_zero(group& pg, bool views) {
+    const cohort::reducer_options options{.first_bucket_bytes = 64, .bucket_bytes = 64,
+                                          .unused = cohort::unused_gradients::zero};
+    ddp = views ? std::make_unique<reducer>(pg, std::vector<std::size_t>{8, 8, 8, 8}, options)
+                : std::make_unique<reducer>(pg, user_spans, options);
+  }
+};
+}  // namespace
+
 TEST_CASE("unused gradients count as zero when asked, and every rank learns which no rank used", "[reducer]") {
   constexpr int world = 2;
   const bool views = GENERATE(true, false);
   auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(world, [&](int rank) {
     auto pg = make_group(store, rank, world);
-    const std::vector<std::size_t> sizes{8, 8, 8, 8};
-    auto user = zeros(sizes);
-    auto user_spans = spans(user);
-    cohort::reducer_options options{.first_bucket_bytes = 64, .bucket_bytes = 64, .unused = cohort::unused_gradients::zero};
-    auto ddp = views ? std::make_unique<reducer>(pg, sizes, options) : std::make_unique<reducer>(pg, user_spans, options);
+    unused_as_zero setup(pg, views);
+    auto& ddp = setup.ddp;
     auto g = ddp->gradients();
     for (auto& t : g) std::fill(t.begin(), t.end(), 99.0f);  // stale values an unused gradient must not leak
     ddp->finish();  // nothing used anywhere
@@ -534,11 +547,8 @@ TEST_CASE("unused gradients: a rank that marks every gradient and one that skips
   auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(world, [&](int rank) {
     auto pg = make_group(store, rank, world);
-    const std::vector<std::size_t> sizes{8, 8, 8, 8};
-    auto user = zeros(sizes);
-    auto user_spans = spans(user);
-    cohort::reducer_options options{.first_bucket_bytes = 64, .bucket_bytes = 64, .unused = cohort::unused_gradients::zero};
-    auto ddp = views ? std::make_unique<reducer>(pg, sizes, options) : std::make_unique<reducer>(pg, user_spans, options);
+    unused_as_zero setup(pg, views);
+    auto& ddp = setup.ddp;
     auto g = ddp->gradients();
     // Step 1: rank 0 marks all four, rank 1 skips gradient 1. Step 2: the other way round,
     // rank 0 skips gradient 2. Step 3: both mark everything.
