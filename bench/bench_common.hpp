@@ -82,8 +82,8 @@ inline const char* to_string(operation value) {
 }
 
 inline std::optional<operation> parse_operation(std::string_view name) {
-  for (operation value : {operation::all_reduce, operation::all_gather, operation::reduce_scatter,
-                          operation::broadcast, operation::alltoall})
+  for (operation value : {operation::all_reduce, operation::all_gather, operation::reduce_scatter, operation::broadcast,
+                          operation::alltoall})
     if (name == to_string(value)) return value;
   if (name == "all_to_all") return operation::alltoall;
   return std::nullopt;
@@ -129,12 +129,8 @@ inline layout layout_for(operation value, std::size_t requested_bytes, std::size
   switch (value) {
     case operation::all_reduce:
     case operation::broadcast: shape.count = shape.send_count = shape.recv_count = total; break;
-    case operation::all_gather:
-      shape.count = share, shape.send_count = share, shape.recv_count = share * n;
-      break;
-    case operation::reduce_scatter:
-      shape.count = share, shape.send_count = share * n, shape.recv_count = share;
-      break;
+    case operation::all_gather: shape.count = share, shape.send_count = share, shape.recv_count = share * n; break;
+    case operation::reduce_scatter: shape.count = share, shape.send_count = share * n, shape.recv_count = share; break;
     case operation::alltoall: shape.count = share, shape.send_count = shape.recv_count = share * n; break;
   }
   return shape;
@@ -238,8 +234,7 @@ bool same_value(T got, T expected, op reduce) {
   const double a = to_double(got), b = to_double(expected);
   if (a == b) return true;
   if (reduce != op::avg) return false;  // everything but averages is exact
-  const double tolerance =
-      std::is_integral_v<T> ? 0.0 : (sizeof(T) == 2 ? 1e-2 : sizeof(T) == 4 ? 1e-6 : 1e-12);
+  const double tolerance = std::is_integral_v<T> ? 0.0 : (sizeof(T) == 2 ? 1e-2 : sizeof(T) == 4 ? 1e-6 : 1e-12);
   return std::fabs(a - b) <= tolerance * std::max(1.0, std::fabs(b));
 }
 
@@ -482,8 +477,7 @@ struct engine<cohort::nccl> {
   // The communicator is non-blocking: a call may answer ncclInProgress until enqueued.
   static void settle(group& pg, ncclResult_t status, const char* what) {
     while (status == ncclInProgress) ncclCommGetAsyncError(pg.backend().communicator(), &status);
-    if (status != ncclSuccess)
-      throw cohort::error(pg.rank(), std::string("raw ") + what, ncclGetErrorString(status));
+    if (status != ncclSuccess) throw cohort::error(pg.rank(), std::string("raw ") + what, ncclGetErrorString(status));
   }
 
   template <class T>
@@ -494,12 +488,14 @@ struct engine<cohort::nccl> {
     const std::size_t n = shape.count;
     switch (what) {
       case operation::all_reduce:
-        return settle(pg, ncclAllReduce(in, out, n, type, cohort::detail::nccl_op(reduce), comm, stream), "ncclAllReduce");
+        return settle(pg, ncclAllReduce(in, out, n, type, cohort::detail::nccl_op(reduce), comm, stream),
+                      "ncclAllReduce");
       case operation::all_gather: return settle(pg, ncclAllGather(in, out, n, type, comm, stream), "ncclAllGather");
       case operation::reduce_scatter:
         return settle(pg, ncclReduceScatter(in, out, n, type, cohort::detail::nccl_op(reduce), comm, stream),
                       "ncclReduceScatter");
-      case operation::broadcast: return settle(pg, ncclBroadcast(out, out, n, type, root, comm, stream), "ncclBroadcast");
+      case operation::broadcast:
+        return settle(pg, ncclBroadcast(out, out, n, type, root, comm, stream), "ncclBroadcast");
       case operation::alltoall: {
         ncclResult_t status = ncclGroupStart();
         for (int peer = 0; peer < pg.size() && status == ncclSuccess; ++peer) {
@@ -527,12 +523,12 @@ typename B::work cohort_call(cohort::process_group<B>& pg, operation what, op re
     case operation::all_gather:
       return pg.all_gather(std::span<const T>(in_place ? recv + me * n : send, n), std::span<T>(recv, n * world));
     case operation::reduce_scatter:
-      if (in_place) return pg.reduce_scatter(std::span<const T>(send, n * world), std::span<T>(send + me * n, n), reduce);
+      if (in_place)
+        return pg.reduce_scatter(std::span<const T>(send, n * world), std::span<T>(send + me * n, n), reduce);
       return pg.reduce_scatter(std::span<const T>(send, n * world), std::span<T>(recv, n), reduce);
     case operation::broadcast:  // cohort's broadcast is in place; both columns time it
       return pg.broadcast(std::span<T>(recv, n), root);
-    case operation::alltoall:
-      return pg.all_to_all(std::span<const T>(send, n * world), std::span<T>(recv, n * world));
+    case operation::alltoall: return pg.all_to_all(std::span<const T>(send, n * world), std::span<T>(recv, n * world));
   }
   return {};
 }
@@ -584,7 +580,8 @@ std::vector<row> run(cohort::process_group<B>& pg, cohort::process_group<cohort:
           prepare(in_place != 0);
           call(in_place != 0).wait();
           const bool scatter_in_place = in_place && o.what == operation::reduce_scatter;
-          E::download(pg, result, scatter_in_place ? send : recv, scatter_in_place ? shape.send_count : shape.recv_count);
+          E::download(pg, result, scatter_in_place ? send : recv,
+                      scatter_in_place ? shape.send_count : shape.recv_count);
           wrong[in_place] = double(count_wrong(o.what, o.reduce, rank, world, o.root, shape, result, in_place != 0));
         }
       }
@@ -696,14 +693,17 @@ inline std::string wrong_text(std::optional<double> wrong) {
 
 inline std::string header(const options& o) {
   std::string text;
-  text += "#                                                              out-of-place                       "
-          "in-place          ";
+  text +=
+      "#                                                              out-of-place                       "
+      "in-place          ";
   if (o.compare_raw) text += "    raw engine, out-of-place";
-  text += "\n#       size         count      type   redop    root     time   algbw   busbw #wrong     time   "
-          "algbw   busbw #wrong";
+  text +=
+      "\n#       size         count      type   redop    root     time   algbw   busbw #wrong     time   "
+      "algbw   busbw #wrong";
   if (o.compare_raw) text += "     time   busbw  cohort/raw";
-  text += "\n#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  "
-          "(GB/s)  (GB/s)       ";
+  text +=
+      "\n#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  "
+      "(GB/s)  (GB/s)       ";
   if (o.compare_raw) text += "     (us)  (GB/s)   (busbw)";
   return text + "\n";
 }
@@ -715,8 +715,8 @@ inline std::string format_row(const options& o, const row& r) {
   const int root = has_root(o.what) ? o.root : -1;
   std::snprintf(text, sizeof text, "%12zu  %12zu  %8s  %6s  %6d", r.bytes, r.count, type.c_str(), redop.c_str(), root);
   std::string line = text;
-  line += "  " + fit(r.time_us, 7) + "  " + fit(r.algbw_GBps, 6) + "  " + fit(r.busbw_GBps, 6) + "  " +
-          wrong_text(r.wrong);
+  line +=
+      "  " + fit(r.time_us, 7) + "  " + fit(r.algbw_GBps, 6) + "  " + fit(r.busbw_GBps, 6) + "  " + wrong_text(r.wrong);
   if (r.inplace_time_us)
     line += "  " + fit(*r.inplace_time_us, 7) + "  " + fit(*r.inplace_algbw_GBps, 6) + "  " +
             fit(*r.inplace_busbw_GBps, 6) + "  " + wrong_text(r.inplace_wrong);
@@ -732,7 +732,7 @@ inline std::string format_row(const options& o, const row& r) {
 
 struct summary {
   double wrong = 0;
-  double average_busbw_GBps = 0;  // over every out-of-place and in-place row, as nccl-tests
+  double average_busbw_GBps = 0;                              // over every out-of-place and in-place row, as nccl-tests
   std::optional<double> min_ratio, mean_ratio;                // lower quartiles (the column)
   std::optional<double> min_median_ratio, mean_median_ratio;  // medians
 };

@@ -125,8 +125,7 @@ void simulate_compute(std::chrono::nanoseconds duration, bool sleep) {
     return;
   }
   const auto until = clock_type::now() + duration;
-  while (clock_type::now() < until) {
-  }
+  while (clock_type::now() < until) {}
 }
 
 struct settings {
@@ -146,7 +145,7 @@ struct row {
   std::size_t buckets = 0;
   double step_ms = 0;
   double compute_ms = 0;
-  double cpu_ms = 0;  // process CPU per step, all ranks
+  double cpu_ms = 0;     // process CPU per step, all ranks
   double budget_ms = 0;  // compute alone: the calibrated busy time within compute_ms
 };
 
@@ -244,20 +243,26 @@ class bench {
         per_tensor.emplace_back(everything.data() + offset, count);
         offset += count;
       }
-      record("per-tensor all-reduce (161 calls)", 0, n, timed(pg, [&] {
-               cohort::gloo::work last;
-               for (std::size_t t = n; t-- > 0;) last = pg.all_reduce(per_tensor[t], cohort::op::avg);
-               last.wait();
-             }), 0);
+      record("per-tensor all-reduce (161 calls)", 0, n,
+             timed(pg,
+                   [&] {
+                     cohort::gloo::work last;
+                     for (std::size_t t = n; t-- > 0;) last = pg.all_reduce(per_tensor[t], cohort::op::avg);
+                     last.wait();
+                   }),
+             0);
     }
     const double caps[] = {1, 5, 10, 25, 50, 100};
     for (double cap : caps) {
       const auto bytes = static_cast<std::size_t>(cap * (1 << 20));
       cohort::gradient_reducer<cohort::gloo> ddp(pg, sizes_, {.first_bucket_bytes = bytes, .bucket_bytes = bytes});
-      record("bucketed all-reduce, no compute", cap, ddp.bucket_count(), timed(pg, [&] {
-               for (std::size_t t = n; t-- > 0;) ddp.mark_ready(t);
-               ddp.finish();
-             }), 0);
+      record("bucketed all-reduce, no compute", cap, ddp.bucket_count(),
+             timed(pg,
+                   [&] {
+                     for (std::size_t t = n; t-- > 0;) ddp.mark_ready(t);
+                     ddp.finish();
+                   }),
+             0);
     }
     // Simulated backward.
     {
@@ -273,21 +278,28 @@ class bench {
       record("backward compute alone", 0, 0, compute_alone, compute);
       if (rows) rows->back().budget_ms = budget_ms_;
       cohort::gradient_reducer<cohort::gloo> ddp(pg, sizes_);
-      record("backward, then all-reduce (no overlap)", 25, ddp.bucket_count(), timed(pg, [&] {
-               for (std::size_t t = n; t-- > 0;) layer_backward(t, ddp.gradient(t));
-               for (std::size_t t = n; t-- > 0;) ddp.mark_ready(t);
-               ddp.finish();
-             }), compute);
+      record("backward, then all-reduce (no overlap)", 25, ddp.bucket_count(),
+             timed(pg,
+                   [&] {
+                     for (std::size_t t = n; t-- > 0;) layer_backward(t, ddp.gradient(t));
+                     for (std::size_t t = n; t-- > 0;) ddp.mark_ready(t);
+                     ddp.finish();
+                   }),
+             compute);
       for (double cap : caps) {
         const auto bytes = static_cast<std::size_t>(cap * (1 << 20));
-        cohort::gradient_reducer<cohort::gloo> overlapped(pg, sizes_, {.first_bucket_bytes = std::min<std::size_t>(bytes, 1 << 20), .bucket_bytes = bytes});
-        record("backward overlapped with bucketed all-reduce", cap, overlapped.bucket_count(), timed(pg, [&] {
-                 for (std::size_t t = n; t-- > 0;) {
-                   layer_backward(t, overlapped.gradient(t));
-                   overlapped.mark_ready(t);
-                 }
-                 overlapped.finish();
-               }), compute);
+        cohort::gradient_reducer<cohort::gloo> overlapped(
+            pg, sizes_, {.first_bucket_bytes = std::min<std::size_t>(bytes, 1 << 20), .bucket_bytes = bytes});
+        record("backward overlapped with bucketed all-reduce", cap, overlapped.bucket_count(),
+               timed(pg,
+                     [&] {
+                       for (std::size_t t = n; t-- > 0;) {
+                         layer_backward(t, overlapped.gradient(t));
+                         overlapped.mark_ready(t);
+                       }
+                       overlapped.finish();
+                     }),
+               compute);
       }
     }
   }
@@ -325,8 +337,9 @@ json run_torch_peer(const settings& s) {
 json run_mode(const settings& s) {
   const char* mode = s.sleep_compute ? "sleep" : "spin";
   bench b(s);
-  std::printf("\n== simulated backward: %s (%s) ==\n", mode,
-              s.sleep_compute ? "the host thread idles, as under a GPU's kernels" : "busy-waits on the core, as a CPU trainer");
+  std::printf(
+      "\n== simulated backward: %s (%s) ==\n", mode,
+      s.sleep_compute ? "the host thread idles, as under a GPU's kernels" : "busy-waits on the core, as a CPU trainer");
   const auto rows = b.run();
   std::printf("\n%-46s %8s %8s %10s %10s %12s %10s\n", "measurement", "cap MiB", "buckets", "step ms", "compute",
               "exposed comm", "CPU ms");
@@ -370,17 +383,18 @@ json run_mode(const settings& s) {
     std::printf(", CPU of both (%.1f + %.1f ms) / %d cores = %.1f ms", compute_alone->cpu_ms, comm_alone->cpu_ms, cores,
                 cpu_bound);
   }
-  std::printf("\n  -> no overlap finishes a step in less than %.1f ms; the overlapped step is %.1f ms = %.2f x that\n", floor,
-              overlapped->step_ms, overlapped->step_ms / floor);
+  std::printf("\n  -> no overlap finishes a step in less than %.1f ms; the overlapped step is %.1f ms = %.2f x that\n",
+              floor, overlapped->step_ms, overlapped->step_ms / floor);
   document.set("cores", cores);
   document.set("floor_ms", floor);
   document.set("overlapped_step_ms", overlapped->step_ms);
   const row* raw_sum = nullptr;
   for (const auto& r : rows)
     if (r.what.find("(sum)") != std::string::npos) raw_sum = &r;
-  std::printf("calibrated compute: %.1f ms busy + %.1f ms writing gradients and looping = %.1f ms alone (target %.1f)\n",
-              compute_alone->budget_ms, compute_alone->step_ms - compute_alone->budget_ms, compute_alone->step_ms,
-              s.compute_ms);
+  std::printf(
+      "calibrated compute: %.1f ms busy + %.1f ms writing gradients and looping = %.1f ms alone (target %.1f)\n",
+      compute_alone->budget_ms, compute_alone->step_ms - compute_alone->budget_ms, compute_alone->step_ms,
+      s.compute_ms);
   const json torch = run_torch_peer(s);
   if (!torch.is_null()) {
     // cohort's bucket views against DDP's gradient_as_bucket_view (the same memory layout:
@@ -408,8 +422,8 @@ json run_mode(const settings& s) {
     if (raw_sum)
       std::printf("  %-50s %9.1f %14.1f\n", "one all-reduce of every gradient (sum, in place)", raw_sum->step_ms,
                   torch.at("raw_all_reduce_ms").as_number());
-    std::printf("  cohort / DDP with bucket views: step %.2f, exposed communication %.2f\n", overlapped->step_ms / views_step,
-                exposed / views_exposed);
+    std::printf("  cohort / DDP with bucket views: step %.2f, exposed communication %.2f\n",
+                overlapped->step_ms / views_step, exposed / views_exposed);
     document.set("torch", torch);
     document.set("ratio_to_torch_ddp", overlapped->step_ms / views_step);
     document.set("exposed_comm_ms", exposed);
@@ -425,30 +439,40 @@ int main(int argc, char** argv) try {
   settings s;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    auto value = [&] { return i + 1 < argc ? std::string(argv[++i]) : throw std::runtime_error(arg + " needs a value"); };
-    if (arg == "--ranks") s.ranks = std::stoi(value());
-    else if (arg == "--iterations") s.iterations = std::stoi(value());
-    else if (arg == "--compute-ms") s.compute_ms = std::stod(value());
+    auto value = [&] {
+      return i + 1 < argc ? std::string(argv[++i]) : throw std::runtime_error(arg + " needs a value");
+    };
+    if (arg == "--ranks")
+      s.ranks = std::stoi(value());
+    else if (arg == "--iterations")
+      s.iterations = std::stoi(value());
+    else if (arg == "--compute-ms")
+      s.compute_ms = std::stod(value());
     else if (arg == "--compute-mode") {
       const std::string mode = value();
       if (mode != "spin" && mode != "sleep" && mode != "both")
         throw std::runtime_error("--compute-mode is spin, sleep or both");
       s.both_modes = mode == "both";
       s.sleep_compute = mode == "sleep";
-    } else if (arg == "--json") s.json_path = value();
-    else if (arg == "--torch-peer") s.torch_peer = value();
-    else if (arg == "--python") s.python = value();
+    } else if (arg == "--json")
+      s.json_path = value();
+    else if (arg == "--torch-peer")
+      s.torch_peer = value();
+    else if (arg == "--python")
+      s.python = value();
     else {
-      std::printf("usage: bench_reducer [--ranks N] [--iterations I] [--compute-ms MS] [--compute-mode spin|sleep|both] "
-                  "[--json FILE] [--torch-peer bench/peers/torch_ddp.py] [--python python3]\n");
+      std::printf(
+          "usage: bench_reducer [--ranks N] [--iterations I] [--compute-ms MS] [--compute-mode spin|sleep|both] "
+          "[--json FILE] [--torch-peer bench/peers/torch_ddp.py] [--python python3]\n");
       return arg == "--help" ? 0 : 2;
     }
   }
   const bench shape(s);
-  std::printf("ResNet-50 gradient set: %zu tensors, %zu parameters (%.1f MB), %d Gloo ranks (threads), median of %d, "
-              "%d usable cores\n",
-              shape.tensors(), shape.parameters(), static_cast<double>(shape.parameters()) * 4 / 1e6, s.ranks,
-              s.iterations, usable_cores());
+  std::printf(
+      "ResNet-50 gradient set: %zu tensors, %zu parameters (%.1f MB), %d Gloo ranks (threads), median of %d, "
+      "%d usable cores\n",
+      shape.tensors(), shape.parameters(), static_cast<double>(shape.parameters()) * 4 / 1e6, s.ranks, s.iterations,
+      usable_cores());
   json modes = json::make_array();
   struct ratio_pair {
     std::string mode;
@@ -461,7 +485,8 @@ int main(int argc, char** argv) try {
     one.sleep_compute = sleep;
     json result = run_mode(one);
     if (const json* ratio = result.find("ratio_to_torch_ddp"))
-      ratios.push_back({sleep ? "sleep" : "spin", ratio->as_number(), result.at("exposed_ratio_to_torch_ddp").as_number()});
+      ratios.push_back(
+          {sleep ? "sleep" : "spin", ratio->as_number(), result.at("exposed_ratio_to_torch_ddp").as_number()});
     modes.push_back(std::move(result));
   }
   if (!ratios.empty()) {

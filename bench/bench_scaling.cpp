@@ -33,8 +33,8 @@ struct config {
 // Seconds for `steps` synchronised steps on one rank of `pg` (after one warm-up step).
 double train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
   const cohort_examples::mlp model(cfg.widths);
-  const auto data = cohort_examples::synthetic_data::make(cfg.per_device_batch, model.input_width(), model.output_width(),
-                                                          100 + static_cast<std::uint64_t>(pg.rank()));
+  const auto data = cohort_examples::synthetic_data::make(
+      cfg.per_device_batch, model.input_width(), model.output_width(), 100 + static_cast<std::uint64_t>(pg.rank()));
   std::vector<std::vector<float>> storage;
   for (auto n : model.parameter_sizes()) storage.emplace_back(n, 0.0f);
   std::vector<std::span<float>> params(storage.begin(), storage.end());
@@ -86,14 +86,20 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (arg == "--ranks") cfg.ranks = std::stoi(value());
-    else if (arg == "--steps") cfg.steps = std::stoi(value());
-    else if (arg == "--per-device-batch") cfg.per_device_batch = std::stoul(value());
-    else if (arg == "--widths") cfg.widths = parse_widths(value());
-    else if (arg == "--json") cfg.json_path = value();
+    if (arg == "--ranks")
+      cfg.ranks = std::stoi(value());
+    else if (arg == "--steps")
+      cfg.steps = std::stoi(value());
+    else if (arg == "--per-device-batch")
+      cfg.per_device_batch = std::stoul(value());
+    else if (arg == "--widths")
+      cfg.widths = parse_widths(value());
+    else if (arg == "--json")
+      cfg.json_path = value();
     else {
-      std::fprintf(stderr,
-                   "usage: bench_scaling [--ranks N] [--steps K] [--per-device-batch B] [--widths a,b,...] [--json FILE]\n");
+      std::fprintf(
+          stderr,
+          "usage: bench_scaling [--ranks N] [--steps K] [--per-device-batch B] [--widths a,b,...] [--json FILE]\n");
       return 2;
     }
   }
@@ -106,21 +112,25 @@ int main(int argc, char** argv) {
   std::size_t parameters = 0;
   for (auto n : cohort_examples::mlp(cfg.widths).parameter_sizes()) parameters += n;
 
-  std::printf("# scaling check: MLP of %zu parameters, %zu samples per rank per step, %d steps, Gloo ranks as threads\n",
-              parameters, cfg.per_device_batch, cfg.steps);
+  std::printf(
+      "# scaling check: MLP of %zu parameters, %zu samples per rank per step, %d steps, Gloo ranks as threads\n",
+      parameters, cfg.per_device_batch, cfg.steps);
   std::printf("# %6s %12s %14s %10s %11s\n", "ranks", "step (ms)", "samples/s", "ratio", "efficiency");
   std::printf("  %6d %12.2f %14.1f %10.2f %10.0f%%\n", 1, 1e3 * one / cfg.steps, samples_one, 1.0, 100.0);
   std::printf("  %6d %12.2f %14.1f %10.2f %10.0f%%\n", cfg.ranks, 1e3 * many / cfg.steps, samples_many, ratio,
               100 * efficiency);
   if (efficiency < 0.75)
-    std::printf("# %d ranks give %.2fx the throughput of one (%.0f%% efficiency, under 75%%): the communication is "
-                "eating it -- larger per-device batches, fewer synchronisations (no_sync accumulation), or a faster "
-                "link; run cohort-plan for the numbers\n",
-                cfg.ranks, ratio, 100 * efficiency);
+    std::printf(
+        "# %d ranks give %.2fx the throughput of one (%.0f%% efficiency, under 75%%): the communication is "
+        "eating it -- larger per-device batches, fewer synchronisations (no_sync accumulation), or a faster "
+        "link; run cohort-plan for the numbers\n",
+        cfg.ranks, ratio, 100 * efficiency);
   else
-    std::printf("# %d ranks give %.2fx the throughput of one (%.0f%% efficiency)\n", cfg.ranks, ratio, 100 * efficiency);
-  std::printf("# (each rank is a thread: on a machine with fewer cores than ranks x 2 the ranks share cores, and the "
-              "ratio shows that too)\n");
+    std::printf("# %d ranks give %.2fx the throughput of one (%.0f%% efficiency)\n", cfg.ranks, ratio,
+                100 * efficiency);
+  std::printf(
+      "# (each rank is a thread: on a machine with fewer cores than ranks x 2 the ranks share cores, and the "
+      "ratio shows that too)\n");
 
   if (!cfg.json_path.empty()) {
     using cohort::detail::json;

@@ -47,7 +47,7 @@ struct result {
   double step_ms = 0;
   double counted_bytes = 0;  // per rank per step
   double formula_bytes = 0;
-  double peak_bytes = 0;     // per rank
+  double peak_bytes = 0;  // per rank
   double allocations = 0;
 };
 
@@ -138,8 +138,7 @@ result run_data_parallel(const config& cfg) {
     const auto start = clock_type::now();
     for (int s = 0; s < cfg.steps; ++s) step();
     pg.barrier().wait();
-    if (rank == 0)
-      out.step_ms = std::chrono::duration<double>(clock_type::now() - start).count() * 1e3 / cfg.steps;
+    if (rank == 0) out.step_ms = std::chrono::duration<double>(clock_type::now() - start).count() * 1e3 / cfg.steps;
   });
   return out;
 }
@@ -152,12 +151,18 @@ config parse(int argc, char** argv) {
       if (i + 1 >= argc) throw std::runtime_error(arg + " needs a value");
       return argv[++i];
     };
-    if (arg == "--ranks") cfg.ranks = std::stoi(value());
-    else if (arg == "--units") cfg.units = std::stoul(value());
-    else if (arg == "--unit-mib") cfg.unit_mib = std::stod(value());
-    else if (arg == "--steps") cfg.steps = std::stoi(value());
-    else if (arg == "--compute-us") cfg.compute_us = std::stoi(value());
-    else if (arg == "--json") cfg.json_path = value();
+    if (arg == "--ranks")
+      cfg.ranks = std::stoi(value());
+    else if (arg == "--units")
+      cfg.units = std::stoul(value());
+    else if (arg == "--unit-mib")
+      cfg.unit_mib = std::stod(value());
+    else if (arg == "--steps")
+      cfg.steps = std::stoi(value());
+    else if (arg == "--compute-us")
+      cfg.compute_us = std::stoi(value());
+    else if (arg == "--json")
+      cfg.json_path = value();
     else
       throw std::runtime_error("unknown argument " + arg +
                                " (usage: bench_sharded [--ranks N] [--units U] [--unit-mib M] [--steps S] "
@@ -177,13 +182,14 @@ int main(int argc, char** argv) {
     for (int prefetch : {0, 1, 2}) results.push_back(run_sharded(cfg, prefetch));
     results.push_back(run_data_parallel(cfg));
     const double mib = 1 << 20;
-    const double total = static_cast<double>(static_cast<std::size_t>(cfg.unit_mib * mib) / sizeof(float) *
-                                             sizeof(float) * cfg.units);
-    std::printf("bench_sharded: %d Gloo ranks (threads, loopback), %zu units x %.2f MiB = %.1f MiB of fp32 parameters, "
-                "%d steps, %d us compute per unit and pass\n",
-                cfg.ranks, cfg.units, cfg.unit_mib, total / mib, cfg.steps, cfg.compute_us);
-    std::printf("%-14s %8s %10s %16s %16s %14s %12s\n", "mode", "prefetch", "step ms", "moved MiB/rank",
-                "formula MiB", "peak MiB/rank", "allocations");
+    const double total =
+        static_cast<double>(static_cast<std::size_t>(cfg.unit_mib * mib) / sizeof(float) * sizeof(float) * cfg.units);
+    std::printf(
+        "bench_sharded: %d Gloo ranks (threads, loopback), %zu units x %.2f MiB = %.1f MiB of fp32 parameters, "
+        "%d steps, %d us compute per unit and pass\n",
+        cfg.ranks, cfg.units, cfg.unit_mib, total / mib, cfg.steps, cfg.compute_us);
+    std::printf("%-14s %8s %10s %16s %16s %14s %12s\n", "mode", "prefetch", "step ms", "moved MiB/rank", "formula MiB",
+                "peak MiB/rank", "allocations");
     for (const auto& r : results)
       std::printf("%-14s %8s %10.1f %16.2f %16.2f %14.2f %12s\n", r.mode.c_str(),
                   r.mode == "sharded" ? std::to_string(r.prefetch).c_str() : "-", r.step_ms, r.counted_bytes / mib,

@@ -80,11 +80,16 @@ std::size_t parse_size(const std::string& option, const std::string& text) {
   double scale = 1;
   std::string suffix(end);
   if (!suffix.empty() && (suffix.back() == 'B' || suffix.back() == 'b') && suffix.size() > 1) suffix.pop_back();
-  if (suffix == "K" || suffix == "k") scale = 1024.0;
-  else if (suffix == "M" || suffix == "m") scale = 1024.0 * 1024;
-  else if (suffix == "G" || suffix == "g") scale = 1024.0 * 1024 * 1024;
-  else if (suffix == "T" || suffix == "t") scale = 1024.0 * 1024 * 1024 * 1024;
-  else if (!suffix.empty() && suffix != "B" && suffix != "b") fail(option + ": unknown suffix in \"" + text + "\"");
+  if (suffix == "K" || suffix == "k")
+    scale = 1024.0;
+  else if (suffix == "M" || suffix == "m")
+    scale = 1024.0 * 1024;
+  else if (suffix == "G" || suffix == "g")
+    scale = 1024.0 * 1024 * 1024;
+  else if (suffix == "T" || suffix == "t")
+    scale = 1024.0 * 1024 * 1024 * 1024;
+  else if (!suffix.empty() && suffix != "B" && suffix != "b")
+    fail(option + ": unknown suffix in \"" + text + "\"");
   return static_cast<std::size_t>(value * scale);
 }
 
@@ -253,7 +258,8 @@ cohort::detail::json describe_environment(const command_line& cl, const cohort::
 
 // One rank's whole run on backend B. Returns the process exit code (rank 0's matters).
 template <class B>
-int run_rank(const command_line& cl, std::shared_ptr<cohort::store> store, const cohort::launch_env& env, bool threads) {
+int run_rank(const command_line& cl, std::shared_ptr<cohort::store> store, const cohort::launch_env& env,
+             bool threads) {
   cohort::gloo::options control_options;
   control_options.timeout = cl.timeout;
   // The control group first, so every rank creates its groups in the same order.
@@ -289,11 +295,12 @@ int run_rank(const command_line& cl, std::shared_ptr<cohort::store> store, const
       hosts.push_back(shared.get_string("bench/host/" + std::to_string(r)));
       gpus.push_back(shared.get_string("bench/gpu/" + std::to_string(r)));
     }
-    std::printf("# cohort-bench %s: backend %s, %d rank(s) as %s, %s; minBytes %zu maxBytes %zu step: %zu(factor) "
-                "warmup iters: %d iters: %d repetitions: %d validation: %d\n",
-                cohort_bench::to_string(o.what), o.backend.c_str(), env.world_size, threads ? "threads" : "processes",
-                std::string(cohort::to_string(env.source)).c_str(), o.min_bytes, o.max_bytes, o.factor, o.warmup,
-                o.iterations, o.repetitions, o.check ? 1 : 0);
+    std::printf(
+        "# cohort-bench %s: backend %s, %d rank(s) as %s, %s; minBytes %zu maxBytes %zu step: %zu(factor) "
+        "warmup iters: %d iters: %d repetitions: %d validation: %d\n",
+        cohort_bench::to_string(o.what), o.backend.c_str(), env.world_size, threads ? "threads" : "processes",
+        std::string(cohort::to_string(env.source)).c_str(), o.min_bytes, o.max_bytes, o.factor, o.warmup, o.iterations,
+        o.repetitions, o.check ? 1 : 0);
     std::printf("#\n# Using devices\n");
     for (int r = 0; r < env.world_size; ++r)
       std::printf("#  Rank %2d on %s device %s\n", r, hosts[std::size_t(r)].c_str(), gpus[std::size_t(r)].c_str());
@@ -379,9 +386,10 @@ int main(int argc, char** argv) {
            1);
     return run_all<cohort::nccl>(cl, gpus);
 #else
-    fail("--backend nccl: this cohort-bench was built without CUDA and NCCL (configure cohort where nvcc and NCCL "
-         "are found); use --backend gloo",
-         1);
+    fail(
+        "--backend nccl: this cohort-bench was built without CUDA and NCCL (configure cohort where nvcc and NCCL "
+        "are found); use --backend gloo",
+        1);
 #endif
   } catch (const std::exception& failure) {
     std::cerr << "cohort-bench: " << failure.what() << "\n";

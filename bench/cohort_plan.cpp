@@ -82,11 +82,16 @@ double parse_number(const std::string& option, std::string_view text, std::strin
 double parse_count(const std::string& option, std::string_view text) {
   std::string_view suffix;
   double value = parse_number(option, text, &suffix);
-  if (suffix == "K" || suffix == "k") value *= 1e3;
-  else if (suffix == "M") value *= 1e6;
-  else if (suffix == "B" || suffix == "G") value *= 1e9;
-  else if (suffix == "T") value *= 1e12;
-  else if (!suffix.empty()) fail(option + ": unknown suffix \"" + std::string(suffix) + "\" (K, M, B, T)");
+  if (suffix == "K" || suffix == "k")
+    value *= 1e3;
+  else if (suffix == "M")
+    value *= 1e6;
+  else if (suffix == "B" || suffix == "G")
+    value *= 1e9;
+  else if (suffix == "T")
+    value *= 1e12;
+  else if (!suffix.empty())
+    fail(option + ": unknown suffix \"" + std::string(suffix) + "\" (K, M, B, T)");
   if (value <= 0) fail(option + ": must be positive");
   return value;
 }
@@ -99,10 +104,20 @@ double parse_size(const std::string& option, std::string_view text) {
     std::string_view name;
     double scale;
   };
-  static constexpr unit units[] = {{"", 1},          {"B", 1},       {"K", 1024.0},   {"KiB", 1024.0},
-                                   {"KB", 1e3},      {"M", 1 << 20}, {"MiB", 1 << 20}, {"MB", 1e6},
-                                   {"G", 1 << 30},   {"GiB", 1 << 30}, {"GB", 1e9},
-                                   {"T", 1099511627776.0}, {"TiB", 1099511627776.0}, {"TB", 1e12}};
+  static constexpr unit units[] = {{"", 1},
+                                   {"B", 1},
+                                   {"K", 1024.0},
+                                   {"KiB", 1024.0},
+                                   {"KB", 1e3},
+                                   {"M", 1 << 20},
+                                   {"MiB", 1 << 20},
+                                   {"MB", 1e6},
+                                   {"G", 1 << 30},
+                                   {"GiB", 1 << 30},
+                                   {"GB", 1e9},
+                                   {"T", 1099511627776.0},
+                                   {"TiB", 1099511627776.0},
+                                   {"TB", 1e12}};
   for (const auto& u : units)
     if (suffix == u.name) {
       if (value <= 0) fail(option + ": must be positive");
@@ -114,8 +129,8 @@ double parse_size(const std::string& option, std::string_view text) {
 int parse_int(const std::string& option, std::string_view text, int minimum) {
   const double value = parse_number(option, text);
   if (value != std::floor(value) || value < minimum || value > 1e9)
-    fail(option + ": expected a whole number of at least " + std::to_string(minimum) + ", got \"" +
-         std::string(text) + "\"");
+    fail(option + ": expected a whole number of at least " + std::to_string(minimum) + ", got \"" + std::string(text) +
+         "\"");
   return static_cast<int>(value);
 }
 
@@ -150,9 +165,9 @@ void print_report(const cohort::plan_input& in, const cohort::plan_result& r) {
   std::cout << "cohort-plan\n\n";
   std::cout << "model     " << fixed(r.parameters / 1e9, 3) << " B parameters in " << r.units << " units ("
             << format_bytes(r.parameter_bytes) << " at " << in.dtype_bytes << " bytes each)\n";
-  std::cout << "machine   " << r.world << " GPU(s): " << in.gpus_per_node << " per node x " << in.nodes
-            << " node(s); " << in.intra_node.name << (in.nodes > 1 ? " inside, " + in.inter_node.name + " between" : "")
-            << "; " << format_bytes(in.gpu_memory_bytes) << " each\n";
+  std::cout << "machine   " << r.world << " GPU(s): " << in.gpus_per_node << " per node x " << in.nodes << " node(s); "
+            << in.intra_node.name << (in.nodes > 1 ? " inside, " + in.inter_node.name + " between" : "") << "; "
+            << format_bytes(in.gpu_memory_bytes) << " each\n";
   std::cout << "batch     effective " << r.effective_batch << " = " << in.per_device_batch << " per device x "
             << in.accumulation << " accumulation x " << r.world << " GPUs\n";
   std::cout << "compute   " << format_seconds(in.compute_seconds) << " per micro-batch, "

@@ -46,8 +46,9 @@ std::shared_ptr<cohort::store> shared_store(int world) {
 cohort::process_group<cohort::gloo> make_group(const benchmark::State& state) {
   cohort::gloo::options options;
   options.timeout = std::chrono::seconds(30);
-  return cohort::process_group<cohort::gloo>(
-      shared_store(state.threads()), cohort::launch_env::explicit_ranks(state.thread_index(), state.threads()), options);
+  return cohort::process_group<cohort::gloo>(shared_store(state.threads()),
+                                             cohort::launch_env::explicit_ranks(state.thread_index(), state.threads()),
+                                             options);
 }
 
 void gloo_cohort_all_reduce(benchmark::State& state) {

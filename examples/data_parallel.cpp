@@ -40,9 +40,7 @@ tensors zeros(const std::vector<std::size_t>& sizes) {
   for (auto n : sizes) result.emplace_back(n, 0.0f);
   return result;
 }
-std::vector<std::span<float>> spans(tensors& values) {
-  return {values.begin(), values.end()};
-}
+std::vector<std::span<float>> spans(tensors& values) { return {values.begin(), values.end()}; }
 
 // The batch of step s is samples [s * batch, (s + 1) * batch) of the data set.
 cohort_examples::synthetic_data make_data(const config& cfg, const cohort_examples::mlp& model) {
@@ -65,10 +63,11 @@ float train_single(const config& cfg) {
   model.initialize(spans(params), 7);
   for (int step = 0; step < cfg.steps; ++step) {
     const std::size_t first = static_cast<std::size_t>(step) * cfg.batch;
-    model.loss_and_gradients(spans(params), spans(grads),
-                             std::span<const float>(data.inputs).subspan(first * model.input_width(), cfg.batch * model.input_width()),
-                             std::span<const float>(data.targets).subspan(first * model.output_width(), cfg.batch * model.output_width()),
-                             cfg.batch);
+    model.loss_and_gradients(
+        spans(params), spans(grads),
+        std::span<const float>(data.inputs).subspan(first * model.input_width(), cfg.batch * model.input_width()),
+        std::span<const float>(data.targets).subspan(first * model.output_width(), cfg.batch * model.output_width()),
+        cfg.batch);
     for (std::size_t t = 0; t < params.size(); ++t)
       for (std::size_t i = 0; i < params[t].size(); ++i) params[t][i] -= cfg.lr * grads[t][i];
   }
@@ -94,14 +93,16 @@ float train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
                  ? std::make_unique<cohort::gradient_reducer<cohort::gloo>>(pg, spans(user_grads), options)
                  : std::make_unique<cohort::gradient_reducer<cohort::gloo>>(pg, model.parameter_sizes(), options);
   if (cohort::is_main_process(pg))
-    log(model.parameter_sizes().size(), " tensors in ", ddp->bucket_count(), " buckets, ", pg.size(), " rank(s), shard ",
-        shard, " of a batch of ", cfg.batch, cfg.user_buffers ? ", user buffers" : ", bucket views");
+    log(model.parameter_sizes().size(), " tensors in ", ddp->bucket_count(), " buckets, ", pg.size(),
+        " rank(s), shard ", shard, " of a batch of ", cfg.batch,
+        cfg.user_buffers ? ", user buffers" : ", bucket views");
 
   for (int step = 0; step < cfg.steps; ++step) {
     const std::size_t first = static_cast<std::size_t>(step) * cfg.batch + static_cast<std::size_t>(pg.rank()) * shard;
     auto grads = ddp->gradients();
     float loss = model.loss_and_gradients(
-        spans(params), grads, std::span<const float>(data.inputs).subspan(first * model.input_width(), shard * model.input_width()),
+        spans(params), grads,
+        std::span<const float>(data.inputs).subspan(first * model.input_width(), shard * model.input_width()),
         std::span<const float>(data.targets).subspan(first * model.output_width(), shard * model.output_width()), shard,
         [&](std::size_t t) { ddp->mark_ready(t); });  // starts each bucket's all-reduce as it fills
     ddp->finish();
@@ -118,8 +119,8 @@ int report(float distributed, const config& cfg) {
   const float single = train_single(cfg);
   const float difference = std::abs(distributed - single);
   const bool match = difference <= 1e-5f;
-  std::printf("final loss: data-parallel %.7f, single rank %.7f, |difference| %.2e: %s\n", distributed, single, difference,
-              match ? "match" : "MISMATCH");
+  std::printf("final loss: data-parallel %.7f, single rank %.7f, |difference| %.2e: %s\n", distributed, single,
+              difference, match ? "match" : "MISMATCH");
   return match ? 0 : 1;
 }
 
@@ -131,14 +132,20 @@ config parse(int argc, char** argv) {
       if (i + 1 >= argc) throw std::runtime_error(arg + " needs a value");
       return argv[++i];
     };
-    if (arg == "--ranks") cfg.ranks = std::stoi(value());
-    else if (arg == "--steps") cfg.steps = std::stoi(value());
-    else if (arg == "--batch") cfg.batch = std::stoul(value());
-    else if (arg == "--lr") cfg.lr = std::stof(value());
-    else if (arg == "--user-buffers") cfg.user_buffers = true;
+    if (arg == "--ranks")
+      cfg.ranks = std::stoi(value());
+    else if (arg == "--steps")
+      cfg.steps = std::stoi(value());
+    else if (arg == "--batch")
+      cfg.batch = std::stoul(value());
+    else if (arg == "--lr")
+      cfg.lr = std::stof(value());
+    else if (arg == "--user-buffers")
+      cfg.user_buffers = true;
     else {
-      std::printf("usage: data_parallel [--ranks N] [--steps S] [--batch B] [--lr LR] [--user-buffers]\n"
-                  "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
+      std::printf(
+          "usage: data_parallel [--ranks N] [--steps S] [--batch B] [--lr LR] [--user-buffers]\n"
+          "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
       std::exit(arg == "--help" || arg == "-h" ? 0 : 2);
     }
   }

@@ -31,7 +31,8 @@ void check(cudaError_t status, const char* what) {
   if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
 }
 
-__global__ void forward_layer(const float* w, const float* b, const float* x, float* y, int batch, int in, int out, bool hidden) {
+__global__ void forward_layer(const float* w, const float* b, const float* x, float* y, int batch, int in, int out,
+                              bool hidden) {
   const int k = blockIdx.x * blockDim.x + threadIdx.x;
   if (k >= batch * out) return;
   const int s = k / out, o = k % out;
@@ -58,7 +59,8 @@ __global__ void weight_gradient(const float* delta, const float* a, float* gw, i
   for (int s = 0; s < batch; ++s) sum += delta[s * out + o] * a[s * in + i];
   gw[k] = sum;
 }
-__global__ void previous_delta(const float* delta, const float* w, const float* a, float* previous, int batch, int in, int out) {
+__global__ void previous_delta(const float* delta, const float* w, const float* a, float* previous, int batch, int in,
+                               int out) {
   const int k = blockIdx.x * blockDim.x + threadIdx.x;
   if (k >= batch * in) return;
   const int s = k / in, i = k % in;
@@ -111,42 +113,50 @@ class device_mlp {
              const std::function<void(std::size_t)>& on_ready) {
     std::vector<device_tensor> activation;
     activation.emplace_back(static_cast<std::size_t>(batch) * widths_[0]);
-    check(cudaMemcpyAsync(activation[0].data, x, activation[0].count * sizeof(float), cudaMemcpyDeviceToDevice, stream_), "copy");
+    check(
+        cudaMemcpyAsync(activation[0].data, x, activation[0].count * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
+        "copy");
     for (std::size_t l = 0; l < layers(); ++l) {
       const int in = static_cast<int>(widths_[l]), out = static_cast<int>(widths_[l + 1]);
       activation.emplace_back(static_cast<std::size_t>(batch) * out);
       forward_layer<<<blocks(activation.back().count), 256, 0, stream_>>>(params_[2 * l].data, params_[2 * l + 1].data,
-                                                                          activation[l].data, activation.back().data, batch,
-                                                                          in, out, l + 1 < layers());
+                                                                          activation[l].data, activation.back().data,
+                                                                          batch, in, out, l + 1 < layers());
     }
     const std::size_t outputs = activation.back().count;
     device_tensor delta(outputs);
-    output_delta<<<blocks(outputs), 256, 0, stream_>>>(activation.back().data, y, delta.data, static_cast<int>(outputs));
+    output_delta<<<blocks(outputs), 256, 0, stream_>>>(activation.back().data, y, delta.data,
+                                                       static_cast<int>(outputs));
     std::vector<float> prediction(outputs), target(outputs);
-    check(cudaMemcpyAsync(prediction.data(), activation.back().data, outputs * sizeof(float), cudaMemcpyDeviceToHost, stream_), "download");
+    check(cudaMemcpyAsync(prediction.data(), activation.back().data, outputs * sizeof(float), cudaMemcpyDeviceToHost,
+                          stream_),
+          "download");
     check(cudaMemcpyAsync(target.data(), y, outputs * sizeof(float), cudaMemcpyDeviceToHost, stream_), "download");
     for (std::size_t l = layers(); l-- > 0;) {
       const int in = static_cast<int>(widths_[l]), out = static_cast<int>(widths_[l + 1]);
       bias_gradient<<<blocks(out), 256, 0, stream_>>>(delta.data, grads[2 * l + 1].data(), batch, out);
       if (on_ready) on_ready(2 * l + 1);
-      weight_gradient<<<blocks(grads[2 * l].size()), 256, 0, stream_>>>(delta.data, activation[l].data, grads[2 * l].data(), batch, in, out);
+      weight_gradient<<<blocks(grads[2 * l].size()), 256, 0, stream_>>>(delta.data, activation[l].data,
+                                                                        grads[2 * l].data(), batch, in, out);
       if (on_ready) on_ready(2 * l);
       if (l == 0) break;
       device_tensor previous(static_cast<std::size_t>(batch) * in);
       previous_delta<<<blocks(previous.count), 256, 0, stream_>>>(delta.data, params_[2 * l].data, activation[l].data,
-                                                                   previous.data, batch, in, out);
+                                                                  previous.data, batch, in, out);
       delta = std::move(previous);
     }
     check(cudaGetLastError(), "kernel launch");
     check(cudaStreamSynchronize(stream_), "loss");  // the loss is read on the host (the backward is queued)
     double loss = 0;
-    for (std::size_t k = 0; k < outputs; ++k) loss += (prediction[k] - target[k]) * static_cast<double>(prediction[k] - target[k]);
+    for (std::size_t k = 0; k < outputs; ++k)
+      loss += (prediction[k] - target[k]) * static_cast<double>(prediction[k] - target[k]);
     return static_cast<float>(loss / static_cast<double>(outputs));
   }
 
   void update(const std::vector<std::span<float>>& grads, float lr) {
     for (std::size_t t = 0; t < params_.size(); ++t)
-      sgd<<<blocks(params_[t].count), 256, 0, stream_>>>(params_[t].data, grads[t].data(), static_cast<int>(params_[t].count), lr);
+      sgd<<<blocks(params_[t].count), 256, 0, stream_>>>(params_[t].data, grads[t].data(),
+                                                         static_cast<int>(params_[t].count), lr);
   }
 
  private:
@@ -167,11 +177,13 @@ struct config {
 float train(const config& cfg, int rank, int world, cohort::gradient_reducer<cohort::nccl>* ddp,
             const std::function<void(int, float)>& report, cudaStream_t stream) {
   device_mlp model(cfg.widths, stream);
-  const auto data = cohort_examples::synthetic_data::make(static_cast<std::size_t>(cfg.batch * cfg.steps), cfg.widths.front(),
-                                                          cfg.widths.back(), 2024);
+  const auto data = cohort_examples::synthetic_data::make(static_cast<std::size_t>(cfg.batch * cfg.steps),
+                                                          cfg.widths.front(), cfg.widths.back(), 2024);
   device_tensor inputs(data.inputs.size()), targets(data.targets.size());
-  check(cudaMemcpy(inputs.data, data.inputs.data(), data.inputs.size() * sizeof(float), cudaMemcpyHostToDevice), "upload");
-  check(cudaMemcpy(targets.data, data.targets.data(), data.targets.size() * sizeof(float), cudaMemcpyHostToDevice), "upload");
+  check(cudaMemcpy(inputs.data, data.inputs.data(), data.inputs.size() * sizeof(float), cudaMemcpyHostToDevice),
+        "upload");
+  check(cudaMemcpy(targets.data, data.targets.data(), data.targets.size() * sizeof(float), cudaMemcpyHostToDevice),
+        "upload");
   std::vector<device_tensor> own_grads;
   std::vector<std::span<float>> grads;
   if (!ddp) {
@@ -201,9 +213,12 @@ int main(int argc, char** argv) try {
   config cfg;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string arg = argv[i];
-    if (arg == "--steps") cfg.steps = std::atoi(argv[i + 1]);
-    else if (arg == "--batch") cfg.batch = std::atoi(argv[i + 1]);
-    else if (arg == "--lr") cfg.lr = static_cast<float>(std::atof(argv[i + 1]));
+    if (arg == "--steps")
+      cfg.steps = std::atoi(argv[i + 1]);
+    else if (arg == "--batch")
+      cfg.batch = std::atoi(argv[i + 1]);
+    else if (arg == "--lr")
+      cfg.lr = static_cast<float>(std::atof(argv[i + 1]));
   }
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
@@ -228,15 +243,16 @@ int main(int argc, char** argv) try {
     // Loss of the whole batch: the average of the shard losses, through NCCL.
     float* device_loss = nullptr;
     check(cudaMalloc(&device_loss, sizeof(float)), "cudaMalloc");
-    train(cfg, pg.rank(), pg.size(), &ddp,
-          [&](int step, float loss) {
-            check(cudaMemcpy(device_loss, &loss, sizeof loss, cudaMemcpyHostToDevice), "upload");
-            pg.all_reduce(std::span<float>(device_loss, 1), cohort::op::avg).wait();
-            check(cudaMemcpy(&loss, device_loss, sizeof loss, cudaMemcpyDeviceToHost), "download");
-            log("step ", step, " loss ", loss);
-            last = loss;
-          },
-          stream);
+    train(
+        cfg, pg.rank(), pg.size(), &ddp,
+        [&](int step, float loss) {
+          check(cudaMemcpy(device_loss, &loss, sizeof loss, cudaMemcpyHostToDevice), "upload");
+          pg.all_reduce(std::span<float>(device_loss, 1), cohort::op::avg).wait();
+          check(cudaMemcpy(&loss, device_loss, sizeof loss, cudaMemcpyDeviceToHost), "download");
+          log("step ", step, " loss ", loss);
+          last = loss;
+        },
+        stream);
     cudaFree(device_loss);
   }
   int status = 0;

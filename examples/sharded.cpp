@@ -104,7 +104,8 @@ tensors train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
     // Forward: each layer's full weights exist only inside its scope (prefetching the next).
     params.set_order(cohort::prefetch_order::forward);
     std::vector<std::vector<float>> activation(layers + 1);
-    const auto inputs = std::span<const float>(data.inputs).subspan(first * model.input_width(), local * model.input_width());
+    const auto inputs =
+        std::span<const float>(data.inputs).subspan(first * model.input_width(), local * model.input_width());
     activation[0].assign(inputs.begin(), inputs.end());
     for (std::size_t l = 0; l < layers; ++l) {
       guard layer = params.gather(l);
@@ -145,8 +146,8 @@ tensors train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
   const std::size_t unsharded = 4 * parameter_bytes;  // parameters, gradients, Adam's two moments
   log("peak ", params.peak_total(), " bytes (shards ", peak.shards, ", gradients ", peak.gradients, ", gathered ",
       peak.gathered, ", pool ", peak.pool, ", optimizer ", peak.optimizer, ") against ", unsharded,
-      " bytes unsharded (", static_cast<int>(100.0 * static_cast<double>(params.peak_total()) / static_cast<double>(unsharded)),
-      "%)");
+      " bytes unsharded (",
+      static_cast<int>(100.0 * static_cast<double>(params.peak_total()) / static_cast<double>(unsharded)), "%)");
   return params.gather_full_state(0);
 }
 
@@ -157,7 +158,8 @@ int report(const tensors& distributed, const config& cfg) {
     for (std::size_t i = 0; i < single[k].size(); ++i)
       worst = std::max(worst, std::abs(static_cast<double>(distributed[k][i]) - single[k][i]));
   const bool match = worst <= 1e-5;
-  std::printf("final parameters: sharded vs single rank, max |difference| %.2e: %s\n", worst, match ? "match" : "MISMATCH");
+  std::printf("final parameters: sharded vs single rank, max |difference| %.2e: %s\n", worst,
+              match ? "match" : "MISMATCH");
   return match ? 0 : 1;
 }
 
@@ -169,13 +171,18 @@ config parse(int argc, char** argv) {
       if (i + 1 >= argc) throw std::runtime_error(arg + " needs a value");
       return argv[++i];
     };
-    if (arg == "--ranks") cfg.ranks = std::stoi(value());
-    else if (arg == "--steps") cfg.steps = std::stoi(value());
-    else if (arg == "--batch") cfg.batch = std::stoul(value());
-    else if (arg == "--prefetch") cfg.prefetch = std::stoi(value());
+    if (arg == "--ranks")
+      cfg.ranks = std::stoi(value());
+    else if (arg == "--steps")
+      cfg.steps = std::stoi(value());
+    else if (arg == "--batch")
+      cfg.batch = std::stoul(value());
+    else if (arg == "--prefetch")
+      cfg.prefetch = std::stoi(value());
     else {
-      std::printf("usage: sharded [--ranks N] [--steps S] [--batch B] [--prefetch D]\n"
-                  "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
+      std::printf(
+          "usage: sharded [--ranks N] [--steps S] [--batch B] [--prefetch D]\n"
+          "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
       std::exit(arg == "--help" || arg == "-h" ? 0 : 2);
     }
   }

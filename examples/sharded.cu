@@ -40,7 +40,8 @@ int main() try {
   const std::size_t batch = 48, steps = 12;
   if (batch % static_cast<std::size_t>(pg.size()) != 0) throw std::runtime_error("the world size must divide 48");
   const cohort_examples::mlp model({32, 192, 192, 8});
-  const auto data = cohort_examples::synthetic_data::make(batch * steps, model.input_width(), model.output_width(), 2024);
+  const auto data =
+      cohort_examples::synthetic_data::make(batch * steps, model.input_width(), model.output_width(), 2024);
   const auto sizes = model.parameter_sizes();
   std::vector<std::vector<std::size_t>> units;
   for (std::size_t l = 0; l < model.layers(); ++l) units.push_back({sizes[2 * l], sizes[2 * l + 1]});
@@ -82,11 +83,11 @@ int main() try {
     }
     check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
     const std::size_t first = step * batch + static_cast<std::size_t>(pg.rank()) * local;
-    float loss = model.loss_and_gradients(std::vector<std::span<float>>(host_params.begin(), host_params.end()),
-                                          std::vector<std::span<float>>(host_grads.begin(), host_grads.end()),
-                                          std::span<const float>(data.inputs).subspan(first * model.input_width()),
-                                          std::span<const float>(data.targets).subspan(first * model.output_width()),
-                                          local);
+    float loss =
+        model.loss_and_gradients(std::vector<std::span<float>>(host_params.begin(), host_params.end()),
+                                 std::vector<std::span<float>>(host_grads.begin(), host_grads.end()),
+                                 std::span<const float>(data.inputs).subspan(first * model.input_width()),
+                                 std::span<const float>(data.targets).subspan(first * model.output_width()), local);
     for (std::size_t l = model.layers(); l-- > 0;) {
       for (std::size_t p = 0; p < 2; ++p)
         check(cudaMemcpyAsync(device_grads[2 * l + p], host_grads[2 * l + p].data(), sizes[2 * l + p] * sizeof(float),

@@ -29,14 +29,14 @@ struct rank_failure : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-#define RANK_CHECK(condition, ...)                                                          \
-  do {                                                                                    \
-    if (!(condition)) {                                                                   \
-      std::ostringstream cohort_test_message;                                             \
-      cohort_test_message << __FILE__ << ":" << __LINE__ << ": RANK_CHECK(" #condition ") failed. " \
-                          __VA_OPT__(<< __VA_ARGS__);                                     \
-      throw ::cohort_test::rank_failure(cohort_test_message.str());                       \
-    }                                                                                     \
+#define RANK_CHECK(condition, ...)                                                               \
+  do {                                                                                           \
+    if (!(condition)) {                                                                          \
+      std::ostringstream cohort_test_message;                                                    \
+      cohort_test_message << __FILE__ << ":" << __LINE__                                         \
+                          << ": RANK_CHECK(" #condition ") failed. " __VA_OPT__(<< __VA_ARGS__); \
+      throw ::cohort_test::rank_failure(cohort_test_message.str());                              \
+    }                                                                                            \
   } while (false)
 
 // Checks that fn throws an Exception whose what() contains `needle`; returns the text.
@@ -78,8 +78,7 @@ inline void run_ranks(int world, const std::function<void(int)>& fn) {
     try {
       std::rethrow_exception(error);
     } catch (const std::exception& failure) {
-      throw rank_failure("rank " + std::to_string(rank) + " of " + std::to_string(world) + ": " +
-                         failure.what());
+      throw rank_failure("rank " + std::to_string(rank) + " of " + std::to_string(world) + ": " + failure.what());
     }
   }
 }

@@ -199,15 +199,16 @@ TEST_CASE("batch: micro-batches tile the rank's indices and sync at the end of e
           // Independent expectation: cut the index list into chunks of per_device.
           std::vector<std::vector<std::uint64_t>> chunks;
           for (std::size_t i = 0; i < expected_indices.size(); i += static_cast<std::size_t>(per_device)) {
-            std::vector<std::uint64_t> chunk(expected_indices.begin() + static_cast<std::ptrdiff_t>(i),
-                                             expected_indices.begin() + static_cast<std::ptrdiff_t>(std::min(
-                                                 expected_indices.size(), i + static_cast<std::size_t>(per_device))));
+            std::vector<std::uint64_t> chunk(
+                expected_indices.begin() + static_cast<std::ptrdiff_t>(i),
+                expected_indices.begin() + static_cast<std::ptrdiff_t>(std::min(
+                                               expected_indices.size(), i + static_cast<std::size_t>(per_device))));
             if (chunk.size() < static_cast<std::size_t>(per_device) && partial == cohort::partial_batch::drop) break;
             chunks.push_back(chunk);
           }
           REQUIRE(seen.size() == chunks.size());
-          const std::size_t steps = (chunks.size() + static_cast<std::size_t>(accumulation) - 1) /
-                                    static_cast<std::size_t>(accumulation);
+          const std::size_t steps =
+              (chunks.size() + static_cast<std::size_t>(accumulation) - 1) / static_cast<std::size_t>(accumulation);
           CHECK(batches.steps() == steps);
           std::size_t syncs = 0;
           for (std::size_t b = 0; b < seen.size(); ++b) {
@@ -218,7 +219,8 @@ TEST_CASE("batch: micro-batches tile the rank's indices and sync at the end of e
             const std::size_t step = seen[b].step;
             CHECK(step * static_cast<std::size_t>(accumulation) + static_cast<std::size_t>(seen[b].micro_step) == b);
             const std::size_t step_end = std::min((step + 1) * static_cast<std::size_t>(accumulation), seen.size());
-            CHECK(static_cast<std::size_t>(seen[b].micro_steps) == step_end - step * static_cast<std::size_t>(accumulation));
+            CHECK(static_cast<std::size_t>(seen[b].micro_steps) ==
+                  step_end - step * static_cast<std::size_t>(accumulation));
             CHECK(seen[b].sync == (b + 1 == step_end));
             syncs += seen[b].sync ? 1 : 0;
           }
@@ -249,15 +251,13 @@ TEST_CASE("batch: every rank yields the same steps and syncs at the same micro-b
 
 TEST_CASE("batch: iterating batches twice without set_epoch warns once", "[batch]") {
   std::vector<std::string> warnings;
-  cohort::distributed_sampler sampler{30, 2, 0,
-                                      {.shuffle = true, .warn = [&](std::string_view m) { warnings.emplace_back(m); }}};
+  cohort::distributed_sampler sampler{
+      30, 2, 0, {.shuffle = true, .warn = [&](std::string_view m) { warnings.emplace_back(m); }}};
   cohort::batch_sequence batches{sampler, 4, 2};
   for (int epoch = 0; epoch < 2; ++epoch)
-    for ([[maybe_unused]] auto batch : batches) {
-    }
+    for ([[maybe_unused]] auto batch : batches) {}
   CHECK(warnings.size() == 1);
   sampler.set_epoch(1);
-  for ([[maybe_unused]] auto batch : batches) {
-  }
+  for ([[maybe_unused]] auto batch : batches) {}
   CHECK(warnings.size() == 1);
 }

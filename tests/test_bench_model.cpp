@@ -70,7 +70,8 @@ TEST_CASE("bench correctness check counts corrupted elements") {
   const auto shape = cohort_bench::layout_for(operation::all_reduce, 64, 4, 2);
   std::vector<float> expected(shape.count);
   for (std::size_t i = 0; i < shape.count; ++i)
-    expected[i] = float(cohort_bench::input_value(cohort::op::sum, 0, i) + cohort_bench::input_value(cohort::op::sum, 1, i));
+    expected[i] =
+        float(cohort_bench::input_value(cohort::op::sum, 0, i) + cohort_bench::input_value(cohort::op::sum, 1, i));
   CHECK(cohort_bench::count_wrong(operation::all_reduce, cohort::op::sum, 0, 2, 0, shape, expected, false) == 0);
   expected[3] += 1;
   expected[7] = -5;
@@ -78,8 +79,8 @@ TEST_CASE("bench correctness check counts corrupted elements") {
 }
 
 TEST_CASE("bench checks every collective on 2 gloo ranks with no wrong element") {
-  for (operation what : {operation::all_reduce, operation::all_gather, operation::reduce_scatter,
-                         operation::broadcast, operation::alltoall}) {
+  for (operation what : {operation::all_reduce, operation::all_gather, operation::reduce_scatter, operation::broadcast,
+                         operation::alltoall}) {
     for (cohort::dtype type : {cohort::dtype::float32, cohort::dtype::bfloat16, cohort::dtype::int64}) {
       cohort_bench::options o;
       o.what = what;

@@ -57,15 +57,16 @@ std::string read_file(const fs::path& path) {
 
 // A fresh directory per test case (each case is its own process under ctest).
 fs::path scratch_dir(const std::string& name) {
-  auto dir = fs::temp_directory_path() /
-             ("cohort-guards-" + name + "-" + std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
+  auto dir = fs::temp_directory_path() / ("cohort-guards-" + name + "-" +
+                                          std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
   fs::create_directories(dir);
   return dir;
 }
 
 std::string pattern(std::size_t bytes, char seed) {
   std::string text(bytes, ' ');
-  for (std::size_t i = 0; i < bytes; ++i) text[i] = static_cast<char>('a' + (static_cast<std::size_t>(seed) + i * 7) % 26);
+  for (std::size_t i = 0; i < bytes; ++i)
+    text[i] = static_cast<char>('a' + (static_cast<std::size_t>(seed) + i * 7) % 26);
   return text;
 }
 

@@ -48,18 +48,28 @@ variables merged(variables base, const variables& extra) {
   return base;
 }
 
-const variables torchrun_vars{{"RANK", "5"},        {"WORLD_SIZE", "8"},        {"LOCAL_RANK", "1"},
-                              {"LOCAL_WORLD_SIZE", "4"}, {"MASTER_ADDR", "10.0.0.7"}, {"MASTER_PORT", "29600"}};
+const variables torchrun_vars{{"RANK", "5"},
+                              {"WORLD_SIZE", "8"},
+                              {"LOCAL_RANK", "1"},
+                              {"LOCAL_WORLD_SIZE", "4"},
+                              {"MASTER_ADDR", "10.0.0.7"},
+                              {"MASTER_PORT", "29600"}};
 const variables open_mpi_vars{{"OMPI_COMM_WORLD_RANK", "3"},
                               {"OMPI_COMM_WORLD_SIZE", "6"},
                               {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
                               {"OMPI_COMM_WORLD_LOCAL_SIZE", "3"},
                               {"MASTER_ADDR", "node-a"}};
-const variables mpich_vars{{"PMI_RANK", "2"}, {"PMI_SIZE", "4"}, {"MPI_LOCALRANKID", "0"},
-                           {"MPI_LOCALNRANKS", "2"}, {"MASTER_ADDR", "node-b"}};
-const variables slurm_vars{{"SLURM_PROCID", "6"},         {"SLURM_NTASKS", "7"},
-                           {"SLURM_LOCALID", "0"},        {"SLURM_NODEID", "3"},
-                           {"SLURM_TASKS_PER_NODE", "2(x3),1"}, {"SLURM_JOB_NODELIST", "gpu[01-03,07]"},
+const variables mpich_vars{{"PMI_RANK", "2"},
+                           {"PMI_SIZE", "4"},
+                           {"MPI_LOCALRANKID", "0"},
+                           {"MPI_LOCALNRANKS", "2"},
+                           {"MASTER_ADDR", "node-b"}};
+const variables slurm_vars{{"SLURM_PROCID", "6"},
+                           {"SLURM_NTASKS", "7"},
+                           {"SLURM_LOCALID", "0"},
+                           {"SLURM_NODEID", "3"},
+                           {"SLURM_TASKS_PER_NODE", "2(x3),1"},
+                           {"SLURM_JOB_NODELIST", "gpu[01-03,07]"},
                            {"SLURM_JOB_ID", "4242"}};
 
 std::string padded(const char* prefix, int value, int width) {
@@ -228,28 +238,32 @@ TEST_CASE("precedence: torchrun > Open MPI > MPICH > Slurm", "[launch]") {
   CHECK(detect(merged(slurm_vars, mpich_vars)).source == launcher::mpich);
   const auto inside_mpirun = detect(merged(slurm_vars, open_mpi_vars));
   CHECK(inside_mpirun.source == launcher::open_mpi);
-  CHECK(inside_mpirun.rank == 3);       // mpirun's rank, not srun's
-  CHECK(inside_mpirun.hosts.empty());   // hosts belong to a Slurm launch only
+  CHECK(inside_mpirun.rank == 3);      // mpirun's rank, not srun's
+  CHECK(inside_mpirun.hosts.empty());  // hosts belong to a Slurm launch only
 }
 
 TEST_CASE("RANK and WORLD_SIZE left in the shell are refused when a launcher disagrees", "[launch]") {
   // `RANK=0 WORLD_SIZE=1 ...` left over, then `mpirun -np 2`: this is mpirun's rank 1 of 2.
   const variables stale{{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "1"}};
-  const variables mpirun_rank1{{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
-                               {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}};
+  const variables mpirun_rank1{{"OMPI_COMM_WORLD_RANK", "1"},
+                               {"OMPI_COMM_WORLD_SIZE", "2"},
+                               {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                               {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}};
   const auto text = detection_error(merged(stale, mpirun_rank1));
   CHECK_THAT(text, Contains("RANK=0 WORLD_SIZE=1"));
   CHECK_THAT(text, Contains("Open MPI's OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=2"));
   CHECK_THAT(text, Contains("unset them"));
   // Rank 0 of that mpirun agrees on the rank but not on the world size: refused as well.
-  CHECK_THAT(detection_error(merged(stale, {{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"},
-                                            {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}})),
+  CHECK_THAT(detection_error(merged(stale, {{"OMPI_COMM_WORLD_RANK", "0"},
+                                            {"OMPI_COMM_WORLD_SIZE", "2"},
+                                            {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+                                            {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}})),
              Contains("OMPI_COMM_WORLD_SIZE=2"));
   CHECK_THAT(detection_error(merged(stale, {{"PMI_RANK", "1"}, {"PMI_SIZE", "2"}})), Contains("PMI_SIZE=2"));
   CHECK_THAT(detection_error(merged(stale, slurm_vars)), Contains("Slurm's SLURM_PROCID=6 SLURM_NTASKS=7"));
   // Set by hand to agree with the launcher (a wrapper script): accepted.
-  const auto agreeing = detect(merged(mpirun_rank1, {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"},
-                                                     {"LOCAL_WORLD_SIZE", "2"}}));
+  const auto agreeing = detect(
+      merged(mpirun_rank1, {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"}}));
   CHECK(agreeing.rank == 1);
   CHECK(agreeing.world_size == 2);
 }
@@ -361,8 +375,7 @@ TEST_CASE("non-integer values name the variable and its value", "[launch]") {
   }
   CHECK_THAT(detection_error(merged(torchrun_vars, {{"TORCHELASTIC_USE_AGENT_STORE", "maybe"}})),
              Contains("TORCHELASTIC_USE_AGENT_STORE") && Contains("maybe"));
-  CHECK_THAT(detection_error(merged(slurm_vars, {{"SLURM_TASKS_PER_NODE", "2(3)"}})),
-             Contains("SLURM_TASKS_PER_NODE"));
+  CHECK_THAT(detection_error(merged(slurm_vars, {{"SLURM_TASKS_PER_NODE", "2(3)"}})), Contains("SLURM_TASKS_PER_NODE"));
   CHECK_THAT(detection_error(merged(slurm_vars, {{"SLURM_JOB_NODELIST", "gpu[01-03"}})),
              Contains("SLURM_JOB_NODELIST"));
 }
@@ -381,8 +394,8 @@ TEST_CASE("inconsistent values name the variables involved", "[launch]") {
     CHECK_THAT(message, Contains("MPI_LOCALRANKID=2") && Contains("MPI_LOCALNRANKS=2") && Contains("MPICH"));
   }
   SECTION("world size not positive") {
-    const auto message = detection_error({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "0"}, {"SLURM_LOCALID", "0"},
-                                          {"SLURM_NTASKS_PER_NODE", "1"}});
+    const auto message = detection_error(
+        {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "0"}, {"SLURM_LOCALID", "0"}, {"SLURM_NTASKS_PER_NODE", "1"}});
     CHECK_THAT(message, Contains("SLURM_NTASKS=0") && Contains("Slurm"));
   }
   SECTION("local world size above world size") {
@@ -423,14 +436,14 @@ TEST_CASE("explicit values are validated like the environment", "[launch]") {
 }
 
 TEST_CASE("describe() is one line with launcher, ranks and master", "[launch]") {
-  const auto text = detect(merged(torchrun_vars, {{"TORCHELASTIC_USE_AGENT_STORE", "True"},
-                                                  {"TORCHELASTIC_RESTART_COUNT", "2"}}))
-                        .describe();
+  const auto text =
+      detect(merged(torchrun_vars, {{"TORCHELASTIC_USE_AGENT_STORE", "True"}, {"TORCHELASTIC_RESTART_COUNT", "2"}}))
+          .describe();
   CHECK(text.find('\n') == std::string::npos);
   CHECK_THAT(text, Contains("torchrun") && Contains("5/8") && Contains("1/4") && Contains("10.0.0.7:29600") &&
                        Contains("/worker/attempt_2/"));
-  for (auto source : {launcher::explicit_values, launcher::torchrun, launcher::open_mpi, launcher::mpich,
-                      launcher::slurm})
+  for (auto source :
+       {launcher::explicit_values, launcher::torchrun, launcher::open_mpi, launcher::mpich, launcher::slurm})
     CHECK_FALSE(cohort::to_string(source).empty());
 }
 
@@ -454,8 +467,8 @@ TEST_CASE("Slurm node lists expand like Slurm's hostlist", "[launch][slurm]") {
 }
 
 TEST_CASE("malformed Slurm node lists are errors", "[launch][slurm]") {
-  for (const char* bad : {"gpu[01-03", "gpu01]", "gpu[03-01]", "gpu[a-b]", "gpu[]", "gpu[1-]", "a,,b",
-                          "n[[1-2]]", "n[0-999999999]"}) {
+  for (const char* bad :
+       {"gpu[01-03", "gpu01]", "gpu[03-01]", "gpu[a-b]", "gpu[]", "gpu[1-]", "a,,b", "n[[1-2]]", "n[0-999999999]"}) {
     INFO(bad);
     CHECK_THROWS_WITH(cohort::expand_slurm_nodelist(bad), Contains(bad) && Contains("SLURM_JOB_NODELIST"));
   }

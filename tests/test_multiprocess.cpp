@@ -47,9 +47,9 @@ std::vector<int> run_children(const std::vector<environment>& envs, const std::f
   for (const auto& env : envs) {
     const pid_t pid = ::fork();
     if (pid == 0) {
-      for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                               "TORCHELASTIC_USE_AGENT_STORE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID",
-                               "COHORT_RANK"})
+      for (const char* name :
+           {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_USE_AGENT_STORE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", "COHORT_RANK"})
         ::unsetenv(name);
       for (const auto& [name, value] : env) ::setenv(name.c_str(), value.c_str(), 1);
       int code = 99;
@@ -111,8 +111,12 @@ TEST_CASE("torchrun-style environments rendezvous through the TCP store", "[mult
   const std::string port = std::to_string(free_port());
   std::vector<environment> envs;
   for (int r = 0; r < 3; ++r)
-    envs.push_back({{"RANK", std::to_string(r)}, {"WORLD_SIZE", "3"}, {"LOCAL_RANK", std::to_string(r)},
-                    {"LOCAL_WORLD_SIZE", "3"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}});
+    envs.push_back({{"RANK", std::to_string(r)},
+                    {"WORLD_SIZE", "3"},
+                    {"LOCAL_RANK", std::to_string(r)},
+                    {"LOCAL_WORLD_SIZE", "3"},
+                    {"MASTER_ADDR", "127.0.0.1"},
+                    {"MASTER_PORT", port}});
   REQUIRE(run_children(envs, sum_of_ranks) == std::vector<int>(3, 0));
 }
 
@@ -121,8 +125,10 @@ TEST_CASE("Open MPI, MPICH and Slurm environments run the same collectives", "[m
     const std::string port = std::to_string(free_port());
     std::vector<environment> envs;
     for (int r = 0; r < 2; ++r)
-      envs.push_back({{"OMPI_COMM_WORLD_RANK", std::to_string(r)}, {"OMPI_COMM_WORLD_SIZE", "2"},
-                      {"OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(r)}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+      envs.push_back({{"OMPI_COMM_WORLD_RANK", std::to_string(r)},
+                      {"OMPI_COMM_WORLD_SIZE", "2"},
+                      {"OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(r)},
+                      {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
                       {"MASTER_PORT", port}});
     REQUIRE(run_children(envs, sum_of_ranks) == std::vector<int>(2, 0));
   }
@@ -130,16 +136,23 @@ TEST_CASE("Open MPI, MPICH and Slurm environments run the same collectives", "[m
     const std::string port = std::to_string(free_port());
     std::vector<environment> envs;
     for (int r = 0; r < 2; ++r)
-      envs.push_back({{"PMI_RANK", std::to_string(r)}, {"PMI_SIZE", "2"}, {"MPI_LOCALRANKID", std::to_string(r)},
-                      {"MPI_LOCALNRANKS", "2"}, {"MASTER_PORT", port}});
+      envs.push_back({{"PMI_RANK", std::to_string(r)},
+                      {"PMI_SIZE", "2"},
+                      {"MPI_LOCALRANKID", std::to_string(r)},
+                      {"MPI_LOCALNRANKS", "2"},
+                      {"MASTER_PORT", port}});
     REQUIRE(run_children(envs, sum_of_ranks) == std::vector<int>(2, 0));
   }
   SECTION("Slurm, master from the node list") {
     const std::string port = std::to_string(free_port());
     std::vector<environment> envs;
     for (int r = 0; r < 2; ++r)
-      envs.push_back({{"SLURM_PROCID", std::to_string(r)}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", std::to_string(r)},
-                      {"SLURM_NTASKS_PER_NODE", "2"}, {"SLURM_JOB_NODELIST", "localhost"}, {"MASTER_PORT", port}});
+      envs.push_back({{"SLURM_PROCID", std::to_string(r)},
+                      {"SLURM_NTASKS", "2"},
+                      {"SLURM_LOCALID", std::to_string(r)},
+                      {"SLURM_NTASKS_PER_NODE", "2"},
+                      {"SLURM_JOB_NODELIST", "localhost"},
+                      {"MASTER_PORT", port}});
     REQUIRE(run_children(envs, sum_of_ranks) == std::vector<int>(2, 0));
   }
 }
@@ -148,8 +161,12 @@ TEST_CASE("a rank process that dies is an error on the others within the timeout
   const std::string port = std::to_string(free_port());
   std::vector<environment> envs;
   for (int r = 0; r < 3; ++r)
-    envs.push_back({{"RANK", std::to_string(r)}, {"WORLD_SIZE", "3"}, {"LOCAL_RANK", std::to_string(r)},
-                    {"LOCAL_WORLD_SIZE", "3"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}});
+    envs.push_back({{"RANK", std::to_string(r)},
+                    {"WORLD_SIZE", "3"},
+                    {"LOCAL_RANK", std::to_string(r)},
+                    {"LOCAL_WORLD_SIZE", "3"},
+                    {"MASTER_ADDR", "127.0.0.1"},
+                    {"MASTER_PORT", port}});
   const auto started = std::chrono::steady_clock::now();
   const auto codes = run_children(envs, [] {
     const auto env = cohort::launch_env::detect();
@@ -199,8 +216,12 @@ int launched_job(int dying) {
 std::vector<environment> torchrun_envs(int launched, int world, const std::string& port) {
   std::vector<environment> envs;
   for (int r = 0; r < launched; ++r)
-    envs.push_back({{"RANK", std::to_string(r)}, {"WORLD_SIZE", std::to_string(world)}, {"LOCAL_RANK", std::to_string(r)},
-                    {"LOCAL_WORLD_SIZE", std::to_string(world)}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}});
+    envs.push_back({{"RANK", std::to_string(r)},
+                    {"WORLD_SIZE", std::to_string(world)},
+                    {"LOCAL_RANK", std::to_string(r)},
+                    {"LOCAL_WORLD_SIZE", std::to_string(world)},
+                    {"MASTER_ADDR", "127.0.0.1"},
+                    {"MASTER_PORT", port}});
   return envs;
 }
 
@@ -220,7 +241,8 @@ TEST_CASE("run_ranks under a launcher: rank 0 stops serving soon after a peer di
   REQUIRE(took < 2.0 + cohort::run_ranks_failure_grace.count() + 10.0);
 }
 
-TEST_CASE("run_ranks under a launcher: a peer that never arrives ends every rank within the timeouts", "[multiprocess][faults]") {
+TEST_CASE("run_ranks under a launcher: a peer that never arrives ends every rank within the timeouts",
+          "[multiprocess][faults]") {
   const auto started = std::chrono::steady_clock::now();
   // World of 3, but only ranks 0 and 1 are started.
   const auto codes = run_children(torchrun_envs(2, 3, std::to_string(free_port())), [] { return launched_job(-1); });

@@ -55,7 +55,8 @@ TEMPLATE_TEST_CASE("NCCL collectives at world size 1 keep the data", "[nccl]", f
     for (std::size_t i = 0; i < n; ++i) host[i] = TestType(static_cast<float>(i % 5 + 1));
     device_buffer<TestType> a(n), b(n);
     a.upload(host);
-    for (cohort::op reduce : {cohort::op::sum, cohort::op::avg, cohort::op::min, cohort::op::max, cohort::op::product}) {
+    for (cohort::op reduce :
+         {cohort::op::sum, cohort::op::avg, cohort::op::min, cohort::op::max, cohort::op::product}) {
       pg.all_reduce(std::span<const TestType>(a.data, n), b.span(), reduce).wait();
       REQUIRE(b.download() == host);
     }

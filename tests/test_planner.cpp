@@ -54,8 +54,8 @@ TEST_CASE("planner: hierarchical collectives reduce to the flat ones and add up 
         cohort::predict_time(collective::all_reduce, n, 4, ib));
   // 8 GPUs x 2 nodes: reduce-scatter in the node (7 alpha + 7/8 n beta), all-reduce of n/8
   // between nodes (2 alpha + 2/2 n/8 beta), all-gather in the node (7 alpha + 7/8 n beta).
-  const double expected = (7 * 2e-6 + 7.0 / 8 * n / 300e9) + (2 * 6e-6 + 1.0 * (n / 8) / 40e9) +
-                          (7 * 2e-6 + 7.0 / 8 * n / 300e9);
+  const double expected =
+      (7 * 2e-6 + 7.0 / 8 * n / 300e9) + (2 * 6e-6 + 1.0 * (n / 8) / 40e9) + (7 * 2e-6 + 7.0 / 8 * n / 300e9);
   CHECK(cohort::predict_time(collective::all_reduce, n, 8, 2, nv, ib) == Approx(expected).epsilon(1e-12));
 }
 
@@ -240,7 +240,8 @@ TEST_CASE("planner: presets carry positive constants and a source, unknown names
   CHECK(h100.bus_bandwidth_bytes_per_second() == Approx(370e9));
   CHECK(cohort::link_model_by_name("pcie-gen5").bus_bandwidth_bytes_per_second() >
         cohort::link_model_by_name("pcie-gen4").bus_bandwidth_bytes_per_second());
-  CHECK_THROWS_WITH(cohort::link_model_by_name("nvlink-z9"), Catch::Contains("nvlink-z9") && Catch::Contains("pcie-gen4"));
+  CHECK_THROWS_WITH(cohort::link_model_by_name("nvlink-z9"),
+                    Catch::Contains("nvlink-z9") && Catch::Contains("pcie-gen4"));
 }
 
 TEST_CASE("planner: fit_alpha_beta recovers known constants from synthetic timings") {

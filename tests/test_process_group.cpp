@@ -66,8 +66,7 @@ double expected_reduction(op reduce, int world, std::size_t index) {
 template <class T>
 bool close_enough(double got, double want, op reduce) {
   double tolerance = 0;
-  if (reduce == op::avg && !std::is_integral_v<T>)
-    tolerance = (sizeof(T) == 2 ? 1e-2 : 1e-6) * std::abs(want);
+  if (reduce == op::avg && !std::is_integral_v<T>) tolerance = (sizeof(T) == 2 ? 1e-2 : 1e-6) * std::abs(want);
   return std::abs(got - want) <= tolerance;
 }
 
@@ -85,9 +84,8 @@ const std::vector<std::size_t> sizes{0, 1, 7, 1000, 65537};
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("all_reduce matches the directly computed reduction", "[process_group][gloo]",
-                   float, double, cohort::half, cohort::bfloat16, std::int32_t, std::int64_t,
-                   std::uint8_t) {
+TEMPLATE_TEST_CASE("all_reduce matches the directly computed reduction", "[process_group][gloo]", float, double,
+                   cohort::half, cohort::bfloat16, std::int32_t, std::int64_t, std::uint8_t) {
   for (int world : {2, 3, 4}) {
     auto store = fresh_store();
     cohort_test::run_ranks(world, [&](int rank) {
@@ -103,8 +101,8 @@ TEMPLATE_TEST_CASE("all_reduce matches the directly computed reduction", "[proce
             const double want = expected_reduction<TestType>(reduce, world, i);
             RANK_CHECK(close_enough<TestType>(value_of(out[i]), want, reduce) &&
                            close_enough<TestType>(value_of(in[i]), want, reduce),
-                       "world " << world << " op " << cohort::to_string(reduce) << " n " << n << " i " << i
-                                << ": got " << value_of(out[i]) << " / " << value_of(in[i]) << ", want " << want);
+                       "world " << world << " op " << cohort::to_string(reduce) << " n " << n << " i " << i << ": got "
+                                << value_of(out[i]) << " / " << value_of(in[i]) << ", want " << want);
           }
         }
       }
@@ -112,9 +110,8 @@ TEMPLATE_TEST_CASE("all_reduce matches the directly computed reduction", "[proce
   }
 }
 
-TEMPLATE_TEST_CASE("reduce_scatter leaves each rank its reduced chunk", "[process_group][gloo]",
-                   float, double, cohort::half, cohort::bfloat16, std::int32_t, std::int64_t,
-                   std::uint8_t) {
+TEMPLATE_TEST_CASE("reduce_scatter leaves each rank its reduced chunk", "[process_group][gloo]", float, double,
+                   cohort::half, cohort::bfloat16, std::int32_t, std::int64_t, std::uint8_t) {
   for (int world : {2, 3, 4}) {
     auto store = fresh_store();
     cohort_test::run_ranks(world, [&](int rank) {
@@ -129,8 +126,8 @@ TEMPLATE_TEST_CASE("reduce_scatter leaves each rank its reduced chunk", "[proces
             const std::size_t global = static_cast<std::size_t>(rank) * chunk + i;
             const double want = expected_reduction<TestType>(reduce, world, global);
             RANK_CHECK(close_enough<TestType>(value_of(out[i]), want, reduce),
-                       "world " << world << " op " << cohort::to_string(reduce) << " chunk " << chunk
-                                << " i " << i << ": got " << value_of(out[i]) << ", want " << want);
+                       "world " << world << " op " << cohort::to_string(reduce) << " chunk " << chunk << " i " << i
+                                << ": got " << value_of(out[i]) << ", want " << want);
           }
         }
       }
@@ -138,9 +135,8 @@ TEMPLATE_TEST_CASE("reduce_scatter leaves each rank its reduced chunk", "[proces
   }
 }
 
-TEMPLATE_TEST_CASE("all_gather, broadcast and all_to_all move every rank's data", "[process_group][gloo]",
-                   float, double, cohort::half, cohort::bfloat16, std::int32_t, std::int64_t,
-                   std::uint8_t) {
+TEMPLATE_TEST_CASE("all_gather, broadcast and all_to_all move every rank's data", "[process_group][gloo]", float,
+                   double, cohort::half, cohort::bfloat16, std::int32_t, std::int64_t, std::uint8_t) {
   for (int world : {2, 3, 4}) {
     auto store = fresh_store();
     cohort_test::run_ranks(world, [&](int rank) {
@@ -174,19 +170,19 @@ TEMPLATE_TEST_CASE("all_gather, broadcast and all_to_all move every rank's data"
         std::vector<TestType> send(chunk * w), received(chunk * w);
         for (std::size_t r = 0; r < w; ++r)
           for (std::size_t i = 0; i < chunk; ++i)
-            send[r * chunk + i] = make<TestType>(static_cast<double>((static_cast<std::size_t>(rank) * 7 + r * 3 + i) % 50));
+            send[r * chunk + i] =
+                make<TestType>(static_cast<double>((static_cast<std::size_t>(rank) * 7 + r * 3 + i) % 50));
         pg.all_to_all(std::span<const TestType>(send), std::span<TestType>(received)).wait();
         for (std::size_t from = 0; from < w; ++from)
           for (std::size_t i = 0; i < chunk; ++i)
             RANK_CHECK(value_of(received[from * chunk + i]) ==
-                    static_cast<double>((from * 7 + static_cast<std::size_t>(rank) * 3 + i) % 50));
+                       static_cast<double>((from * 7 + static_cast<std::size_t>(rank) * 3 + i) % 50));
       }
     });
   }
 }
 
-TEST_CASE("send and recv pair up by peer and tag, and collectives complete in issue order",
-          "[process_group][gloo]") {
+TEST_CASE("send and recv pair up by peer and tag, and collectives complete in issue order", "[process_group][gloo]") {
   auto store = fresh_store();
   cohort_test::run_ranks(3, [&](int rank) {
     auto pg = make_group(store, rank, 3);
@@ -236,8 +232,7 @@ TEST_CASE("split and node_local form the right subgroups", "[process_group][gloo
   });
 }
 
-TEST_CASE("a rank that never arrives is a timeout error on the others, not a hang",
-          "[process_group][gloo][faults]") {
+TEST_CASE("a rank that never arrives is a timeout error on the others, not a hang", "[process_group][gloo][faults]") {
   auto store = fresh_store();
   const auto started = std::chrono::steady_clock::now();
   // World of 3; rank 2 never starts.
@@ -319,8 +314,7 @@ TEST_CASE("local checks reject impossible calls with the sizes in the message", 
     RANK_CHECK_THROWS(cohort::error, pg.reduce_scatter(std::span<const float>(in), std::span<float>(out)),
                       "10 elements, expected output size 4 x world 2");
     RANK_CHECK_THROWS(cohort::error, pg.broadcast(std::span<float>(out), 2), "root 2");
-    RANK_CHECK_THROWS(cohort::error, pg.all_reduce(std::span<const float>(in), std::span<float>(out)),
-                      "output has 4");
+    RANK_CHECK_THROWS(cohort::error, pg.all_reduce(std::span<const float>(in), std::span<float>(out)), "output has 4");
     pg.barrier().wait();
   });
 }

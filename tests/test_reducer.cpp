@@ -92,7 +92,8 @@ tensors train_distributed(int world, const training& setup) {
   cohort_test::run_ranks(world, [&](int rank) {
     auto pg = make_group(store, rank, world);
     const cohort_examples::mlp model(setup.widths);
-    const auto data = cohort_examples::synthetic_data::make(setup.samples, model.input_width(), model.output_width(), 11);
+    const auto data =
+        cohort_examples::synthetic_data::make(setup.samples, model.input_width(), model.output_width(), 11);
     const std::size_t shard = setup.samples / static_cast<std::size_t>(world);
     const std::size_t first = shard * static_cast<std::size_t>(rank);
     std::span<const float> inputs(data.inputs.data() + first * model.input_width(), shard * model.input_width());
@@ -204,7 +205,7 @@ TEST_CASE("reducer averages mixed-dtype gradients, exactly for power-of-two worl
     for (auto n : float_sizes) floats.emplace_back(n);
     for (auto n : double_sizes) doubles.emplace_back(n);
     // Interleave: f0 d0 f1 d1 f2 f3 f4.
-    std::vector<std::pair<bool, std::size_t>> which{{false, 0}, {true, 0}, {false, 1}, {true, 1},
+    std::vector<std::pair<bool, std::size_t>> which{{false, 0}, {true, 0},  {false, 1}, {true, 1},
                                                     {false, 2}, {false, 3}, {false, 4}};
     for (auto [is_double, k] : which) {
       if (views)
@@ -240,12 +241,15 @@ TEST_CASE("reducer averages mixed-dtype gradients, exactly for power-of-two worl
             const double got = views ? ddp.gradient<double>(t)[i] : doubles[k][i];
             const double expected = sum / world;
             const double allowed = exact ? 0.0 : 4 * std::numeric_limits<double>::epsilon() * std::abs(sum);
-            RANK_CHECK(std::abs(got - expected) <= allowed, "tensor " << t << "[" << i << "] " << got << " vs " << expected);
+            RANK_CHECK(std::abs(got - expected) <= allowed,
+                       "tensor " << t << "[" << i << "] " << got << " vs " << expected);
           } else {
             const float got = views ? ddp.gradient<float>(t)[i] : floats[k][i];
             const float expected = static_cast<float>(sum) / static_cast<float>(world);
-            const float allowed = exact ? 0.0f : 4 * std::numeric_limits<float>::epsilon() * std::abs(static_cast<float>(sum));
-            RANK_CHECK(std::abs(got - expected) <= allowed, "tensor " << t << "[" << i << "] " << got << " vs " << expected);
+            const float allowed =
+                exact ? 0.0f : 4 * std::numeric_limits<float>::epsilon() * std::abs(static_cast<float>(sum));
+            RANK_CHECK(std::abs(got - expected) <= allowed,
+                       "tensor " << t << "[" << i << "] " << got << " vs " << expected);
           }
         }
       }
@@ -339,8 +343,9 @@ TEST_CASE("the first bucket's all-reduce completes before the last gradient is m
     model.initialize(p, 1);
     std::vector<std::string> events;
     reducer ddp(pg, model.parameter_sizes(),
-                {.first_bucket_bytes = 2048, .bucket_bytes = 8192,
-                 .on_launch = [&](std::size_t b) { events.push_back("launch " + std::to_string(b)); }});
+                {.first_bucket_bytes = 2048, .bucket_bytes = 8192, .on_launch = [&](std::size_t b) {
+                   events.push_back("launch " + std::to_string(b));
+                 }});
     RANK_CHECK(ddp.bucket_count() >= 3);
     bool first_done_early = false;
     model.loss_and_gradients(p, ddp.gradients(), data.inputs, data.targets, 4, [&](std::size_t t) {
@@ -372,11 +377,13 @@ TEST_CASE("buckets launch in index order when gradients are ready out of order",
   cohort_test::run_ranks(world, [&](int rank) {
     auto pg = make_group(store, rank, world);
     std::vector<std::size_t> launched;
-    reducer ddp(pg, std::vector<std::size_t>{64, 64, 64, 64},
-                {.first_bucket_bytes = 256, .bucket_bytes = 256, .on_launch = [&](std::size_t b) { launched.push_back(b); }});
+    reducer ddp(
+        pg, std::vector<std::size_t>{64, 64, 64, 64},
+        {.first_bucket_bytes = 256, .bucket_bytes = 256, .on_launch = [&](std::size_t b) { launched.push_back(b); }});
     RANK_CHECK(ddp.bucket_count() == 4);
     // Rank 1 finishes gradient 0 (the last bucket) first: nothing may launch until bucket 0 is ready.
-    const std::vector<std::size_t> order = rank == 0 ? std::vector<std::size_t>{3, 2, 1, 0} : std::vector<std::size_t>{0, 1, 2, 3};
+    const std::vector<std::size_t> order =
+        rank == 0 ? std::vector<std::size_t>{3, 2, 1, 0} : std::vector<std::size_t>{0, 1, 2, 3};
     for (auto t : order) {
       for (auto& x : ddp.gradient(t)) x = static_cast<float>(rank + 1);
       ddp.mark_ready(ddp.gradient(t));
@@ -420,10 +427,11 @@ TEST_CASE("no_sync over k micro-steps then one synchronised step equals one step
     auto user = zeros(model.parameter_sizes());
     auto user_spans = spans(user);
     std::atomic<int> launches{0};
-    cohort::reducer_options options{.first_bucket_bytes = 2048, .bucket_bytes = 8192,
-                                    .on_launch = [&](std::size_t) { ++launches; }};
-    auto ddp = storage == cohort::gradient_storage::bucket_views ? std::make_unique<reducer>(pg, model.parameter_sizes(), options)
-                                                                 : std::make_unique<reducer>(pg, user_spans, options);
+    cohort::reducer_options options{
+        .first_bucket_bytes = 2048, .bucket_bytes = 8192, .on_launch = [&](std::size_t) { ++launches; }};
+    auto ddp = storage == cohort::gradient_storage::bucket_views
+                   ? std::make_unique<reducer>(pg, model.parameter_sizes(), options)
+                   : std::make_unique<reducer>(pg, user_spans, options);
     auto scratch = zeros(model.parameter_sizes());
     auto s = spans(scratch);
     auto micro_step = [&](std::size_t m) {
@@ -476,7 +484,8 @@ TEST_CASE("finish with a gradient never marked is an error listing it", "[reduce
     reducer ddp(pg, std::vector<std::size_t>{10, 20, 30, 40}, {.first_bucket_bytes = 64, .bucket_bytes = 64});
     ddp.mark_ready(3);
     ddp.mark_ready(1);
-    RANK_CHECK_THROWS(cohort::error, ddp.finish(), "2 gradient(s) never marked ready: gradient 0 (10 x float), gradient 2 (30 x float)");
+    RANK_CHECK_THROWS(cohort::error, ddp.finish(),
+                      "2 gradient(s) never marked ready: gradient 0 (10 x float), gradient 2 (30 x float)");
     // The reducer is usable again: a complete iteration works.
     for (std::size_t t = 4; t-- > 0;) {
       for (auto& x : ddp.gradient(t)) x = static_cast<float>(rank);
@@ -492,7 +501,8 @@ TEST_CASE("bucket layouts that differ across ranks are an error naming the ranks
   auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(3, [&](int rank) {
     auto pg = make_group(store, rank, 3);
-    const std::vector<std::size_t> sizes = rank == 2 ? std::vector<std::size_t>{10, 21} : std::vector<std::size_t>{10, 20};
+    const std::vector<std::size_t> sizes =
+        rank == 2 ? std::vector<std::size_t>{10, 21} : std::vector<std::size_t>{10, 20};
     const auto text = RANK_CHECK_THROWS(cohort::error, reducer(pg, sizes), "bucket layouts differ across ranks");
     RANK_CHECK(text.find("rank 0 has 2 gradients of 30 elements") != std::string::npos, text);
     RANK_CHECK(text.find("rank 2 has 2 gradients of 31 elements") != std::string::npos, text);
@@ -507,8 +517,8 @@ struct unused_as_zero {
   std::vector<std::span<float>> user_spans = spans(user);
   std::unique_ptr<reducer> ddp;
   unused_as_zero(group& pg, bool views) {
-    const cohort::reducer_options options{.first_bucket_bytes = 64, .bucket_bytes = 64,
-                                          .unused = cohort::unused_gradients::zero};
+    const cohort::reducer_options options{
+        .first_bucket_bytes = 64, .bucket_bytes = 64, .unused = cohort::unused_gradients::zero};
     ddp = views ? std::make_unique<reducer>(pg, std::vector<std::size_t>{8, 8, 8, 8}, options)
                 : std::make_unique<reducer>(pg, user_spans, options);
   }
@@ -525,7 +535,7 @@ TEST_CASE("unused gradients count as zero when asked, and every rank learns whic
     auto& ddp = setup.ddp;
     auto g = ddp->gradients();
     for (auto& t : g) std::fill(t.begin(), t.end(), 99.0f);  // stale values an unused gradient must not leak
-    ddp->finish();  // nothing used anywhere
+    ddp->finish();                                           // nothing used anywhere
     // Gradient 1: only rank 0 uses it. Gradient 2: nobody. Gradients 0 and 3: everybody.
     for (std::size_t t : {3u, 1u, 0u}) {
       if (t == 1 && rank != 0) continue;
@@ -541,7 +551,8 @@ TEST_CASE("unused gradients count as zero when asked, and every rank learns whic
   });
 }
 
-TEST_CASE("unused gradients: a rank that marks every gradient and one that skips some stay in step", "[reducer][faults]") {
+TEST_CASE("unused gradients: a rank that marks every gradient and one that skips some stay in step",
+          "[reducer][faults]") {
   constexpr int world = 2;
   const bool views = GENERATE(true, false);
   auto store = std::make_shared<cohort::memory_store>();
@@ -570,7 +581,8 @@ TEST_CASE("unused gradients: a rank that marks every gradient and one that skips
   });
 }
 
-TEST_CASE("gradient sizes that differ only inside the alignment padding are refused on every rank", "[reducer][faults]") {
+TEST_CASE("gradient sizes that differ only inside the alignment padding are refused on every rank",
+          "[reducer][faults]") {
   auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(2, [&](int rank) {
     auto pg = make_group(store, rank, 2);
@@ -591,7 +603,8 @@ TEST_CASE("gradient dtypes that differ across ranks are refused, naming the grad
   });
 }
 
-TEST_CASE("overlapping user buffers are refused on every rank, naming both gradients and the bytes", "[reducer][faults]") {
+TEST_CASE("overlapping user buffers are refused on every rank, naming both gradients and the bytes",
+          "[reducer][faults]") {
   auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(2, [&](int rank) {
     auto pg = make_group(store, rank, 2);
@@ -601,7 +614,8 @@ TEST_CASE("overlapping user buffers are refused on every rank, naming both gradi
     std::vector<std::span<float>> buffers{std::span<float>(flat.data(), 8), std::span<float>(flat.data() + 8, 8),
                                           std::span<float>(flat.data() + start2, 8)};
     if (rank == 1) {
-      const auto text = RANK_CHECK_THROWS(cohort::error, reducer(pg, buffers), "gradient 2 (8 x float) and gradient 1 (8 x float) overlap");
+      const auto text = RANK_CHECK_THROWS(cohort::error, reducer(pg, buffers),
+                                          "gradient 2 (8 x float) and gradient 1 (8 x float) overlap");
       RANK_CHECK(text.find("bytes 24..32 of gradient 1") != std::string::npos, text);
     } else {
       // Rank 0's own list is fine; it must not be left waiting for rank 1.
@@ -635,8 +649,8 @@ TEST_CASE("buckets rebuilt from the observed ready order give the same numbers",
       model.initialize(p, 2);
       auto user = zeros(sizes);
       auto user_spans = spans(user);
-      cohort::reducer_options options{.first_bucket_bytes = 2048, .bucket_bytes = 8192,
-                                      .rebuild_after_first_iteration = rebuild};
+      cohort::reducer_options options{
+          .first_bucket_bytes = 2048, .bucket_bytes = 8192, .rebuild_after_first_iteration = rebuild};
       auto ddp = storage == cohort::gradient_storage::bucket_views ? std::make_unique<reducer>(pg, sizes, options)
                                                                    : std::make_unique<reducer>(pg, user_spans, options);
       const auto original = ddp->layout();
@@ -746,7 +760,8 @@ TEST_CASE("broadcast_parameters makes replicas equal", "[reducer]") {
   auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(world, [&](int rank) {
     auto pg = make_group(store, rank, world);
-    tensors params{std::vector<float>(5, static_cast<float>(rank)), std::vector<float>(7, 10.0f + static_cast<float>(rank))};
+    tensors params{std::vector<float>(5, static_cast<float>(rank)),
+                   std::vector<float>(7, 10.0f + static_cast<float>(rank))};
     cohort::broadcast_parameters(pg, spans(params), 1).wait();
     for (auto x : params[0]) RANK_CHECK(x == 1.0f);
     for (auto x : params[1]) RANK_CHECK(x == 11.0f);

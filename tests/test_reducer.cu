@@ -38,7 +38,8 @@ __global__ void write_kernel(float* data, std::size_t n, float scale) {
   if (i < n) data[i] = scale * static_cast<float>(i % 17);
 }
 void write_on(cudaStream_t stream, std::span<float> gradient, float scale) {
-  write_kernel<<<static_cast<unsigned>((gradient.size() + 255) / 256), 256, 0, stream>>>(gradient.data(), gradient.size(), scale);
+  write_kernel<<<static_cast<unsigned>((gradient.size() + 255) / 256), 256, 0, stream>>>(gradient.data(),
+                                                                                         gradient.size(), scale);
 }
 
 std::vector<float> download(std::span<const float> device, cudaStream_t stream) {

@@ -2,14 +2,14 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
-#include <cmath>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
-#include <memory>
-#include <span>
 #include <map>
+#include <memory>
 #include <numeric>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -31,8 +31,7 @@ using index_list = std::vector<std::uint64_t>;
 index_list torch_assignment(std::int64_t n, std::int64_t world, std::int64_t rank, bool drop_last) {
   std::int64_t num_samples;
   if (drop_last && n % world != 0)
-    num_samples = static_cast<std::int64_t>(
-        std::ceil(static_cast<double>(n - world) / static_cast<double>(world)));
+    num_samples = static_cast<std::int64_t>(std::ceil(static_cast<double>(n - world) / static_cast<double>(world)));
   else
     num_samples = static_cast<std::int64_t>(std::ceil(static_cast<double>(n) / static_cast<double>(world)));
   const std::int64_t total_size = num_samples * world;
@@ -44,8 +43,8 @@ index_list torch_assignment(std::int64_t n, std::int64_t world, std::int64_t ran
     if (padding_size <= n) {
       indices.insert(indices.end(), indices.begin(), indices.begin() + padding_size);
     } else {
-      const auto repeats = static_cast<std::int64_t>(
-          std::ceil(static_cast<double>(padding_size) / static_cast<double>(n)));
+      const auto repeats =
+          static_cast<std::int64_t>(std::ceil(static_cast<double>(padding_size) / static_cast<double>(n)));
       index_list repeated;
       for (std::int64_t r = 0; r < repeats; ++r) repeated.insert(repeated.end(), indices.begin(), indices.end());
       indices.insert(indices.end(), repeated.begin(), repeated.begin() + padding_size);
@@ -84,14 +83,15 @@ TEST_CASE("sampler: shuffle off assigns exactly like torch's DistributedSampler"
     std::int64_t n, world;
     bool drop_last;
   };
-  const std::vector<scenario> scenarios = {
-      {10, 3, false}, {10, 3, true}, {10, 4, false}, {10, 4, true}, {12, 4, false},
-      {12, 4, true},  {3, 4, false}, {3, 4, true},   {5, 8, false}, {1, 1, false},
-      {7, 7, true},   {0, 2, false}, {101, 16, false}, {101, 16, true}, {2, 7, false}};
+  const std::vector<scenario> scenarios = {{10, 3, false},   {10, 3, true},   {10, 4, false}, {10, 4, true},
+                                           {12, 4, false},   {12, 4, true},   {3, 4, false},  {3, 4, true},
+                                           {5, 8, false},    {1, 1, false},   {7, 7, true},   {0, 2, false},
+                                           {101, 16, false}, {101, 16, true}, {2, 7, false}};
   for (const auto& s : scenarios) {
     for (std::int64_t rank = 0; rank < s.world; ++rank) {
       INFO("n=" << s.n << " world=" << s.world << " rank=" << rank << " drop_last=" << s.drop_last);
-      cohort::distributed_sampler sampler{static_cast<std::uint64_t>(s.n), static_cast<int>(s.world),
+      cohort::distributed_sampler sampler{static_cast<std::uint64_t>(s.n),
+                                          static_cast<int>(s.world),
                                           static_cast<int>(rank),
                                           {.shuffle = false, .seed = 0, .drop_last = s.drop_last}};
       const index_list expected = torch_assignment(s.n, s.world, rank, s.drop_last);
@@ -165,8 +165,7 @@ TEST_CASE("sampler: same seed and epoch repeat the order, a new epoch or seed ch
   // Not merely different: the orders share few positions (a random pair shares ~1).
   std::size_t same_position = 0;
   for (std::size_t rank = 0; rank < first.size(); ++rank)
-    for (std::size_t j = 0; j < first[rank].size(); ++j)
-      same_position += first[rank][j] == next_epoch[rank][j] ? 1 : 0;
+    for (std::size_t j = 0; j < first[rank].size(); ++j) same_position += first[rank][j] == next_epoch[rank][j] ? 1 : 0;
   CHECK(same_position < 20);
 
   // A shuffled order is not the identity.
@@ -222,8 +221,7 @@ TEST_CASE("sampler: a second pass without set_epoch warns exactly once", "[sampl
   cohort::distributed_sampler sampler{100, 2, 1, {.shuffle = true, .seed = 0, .warn = collect}};
 
   sampler.set_epoch(0);
-  for ([[maybe_unused]] auto index : sampler) {
-  }
+  for ([[maybe_unused]] auto index : sampler) {}
   sampler.set_epoch(1);
   (void)sampler.indices();
   CHECK(warnings.empty());  // set_epoch between passes: fine
@@ -233,8 +231,7 @@ TEST_CASE("sampler: a second pass without set_epoch warns exactly once", "[sampl
   CHECK(warnings[0].find("set_epoch") != std::string::npos);
   CHECK(warnings[0].find("[rank 1]") != std::string::npos);
 
-  for ([[maybe_unused]] auto index : sampler) {
-  }
+  for ([[maybe_unused]] auto index : sampler) {}
   sampler.set_epoch(2);
   (void)sampler.indices();
   (void)sampler.indices();
@@ -242,16 +239,16 @@ TEST_CASE("sampler: a second pass without set_epoch warns exactly once", "[sampl
 
   // Without shuffling every pass is meant to be the same: no warning.
   std::vector<std::string> quiet;
-  cohort::distributed_sampler ordered{100, 2, 0,
-                                      {.shuffle = false, .warn = [&](std::string_view m) { quiet.emplace_back(m); }}};
+  cohort::distributed_sampler ordered{
+      100, 2, 0, {.shuffle = false, .warn = [&](std::string_view m) { quiet.emplace_back(m); }}};
   (void)ordered.indices();
   (void)ordered.indices();
   CHECK(quiet.empty());
 
   // Random access does not count as a pass.
   std::vector<std::string> none;
-  cohort::distributed_sampler random_access{100, 2, 0,
-                                            {.shuffle = true, .warn = [&](std::string_view m) { none.emplace_back(m); }}};
+  cohort::distributed_sampler random_access{
+      100, 2, 0, {.shuffle = true, .warn = [&](std::string_view m) { none.emplace_back(m); }}};
   for (int pass = 0; pass < 3; ++pass)
     for (std::uint64_t j = 0; j < random_access.size(); ++j) (void)random_access[j];
   CHECK(none.empty());
@@ -301,7 +298,7 @@ TEST_CASE("sampler: on 3 Gloo ranks the gathered slices cover the dataset", "[sa
     expected.insert(expected.end(), slice.begin(), slice.end());
   CHECK(gathered[0] == expected);
   std::set<std::int64_t> distinct(gathered[0].begin(), gathered[0].end());
-  CHECK(distinct.size() == n);                        // coverage
+  CHECK(distinct.size() == n);                                   // coverage
   CHECK(gathered[0].size() == (n + world - 1) / world * world);  // padded to a multiple of world
 #else
   cohort_test::skip("built without Gloo (apt-get install libgloo-dev)");

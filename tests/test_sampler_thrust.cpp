@@ -46,9 +46,11 @@ TEST_CASE("sampler_thrust: Thrust's host system gives the host sampler's indices
             for (int rank = 0; rank < world; ++rank) {
               INFO("n=" << n << " world=" << world << " rank=" << rank << " shuffle=" << shuffle
                         << " drop_last=" << drop_last << " epoch=" << epoch);
-              cohort::distributed_sampler host{n, world, rank, {.shuffle = shuffle, .seed = 2024, .drop_last = drop_last}};
+              cohort::distributed_sampler host{
+                  n, world, rank, {.shuffle = shuffle, .seed = 2024, .drop_last = drop_last}};
               host.set_epoch(epoch);
-              cohort::distributed_sampler device{n, world, rank, {.shuffle = shuffle, .seed = 2024, .drop_last = drop_last}};
+              cohort::distributed_sampler device{
+                  n, world, rank, {.shuffle = shuffle, .seed = 2024, .drop_last = drop_last}};
               device.set_epoch(epoch);
               REQUIRE(to_std(cohort::device_indices(device)) == host.indices());
             }
@@ -79,7 +81,8 @@ TEST_CASE("sampler_thrust: the device shuffled order is a permutation equal to t
 
 TEST_CASE("sampler_thrust: explicit policies and the set_epoch warning", "[sampler][thrust]") {
   std::vector<std::string> warnings;
-  cohort::distributed_sampler sampler{500, 4, 2, {.seed = 1, .warn = [&](std::string_view m) { warnings.emplace_back(m); }}};
+  cohort::distributed_sampler sampler{
+      500, 4, 2, {.seed = 1, .warn = [&](std::string_view m) { warnings.emplace_back(m); }}};
   sampler.set_epoch(1);
   std::vector<std::uint64_t> through_host_policy(static_cast<std::size_t>(sampler.size()));
   cohort::rank_indices(thrust::host, sampler, through_host_policy.begin());

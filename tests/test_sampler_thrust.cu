@@ -54,7 +54,8 @@ TEST_CASE("sampler_thrust_cuda: the GPU computes the host sampler's indices, bit
   }
 }
 
-TEST_CASE("sampler_thrust_cuda: the GPU shuffled order is a permutation equal to the host's", "[sampler][thrust][cuda]") {
+TEST_CASE("sampler_thrust_cuda: the GPU shuffled order is a permutation equal to the host's",
+          "[sampler][thrust][cuda]") {
   require_gpu();
   for (std::uint64_t n : {2u, 257u, 10000019u}) {
     auto order = cohort::device_shuffled_order(n, 99, 3);

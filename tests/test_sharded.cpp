@@ -112,8 +112,8 @@ TEST_CASE("gather returns exactly the original parameters, whatever the sizes an
               RANK_CHECK(values.size() == awkward_units[u][p]);
               for (std::size_t i = 0; i < values.size(); ++i)
                 RANK_CHECK(values[i] == original_value(u, p, i), "world " << world << " init " << init << " unit " << u
-                                                                          << " param " << p << " [" << i << "] = "
-                                                                          << values[i]);
+                                                                          << " param " << p << " [" << i
+                                                                          << "] = " << values[i]);
             }
           }
         }
@@ -148,7 +148,8 @@ TEST_CASE("mixed precision: gathered bfloat16 and half are the rounded fp32 mast
           RANK_CHECK(h.param<cohort::half>(p)[i] == cohort::half(full[t][i]));
         }
     }
-    RANK_CHECK(bf.largest_gather_bytes() == 12 * 2, bf.largest_gather_bytes());  // 10 padded to 12 (world 3), 2 bytes each
+    RANK_CHECK(bf.largest_gather_bytes() == 12 * 2,
+               bf.largest_gather_bytes());  // 10 padded to 12 (world 3), 2 bytes each
   });
 }
 
@@ -260,14 +261,15 @@ TEST_CASE("reduce_scatter_grad leaves each rank its slice of the averaged gradie
               for (int r = 0; r < world; ++r) want += contribution(r, u, flat);
               want = 2 * want / world;
             }
-            RANK_CHECK(std::abs(shard[i] - want) <= 1e-5 * std::max(1.0, std::abs(want)),
-                       "world " << world << " unit " << u << " element " << flat << ": " << shard[i] << " want "
-                                << want);
+            RANK_CHECK(
+                std::abs(shard[i] - want) <= 1e-5 * std::max(1.0, std::abs(want)),
+                "world " << world << " unit " << u << " element " << flat << ": " << shard[i] << " want " << want);
           }
         }
         // Wrong sizes are clear errors.
         std::vector<float> wrong(3);
-        RANK_CHECK_THROWS(cohort::error, params.reduce_scatter_grad(3, wrong), "has 31 elements but the gradient has 3");
+        RANK_CHECK_THROWS(cohort::error, params.reduce_scatter_grad(3, wrong),
+                          "has 31 elements but the gradient has 3");
         const auto traffic = params.traffic();
         RANK_CHECK(traffic.reductions > 0 && traffic.reduce_bytes > 0);
       }
@@ -287,7 +289,8 @@ constexpr double sgd_lr = 0.1, sgd_momentum = 0.9;
 constexpr double adam_lr = 0.01, adam_beta1 = 0.9, adam_beta2 = 0.999, adam_eps = 1e-8;
 
 cohort_examples::synthetic_data training_data(int steps) {
-  return cohort_examples::synthetic_data::make(batch * static_cast<std::size_t>(steps), widths.front(), widths.back(), 7);
+  return cohort_examples::synthetic_data::make(batch * static_cast<std::size_t>(steps), widths.front(), widths.back(),
+                                               7);
 }
 
 std::vector<std::vector<std::size_t>> layer_units(const cohort_examples::mlp& model) {
@@ -347,8 +350,7 @@ std::vector<std::vector<float>> reference_training(optimizer_kind kind, int step
   for (int step = 0; step < steps; ++step) {
     std::vector<std::span<float>> p_spans(params.begin(), params.end()), g_spans(grads.begin(), grads.end());
     const std::size_t first = static_cast<std::size_t>(step) * batch;
-    model.loss_and_gradients(p_spans, g_spans,
-                             std::span<const float>(data.inputs).subspan(first * widths.front()),
+    model.loss_and_gradients(p_spans, g_spans, std::span<const float>(data.inputs).subspan(first * widths.front()),
                              std::span<const float>(data.targets).subspan(first * widths.back()), batch);
     opt.update(params, g_spans, step + 1);
   }
@@ -417,17 +419,18 @@ void train_steps(sharded& params, Optimizer& opt, const cohort_examples::mlp& mo
     std::vector<sharded::work> reductions;
     std::vector<std::span<float>> g_spans(grads.begin(), grads.end());
     const std::size_t sample = static_cast<std::size_t>(step) * batch + static_cast<std::size_t>(global_rank) * local;
-    model.loss_and_gradients(
-        p_spans, g_spans, std::span<const float>(data.inputs).subspan(sample * widths.front()),
-        std::span<const float>(data.targets).subspan(sample * widths.back()), local, [&](std::size_t t) {
-          const std::size_t l = t / 2;
-          if (t % 2 == 1 && l + 1 < layers) guards[l + 1].reset();  // layer l+1's weights no longer read
-          if (t % 2 == 0) {
-            const std::vector<std::span<const float>> unit_grads{grads[2 * l], grads[2 * l + 1]};
-            reductions.push_back(params.reduce_scatter_grad(l, unit_grads));
-          }
-          if (t == 0) guards[0].reset();
-        });
+    model.loss_and_gradients(p_spans, g_spans, std::span<const float>(data.inputs).subspan(sample * widths.front()),
+                             std::span<const float>(data.targets).subspan(sample * widths.back()), local,
+                             [&](std::size_t t) {
+                               const std::size_t l = t / 2;
+                               if (t % 2 == 1 && l + 1 < layers)
+                                 guards[l + 1].reset();  // layer l+1's weights no longer read
+                               if (t % 2 == 0) {
+                                 const std::vector<std::span<const float>> unit_grads{grads[2 * l], grads[2 * l + 1]};
+                                 reductions.push_back(params.reduce_scatter_grad(l, unit_grads));
+                               }
+                               if (t == 0) guards[0].reset();
+                             });
     for (auto& w : reductions) w.wait();
     opt.step().wait();
   }
@@ -511,8 +514,8 @@ TEST_CASE("replicated small units and a double reduce dtype train identically to
   run.kind = optimizer_kind::adam;
   run.world = 3;
   // The last layer (7x3 + 3 = 24 elements) is replicated; prefetch 2 with an explicit limit.
-  run.options = {.prefetch = 2, .max_gathered_bytes = 4096, .reduce_type = cohort::dtype::float64,
-                 .replicate_below = 30};
+  run.options = {
+      .prefetch = 2, .max_gathered_bytes = 4096, .reduce_type = cohort::dtype::float64, .replicate_below = 30};
   CHECK(max_abs_diff(sharded_training(run), reference) <= 1e-5);
 }
 

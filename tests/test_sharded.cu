@@ -135,7 +135,8 @@ TEST_CASE("device gradients, SGD and Adam match the formulas computed on the hos
     const auto got = params.gather_full_state(0);
     double worst = 0;
     for (std::size_t t = 0; t < got.size(); ++t)
-      for (std::size_t i = 0; i < got[t].size(); ++i) worst = std::max(worst, std::abs(double(got[t][i]) - expected[t][i]));
+      for (std::size_t i = 0; i < got[t].size(); ++i)
+        worst = std::max(worst, std::abs(double(got[t][i]) - expected[t][i]));
     INFO((kind == 0 ? "sgd" : "adam"));
     CHECK(worst <= 1e-4);
     const auto directory = std::filesystem::temp_directory_path() / ("cohort_sharded_cuda_" + std::to_string(kind));

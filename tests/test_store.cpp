@@ -196,8 +196,7 @@ TEST_CASE("store: the TCPStore request parser waits for whole messages and bound
 
   protocol::request request;
   for (std::size_t prefix = 0; prefix < message.size(); ++prefix) {
-    const auto result =
-        protocol::parse_request(std::span<const std::uint8_t>(message.data(), prefix), request);
+    const auto result = protocol::parse_request(std::span<const std::uint8_t>(message.data(), prefix), request);
     INFO("prefix of " << prefix << " bytes");
     CHECK(result.status == protocol::parse_status::incomplete);
     CHECK(result.bytes > prefix);
@@ -252,8 +251,7 @@ TEST_CASE("store: tcp server and client processes set, get, add, wait and compar
     const std::uint16_t port = host.port();
     expect(::write(port_pipe[1], &port, sizeof(port)) == sizeof(port), "port pipe");
     char sink;
-    while (::read(stop_pipe[0], &sink, 1) > 0) {
-    }  // serve until the parent closes the pipe
+    while (::read(stop_pipe[0], &sink, 1) > 0) {}  // serve until the parent closes the pipe
     return 0;
   });
   ::close(stop_pipe[0]);
@@ -269,24 +267,20 @@ TEST_CASE("store: tcp server and client processes set, get, add, wait and compar
       s.set("rank/" + me, "value-" + me);
       s.add("counter", rank + 1);
       std::vector<std::string> everyone;
-      for (int other = 0; other < clients; ++other)
-        everyone.push_back("rank/" + std::to_string(other));
+      for (int other = 0; other < clients; ++other) everyone.push_back("rank/" + std::to_string(other));
       s.wait(everyone);
       for (int other = 0; other < clients; ++other) {
         const std::string got = s.get_string("rank/" + std::to_string(other));
         expect(got == "value-" + std::to_string(other), "rank " + me + " read '" + got + "'");
       }
       // Election: the first compare-set on the absent key wins; everyone sees that winner.
-      const auto winner = cohort::to_string(
-          s.compare_set("leader", cohort::bytes{}, cohort::to_bytes("rank-" + me)));
+      const auto winner = cohort::to_string(s.compare_set("leader", cohort::bytes{}, cohort::to_bytes("rank-" + me)));
       expect(winner.rfind("rank-", 0) == 0, "leader is '" + winner + "'");
       s.set("leader-seen/" + me, winner);
       std::vector<std::string> seen;
-      for (int other = 0; other < clients; ++other)
-        seen.push_back("leader-seen/" + std::to_string(other));
+      for (int other = 0; other < clients; ++other) seen.push_back("leader-seen/" + std::to_string(other));
       s.wait(seen);
-      for (const auto& key : seen)
-        expect(s.get_string(key) == winner, key + " disagrees with " + winner);
+      for (const auto& key : seen) expect(s.get_string(key) == winner, key + " disagrees with " + winner);
       expect(s.get_string("counter") == std::to_string(clients * (clients + 1) / 2),
              "counter after every add: " + s.get_string("counter"));
       return 0;
@@ -552,8 +546,7 @@ TEST_CASE("store: malformed and oversized messages close that connection, the se
 TEST_CASE("store: a tcp client refuses values over the limit before sending") {
   cohort::tcp_store s(hosting());
   const cohort::bytes huge(protocol::max_value_bytes + 1);
-  CHECK_THROWS_WITH(s.set("huge", std::span<const std::uint8_t>(huge)),
-                    Catch::Contains("exceeds the store's limit"));
+  CHECK_THROWS_WITH(s.set("huge", std::span<const std::uint8_t>(huge)), Catch::Contains("exceeds the store's limit"));
   s.ping();  // nothing was sent: the connection is fine
 }
 
@@ -673,15 +666,12 @@ TEST_CASE("store: our tcp client against PyTorch's TCPStore server (libuv and cl
     cohort::tcp_store s(client_of(static_cast<std::uint16_t>(port)));
     CHECK(s.get_string("py/x") == "from-python");
     CHECK(s.add("counter", 5) == 7);
-    CHECK(cohort::to_string(s.compare_set("cas", cohort::bytes{}, cohort::to_bytes("one"))) ==
-          "one");
-    CHECK(cohort::to_string(
-              s.compare_set("cas", cohort::to_bytes("zz"), cohort::to_bytes("two"))) == "one");
+    CHECK(cohort::to_string(s.compare_set("cas", cohort::bytes{}, cohort::to_bytes("one"))) == "one");
+    CHECK(cohort::to_string(s.compare_set("cas", cohort::to_bytes("zz"), cohort::to_bytes("two"))) == "one");
     CHECK(s.check(std::vector<std::string>{"py/x"}));
     CHECK_FALSE(s.check(std::vector<std::string>{"py/x", "nope"}));
     cohort::bytes binary(256);
-    for (int i = 0; i < 256; ++i)
-      binary[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(i);
+    for (int i = 0; i < 256; ++i) binary[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(i);
     s.set("cpp/binary", std::span<const std::uint8_t>(binary));
     s.set("cpp/deleted", "x");
     CHECK(s.delete_key("cpp/deleted"));
@@ -730,7 +720,8 @@ namespace {
 // PyTorch 1.x lives in Debian's python3 (python3-torch), often not the python3 on PATH.
 std::string torch1_peer(const std::string& arguments) {
   const char* chosen = std::getenv("COHORT_TEST_TORCH1_PYTHON");
-  const std::string python = chosen ? chosen : (::access("/usr/bin/python3", X_OK) == 0 ? "/usr/bin/python3" : "python3");
+  const std::string python =
+      chosen ? chosen : (::access("/usr/bin/python3", X_OK) == 0 ? "/usr/bin/python3" : "python3");
   return python + " " + COHORT_TEST_SOURCE_DIR + "/torch1_store_peer.py " + arguments;
 }
 
@@ -898,12 +889,10 @@ TEST_CASE("store: file store keys may hold any bytes") {
   temporary_directory dir;
   cohort::file_store s(dir.path, "run/with spaces");
   const std::string long_a(1000, 'a');
-  const std::vector<std::string> keys{
-      "",  ".hidden",    "..",         "a/b c",     "%41",
-      "A", long_a + "1", long_a + "2", "tab\there", std::string("\0z", 2)};
+  const std::vector<std::string> keys{"",  ".hidden",    "..",         "a/b c",     "%41",
+                                      "A", long_a + "1", long_a + "2", "tab\there", std::string("\0z", 2)};
   for (std::size_t i = 0; i < keys.size(); ++i) s.set(keys[i], "value-" + std::to_string(i));
-  for (std::size_t i = 0; i < keys.size(); ++i)
-    CHECK(s.get_string(keys[i]) == "value-" + std::to_string(i));
+  for (std::size_t i = 0; i < keys.size(); ++i) CHECK(s.get_string(keys[i]) == "value-" + std::to_string(i));
   CHECK(s.num_keys() == static_cast<std::int64_t>(keys.size()));
   CHECK(std::filesystem::is_directory(s.path()));
   CHECK(s.path().parent_path() == dir.path);

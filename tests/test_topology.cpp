@@ -229,12 +229,13 @@ TEST_CASE("topology: a PCIe box with two switches per socket and two sockets") {
 }
 
 TEST_CASE("topology: a 4-GPU box with NVLink bridges in pairs across sockets") {
-  const auto topo = cohort::make_topology(gpus(4, "NVIDIA A100 80GB PCIe", 8, 4, 16, 2), [](std::size_t a, std::size_t b) {
-    link_evidence e;
-    e.nvlink_count = (a / 2 == b / 2) ? 12 : 0;
-    e.ancestor = (a / 2 == b / 2) ? pcie_ancestor::host_bridge : pcie_ancestor::system;
-    return e;
-  });
+  const auto topo =
+      cohort::make_topology(gpus(4, "NVIDIA A100 80GB PCIe", 8, 4, 16, 2), [](std::size_t a, std::size_t b) {
+        link_evidence e;
+        e.nvlink_count = (a / 2 == b / 2) ? 12 : 0;
+        e.ancestor = (a / 2 == b / 2) ? pcie_ancestor::host_bridge : pcie_ancestor::system;
+        return e;
+      });
   const std::string text = cohort::format_topology_matrix(topo);
   CHECK_THAT(text, Catch::Contains(expected_row("GPU1", {"NV12", "X", "SYS", "SYS"}, "0")));
   CHECK(topo.link(2, 3).nvlink_version == 3);
@@ -263,15 +264,18 @@ TEST_CASE("topology: without NVML the classes come from NUMA affinity") {
   const auto unknown = cohort::make_topology(box, [](std::size_t, std::size_t) { return link_evidence{}; });
   CHECK(unknown.link(0, 1).kind == link_class::none);
   CHECK(any_contains(cohort::advice(unknown), "could not be classified"));
-  CHECK_THAT(cohort::format_topology_matrix(unknown), Catch::Contains(expected_row("GPU0", {"X", "?", "?", "?"}, "N/A")));
+  CHECK_THAT(cohort::format_topology_matrix(unknown),
+             Catch::Contains(expected_row("GPU0", {"X", "?", "?", "?"}, "N/A")));
 }
 
 TEST_CASE("topology: empty and single-GPU boxes") {
   cohort::topology empty;
   empty.notes.push_back("no CUDA device (test)");
-  CHECK_THAT(cohort::format_topology_matrix(empty), Catch::Contains("no GPUs") && Catch::Contains("note: no CUDA device (test)"));
+  CHECK_THAT(cohort::format_topology_matrix(empty),
+             Catch::Contains("no GPUs") && Catch::Contains("note: no CUDA device (test)"));
   CHECK(any_contains(cohort::advice(empty), "no CUDA device visible"));
-  const auto one = cohort::make_topology(gpus(1, "GPU", 9, 5, 16, 1), [](std::size_t, std::size_t) { return link_evidence{}; });
+  const auto one =
+      cohort::make_topology(gpus(1, "GPU", 9, 5, 16, 1), [](std::size_t, std::size_t) { return link_evidence{}; });
   CHECK(any_contains(cohort::advice(one), "one GPU"));
   CHECK(cohort::suggested_link_preset(one).empty());
 }

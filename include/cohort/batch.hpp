@@ -41,17 +41,15 @@ struct batch_plan {
   // Advice attached by rescaled_for (for example the warm-up reminder); empty otherwise.
   std::string note = {};
 
-  std::int64_t effective() const noexcept {
-    return std::int64_t{per_device} * accumulation * world;
-  }
+  std::int64_t effective() const noexcept { return std::int64_t{per_device} * accumulation * world; }
 
   // The plan for `new_world` ranks. keep::effective_batch throws when accumulation * world is
   // not a multiple of new_world, naming the nearest world sizes that would work.
   batch_plan rescaled_for(int new_world, keep what = keep::effective_batch) const {
     validate("batch_plan::rescaled_for");
     if (new_world < 1)
-      throw error(-1, "batch_plan::rescaled_for", "new world size must be at least 1, got " +
-                                                      std::to_string(new_world));
+      throw error(-1, "batch_plan::rescaled_for",
+                  "new world size must be at least 1, got " + std::to_string(new_world));
     batch_plan result = *this;
     result.world = new_world;
     result.note.clear();
@@ -60,10 +58,9 @@ struct batch_plan {
       if (micro_batches % new_world != 0) {
         throw error(-1, "batch_plan::rescaled_for",
                     "cannot keep effective batch " + std::to_string(effective()) + " (per_device " +
-                        std::to_string(per_device) + " x accumulation " + std::to_string(accumulation) +
-                        " x world " + std::to_string(world) + ") on world " + std::to_string(new_world) +
-                        ": accumulation would be " + std::to_string(micro_batches) + "/" +
-                        std::to_string(new_world) + ", not a whole number",
+                        std::to_string(per_device) + " x accumulation " + std::to_string(accumulation) + " x world " +
+                        std::to_string(world) + ") on world " + std::to_string(new_world) + ": accumulation would be " +
+                        std::to_string(micro_batches) + "/" + std::to_string(new_world) + ", not a whole number",
                     nearest_worlds_hint(micro_batches, new_world));
       }
       result.accumulation = static_cast<int>(micro_batches / new_world);
@@ -75,8 +72,7 @@ struct batch_plan {
     result.learning_rate = learning_rate * factor;
     std::ostringstream note;
     note << "effective batch " << effective() << " -> " << result.effective();
-    if (learning_rate != 0.0)
-      note << ", learning rate " << learning_rate << " -> " << result.learning_rate;
+    if (learning_rate != 0.0) note << ", learning rate " << learning_rate << " -> " << result.learning_rate;
     note << " (linear scaling rule, x" << factor << ")";
     if (factor > 1.0)
       note << "; warm the learning rate up over the first steps (e.g. a linear warm-up of a few "
@@ -88,8 +84,8 @@ struct batch_plan {
   // "per-device batch 2 x accumulation 8 x world 4 = effective batch 64, learning rate 0.1"
   std::string summary() const {
     std::ostringstream line;
-    line << "per-device batch " << per_device << " x accumulation " << accumulation << " x world "
-         << world << " = effective batch " << effective();
+    line << "per-device batch " << per_device << " x accumulation " << accumulation << " x world " << world
+         << " = effective batch " << effective();
     if (learning_rate != 0.0) line << ", learning rate " << learning_rate;
     return line.str();
   }
@@ -97,9 +93,8 @@ struct batch_plan {
   void validate(const char* operation) const {
     if (per_device < 1 || accumulation < 1 || world < 1)
       throw error(-1, operation,
-                  "per_device, accumulation and world must all be at least 1, got " +
-                      std::to_string(per_device) + ", " + std::to_string(accumulation) + ", " +
-                      std::to_string(world));
+                  "per_device, accumulation and world must all be at least 1, got " + std::to_string(per_device) +
+                      ", " + std::to_string(accumulation) + ", " + std::to_string(world));
   }
 
  private:
@@ -126,9 +121,9 @@ struct batch_plan {
 
 // How launch_plan treats a world size different from the configured one.
 enum class world_change {
-  refuse,                 // throw: the run was configured for another world size
-  keep_effective_batch,   // acknowledged: rescaled_for(size, keep::effective_batch)
-  keep_accumulation,      // acknowledged: rescaled_for(size, keep::accumulation)
+  refuse,                // throw: the run was configured for another world size
+  keep_effective_batch,  // acknowledged: rescaled_for(size, keep::effective_batch)
+  keep_accumulation,     // acknowledged: rescaled_for(size, keep::accumulation)
 };
 
 // Checks the configured plan against the group it was launched on, then has rank 0 print one
@@ -139,8 +134,8 @@ template <class Group>
     { group.rank() } -> std::convertible_to<int>;
     { group.size() } -> std::convertible_to<int>;
   }
-batch_plan launch_plan(const batch_plan& configured, Group& group,
-                       world_change on_change = world_change::refuse, std::ostream& summary_out = std::clog) {
+batch_plan launch_plan(const batch_plan& configured, Group& group, world_change on_change = world_change::refuse,
+                       std::ostream& summary_out = std::clog) {
   const int rank = static_cast<int>(group.rank());
   const int size = static_cast<int>(group.size());
   configured.validate("launch_plan");
@@ -148,19 +143,17 @@ batch_plan launch_plan(const batch_plan& configured, Group& group,
   if (size != configured.world) {
     if (on_change == world_change::refuse)
       throw error(rank, "launch_plan",
-                  "the run was configured for world size " + std::to_string(configured.world) +
-                      " (" + configured.summary() + ") but launched on " + std::to_string(size) + " ranks",
+                  "the run was configured for world size " + std::to_string(configured.world) + " (" +
+                      configured.summary() + ") but launched on " + std::to_string(size) + " ranks",
                   "launch with " + std::to_string(configured.world) +
                       " ranks, or acknowledge the change with world_change::keep_effective_batch or "
                       "world_change::keep_accumulation");
-    plan = configured.rescaled_for(size, on_change == world_change::keep_effective_batch
-                                             ? keep::effective_batch
-                                             : keep::accumulation);
+    plan = configured.rescaled_for(
+        size, on_change == world_change::keep_effective_batch ? keep::effective_batch : keep::accumulation);
   }
   if (rank == 0) {
     std::string line = "cohort: " + plan.summary();
-    if (size != configured.world)
-      line += " (rescaled from world " + std::to_string(configured.world) + ")";
+    if (size != configured.world) line += " (rescaled from world " + std::to_string(configured.world) + ")";
     if (!plan.note.empty()) line += "; " + plan.note;
     line += '\n';
     summary_out << line << std::flush;
@@ -173,9 +166,9 @@ batch_plan launch_plan(const batch_plan& configured, Group& group,
 // instead of suggesting one.
 struct loader_workers {
   int per_rank = 0;
-  int total = 0;          // workers on the node, all local ranks together
+  int total = 0;  // workers on the node, all local ranks together
   int cores = 0;
-  std::string warning;    // non-empty when workers + training processes exceed the cores
+  std::string warning;  // non-empty when workers + training processes exceed the cores
 };
 
 inline loader_workers suggest_loader_workers(int cores, int local_ranks, int requested_per_rank = -1,
@@ -192,8 +185,9 @@ inline loader_workers suggest_loader_workers(int cores, int local_ranks, int req
     result.warning = std::to_string(local_ranks) + " ranks x " + std::to_string(result.per_rank) +
                      " data-loader workers + " + std::to_string(local_ranks) +
                      " training processes = " + std::to_string(result.total + local_ranks) + " busy threads on " +
-                     std::to_string(cores) + " cores; expect contention (suggested: " +
-                     std::to_string(std::max(0, cores / local_ranks - 1)) + " workers per rank)";
+                     std::to_string(cores) +
+                     " cores; expect contention (suggested: " + std::to_string(std::max(0, cores / local_ranks - 1)) +
+                     " workers per rank)";
     detail::emit_warning(warn, -1, result.warning);
   }
   return result;
@@ -201,8 +195,8 @@ inline loader_workers suggest_loader_workers(int cores, int local_ranks, int req
 
 inline loader_workers suggest_loader_workers_for_this_machine(int local_ranks, int requested_per_rank = -1,
                                                               const warning_sink& warn = {}) {
-  return suggest_loader_workers(static_cast<int>(std::thread::hardware_concurrency()), local_ranks,
-                                requested_per_rank, warn);
+  return suggest_loader_workers(static_cast<int>(std::thread::hardware_concurrency()), local_ranks, requested_per_rank,
+                                warn);
 }
 
 // ---- per-device batches, aware of gradient accumulation -----------------------------------
@@ -239,8 +233,8 @@ class batch_sequence {
       : sampler_(&sampler), per_device_(per_device), accumulation_(accumulation), partial_(partial) {
     if (per_device < 1 || accumulation < 1)
       throw error(sampler.rank(), "batch_sequence",
-                  "per_device and accumulation must be at least 1, got " + std::to_string(per_device) +
-                      " and " + std::to_string(accumulation));
+                  "per_device and accumulation must be at least 1, got " + std::to_string(per_device) + " and " +
+                      std::to_string(accumulation));
   }
   batch_sequence(distributed_sampler& sampler, const batch_plan& plan, partial_batch partial = partial_batch::keep)
       : batch_sequence(sampler, plan.per_device, plan.accumulation, partial) {

@@ -59,8 +59,8 @@ inline std::string encode(std::string_view key) {
   name.reserve(key.size());
   for (std::size_t i = 0; i < key.size(); ++i) {
     const unsigned char c = static_cast<unsigned char>(key[i]);
-    const bool plain = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                       c == '_' || c == '-' || (c == '.' && i > 0);
+    const bool plain = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
+                       c == '-' || (c == '.' && i > 0);
     if (plain) {
       name += static_cast<char>(c);
     } else {
@@ -88,8 +88,7 @@ inline std::string encode(std::string_view key) {
 
 class file_store final : public store {
  public:
-  file_store(std::filesystem::path directory, std::string run_id, int rank = -1)
-      : run_id_(std::move(run_id)) {
+  file_store(std::filesystem::path directory, std::string run_id, int rank = -1) : run_id_(std::move(run_id)) {
     set_rank(rank);
     if (run_id_.empty())
       throw error(rank, "file_store", "empty run id for store directory " + directory.string(),
@@ -99,8 +98,7 @@ class file_store final : public store {
     std::error_code failure;
     std::filesystem::create_directories(root_, failure);
     if (failure)
-      throw error(rank, "file_store",
-                  "cannot create store directory " + root_.string() + ": " + failure.message(),
+      throw error(rank, "file_store", "cannot create store directory " + root_.string() + ": " + failure.message(),
                   "the directory must be on a filesystem every rank can write");
   }
 
@@ -126,8 +124,7 @@ class file_store final : public store {
     auto pause = first_pause;
     for (;;) {
       if (auto value = read("get", key)) return std::move(*value);
-      if (clock::now() >= deadline)
-        throw_timeout("get", std::span<const std::string>(&name, 1), timeout);
+      if (clock::now() >= deadline) throw_timeout("get", std::span<const std::string>(&name, 1), timeout);
       sleep_before_retry(pause, deadline);
     }
   }
@@ -142,8 +139,7 @@ class file_store final : public store {
       const auto [end, status] = std::from_chars(first, last, value);
       if (status != std::errc() || end != last)
         throw error(rank(), "store.add",
-                    "key '" + std::string(key) + "' holds \"" + to_string(*current) +
-                        "\", not a decimal integer",
+                    "key '" + std::string(key) + "' holds \"" + to_string(*current) + "\", not a decimal integer",
                     "use add() only on keys that only add() writes");
     }
     if (__builtin_add_overflow(value, delta, &value))
@@ -166,8 +162,7 @@ class file_store final : public store {
   }
 
   bool check(std::span<const std::string> keys) override {
-    return std::all_of(keys.begin(), keys.end(),
-                       [&](const std::string& key) { return exists(key); });
+    return std::all_of(keys.begin(), keys.end(), [&](const std::string& key) { return exists(key); });
   }
 
   void wait(std::span<const std::string> keys, std::chrono::milliseconds limit) override {
@@ -205,23 +200,19 @@ class file_store final : public store {
 
   static void sleep_before_retry(std::chrono::milliseconds& pause, clock::time_point deadline) {
     const auto left = deadline - clock::now();
-    std::this_thread::sleep_for(
-        std::min<clock::duration>(pause, std::max(left, clock::duration::zero())));
+    std::this_thread::sleep_for(std::min<clock::duration>(pause, std::max(left, clock::duration::zero())));
     pause = std::min(pause * 2, longest_pause);
   }
 
-  std::filesystem::path file_of(std::string_view key) const {
-    return root_ / detail::file_store_names::encode(key);
-  }
+  std::filesystem::path file_of(std::string_view key) const { return root_ / detail::file_store_names::encode(key); }
 
   bool exists(std::string_view key) const { return ::access(file_of(key).c_str(), F_OK) == 0; }
 
-  [[noreturn]] void fail(std::string_view operation, std::string_view key, const std::string& what,
-                         int code) const {
-    throw error(rank(), "store." + std::string(operation),
-                what + " for key '" + std::string(key) + "' in " + root_.string() + ": " +
-                    std::system_category().message(code),
-                "check that the store directory is writable and not full");
+  [[noreturn]] void fail(std::string_view operation, std::string_view key, const std::string& what, int code) const {
+    throw error(
+        rank(), "store." + std::string(operation),
+        what + " for key '" + std::string(key) + "' in " + root_.string() + ": " + std::system_category().message(code),
+        "check that the store directory is writable and not full");
   }
 
   // The whole value, or nothing when the key is absent.
@@ -247,8 +238,7 @@ class file_store final : public store {
     }
   }
 
-  void write_atomically(std::string_view operation, std::string_view key,
-                        std::span<const std::uint8_t> value) {
+  void write_atomically(std::string_view operation, std::string_view key, std::span<const std::uint8_t> value) {
     static std::atomic<std::uint64_t> sequence{0};
     const std::filesystem::path target = file_of(key);
     const std::filesystem::path temporary =
@@ -278,8 +268,7 @@ class file_store final : public store {
   // belongs to the open file, which they share), flock orders processes and other handles.
   class exclusive_lock {
    public:
-    exclusive_lock(std::unique_lock<std::mutex> guard, int fd)
-        : guard_(std::move(guard)), fd_(fd) {}
+    exclusive_lock(std::unique_lock<std::mutex> guard, int fd) : guard_(std::move(guard)), fd_(fd) {}
     exclusive_lock(const exclusive_lock&) = delete;
     exclusive_lock& operator=(const exclusive_lock&) = delete;
     ~exclusive_lock() { ::flock(fd_, LOCK_UN); }
@@ -302,8 +291,7 @@ class file_store final : public store {
       if (clock::now() >= deadline)
         throw timeout_error(rank(), "store." + std::string(operation),
                             "waited " + detail::format_duration(timeout()) + " for the lock " +
-                                (root_ / ".lock").string() + " to update key '" + std::string(key) +
-                                "'",
+                                (root_ / ".lock").string() + " to update key '" + std::string(key) + "'",
                             "another process holds the store's lock; it may be stuck");
       sleep_before_retry(pause, deadline);
     }

@@ -59,7 +59,9 @@ concept local_rank_group = rank_group<G> && requires(G& group) {
 };
 
 template <class G>
-concept barrier_group = rank_group<G> && requires(G& group) { group.barrier().wait(); };
+concept barrier_group = rank_group<G> && requires(G& group) {
+  group.barrier().wait();
+};
 
 namespace detail {
 // Groups whose broadcast takes host memory can tell the waiting ranks whether the main
@@ -130,8 +132,7 @@ void release_followers(G& group, bool leader, const std::exception_ptr& failure,
         std::rethrow_exception(failure);
       } catch (const std::exception& e) {
         text = e.what();
-      } catch (...) {
-      }
+      } catch (...) {}
       const auto length = std::min(text.size(), status.size() - 2);
       std::memcpy(status.data() + 1, text.data(), length);
     }
@@ -141,8 +142,8 @@ void release_followers(G& group, bool leader, const std::exception_ptr& failure,
     group.barrier().wait();
     if (!leader && status[0] == 1)
       throw error(group.rank(), operation,
-                  "rank " + std::to_string(leader_rank_for_message) + " failed: " +
-                      std::string(reinterpret_cast<const char*>(status.data() + 1)),
+                  "rank " + std::to_string(leader_rank_for_message) +
+                      " failed: " + std::string(reinterpret_cast<const char*>(status.data() + 1)),
                   "fix the failure on the main rank; the other ranks did not run their part");
   } else {
     (void)failure;
@@ -277,8 +278,7 @@ namespace detail {
 
 inline void fsync_path(const std::filesystem::path& path, bool directory, int rank) {
   const int fd = ::open(path.c_str(), directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY);
-  if (fd < 0)
-    throw error(rank, "atomic_write", "cannot open " + path.string() + " to fsync: " + std::strerror(errno));
+  if (fd < 0) throw error(rank, "atomic_write", "cannot open " + path.string() + " to fsync: " + std::strerror(errno));
   const int result = ::fsync(fd);
   const int saved = errno;
   ::close(fd);
@@ -290,8 +290,8 @@ inline void fsync_path(const std::filesystem::path& path, bool directory, int ra
 
 inline std::filesystem::path temporary_sibling(const std::filesystem::path& target) {
   // Same directory (rename must not cross file systems), hidden, unique per process and thread.
-  const auto unique = std::to_string(::getpid()) + "-" +
-                      std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id()));
+  const auto unique =
+      std::to_string(::getpid()) + "-" + std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id()));
   return target.parent_path() / ("." + target.filename().string() + ".cohort-tmp-" + unique);
 }
 
@@ -303,8 +303,7 @@ inline std::filesystem::path temporary_sibling(const std::filesystem::path& targ
 // crash. `write` fills the stream; if it throws, target is untouched and the temporary removed.
 inline void atomic_write_file(const std::filesystem::path& target, const std::function<void(std::ostream&)>& write,
                               int rank = -1) {
-  if (target.filename().empty())
-    throw error(rank, "atomic_write", "target '" + target.string() + "' names no file");
+  if (target.filename().empty()) throw error(rank, "atomic_write", "target '" + target.string() + "' names no file");
   const auto temporary = detail::temporary_sibling(target);
   try {
     {
@@ -322,8 +321,8 @@ inline void atomic_write_file(const std::filesystem::path& target, const std::fu
     std::error_code ec;
     std::filesystem::rename(temporary, target, ec);
     if (ec)
-      throw error(rank, "atomic_write", "renaming " + temporary.string() + " to " + target.string() +
-                                            " failed: " + ec.message());
+      throw error(rank, "atomic_write",
+                  "renaming " + temporary.string() + " to " + target.string() + " failed: " + ec.message());
   } catch (...) {
     std::error_code ignored;
     std::filesystem::remove(temporary, ignored);

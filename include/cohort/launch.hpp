@@ -125,8 +125,7 @@ struct launch_env {
     return explicit_values(rank, world_size, rank, world_size);
   }
   static launch_env explicit_values(int rank, int world_size, int local_rank, int local_world_size,
-                                    std::string master_addr = "127.0.0.1",
-                                    std::uint16_t master_port = 29500);
+                                    std::string master_addr = "127.0.0.1", std::uint16_t master_port = 29500);
 };
 
 namespace detail {
@@ -149,8 +148,7 @@ inline std::optional<long long> parse_integer(std::string_view text) {
 }
 
 inline bool all_digits(std::string_view text) {
-  return !text.empty() &&
-         std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+  return !text.empty() && std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
 // A malformed list like "n[0-999999999]" must fail, not exhaust memory.
@@ -207,8 +205,7 @@ inline std::vector<std::string> expand_bracket(std::string_view nodelist, std::s
 
 // One host expression: literal text and bracket groups, e.g. "rack[1-2]-n[01-02]"; several
 // groups multiply, the leftmost varying slowest.
-inline void expand_host(std::string_view nodelist, std::string_view host,
-                        std::vector<std::string>& out) {
+inline void expand_host(std::string_view nodelist, std::string_view host, std::vector<std::string>& out) {
   std::vector<std::string> partial{""};
   std::size_t position = 0;
   while (position < host.size()) {
@@ -313,8 +310,7 @@ class launch_reader {
       if (!list.empty()) list += ", ";
       list += name;
     }
-    if (!missing.empty())
-      fail("partial environment: " + present + " set but " + missing + " not set", hint);
+    if (!missing.empty()) fail("partial environment: " + present + " set but " + missing + " not set", hint);
   }
 
   int integer(std::string_view name) const {
@@ -353,15 +349,13 @@ inline void validate_ranks(const launch_env& env, const rank_names& names,
   if (env.world_size <= 0)
     fail(show(names.world_size, env.world_size) + " must be positive", "the world has at least one rank");
   if (env.rank < 0 || env.rank >= env.world_size)
-    fail(show(names.rank, env.rank) + " is outside [0, " + names.world_size + "=" +
-             std::to_string(env.world_size) + ")",
-         "ranks count from 0 to world size - 1; check that every process got the same world size");
+    fail(
+        show(names.rank, env.rank) + " is outside [0, " + names.world_size + "=" + std::to_string(env.world_size) + ")",
+        "ranks count from 0 to world size - 1; check that every process got the same world size");
   if (env.local_world_size <= 0)
-    fail(show(names.local_world_size, env.local_world_size) + " must be positive",
-         "each node runs at least one rank");
+    fail(show(names.local_world_size, env.local_world_size) + " must be positive", "each node runs at least one rank");
   if (env.local_world_size > env.world_size)
-    fail(show(names.local_world_size, env.local_world_size) + " exceeds " +
-             show(names.world_size, env.world_size),
+    fail(show(names.local_world_size, env.local_world_size) + " exceeds " + show(names.world_size, env.world_size),
          "a node cannot hold more ranks than the whole world");
   if (env.local_rank < 0 || env.local_rank >= env.local_world_size)
     fail(show(names.local_rank, env.local_rank) + " is outside [0, " + names.local_world_size + "=" +
@@ -411,8 +405,7 @@ inline void read_torchrun(const launch_reader& in, launch_env& env, rank_names& 
   }
   if (const auto restarts = in.optional_integer("TORCHELASTIC_RESTART_COUNT")) {
     if (*restarts < 0)
-      in.fail("TORCHELASTIC_RESTART_COUNT=" + std::to_string(*restarts) + " is negative",
-              "restart counts start at 0");
+      in.fail("TORCHELASTIC_RESTART_COUNT=" + std::to_string(*restarts) + " is negative", "restart counts start at 0");
     env.restart_count = *restarts;
   } else if (env.use_agent_store) {
     in.fail("TORCHELASTIC_USE_AGENT_STORE=True but TORCHELASTIC_RESTART_COUNT is not set",
@@ -423,12 +416,11 @@ inline void read_torchrun(const launch_reader& in, launch_env& env, rank_names& 
 }
 
 inline void read_open_mpi(const launch_reader& in, launch_env& env, rank_names& names) {
-  names = {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-           "OMPI_COMM_WORLD_LOCAL_SIZE"};
-  in.require_all({"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                  "OMPI_COMM_WORLD_LOCAL_SIZE"},
-                 "Open MPI's mpirun sets all four; a stale variable left in the shell can look like "
-                 "a partial launch");
+  names = {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"};
+  in.require_all(
+      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
+      "Open MPI's mpirun sets all four; a stale variable left in the shell can look like "
+      "a partial launch");
   env.rank = in.integer("OMPI_COMM_WORLD_RANK");
   env.world_size = in.integer("OMPI_COMM_WORLD_SIZE");
   env.local_rank = in.integer("OMPI_COMM_WORLD_LOCAL_RANK");
@@ -488,13 +480,13 @@ inline void read_slurm(const launch_reader& in, launch_env& env, rank_names& nam
         }
       }
       if (node < 0)
-        in.fail("SLURM_PROCID=" + std::to_string(env.rank) + " is beyond the " +
-                    std::to_string(first_rank_of_next) + " tasks of SLURM_TASKS_PER_NODE='" + *per_node + "'",
+        in.fail("SLURM_PROCID=" + std::to_string(env.rank) + " is beyond the " + std::to_string(first_rank_of_next) +
+                    " tasks of SLURM_TASKS_PER_NODE='" + *per_node + "'",
                 "set SLURM_NODEID, or check SLURM_NTASKS against SLURM_TASKS_PER_NODE");
     }
     if (static_cast<std::size_t>(node) >= counts.size())
-      in.fail("SLURM_NODEID=" + std::to_string(node) + " but SLURM_TASKS_PER_NODE='" + *per_node +
-                  "' lists " + std::to_string(counts.size()) + " nodes",
+      in.fail("SLURM_NODEID=" + std::to_string(node) + " but SLURM_TASKS_PER_NODE='" + *per_node + "' lists " +
+                  std::to_string(counts.size()) + " nodes",
               "the node index must be below the number of nodes in SLURM_TASKS_PER_NODE");
     env.local_world_size = counts[static_cast<std::size_t>(node)];
     env.node_index = node;
@@ -503,9 +495,10 @@ inline void read_slurm(const launch_reader& in, launch_env& env, rank_names& nam
     env.local_world_size = in.integer("SLURM_NTASKS_PER_NODE");
     if (node_id) env.node_index = *node_id;
   } else {
-    in.fail("SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID set but neither SLURM_TASKS_PER_NODE nor "
-            "SLURM_NTASKS_PER_NODE is set, so the number of tasks on this node is unknown",
-            "srun sets SLURM_TASKS_PER_NODE; or pass --ntasks-per-node");
+    in.fail(
+        "SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID set but neither SLURM_TASKS_PER_NODE nor "
+        "SLURM_NTASKS_PER_NODE is set, so the number of tasks on this node is unknown",
+        "srun sets SLURM_TASKS_PER_NODE; or pass --ntasks-per-node");
   }
 
   const auto nodelist_name = in.has("SLURM_JOB_NODELIST") ? "SLURM_JOB_NODELIST" : "SLURM_NODELIST";
@@ -528,9 +521,9 @@ inline void refuse_stale_torchrun_names(const launch_reader& in, const launch_en
     launcher source;
     std::string_view rank, world_size;
   };
-  for (const family& other : {family{launcher::open_mpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
-                              family{launcher::mpich, "PMI_RANK", "PMI_SIZE"},
-                              family{launcher::slurm, "SLURM_PROCID", "SLURM_NTASKS"}}) {
+  for (const family& other :
+       {family{launcher::open_mpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
+        family{launcher::mpich, "PMI_RANK", "PMI_SIZE"}, family{launcher::slurm, "SLURM_PROCID", "SLURM_NTASKS"}}) {
     const auto rank_text = in.get(other.rank), world_text = in.get(other.world_size);
     if (!rank_text || !world_text) continue;
     const auto rank = parse_integer(*rank_text), world = parse_integer(*world_text);
@@ -538,9 +531,9 @@ inline void refuse_stale_torchrun_names(const launch_reader& in, const launch_en
     throw error(-1, "launch detection",
                 "RANK=" + std::to_string(env.rank) + " WORLD_SIZE=" + std::to_string(env.world_size) +
                     " (torchrun's names, but none of torchrun's own variables such as TORCHELASTIC_RUN_ID "
-                    "are set) disagree with " + std::string(to_string(other.source)) + "'s " +
-                    std::string(other.rank) + "=" + *rank_text + " " + std::string(other.world_size) + "=" +
-                    *world_text + ", which started this process",
+                    "are set) disagree with " +
+                    std::string(to_string(other.source)) + "'s " + std::string(other.rank) + "=" + *rank_text + " " +
+                    std::string(other.world_size) + "=" + *world_text + ", which started this process",
                 "RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE look left over in the shell: unset them "
                 "(or make them agree with the launcher), then launch again");
   }
@@ -566,8 +559,8 @@ inline void read_master(const launch_reader& in, launch_env& env) {
     env.master_addr = "127.0.0.1";
     return;
   }
-  std::string why = "MASTER_ADDR is not set and the " + std::to_string(env.world_size) +
-                    " ranks span several nodes (" + std::to_string(env.local_world_size) + " on this one)";
+  std::string why = "MASTER_ADDR is not set and the " + std::to_string(env.world_size) + " ranks span several nodes (" +
+                    std::to_string(env.local_world_size) + " on this one)";
   if (in.source() == launcher::slurm) why += ", and SLURM_JOB_NODELIST is not set either";
   in.fail(why, "export MASTER_ADDR=<address of the node that runs rank 0> (and MASTER_PORT) to every rank");
 }

@@ -34,9 +34,7 @@ template <backend B>
 typename B::work scale(B& engine, void* data, std::size_t count, dtype type, double factor) {
   if constexpr (B::space == memory_space::host) {
     return engine.enqueue([=] {
-      visit_dtype(type, [&](auto sample) {
-        detail::scale(static_cast<decltype(sample)*>(data), count, factor);
-      });
+      visit_dtype(type, [&](auto sample) { detail::scale(static_cast<decltype(sample)*>(data), count, factor); });
     });
   } else {
 #if defined(__CUDACC__)
@@ -94,7 +92,8 @@ typename B::work count_nonfinite(B& engine, const void* data, std::size_t count,
   if constexpr (B::space == memory_space::host) {
     return engine.enqueue([=] {
       visit_dtype(type, [&](auto sample) {
-        *result += static_cast<std::int64_t>(detail::count_nonfinite(static_cast<const decltype(sample)*>(data), count));
+        *result +=
+            static_cast<std::int64_t>(detail::count_nonfinite(static_cast<const decltype(sample)*>(data), count));
       });
     });
   } else {

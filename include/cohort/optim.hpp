@@ -23,8 +23,8 @@ namespace cohort::inline v0 {
 
 struct sgd_options {
   double lr = 0.01;
-  double momentum = 0;       // 0: plain SGD, no state
-  double weight_decay = 0;   // L2, added to the gradient
+  double momentum = 0;      // 0: plain SGD, no state
+  double weight_decay = 0;  // L2, added to the gradient
 };
 
 struct adam_options {
@@ -32,7 +32,7 @@ struct adam_options {
   double beta1 = 0.9;
   double beta2 = 0.999;
   double eps = 1e-8;
-  double weight_decay = 0;   // decoupled (AdamW)
+  double weight_decay = 0;  // decoupled (AdamW)
 };
 
 namespace detail {
@@ -136,9 +136,13 @@ class adam final : public sharded_optimizer_state<T> {
     ++steps_;
     auto& engine = params_->group().backend();
     const double t = static_cast<double>(steps_);
-    const detail::adam_coefficients c{options_.lr,  options_.beta1, options_.beta2,
-                                      options_.eps, options_.weight_decay,
-                                      1 - std::pow(options_.beta1, t), 1 - std::pow(options_.beta2, t)};
+    const detail::adam_coefficients c{options_.lr,
+                                      options_.beta1,
+                                      options_.beta2,
+                                      options_.eps,
+                                      options_.weight_decay,
+                                      1 - std::pow(options_.beta1, t),
+                                      1 - std::pow(options_.beta2, t)};
     for (std::size_t u = 0; u < params_->units(); ++u) {
       T* parameters = params_->shard(u).data();
       const T* gradients = params_->grad_shard(u).data();

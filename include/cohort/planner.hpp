@@ -369,8 +369,7 @@ inline link_model fit_alpha_beta(collective op, int world, std::span<const timin
     throw error(-1, "fit_alpha_beta", "world = " + std::to_string(world),
                 "a fit needs measurements with at least 2 ranks");
   if (samples.size() < 2)
-    throw error(-1, "fit_alpha_beta", std::to_string(samples.size()) + " sample(s)",
-                "need at least two message sizes");
+    throw error(-1, "fit_alpha_beta", std::to_string(samples.size()) + " sample(s)", "need at least two message sizes");
   const double factor = bus_factor(op, world), steps = ring_steps(op, world);
   double sx = 0, sy = 0, sxx = 0, sxy = 0;
   const double n = static_cast<double>(samples.size());
@@ -399,8 +398,7 @@ inline link_model fit_alpha_beta(collective op, int world, std::span<const timin
   link.beta_seconds_per_byte = slope;
   link.kind = link_kind::host;
   std::ostringstream source;
-  source << "least-squares fit of " << samples.size() << " " << to_string(op) << " timings on " << world
-         << " ranks";
+  source << "least-squares fit of " << samples.size() << " " << to_string(op) << " timings on " << world << " ranks";
   link.source = source.str();
   return link;
 }
@@ -441,8 +439,8 @@ struct plan_input {
   link_model inter_node = *find_link_model("ib-ndr");
   int per_device_batch = 1;
   int accumulation = 1;
-  double compute_seconds = 0;           // forward + backward of one micro-batch on one GPU
-  double backward_fraction = 2.0 / 3;   // backward is about twice the forward
+  double compute_seconds = 0;          // forward + backward of one micro-batch on one GPU
+  double backward_fraction = 2.0 / 3;  // backward is about twice the forward
   double gpu_memory_bytes = 80.0 * (1ull << 30);
   double state_bytes_per_parameter = 16;  // mixed-precision Adam (see the top of this file)
   double usable_memory_fraction = 0.8;    // the rest is left for activations and workspace
@@ -548,8 +546,8 @@ inline plan_result plan(const plan_input& in) {
             ", accumulation = " + std::to_string(in.accumulation),
         "both must be at least 1");
   check(in.compute_seconds >= 0, "negative compute time", "forward+backward seconds of one micro-batch");
-  check(in.intra_node.beta_seconds_per_byte > 0 && in.inter_node.beta_seconds_per_byte > 0,
-        "a link has no bandwidth", "beta = 1 / bus bandwidth must be positive");
+  check(in.intra_node.beta_seconds_per_byte > 0 && in.inter_node.beta_seconds_per_byte > 0, "a link has no bandwidth",
+        "beta = 1 / bus bandwidth must be positive");
   for (double unit : in.unit_parameters) check(unit > 0, "a unit with no parameters", "unit sizes must be > 0");
   check(!in.unit_parameters.empty() || in.parameters > 0, "no parameters", "give a parameter count or unit sizes");
   check(in.backward_fraction >= 0 && in.backward_fraction <= 1, "backward_fraction outside [0, 1]", "about 2/3");
@@ -574,7 +572,9 @@ inline plan_result plan(const plan_input& in) {
   r.parameter_bytes = r.parameters * in.dtype_bytes;
   r.single_gpu_step_seconds = A * c;
 
-  auto time = [&](collective op, double bytes) { return predict_time(op, bytes, g, nodes, in.intra_node, in.inter_node); };
+  auto time = [&](collective op, double bytes) {
+    return predict_time(op, bytes, g, nodes, in.intra_node, in.inter_node);
+  };
   // The slowest link sets the pace of a flat ring: used for the bucket-size latency bound.
   const link_model& pace = nodes > 1 ? in.inter_node : in.intra_node;
   const double usable = in.usable_memory_fraction * in.gpu_memory_bytes;
@@ -641,7 +641,8 @@ inline plan_result plan(const plan_input& in) {
   using detail::format_bytes;
   using detail::format_percent;
   using detail::format_seconds;
-  const bool slow_link = in.intra_node.kind == link_kind::pcie || (nodes > 1 && in.inter_node.kind != link_kind::nvlink);
+  const bool slow_link =
+      in.intra_node.kind == link_kind::pcie || (nodes > 1 && in.inter_node.kind != link_kind::nvlink);
   const std::string states = format_bytes(dp.memory_per_gpu_bytes) + " of model states vs " + format_bytes(usable) +
                              " usable (" + format_percent(in.usable_memory_fraction) + " of " +
                              format_bytes(in.gpu_memory_bytes) + ")";
@@ -662,8 +663,8 @@ inline plan_result plan(const plan_input& in) {
   } else if (sh.fits) {
     r.recommended = strategy::sharded;
     r.advice.push_back("the model does not fit one GPU (" + states + "): shard parameters, gradients and optimizer " +
-                       "state over the " + std::to_string(r.world) + " GPUs, " +
-                       format_bytes(sh.memory_per_gpu_bytes) + " per GPU");
+                       "state over the " + std::to_string(r.world) + " GPUs, " + format_bytes(sh.memory_per_gpu_bytes) +
+                       " per GPU");
     if (slow_link && c > 0 && sh.efficiency < 0.8)
       r.advice.push_back(std::string("warning: sharding gathers every unit twice per micro-batch, and over ") +
                          (in.intra_node.kind == link_kind::pcie ? "PCIe" : "this network") + " only " +
@@ -690,7 +691,8 @@ inline plan_result plan(const plan_input& in) {
                             : "raise the per-device batch (sharding communicates every micro-batch)") +
                        ", or use fewer GPUs on a faster link");
   if (r.world > 1 && c == 0)
-    r.advice.push_back("no compute time given (--compute-ms): nothing hides communication; speedups are not meaningful");
+    r.advice.push_back(
+        "no compute time given (--compute-ms): nothing hides communication; speedups are not meaningful");
   if (r.world > 1 && r.recommended == strategy::data_parallel)
     r.advice.push_back("bucket size " + format_bytes(r.bucket_bytes) + " (" + std::to_string(r.buckets) +
                        " buckets): the ring latency stays under 10% of each bucket's transfer, and at least "
@@ -718,8 +720,9 @@ inline plan_result plan(const plan_input& in) {
   };
   r.assumptions.push_back(describe("intra-node link", in.intra_node));
   if (nodes > 1) r.assumptions.push_back(describe("inter-node link (per GPU)", in.inter_node));
-  r.assumptions.push_back("ring alpha-beta model: all-reduce 2(p-1) alpha + 2(p-1)/p n beta; all-gather and "
-                          "reduce-scatter (p-1) alpha + (p-1)/p n beta; across nodes hierarchical");
+  r.assumptions.push_back(
+      "ring alpha-beta model: all-reduce 2(p-1) alpha + 2(p-1)/p n beta; all-gather and "
+      "reduce-scatter (p-1) alpha + (p-1)/p n beta; across nodes hierarchical");
   r.assumptions.push_back("overlap: data-parallel all-reduce hides behind the last micro-batch's backward (" +
                           format_percent(in.backward_fraction) +
                           " of compute) except its last bucket; sharded gathers are prefetched, the first "

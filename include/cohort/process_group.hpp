@@ -35,8 +35,8 @@ namespace cohort::inline v0 {
 // type-erased buffers returning work handles, an ordering primitive (record), memory in
 // its own space (allocate, deallocate, copy), and subgroups.
 template <class B>
-concept backend = requires(B& b, const void* in, void* out, std::size_t n, dtype type, op reduce,
-                           int peer, std::uint64_t tag, const typename B::work& w) {
+concept backend = requires(B& b, const void* in, void* out, std::size_t n, dtype type, op reduce, int peer,
+                           std::uint64_t tag, const typename B::work& w) {
   typename B::options;
   { B::space } -> std::convertible_to<memory_space>;
   { b.rank() } -> std::convertible_to<int>;
@@ -111,8 +111,8 @@ class process_group {
     static_assert(!std::is_const_v<T>, "the output of a collective must be writable");
     enter("all_reduce", dtype_v<T>, in.size(), reduce);
     if (in.size() != out.size())
-      fail("all_reduce", in.size(), "input has " + std::to_string(in.size()) +
-                                        " elements but output has " + std::to_string(out.size()),
+      fail("all_reduce", in.size(),
+           "input has " + std::to_string(in.size()) + " elements but output has " + std::to_string(out.size()),
            "all_reduce keeps the size: pass spans of equal length");
     return backend_->all_reduce(in.data(), out.data(), in.size(), dtype_v<T>, reduce);
   }
@@ -123,8 +123,8 @@ class process_group {
     enter("reduce_scatter", dtype_v<T>, in.size(), reduce);
     if (in.size() != out.size() * static_cast<std::size_t>(size()))
       fail("reduce_scatter", in.size(),
-           "input has " + std::to_string(in.size()) + " elements, expected output size " +
-               std::to_string(out.size()) + " x world " + std::to_string(size()),
+           "input has " + std::to_string(in.size()) + " elements, expected output size " + std::to_string(out.size()) +
+               " x world " + std::to_string(size()),
            "pad the input to a multiple of the world size (sharded_parameters does this)");
     return backend_->reduce_scatter(in.data(), out.data(), out.size(), dtype_v<T>, reduce);
   }
@@ -136,8 +136,8 @@ class process_group {
     enter("all_gather", dtype_v<T>, in.size(), op::sum);
     if (out.size() != in.size() * static_cast<std::size_t>(size()))
       fail("all_gather", in.size(),
-           "output has " + std::to_string(out.size()) + " elements, expected input size " +
-               std::to_string(in.size()) + " x world " + std::to_string(size()),
+           "output has " + std::to_string(out.size()) + " elements, expected input size " + std::to_string(in.size()) +
+               " x world " + std::to_string(size()),
            "the output holds one input-sized chunk per rank");
     return backend_->all_gather(in.data(), out.data(), in.size(), dtype_v<T>);
   }
@@ -193,22 +193,22 @@ class process_group {
     const auto index = split_count_++;
     const std::string base = "split" + std::to_string(index) + "/";
     const int my_node = rank() - local_rank();
-    store_->set(base + std::to_string(rank()), std::to_string(color) + "," + std::to_string(key) +
-                                                   "," + std::to_string(my_node));
-    struct member { int color, key, node, rank; };
+    store_->set(base + std::to_string(rank()),
+                std::to_string(color) + "," + std::to_string(key) + "," + std::to_string(my_node));
+    struct member {
+      int color, key, node, rank;
+    };
     std::vector<member> mine;
     for (int r = 0; r < size(); ++r) {
       const std::string text = store_->get_string(base + std::to_string(r));
       const auto first = text.find(',');
       const auto second = text.find(',', first + 1);
-      const member m{std::stoi(text.substr(0, first)),
-                     std::stoi(text.substr(first + 1, second - first - 1)),
+      const member m{std::stoi(text.substr(0, first)), std::stoi(text.substr(first + 1, second - first - 1)),
                      std::stoi(text.substr(second + 1)), r};
       if (color >= 0 && m.color == color) mine.push_back(m);
     }
-    std::sort(mine.begin(), mine.end(), [](const member& a, const member& b) {
-      return a.key != b.key ? a.key < b.key : a.rank < b.rank;
-    });
+    std::sort(mine.begin(), mine.end(),
+              [](const member& a, const member& b) { return a.key != b.key ? a.key < b.key : a.rank < b.rank; });
     launch_env sub_env = env_;
     sub_env.rank = -1;
     sub_env.world_size = static_cast<int>(mine.size());
@@ -221,8 +221,7 @@ class process_group {
       }
       if (mine[i].node == my_node) ++sub_env.local_world_size;
     }
-    auto sub_store =
-        std::make_shared<prefix_store>(store_, base + "color" + std::to_string(color) + "/");
+    auto sub_store = std::make_shared<prefix_store>(store_, base + "color" + std::to_string(color) + "/");
     auto sub_backend = B::split(*backend_, sub_store, color, key, sub_env.rank, sub_env.world_size);
     if (color < 0 || !sub_backend) return std::nullopt;
     return process_group(std::move(sub_env), std::move(sub_store), std::move(sub_backend), debug_);
@@ -251,27 +250,26 @@ class process_group {
   main_only_scope main_only_section() { return main_only_scope(*this); }
 
  private:
-  process_group(launch_env env, std::shared_ptr<prefix_store> group_store, std::unique_ptr<B> impl,
-                bool debug)
+  process_group(launch_env env, std::shared_ptr<prefix_store> group_store, std::unique_ptr<B> impl, bool debug)
       : env_(std::move(env)), store_(std::move(group_store)), backend_(std::move(impl)), debug_(debug) {}
 
   static void validate_env(const launch_env& env) {
     if (env.world_size < 1 || env.rank < 0 || env.rank >= env.world_size)
-      throw error(env.rank, "process_group", "rank " + std::to_string(env.rank) +
-                                                 " is outside a world of " + std::to_string(env.world_size),
+      throw error(env.rank, "process_group",
+                  "rank " + std::to_string(env.rank) + " is outside a world of " + std::to_string(env.world_size),
                   "check RANK and WORLD_SIZE");
   }
 
   [[noreturn]] void fail(const char* operation, std::size_t count, const std::string& detail,
                          const std::string& hint) const {
-    throw error(rank(), std::string(B::name) + "." + operation + "(" + std::to_string(count) + " elements)",
-                detail, hint);
+    throw error(rank(), std::string(B::name) + "." + operation + "(" + std::to_string(count) + " elements)", detail,
+                hint);
   }
 
   void check_peer(const char* operation, std::size_t count, int peer, const char* role) const {
     if (peer < 0 || peer >= size())
-      fail(operation, count, std::string(role) + " " + std::to_string(peer) + " is outside a world of " +
-                                 std::to_string(size()),
+      fail(operation, count,
+           std::string(role) + " " + std::to_string(peer) + " is outside a world of " + std::to_string(size()),
            "ranks are numbered 0 .. world-1 inside this group");
   }
 

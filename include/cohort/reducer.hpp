@@ -106,7 +106,8 @@ inline std::vector<bucket_layout> assign_buckets(std::span<const std::size_t> si
     walk.assign(order.begin(), order.end());
     std::vector<bool> seen(n, false);
     if (walk.size() != n)
-      throw error(-1, "assign_buckets", "order lists " + std::to_string(walk.size()) + " gradients of " + std::to_string(n),
+      throw error(-1, "assign_buckets",
+                  "order lists " + std::to_string(walk.size()) + " gradients of " + std::to_string(n),
                   "the order must be a permutation of 0 .. n-1");
     for (auto index : walk) {
       if (index >= n || seen[index])
@@ -227,7 +228,8 @@ struct caller_stream_of<B> {
 };
 
 inline std::string describe_gradient(std::size_t index, std::size_t count, dtype type) {
-  return "gradient " + std::to_string(index) + " (" + std::to_string(count) + " x " + std::string(to_string(type)) + ")";
+  return "gradient " + std::to_string(index) + " (" + std::to_string(count) + " x " + std::string(to_string(type)) +
+         ")";
 }
 }  // namespace detail
 
@@ -293,8 +295,7 @@ class gradient_reducer {
     // Queued reductions write into the buckets: let them finish before freeing.
     try {
       group_->backend().record().wait();
-    } catch (...) {
-    }
+    } catch (...) {}
     release(buckets_);
   }
 
@@ -313,8 +314,9 @@ class gradient_reducer {
   std::span<T> gradient(std::size_t i) {
     check_index("gradient", i);
     if (dtype_v<T> != specs_[i].type)
-      throw error(rank(), "gradient_reducer.gradient", detail::describe_gradient(i, specs_[i].count, specs_[i].type) +
-                                                           " requested as " + std::string(to_string(dtype_v<T>)),
+      throw error(rank(), "gradient_reducer.gradient",
+                  detail::describe_gradient(i, specs_[i].count, specs_[i].type) + " requested as " +
+                      std::string(to_string(dtype_v<T>)),
                   "ask for the element type the gradient was declared with");
     return std::span<T>(static_cast<T*>(location(i)), specs_[i].count);
   }
@@ -339,9 +341,10 @@ class gradient_reducer {
   void mark_ready(std::size_t i) {
     check_index("mark_ready", i);
     if (marked_[i])
-      throw error(rank(), "gradient_reducer.mark_ready",
-                  detail::describe_gradient(i, specs_[i].count, specs_[i].type) + " was marked ready twice in one iteration",
-                  "mark each gradient once per backward pass (shared parameters: accumulate first, then mark)");
+      throw error(
+          rank(), "gradient_reducer.mark_ready",
+          detail::describe_gradient(i, specs_[i].count, specs_[i].type) + " was marked ready twice in one iteration",
+          "mark each gradient once per backward pass (shared parameters: accumulate first, then mark)");
     marked_[i] = 1;
     ++marked_count_;
     if (!observed_order_complete_) observed_order_.push_back(i);
@@ -432,7 +435,8 @@ class gradient_reducer {
   };
   [[nodiscard]] no_sync_scope no_sync() {
     if (launched_ > 0)
-      throw error(rank(), "gradient_reducer.no_sync", std::to_string(launched_) + " bucket(s) already launched this iteration",
+      throw error(rank(), "gradient_reducer.no_sync",
+                  std::to_string(launched_) + " bucket(s) already launched this iteration",
                   "enter no_sync before the backward pass, not during it");
     return no_sync_scope(*this);
   }
@@ -529,9 +533,10 @@ class gradient_reducer {
     std::size_t with_buffer = 0;
     for (const auto& spec : specs_) with_buffer += spec.data != nullptr;
     if (with_buffer != 0 && with_buffer != specs_.size())
-      throw error(rank(), "gradient_reducer", std::to_string(with_buffer) + " of " + std::to_string(specs_.size()) +
-                                                  " gradients come with a buffer",
-                  "give every gradient a buffer (user buffers) or none (bucket views)");
+      throw error(
+          rank(), "gradient_reducer",
+          std::to_string(with_buffer) + " of " + std::to_string(specs_.size()) + " gradients come with a buffer",
+          "give every gradient a buffer (user buffers) or none (bucket views)");
     storage_ = with_buffer == 0 ? gradient_storage::bucket_views : gradient_storage::user_buffers;
     if (specs_.empty())
       throw error(rank(), "gradient_reducer", "no gradients", "pass the gradient sizes or buffers of the model");
@@ -564,10 +569,10 @@ class gradient_reducer {
       const std::size_t from = later.begin - earlier.begin;
       const std::size_t to = std::min(later.end, earlier.end) - earlier.begin;
       throw error(rank(), "gradient_reducer",
-                  describe(later) + " and " + describe(earlier) + " overlap: gradient " +
-                      std::to_string(later.index) + " starts at byte " + std::to_string(from) + " of gradient " +
-                      std::to_string(earlier.index) + ", so bytes " + std::to_string(from) + ".." +
-                      std::to_string(to) + " of gradient " + std::to_string(earlier.index) + " are in both",
+                  describe(later) + " and " + describe(earlier) + " overlap: gradient " + std::to_string(later.index) +
+                      " starts at byte " + std::to_string(from) + " of gradient " + std::to_string(earlier.index) +
+                      ", so bytes " + std::to_string(from) + ".." + std::to_string(to) + " of gradient " +
+                      std::to_string(earlier.index) + " are in both",
                   "each gradient needs its own bytes; check the offsets of the slices of your flat buffer");
     }
   }
@@ -653,8 +658,8 @@ class gradient_reducer {
   bool divides_when_marked(std::size_t b) const {
     if constexpr (B::space == memory_space::host) {
       const dtype type = layout_[b].type;
-      const bool floating = type == dtype::float32 || type == dtype::float64 || type == dtype::float16 ||
-                            type == dtype::bfloat16;
+      const bool floating =
+          type == dtype::float32 || type == dtype::float64 || type == dtype::float16 || type == dtype::bfloat16;
       return floating && !hook_ && !buckets_[b].compressed;
     } else {
       return false;
@@ -704,7 +709,8 @@ class gradient_reducer {
       for (std::size_t i = 0; i < size(); ++i) {
         if (marked_[i]) continue;
         ++missing;
-        if (shown++ < 16) list += (list.empty() ? "" : ", ") + detail::describe_gradient(i, specs_[i].count, specs_[i].type);
+        if (shown++ < 16)
+          list += (list.empty() ? "" : ", ") + detail::describe_gradient(i, specs_[i].count, specs_[i].type);
       }
       if (missing > shown) list += ", ...";
       // Buckets already launched still own their memory on the wire: let them land before
@@ -721,7 +727,8 @@ class gradient_reducer {
     for (std::size_t i = 0; i < size(); ++i) {
       if (marked_[i]) continue;
       const auto& where = placement_[i];
-      fill(engine, static_cast<char*>(buckets_[where.bucket].data) + where.offset_bytes, specs_[i].count, specs_[i].type, 0.0);
+      fill(engine, static_cast<char*>(buckets_[where.bucket].data) + where.offset_bytes, specs_[i].count,
+           specs_[i].type, 0.0);
       if (storage_ == gradient_storage::user_buffers) drop_copy_in(i);
       marked_[i] = 1;
       ++marked_count_;
@@ -925,7 +932,8 @@ typename B::work broadcast_parameters(process_group<B>& group, std::span<const s
   return last;
 }
 template <backend B, element T>
-typename B::work broadcast_parameters(process_group<B>& group, const std::vector<std::span<T>>& parameters, int root = 0) {
+typename B::work broadcast_parameters(process_group<B>& group, const std::vector<std::span<T>>& parameters,
+                                      int root = 0) {
   return broadcast_parameters(group, std::span<const std::span<T>>(parameters), root);
 }
 

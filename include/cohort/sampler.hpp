@@ -67,8 +67,7 @@ class distributed_sampler {
   distributed_sampler(std::uint64_t dataset_size, int world, int rank, sampler_options options = {})
       : dataset_size_(dataset_size), world_(world), rank_(rank), options_(std::move(options)) {
     if (world < 1)
-      throw error(rank, "distributed_sampler",
-                  "world size must be at least 1, got " + std::to_string(world),
+      throw error(rank, "distributed_sampler", "world size must be at least 1, got " + std::to_string(world),
                   "pass the process group's size()");
     if (rank < 0 || rank >= world)
       throw error(rank, "distributed_sampler",
@@ -76,7 +75,7 @@ class distributed_sampler {
                   "pass the process group's rank(), not its local rank");
     const auto w = static_cast<std::uint64_t>(world);
     samples_per_rank_ = (options_.drop_last && dataset_size % w != 0)
-                            ? dataset_size / w                   // torch: ceil((n - w) / w)
+                            ? dataset_size / w  // torch: ceil((n - w) / w)
                             : dataset_size / w + (dataset_size % w != 0 ? 1 : 0);
   }
 
@@ -87,8 +86,8 @@ class distributed_sampler {
       { group.size() } -> std::convertible_to<int>;
     }
   distributed_sampler(std::uint64_t dataset_size, Group& group, sampler_options options = {})
-      : distributed_sampler(dataset_size, static_cast<int>(group.size()),
-                            static_cast<int>(group.rank()), std::move(options)) {}
+      : distributed_sampler(dataset_size, static_cast<int>(group.size()), static_cast<int>(group.rank()),
+                            std::move(options)) {}
 
   // Starts a new epoch: a different (deterministic) order when shuffling.
   void set_epoch(std::uint64_t epoch) noexcept {
@@ -103,18 +102,16 @@ class distributed_sampler {
   const sampler_options& options() const noexcept { return options_; }
   // Indices this rank reads per epoch; the same on every rank.
   std::uint64_t size() const noexcept { return samples_per_rank_; }
-  std::uint64_t total_size() const noexcept {
-    return samples_per_rank_ * static_cast<std::uint64_t>(world_);
-  }
+  std::uint64_t total_size() const noexcept { return samples_per_rank_ * static_cast<std::uint64_t>(world_); }
 
   // The j-th index this rank reads in the current epoch (random access; does not count as a
   // pass for the missing-set_epoch warning).
   std::uint64_t operator[](std::uint64_t j) const noexcept { return index_map()(j); }
   std::uint64_t at(std::uint64_t j) const {
     if (j >= samples_per_rank_)
-      throw error(rank_, "distributed_sampler::at",
-                  "position " + std::to_string(j) + " is past this rank's " +
-                      std::to_string(samples_per_rank_) + " samples");
+      throw error(
+          rank_, "distributed_sampler::at",
+          "position " + std::to_string(j) + " is past this rank's " + std::to_string(samples_per_rank_) + " samples");
     return (*this)[j];
   }
 
@@ -136,11 +133,11 @@ class distributed_sampler {
     ++passes_this_epoch_;
     if (options_.shuffle && passes_this_epoch_ == 2 && !warned_same_order_) {
       warned_same_order_ = true;
-      detail::emit_warning(
-          options_.warn, rank_,
-          "distributed_sampler: a new pass over the data started with shuffle on but without "
-          "set_epoch(); it repeats epoch " + std::to_string(epoch_) +
-              "'s order exactly. Call sampler.set_epoch(epoch) at the start of every epoch.");
+      detail::emit_warning(options_.warn, rank_,
+                           "distributed_sampler: a new pass over the data started with shuffle on but without "
+                           "set_epoch(); it repeats epoch " +
+                               std::to_string(epoch_) +
+                               "'s order exactly. Call sampler.set_epoch(epoch) at the start of every epoch.");
     }
   }
 
@@ -174,9 +171,7 @@ class distributed_sampler {
       ++position_;
       return before;
     }
-    friend bool operator==(const iterator& a, const iterator& b) noexcept {
-      return a.position_ == b.position_;
-    }
+    friend bool operator==(const iterator& a, const iterator& b) noexcept { return a.position_ == b.position_; }
 
    private:
     detail::rank_index_map map_{};

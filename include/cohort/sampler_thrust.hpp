@@ -29,8 +29,7 @@ namespace cohort::inline v0 {
 template <class ExecutionPolicy, class OutputIterator>
 OutputIterator rank_indices(ExecutionPolicy&& exec, const distributed_sampler& sampler, OutputIterator out) {
   const thrust::counting_iterator<std::uint64_t> first(0);
-  return thrust::transform(exec, first, first + static_cast<std::ptrdiff_t>(sampler.size()), out,
-                           sampler.index_map());
+  return thrust::transform(exec, first, first + static_cast<std::ptrdiff_t>(sampler.size()), out, sampler.index_map());
 }
 
 // The same, into a new device vector; counts as a pass (like distributed_sampler::indices(),

@@ -78,9 +78,8 @@ COHORT_HOST_DEVICE inline void adam_update(T& parameter, T gradient, T& first, T
   second = static_cast<T>(c.beta2) * second + static_cast<T>(1 - c.beta2) * gradient * gradient;
   const T corrected_first = first / static_cast<T>(c.correction1);
   const T corrected_second = second / static_cast<T>(c.correction2);
-  parameter -= static_cast<T>(c.lr) *
-               (corrected_first / (std::sqrt(corrected_second) + static_cast<T>(c.eps)) +
-                static_cast<T>(c.weight_decay) * parameter);
+  parameter -= static_cast<T>(c.lr) * (corrected_first / (std::sqrt(corrected_second) + static_cast<T>(c.eps)) +
+                                       static_cast<T>(c.weight_decay) * parameter);
 }
 
 template <class B>
@@ -307,7 +306,8 @@ class sharded_parameters {
     std::sort(sizes.rbegin(), sizes.rend());
     largest_gather_bytes_ = sizes.empty() ? 0 : sizes.front();
     std::size_t automatic = 0;
-    for (std::size_t i = 0; i < sizes.size() && i <= static_cast<std::size_t>(opts.prefetch); ++i) automatic += sizes[i];
+    for (std::size_t i = 0; i < sizes.size() && i <= static_cast<std::size_t>(opts.prefetch); ++i)
+      automatic += sizes[i];
     limit_ = opts.max_gathered_bytes ? opts.max_gathered_bytes : automatic;
     auto& engine = group.backend();
     try {
@@ -351,7 +351,9 @@ class sharded_parameters {
   dtype reduce_type() const noexcept { return reduce_type_; }
   std::size_t units() const noexcept { return units_.size(); }
   std::size_t parameters(std::size_t unit) const { return info(unit, "parameters").sizes.size(); }
-  const std::vector<std::size_t>& parameter_sizes(std::size_t unit) const { return info(unit, "parameter_sizes").sizes; }
+  const std::vector<std::size_t>& parameter_sizes(std::size_t unit) const {
+    return info(unit, "parameter_sizes").sizes;
+  }
   std::size_t unit_elements(std::size_t unit) const { return info(unit, "unit_elements").elements; }
   std::size_t padded_elements(std::size_t unit) const { return info(unit, "padded_elements").padded; }
   std::size_t shard_elements(std::size_t unit) const { return info(unit, "shard_elements").shard; }
@@ -407,8 +409,8 @@ class sharded_parameters {
   template <class Range>
   void scatter_from(int root, const Range& parameters) {
     if (root < 0 || root >= world())
-      throw error(rank(), "sharded_parameters.scatter_from", "root " + std::to_string(root) + " in a world of " +
-                                                                 std::to_string(world()));
+      throw error(rank(), "sharded_parameters.scatter_from",
+                  "root " + std::to_string(root) + " in a world of " + std::to_string(world()));
     std::vector<std::span<const T>> all;
     if (rank() == root) {
       all = spans_of(parameters, "scatter_from");
@@ -490,45 +492,45 @@ class sharded_parameters {
   // per parameter. It must stay unchanged until the returned work completes (on a device
   // backend: the caller's stream waits on it before reusing the buffer).
   template <class Gradient>
-    requires std::ranges::contiguous_range<const Gradient&> && element<std::ranges::range_value_t<Gradient>>
-  work reduce_scatter_grad(std::size_t unit, const Gradient& gradient, bool accumulate = false) {
-    using E = std::remove_cv_t<std::ranges::range_value_t<Gradient>>;
-    const E* data = std::ranges::data(gradient);
-    const std::size_t size = std::ranges::size(gradient);
-    if (size != info(unit, "reduce_scatter_grad").elements)
-      throw error(rank(), "sharded_parameters.reduce_scatter_grad",
-                  "unit " + std::to_string(unit) + " has " + std::to_string(units_[unit].elements) +
-                      " elements but the gradient has " + std::to_string(size),
-                  "pass the unit's full gradient (its parameters back to back)");
-    std::vector<region> regions{{data, size}};
-    return reduce_regions(unit, dtype_v<E>, regions, accumulate);
-  }
+    requires std::ranges::contiguous_range<const Gradient&> && element<std::ranges::range_value_t<Gradient>> work
+    reduce_scatter_grad(std::size_t unit, const Gradient& gradient, bool accumulate = false) {
+      using E = std::remove_cv_t<std::ranges::range_value_t<Gradient>>;
+      const E* data = std::ranges::data(gradient);
+      const std::size_t size = std::ranges::size(gradient);
+      if (size != info(unit, "reduce_scatter_grad").elements)
+        throw error(rank(), "sharded_parameters.reduce_scatter_grad",
+                    "unit " + std::to_string(unit) + " has " + std::to_string(units_[unit].elements) +
+                        " elements but the gradient has " + std::to_string(size),
+                    "pass the unit's full gradient (its parameters back to back)");
+      std::vector<region> regions{{data, size}};
+      return reduce_regions(unit, dtype_v<E>, regions, accumulate);
+    }
 
   template <class Gradients>
     requires std::ranges::range<const Gradients&> &&
-             std::ranges::contiguous_range<std::ranges::range_reference_t<const Gradients&>> &&
-             element<std::ranges::range_value_t<std::ranges::range_reference_t<const Gradients&>>>
-  work reduce_scatter_grad(std::size_t unit, const Gradients& per_parameter, bool accumulate = false) {
-    using E = std::remove_cv_t<std::ranges::range_value_t<std::ranges::range_reference_t<const Gradients&>>>;
-    const auto& u = info(unit, "reduce_scatter_grad");
-    std::vector<region> regions;
-    for (const auto& part : per_parameter) {
-      const std::size_t p = regions.size();
-      if (p >= u.sizes.size() || std::ranges::size(part) != u.sizes[p])
+        std::ranges::contiguous_range<std::ranges::range_reference_t<const Gradients&>> &&
+        element<std::ranges::range_value_t<std::ranges::range_reference_t<const Gradients&>>>
+            work reduce_scatter_grad(std::size_t unit, const Gradients& per_parameter, bool accumulate = false) {
+      using E = std::remove_cv_t<std::ranges::range_value_t<std::ranges::range_reference_t<const Gradients&>>>;
+      const auto& u = info(unit, "reduce_scatter_grad");
+      std::vector<region> regions;
+      for (const auto& part : per_parameter) {
+        const std::size_t p = regions.size();
+        if (p >= u.sizes.size() || std::ranges::size(part) != u.sizes[p])
+          throw error(rank(), "sharded_parameters.reduce_scatter_grad",
+                      "gradient " + std::to_string(p) + " of unit " + std::to_string(unit) + " has " +
+                          std::to_string(std::ranges::size(part)) + " elements; the unit's parameters have " +
+                          describe_sizes(u.sizes),
+                      "pass one gradient per parameter, in the unit's order");
+        regions.push_back({static_cast<const void*>(std::ranges::data(part)), std::ranges::size(part)});
+      }
+      if (regions.size() != u.sizes.size())
         throw error(rank(), "sharded_parameters.reduce_scatter_grad",
-                    "gradient " + std::to_string(p) + " of unit " + std::to_string(unit) + " has " +
-                        std::to_string(std::ranges::size(part)) + " elements; the unit's parameters have " +
-                        describe_sizes(u.sizes),
-                    "pass one gradient per parameter, in the unit's order");
-      regions.push_back({static_cast<const void*>(std::ranges::data(part)), std::ranges::size(part)});
+                    std::to_string(regions.size()) + " gradients for unit " + std::to_string(unit) + " of " +
+                        std::to_string(u.sizes.size()) + " parameters",
+                    "pass one gradient per parameter");
+      return reduce_regions(unit, dtype_v<E>, regions, accumulate);
     }
-    if (regions.size() != u.sizes.size())
-      throw error(rank(), "sharded_parameters.reduce_scatter_grad",
-                  std::to_string(regions.size()) + " gradients for unit " + std::to_string(unit) + " of " +
-                      std::to_string(u.sizes.size()) + " parameters",
-                  "pass one gradient per parameter");
-    return reduce_regions(unit, dtype_v<E>, regions, accumulate);
-  }
 
   // Sets every gradient shard to zero (queued in the backend's order).
   work zero_grad() {
@@ -844,8 +846,8 @@ class sharded_parameters {
       // Unused prefetches give way to what the caller needs now.
       for (auto it = live_.begin(); it != live_.end();) it = it->second.users == 0 ? retire(it) : std::next(it);
       if (options_.max_gathered_bytes && memory_.gathered > 0 && memory_.gathered + bytes > limit_) {
-        const bool fits = released_.wait_for(lock, options_.limit_wait,
-                                              [&] { return memory_.gathered == 0 || memory_.gathered + bytes <= limit_; });
+        const bool fits = released_.wait_for(
+            lock, options_.limit_wait, [&] { return memory_.gathered == 0 || memory_.gathered + bytes <= limit_; });
         if (!fits)
           throw error(rank(), "sharded_parameters.gather(" + std::to_string(unit) + ")",
                       std::to_string(memory_.gathered) + " bytes of gathered units are alive and unit " +
@@ -862,7 +864,8 @@ class sharded_parameters {
       ready = gather_type_ == dtype_v<T> ? engine.copy(buf.data, u.master, u.elements * sizeof(T))
                                          : cast(engine, u.master, dtype_v<T>, buf.data, gather_type_, u.elements);
     } else if (gather_type_ == dtype_v<T>) {
-      ready = group_->all_gather(std::span<const T>(u.master, u.shard), std::span<T>(static_cast<T*>(buf.data), u.padded));
+      ready =
+          group_->all_gather(std::span<const T>(u.master, u.shard), std::span<T>(static_cast<T*>(buf.data), u.padded));
     } else {
       const std::size_t element_bytes = size_of(gather_type_);
       void* own = static_cast<char*>(buf.data) + static_cast<std::size_t>(rank()) * u.shard * element_bytes;
@@ -923,7 +926,8 @@ class sharded_parameters {
   }
 
   // Returns a live gather's buffer to the pool (mutex_ held).
-  typename std::map<std::size_t, live_gather>::iterator retire(typename std::map<std::size_t, live_gather>::iterator it) {
+  typename std::map<std::size_t, live_gather>::iterator retire(
+      typename std::map<std::size_t, live_gather>::iterator it) {
     auto& entry = it->second;
     if constexpr (B::space == memory_space::device) {
       // The next user of this buffer (on the communication stream) waits for what the
@@ -1013,8 +1017,7 @@ class sharded_parameters {
                                       std::span<R>(static_cast<R*>(output), u.shard), op::avg);
     });
     if (n > 1) {
-      traffic_add_reduce(u.replicated ? 2 * (n - 1) * u.elements * reduce_bytes / n
-                                      : (n - 1) * u.shard * reduce_bytes);
+      traffic_add_reduce(u.replicated ? 2 * (n - 1) * u.elements * reduce_bytes / n : (n - 1) * u.shard * reduce_bytes);
     }
     if (replicas_ && replicas_->size() > 1) {
       auto& other = replicas_->backend();
@@ -1179,7 +1182,8 @@ class sharded_parameters {
       const std::string prefix = "shard-0-of-";
       if (name.rfind(prefix, 0) != 0 || name.size() < prefix.size() + 5 || name.substr(name.size() - 4) != ".bin")
         continue;
-      const auto world = static_cast<std::uint32_t>(std::stoul(name.substr(prefix.size(), name.size() - prefix.size() - 4)));
+      const auto world =
+          static_cast<std::uint32_t>(std::stoul(name.substr(prefix.size(), name.size() - prefix.size() - 4)));
       if (found && *found != world)
         throw error(rank(), "sharded_parameters.load_sharded",
                     directory.string() + " holds checkpoints of world " + std::to_string(*found) + " and " +

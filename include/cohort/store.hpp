@@ -30,9 +30,7 @@ namespace cohort::inline v0 {
 using bytes = std::vector<std::uint8_t>;
 
 inline bytes to_bytes(std::string_view text) { return bytes(text.begin(), text.end()); }
-inline std::string to_string(std::span<const std::uint8_t> data) {
-  return std::string(data.begin(), data.end());
-}
+inline std::string to_string(std::span<const std::uint8_t> data) { return std::string(data.begin(), data.end()); }
 
 class store {
  public:
@@ -110,17 +108,13 @@ class prefix_store final : public store {
     set_rank(inner_->rank());
   }
 
-  void set(std::string_view key, std::span<const std::uint8_t> value) override {
-    inner_->set(full(key), value);
-  }
+  void set(std::string_view key, std::span<const std::uint8_t> value) override { inner_->set(full(key), value); }
   using store::set;
   bytes get(std::string_view key, std::chrono::milliseconds timeout) override {
     return inner_->get(full(key), timeout);
   }
   using store::get;
-  std::int64_t add(std::string_view key, std::int64_t delta) override {
-    return inner_->add(full(key), delta);
-  }
+  std::int64_t add(std::string_view key, std::int64_t delta) override { return inner_->add(full(key), delta); }
   bytes compare_set(std::string_view key, std::span<const std::uint8_t> expected,
                     std::span<const std::uint8_t> desired) override {
     return inner_->compare_set(full(key), expected, desired);
@@ -192,8 +186,7 @@ class memory_store final : public store {
       if (it == data_.end()) {
         if (!expected.empty()) return bytes(expected.begin(), expected.end());
         it = data_.emplace(std::string(key), bytes(desired.begin(), desired.end())).first;
-      } else if (std::equal(it->second.begin(), it->second.end(), expected.begin(),
-                            expected.end())) {
+      } else if (std::equal(it->second.begin(), it->second.end(), expected.begin(), expected.end())) {
         it->second.assign(desired.begin(), desired.end());
       }
       result = it->second;
@@ -225,8 +218,7 @@ class memory_store final : public store {
 
  private:
   bool all_present(std::span<const std::string> keys) const {
-    return std::all_of(keys.begin(), keys.end(),
-                       [&](const std::string& key) { return data_.count(key) > 0; });
+    return std::all_of(keys.begin(), keys.end(), [&](const std::string& key) { return data_.count(key) > 0; });
   }
   void wait_locked(std::unique_lock<std::mutex>& lock, std::span<const std::string> keys,
                    std::chrono::milliseconds timeout, std::string_view operation) {

@@ -116,16 +116,14 @@ struct address_list {
 };
 
 // Resolves host:port for a stream socket; returns getaddrinfo's error text, or empty on success.
-inline std::string resolve(const std::string& host, std::uint16_t port, bool passive,
-                           address_list& out) {
+inline std::string resolve(const std::string& host, std::uint16_t port, bool passive, address_list& out) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
   const std::string service = std::to_string(port);
   const bool wildcard = host.empty();
-  const int status =
-      ::getaddrinfo(wildcard ? nullptr : host.c_str(), service.c_str(), &hints, &out.head);
+  const int status = ::getaddrinfo(wildcard ? nullptr : host.c_str(), service.c_str(), &hints, &out.head);
   if (status != 0) return status == EAI_SYSTEM ? errno_text(errno) : ::gai_strerror(status);
   return {};
 }
@@ -188,8 +186,7 @@ class tcp_store_server {
 
   ~tcp_store_server() {
     const char stop = 1;
-    while (::write(wake_write_.get(), &stop, 1) < 0 && errno == EINTR) {
-    }
+    while (::write(wake_write_.get(), &stop, 1) < 0 && errno == EINTR) {}
     if (thread_.joinable()) thread_.join();
   }
 
@@ -233,22 +230,20 @@ class tcp_store_server {
     detail::tcp::address_list addresses;
     const std::string failure = detail::tcp::resolve(host_, port, true, addresses);
     if (!failure.empty())
-      throw error(
-          rank_, "tcp_store_server",
-          "cannot resolve listen address " + detail::tcp::endpoint(host_, port) + ": " + failure,
-          "set MASTER_ADDR to an address of this host");
+      throw error(rank_, "tcp_store_server",
+                  "cannot resolve listen address " + detail::tcp::endpoint(host_, port) + ": " + failure,
+                  "set MASTER_ADDR to an address of this host");
     std::string last_error = "no address";
     for (addrinfo* entry = addresses.head; entry; entry = entry->ai_next) {
-      detail::tcp::file_descriptor fd(::socket(
-          entry->ai_family, entry->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, entry->ai_protocol));
+      detail::tcp::file_descriptor fd(
+          ::socket(entry->ai_family, entry->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, entry->ai_protocol));
       if (!fd) {
         last_error = detail::tcp::errno_text(errno);
         continue;
       }
       const int on = 1;
       ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
-      if (::bind(fd.get(), entry->ai_addr, entry->ai_addrlen) != 0 ||
-          ::listen(fd.get(), SOMAXCONN) != 0) {
+      if (::bind(fd.get(), entry->ai_addr, entry->ai_addrlen) != 0 || ::listen(fd.get(), SOMAXCONN) != 0) {
         last_error = detail::tcp::errno_text(errno);
         continue;
       }
@@ -260,8 +255,7 @@ class tcp_store_server {
       listener_ = std::move(fd);
       return;
     }
-    throw error(rank_, "tcp_store_server",
-                "cannot listen on " + detail::tcp::endpoint(host_, port) + ": " + last_error,
+    throw error(rank_, "tcp_store_server", "cannot listen on " + detail::tcp::endpoint(host_, port) + ": " + last_error,
                 "the port may be taken by another job (pick another MASTER_PORT) or the "
                 "address may not belong to this host");
   }
@@ -366,8 +360,7 @@ class tcp_store_server {
       conn.input_start = 0;
       if (conn.input.capacity() > 4 * read_chunk) bytes_t().swap(conn.input);
     } else if (conn.input_start > read_chunk) {
-      conn.input.erase(conn.input.begin(),
-                       conn.input.begin() + static_cast<std::ptrdiff_t>(conn.input_start));
+      conn.input.erase(conn.input.begin(), conn.input.begin() + static_cast<std::ptrdiff_t>(conn.input_start));
       conn.input_start = 0;
     }
   }
@@ -448,9 +441,8 @@ class tcp_store_server {
         break;
       }
       case command::check:
-        write.u8(static_cast<std::uint8_t>(all_present(request.keys)
-                                               ? protocol::check_reply::ready
-                                               : protocol::check_reply::not_ready));
+        write.u8(static_cast<std::uint8_t>(all_present(request.keys) ? protocol::check_reply::ready
+                                                                     : protocol::check_reply::not_ready));
         break;
       case command::wait:
         if (conn.keys_awaited > 0) return reject(conn, "WAIT while another WAIT is pending");
@@ -460,17 +452,14 @@ class tcp_store_server {
           conn.waiting_on.push_back(key);
           ++conn.keys_awaited;
         }
-        if (conn.keys_awaited == 0)
-          write.u8(static_cast<std::uint8_t>(protocol::wait_reply::stop_waiting));
+        if (conn.keys_awaited == 0) write.u8(static_cast<std::uint8_t>(protocol::wait_reply::stop_waiting));
         break;
       case command::cancel_wait:
         clear_wait_state(id, conn);
         write.u8(static_cast<std::uint8_t>(protocol::wait_reply::wait_canceled));
         break;
       case command::num_keys: write.i64(static_cast<std::int64_t>(data_.size())); break;
-      case command::delete_key:
-        write.i64(static_cast<std::int64_t>(data_.erase(request.keys[0])));
-        break;
+      case command::delete_key: write.i64(static_cast<std::int64_t>(data_.erase(request.keys[0]))); break;
       case command::multi_get:
         for (const auto& key : request.keys) {
           const auto found = data_.find(key);
@@ -488,8 +477,7 @@ class tcp_store_server {
   }
 
   bool all_present(const std::vector<std::string>& keys) const {
-    return std::all_of(keys.begin(), keys.end(),
-                       [&](const std::string& key) { return data_.count(key) > 0; });
+    return std::all_of(keys.begin(), keys.end(), [&](const std::string& key) { return data_.count(key) > 0; });
   }
 
   void wake_waiters(const std::string& key) {
@@ -503,8 +491,7 @@ class tcp_store_server {
       connection& conn = waiter->second;
       if (conn.keys_awaited == 0 || --conn.keys_awaited > 0) continue;
       conn.waiting_on.clear();
-      const bytes_t reply{
-          static_cast<std::uint8_t>(detail::tcp_store_protocol::wait_reply::stop_waiting)};
+      const bytes_t reply{static_cast<std::uint8_t>(detail::tcp_store_protocol::wait_reply::stop_waiting)};
       try {
         send(conn, reply);
       } catch (const std::exception& failure) {
@@ -527,8 +514,7 @@ class tcp_store_server {
   void send(connection& conn, std::span<const std::uint8_t> reply) {
     if (conn.output.size() - conn.output_start + reply.size() > max_queued_reply_bytes)
       return reject(conn, "client is not reading its replies (" +
-                              std::to_string(conn.output.size() - conn.output_start) +
-                              " bytes queued)");
+                              std::to_string(conn.output.size() - conn.output_start) + " bytes queued)");
     conn.output.insert(conn.output.end(), reply.begin(), reply.end());
     flush(conn);
   }
@@ -543,7 +529,7 @@ class tcp_store_server {
       }
       if (sent < 0 && errno == EINTR) continue;
       if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;  // poll says when
-      conn.closing = true;  // the peer went away; nothing to report
+      conn.closing = true;                                                // the peer went away; nothing to report
       return;
     }
     conn.output.clear();
@@ -705,9 +691,7 @@ class tcp_store final : public store {
           write.command(command::delete_key);
           write.string(wire_key("delete_key", key));
         },
-        [&](clock::time_point deadline) {
-          deleted = receive_value<std::int64_t>("delete_key", key, deadline);
-        });
+        [&](clock::time_point deadline) { deleted = receive_value<std::int64_t>("delete_key", key, deadline); });
     return deleted == 1;
   }
 
@@ -716,9 +700,7 @@ class tcp_store final : public store {
     std::int64_t count = 0;
     exchange(
         "num_keys", [&](writer& write) { write.command(command::num_keys); },
-        [&](clock::time_point deadline) {
-          count = receive_value<std::int64_t>("num_keys", {}, deadline);
-        });
+        [&](clock::time_point deadline) { count = receive_value<std::int64_t>("num_keys", {}, deadline); });
     return count;
   }
 
@@ -738,8 +720,7 @@ class tcp_store final : public store {
     wait_locked(keys, timeout(), "multi_get");
     std::vector<bytes> values;
     exchange_locked(
-        "multi_get",
-        [&](writer& write) { write_key_list(write, command::multi_get, keys, "multi_get"); },
+        "multi_get", [&](writer& write) { write_key_list(write, command::multi_get, keys, "multi_get"); },
         [&](clock::time_point deadline) {
           for (const auto& key : keys) values.push_back(receive_data("multi_get", key, deadline));
         });
@@ -748,12 +729,10 @@ class tcp_store final : public store {
 
   void multi_set(std::span<const std::string> keys, std::span<const bytes> values) {
     if (keys.size() != values.size())
-      throw error(
-          rank(), "store.multi_set",
-          std::to_string(keys.size()) + " keys but " + std::to_string(values.size()) + " values",
-          "pass one value per key");
-    for (std::size_t i = 0; i < keys.size(); ++i)
-      check_value_size("multi_set", keys[i], values[i].size());
+      throw error(rank(), "store.multi_set",
+                  std::to_string(keys.size()) + " keys but " + std::to_string(values.size()) + " values",
+                  "pass one value per key");
+    for (std::size_t i = 0; i < keys.size(); ++i) check_value_size("multi_set", keys[i], values[i].size());
     exchange("multi_set", [&](writer& write) {
       write.command(command::multi_set);
       write.u64(keys.size());
@@ -797,8 +776,8 @@ class tcp_store final : public store {
     if (size > detail::tcp_store_protocol::max_value_bytes)
       throw error(rank(), "store." + std::string(operation),
                   "value of " + std::to_string(size) + " bytes for key " + quoted(key) +
-                      " exceeds the store's limit of " +
-                      std::to_string(detail::tcp_store_protocol::max_value_bytes) + " bytes",
+                      " exceeds the store's limit of " + std::to_string(detail::tcp_store_protocol::max_value_bytes) +
+                      " bytes",
                   "a rendezvous store carries addresses and ids; move bulk data with a "
                   "collective");
   }
@@ -830,20 +809,18 @@ class tcp_store final : public store {
 
   void usable(std::string_view operation) const {
     if (!socket_)
-      throw error(rank(), "store." + std::string(operation),
-                  "the connection to the store server at " + endpoint() +
-                      " was closed by an earlier failure: " + broken_,
-                  "create a new store handle");
+      throw error(
+          rank(), "store." + std::string(operation),
+          "the connection to the store server at " + endpoint() + " was closed by an earlier failure: " + broken_,
+          "create a new store handle");
   }
 
   // --- raw I/O with a deadline.
 
-  void send_all(std::string_view operation, std::span<const std::uint8_t> data,
-                clock::time_point deadline) {
+  void send_all(std::string_view operation, std::span<const std::uint8_t> data, clock::time_point deadline) {
     std::size_t done = 0;
     while (done < data.size()) {
-      const ssize_t sent =
-          ::send(socket_.get(), data.data() + done, data.size() - done, MSG_NOSIGNAL);
+      const ssize_t sent = ::send(socket_.get(), data.data() + done, data.size() - done, MSG_NOSIGNAL);
       if (sent > 0) {
         done += static_cast<std::size_t>(sent);
         continue;
@@ -851,17 +828,16 @@ class tcp_store final : public store {
       if (sent < 0 && errno == EINTR) continue;
       if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
         if (!detail::tcp::poll_until(socket_.get(), POLLOUT, deadline))
-          fail_timeout(operation, "could not send to the store server at " + endpoint() +
-                                      " within " + detail::format_duration(timeout()));
+          fail_timeout(operation, "could not send to the store server at " + endpoint() + " within " +
+                                      detail::format_duration(timeout()));
         continue;
       }
-      fail(operation, "sending to the store server at " + endpoint() +
-                          " failed: " + detail::tcp::errno_text(errno));
+      fail(operation, "sending to the store server at " + endpoint() + " failed: " + detail::tcp::errno_text(errno));
     }
   }
 
-  void receive_exact(std::string_view operation, std::string_view key, void* destination,
-                     std::size_t size, clock::time_point deadline) {
+  void receive_exact(std::string_view operation, std::string_view key, void* destination, std::size_t size,
+                     clock::time_point deadline) {
     auto* out = static_cast<std::uint8_t*>(destination);
     std::size_t done = 0;
     while (done < size) {
@@ -871,15 +847,14 @@ class tcp_store final : public store {
         continue;
       }
       const std::string about = key.empty() ? std::string() : " for key " + quoted(key);
-      if (got == 0)
-        fail(operation, "the store server at " + endpoint() + " closed the connection" + about);
+      if (got == 0) fail(operation, "the store server at " + endpoint() + " closed the connection" + about);
       if (errno == EINTR) continue;
       if (errno != EAGAIN && errno != EWOULDBLOCK)
-        fail(operation, "receiving from the store server at " + endpoint() + about +
-                            " failed: " + detail::tcp::errno_text(errno));
+        fail(operation,
+             "receiving from the store server at " + endpoint() + about + " failed: " + detail::tcp::errno_text(errno));
       if (!detail::tcp::poll_until(socket_.get(), POLLIN, deadline))
-        fail_timeout(operation, "no reply from the store server at " + endpoint() + about +
-                                    " within " + detail::format_duration(timeout()));
+        fail_timeout(operation, "no reply from the store server at " + endpoint() + about + " within " +
+                                    detail::format_duration(timeout()));
     }
   }
 
@@ -893,9 +868,8 @@ class tcp_store final : public store {
   bytes receive_data(std::string_view operation, std::string_view key, clock::time_point deadline) {
     const auto size = receive_value<std::uint64_t>(operation, key, deadline);
     if (size > detail::tcp_store_protocol::max_value_bytes)
-      fail(operation, "the store server at " + endpoint() + " announced a value of " +
-                          std::to_string(size) + " bytes for key " + quoted(key) +
-                          ", over the limit of " +
+      fail(operation, "the store server at " + endpoint() + " announced a value of " + std::to_string(size) +
+                          " bytes for key " + quoted(key) + ", over the limit of " +
                           std::to_string(detail::tcp_store_protocol::max_value_bytes));
     bytes value(size);
     receive_exact(operation, key, value.data(), value.size(), deadline);
@@ -944,9 +918,7 @@ class tcp_store final : public store {
           write.string(wire);
           write.i64(delta);
         },
-        [&](clock::time_point deadline) {
-          value = receive_value<std::int64_t>("add", key, deadline);
-        });
+        [&](clock::time_point deadline) { value = receive_value<std::int64_t>("add", key, deadline); });
     return value;
   }
 
@@ -954,9 +926,7 @@ class tcp_store final : public store {
     std::uint8_t reply = 0;
     exchange_locked(
         "check", [&](writer& write) { write_key_list(write, command::check, keys, "check"); },
-        [&](clock::time_point deadline) {
-          reply = receive_value<std::uint8_t>("check", first_key(keys), deadline);
-        });
+        [&](clock::time_point deadline) { reply = receive_value<std::uint8_t>("check", first_key(keys), deadline); });
     if (reply != static_cast<std::uint8_t>(check_reply::ready) &&
         reply != static_cast<std::uint8_t>(check_reply::not_ready))
       fail("check", "the store server answered CHECK with " + std::to_string(reply));
@@ -966,8 +936,7 @@ class tcp_store final : public store {
   // The server parks a WAIT until every key exists. When our time runs out we CANCEL_WAIT;
   // the server then confirms with WAIT_CANCELED, possibly after a STOP_WAITING that crossed
   // our cancel on the wire (then the keys did arrive, and the wait succeeded).
-  void wait_locked(std::span<const std::string> keys, std::chrono::milliseconds limit,
-                   std::string_view operation) {
+  void wait_locked(std::span<const std::string> keys, std::chrono::milliseconds limit, std::string_view operation) {
     usable(operation);
     if (keys.empty()) return;
     bytes message;
@@ -978,20 +947,16 @@ class tcp_store final : public store {
     const std::uint8_t stop = static_cast<std::uint8_t>(wait_reply::stop_waiting);
     const std::uint8_t canceled = static_cast<std::uint8_t>(wait_reply::wait_canceled);
     if (detail::tcp::poll_until(socket_.get(), POLLIN, start + limit)) {
-      const auto reply =
-          receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + timeout());
-      if (reply != stop)
-        fail(operation, "the store server answered WAIT with " + std::to_string(reply));
+      const auto reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + timeout());
+      if (reply != stop) fail(operation, "the store server answered WAIT with " + std::to_string(reply));
       return;
     }
     message.assign(1, static_cast<std::uint8_t>(command::cancel_wait));
     send_all(operation, message, clock::now() + timeout());
     auto reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + timeout());
     const bool arrived = reply == stop;
-    if (arrived)
-      reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + timeout());
-    if (reply != canceled)
-      fail(operation, "the store server answered CANCEL_WAIT with " + std::to_string(reply));
+    if (arrived) reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + timeout());
+    if (reply != canceled) fail(operation, "the store server answered CANCEL_WAIT with " + std::to_string(reply));
     if (arrived) return;
     std::vector<std::string> missing;
     for (const auto& key : keys)
@@ -1001,8 +966,7 @@ class tcp_store final : public store {
   }
 
   void ping_locked(clock::time_point deadline, std::string_view operation) {
-    const std::uint32_t nonce =
-        static_cast<std::uint32_t>(::getpid()) ^ (++ping_count_ * 0x9E3779B9u);
+    const std::uint32_t nonce = static_cast<std::uint32_t>(::getpid()) ^ (++ping_count_ * 0x9E3779B9u);
     bytes message;
     writer out(message);
     out.command(command::ping);
@@ -1010,8 +974,8 @@ class tcp_store final : public store {
     send_all(operation, message, deadline);
     const auto echoed = receive_value<std::uint32_t>(operation, {}, deadline);
     if (echoed != nonce)
-      fail(operation, "the server at " + endpoint() + " echoed PING " + std::to_string(nonce) +
-                          " as " + std::to_string(echoed) + "; it does not speak TCPStore");
+      fail(operation, "the server at " + endpoint() + " echoed PING " + std::to_string(nonce) + " as " +
+                          std::to_string(echoed) + "; it does not speak TCPStore");
   }
 
   // --- connecting.
@@ -1033,9 +997,10 @@ class tcp_store final : public store {
       refused_in_a_row = handshake_ == handshake::refused ? refused_in_a_row + 1 : 0;
       if (refused_in_a_row == 3)
         throw error(rank(), "tcp_store.connect",
-                    "the server at " + endpoint() + " accepted the connection and closed it during cohort's "
-                    "handshake (VALIDATE, then PING) 3 times in a row (last: " + last_error + "): " +
-                        std::string(detail::tcp::other_protocol),
+                    "the server at " + endpoint() +
+                        " accepted the connection and closed it during cohort's "
+                        "handshake (VALIDATE, then PING) 3 times in a row (last: " +
+                        last_error + "): " + std::string(detail::tcp::other_protocol),
                     "run a PyTorch >= 2.0 TCPStore (torchrun of torch 2.x), or let cohort's rank 0 host the "
                     "store; check that MASTER_PORT is not another service's port");
       const auto now = clock::now();
@@ -1045,8 +1010,8 @@ class tcp_store final : public store {
     }
     throw timeout_error(rank(), "tcp_store.connect",
                         "could not connect to the store server at " + endpoint() + " within " +
-                            detail::format_duration(options_.connect_timeout) + " (" +
-                            std::to_string(attempts) + " attempts; last error: " + last_error + ")" +
+                            detail::format_duration(options_.connect_timeout) + " (" + std::to_string(attempts) +
+                            " attempts; last error: " + last_error + ")" +
                             (handshake_ == handshake::unanswered
                                  ? "; the server accepted the connection but never answered the handshake: " +
                                        std::string(detail::tcp::other_protocol)
@@ -1058,13 +1023,12 @@ class tcp_store final : public store {
   // One attempt; returns why it failed, or an empty string once connected and validated.
   std::string try_connect(clock::time_point deadline) {
     detail::tcp::address_list addresses;
-    const std::string unresolved =
-        detail::tcp::resolve(options_.host, options_.port, false, addresses);
+    const std::string unresolved = detail::tcp::resolve(options_.host, options_.port, false, addresses);
     if (!unresolved.empty()) return "cannot resolve " + options_.host + ": " + unresolved;
     std::string last_error = "no address";
     for (addrinfo* entry = addresses.head; entry; entry = entry->ai_next) {
-      detail::tcp::file_descriptor fd(::socket(
-          entry->ai_family, entry->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, entry->ai_protocol));
+      detail::tcp::file_descriptor fd(
+          ::socket(entry->ai_family, entry->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, entry->ai_protocol));
       if (!fd) {
         last_error = detail::tcp::errno_text(errno);
         continue;

@@ -138,8 +138,9 @@ struct topology {
   std::size_t size() const noexcept { return gpus.size(); }
   const gpu_link& link(std::size_t a, std::size_t b) const {
     if (a >= gpus.size() || b >= gpus.size())
-      throw error(-1, "topology", "GPU pair (" + std::to_string(a) + ", " + std::to_string(b) + ") outside " +
-                                      std::to_string(gpus.size()) + " GPUs");
+      throw error(-1, "topology",
+                  "GPU pair (" + std::to_string(a) + ", " + std::to_string(b) + ") outside " +
+                      std::to_string(gpus.size()) + " GPUs");
     return links[a][b];
   }
 };
@@ -214,7 +215,8 @@ inline std::vector<std::vector<int>> nvlink_pair_counts(const std::vector<std::s
     }
   for (std::size_t a = 0; a < n; ++a)
     for (std::size_t b = 0; b < n; ++b)
-      if (a != b && switch_links[a] > 0 && switch_links[b] > 0) counts[a][b] += std::min(switch_links[a], switch_links[b]);
+      if (a != b && switch_links[a] > 0 && switch_links[b] > 0)
+        counts[a][b] += std::min(switch_links[a], switch_links[b]);
   return counts;
 }
 
@@ -286,7 +288,8 @@ inline std::string format_topology_matrix(const topology& topo) {
       if (!g.pci_bus_id.empty()) out << ", " << g.pci_bus_id;
       if (g.pcie_generation > 0 || g.pcie_width > 0) {
         out << ", PCIe Gen" << g.pcie_generation << " x" << g.pcie_width;
-        if (g.pcie_max_generation > 0 && (g.pcie_max_generation != g.pcie_generation || g.pcie_max_width != g.pcie_width))
+        if (g.pcie_max_generation > 0 &&
+            (g.pcie_max_generation != g.pcie_generation || g.pcie_max_width != g.pcie_width))
           out << " (max Gen" << g.pcie_max_generation << " x" << g.pcie_max_width << ")";
       }
       if (g.numa_node >= 0) out << ", NUMA " << g.numa_node;
@@ -322,7 +325,9 @@ inline std::vector<std::vector<std::size_t>> link_groups(const topology& topo,
   const std::size_t n = topo.size();
   std::vector<std::size_t> parent(n);
   std::iota(parent.begin(), parent.end(), std::size_t{0});
-  std::function<std::size_t(std::size_t)> root = [&](std::size_t x) { return parent[x] == x ? x : parent[x] = root(parent[x]); };
+  std::function<std::size_t(std::size_t)> root = [&](std::size_t x) {
+    return parent[x] == x ? x : parent[x] = root(parent[x]);
+  };
   for (std::size_t a = 0; a < n; ++a)
     for (std::size_t b = a + 1; b < n; ++b)
       if (joined(topo.links[a][b])) parent[root(a)] = root(b);
@@ -400,13 +405,15 @@ inline std::vector<std::string> advice(const topology& topo) {
     auto groups = detail::link_groups(topo, [](const gpu_link& l) { return l.kind != link_class::cross_socket; });
     std::string text;
     for (const auto& group : groups) text += (text.empty() ? "{" : " and {") + detail::format_gpu_list(group) + "}";
-    lines.push_back("GPUs " + text + " sit under different CPU sockets (SYS): traffic between them crosses the "
+    lines.push_back("GPUs " + text +
+                    " sit under different CPU sockets (SYS): traffic between them crosses the "
                     "inter-socket link, the slowest in the box; for jobs smaller than the box keep each job on one "
                     "socket (CUDA_VISIBLE_DEVICES)");
   }
   if (any_unknown)
-    lines.push_back("some links could not be classified (no NVML and no NUMA information): measure them with "
-                    "cohort-bench");
+    lines.push_back(
+        "some links could not be classified (no NVML and no NUMA information): measure them with "
+        "cohort-bench");
   for (std::size_t a = 0; a < n; ++a) {
     const auto& g = topo.gpus[a];
     if (g.pcie_max_width > 0 && g.pcie_max_width < 16)
@@ -434,7 +441,8 @@ inline std::string suggested_link_preset(const topology& topo) {
       }
   if (all_nvlink) return version >= 4 ? "nvlink-h100" : version == 3 ? "nvlink-a100" : "";
   int generation = 1 << 30;
-  for (const auto& g : topo.gpus) generation = std::min(generation, g.pcie_max_generation > 0 ? g.pcie_max_generation : g.pcie_generation);
+  for (const auto& g : topo.gpus)
+    generation = std::min(generation, g.pcie_max_generation > 0 ? g.pcie_max_generation : g.pcie_generation);
   if (generation >= 5 && generation < (1 << 30)) return "pcie-gen5";
   if (generation == 4) return "pcie-gen4";
   return {};
@@ -618,8 +626,9 @@ inline topology probe_topology() {
     return built;
   }();
 #else
-  topo.notes.push_back("cohort was built without CUDA (cohort::nccl): no probe; link classes can still be "
-                       "given by hand to make_topology");
+  topo.notes.push_back(
+      "cohort was built without CUDA (cohort::nccl): no probe; link classes can still be "
+      "given by hand to make_topology");
 #endif
   return topo;
 }

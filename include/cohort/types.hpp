@@ -131,34 +131,85 @@ struct half {
 
 template <class T>
 struct dtype_of;
-template <> struct dtype_of<float> { static constexpr dtype value = dtype::float32; };
-template <> struct dtype_of<double> { static constexpr dtype value = dtype::float64; };
-template <> struct dtype_of<half> { static constexpr dtype value = dtype::float16; };
-template <> struct dtype_of<bfloat16> { static constexpr dtype value = dtype::bfloat16; };
-template <> struct dtype_of<std::int32_t> { static constexpr dtype value = dtype::int32; };
-template <> struct dtype_of<std::int64_t> { static constexpr dtype value = dtype::int64; };
-template <> struct dtype_of<std::uint8_t> { static constexpr dtype value = dtype::uint8; };
+template <>
+struct dtype_of<float> {
+  static constexpr dtype value = dtype::float32;
+};
+template <>
+struct dtype_of<double> {
+  static constexpr dtype value = dtype::float64;
+};
+template <>
+struct dtype_of<half> {
+  static constexpr dtype value = dtype::float16;
+};
+template <>
+struct dtype_of<bfloat16> {
+  static constexpr dtype value = dtype::bfloat16;
+};
+template <>
+struct dtype_of<std::int32_t> {
+  static constexpr dtype value = dtype::int32;
+};
+template <>
+struct dtype_of<std::int64_t> {
+  static constexpr dtype value = dtype::int64;
+};
+template <>
+struct dtype_of<std::uint8_t> {
+  static constexpr dtype value = dtype::uint8;
+};
 #if defined(COHORT_HAS_CUDA_TYPES)
-template <> struct dtype_of<__half> { static constexpr dtype value = dtype::float16; };
-template <> struct dtype_of<__nv_bfloat16> { static constexpr dtype value = dtype::bfloat16; };
+template <>
+struct dtype_of<__half> {
+  static constexpr dtype value = dtype::float16;
+};
+template <>
+struct dtype_of<__nv_bfloat16> {
+  static constexpr dtype value = dtype::bfloat16;
+};
 #endif
 
 // The element types every collective accepts (cv-qualifiers ignored).
 template <class T>
-concept element = requires { dtype_of<std::remove_cv_t<T>>::value; };
+concept element = requires {
+  dtype_of<std::remove_cv_t<T>>::value;
+};
 
 template <class T>
 inline constexpr dtype dtype_v = dtype_of<std::remove_cv_t<T>>::value;
 
 // Storage type of the host representation of a dtype, for host-side arithmetic.
-template <dtype D> struct storage_of;
-template <> struct storage_of<dtype::float32> { using type = float; };
-template <> struct storage_of<dtype::float64> { using type = double; };
-template <> struct storage_of<dtype::float16> { using type = half; };
-template <> struct storage_of<dtype::bfloat16> { using type = bfloat16; };
-template <> struct storage_of<dtype::int32> { using type = std::int32_t; };
-template <> struct storage_of<dtype::int64> { using type = std::int64_t; };
-template <> struct storage_of<dtype::uint8> { using type = std::uint8_t; };
+template <dtype D>
+struct storage_of;
+template <>
+struct storage_of<dtype::float32> {
+  using type = float;
+};
+template <>
+struct storage_of<dtype::float64> {
+  using type = double;
+};
+template <>
+struct storage_of<dtype::float16> {
+  using type = half;
+};
+template <>
+struct storage_of<dtype::bfloat16> {
+  using type = bfloat16;
+};
+template <>
+struct storage_of<dtype::int32> {
+  using type = std::int32_t;
+};
+template <>
+struct storage_of<dtype::int64> {
+  using type = std::int64_t;
+};
+template <>
+struct storage_of<dtype::uint8> {
+  using type = std::uint8_t;
+};
 
 // Calls fn with a value of the host storage type for a run-time dtype.
 template <class Fn>

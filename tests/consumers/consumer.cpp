@@ -22,7 +22,7 @@ int main() {
   }
   for (auto& thread : ranks) thread.join();
   const bool ok = results[0] == 3.0f && results[1] == 3.0f;
-  std::printf("cohort %s consumer: all_reduce sum over %d ranks = %g (%s)\n",
-              COHORT_VERSION_STRING, world, static_cast<double>(results[0]), ok ? "ok" : "WRONG");
+  std::printf("cohort %s consumer: all_reduce sum over %d ranks = %g (%s)\n", COHORT_VERSION_STRING, world,
+              static_cast<double>(results[0]), ok ? "ok" : "WRONG");
   return ok ? 0 : 1;
 }

@@ -45,8 +45,8 @@ void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_en
   std::vector<std::vector<float>> storage{std::vector<float>(300), std::vector<float>(20)};
   std::vector<std::span<float>> params(storage.begin(), storage.end());
   cohort::broadcast_parameters(pg, params, 0).wait();
-  cohort::gradient_reducer<cohort::gloo> ddp{pg, std::vector<std::size_t>{300, 20},
-                                             {.unused = cohort::unused_gradients::zero, .check_nonfinite = true}};
+  cohort::gradient_reducer<cohort::gloo> ddp{
+      pg, std::vector<std::size_t>{300, 20}, {.unused = cohort::unused_gradients::zero, .check_nonfinite = true}};
   for (std::size_t i = ddp.size(); i-- > 0;) ddp.mark_ready(i);
   (void)ddp.finish();
   {

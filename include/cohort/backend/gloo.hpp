@@ -47,8 +47,7 @@ class gloo_store_adapter final : public ::gloo::rendezvous::Store {
       : inner_(std::move(inner)), timeout_(timeout) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
-    inner_->set(key, std::span<const std::uint8_t>(
-                         reinterpret_cast<const std::uint8_t*>(data.data()), data.size()));
+    inner_->set(key, std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(data.data()), data.size()));
   }
   std::vector<char> get(const std::string& key) override {
     const bytes value = inner_->get(key, timeout_);
@@ -84,7 +83,15 @@ struct gloo_p2p {
 
 struct gloo_task {
   enum class kind : std::uint8_t {
-    all_reduce, reduce_scatter, all_gather, broadcast, all_to_all, send, recv, barrier, function,
+    all_reduce,
+    reduce_scatter,
+    all_gather,
+    broadcast,
+    all_to_all,
+    send,
+    recv,
+    barrier,
+    function,
     p2p_wait
   };
   kind what = kind::function;
@@ -129,8 +136,7 @@ class gloo {
   class work {
    public:
     work() = default;
-    work(std::shared_ptr<worker_type> worker, std::uint64_t seq)
-        : worker_(std::move(worker)), seq_(seq) {}
+    work(std::shared_ptr<worker_type> worker, std::uint64_t seq) : worker_(std::move(worker)), seq_(seq) {}
 
     // True when complete; rethrows the failure of a failed operation.
     bool test() const {
@@ -149,8 +155,7 @@ class gloo {
     // False when still running after `timeout`.
     bool wait_for(std::chrono::milliseconds timeout) const {
       if (!worker_) return true;
-      if (!worker_->wait_until_done(seq_, std::chrono::steady_clock::now() + timeout))
-        return false;
+      if (!worker_->wait_until_done(seq_, std::chrono::steady_clock::now() + timeout)) return false;
       rethrow_failure();
       return true;
     }
@@ -194,8 +199,8 @@ class gloo {
 
   // Subgroup of a split (process_group::split did the bookkeeping): a new Gloo context over
   // the same device, rendezvousing under the subgroup's store prefix.
-  static std::unique_ptr<gloo> split(gloo& parent, std::shared_ptr<cohort::store> sub_store, int color,
-                                     int /*key*/, int new_rank, int new_size) {
+  static std::unique_ptr<gloo> split(gloo& parent, std::shared_ptr<cohort::store> sub_store, int color, int /*key*/,
+                                     int new_rank, int new_size) {
     if (color < 0) return nullptr;
     return std::make_unique<gloo>(parent, std::move(sub_store), new_rank, new_size);
   }
@@ -243,11 +248,9 @@ class gloo {
   // Completes when everything queued so far has completed.
   work record() { return submit(task(task_kind::function)); }
 
-  static void* allocate(std::size_t bytes) {
-    return ::operator new(bytes == 0 ? 1 : bytes, std::align_val_t{64});
-  }
+  static void* allocate(std::size_t bytes) { return ::operator new (bytes == 0 ? 1 : bytes, std::align_val_t{64}); }
   static void deallocate(void* pointer, std::size_t /*bytes*/) noexcept {
-    ::operator delete(pointer, std::align_val_t{64});
+    ::operator delete (pointer, std::align_val_t{64});
   }
   work copy(void* destination, const void* source, std::size_t bytes) {
     // Still queued when empty: the returned work orders after everything before it.
@@ -259,8 +262,7 @@ class gloo {
  private:
   using task_kind = detail::gloo_task::kind;
 
-  static std::shared_ptr<::gloo::transport::Device> make_device(const launch_env& env,
-                                                                const options& opts) {
+  static std::shared_ptr<::gloo::transport::Device> make_device(const launch_env& env, const options& opts) {
     ::gloo::transport::tcp::attr attr;
     std::string interface = opts.interface;
     if (interface.empty()) {
@@ -275,8 +277,7 @@ class gloo {
     try {
       return ::gloo::transport::tcp::CreateDevice(attr);
     } catch (const std::exception& failure) {
-      throw error(env.rank, "gloo.create_device",
-                  std::string("cannot open a TCP device: ") + failure.what(),
+      throw error(env.rank, "gloo.create_device", std::string("cannot open a TCP device: ") + failure.what(),
                   "set options.hostname or GLOO_SOCKET_IFNAME to an address of this host");
     }
   }
@@ -288,13 +289,11 @@ class gloo {
     try {
       context->connectFullMesh(adapter, device_);
     } catch (const timeout_error& failure) {
-      throw timeout_error(rank_, "gloo.rendezvous",
-                          "world of " + std::to_string(size_) + ": " + failure.detail(),
+      throw timeout_error(rank_, "gloo.rendezvous", "world of " + std::to_string(size_) + ": " + failure.detail(),
                           "a rank never arrived: is every rank started with the same WORLD_SIZE "
                           "and MASTER_ADDR/MASTER_PORT?");
     } catch (const ::gloo::Exception& failure) {
-      throw error(rank_, "gloo.rendezvous",
-                  "world of " + std::to_string(size_) + ": " + failure.what(),
+      throw error(rank_, "gloo.rendezvous", "world of " + std::to_string(size_) + ": " + failure.what(),
                   "a peer is unreachable: check the network interface (GLOO_SOCKET_IFNAME)");
     }
     context_ = std::move(context);
@@ -303,8 +302,8 @@ class gloo {
   }
 
   static detail::gloo_task task(task_kind what, dtype type = dtype::uint8, op reduce = op::sum,
-                                const void* in = nullptr, void* out = nullptr, std::size_t count = 0,
-                                int peer = 0, std::uint64_t tag = 0) {
+                                const void* in = nullptr, void* out = nullptr, std::size_t count = 0, int peer = 0,
+                                std::uint64_t tag = 0) {
     detail::gloo_task queued;
     queued.what = what;
     queued.type = type;
@@ -329,8 +328,8 @@ class gloo {
       std::erase_if(live_p2p_, [](const std::weak_ptr<detail::gloo_p2p>& weak) { return weak.expired(); });
       live_p2p_.push_back(pending);
     }
-    auto completion = task(task_kind::p2p_wait, operation.type, op::sum, operation.in, operation.out,
-                           operation.count, operation.peer, operation.tag);
+    auto completion = task(task_kind::p2p_wait, operation.type, op::sum, operation.in, operation.out, operation.count,
+                           operation.peer, operation.tag);
     completion.p2p = pending;
     operation.p2p = pending;
     pending->sending = operation.what == task_kind::send;
@@ -339,9 +338,8 @@ class gloo {
   }
 
   static std::string describe(const detail::gloo_task& task) {
-    static constexpr const char* names[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast",
-                                            "all_to_all", "send",           "recv",       "barrier",
-                                            "host_task",  "p2p_wait"};
+    static constexpr const char* names[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all",
+                                            "send",       "recv",           "barrier",    "host_task", "p2p_wait"};
     std::string text = names[static_cast<int>(task.what)];
     if (task.what == task_kind::barrier || task.what == task_kind::function) return text;
     text += "(" + std::string(to_string(task.type)) + " x " + std::to_string(task.count);
@@ -438,7 +436,7 @@ class gloo {
         T* gathered = reinterpret_cast<T*>(scratch.data());
         if (world > 1) {
           ::gloo::AlltoallOptions opts(context_);
-        opts.setTag(collective_tag(task));
+          opts.setTag(collective_tag(task));
           opts.setInput(const_cast<T*>(in), world * n);
           opts.setOutput(gathered, world * n);
           opts.setTimeout(options_.timeout);
@@ -545,8 +543,8 @@ class gloo {
   options options_;
   std::shared_ptr<::gloo::transport::Device> device_;
   std::shared_ptr<::gloo::Context> context_;
-  std::vector<std::byte> scratch_;  // used by the worker thread only
-  std::shared_ptr<worker_type> worker_;      // last: their threads run run(), which uses the above
+  std::vector<std::byte> scratch_;       // used by the worker thread only
+  std::shared_ptr<worker_type> worker_;  // last: their threads run run(), which uses the above
   std::shared_ptr<worker_type> p2p_worker_;
   std::mutex p2p_mutex_;
   std::vector<std::weak_ptr<detail::gloo_p2p>> live_p2p_;

@@ -245,8 +245,7 @@ class nccl {
         if (std::chrono::steady_clock::now() > deadline) {
           state.abort(operation_ + " exceeded the timeout");
           throw timeout_error(state.rank, "nccl." + operation_,
-                              "not complete after " + detail::format_duration(state.timeout) +
-                                  "; communicator aborted",
+                              "not complete after " + detail::format_duration(state.timeout) + "; communicator aborted",
                               "a peer never entered this collective: it hangs, crashed, or issued "
                               "collectives in another order (COHORT_DEBUG=1 compares calls)");
         }
@@ -268,12 +267,13 @@ class nccl {
     ncclUniqueId id;
     if (env.rank == 0) {
       check_nccl(ncclGetUniqueId(&id), "get_unique_id");
-      store->set("nccl_unique_id", std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(&id), sizeof id));
+      store->set("nccl_unique_id",
+                 std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(&id), sizeof id));
     } else {
       const bytes value = store->get("nccl_unique_id");
       if (value.size() != sizeof id)
-        throw error(env.rank, "nccl.init", "unique id of " + std::to_string(value.size()) + " bytes, expected " +
-                                               std::to_string(sizeof id),
+        throw error(env.rank, "nccl.init",
+                    "unique id of " + std::to_string(value.size()) + " bytes, expected " + std::to_string(sizeof id),
                     "ranks built against different NCCL versions, or the store key was overwritten");
       std::memcpy(&id, value.data(), sizeof id);
     }
@@ -295,7 +295,8 @@ class nccl {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclComm_t comm = nullptr;
-    ncclResult_t status = ncclCommSplit(parent.state_->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &comm, &config);
+    ncclResult_t status =
+        ncclCommSplit(parent.state_->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &comm, &config);
     parent.state_->settle("comm_split", status);
     if (color < 0 || comm == nullptr) return nullptr;
     auto child = std::unique_ptr<nccl>(new nccl());
@@ -329,13 +330,14 @@ class nccl {
 
   work all_reduce(const void* in, void* out, std::size_t count, dtype type, op reduce) {
     return issue("all_reduce", [&] {
-      return ncclAllReduce(in, out, count, detail::nccl_type(type), detail::nccl_op(reduce), state_->comm, state_->stream);
+      return ncclAllReduce(in, out, count, detail::nccl_type(type), detail::nccl_op(reduce), state_->comm,
+                           state_->stream);
     });
   }
   work reduce_scatter(const void* in, void* out, std::size_t count_per_rank, dtype type, op reduce) {
     return issue("reduce_scatter", [&] {
-      return ncclReduceScatter(in, out, count_per_rank, detail::nccl_type(type), detail::nccl_op(reduce),
-                               state_->comm, state_->stream);
+      return ncclReduceScatter(in, out, count_per_rank, detail::nccl_type(type), detail::nccl_op(reduce), state_->comm,
+                               state_->stream);
     });
   }
   work all_gather(const void* in, void* out, std::size_t count_per_rank, dtype type) {
@@ -365,10 +367,12 @@ class nccl {
   }
   // NCCL has no tags: point-to-point messages between two ranks match in issue order.
   work send(const void* data, std::size_t count, dtype type, int peer, std::uint64_t /*tag*/) {
-    return issue("send", [&] { return ncclSend(data, count, detail::nccl_type(type), peer, state_->comm, state_->stream); });
+    return issue("send",
+                 [&] { return ncclSend(data, count, detail::nccl_type(type), peer, state_->comm, state_->stream); });
   }
   work recv(void* data, std::size_t count, dtype type, int peer, std::uint64_t /*tag*/) {
-    return issue("recv", [&] { return ncclRecv(data, count, detail::nccl_type(type), peer, state_->comm, state_->stream); });
+    return issue("recv",
+                 [&] { return ncclRecv(data, count, detail::nccl_type(type), peer, state_->comm, state_->stream); });
   }
   // NCCL has no barrier: a one-element all-reduce every rank must join.
   work barrier() {
@@ -388,7 +392,8 @@ class nccl {
   void* allocate(std::size_t bytes) {
     void* pointer = nullptr;
     detail::check_cuda(cudaSetDevice(state_->device), rank(), "set_device");
-    detail::check_cuda(cudaMalloc(&pointer, bytes == 0 ? 1 : bytes), rank(), "malloc(" + std::to_string(bytes) + " bytes)",
+    detail::check_cuda(cudaMalloc(&pointer, bytes == 0 ? 1 : bytes), rank(),
+                       "malloc(" + std::to_string(bytes) + " bytes)",
                        "the GPU is out of memory: lower the bucket size or shard the model");
     return pointer;
   }
@@ -407,7 +412,8 @@ class nccl {
 
   void check_nccl(ncclResult_t status, const std::string& operation) {
     if (status != ncclSuccess && status != ncclInProgress)
-      throw error(rank(), "nccl." + operation, ncclGetErrorString(status), "check the NCCL installation (NCCL_DEBUG=INFO)");
+      throw error(rank(), "nccl." + operation, ncclGetErrorString(status),
+                  "check the NCCL installation (NCCL_DEBUG=INFO)");
   }
 
   void select_device(cohort::store& store, const launch_env& env, const options& opts) {
@@ -417,8 +423,8 @@ class nccl {
     if (device >= count) {
       const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
       throw error(env.rank, "nccl.select_device",
-                  "device " + std::to_string(device) + " (local rank " + std::to_string(env.local_rank) + ") but only " +
-                      std::to_string(count) + " GPU(s) visible" +
+                  "device " + std::to_string(device) + " (local rank " + std::to_string(env.local_rank) +
+                      ") but only " + std::to_string(count) + " GPU(s) visible" +
                       (visible ? std::string(" (CUDA_VISIBLE_DEVICES=") + visible + ")" : std::string()),
                   "launch at most as many ranks per node as GPUs (--nproc-per-node), or fix CUDA_VISIBLE_DEVICES");
     }
@@ -433,7 +439,8 @@ class nccl {
     std::vector<std::string> identities;
     for (int r = 0; r < env.world_size; ++r) identities.push_back(store.get_string("device/" + std::to_string(r)));
     if (const auto duplicate = detail::find_duplicate_device(identities))
-      throw error(env.rank, "nccl.select_device", detail::describe_duplicate(*duplicate), detail::duplicate_device_hint());
+      throw error(env.rank, "nccl.select_device", detail::describe_duplicate(*duplicate),
+                  detail::duplicate_device_hint());
   }
 
   void finish_init(const std::string& operation, ncclResult_t status) {

@@ -5,8 +5,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <span>
 
 #include "cohort/error.hpp"
@@ -14,18 +14,46 @@
 
 namespace cohort::inline v0::detail::device {
 
-template <class T> struct math { using type = T; };
-template <> struct math<half> { using type = __half; };
-template <> struct math<bfloat16> { using type = __nv_bfloat16; };
+template <class T>
+struct math {
+  using type = T;
+};
+template <>
+struct math<half> {
+  using type = __half;
+};
+template <>
+struct math<bfloat16> {
+  using type = __nv_bfloat16;
+};
 
-template <class T> __device__ inline float to_float(T v) { return static_cast<float>(v); }
-template <> __device__ inline float to_float<__half>(__half v) { return __half2float(v); }
-template <> __device__ inline float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <class T> __device__ inline T from_float(float v) { return static_cast<T>(v); }
-template <> __device__ inline __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <class T>
+__device__ inline float to_float(T v) {
+  return static_cast<float>(v);
+}
+template <>
+__device__ inline float to_float<__half>(__half v) {
+  return __half2float(v);
+}
+template <>
+__device__ inline float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <class T>
+__device__ inline T from_float(float v) {
+  return static_cast<T>(v);
+}
+template <>
+__device__ inline __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
 
-template <class T> inline constexpr bool is_16 = std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
+template <class T>
+inline constexpr bool is_16 = std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
 
 inline unsigned blocks_for(std::size_t count, unsigned threads = 256) {
   const std::size_t wanted = (count + threads - 1) / threads;
@@ -130,12 +158,13 @@ __global__ void nonfinite_kernel(const T* data, std::size_t count, unsigned long
   if (bad) atomicAdd(result, bad);
 }
 
-inline void count_nonfinite(const void* data, std::size_t count, dtype type, std::int64_t* result, cudaStream_t stream) {
+inline void count_nonfinite(const void* data, std::size_t count, dtype type, std::int64_t* result,
+                            cudaStream_t stream) {
   if (count == 0) return;
   for_dtype(type, [&](auto sample) {
     using T = decltype(sample);
     nonfinite_kernel<T><<<blocks_for(count), 256, 0, stream>>>(static_cast<const T*>(data), count,
-                                                              reinterpret_cast<unsigned long long*>(result));
+                                                               reinterpret_cast<unsigned long long*>(result));
   });
   check_launch("count_nonfinite");
 }
@@ -156,7 +185,8 @@ __global__ void batched_copy_kernel(region_batch batch) {
   const std::size_t bytes = batch.bytes[region];
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   const std::size_t first = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
-  const bool aligned = ((reinterpret_cast<std::uintptr_t>(destination) | reinterpret_cast<std::uintptr_t>(source)) & 15u) == 0;
+  const bool aligned =
+      ((reinterpret_cast<std::uintptr_t>(destination) | reinterpret_cast<std::uintptr_t>(source)) & 15u) == 0;
   std::size_t done = 0;
   if (aligned) {
     const std::size_t words = bytes / 16;

@@ -73,8 +73,7 @@ void scale(T* data, std::size_t n, double factor) {
     const float f = static_cast<float>(factor);
     for (std::size_t i = 0; i < n; ++i) data[i] = T(static_cast<float>(data[i]) * f);
   } else {
-    for (std::size_t i = 0; i < n; ++i)
-      data[i] = static_cast<T>(static_cast<double>(data[i]) * factor);
+    for (std::size_t i = 0; i < n; ++i) data[i] = static_cast<T>(static_cast<double>(data[i]) * factor);
   }
 }
 

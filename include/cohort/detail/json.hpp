@@ -95,8 +95,8 @@ class json {
   }
   const json& at(std::string_view key) const {
     if (!is_object())
-      throw cohort::error(-1, "json", "looked up key \"" + std::string(key) + "\" in a " +
-                                          type_name() + ", not an object");
+      throw cohort::error(-1, "json",
+                          "looked up key \"" + std::string(key) + "\" in a " + type_name() + ", not an object");
     if (const json* value = find(key)) return *value;
     throw cohort::error(-1, "json", "missing key \"" + std::string(key) + "\"",
                         "the file may come from another tool or an older version");
@@ -104,8 +104,9 @@ class json {
   const json& at(std::size_t index) const {
     const array& items = as_array();
     if (index >= items.size())
-      throw cohort::error(-1, "json", "index " + std::to_string(index) + " past the end of an array of " +
-                                          std::to_string(items.size()));
+      throw cohort::error(
+          -1, "json",
+          "index " + std::to_string(index) + " past the end of an array of " + std::to_string(items.size()));
     return items[index];
   }
   std::size_t size() const {
@@ -276,9 +277,9 @@ class json_reader {
         ++column;
       }
     }
-    throw cohort::error(-1, "json parse",
-                        expected + " at line " + std::to_string(line) + " column " + std::to_string(column) +
-                            ", found " + what);
+    throw cohort::error(
+        -1, "json parse",
+        expected + " at line " + std::to_string(line) + " column " + std::to_string(column) + ", found " + what);
   }
 
   void skip_space() {
@@ -370,10 +371,14 @@ class json_reader {
       if (at_end()) fail("expected four hex digits after \\u", found());
       const char c = peek();
       code <<= 4;
-      if (c >= '0' && c <= '9') code |= unsigned(c - '0');
-      else if (c >= 'a' && c <= 'f') code |= unsigned(c - 'a' + 10);
-      else if (c >= 'A' && c <= 'F') code |= unsigned(c - 'A' + 10);
-      else fail("expected four hex digits after \\u", found());
+      if (c >= '0' && c <= '9')
+        code |= unsigned(c - '0');
+      else if (c >= 'a' && c <= 'f')
+        code |= unsigned(c - 'a' + 10);
+      else if (c >= 'A' && c <= 'F')
+        code |= unsigned(c - 'A' + 10);
+      else
+        fail("expected four hex digits after \\u", found());
       ++position_;
     }
     return code;
@@ -440,9 +445,7 @@ class json_reader {
           append_utf8(out, code);
           break;
         }
-        default:
-          --position_;
-          fail("expected a valid escape (\\\" \\\\ \\/ \\b \\f \\n \\r \\t \\uXXXX)", found());
+        default: --position_; fail("expected a valid escape (\\\" \\\\ \\/ \\b \\f \\n \\r \\t \\uXXXX)", found());
       }
     }
   }

@@ -49,8 +49,7 @@ class feistel_permutation {
 
   feistel_permutation() = default;
 
-  COHORT_HOST_DEVICE constexpr feistel_permutation(std::uint64_t size, std::uint64_t seed,
-                                                   std::uint64_t epoch) noexcept
+  COHORT_HOST_DEVICE constexpr feistel_permutation(std::uint64_t size, std::uint64_t seed, std::uint64_t epoch) noexcept
       : size_(size) {
     int bits = 2;
     // 2^bits >= size; bits = 64 covers every size a std::uint64_t can hold.

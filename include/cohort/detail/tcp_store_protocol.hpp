@@ -202,16 +202,16 @@ class cursor {
   bool length(std::uint64_t& size, std::uint64_t limit, const char* what) {
     if (!fixed(size)) return false;
     if (size > limit)
-      return malformed(std::string(what) + " of " + std::to_string(size) +
-                       " bytes exceeds the limit of " + std::to_string(limit));
+      return malformed(std::string(what) + " of " + std::to_string(size) + " bytes exceeds the limit of " +
+                       std::to_string(limit));
     return ensure(size);
   }
 
   bool ensure(std::uint64_t size) {
     const std::uint64_t end = position_ + size;
     if (end > max_request_bytes)
-      return malformed("request of at least " + std::to_string(end) +
-                       " bytes exceeds the limit of " + std::to_string(max_request_bytes));
+      return malformed("request of at least " + std::to_string(end) + " bytes exceeds the limit of " +
+                       std::to_string(max_request_bytes));
     if (end > input_.size()) {
       state_ = parse_status::incomplete;
       needed_ = end;
@@ -244,8 +244,7 @@ inline parse_result parse_request(std::span<const std::uint8_t> input, request& 
   out = request{};
   std::uint8_t code = 0;
   if (!in.fixed(code)) return in.result();
-  if (code > last_command)
-    return {parse_status::malformed, 0, "unknown command " + std::to_string(code)};
+  if (code > last_command) return {parse_status::malformed, 0, "unknown command " + std::to_string(code)};
   out.command = static_cast<command>(code);
 
   auto key = [&] {
