@@ -47,9 +47,9 @@
 
 #include "cohort/backend/gloo.hpp"
 #include "cohort/detail/host_math.hpp"
-#include "cohort/detail/json.hpp"
+#include "cohort/tools/detail/json.hpp"
 #include "cohort/error.hpp"
-#include "cohort/planner.hpp"
+#include "cohort/tools/planner.hpp"
 #include "cohort/process_group.hpp"
 #include "cohort/types.hpp"
 #include "cohort/version.hpp"
@@ -778,7 +778,7 @@ inline std::string footer(const std::vector<row>& rows) {
   return out + "#\n";
 }
 
-// The result file: the schema of cohort/planner.hpp (parse_bench_result reads it) plus
+// The result file: the schema of cohort/tools/planner.hpp (parse_bench_result reads it) plus
 // extra fields: per-row type/redop/root, in-place #wrong, the raw engine's figures.
 inline cohort::detail::json to_json(const options& o, int world, const std::vector<row>& rows,
                                     cohort::detail::json env) {

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "cohort/backend/gloo.hpp"
-#include "cohort/detail/json.hpp"
+#include "cohort/tools/detail/json.hpp"
 #include "cohort/process_group.hpp"
 #include "cohort/run_ranks.hpp"
 #include "cohort/sharded.hpp"

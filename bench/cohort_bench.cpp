@@ -27,7 +27,7 @@
 #include "cohort/launch.hpp"
 #include "cohort/store.hpp"
 #include "cohort/tcp_store.hpp"
-#include "cohort/topology.hpp"
+#include "cohort/tools/topology.hpp"
 
 namespace {
 

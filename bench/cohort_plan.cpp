@@ -6,7 +6,7 @@
 // Prints the effective batch, the communication of data parallelism and of sharding under
 // the alpha-beta model (constants and their sources shown), how much of it overlap hides,
 // the predicted speedup and scaling efficiency, a recommendation, a bucket size, and the
-// field's rules of thumb. --json prints the same as JSON. See include/cohort/planner.hpp.
+// field's rules of thumb. --json prints the same as JSON. See include/cohort/tools/planner.hpp.
 
 #include <cerrno>
 #include <cmath>
@@ -20,9 +20,9 @@
 #include <string_view>
 #include <vector>
 
-#include "cohort/detail/json.hpp"
-#include "cohort/planner.hpp"
-#include "cohort/topology.hpp"
+#include "cohort/tools/detail/json.hpp"
+#include "cohort/tools/planner.hpp"
+#include "cohort/tools/topology.hpp"
 
 namespace {
 

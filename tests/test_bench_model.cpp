@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "../bench/bench_common.hpp"
-#include "cohort/planner.hpp"
+#include "cohort/tools/planner.hpp"
 #include "cohort/process_group.hpp"
 #include "cohort/store.hpp"
 #include "support.hpp"

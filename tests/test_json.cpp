@@ -6,7 +6,7 @@
 #include <limits>
 #include <string>
 
-#include "cohort/detail/json.hpp"
+#include "cohort/tools/detail/json.hpp"
 
 using cohort::detail::json;
 using cohort::detail::json_limits;

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "cohort/planner.hpp"
+#include "cohort/tools/planner.hpp"
 
 using cohort::collective;
 using cohort::link_model;

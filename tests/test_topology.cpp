@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "cohort/topology.hpp"
+#include "cohort/tools/topology.hpp"
 
 using cohort::link_class;
 using cohort::link_evidence;

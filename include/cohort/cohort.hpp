@@ -1,7 +1,9 @@
 #pragma once
-// The umbrella header: everything cohort offers. Backends come in when their engine is
+// The umbrella header: everything a trainer uses. Backends come in when their engine is
 // available: Gloo when its headers are found (or COHORT_HAS_GLOO=1), NCCL when the
 // cohort::nccl target defines COHORT_HAS_NCCL=1 (it needs CUDA and NCCL to link).
+// The tools' headers (cohort/tools/: the planner, the topology probe, their JSON) are not
+// included: a trainer does not pay for them; cohort-bench and cohort-plan include them.
 
 #include "cohort/batch.hpp"
 #include "cohort/error.hpp"
@@ -10,7 +12,6 @@
 #include "cohort/launch.hpp"
 #include "cohort/ops.hpp"
 #include "cohort/optim.hpp"
-#include "cohort/planner.hpp"
 #include "cohort/process_group.hpp"
 #include "cohort/reducer.hpp"
 #include "cohort/run_ranks.hpp"
@@ -18,7 +19,6 @@
 #include "cohort/sharded.hpp"
 #include "cohort/store.hpp"
 #include "cohort/tcp_store.hpp"
-#include "cohort/topology.hpp"
 #include "cohort/types.hpp"
 #include "cohort/version.hpp"
 

@@ -4,7 +4,6 @@
 // person reading it is usually looking at the interleaved logs of many processes.
 
 #include <chrono>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -53,12 +52,8 @@ class timeout_error : public error {
 
 namespace detail {
 inline std::string format_duration(std::chrono::milliseconds ms) {
-  std::ostringstream out;
-  if (ms.count() % 1000 == 0)
-    out << ms.count() / 1000 << " s";
-  else
-    out << ms.count() << " ms";
-  return out.str();
+  if (ms.count() % 1000 == 0) return std::to_string(ms.count() / 1000) + " s";
+  return std::to_string(ms.count()) + " ms";
 }
 }  // namespace detail
 

@@ -8,6 +8,8 @@
 #endif
 #include <cohort/cohort.hpp>
 #include <cohort/sampler_thrust.hpp>
+#include <cohort/tools/planner.hpp>
+#include <cohort/tools/topology.hpp>
 
 #include <cstdio>
 #include <exception>

@@ -64,7 +64,7 @@
 #include <string_view>
 #include <vector>
 
-#include "cohort/detail/json.hpp"
+#include "cohort/tools/detail/json.hpp"
 #include "cohort/error.hpp"
 
 namespace cohort::inline v0 {
