@@ -1,135 +1,124 @@
 #pragma once
-// Element-wise work queued in a backend's own order: on Gloo, tasks on the group's FIFO
-// worker; on NCCL, kernels on the group's CUDA stream. Algorithms (reducer, sharded
-// parameters) call these so that one implementation runs on both. Host versions are plain
-// loops; device versions are in detail/device_ops.cuh and need this translation unit to be
-// compiled by nvcc (a clear static_assert says so otherwise).
+// Element-wise work over any backend: what algorithms (reducer, sharded parameters,
+// optimizers) call, so each is written once and reads the same on every engine.
+//
+// Each call runs in the backend's own order, after everything queued on the group before
+// it, and returns the work that completes with it: on a host backend (Gloo) a task on the
+// group's FIFO worker, on a device backend (NCCL) a kernel on the group's stream.
+// divide_in_caller_order runs in the caller's order instead: on a host backend now, on the
+// calling thread; on a device backend a kernel on the caller's stream.
+//
+// Like Thrust's systems, each memory space implements these entry points in its own place:
+// detail/host_elementwise.hpp (loops) and detail/device_elementwise.cuh (kernels, so a
+// translation unit that uses them on a device backend is compiled by nvcc; a clear
+// static_assert says so otherwise). The per-element formulas are shared
+// (detail/elementwise.hpp), so both compute the same values.
 
 #include <cstdint>
-#include <cstring>
 #include <span>
-#include <vector>
+#include <string_view>
 
-#include "cohort/detail/host_math.hpp"
+#include "cohort/detail/elementwise.hpp"
+#include "cohort/error.hpp"
 #include "cohort/process_group.hpp"
 #include "cohort/types.hpp"
-
-#if defined(__CUDACC__)
-#include "cohort/detail/device_ops.cuh"
-#endif
 
 namespace cohort::inline v0 {
 
 namespace detail {
-template <class>
-inline constexpr bool needs_nvcc = false;
-#define COHORT_REQUIRE_NVCC(B)                                                                   \
-  static_assert(::cohort::detail::needs_nvcc<B>,                                                 \
-                "cohort: device-side element-wise operations launch CUDA kernels: compile this " \
-                "translation unit with nvcc (a .cu file)")
-}  // namespace detail
 
-// data *= factor (averaging, loss scaling).
+// Each memory space's implementation of the entry points below.
+template <memory_space Space>
+struct elementwise {
+  static_assert(Space == memory_space::host,
+                "cohort: device-side element-wise work launches CUDA kernels: compile this translation unit "
+                "with nvcc (a .cu file)");
+};
+
+inline void require_floating(std::string_view operation, dtype type) {
+  if (!is_floating(type))
+    throw error(-1, std::string(operation), std::string(to_string(type)) + " is not a floating-point dtype",
+                "this operation is defined for float, double, half and bfloat16");
+}
+
+}  // namespace detail
+}  // namespace cohort::inline v0
+
+#include "cohort/detail/host_elementwise.hpp"
+#if defined(__CUDACC__)
+#include "cohort/detail/device_elementwise.cuh"
+#endif
+
+namespace cohort::inline v0 {
+
+// data[i] /= divisor (averaging; integers truncate, as ncclAvg does).
+template <backend B>
+typename B::work divide(B& engine, void* data, std::size_t count, dtype type, int divisor) {
+  return detail::elementwise<B::space>::divide(engine, data, count, type, divisor);
+}
+
+// The same in the caller's order: right away on the calling thread (host), or a kernel on
+// the caller's stream (device), where what the caller just wrote is still hot.
+template <backend B>
+void divide_in_caller_order(B& engine, typename B::stream_type caller, void* data, std::size_t count, dtype type,
+                            int divisor) {
+  detail::elementwise<B::space>::divide_in_caller_order(engine, caller, data, count, type, divisor);
+}
+
+// data[i] *= factor (loss scaling); floating dtypes.
 template <backend B>
 typename B::work scale(B& engine, void* data, std::size_t count, dtype type, double factor) {
-  if constexpr (B::space == memory_space::host) {
-    return engine.enqueue([=] {
-      visit_dtype(type, [&](auto sample) { detail::scale(static_cast<decltype(sample)*>(data), count, factor); });
-    });
-  } else {
-#if defined(__CUDACC__)
-    detail::device::scale(data, count, type, factor, engine.stream());
-    return engine.record();
-#else
-    COHORT_REQUIRE_NVCC(B);
-#endif
-  }
+  detail::require_floating("scale", type);
+  return detail::elementwise<B::space>::scale(engine, data, count, type, factor);
 }
 
-// out = (to) in, element by element (gradient compression, mixed precision).
+// out[i] = (to) in[i], element by element (compression, mixed precision); floating dtypes.
 template <backend B>
 typename B::work cast(B& engine, const void* in, dtype from, void* out, dtype to, std::size_t count) {
-  if constexpr (B::space == memory_space::host) {
-    return engine.enqueue([=] {
-      visit_dtype(from, [&](auto source) {
-        visit_dtype(to, [&](auto target) {
-          detail::cast(static_cast<const decltype(source)*>(in), static_cast<decltype(target)*>(out), count);
-        });
-      });
-    });
-  } else {
-#if defined(__CUDACC__)
-    detail::device::cast(in, from, out, to, count, engine.stream());
-    return engine.record();
-#else
-    COHORT_REQUIRE_NVCC(B);
-#endif
-  }
+  detail::require_floating("cast", from);
+  detail::require_floating("cast", to);
+  return detail::elementwise<B::space>::convert(engine, in, from, out, to, count, false);
 }
 
-// Many copies as one operation (one kernel per up to 64 regions on the device), instead of
-// one memcpy call per tensor.
+// out[i] = (to) in[i], or out[i] += (to) in[i] when `add` (gradient accumulation into a
+// master-precision shard); floating dtypes.
 template <backend B>
-typename B::work batched_copy(B& engine, std::span<const copy_region> regions) {
-  if constexpr (B::space == memory_space::host) {
-    return engine.enqueue([list = std::vector<copy_region>(regions.begin(), regions.end())] {
-      for (const auto& region : list)  // empty regions may carry null pointers, which memmove must not see
-        if (region.bytes != 0) std::memmove(region.destination, region.source, region.bytes);
-    });
-  } else {
-#if defined(__CUDACC__)
-    detail::device::batched_copy(regions, engine.stream());
-    return engine.record();
-#else
-    COHORT_REQUIRE_NVCC(B);
-#endif
-  }
-}
-
-// *result += number of NaN/Inf elements. `result` lives in the backend's memory space.
-template <backend B>
-typename B::work count_nonfinite(B& engine, const void* data, std::size_t count, dtype type, std::int64_t* result) {
-  if constexpr (B::space == memory_space::host) {
-    return engine.enqueue([=] {
-      visit_dtype(type, [&](auto sample) {
-        *result +=
-            static_cast<std::int64_t>(detail::count_nonfinite(static_cast<const decltype(sample)*>(data), count));
-      });
-    });
-  } else {
-#if defined(__CUDACC__)
-    detail::device::count_nonfinite(data, count, type, result, engine.stream());
-    return engine.record();
-#else
-    COHORT_REQUIRE_NVCC(B);
-#endif
-  }
+typename B::work accumulate(B& engine, const void* in, dtype from, void* out, dtype to, std::size_t count, bool add) {
+  detail::require_floating("accumulate", from);
+  detail::require_floating("accumulate", to);
+  return detail::elementwise<B::space>::convert(engine, in, from, out, to, count, add);
 }
 
 // data[i] = value.
 template <backend B>
 typename B::work fill(B& engine, void* data, std::size_t count, dtype type, double value) {
-  if constexpr (B::space == memory_space::host) {
-    return engine.enqueue([=] {
-      visit_dtype(type, [&](auto sample) {
-        using T = decltype(sample);
-        T* typed = static_cast<T*>(data);
-        for (std::size_t i = 0; i < count; ++i) {
-          if constexpr (detail::is_16bit_float<T>)
-            typed[i] = T(static_cast<float>(value));
-          else
-            typed[i] = static_cast<T>(value);
-        }
-      });
-    });
-  } else {
-#if defined(__CUDACC__)
-    detail::device::fill(data, count, type, value, engine.stream());
-    return engine.record();
-#else
-    COHORT_REQUIRE_NVCC(B);
-#endif
-  }
+  return detail::elementwise<B::space>::fill(engine, data, count, type, value);
+}
+
+// Many copies as one operation (one kernel per 64 regions on a device), instead of one
+// memcpy call per tensor. Empty regions may carry null pointers.
+template <backend B>
+typename B::work batched_copy(B& engine, std::span<const copy_region> regions) {
+  return detail::elementwise<B::space>::batched_copy(engine, regions);
+}
+
+// *result += the number of NaN and Inf elements (0 for integer dtypes); `result` lives in
+// the backend's memory.
+template <backend B>
+typename B::work count_nonfinite(B& engine, const void* data, std::size_t count, dtype type, std::int64_t* result) {
+  return detail::elementwise<B::space>::count_nonfinite(engine, data, count, type, result);
+}
+
+// One optimizer step over a shard (momentum may be null: plain SGD).
+template <backend B, class T>
+typename B::work sgd_step(B& engine, T* parameters, const T* gradients, T* momentum, std::size_t count,
+                          const detail::sgd_coefficients& coefficients) {
+  return detail::elementwise<B::space>::sgd_step(engine, parameters, gradients, momentum, count, coefficients);
+}
+template <backend B, class T>
+typename B::work adam_step(B& engine, T* parameters, const T* gradients, T* first, T* second, std::size_t count,
+                           const detail::adam_coefficients& coefficients) {
+  return detail::elementwise<B::space>::adam_step(engine, parameters, gradients, first, second, count, coefficients);
 }
 
 }  // namespace cohort::inline v0

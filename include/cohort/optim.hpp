@@ -7,9 +7,9 @@
 //   ... params.reduce_scatter_grad(u, full_grad) for every unit ...
 //   opt.step();   // queued after the reductions, in the backend's own order
 //
-// Host backends run the update as one task on the group's FIFO worker; device backends as
-// kernels on the group's stream (the translation unit must be compiled by nvcc). The
-// per-element formulas are shared with the kernels (detail::sgd_update, adam_update).
+// The update is element-wise work in the backend's order (cohort/ops.hpp: a task on Gloo's
+// worker, a kernel on NCCL's stream, whose translation unit nvcc compiles), from one
+// per-element formula for both (detail::sgd_update, adam_update).
 
 #include <cmath>
 #include <cstdint>
@@ -93,19 +93,7 @@ class sgd final : public sharded_optimizer_state<T> {
       T* parameters = params_->shard(u).data();
       const T* gradients = params_->grad_shard(u).data();
       T* momentum = state_.count() ? state_.get(u, 0) : nullptr;
-      const std::size_t n = params_->shard_elements(u);
-      if constexpr (B::space == memory_space::host) {
-        engine.enqueue([=] {
-          for (std::size_t i = 0; i < n; ++i)
-            detail::sgd_update(parameters[i], gradients[i], momentum ? momentum + i : nullptr, c);
-        });
-      } else {
-#if defined(__CUDACC__)
-        detail::device::sgd_step(parameters, gradients, momentum, n, c, engine.stream());
-#else
-        COHORT_REQUIRE_NVCC(B);
-#endif
-      }
+      sgd_step(engine, parameters, gradients, momentum, params_->shard_elements(u), c);
     }
     return engine.record();
   }
@@ -148,18 +136,7 @@ class adam final : public sharded_optimizer_state<T> {
       const T* gradients = params_->grad_shard(u).data();
       T* first = state_.get(u, 0);
       T* second = state_.get(u, 1);
-      const std::size_t n = params_->shard_elements(u);
-      if constexpr (B::space == memory_space::host) {
-        engine.enqueue([=] {
-          for (std::size_t i = 0; i < n; ++i) detail::adam_update(parameters[i], gradients[i], first[i], second[i], c);
-        });
-      } else {
-#if defined(__CUDACC__)
-        detail::device::adam_step(parameters, gradients, first, second, n, c, engine.stream());
-#else
-        COHORT_REQUIRE_NVCC(B);
-#endif
-      }
+      adam_step(engine, parameters, gradients, first, second, params_->shard_elements(u), c);
     }
     return engine.record();
   }

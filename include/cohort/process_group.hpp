@@ -32,13 +32,21 @@
 namespace cohort::inline v0 {
 
 // What an engine must provide for algorithms to be written once over it: collectives on
-// type-erased buffers returning work handles, an ordering primitive (record), memory in
-// its own space (allocate, deallocate, copy), and subgroups.
+// type-erased buffers returning work handles; its ordering (record: a work that completes
+// after everything queued so far; stream_type, the caller's order, which wait_for_caller
+// makes later work wait for and work::make_stream_wait makes wait for a work; on a host
+// engine the caller's thread, on a device engine a CUDA stream); memory in its own space
+// (allocate, deallocate, copy); and subgroups. Element-wise work comes from its memory
+// space (cohort/ops.hpp): host engines also provide enqueue(fn), device engines stream().
 template <class B>
 concept backend = requires(B& b, const void* in, void* out, std::size_t n, dtype type, op reduce, int peer,
-                           std::uint64_t tag, const typename B::work& w) {
+                           std::uint64_t tag, const typename B::work& w, typename B::stream_type caller) {
   typename B::options;
+  typename B::stream_type;
   { B::space } -> std::convertible_to<memory_space>;
+  { b.stream() } -> std::convertible_to<typename B::stream_type>;
+  b.wait_for_caller(caller);
+  w.make_stream_wait(caller);
   { b.rank() } -> std::convertible_to<int>;
   { b.size() } -> std::convertible_to<int>;
   { b.all_reduce(in, out, n, type, reduce) } -> std::same_as<typename B::work>;

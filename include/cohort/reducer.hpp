@@ -12,18 +12,18 @@
 // bucket-index order on every rank, so every rank issues the same collective sequence even
 // when gradients become ready in different orders.
 //
-// Averaging is "divide before" on both backends, as ncclAvg itself does for floating types
-// (it pre-multiplies each input by 1/n and sums). On NCCL every bucket is all-reduced with
-// op::avg. On Gloo mark_ready(i) divides floating gradient i by the world size on the calling
-// thread, while the backward has just written it and it is still in cache, and buckets are
-// all-reduced as sums: no cold pass over the whole gradient set after the wire, and nothing
-// added to the communication worker (on a host backend, communication and the backward share
-// the same cores and memory bandwidth). Integer buckets are summed and divided by finish(),
-// on the calling thread as each lands (dividing first would truncate every contribution).
-// So on Gloo, between mark_ready(i) and finish(), gradient i (view or user buffer) holds this
-// rank's share g / world, not g.
-// Compressed buckets (bfloat16, half) are averaged with op::avg in the compressed type, and a
-// communication hook owns its bucket's averaging.
+// Averaging is "divide before", as ncclAvg itself does for floating types (it pre-multiplies
+// each input by 1/n and sums), and the same on every backend: mark_ready(i) divides floating
+// gradient i by the world size in the caller's order (on Gloo right away on the calling
+// thread, on NCCL a kernel on the caller's stream), while what the backward just wrote is
+// still in cache, and floating buckets are all-reduced as sums. So there is no cold pass over
+// the gradients after the wire, and on a host backend nothing is added to the worker that
+// the backward shares cores with. Integer buckets are all-reduced with op::avg (summed, then
+// divided once: dividing first would truncate every contribution). Compressed buckets
+// (bfloat16, half) are averaged with op::avg in the compressed type, and a communication hook
+// owns its bucket's averaging.
+// Between mark_ready(i) and finish() a gradient belongs to the reducer on every backend (on
+// a device its bucket is being reduced asynchronously): do not read or write it then.
 //
 // Memory: the reducer either owns the gradients (bucket views: one contiguous allocation per
 // bucket, gradient(i) is a span into it, nothing is copied) or copies user-owned buffers into
@@ -31,12 +31,14 @@
 // one kernel on CUDA). Which one follows from the constructor: sizes give bucket views,
 // buffers give user buffers.
 //
-// Ordering: on Gloo every step is a task on the group's FIFO worker; on NCCL a kernel or
-// collective on the group's communication stream, which waits (through an event) for the
-// work queued on the caller's stream before each launch; finish() makes the caller's stream
-// wait for the communication stream instead of blocking the host.
+// Ordering, the same on every backend: each bucket's launch waits for what the caller has
+// queued (wait_for_caller), its steps run in the backend's order (Gloo: tasks on the group's
+// FIFO worker; NCCL: kernels and collectives on the group's stream), and finish() makes the
+// caller's order wait for the result (Gloo: the calling thread blocks; NCCL: the caller's
+// stream waits, the host does not).
 //
-// The device instantiation launches kernels (cohort/ops.hpp): compile it with nvcc.
+// On a device backend the element-wise work launches kernels (cohort/ops.hpp): compile that
+// translation unit with nvcc.
 // Not thread-safe: one training thread calls mark_ready and finish.
 
 #include <algorithm>
@@ -217,16 +219,6 @@ struct bucket_ref {
 };
 
 namespace detail {
-template <class B>
-struct caller_stream_of {
-  using type = std::nullptr_t;
-};
-template <class B>
-  requires requires { typename B::stream_type; }
-struct caller_stream_of<B> {
-  using type = typename B::stream_type;
-};
-
 inline std::string describe_gradient(std::size_t index, std::size_t count, dtype type) {
   return "gradient " + std::to_string(index) + " (" + std::to_string(count) + " x " + std::string(to_string(type)) +
          ")";
@@ -239,7 +231,7 @@ template <backend B>
 class gradient_reducer {
  public:
   using work = typename B::work;
-  using stream_type = typename detail::caller_stream_of<B>::type;
+  using stream_type = typename B::stream_type;
   // A user communication hook: reduce (average) the bucket in place across the group and
   // return the work whose completion means it is done. Runs in bucket order, after the
   // bucket's inputs are ready in the backend's order (FIFO worker / communication stream).
@@ -350,12 +342,9 @@ class gradient_reducer {
     if (!observed_order_complete_) observed_order_.push_back(i);
     if (no_sync_depth_ > 0) return;
     const std::size_t bucket = placement_[i].bucket;
-    if (group_->size() > 1 && divides_when_marked(bucket)) {  // dividing by 1 would be a pass for nothing
-      visit_dtype(specs_[i].type, [&](auto sample) {
-        using T = decltype(sample);
-        detail::divide(static_cast<T*>(location(i)), specs_[i].count, group_->size());
-      });
-    }
+    if (group_->size() > 1 && divides_when_marked(bucket))  // dividing by 1 would be a pass for nothing
+      divide_in_caller_order(group_->backend(), caller_stream_, location(i), specs_[i].count, specs_[i].type,
+                             group_->size());
     --pending_[bucket];
     launch_ready_buckets();
   }
@@ -387,29 +376,11 @@ class gradient_reducer {
     // Every rank issues the used-mask exchange, whatever it marked: a rank that marked every
     // gradient must still meet a rank that did not.
     if (find_unused) find_unused_everywhere(std::move(used), summary);
-    if constexpr (B::space == memory_space::host) {
-      // Buckets complete in order; average each while the later ones are still on the wire.
-      for (std::size_t b = 0; b < buckets_.size(); ++b) {
-        auto& bucket = buckets_[b];
-        if (!bucket.divide_on_finish) continue;
-        bucket.done.wait();
-        visit_dtype(layout_[b].type, [&](auto sample) {
-          using T = decltype(sample);
-          detail::divide(static_cast<T*>(bucket.data), layout_[b].elements, group_->size());
-        });
-        bucket.divide_on_finish = false;
-      }
-    }
     if (storage_ == gradient_storage::user_buffers) {
       for (auto& bucket : buckets_) batched_copy(engine, std::span<const copy_region>(bucket.copy_out));
     }
     if (options_.check_nonfinite) check_nonfinite(summary);
-    work last = engine.record();
-    if constexpr (B::space == memory_space::device) {
-      last.make_stream_wait(caller_stream_);
-    } else {
-      last.wait();
-    }
+    engine.record().make_stream_wait(caller_stream_);
     const bool rebuild_now = options_.rebuild_after_first_iteration && generation_ == 0;
     observed_order_complete_ = true;
     reset_iteration();
@@ -489,7 +460,7 @@ class gradient_reducer {
       auto& engine = group_->backend();
       batched_copy(engine, std::span<const copy_region>(moves));
       work moved = engine.record();
-      if constexpr (B::space == memory_space::device) moved.make_stream_wait(caller_stream_);
+      moved.make_stream_wait(caller_stream_);
       moved.wait();
     } else {
       group_->backend().record().wait();
@@ -511,7 +482,6 @@ class gradient_reducer {
     std::vector<copy_region> copy_in;   // user buffers -> bucket
     std::vector<copy_region> copy_out;  // bucket -> user buffers
     work done;
-    bool divide_on_finish = false;  // summed, not yet averaged (host backends)
   };
 
   static std::vector<gradient_spec> specs_from(const std::vector<std::size_t>& sizes) {
@@ -649,21 +619,13 @@ class gradient_reducer {
     launched_ = 0;
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       pending_[b] = layout_[b].gradients.size();
-      buckets_[b].divide_on_finish = false;
     }
     if (!observed_order_complete_) observed_order_.clear();
   }
 
-  // Host backends, plain floating buckets: mark_ready averages each gradient (see the top).
+  // Plain floating buckets: mark_ready averages each gradient (see the top).
   bool divides_when_marked(std::size_t b) const {
-    if constexpr (B::space == memory_space::host) {
-      const dtype type = layout_[b].type;
-      const bool floating =
-          type == dtype::float32 || type == dtype::float64 || type == dtype::float16 || type == dtype::bfloat16;
-      return floating && !hook_ && !buckets_[b].compressed;
-    } else {
-      return false;
-    }
+    return is_floating(layout_[b].type) && !hook_ && !buckets_[b].compressed;
   }
 
   void launch_ready_buckets() {
@@ -674,31 +636,27 @@ class gradient_reducer {
     auto& engine = group_->backend();
     auto& bucket = buckets_[b];
     const auto& shape = layout_[b];
-    if constexpr (B::space == memory_space::device) engine.wait_for_caller(caller_stream_);
+    engine.wait_for_caller(caller_stream_);
     if (storage_ == gradient_storage::user_buffers) batched_copy(engine, std::span<const copy_region>(bucket.copy_in));
     if (hook_) {
       bucket.done = hook_(*group_, bucket_ref{b, bucket.data, shape.elements, shape.type});
     } else if (bucket.compressed) {
       const dtype small = compressed_type();
       cast(engine, bucket.data, shape.type, bucket.compressed, small, shape.elements);
-      all_reduce_average(bucket.compressed, shape.elements, small);
+      all_reduce_bucket(bucket.compressed, shape.elements, small, op::avg);
       bucket.done = cast(engine, bucket.compressed, small, bucket.data, shape.type, shape.elements);
-    } else if constexpr (B::space == memory_space::host) {
-      bucket.done = visit_dtype(shape.type, [&](auto sample) {
-        using T = decltype(sample);
-        return group_->all_reduce(std::span<T>(static_cast<T*>(bucket.data), shape.elements), op::sum);
-      });
-      bucket.divide_on_finish = group_->size() > 1 && !divides_when_marked(b);
     } else {
-      bucket.done = all_reduce_average(bucket.data, shape.elements, shape.type);
+      // Divided as each gradient was marked: sum. Integers: sum, then divide once.
+      bucket.done =
+          all_reduce_bucket(bucket.data, shape.elements, shape.type, divides_when_marked(b) ? op::sum : op::avg);
     }
     if (options_.on_launch) options_.on_launch(b);
   }
 
-  work all_reduce_average(void* data, std::size_t count, dtype type) {
+  work all_reduce_bucket(void* data, std::size_t count, dtype type, op reduce) {
     return visit_dtype(type, [&](auto sample) {
       using T = decltype(sample);
-      return group_->all_reduce(std::span<T>(static_cast<T*>(data), count), op::avg);
+      return group_->all_reduce(std::span<T>(static_cast<T*>(data), count), reduce);
     });
   }
 
@@ -797,22 +755,30 @@ class gradient_reducer {
       return group_->broadcast(std::span<T>(out, count), root);
     });
   }
+  // Through the backend's memory (device memory on a device backend) and back.
   template <class T, class Collective>
   std::vector<T> stage(std::vector<T> values, std::size_t out_count, Collective&& collective) {
     std::vector<T> result(out_count);
-    if constexpr (B::space == memory_space::host) {
-      collective(values.data(), result.data(), values.size()).wait();
-    } else {
-      auto& engine = group_->backend();
-      const std::size_t in_bytes = values.size() * sizeof(T), out_bytes = out_count * sizeof(T);
-      auto* in = static_cast<T*>(engine.allocate(in_bytes));
-      auto* out = static_cast<T*>(engine.allocate(out_bytes));
+    auto& engine = group_->backend();
+    const std::size_t in_bytes = values.size() * sizeof(T), out_bytes = out_count * sizeof(T);
+    auto* in = static_cast<T*>(engine.allocate(in_bytes));
+    auto* out = static_cast<T*>(engine.allocate(out_bytes));
+    const auto release = [&] {
+      engine.deallocate(in, in_bytes);
+      engine.deallocate(out, out_bytes);
+    };
+    try {
       engine.copy(in, values.data(), in_bytes);
       collective(in, out, values.size());
       engine.copy(result.data(), out, out_bytes).wait();
-      engine.deallocate(in, in_bytes);
-      engine.deallocate(out, out_bytes);
+    } catch (...) {
+      try {
+        engine.record().wait();  // nothing queued may still write into what is freed below
+      } catch (...) {}
+      release();
+      throw;
     }
+    release();
     return result;
   }
 

@@ -44,63 +44,6 @@
 
 namespace cohort::inline v0 {
 
-namespace detail {
-
-// Per-element optimizer formulas, shared by the host loops and the CUDA kernels.
-struct sgd_coefficients {
-  double lr = 0;
-  double momentum = 0;
-  double weight_decay = 0;
-};
-template <class T>
-COHORT_HOST_DEVICE inline void sgd_update(T& parameter, T gradient, T* momentum, const sgd_coefficients& c) {
-  T step = gradient + static_cast<T>(c.weight_decay) * parameter;
-  if (momentum) {
-    *momentum = static_cast<T>(c.momentum) * *momentum + step;
-    step = *momentum;
-  }
-  parameter -= static_cast<T>(c.lr) * step;
-}
-
-// Adam with decoupled weight decay (AdamW); bias corrections 1 - beta^t precomputed.
-struct adam_coefficients {
-  double lr = 0;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 0;
-  double correction1 = 1;
-  double correction2 = 1;
-};
-template <class T>
-COHORT_HOST_DEVICE inline void adam_update(T& parameter, T gradient, T& first, T& second, const adam_coefficients& c) {
-  first = static_cast<T>(c.beta1) * first + static_cast<T>(1 - c.beta1) * gradient;
-  second = static_cast<T>(c.beta2) * second + static_cast<T>(1 - c.beta2) * gradient * gradient;
-  const T corrected_first = first / static_cast<T>(c.correction1);
-  const T corrected_second = second / static_cast<T>(c.correction2);
-  parameter -= static_cast<T>(c.lr) * (corrected_first / (std::sqrt(corrected_second) + static_cast<T>(c.eps)) +
-                                       static_cast<T>(c.weight_decay) * parameter);
-}
-
-template <class B>
-struct caller_stream {
-  using type = std::nullptr_t;
-};
-template <class B>
-  requires requires { typename B::stream_type; }
-struct caller_stream<B> {
-  using type = typename B::stream_type;
-};
-
-}  // namespace detail
-}  // namespace cohort::inline v0
-
-#if defined(__CUDACC__)
-#include "cohort/detail/optim_kernels.cuh"
-#endif
-
-namespace cohort::inline v0 {
-
 // Which units a gather prefetches: the next ones in forward (u+1, u+2, ...) or backward
 // (u-1, u-2, ...) order.
 enum class prefetch_order { forward, backward };
@@ -164,7 +107,7 @@ class sharded_parameters {
   using backend_type = B;
   using group_type = process_group<B>;
   using work = typename B::work;
-  using stream_type = typename detail::caller_stream<B>::type;
+  using stream_type = typename B::stream_type;
 
   // A unit's full parameters while alive. Movable, not copyable; the buffer goes back to
   // the pool when the last guard of the unit dies (or reset() is called).
@@ -191,15 +134,12 @@ class sharded_parameters {
     std::size_t unit() const noexcept { return unit_; }
     std::size_t size() const { return layout().sizes.size(); }
 
-    // Host: blocks until the gather is done. Device: the caller's stream waits for it.
-    // The accessors call it on first use.
+    // The caller's order waits for the gather (host: the calling thread blocks; device:
+    // the caller's stream waits). The accessors call it on first use.
     void wait() {
       check_alive("wait");
       if (waited_) return;
-      if constexpr (B::space == memory_space::host)
-        ready_.wait();
-      else
-        ready_.make_stream_wait(owner_->stream_);
+      ready_.make_stream_wait(owner_->stream_);
       waited_ = true;
     }
     const work& ready() const noexcept { return ready_; }
@@ -929,11 +869,9 @@ class sharded_parameters {
   typename std::map<std::size_t, live_gather>::iterator retire(
       typename std::map<std::size_t, live_gather>::iterator it) {
     auto& entry = it->second;
-    if constexpr (B::space == memory_space::device) {
-      // The next user of this buffer (on the communication stream) waits for what the
-      // caller's stream queued so far, which includes every read of these weights.
-      group_->backend().wait_for_caller(stream_);
-    }
+    // The next user of this buffer waits for what the caller queued so far, which includes
+    // every read of these weights (a stream on a device backend; nothing left on the host).
+    group_->backend().wait_for_caller(stream_);
     give_back(entry.buf, false);
     return live_.erase(it);
   }
@@ -954,13 +892,10 @@ class sharded_parameters {
     released_.notify_all();
   }
 
-  // Orders the backend `engine` after `w` (host: block; device: stream wait).
+  // Orders the backend `engine` after `w` (host: block; device: its stream waits).
   template <class Engine, class Work>
   static void order_after(Engine& engine, const Work& w) {
-    if constexpr (Engine::space == memory_space::host)
-      w.wait();
-    else
-      w.make_stream_wait(engine.stream());
+    w.make_stream_wait(engine.stream());
   }
 
   template <class Fn>
@@ -971,7 +906,7 @@ class sharded_parameters {
   work reduce_regions(std::size_t unit, dtype from, const std::vector<region>& regions, bool accumulate) {
     auto& engine = group_->backend();
     auto& u = units_[unit];
-    if constexpr (B::space == memory_space::device) engine.wait_for_caller(stream_);
+    engine.wait_for_caller(stream_);
     const std::size_t reduce_bytes = size_of(reduce_type_);
     std::vector<buffer> scratch;
     auto take_scratch = [&](std::size_t bytes) {
@@ -1030,7 +965,7 @@ class sharded_parameters {
       traffic_add_reduce(2 * (m - 1) * u.shard * reduce_bytes / m);
       order_after(engine, done);
     }
-    if (!direct) done = accumulate_into(engine, output, reduce_type_, u.grad, u.shard, accumulate);
+    if (!direct) done = cohort::accumulate(engine, output, reduce_type_, u.grad, dtype_v<T>, u.shard, accumulate);
     if (!direct || (replicas_ && replicas_->size() > 1)) done = engine.record();
     for (auto& b : scratch) {
       b.last_use = done;
@@ -1043,28 +978,6 @@ class sharded_parameters {
     std::lock_guard lock(mutex_);
     traffic_.reduce_bytes += bytes;
     ++traffic_.reductions;
-  }
-
-  static work accumulate_into(B& engine, const void* in, dtype from, T* out, std::size_t count, bool accumulate) {
-    if constexpr (B::space == memory_space::host) {
-      return engine.enqueue([=] {
-        visit_dtype(from, [&](auto sample) {
-          using R = decltype(sample);
-          const R* source = static_cast<const R*>(in);
-          for (std::size_t i = 0; i < count; ++i) {
-            const T value = static_cast<T>(static_cast<float>(source[i]));
-            out[i] = accumulate ? static_cast<T>(out[i] + value) : value;
-          }
-        });
-      });
-    } else {
-#if defined(__CUDACC__)
-      detail::device::accumulate_into<T>(in, from, out, count, accumulate, engine.stream());
-      return engine.record();
-#else
-      COHORT_REQUIRE_NVCC(B);
-#endif
-    }
   }
 
   void free_all() noexcept {

@@ -19,11 +19,26 @@
 
 #include "cohort/detail/host_device.hpp"
 
+// The one list of element types. Each row: the dtype's name, its host storage type, the
+// name errors print, whether it is floating-point, NCCL's name for it and CUDA's device type.
+// The enum, to_string, size_of, dtype_of, visit_dtype and the backends' type tables are all
+// generated from it: adding a dtype is one row here (and its arithmetic where it has any).
+#define COHORT_DTYPES(X)                                                         \
+  X(float32, float, "float", true, ncclFloat32, float)                           \
+  X(float64, double, "double", true, ncclFloat64, double)                        \
+  X(float16, ::cohort::half, "half", true, ncclFloat16, __half)                  \
+  X(bfloat16, ::cohort::bfloat16, "bfloat16", true, ncclBfloat16, __nv_bfloat16) \
+  X(int32, std::int32_t, "int32", false, ncclInt32, std::int32_t)                \
+  X(int64, std::int64_t, "int64", false, ncclInt64, std::int64_t)                \
+  X(uint8, std::uint8_t, "uint8", false, ncclUint8, std::uint8_t)
+
 namespace cohort::inline v0 {
 
 enum class op { sum, avg, min, max, product };
 
-enum class dtype { float32, float64, float16, bfloat16, int32, int64, uint8 };
+#define COHORT_DTYPE_ENUM(name, host, text, floating, nccl, cuda) name,
+enum class dtype { COHORT_DTYPES(COHORT_DTYPE_ENUM) };
+#undef COHORT_DTYPE_ENUM
 
 constexpr std::string_view to_string(op value) {
   switch (value) {
@@ -36,42 +51,24 @@ constexpr std::string_view to_string(op value) {
   return "?";
 }
 
-constexpr std::string_view to_string(dtype value) {
-  switch (value) {
-    case dtype::float32: return "float";
-    case dtype::float64: return "double";
-    case dtype::float16: return "half";
-    case dtype::bfloat16: return "bfloat16";
-    case dtype::int32: return "int32";
-    case dtype::int64: return "int64";
-    case dtype::uint8: return "uint8";
-  }
-  return "?";
-}
-
-constexpr std::size_t size_of(dtype value) {
-  switch (value) {
-    case dtype::float64:
-    case dtype::int64: return 8;
-    case dtype::float32:
-    case dtype::int32: return 4;
-    case dtype::float16:
-    case dtype::bfloat16: return 2;
-    case dtype::uint8: return 1;
-  }
-  return 0;
-}
-
 namespace detail {
 COHORT_HOST_DEVICE inline std::uint32_t float_bits(float value) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(value);
+#else
   std::uint32_t bits;
   std::memcpy(&bits, &value, sizeof bits);
   return bits;
+#endif
 }
 COHORT_HOST_DEVICE inline float bits_float(std::uint32_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
   float value;
   std::memcpy(&value, &bits, sizeof value);
   return value;
+#endif
 }
 }  // namespace detail
 
@@ -129,37 +126,41 @@ struct half {
   friend bool operator==(half a, half b) { return a.bits == b.bits; }
 };
 
+#define COHORT_DTYPE_NAME(name, host, text, floating, nccl, cuda) \
+  case dtype::name: return text;
+constexpr std::string_view to_string(dtype value) {
+  switch (value) { COHORT_DTYPES(COHORT_DTYPE_NAME) }
+  return "?";
+}
+#undef COHORT_DTYPE_NAME
+
+#define COHORT_DTYPE_SIZE(name, host, text, floating, nccl, cuda) \
+  case dtype::name: return sizeof(host);
+constexpr std::size_t size_of(dtype value) {
+  switch (value) { COHORT_DTYPES(COHORT_DTYPE_SIZE) }
+  return 0;
+}
+#undef COHORT_DTYPE_SIZE
+
+#define COHORT_DTYPE_FLOATING(name, host, text, floating, nccl, cuda) \
+  case dtype::name: return floating;
+constexpr bool is_floating(dtype value) {
+  switch (value) { COHORT_DTYPES(COHORT_DTYPE_FLOATING) }
+  return false;
+}
+#undef COHORT_DTYPE_FLOATING
+
 template <class T>
 struct dtype_of;
-template <>
-struct dtype_of<float> {
-  static constexpr dtype value = dtype::float32;
-};
-template <>
-struct dtype_of<double> {
-  static constexpr dtype value = dtype::float64;
-};
-template <>
-struct dtype_of<half> {
-  static constexpr dtype value = dtype::float16;
-};
-template <>
-struct dtype_of<bfloat16> {
-  static constexpr dtype value = dtype::bfloat16;
-};
-template <>
-struct dtype_of<std::int32_t> {
-  static constexpr dtype value = dtype::int32;
-};
-template <>
-struct dtype_of<std::int64_t> {
-  static constexpr dtype value = dtype::int64;
-};
-template <>
-struct dtype_of<std::uint8_t> {
-  static constexpr dtype value = dtype::uint8;
-};
+#define COHORT_DTYPE_OF(name, host, text, floating, nccl, cuda) \
+  template <>                                                   \
+  struct dtype_of<host> {                                       \
+    static constexpr dtype value = dtype::name;                 \
+  };
+COHORT_DTYPES(COHORT_DTYPE_OF)
+#undef COHORT_DTYPE_OF
 #if defined(COHORT_HAS_CUDA_TYPES)
+// CUDA's own 16-bit types name the same dtypes (same bits).
 template <>
 struct dtype_of<__half> {
   static constexpr dtype value = dtype::float16;
@@ -179,51 +180,26 @@ concept element = requires {
 template <class T>
 inline constexpr dtype dtype_v = dtype_of<std::remove_cv_t<T>>::value;
 
-// Storage type of the host representation of a dtype, for host-side arithmetic.
-template <dtype D>
-struct storage_of;
-template <>
-struct storage_of<dtype::float32> {
-  using type = float;
-};
-template <>
-struct storage_of<dtype::float64> {
-  using type = double;
-};
-template <>
-struct storage_of<dtype::float16> {
-  using type = half;
-};
-template <>
-struct storage_of<dtype::bfloat16> {
-  using type = bfloat16;
-};
-template <>
-struct storage_of<dtype::int32> {
-  using type = std::int32_t;
-};
-template <>
-struct storage_of<dtype::int64> {
-  using type = std::int64_t;
-};
-template <>
-struct storage_of<dtype::uint8> {
-  using type = std::uint8_t;
-};
-
-// Calls fn with a value of the host storage type for a run-time dtype.
+// Calls fn with a value of the host storage type of a run-time dtype.
+#define COHORT_DTYPE_VISIT(name, host, text, floating, nccl, cuda) \
+  case dtype::name: return fn(host{});
 template <class Fn>
 decltype(auto) visit_dtype(dtype value, Fn&& fn) {
+  switch (value) { COHORT_DTYPES(COHORT_DTYPE_VISIT) }
+  return fn(float{});
+}
+#undef COHORT_DTYPE_VISIT
+
+// The same over the floating-point dtypes only, the only ones casts, scaling and finiteness
+// have a meaning for (callers check is_floating first): four instantiations, not seven.
+template <class Fn>
+decltype(auto) visit_floating(dtype value, Fn&& fn) {
   switch (value) {
-    case dtype::float32: return fn(float{});
     case dtype::float64: return fn(double{});
     case dtype::float16: return fn(half{});
     case dtype::bfloat16: return fn(bfloat16{});
-    case dtype::int32: return fn(std::int32_t{});
-    case dtype::int64: return fn(std::int64_t{});
-    case dtype::uint8: return fn(std::uint8_t{});
+    default: return fn(float{});  // float32 (integers never get here)
   }
-  return fn(float{});
 }
 
 enum class memory_space { host, device };

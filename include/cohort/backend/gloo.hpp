@@ -19,6 +19,7 @@
 #include <gloo/transport/tcp/device.h>
 
 #include <chrono>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -116,6 +117,10 @@ class gloo {
  public:
   static constexpr memory_space space = memory_space::host;
   static constexpr std::string_view name = "gloo";
+  // Host memory has no streams: the caller's order is its own thread. Where a device backend
+  // orders work on streams, this one blocks or does nothing (see wait_for_caller, work's
+  // make_stream_wait), so algorithms read the same on both.
+  using stream_type = std::nullptr_t;
 
   struct options {
     // Bounds every collective and the rendezvous: a peer that never arrives or dies turns
@@ -160,6 +165,8 @@ class gloo {
       return true;
     }
     std::uint64_t sequence() const noexcept { return seq_; }
+    // The caller's order waits for this work: on the host, the calling thread blocks.
+    void make_stream_wait(stream_type) const { wait(); }
 
    private:
     void rethrow_failure() const {
@@ -247,6 +254,11 @@ class gloo {
   }
   // Completes when everything queued so far has completed.
   work record() { return submit(task(task_kind::function)); }
+  // The group's own order, as a stream: the worker (make_stream_wait on it blocks).
+  stream_type stream() const noexcept { return nullptr; }
+  // Later work waits for what the caller queued: on the host the caller's work is done
+  // when it calls, so there is nothing to wait for.
+  void wait_for_caller(stream_type) noexcept {}
 
   static void* allocate(std::size_t bytes) { return ::operator new (bytes == 0 ? 1 : bytes, std::align_val_t{64}); }
   static void deallocate(void* pointer, std::size_t /*bytes*/) noexcept {

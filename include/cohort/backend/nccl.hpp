@@ -8,7 +8,8 @@
 // asynchronous error and a deadline, and a wait that exceeds the group's timeout aborts the
 // communicator (ncclCommAbort) and throws, so a dead or missing peer never hangs a rank.
 // This header has no device code and compiles with any C++20 compiler; the element-wise
-// kernels algorithms need are in cohort/ops.hpp, compiled by nvcc.
+// kernels algorithms need are in detail/device_elementwise.cuh, which cohort/ops.hpp
+// includes when nvcc compiles the translation unit.
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -43,18 +44,13 @@ inline void check_cuda(cudaError_t status, int rank, std::string_view operation,
               hint.empty() ? "check the device index and that the driver sees a GPU (nvidia-smi)" : std::string(hint));
 }
 
+#define COHORT_NCCL_TYPE(name, host, text, floating, nccl, cuda) \
+  case dtype::name: return nccl;
 inline ncclDataType_t nccl_type(dtype type) {
-  switch (type) {
-    case dtype::float32: return ncclFloat32;
-    case dtype::float64: return ncclFloat64;
-    case dtype::float16: return ncclFloat16;
-    case dtype::bfloat16: return ncclBfloat16;
-    case dtype::int32: return ncclInt32;
-    case dtype::int64: return ncclInt64;
-    case dtype::uint8: return ncclUint8;
-  }
+  switch (type) { COHORT_DTYPES(COHORT_NCCL_TYPE) }
   return ncclFloat32;
 }
+#undef COHORT_NCCL_TYPE
 
 inline ncclRedOp_t nccl_op(op reduce) {
   switch (reduce) {
