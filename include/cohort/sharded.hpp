@@ -30,12 +30,13 @@
 #include <map>
 #include <mutex>
 #include <optional>
-#include <ranges>
 #include <span>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "cohort/detail/buffer_pool.hpp"
+#include "cohort/detail/sharded_checkpoint.hpp"
 #include "cohort/error.hpp"
 #include "cohort/guards.hpp"
 #include "cohort/ops.hpp"
@@ -218,7 +219,8 @@ class sharded_parameters {
         replicas_(replicas),
         options_(opts),
         gather_type_(opts.gather_type.value_or(dtype_v<T>)),
-        reduce_type_(opts.reduce_type.value_or(dtype_v<T>)) {
+        reduce_type_(opts.reduce_type.value_or(dtype_v<T>)),
+        pool_(group.backend()) {
     if (opts.prefetch < 0)
       throw error(rank(), "sharded_parameters", "prefetch depth " + std::to_string(opts.prefetch),
                   "use 0 (no prefetch) or a positive depth");
@@ -283,13 +285,14 @@ class sharded_parameters {
 
   // --- layout ------------------------------------------------------------------------------
   int rank() const noexcept { return group_->rank(); }
-  int world() const noexcept { return group_->size(); }
+  // The ranks the parameters are sharded over (the group's size).
+  int world_size() const noexcept { return group_->size(); }
   group_type& group() noexcept { return *group_; }
   group_type* replicas() noexcept { return replicas_; }
   const sharded_options& settings() const noexcept { return options_; }
   dtype gather_type() const noexcept { return gather_type_; }
   dtype reduce_type() const noexcept { return reduce_type_; }
-  std::size_t units() const noexcept { return units_.size(); }
+  std::size_t unit_count() const noexcept { return units_.size(); }
   std::size_t parameters(std::size_t unit) const { return info(unit, "parameters").sizes.size(); }
   const std::vector<std::size_t>& parameter_sizes(std::size_t unit) const {
     return info(unit, "parameter_sizes").sizes;
@@ -348,9 +351,9 @@ class sharded_parameters {
   // no rank but the root ever holds more than one full unit.
   template <class Range>
   void scatter_from(int root, const Range& parameters) {
-    if (root < 0 || root >= world())
+    if (root < 0 || root >= world_size())
       throw error(rank(), "sharded_parameters.scatter_from",
-                  "root " + std::to_string(root) + " in a world of " + std::to_string(world()));
+                  "root " + std::to_string(root) + " in a world of " + std::to_string(world_size()));
     std::vector<std::span<const T>> all;
     if (rank() == root) {
       all = spans_of(parameters, "scatter_from");
@@ -431,46 +434,42 @@ class sharded_parameters {
   // (micro-steps). `gradient`: the unit's parameters back to back, or a list with one range
   // per parameter. It must stay unchanged until the returned work completes (on a device
   // backend: the caller's stream waits on it before reusing the buffer).
-  template <class Gradient>
-    requires std::ranges::contiguous_range<const Gradient&> && element<std::ranges::range_value_t<Gradient>> work
-    reduce_scatter_grad(std::size_t unit, const Gradient& gradient, bool accumulate = false) {
-      using E = std::remove_cv_t<std::ranges::range_value_t<Gradient>>;
-      const E* data = std::ranges::data(gradient);
-      const std::size_t size = std::ranges::size(gradient);
-      if (size != info(unit, "reduce_scatter_grad").elements)
-        throw error(rank(), "sharded_parameters.reduce_scatter_grad",
-                    "unit " + std::to_string(unit) + " has " + std::to_string(units_[unit].elements) +
-                        " elements but the gradient has " + std::to_string(size),
-                    "pass the unit's full gradient (its parameters back to back)");
-      std::vector<region> regions{{data, size}};
-      return reduce_regions(unit, dtype_v<E>, regions, accumulate);
-    }
+  template <contiguous_elements Gradient>
+  work reduce_scatter_grad(std::size_t unit, const Gradient& gradient, bool accumulate = false) {
+    using E = element_type_of<Gradient>;
+    const E* data = std::data(gradient);
+    const std::size_t size = std::size(gradient);
+    if (size != info(unit, "reduce_scatter_grad").elements)
+      throw error(rank(), "sharded_parameters.reduce_scatter_grad",
+                  "unit " + std::to_string(unit) + " has " + std::to_string(units_[unit].elements) +
+                      " elements but the gradient has " + std::to_string(size),
+                  "pass the unit's full gradient (its parameters back to back)");
+    std::vector<region> regions{{data, size}};
+    return reduce_regions(unit, dtype_v<E>, regions, accumulate);
+  }
 
-  template <class Gradients>
-    requires std::ranges::range<const Gradients&> &&
-        std::ranges::contiguous_range<std::ranges::range_reference_t<const Gradients&>> &&
-        element<std::ranges::range_value_t<std::ranges::range_reference_t<const Gradients&>>>
-            work reduce_scatter_grad(std::size_t unit, const Gradients& per_parameter, bool accumulate = false) {
-      using E = std::remove_cv_t<std::ranges::range_value_t<std::ranges::range_reference_t<const Gradients&>>>;
-      const auto& u = info(unit, "reduce_scatter_grad");
-      std::vector<region> regions;
-      for (const auto& part : per_parameter) {
-        const std::size_t p = regions.size();
-        if (p >= u.sizes.size() || std::ranges::size(part) != u.sizes[p])
-          throw error(rank(), "sharded_parameters.reduce_scatter_grad",
-                      "gradient " + std::to_string(p) + " of unit " + std::to_string(unit) + " has " +
-                          std::to_string(std::ranges::size(part)) + " elements; the unit's parameters have " +
-                          describe_sizes(u.sizes),
-                      "pass one gradient per parameter, in the unit's order");
-        regions.push_back({static_cast<const void*>(std::ranges::data(part)), std::ranges::size(part)});
-      }
-      if (regions.size() != u.sizes.size())
+  template <list_of_contiguous_elements Gradients>
+  work reduce_scatter_grad(std::size_t unit, const Gradients& per_parameter, bool accumulate = false) {
+    using E = element_type_of<std::remove_cvref_t<decltype(*std::begin(per_parameter))>>;
+    const auto& u = info(unit, "reduce_scatter_grad");
+    std::vector<region> regions;
+    for (const auto& part : per_parameter) {
+      const std::size_t p = regions.size();
+      if (p >= u.sizes.size() || std::size(part) != u.sizes[p])
         throw error(rank(), "sharded_parameters.reduce_scatter_grad",
-                    std::to_string(regions.size()) + " gradients for unit " + std::to_string(unit) + " of " +
-                        std::to_string(u.sizes.size()) + " parameters",
-                    "pass one gradient per parameter");
-      return reduce_regions(unit, dtype_v<E>, regions, accumulate);
+                    "gradient " + std::to_string(p) + " of unit " + std::to_string(unit) + " has " +
+                        std::to_string(std::size(part)) + " elements; the unit's parameters have " +
+                        describe_sizes(u.sizes),
+                    "pass one gradient per parameter, in the unit's order");
+      regions.push_back({static_cast<const void*>(std::data(part)), std::size(part)});
     }
+    if (regions.size() != u.sizes.size())
+      throw error(rank(), "sharded_parameters.reduce_scatter_grad",
+                  std::to_string(regions.size()) + " gradients for unit " + std::to_string(unit) + " of " +
+                      std::to_string(u.sizes.size()) + " parameters",
+                  "pass one gradient per parameter");
+    return reduce_regions(unit, dtype_v<E>, regions, accumulate);
+  }
 
   // Sets every gradient shard to zero (queued in the backend's order).
   work zero_grad() {
@@ -517,8 +516,8 @@ class sharded_parameters {
     if (writer) {
       std::filesystem::create_directories(directory);
       const std::size_t states = optimizer ? optimizer->state_count() : 0;
-      checkpoint_header header;
-      header.world = static_cast<std::uint32_t>(world());
+      detail::checkpoint_header header;
+      header.world = static_cast<std::uint32_t>(world_size());
       header.rank = static_cast<std::uint32_t>(rank());
       header.type = static_cast<std::uint32_t>(dtype_v<T>);
       header.optimizer = optimizer ? optimizer->kind() : std::string();
@@ -527,7 +526,7 @@ class sharded_parameters {
       for (auto& u : units_) header.units.push_back({u.replicated, u.elements, u.padded, u.shard, u.sizes});
       std::vector<T> staging;
       atomic_write_file(
-          directory / shard_file_name(rank(), world()),
+          directory / detail::shard_file_name(rank(), world_size()),
           [&](std::ostream& out) {
             header.write(out);
             for (std::size_t u = 0; u < units_.size(); ++u) {
@@ -549,16 +548,16 @@ class sharded_parameters {
   // Collective: loads what save_sharded wrote, from any world size (every rank reads the
   // ranges it now owns from the old shard files; the directory must be visible to all).
   void load_sharded(const std::filesystem::path& directory, sharded_optimizer_state<T>* optimizer = nullptr) {
-    const std::uint32_t old_world = find_checkpoint_world(directory);
-    std::vector<checkpoint_header> headers(old_world);
+    const std::uint32_t old_world = detail::find_checkpoint_world(directory, rank());
+    std::vector<detail::checkpoint_header> headers(old_world);
     std::vector<std::ifstream> files(old_world);
     for (std::uint32_t k = 0; k < old_world; ++k) {
-      const auto path = directory / shard_file_name(static_cast<int>(k), static_cast<int>(old_world));
+      const auto path = directory / detail::shard_file_name(static_cast<int>(k), static_cast<int>(old_world));
       files[k].open(path, std::ios::binary);
       if (!files[k])
         throw error(rank(), "sharded_parameters.load_sharded", "cannot open " + path.string(),
                     "every shard file of the checkpoint must be readable by every rank (shared file system)");
-      headers[k] = checkpoint_header::read(files[k], path, rank());
+      headers[k] = detail::checkpoint_header::read(files[k], path, rank());
     }
     const auto& header = headers[0];
     check_checkpoint(header, optimizer, directory);
@@ -632,7 +631,7 @@ class sharded_parameters {
   // Allocations the pool made (a reused buffer is not one).
   std::size_t allocations() const {
     std::lock_guard lock(mutex_);
-    return allocations_;
+    return pool_.allocations();
   }
   std::size_t largest_gather_bytes() const noexcept { return largest_gather_bytes_; }
   std::size_t gather_limit() const noexcept { return limit_; }
@@ -655,11 +654,7 @@ class sharded_parameters {
     T* master = nullptr;
     T* grad = nullptr;
   };
-  struct buffer {
-    void* data = nullptr;
-    std::size_t capacity = 0;
-    work last_use{};
-  };
+  using buffer = typename detail::buffer_pool<B>::buffer;
   struct live_gather {
     buffer buf;
     work ready;
@@ -688,7 +683,7 @@ class sharded_parameters {
   template <class Range>
   std::vector<std::span<const T>> spans_of(const Range& parameters, const char*) const {
     std::vector<std::span<const T>> all;
-    for (const auto& p : parameters) all.emplace_back(std::ranges::data(p), std::ranges::size(p));
+    for (const auto& p : parameters) all.emplace_back(std::data(p), std::size(p));
     return all;
   }
 
@@ -717,51 +712,21 @@ class sharded_parameters {
     peak_total_ = std::max(peak_total_, memory_.total());
   }
 
-  // The smallest pooled buffer holding `bytes`, if any.
-  std::optional<std::size_t> best_fit(std::size_t bytes) const {
-    std::optional<std::size_t> best;
-    for (std::size_t i = 0; i < pool_.size(); ++i)
-      if (pool_[i].capacity >= bytes && (!best || pool_[i].capacity < pool_[*best].capacity)) best = i;
-    return best;
-  }
-
-  void free_buffer(buffer& b) noexcept {
-    try {
-      b.last_use.wait();
-    } catch (...) {
-      // A failed collective: the group is unusable, but the memory is still ours to free.
-    }
-    group_->backend().deallocate(b.data, b.capacity);
-    b.data = nullptr;
-  }
-
   // Frees pooled buffers while gathered + pooled bytes exceed the limit (plus `incoming`).
   void trim_pool(std::size_t incoming = 0) {
-    while (!pool_.empty() && memory_.gathered + memory_.pool + incoming > limit_) {
-      free_buffer(pool_.front());
-      memory_.pool -= pool_.front().capacity;
-      pool_.erase(pool_.begin());
-    }
+    pool_.trim_while([&] { return memory_.gathered + pool_.pooled_bytes() + incoming > limit_; });
+    memory_.pool = pool_.pooled_bytes();
   }
 
-  // A buffer of at least `bytes` from the pool or newly allocated. Scratch (as_scratch) is
-  // counted under pool: it goes back right after the operation using it is queued.
+  // A buffer of at least `bytes` from the pool or newly allocated (after trimming the pool
+  // to make room). Scratch is counted under gathered while it is out.
   buffer take_buffer(std::size_t bytes, bool lock_needed) {
     std::unique_lock lock(mutex_, std::defer_lock);
     if (lock_needed) lock.lock();
-    if (auto i = best_fit(bytes)) {
-      buffer b = std::move(pool_[*i]);
-      pool_.erase(pool_.begin() + static_cast<std::ptrdiff_t>(*i));
-      memory_.pool -= b.capacity;
-      memory_.gathered += b.capacity;
-      return b;
-    }
-    trim_pool(bytes);
-    buffer b;
-    b.data = group_->backend().allocate(bytes);
-    b.capacity = bytes;
-    ++allocations_;
-    memory_.gathered += bytes;
+    if (!pool_.fit(bytes)) trim_pool(bytes);
+    buffer b = pool_.take(bytes);
+    memory_.pool = pool_.pooled_bytes();
+    memory_.gathered += b.capacity;
     note_peak();
     return b;
   }
@@ -770,8 +735,8 @@ class sharded_parameters {
     std::unique_lock lock(mutex_, std::defer_lock);
     if (lock_needed) lock.lock();
     memory_.gathered -= b.capacity;
-    memory_.pool += b.capacity;
-    pool_.push_back(std::move(b));
+    pool_.put(std::move(b));
+    memory_.pool = pool_.pooled_bytes();
     trim_pool();
     note_peak();
   }
@@ -818,7 +783,7 @@ class sharded_parameters {
       });
     }
     if (!u.replicated) {
-      traffic_.gather_bytes += (static_cast<std::size_t>(world()) - 1) * u.shard * size_of(gather_type_);
+      traffic_.gather_bytes += (static_cast<std::size_t>(world_size()) - 1) * u.shard * size_of(gather_type_);
       ++traffic_.gathers;
     }
     buf.last_use = ready;
@@ -857,8 +822,7 @@ class sharded_parameters {
     while (!deferred_.empty()) {
       const std::size_t next = deferred_.front();
       const std::size_t bytes = std::max<std::size_t>(gather_bytes(next), 1);
-      const auto fit = best_fit(bytes);
-      const std::size_t cost = fit ? pool_[*fit].capacity : bytes;
+      const std::size_t cost = pool_.fit(bytes).value_or(bytes);
       if (memory_.gathered + cost > limit_) break;
       deferred_.pop_front();
       issue_gather(next, false, unused);
@@ -941,7 +905,7 @@ class sharded_parameters {
     const bool direct = reduce_type_ == dtype_v<T> && !accumulate;
     void* output = direct ? static_cast<void*>(u.grad) : take_scratch(u.shard * reduce_bytes);
     work done;
-    const std::size_t n = static_cast<std::size_t>(world());
+    const std::size_t n = static_cast<std::size_t>(world_size());
     typed(reduce_type_, [&](auto sample) {
       using R = decltype(sample);
       if (u.replicated)
@@ -982,10 +946,10 @@ class sharded_parameters {
 
   void free_all() noexcept {
     auto& engine = group_->backend();
-    for (auto& [unit, entry] : live_) free_buffer(entry.buf);
+    for (auto& [unit, entry] : live_) pool_.release(entry.buf);
     live_.clear();
-    for (auto& b : pool_) free_buffer(b);
     pool_.clear();
+    memory_.pool = 0;
     for (auto& u : units_) {
       if (u.master) engine.deallocate(u.master, std::max<std::size_t>(u.shard, 1) * sizeof(T));
       if (u.grad) engine.deallocate(u.grad, std::max<std::size_t>(u.shard, 1) * sizeof(T));
@@ -993,125 +957,7 @@ class sharded_parameters {
     }
   }
 
-  // --- checkpoint files --------------------------------------------------------------------
-  static std::string shard_file_name(int rank, int world) {
-    return "shard-" + std::to_string(rank) + "-of-" + std::to_string(world) + ".bin";
-  }
-
-  struct saved_unit {
-    bool replicated = false;
-    std::uint64_t elements = 0, padded = 0, shard = 0;
-    std::vector<std::size_t> sizes;
-  };
-  struct checkpoint_header {
-    static constexpr char magic[8] = {'C', 'O', 'H', 'S', 'H', 'R', 'D', '1'};
-    static constexpr std::uint32_t version = 1;
-    std::uint32_t world = 0, rank = 0, type = 0, states = 0;
-    std::string optimizer;
-    std::uint64_t steps = 0;
-    std::vector<saved_unit> units;
-    std::uint64_t data_offset = 0;
-
-    template <class V>
-    static void put(std::ostream& out, V value) {
-      out.write(reinterpret_cast<const char*>(&value), sizeof value);
-    }
-    void write(std::ostream& out) const {
-      out.write(magic, sizeof magic);
-      put(out, version);
-      put(out, world);
-      put(out, rank);
-      put(out, type);
-      put(out, static_cast<std::uint32_t>(optimizer.size()));
-      out.write(optimizer.data(), static_cast<std::streamsize>(optimizer.size()));
-      put(out, steps);
-      put(out, states);
-      put(out, static_cast<std::uint64_t>(units.size()));
-      for (const auto& u : units) {
-        put(out, static_cast<std::uint8_t>(u.replicated));
-        put(out, u.elements);
-        put(out, u.padded);
-        put(out, u.shard);
-        put(out, static_cast<std::uint64_t>(u.sizes.size()));
-        for (auto s : u.sizes) put(out, static_cast<std::uint64_t>(s));
-      }
-    }
-    static checkpoint_header read(std::istream& in, const std::filesystem::path& path, int reader) {
-      auto bad = [&](const std::string& what) {
-        return error(reader, "sharded_parameters.load_sharded", path.string() + ": " + what,
-                     "is this a cohort sharded checkpoint, complete and from this version?");
-      };
-      auto get = [&](auto& value) {
-        in.read(reinterpret_cast<char*>(&value), sizeof value);
-        if (!in) throw bad("truncated header");
-      };
-      char seen[8];
-      in.read(seen, sizeof seen);
-      if (!in || std::memcmp(seen, magic, sizeof magic) != 0) throw bad("bad magic");
-      checkpoint_header h;
-      std::uint32_t file_version = 0, name_length = 0;
-      get(file_version);
-      if (file_version != version) throw bad("version " + std::to_string(file_version));
-      get(h.world);
-      get(h.rank);
-      get(h.type);
-      get(name_length);
-      if (name_length > 256) throw bad("optimizer name of " + std::to_string(name_length) + " bytes");
-      h.optimizer.resize(name_length);
-      in.read(h.optimizer.data(), name_length);
-      get(h.steps);
-      get(h.states);
-      std::uint64_t count = 0;
-      get(count);
-      if (count > (1u << 24)) throw bad(std::to_string(count) + " units");
-      for (std::uint64_t i = 0; i < count; ++i) {
-        saved_unit u;
-        std::uint8_t replicated = 0;
-        std::uint64_t parameters = 0;
-        get(replicated);
-        u.replicated = replicated != 0;
-        get(u.elements);
-        get(u.padded);
-        get(u.shard);
-        get(parameters);
-        if (parameters > (1u << 24)) throw bad(std::to_string(parameters) + " parameters in a unit");
-        for (std::uint64_t p = 0; p < parameters; ++p) {
-          std::uint64_t size = 0;
-          get(size);
-          u.sizes.push_back(static_cast<std::size_t>(size));
-        }
-        h.units.push_back(std::move(u));
-      }
-      h.data_offset = static_cast<std::uint64_t>(in.tellg());
-      return h;
-    }
-  };
-
-  std::uint32_t find_checkpoint_world(const std::filesystem::path& directory) const {
-    std::optional<std::uint32_t> found;
-    std::error_code ec;
-    for (const auto& entry : std::filesystem::directory_iterator(directory, ec)) {
-      const std::string name = entry.path().filename().string();
-      const std::string prefix = "shard-0-of-";
-      if (name.rfind(prefix, 0) != 0 || name.size() < prefix.size() + 5 || name.substr(name.size() - 4) != ".bin")
-        continue;
-      const auto world =
-          static_cast<std::uint32_t>(std::stoul(name.substr(prefix.size(), name.size() - prefix.size() - 4)));
-      if (found && *found != world)
-        throw error(rank(), "sharded_parameters.load_sharded",
-                    directory.string() + " holds checkpoints of world " + std::to_string(*found) + " and " +
-                        std::to_string(world),
-                    "keep one sharded checkpoint per directory");
-      found = world;
-    }
-    if (!found)
-      throw error(rank(), "sharded_parameters.load_sharded",
-                  "no shard-0-of-<world>.bin in " + directory.string() + (ec ? " (" + ec.message() + ")" : ""),
-                  "pass the directory save_sharded wrote");
-    return *found;
-  }
-
-  void check_checkpoint(const checkpoint_header& header, sharded_optimizer_state<T>* optimizer,
+  void check_checkpoint(const detail::checkpoint_header& header, sharded_optimizer_state<T>* optimizer,
                         const std::filesystem::path& directory) const {
     auto fail = [&](const std::string& what, const std::string& hint) {
       throw error(rank(), "sharded_parameters.load_sharded", directory.string() + ": " + what, hint);
@@ -1151,13 +997,12 @@ class sharded_parameters {
   mutable std::mutex mutex_;
   std::condition_variable released_;
   std::map<std::size_t, live_gather> live_;
-  std::vector<buffer> pool_;
+  detail::buffer_pool<B> pool_;
   std::deque<std::size_t> deferred_;
   sharded_memory memory_;
   sharded_memory peak_;
   std::size_t peak_total_ = 0;
   sharded_traffic traffic_;
-  std::size_t allocations_ = 0;
 };
 
 }  // namespace cohort::inline v0

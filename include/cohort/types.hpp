@@ -8,8 +8,10 @@
 #include <bit>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 
 #if defined(__CUDACC__) || defined(COHORT_HAS_NCCL)
 #include <cuda_bf16.h>
@@ -179,6 +181,25 @@ concept element = requires {
 
 template <class T>
 inline constexpr dtype dtype_v = dtype_of<std::remove_cv_t<T>>::value;
+
+// A contiguous run of cohort elements: a vector, array, span, or anything std::data and
+// std::size take (without <ranges>, which costs every including translation unit).
+template <class R>
+concept contiguous_elements = requires(const R& r) {
+  std::data(r);
+  std::size(r);
+  requires element<std::remove_pointer_t<decltype(std::data(r))>>;
+};
+template <class R>
+using element_type_of = std::remove_cv_t<std::remove_pointer_t<decltype(std::data(std::declval<const R&>()))>>;
+
+// A list of such runs (one per tensor, say): a vector of vectors, of spans, ...
+template <class L>
+concept list_of_contiguous_elements = !contiguous_elements<L> && requires(const L& list) {
+  std::begin(list);
+  std::end(list);
+  requires contiguous_elements<std::remove_cvref_t<decltype(*std::begin(list))>>;
+};
 
 // Calls fn with a value of the host storage type of a run-time dtype.
 #define COHORT_DTYPE_VISIT(name, host, text, floating, nccl, cuda) \

@@ -1,0 +1,99 @@
+#pragma once
+// Buffers in a backend's memory reused across operations (sharded_parameters' gathers and
+// reduction scratch): take() hands out the smallest pooled buffer that fits, or allocates;
+// trim_while() frees pooled buffers oldest first. Each buffer remembers the work that last
+// used it and is freed only after that work completes; reuse needs no wait, since every
+// later use is queued in the same backend order. Not thread-safe: the owner locks.
+
+#include <cstddef>
+#include <optional>
+#include <vector>
+
+namespace cohort::inline v0::detail {
+
+template <class B>
+class buffer_pool {
+ public:
+  using work = typename B::work;
+  struct buffer {
+    void* data = nullptr;
+    std::size_t capacity = 0;
+    work last_use{};
+  };
+
+  explicit buffer_pool(B& engine) : engine_(&engine) {}
+  buffer_pool(const buffer_pool&) = delete;
+  buffer_pool& operator=(const buffer_pool&) = delete;
+  ~buffer_pool() { clear(); }
+
+  // The capacity take(bytes) would hand out from the pool, if any buffer fits.
+  std::optional<std::size_t> fit(std::size_t bytes) const {
+    if (const auto i = best_fit(bytes)) return free_[*i].capacity;
+    return std::nullopt;
+  }
+
+  // A pooled buffer of at least `bytes` (the smallest), else a new allocation.
+  buffer take(std::size_t bytes) {
+    if (const auto i = best_fit(bytes)) {
+      buffer b = std::move(free_[*i]);
+      free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(*i));
+      pooled_ -= b.capacity;
+      return b;
+    }
+    buffer b;
+    b.data = engine_->allocate(bytes);
+    b.capacity = bytes;
+    ++allocations_;
+    return b;
+  }
+
+  void put(buffer b) {
+    pooled_ += b.capacity;
+    free_.push_back(std::move(b));
+  }
+
+  // Frees pooled buffers, oldest first, while over() says the budget is exceeded.
+  template <class Predicate>
+  void trim_while(Predicate over) {
+    while (!free_.empty() && over()) {
+      pooled_ -= free_.front().capacity;
+      release(free_.front());
+      free_.erase(free_.begin());
+    }
+  }
+
+  // Frees a buffer that is not pooled (once its last use is done).
+  void release(buffer& b) noexcept {
+    try {
+      b.last_use.wait();
+    } catch (...) {
+      // A failed operation: the group is unusable, but the memory is still ours to free.
+    }
+    engine_->deallocate(b.data, b.capacity);
+    b.data = nullptr;
+  }
+
+  void clear() noexcept {
+    for (auto& b : free_) release(b);
+    free_.clear();
+    pooled_ = 0;
+  }
+
+  std::size_t pooled_bytes() const noexcept { return pooled_; }
+  std::size_t allocations() const noexcept { return allocations_; }
+
+ private:
+  std::optional<std::size_t> best_fit(std::size_t bytes) const {
+    std::optional<std::size_t> best;
+    for (std::size_t i = 0; i < free_.size(); ++i)
+      if (free_[i].capacity >= bytes && (!best || free_[i].capacity < free_[*best].capacity)) best = i;
+    return best;
+  }
+
+  B* engine_;
+  std::vector<buffer> free_;
+  std::size_t pooled_ = 0;
+  std::size_t allocations_ = 0;
+};
+
+}  // namespace cohort::inline v0::detail
