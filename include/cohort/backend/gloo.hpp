@@ -31,6 +31,7 @@
 
 #include "cohort/detail/fifo_worker.hpp"
 #include "cohort/detail/fnv1a.hpp"
+#include "cohort/detail/host_elementwise.hpp"
 #include "cohort/detail/host_math.hpp"
 #include "cohort/error.hpp"
 #include "cohort/launch.hpp"
@@ -62,6 +63,12 @@ class gloo_store_adapter final : public ::gloo::rendezvous::Store {
  private:
   std::shared_ptr<cohort::store> inner_;
   std::chrono::milliseconds timeout_;
+};
+
+// An element of N bytes: what Gloo's buffer setters need to know of a dtype.
+template <std::size_t N>
+struct element_bytes {
+  unsigned char bytes[N];
 };
 
 // A posted point-to-point operation, waited for separately (see gloo::send).
@@ -418,11 +425,18 @@ class gloo {
       default: break;
     }
     if (task.count == 0) return;  // nothing moves; every rank agrees on that without talking
-    visit_dtype(task.type, [&](auto sample) { execute_typed<decltype(sample)>(task); });
+    // Gloo's buffers care about the element's width only; the arithmetic is the reduce
+    // function's. Four widths, not seven dtypes, of the code below.
+    switch (size_of(task.type)) {
+      case 1: return execute_sized<detail::element_bytes<1>>(task);
+      case 2: return execute_sized<detail::element_bytes<2>>(task);
+      case 4: return execute_sized<detail::element_bytes<4>>(task);
+      default: return execute_sized<detail::element_bytes<8>>(task);
+    }
   }
 
   template <class T>
-  void execute_typed(detail::gloo_task& task) {
+  void execute_sized(detail::gloo_task& task) {
     T* out = static_cast<T*>(task.out);
     const T* in = static_cast<const T*>(task.in);
     const std::size_t n = task.count;
@@ -435,10 +449,10 @@ class gloo {
         // while it is hot; a copy of the whole input first would be a cold pass of its own.
         if (in != out) opts.setInput(const_cast<T*>(in), n);
         opts.setOutput(out, n);
-        opts.setReduceFunction(detail::reduce_function<T>(task.reduce));
+        opts.setReduceFunction(detail::reduce_function(task.type, task.reduce));
         opts.setTimeout(options_.timeout);
         ::gloo::allreduce(opts);
-        if (task.reduce == op::avg) detail::divide(out, n, size_);
+        if (task.reduce == op::avg) detail::elementwise<memory_space::host>::divide_now(out, n, task.type, size_);
         return;
       }
       case task_kind::reduce_scatter: {
@@ -457,9 +471,9 @@ class gloo {
           std::memcpy(gathered, in, n * sizeof(T));
         }
         std::memmove(out, gathered, n * sizeof(T));
-        const auto reduce = detail::reduce_function<T>(task.reduce);
+        const auto reduce = detail::reduce_function(task.type, task.reduce);
         for (std::size_t r = 1; r < world; ++r) reduce(out, out, gathered + r * n, n);
-        if (task.reduce == op::avg) detail::divide(out, n, size_);
+        if (task.reduce == op::avg) detail::elementwise<memory_space::host>::divide_now(out, n, task.type, size_);
         return;
       }
       case task_kind::all_gather: {

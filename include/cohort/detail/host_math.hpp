@@ -45,6 +45,11 @@ reduce_fn reduce_function(op value) {
   return nullptr;
 }
 
+// The same for a run-time dtype.
+inline reduce_fn reduce_function(dtype type, op value) {
+  return visit_dtype(type, [&](auto sample) { return reduce_function<decltype(sample)>(value); });
+}
+
 // data[i] /= divisor, with detail::divided's rules (integers truncate).
 template <class T>
 void divide(T* data, std::size_t n, int divisor) {
