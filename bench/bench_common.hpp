@@ -48,6 +48,7 @@
 #include "cohort/backend/gloo.hpp"
 #include "cohort/detail/host_math.hpp"
 #include "cohort/tools/detail/json.hpp"
+#include "cohort/tools/planner.hpp"
 #include "cohort/error.hpp"
 #include "cohort/tools/planner.hpp"
 #include "cohort/process_group.hpp"
@@ -68,46 +69,20 @@ namespace cohort_bench {
 using cohort::dtype;
 using cohort::op;
 
-enum class operation { all_reduce, all_gather, reduce_scatter, broadcast, alltoall };
+// The planner's names for the collectives: one vocabulary for the library, the bench and
+// the planner.
+using operation = cohort::collective;
+using cohort::bus_factor;
+using cohort::to_string;
 
-inline const char* to_string(operation value) {
-  switch (value) {
-    case operation::all_reduce: return "all_reduce";
-    case operation::all_gather: return "all_gather";
-    case operation::reduce_scatter: return "reduce_scatter";
-    case operation::broadcast: return "broadcast";
-    case operation::alltoall: return "alltoall";
-  }
-  return "?";
-}
-
-inline std::optional<operation> parse_operation(std::string_view name) {
-  for (operation value : {operation::all_reduce, operation::all_gather, operation::reduce_scatter, operation::broadcast,
-                          operation::alltoall})
-    if (name == to_string(value)) return value;
-  if (name == "all_to_all") return operation::alltoall;
-  return std::nullopt;
-}
+inline std::optional<operation> parse_operation(std::string_view name) { return cohort::find_collective(name); }
 
 inline bool has_reduction(operation value) {
   return value == operation::all_reduce || value == operation::reduce_scatter;
 }
 inline bool has_root(operation value) { return value == operation::broadcast; }
 // cohort has no in-place alltoall (a chunk would be overwritten before it is sent).
-inline bool has_in_place(operation value) { return value != operation::alltoall; }
-
-// busbw / algbw, the nccl-tests factors.
-inline double bus_factor(operation value, int world) {
-  const double n = world;
-  switch (value) {
-    case operation::all_reduce: return 2 * (n - 1) / n;
-    case operation::all_gather:
-    case operation::reduce_scatter:
-    case operation::alltoall: return (n - 1) / n;
-    case operation::broadcast: return 1;
-  }
-  return 1;
-}
+inline bool has_in_place(operation value) { return value != operation::all_to_all; }
 
 // Buffer shapes for a requested size, as nccl-tests derives them.
 struct layout {
@@ -131,7 +106,7 @@ inline layout layout_for(operation value, std::size_t requested_bytes, std::size
     case operation::broadcast: shape.count = shape.send_count = shape.recv_count = total; break;
     case operation::all_gather: shape.count = share, shape.send_count = share, shape.recv_count = share * n; break;
     case operation::reduce_scatter: shape.count = share, shape.send_count = share * n, shape.recv_count = share; break;
-    case operation::alltoall: shape.count = share, shape.send_count = shape.recv_count = share * n; break;
+    case operation::all_to_all: shape.count = share, shape.send_count = shape.recv_count = share * n; break;
   }
   return shape;
 }
@@ -283,7 +258,7 @@ std::size_t count_wrong(operation what, op reduce, int rank, int world, int root
       for (std::size_t i = 0; i < n; ++i)
         wrong += !(to_double(result[i]) == to_double(from_double<T>(input_value(reduce, root, i))));
       break;
-    case operation::alltoall:
+    case operation::all_to_all:
       for (int r = 0; r < world; ++r)
         for (std::size_t i = 0; i < n; ++i)
           wrong += !(to_double(result[std::size_t(r) * n + i]) ==
@@ -413,7 +388,7 @@ struct engine<cohort::gloo> {
         ::gloo::broadcast(o);
         return;
       }
-      case operation::alltoall: {
+      case operation::all_to_all: {
         ::gloo::AlltoallOptions o(context);
         o.setTag(raw_gloo_tag + 4);
         o.setInput(const_cast<T*>(in), n * world);
@@ -496,7 +471,7 @@ struct engine<cohort::nccl> {
                       "ncclReduceScatter");
       case operation::broadcast:
         return settle(pg, ncclBroadcast(out, out, n, type, root, comm, stream), "ncclBroadcast");
-      case operation::alltoall: {
+      case operation::all_to_all: {
         ncclResult_t status = ncclGroupStart();
         for (int peer = 0; peer < pg.size() && status == ncclSuccess; ++peer) {
           status = ncclSend(in + n * std::size_t(peer), n, type, peer, comm, stream);
@@ -528,7 +503,7 @@ typename B::work cohort_call(cohort::process_group<B>& pg, operation what, op re
       return pg.reduce_scatter(std::span<const T>(send, n * world), std::span<T>(recv, n), reduce);
     case operation::broadcast:  // cohort's broadcast is in place; both columns time it
       return pg.broadcast(std::span<T>(recv, n), root);
-    case operation::alltoall: return pg.all_to_all(std::span<const T>(send, n * world), std::span<T>(recv, n * world));
+    case operation::all_to_all: return pg.all_to_all(std::span<const T>(send, n * world), std::span<T>(recv, n * world));
   }
   return {};
 }

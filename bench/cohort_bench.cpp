@@ -33,7 +33,7 @@ namespace {
 
 constexpr const char* usage = R"(usage: cohort-bench <operation> [options]
 
-Operations: all_reduce, all_gather, reduce_scatter, broadcast, alltoall
+Operations: all_reduce, all_gather, reduce_scatter, broadcast, all_to_all (or nccl-tests' alltoall)
 
   --backend B          gloo (host memory over TCP) or nccl (GPU memory); default gloo
   --ranks N            run N ranks as threads of this process (NCCL: one GPU each). Without it
@@ -61,7 +61,7 @@ Operations: all_reduce, all_gather, reduce_scatter, broadcast, alltoall
 
 Columns follow nccl-tests: size is the full buffer in bytes, time the mean of one call in
 microseconds averaged over ranks, algbw = size / time, busbw = algbw x 2(n-1)/n (all_reduce),
-(n-1)/n (all_gather, reduce_scatter, alltoall), 1 (broadcast). cohort/raw is the median time
+(n-1)/n (all_gather, reduce_scatter, all_to_all), 1 (broadcast). cohort/raw is the median time
 of a raw engine call over that of cohort's, from single calls interleaved one by one (>= 0.98
 means the wrapper costs under 2%).
 )";
@@ -141,7 +141,7 @@ command_line parse(int argc, char** argv) {
     std::exit(0);
   }
   const auto what = cohort_bench::parse_operation(args[0]);
-  if (!what) fail("unknown operation \"" + args[0] + "\": all_reduce, all_gather, reduce_scatter, broadcast, alltoall");
+  if (!what) fail("unknown operation \"" + args[0] + "\": all_reduce, all_gather, reduce_scatter, broadcast, all_to_all");
   cl.bench.what = *what;
   for (std::size_t i = 1; i < args.size(); ++i) {
     const std::string& flag = args[i];
@@ -298,7 +298,7 @@ int run_rank(const command_line& cl, std::shared_ptr<cohort::store> store, const
     std::printf(
         "# cohort-bench %s: backend %s, %d rank(s) as %s, %s; minBytes %zu maxBytes %zu step: %zu(factor) "
         "warmup iters: %d iters: %d repetitions: %d validation: %d\n",
-        cohort_bench::to_string(o.what), o.backend.c_str(), env.world_size, threads ? "threads" : "processes",
+        std::string(cohort_bench::to_string(o.what)).c_str(), o.backend.c_str(), env.world_size, threads ? "threads" : "processes",
         std::string(cohort::to_string(env.source)).c_str(), o.min_bytes, o.max_bytes, o.factor, o.warmup, o.iterations,
         o.repetitions, o.check ? 1 : 0);
     std::printf("#\n# Using devices\n");

@@ -246,7 +246,7 @@ cohort::detail::json to_json(const cohort::plan_input& in, const cohort::plan_re
   out.set("data_parallel", estimate(r.data_parallel));
   out.set("sharded", estimate(r.sharded));
   out.set("fits_one_gpu", r.fits_one_gpu);
-  out.set("recommended", cohort::to_string(r.recommended));
+  out.set("recommended", std::string(cohort::to_string(r.recommended)));
   out.set("bucket_bytes", r.bucket_bytes);
   out.set("advice", lines(r.advice));
   out.set("rules_of_thumb", lines(r.rules_of_thumb));

@@ -1,16 +1,17 @@
 #pragma once
-// Helpers shared by cohort's tests: skipping with a reason, and running N ranks as threads.
+// Helpers shared by cohort's tests: skipping with a reason, checks inside rank threads, and
+// running N ranks as threads.
 
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <functional>
-#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
+
+#include <cohort/run_ranks.hpp>
 
 namespace cohort_test {
 
@@ -57,30 +58,17 @@ std::string expect_throw(Fn&& fn, const std::string& needle, const char* where) 
 #define RANK_CHECK_THROWS(Exception, expression, needle) \
   ::cohort_test::expect_throw<Exception>([&] { (void)(expression); }, needle, __FILE__ ":" COHORT_STRINGIFY(__LINE__))
 
-// Runs fn(rank) on `world` threads and rethrows the first exception any rank threw, after
-// every thread has finished (so a failing rank cannot leave the others dangling).
+// Runs fn(rank) on `world` threads (cohort::run_ranks) and rethrows the first failure of the
+// lowest failing rank, after every thread has finished (so a failing rank cannot leave the
+// others dangling), as a rank_failure that names the rank. The test brings its own store.
 inline void run_ranks(int world, const std::function<void(int)>& fn) {
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(world));
-  for (int rank = 0; rank < world; ++rank) {
-    threads.emplace_back([&, rank] {
-      try {
-        fn(rank);
-      } catch (...) {
-        errors[static_cast<std::size_t>(rank)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& thread : threads) thread.join();
-  for (int rank = 0; rank < world; ++rank) {
-    auto& error = errors[static_cast<std::size_t>(rank)];
-    if (!error) continue;
+  cohort::run_ranks(world, [&](const std::shared_ptr<cohort::store>&, const cohort::launch_env& env) {
     try {
-      std::rethrow_exception(error);
+      fn(env.rank);
     } catch (const std::exception& failure) {
-      throw rank_failure("rank " + std::to_string(rank) + " of " + std::to_string(world) + ": " + failure.what());
+      throw rank_failure("rank " + std::to_string(env.rank) + " of " + std::to_string(world) + ": " + failure.what());
     }
-  }
+  });
 }
 
 }  // namespace cohort_test

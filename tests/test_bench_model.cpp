@@ -51,7 +51,7 @@ TEST_CASE("bench sizes, counts and bus bandwidth follow nccl-tests") {
   CHECK(rs.recv_count == (1u << 16));
   CHECK(cohort_bench::bus_factor(operation::all_reduce, 4) == Approx(1.5));
   CHECK(cohort_bench::bus_factor(operation::all_gather, 4) == Approx(0.75));
-  CHECK(cohort_bench::bus_factor(operation::alltoall, 2) == Approx(0.5));
+  CHECK(cohort_bench::bus_factor(operation::all_to_all, 2) == Approx(0.5));
   CHECK(cohort_bench::bus_factor(operation::broadcast, 8) == Approx(1.0));
   cohort_bench::options o;
   o.min_bytes = 8, o.max_bytes = 64, o.factor = 2;
@@ -80,7 +80,7 @@ TEST_CASE("bench correctness check counts corrupted elements") {
 
 TEST_CASE("bench checks every collective on 2 gloo ranks with no wrong element") {
   for (operation what : {operation::all_reduce, operation::all_gather, operation::reduce_scatter, operation::broadcast,
-                         operation::alltoall}) {
+                         operation::all_to_all}) {
     for (cohort::dtype type : {cohort::dtype::float32, cohort::dtype::bfloat16, cohort::dtype::int64}) {
       cohort_bench::options o;
       o.what = what;

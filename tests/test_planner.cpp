@@ -331,8 +331,11 @@ TEST_CASE("planner: malformed cohort-bench files are refused with the reason") {
   CHECK_THROWS_WITH(cohort::parse_bench_result("[1]"), Catch::Contains("not an object"));
   CHECK_THROWS_WITH(cohort::parse_bench_result(R"({"world": 2})"), Catch::Contains("missing key \"rows\""));
   CHECK_THROWS_WITH(cohort::parse_bench_result(R"({"rows": []})"), Catch::Contains("missing key \"world\""));
-  CHECK_THROWS_WITH(cohort::parse_bench_result(R"({"world": 2, "operation": "all_to_all", "rows": []})"),
-                    Catch::Contains("all_to_all"));
+  CHECK_THROWS_WITH(cohort::parse_bench_result(R"({"world": 2, "operation": "all_to_one", "rows": []})"),
+                    Catch::Contains("all_to_one"));
+  // Both names of the all-to-all are read: the library's and nccl-tests'.
+  CHECK(cohort::parse_collective("all_to_all") == cohort::collective::all_to_all);
+  CHECK(cohort::parse_collective("alltoall") == cohort::collective::all_to_all);
   CHECK_THROWS_WITH(cohort::parse_bench_result(R"({"world": 0, "rows": []})"), Catch::Contains("world = 0"));
   CHECK_THROWS_WITH(cohort::parse_bench_result(R"({"world": 2, "rows": [{"bytes": 8}]})"),
                     Catch::Contains("row 0 has no \"time_us\""));

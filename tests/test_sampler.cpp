@@ -258,7 +258,7 @@ TEST_CASE("sampler: built from a group, and rejects impossible ranks", "[sampler
   fake_group group{2, 3};
   cohort::distributed_sampler from_group{10, group, {.shuffle = false}};
   CHECK(from_group.rank() == 2);
-  CHECK(from_group.world() == 3);
+  CHECK(from_group.world_size() == 3);
   CHECK(from_group.indices() == torch_assignment(10, 3, 2, false));
 
   CHECK_THROWS_AS((cohort::distributed_sampler{10, 0, 0}), cohort::error);

@@ -89,7 +89,7 @@ TEST_CASE("gather returns exactly the original parameters, whatever the sizes an
           });
         }
         // Shards hold their slice of the flattened unit, zero past its end.
-        for (std::size_t u = 0; u < params.units(); ++u) {
+        for (std::size_t u = 0; u < params.unit_count(); ++u) {
           auto shard = params.shard(u);
           for (std::size_t i = 0; i < shard.size(); ++i) {
             const std::size_t flat = params.shard_offset(u) + i;
@@ -103,8 +103,8 @@ TEST_CASE("gather returns exactly the original parameters, whatever the sizes an
         }
         for (auto order : {cohort::prefetch_order::forward, cohort::prefetch_order::backward}) {
           params.set_order(order);
-          for (std::size_t k = 0; k < params.units(); ++k) {
-            const std::size_t u = order == cohort::prefetch_order::forward ? k : params.units() - 1 - k;
+          for (std::size_t k = 0; k < params.unit_count(); ++k) {
+            const std::size_t u = order == cohort::prefetch_order::forward ? k : params.unit_count() - 1 - k;
             auto unit = params.gather(u);
             RANK_CHECK(unit.size() == awkward_units[u].size());
             for (std::size_t p = 0; p < unit.size(); ++p) {
@@ -238,7 +238,7 @@ TEST_CASE("reduce_scatter_grad leaves each rank its slice of the averaged gradie
       auto pg = make_group(store, rank, world);
       for (auto reduce : {cohort::dtype::float32, cohort::dtype::float64}) {
         sharded params(pg, awkward_units, {.reduce_type = reduce, .replicate_below = 2});
-        for (std::size_t u = 0; u < params.units(); ++u) {
+        for (std::size_t u = 0; u < params.unit_count(); ++u) {
           const std::size_t n = params.unit_elements(u);
           std::vector<float> gradient(n);
           for (std::size_t i = 0; i < n; ++i) gradient[i] = contribution(rank, u, i);

@@ -13,7 +13,7 @@ void train(std::shared_ptr<cohort::store> store, const cohort::launch_env& env) 
   cohort::process_group<cohort::gloo> pg{store, env};
   const std::vector<std::size_t> sizes{300, 20};
   cohort::gradient_reducer<cohort::gloo> ddp{pg, sizes};
-  for (std::size_t i = ddp.size(); i-- > 0;) ddp.mark_ready(i);
+  for (std::size_t i = ddp.gradient_count(); i-- > 0;) ddp.mark_ready(i);
   (void)ddp.finish();
   const std::vector<std::vector<std::size_t>> units{{5, 3}, {4}};
   cohort::sharded_parameters<cohort::gloo, float> weights{pg, units, {.prefetch = 1}};

@@ -238,10 +238,10 @@ class batch_sequence {
   }
   batch_sequence(distributed_sampler& sampler, const batch_plan& plan, partial_batch partial = partial_batch::keep)
       : batch_sequence(sampler, plan.per_device, plan.accumulation, partial) {
-    if (plan.world != sampler.world())
+    if (plan.world != sampler.world_size())
       throw error(sampler.rank(), "batch_sequence",
                   "the plan is for world " + std::to_string(plan.world) + " but the sampler splits over " +
-                      std::to_string(sampler.world()) + " ranks",
+                      std::to_string(sampler.world_size()) + " ranks",
                   "build the plan with launch_plan() or rescaled_for(world)");
   }
 

@@ -43,7 +43,7 @@ class sharded_state {
  public:
   sharded_state(sharded_parameters<B, T>& params, std::size_t count) : params_(&params), count_(count) {
     auto& engine = params.group().backend();
-    for (std::size_t u = 0; u < params.units(); ++u)
+    for (std::size_t u = 0; u < params.unit_count(); ++u)
       for (std::size_t k = 0; k < count; ++k) {
         const std::size_t bytes = std::max<std::size_t>(params.shard_elements(u), 1) * sizeof(T);
         T* data = static_cast<T*>(engine.allocate(bytes));
@@ -89,7 +89,7 @@ class sgd final : public sharded_optimizer_state<T> {
     ++steps_;
     auto& engine = params_->group().backend();
     const detail::sgd_coefficients c{options_.lr, options_.momentum, options_.weight_decay};
-    for (std::size_t u = 0; u < params_->units(); ++u) {
+    for (std::size_t u = 0; u < params_->unit_count(); ++u) {
       T* parameters = params_->shard(u).data();
       const T* gradients = params_->grad_shard(u).data();
       T* momentum = state_.count() ? state_.get(u, 0) : nullptr;
@@ -131,7 +131,7 @@ class adam final : public sharded_optimizer_state<T> {
                                       options_.weight_decay,
                                       1 - std::pow(options_.beta1, t),
                                       1 - std::pow(options_.beta2, t)};
-    for (std::size_t u = 0; u < params_->units(); ++u) {
+    for (std::size_t u = 0; u < params_->unit_count(); ++u) {
       T* parameters = params_->shard(u).data();
       const T* gradients = params_->grad_shard(u).data();
       T* first = state_.get(u, 0);

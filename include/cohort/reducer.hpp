@@ -293,7 +293,7 @@ class gradient_reducer {
 
   // ---- layout -------------------------------------------------------------------------------
   gradient_storage storage() const noexcept { return storage_; }
-  std::size_t size() const noexcept { return specs_.size(); }
+  std::size_t gradient_count() const noexcept { return specs_.size(); }
   std::size_t bucket_count() const noexcept { return buckets_.size(); }
   const std::vector<bucket_layout>& layout() const noexcept { return layout_; }
   // Bumped by every rebuild: spans from gradient() of an older generation are stale.
@@ -316,8 +316,8 @@ class gradient_reducer {
   template <element T = float>
   std::vector<std::span<T>> gradients() {
     std::vector<std::span<T>> all;
-    all.reserve(size());
-    for (std::size_t i = 0; i < size(); ++i) all.push_back(gradient<T>(i));
+    all.reserve(gradient_count());
+    for (std::size_t i = 0; i < gradient_count(); ++i) all.push_back(gradient<T>(i));
     return all;
   }
 
@@ -371,7 +371,7 @@ class gradient_reducer {
     const bool find_unused = options_.unused == unused_gradients::zero;
     std::vector<std::uint8_t> used;
     if (find_unused) used = marked_;  // before handle_unmarked counts the zero-filled ones as marked
-    if (marked_count_ < size()) handle_unmarked();
+    if (marked_count_ < gradient_count()) handle_unmarked();
     launch_ready_buckets();
     // Every rank issues the used-mask exchange, whatever it marked: a rank that marked every
     // gradient must still meet a rank that did not.
@@ -426,16 +426,16 @@ class gradient_reducer {
     if (marked_count_ > 0 || launched_ > 0)
       throw error(rank(), "gradient_reducer.rebuild_buckets", "called in the middle of an iteration",
                   "rebuild after finish(), before the next backward pass");
-    std::vector<std::int64_t> order(size());
-    const bool have_order = observed_order_.size() == size();
-    std::vector<bool> listed(size(), false);
+    std::vector<std::int64_t> order(gradient_count());
+    const bool have_order = observed_order_.size() == gradient_count();
+    std::vector<bool> listed(gradient_count(), false);
     std::size_t fill = 0;
     if (have_order)
       for (auto index : observed_order_) {
         order[fill++] = static_cast<std::int64_t>(index);
         listed[index] = true;
       }
-    for (std::size_t i = size(); i-- > 0;)
+    for (std::size_t i = gradient_count(); i-- > 0;)
       if (!listed[i]) order[fill++] = static_cast<std::int64_t>(i);
     order = broadcast_host(std::move(order), 0);
     std::vector<std::size_t> agreed(order.begin(), order.end());
@@ -452,7 +452,7 @@ class gradient_reducer {
     if (storage_ == gradient_storage::bucket_views) {
       // Carry the (reduced) values over to the new views.
       std::vector<copy_region> moves;
-      for (std::size_t i = 0; i < size(); ++i) {
+      for (std::size_t i = 0; i < gradient_count(); ++i) {
         const auto& from = old_placement[i];
         const std::size_t bytes = specs_[i].count * size_of(specs_[i].type);
         moves.push_back({location(i), static_cast<char*>(old_buckets[from.bucket].data) + from.offset_bytes, bytes});
@@ -548,9 +548,9 @@ class gradient_reducer {
   }
 
   void check_index(const char* operation, std::size_t i) const {
-    if (i >= size())
+    if (i >= gradient_count())
       throw error(rank(), std::string("gradient_reducer.") + operation,
-                  "gradient " + std::to_string(i) + " of " + std::to_string(size()),
+                  "gradient " + std::to_string(i) + " of " + std::to_string(gradient_count()),
                   "gradients are numbered 0 .. n-1 in declaration order");
   }
 
@@ -569,7 +569,7 @@ class gradient_reducer {
   void build(std::vector<bucket_layout> layout) {
     auto& engine = group_->backend();
     layout_ = std::move(layout);
-    placement_.assign(size(), placement{});
+    placement_.assign(gradient_count(), placement{});
     buckets_.clear();
     buckets_.resize(layout_.size());
     for (std::size_t b = 0; b < layout_.size(); ++b) {
@@ -588,7 +588,7 @@ class gradient_reducer {
       }
     }
     by_address_.clear();
-    for (std::size_t i = 0; i < size(); ++i) {
+    for (std::size_t i = 0; i < gradient_count(); ++i) {
       if (storage_ == gradient_storage::user_buffers) {
         auto& bucket = buckets_[placement_[i].bucket];
         void* inside = static_cast<char*>(bucket.data) + placement_[i].offset_bytes;
@@ -600,7 +600,7 @@ class gradient_reducer {
     }
     engine.record().wait();  // the zero fill, before anyone writes a view
     pending_.assign(buckets_.size(), 0);
-    marked_.assign(size(), 0);
+    marked_.assign(gradient_count(), 0);
     reset_iteration();
   }
 
@@ -664,7 +664,7 @@ class gradient_reducer {
     if (options_.unused == unused_gradients::error) {
       std::string list;
       std::size_t shown = 0, missing = 0;
-      for (std::size_t i = 0; i < size(); ++i) {
+      for (std::size_t i = 0; i < gradient_count(); ++i) {
         if (marked_[i]) continue;
         ++missing;
         if (shown++ < 16)
@@ -682,7 +682,7 @@ class gradient_reducer {
     }
     // Unused here: zero in the bucket, then marked, so its bucket launches like any other.
     auto& engine = group_->backend();
-    for (std::size_t i = 0; i < size(); ++i) {
+    for (std::size_t i = 0; i < gradient_count(); ++i) {
       if (marked_[i]) continue;
       const auto& where = placement_[i];
       fill(engine, static_cast<char*>(buckets_[where.bucket].data) + where.offset_bytes, specs_[i].count,
@@ -700,7 +700,7 @@ class gradient_reducer {
   // Which gradients did any rank produce? Every rank learns the same answer.
   void find_unused_everywhere(std::vector<std::uint8_t> used, reduction_summary& summary) {
     used = all_reduce_host(std::move(used), op::max);
-    for (std::size_t i = 0; i < size(); ++i)
+    for (std::size_t i = 0; i < gradient_count(); ++i)
       if (!used[i]) summary.unused.push_back(i);
   }
 
@@ -806,11 +806,11 @@ class gradient_reducer {
       }
       hash.mix(static_cast<std::uint64_t>(options_.compress));
     }
-    enum column : std::size_t { refused, fingerprint, gradient_count, element_count, bucket_total, width };
+    enum column : std::size_t { refused, fingerprint, gradient_total, element_count, bucket_total, width };
     std::vector<std::int64_t> mine(width);
     mine[refused] = refusal ? 1 : 0;
     mine[fingerprint] = static_cast<std::int64_t>(hash.value() & 0x7fffffffffffffffull);
-    mine[gradient_count] = static_cast<std::int64_t>(size());
+    mine[gradient_total] = static_cast<std::int64_t>(gradient_count());
     mine[element_count] = static_cast<std::int64_t>(elements);
     mine[bucket_total] = static_cast<std::int64_t>(buckets_.size());
     const auto all = all_gather_host(mine);
@@ -826,7 +826,7 @@ class gradient_reducer {
     // Every rank sees the same table, so every rank names the same pair: rank 0 and the
     // first rank that differs from it.
     const auto differs = [&](int r) {
-      for (auto c : {fingerprint, gradient_count, element_count, bucket_total})
+      for (auto c : {fingerprint, gradient_total, element_count, bucket_total})
         if (cell(r, c) != cell(0, c)) return true;
       return false;
     };
@@ -834,27 +834,27 @@ class gradient_reducer {
     while (other < world && !differs(other)) ++other;
     if (other == world) return;
     auto describe = [&](int r) {
-      return "rank " + std::to_string(r) + " has " + std::to_string(cell(r, gradient_count)) + " gradients of " +
+      return "rank " + std::to_string(r) + " has " + std::to_string(cell(r, gradient_total)) + " gradients of " +
              std::to_string(cell(r, element_count)) + " elements in " + std::to_string(cell(r, bucket_total)) +
              " buckets";
     };
     std::string detail = "bucket layouts differ across ranks: " + describe(0) + "; " + describe(other);
     bool same_count = true;
-    for (int r = 1; r < world; ++r) same_count = same_count && cell(r, gradient_count) == cell(0, gradient_count);
+    for (int r = 1; r < world; ++r) same_count = same_count && cell(r, gradient_total) == cell(0, gradient_total);
     std::string named;
     if (same_count) {
       std::vector<std::int64_t> shapes;
-      shapes.reserve(2 * size());
+      shapes.reserve(2 * gradient_count());
       for (const auto& spec : specs_) {
         shapes.push_back(static_cast<std::int64_t>(spec.count));
         shapes.push_back(static_cast<std::int64_t>(spec.type));
       }
       const auto every = all_gather_host(shapes);
       const auto shape = [&](int r, std::size_t i) {
-        const std::size_t at = (static_cast<std::size_t>(r) * size() + i) * 2;
+        const std::size_t at = (static_cast<std::size_t>(r) * gradient_count() + i) * 2;
         return std::to_string(every[at]) + " x " + std::string(to_string(static_cast<dtype>(every[at + 1])));
       };
-      for (std::size_t i = 0; i < size() && named.empty(); ++i)
+      for (std::size_t i = 0; i < gradient_count() && named.empty(); ++i)
         for (int r = 1; r < world && named.empty(); ++r)
           if (shape(r, i) != shape(0, i))
             named = ": gradient " + std::to_string(i) + " is " + shape(0, i) + " on rank 0 but " + shape(r, i) +

@@ -97,7 +97,7 @@ class distributed_sampler {
   std::uint64_t epoch() const noexcept { return epoch_; }
 
   int rank() const noexcept { return rank_; }
-  int world() const noexcept { return world_; }
+  int world_size() const noexcept { return world_; }
   std::uint64_t dataset_size() const noexcept { return dataset_size_; }
   const sampler_options& options() const noexcept { return options_; }
   // Indices this rank reads per epoch; the same on every rank.

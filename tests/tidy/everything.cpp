@@ -49,7 +49,7 @@ void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_en
   cohort::broadcast_parameters(pg, params, 0).wait();
   cohort::gradient_reducer<cohort::gloo> ddp{
       pg, std::vector<std::size_t>{300, 20}, {.unused = cohort::unused_gradients::zero, .check_nonfinite = true}};
-  for (std::size_t i = ddp.size(); i-- > 0;) ddp.mark_ready(i);
+  for (std::size_t i = ddp.gradient_count(); i-- > 0;) ddp.mark_ready(i);
   (void)ddp.finish();
   {
     auto scope = ddp.no_sync();

@@ -69,25 +69,36 @@
 
 namespace cohort::inline v0 {
 
-enum class collective { all_reduce, all_gather, reduce_scatter, broadcast, alltoall };
+// The collectives, named as process_group names them; "alltoall" (nccl-tests' name) is read
+// as all_to_all too.
+enum class collective { all_reduce, all_gather, reduce_scatter, broadcast, all_to_all };
 
-inline const char* to_string(collective op) noexcept {
+inline constexpr collective every_collective[] = {collective::all_reduce, collective::all_gather,
+                                                  collective::reduce_scatter, collective::broadcast,
+                                                  collective::all_to_all};
+
+constexpr std::string_view to_string(collective op) noexcept {
   switch (op) {
     case collective::all_reduce: return "all_reduce";
     case collective::all_gather: return "all_gather";
     case collective::reduce_scatter: return "reduce_scatter";
     case collective::broadcast: return "broadcast";
-    case collective::alltoall: return "alltoall";
+    case collective::all_to_all: return "all_to_all";
   }
   return "?";
 }
 
-inline collective parse_collective(std::string_view name) {
-  for (collective op : {collective::all_reduce, collective::all_gather, collective::reduce_scatter,
-                        collective::broadcast, collective::alltoall})
+inline std::optional<collective> find_collective(std::string_view name) {
+  if (name == "alltoall") return collective::all_to_all;
+  for (collective op : every_collective)
     if (name == to_string(op)) return op;
+  return std::nullopt;
+}
+
+inline collective parse_collective(std::string_view name) {
+  if (const auto found = find_collective(name)) return *found;
   throw error(-1, "parse collective", "unknown operation \"" + std::string(name) + "\"",
-              "one of all_reduce, all_gather, reduce_scatter, broadcast, alltoall");
+              "one of all_reduce, all_gather, reduce_scatter, broadcast, all_to_all");
 }
 
 // host: CPU memory over loopback or sockets (Gloo); unknown: a measurement of an unnamed link.
@@ -186,7 +197,7 @@ inline double predict_time(collective op, double bytes, int ranks, const link_mo
     case collective::all_reduce: return 2 * (p - 1) * a + 2 * (p - 1) / p * bytes * b;
     case collective::all_gather:
     case collective::reduce_scatter:
-    case collective::alltoall: return (p - 1) * a + (p - 1) / p * bytes * b;
+    case collective::all_to_all: return (p - 1) * a + (p - 1) / p * bytes * b;
     case collective::broadcast: return (p - 1) * a + bytes * b;
   }
   return 0;
@@ -216,9 +227,9 @@ inline double predict_time(collective op, double bytes, int gpus_per_node, int n
     case collective::broadcast:
       return predict_time(collective::broadcast, bytes, nodes, inter) +
              predict_time(collective::broadcast, bytes, gpus_per_node, intra);
-    case collective::alltoall:  // the off-node share crosses the network, the rest stays inside
-      return predict_time(collective::alltoall, bytes, nodes, inter) +
-             predict_time(collective::alltoall, bytes / nodes, gpus_per_node, intra);
+    case collective::all_to_all:  // the off-node share crosses the network, the rest stays inside
+      return predict_time(collective::all_to_all, bytes, nodes, inter) +
+             predict_time(collective::all_to_all, bytes / nodes, gpus_per_node, intra);
   }
   return 0;
 }
@@ -234,7 +245,7 @@ inline double bus_factor(collective op, int ranks) {
     case collective::all_reduce: return 2 * (p - 1) / p;
     case collective::all_gather:
     case collective::reduce_scatter:
-    case collective::alltoall: return (p - 1) / p;
+    case collective::all_to_all: return (p - 1) / p;
     case collective::broadcast: return 1;
   }
   return 1;
@@ -418,7 +429,7 @@ inline link_model fit_alpha_beta(const bench_result& result) {
 
 enum class strategy { single_gpu, data_parallel, sharded, does_not_fit };
 
-inline const char* to_string(strategy s) noexcept {
+constexpr std::string_view to_string(strategy s) noexcept {
   switch (s) {
     case strategy::single_gpu: return "single GPU";
     case strategy::data_parallel: return "data parallelism";
