@@ -47,11 +47,10 @@
 
 #include "cohort/backend/gloo.hpp"
 #include "cohort/detail/host_math.hpp"
+#include "cohort/error.hpp"
+#include "cohort/process_group.hpp"
 #include "cohort/tools/detail/json.hpp"
 #include "cohort/tools/planner.hpp"
-#include "cohort/error.hpp"
-#include "cohort/tools/planner.hpp"
-#include "cohort/process_group.hpp"
 #include "cohort/types.hpp"
 #include "cohort/version.hpp"
 
@@ -503,7 +502,8 @@ typename B::work cohort_call(cohort::process_group<B>& pg, operation what, op re
       return pg.reduce_scatter(std::span<const T>(send, n * world), std::span<T>(recv, n), reduce);
     case operation::broadcast:  // cohort's broadcast is in place; both columns time it
       return pg.broadcast(std::span<T>(recv, n), root);
-    case operation::all_to_all: return pg.all_to_all(std::span<const T>(send, n * world), std::span<T>(recv, n * world));
+    case operation::all_to_all:
+      return pg.all_to_all(std::span<const T>(send, n * world), std::span<T>(recv, n * world));
   }
   return {};
 }

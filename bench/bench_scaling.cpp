@@ -6,10 +6,10 @@
 //   bench_scaling [--ranks N] [--steps K] [--per-device-batch B] [--widths 256,512,512,16] [--json FILE]
 #include <chrono>
 #include <cohort/backend/gloo.hpp>
-#include <cohort/tools/detail/json.hpp>
 #include <cohort/process_group.hpp>
 #include <cohort/reducer.hpp>
 #include <cohort/run_ranks.hpp>
+#include <cohort/tools/detail/json.hpp>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>

@@ -21,11 +21,11 @@
 #include <vector>
 
 #include "cohort/backend/gloo.hpp"
-#include "cohort/tools/detail/json.hpp"
 #include "cohort/process_group.hpp"
 #include "cohort/run_ranks.hpp"
 #include "cohort/sharded.hpp"
 #include "cohort/store.hpp"
+#include "cohort/tools/detail/json.hpp"
 
 namespace {
 

@@ -141,7 +141,8 @@ command_line parse(int argc, char** argv) {
     std::exit(0);
   }
   const auto what = cohort_bench::parse_operation(args[0]);
-  if (!what) fail("unknown operation \"" + args[0] + "\": all_reduce, all_gather, reduce_scatter, broadcast, all_to_all");
+  if (!what)
+    fail("unknown operation \"" + args[0] + "\": all_reduce, all_gather, reduce_scatter, broadcast, all_to_all");
   cl.bench.what = *what;
   for (std::size_t i = 1; i < args.size(); ++i) {
     const std::string& flag = args[i];
@@ -298,9 +299,9 @@ int run_rank(const command_line& cl, std::shared_ptr<cohort::store> store, const
     std::printf(
         "# cohort-bench %s: backend %s, %d rank(s) as %s, %s; minBytes %zu maxBytes %zu step: %zu(factor) "
         "warmup iters: %d iters: %d repetitions: %d validation: %d\n",
-        std::string(cohort_bench::to_string(o.what)).c_str(), o.backend.c_str(), env.world_size, threads ? "threads" : "processes",
-        std::string(cohort::to_string(env.source)).c_str(), o.min_bytes, o.max_bytes, o.factor, o.warmup, o.iterations,
-        o.repetitions, o.check ? 1 : 0);
+        std::string(cohort_bench::to_string(o.what)).c_str(), o.backend.c_str(), env.world_size,
+        threads ? "threads" : "processes", std::string(cohort::to_string(env.source)).c_str(), o.min_bytes, o.max_bytes,
+        o.factor, o.warmup, o.iterations, o.repetitions, o.check ? 1 : 0);
     std::printf("#\n# Using devices\n");
     for (int r = 0; r < env.world_size; ++r)
       std::printf("#  Rank %2d on %s device %s\n", r, hosts[std::size_t(r)].c_str(), gpus[std::size_t(r)].c_str());

@@ -64,8 +64,8 @@
 #include <string_view>
 #include <vector>
 
-#include "cohort/tools/detail/json.hpp"
 #include "cohort/error.hpp"
+#include "cohort/tools/detail/json.hpp"
 
 namespace cohort::inline v0 {
 
