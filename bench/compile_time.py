@@ -1,31 +1,38 @@
 #!/usr/bin/env python3
-"""How much cohort costs its users' builds: compile times as ratios to a translation unit of
-twenty standard headers (bench/compile/std_headers.cpp) compiled in the same run.
+"""How much cohort costs its users' builds: compile CPU times as ratios to a translation
+unit of twenty standard headers (bench/compile/std_headers.cpp) compiled in the same run.
 
-  python3 bench/compile_time.py [--cxx g++] [--nvcc nvcc] [--runs 3] [--no-nvcc] [--json FILE]
+  python3 bench/compile_time.py [--cxx g++] [--nvcc nvcc] [--runs 5] [--no-nvcc]
+                                [--no-headers] [--against DIR] [--json FILE]
 
-Each row is timed --runs times, each time right after the yardstick, and its ratio is its
-fastest time over the yardstick's fastest among those same runs: a machine whose speed
-drifts during the run (a VM's does) moves both. Rows:
-  - std headers, -fsyntax-only: the yardstick;
+Rows:
   - the umbrella header <cohort/cohort.hpp>, -fsyntax-only;
   - every public header alone, -fsyntax-only (that each compiles alone is a test as well);
-  - a trainer TU on Gloo (bench/compile/trainer.cpp), compiled and optimised, -O0 and -O2;
+  - a trainer TU on Gloo (bench/compile/trainer.cpp), compiled, at -O0 and -O2;
   - a CUDA trainer TU on NCCL (bench/compile/trainer.cu) with nvcc, and how many kernels
-    it instantiates (cuobjdump).
+    it instantiates (ptxas -v names each);
+  - the umbrella header and both trainer TUs again with COHORT_SEPARATE_COMPILATION, and
+    the one translation unit such a program adds (cohort/impl/src.hpp, -O2), compiled once
+    however many translation units the program has.
+Times are CPU seconds (user + system) of the compiler, the fastest of --runs: on a shared
+VM the wall clock also counts time other guests held the core. The yardstick runs before
+every run of every row and the ratios divide by its fastest time in the whole run, so a
+machine whose speed drifts cannot favour one row.
+
+--against DIR measures a second checkout of cohort (its include/ and bench/compile/, for
+example a `git worktree` of an older commit) in the same run, each of its runs right after
+the same run here, and prints both with their ratio: what a change did to compile time.
 """
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-INCLUDE = os.path.join(ROOT, "include")
 CUDA = "/usr/local/cuda"
 
 
@@ -37,28 +44,25 @@ def cuda_includes():
     return flags
 
 
-def timed(command, runs, output=None):
-    """Minimum wall time of `command` over `runs`; its last output goes to output[0]."""
-    best = None
-    for _ in range(runs):
-        start = time.perf_counter()
-        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        took = time.perf_counter() - start
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout[-4000:]}")
-        best = took if best is None else min(best, took)
-        if output is not None:
-            output[:] = [done.stdout]
-    return best
+def cpu_seconds(command, output=None):
+    """CPU time (user + system, the compiler and what it runs) of one run of `command`."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout[-4000:]}")
+    if output is not None:
+        output[:] = [done.stdout]
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def public_headers():
+def public_headers(include):
     headers = []
-    for folder in ("cohort", os.path.join("cohort", "backend")):
-        directory = os.path.join(INCLUDE, folder)
+    for folder in ("cohort", "cohort/backend"):
+        directory = os.path.join(include, folder)
         for name in sorted(os.listdir(directory)):
             if name.endswith(".hpp"):
-                headers.append(f"{folder}/{name}".replace(os.sep, "/"))
+                headers.append(f"{folder}/{name}")
     return headers
 
 
@@ -73,68 +77,125 @@ def header_flags(header):
     return flags
 
 
+class Tree:
+    """One checkout of cohort: the commands of each row, built from its include/ and bench/compile/."""
+
+    def __init__(self, root, args, work):
+        self.root = os.path.abspath(root)
+        self.include = os.path.join(self.root, "include")
+        self.sources = os.path.join(self.root, "bench", "compile")
+        self.args = args
+        self.work = tempfile.mkdtemp(dir=work)
+
+    def base(self):
+        return [self.args.cxx, "-std=c++20", f"-I{self.include}"]
+
+    def rows(self):
+        """(name, command, wants_output) for every row this tree can build."""
+        rows = [("<cohort/cohort.hpp>, -fsyntax-only",
+                 self.base() + ["-fsyntax-only", os.path.join(self.sources, "umbrella.cpp")], False)]
+        if not self.args.no_headers:
+            for header in public_headers(self.include):
+                source = os.path.join(self.work, header.replace("/", "_") + ".cpp")
+                with open(source, "w") as f:
+                    f.write(f"#include <{header}>\n")
+                rows.append((f"<{header}> alone, -fsyntax-only",
+                             self.base() + header_flags(header) + ["-fsyntax-only", source], False))
+        for level in ("-O0", "-O2"):
+            rows.append((f"trainer TU on Gloo, {level} -c", self.base() + [
+                level, "-c", os.path.join(self.sources, "trainer.cpp"), "-o", os.path.join(self.work, "trainer.o")], False))
+        nvcc = not self.args.no_nvcc and os.path.exists(self.args.nvcc)
+        if nvcc:
+            rows.append(("CUDA trainer TU on NCCL, nvcc -O2 -c", self.nvcc_command([]), True))
+        if os.path.exists(os.path.join(self.include, "cohort", "impl", "src.hpp")):
+            separate = ["-DCOHORT_SEPARATE_COMPILATION=1"]
+            rows.append(("separate compilation: <cohort/cohort.hpp>, -fsyntax-only",
+                         self.base() + separate + ["-fsyntax-only", os.path.join(self.sources, "umbrella.cpp")], False))
+            rows.append(("separate compilation: trainer TU on Gloo, -O2 -c", self.base() + separate + [
+                "-O2", "-c", os.path.join(self.sources, "trainer.cpp"), "-o", os.path.join(self.work, "trainer.o")], False))
+            if nvcc:
+                rows.append(("separate compilation: CUDA trainer TU, nvcc -O2 -c", self.nvcc_command(separate), True))
+            source = os.path.join(self.work, "src.cpp")
+            with open(source, "w") as f:
+                f.write("#include <cohort/impl/src.hpp>\n")
+            rows.append(("separate compilation: impl/src.hpp, -O2 -c (once per program)",
+                         self.base() + separate + ["-O2", "-c", source, "-o", os.path.join(self.work, "src.o")], False))
+        return rows
+
+    def nvcc_command(self, extra):
+        return [self.args.nvcc, "-std=c++20", "-O2", "-arch=sm_90", "-Xptxas=-v", f"-I{self.include}",
+                "-DCOHORT_HAS_NCCL=1"] + extra + ["-c", os.path.join(self.sources, "trainer.cu"), "-o",
+                                                  os.path.join(self.work, "trainer_cu.o")]
+
+
+def kernels_in(output):
+    return sum(1 for line in output.splitlines() if "Compiling entry function" in line)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cxx", default=os.environ.get("CXX", "g++"))
     parser.add_argument("--nvcc", default=shutil.which("nvcc") or os.path.join(CUDA, "bin", "nvcc"))
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--no-nvcc", action="store_true")
     parser.add_argument("--no-headers", action="store_true", help="skip the per-header rows")
+    parser.add_argument("--against", default="", help="a second checkout of cohort to measure beside this one")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
 
-    base = [args.cxx, "-std=c++20", f"-I{INCLUDE}"]
-    rows = []
     work = tempfile.mkdtemp(prefix="cohort-compile-")
     try:
-        yardstick_command = base + ["-fsyntax-only", os.path.join(HERE, "compile", "std_headers.cpp")]
-
-        def measure(command, output=None):
-            """(row seconds, yardstick seconds): each run of the row follows a yardstick run."""
-            best, stick = None, None
+        trees = [Tree(os.path.dirname(HERE), args, work)]
+        if args.against:
+            trees.append(Tree(args.against, args, work))
+        yardstick_command = [args.cxx, "-std=c++20", "-fsyntax-only", os.path.join(HERE, "compile", "std_headers.cpp")]
+        yardstick = None
+        plans = [tree.rows() for tree in trees]
+        names = [name for name, _, _ in plans[0]]
+        best = {}  # (tree index, row name) -> (seconds, kernels)
+        print(f"measuring with {args.cxx}, fastest of {args.runs} runs (CPU seconds) ...", flush=True)
+        for name in names:
             for _ in range(args.runs):
-                s = timed(yardstick_command, 1)
-                r = timed(command, 1, output)
-                best = r if best is None else min(best, r)
-                stick = s if stick is None else min(stick, s)
-            return best, stick
-
-        def add(what, measured, **extra):
-            seconds, stick = measured
-            row = {"what": what, "seconds": round(seconds, 3), "yardstick_seconds": round(stick, 3),
-                   "ratio": round(seconds / stick, 2)}
-            row.update(extra)
+                for index, plan in enumerate(plans):
+                    if not any(row[0] == name for row in plan):
+                        continue  # a row the other tree cannot build (a newer header, say)
+                    stick = cpu_seconds(yardstick_command)
+                    yardstick = stick if yardstick is None else min(yardstick, stick)
+                    _, command, wants_output = next(row for row in plan if row[0] == name)
+                    output = [""]
+                    seconds = cpu_seconds(command, output)
+                    kernels = kernels_in(output[0]) if wants_output else None
+                    if (index, name) not in best or seconds < best[(index, name)][0]:
+                        best[(index, name)] = (seconds, kernels)
+        print("compile CPU time as ratios to the standard-headers TU:")
+        header = f"  {'':58s} {'seconds':>8s} {'ratio':>7s}"
+        if len(trees) > 1:
+            header += f" {'against':>9s} {'ratio':>7s} {'this/against':>13s}"
+        print(header)
+        print(f"  {'20 standard headers, -fsyntax-only (the yardstick)':58s} {yardstick:8.2f} {1.0:6.2f}x")
+        rows = []
+        for name in names:
+            seconds, kernels = best[(0, name)]
+            row = {"what": name, "seconds": round(seconds, 3), "ratio": round(seconds / yardstick, 2)}
+            line = f"  {name:58s} {seconds:8.2f} {seconds / yardstick:6.2f}x"
+            if len(trees) > 1 and (1, name) in best:
+                other, other_kernels = best[(1, name)]
+                row.update({"against_seconds": round(other, 3), "against_ratio": round(other / yardstick, 2),
+                            "this_over_against": round(seconds / other, 2)})
+                line += f" {other:9.2f} {other / yardstick:6.2f}x {seconds / other:12.2f}x"
+                if other_kernels is not None:
+                    row["against_kernels"] = other_kernels
+            if kernels is not None:
+                row["kernels"] = kernels
+                line += f"  kernels {kernels}" + (f" (against {best[(1, name)][1]})" if (1, name) in best else "")
             rows.append(row)
-            print(f"  {what:58s} {seconds:7.2f} s {seconds / stick:6.2f}x" +
-                  "".join(f"  {k} {v}" for k, v in extra.items()), flush=True)
-
-        print(f"compile times with {args.cxx}, fastest of {args.runs}, as ratios to the standard-headers TU "
-              f"timed beside each:")
-        add("20 standard headers, -fsyntax-only", measure(yardstick_command))
-        add("<cohort/cohort.hpp>, -fsyntax-only", measure(base + ["-fsyntax-only", os.path.join(HERE, "compile", "umbrella.cpp")]))
-        if not args.no_headers:
-            for header in public_headers():
-                source = os.path.join(work, header.replace("/", "_") + ".cpp")
-                with open(source, "w") as f:
-                    f.write(f"#include <{header}>\n")
-                add(f"<{header}> alone, -fsyntax-only", measure(base + header_flags(header) + ["-fsyntax-only", source]))
-        trainer = os.path.join(HERE, "compile", "trainer.cpp")
-        for level in ("-O0", "-O2"):
-            add(f"trainer TU on Gloo, {level} -c", measure(base + [level, "-c", trainer, "-o", os.path.join(work, "trainer.o")]))
-        if not args.no_nvcc and os.path.exists(args.nvcc):
-            obj = os.path.join(work, "trainer_cu.o")
-            # ptxas -v names every kernel it compiles: that is the count of instantiated kernels.
-            command = [args.nvcc, "-std=c++20", "-O2", "-arch=sm_90", "-Xptxas=-v", f"-I{INCLUDE}",
-                       "-DCOHORT_HAS_NCCL=1", "-c", os.path.join(HERE, "compile", "trainer.cu"), "-o", obj]
-            output = [""]
-            measured = measure(command, output)
-            kernels = sum(1 for line in output[0].splitlines() if "Compiling entry function" in line)
-            add("CUDA trainer TU on NCCL, nvcc -O2 -c", measured, kernels=kernels)
+            print(line, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"compiler": args.cxx, "runs": args.runs, "rows": rows}, f, indent=1)
+            json.dump({"compiler": args.cxx, "runs": args.runs, "yardstick_seconds": round(yardstick, 3), "rows": rows},
+                      f, indent=1)
         print(f"wrote {args.json}")
     return 0
 

@@ -6,6 +6,7 @@
 // included: a trainer does not pay for them; cohort-bench and cohort-plan include them.
 
 #include "cohort/batch.hpp"
+#include "cohort/detail/config.hpp"
 #include "cohort/error.hpp"
 #include "cohort/file_store.hpp"
 #include "cohort/guards.hpp"
@@ -22,9 +23,6 @@
 #include "cohort/types.hpp"
 #include "cohort/version.hpp"
 
-#if !defined(COHORT_HAS_GLOO) && __has_include(<gloo/context.h>)
-#define COHORT_HAS_GLOO 1
-#endif
 #if defined(COHORT_HAS_GLOO) && COHORT_HAS_GLOO
 #include "cohort/backend/gloo.hpp"
 #endif

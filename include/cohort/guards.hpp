@@ -39,6 +39,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include "cohort/detail/config.hpp"
 #include "cohort/error.hpp"
 #include "cohort/types.hpp"
 
@@ -213,19 +214,7 @@ struct log_options {
 // own a file).
 class rank_logger {
  public:
-  rank_logger(int rank, int world, log_options options = {})
-      : rank_(rank), world_(world), options_(std::move(options)) {
-    prefix_ = "[rank " + std::to_string(rank_) + "/" + std::to_string(world_) + "] ";
-    if (!options_.directory.empty()) {
-      std::error_code ec;
-      std::filesystem::create_directories(options_.directory, ec);
-      file_path_ = options_.directory / ("rank-" + std::to_string(rank_) + ".log");
-      file_.open(file_path_, std::ios::out | std::ios::app);
-      if (!file_)
-        throw error(rank_, "rank_logger", "cannot open log file " + file_path_.string() + " for appending",
-                    "check that the log directory is writable");
-    }
-  }
+  rank_logger(int rank, int world, log_options options = {});
 
   template <rank_group G>
   explicit rank_logger(const G& group, log_options options = {})
@@ -238,21 +227,7 @@ class rank_logger {
   const std::filesystem::path& file() const noexcept { return file_path_; }
   bool prints_to_console() const noexcept { return options_.all_ranks || rank_ == 0; }
 
-  void log(std::string_view message) {
-    std::string line = prefix_;
-    line += message;
-    if (prints_to_console()) {
-      if (options_.console) {
-        options_.console(line);
-      } else {
-        std::clog << (line + '\n') << std::flush;  // one write keeps ranks' lines whole
-      }
-    }
-    if (file_.is_open()) {
-      std::lock_guard lock(file_mutex_);
-      file_ << line << '\n' << std::flush;
-    }
-  }
+  void log(std::string_view message);
 
   // log("step ", step, " loss ", loss): the pieces streamed into one line.
   template <class... Parts>
@@ -276,24 +251,9 @@ class rank_logger {
 
 namespace detail {
 
-inline void fsync_path(const std::filesystem::path& path, bool directory, int rank) {
-  const int fd = ::open(path.c_str(), directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY);
-  if (fd < 0) throw error(rank, "atomic_write", "cannot open " + path.string() + " to fsync: " + std::strerror(errno));
-  const int result = ::fsync(fd);
-  const int saved = errno;
-  ::close(fd);
-  // Some file systems cannot fsync a directory (EINVAL); the rename is still atomic there.
-  if (result != 0 && !(directory && (saved == EINVAL || saved == EROFS)))
-    throw error(rank, "atomic_write", "fsync of " + path.string() + " failed: " + std::strerror(saved),
-                "check free space and the file system's health");
-}
+void fsync_path(const std::filesystem::path& path, bool directory, int rank);
 
-inline std::filesystem::path temporary_sibling(const std::filesystem::path& target) {
-  // Same directory (rename must not cross file systems), hidden, unique per process and thread.
-  const auto unique =
-      std::to_string(::getpid()) + "-" + std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id()));
-  return target.parent_path() / ("." + target.filename().string() + ".cohort-tmp-" + unique);
-}
+std::filesystem::path temporary_sibling(const std::filesystem::path& target);
 
 }  // namespace detail
 
@@ -301,42 +261,10 @@ inline std::filesystem::path temporary_sibling(const std::filesystem::path& targ
 // and durable. The data goes to a temporary file in the same directory, which is flushed,
 // fsync'ed and renamed over target; then the directory is fsync'ed so the rename survives a
 // crash. `write` fills the stream; if it throws, target is untouched and the temporary removed.
-inline void atomic_write_file(const std::filesystem::path& target, const std::function<void(std::ostream&)>& write,
-                              int rank = -1) {
-  if (target.filename().empty()) throw error(rank, "atomic_write", "target '" + target.string() + "' names no file");
-  const auto temporary = detail::temporary_sibling(target);
-  try {
-    {
-      std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-      if (!out)
-        throw error(rank, "atomic_write", "cannot create " + temporary.string() + ": " + std::strerror(errno),
-                    "check that the directory exists and is writable");
-      write(out);
-      out.flush();
-      if (!out)
-        throw error(rank, "atomic_write", "writing " + temporary.string() + " failed",
-                    "check free space on the target's file system");
-    }
-    detail::fsync_path(temporary, false, rank);
-    std::error_code ec;
-    std::filesystem::rename(temporary, target, ec);
-    if (ec)
-      throw error(rank, "atomic_write",
-                  "renaming " + temporary.string() + " to " + target.string() + " failed: " + ec.message());
-  } catch (...) {
-    std::error_code ignored;
-    std::filesystem::remove(temporary, ignored);
-    throw;
-  }
-  const auto directory = target.parent_path().empty() ? std::filesystem::path(".") : target.parent_path();
-  detail::fsync_path(directory, true, rank);
-}
+void atomic_write_file(const std::filesystem::path& target, const std::function<void(std::ostream&)>& write,
+                       int rank = -1);
 
-inline void atomic_write_file(const std::filesystem::path& target, std::string_view contents, int rank = -1) {
-  atomic_write_file(
-      target, [&](std::ostream& out) { out.write(contents.data(), static_cast<std::streamsize>(contents.size())); },
-      rank);
-}
+void atomic_write_file(const std::filesystem::path& target, std::string_view contents, int rank = -1);
 
 // Collective: rank 0 writes target atomically, the others wait until it is in place, so no
 // rank reads a half-written checkpoint. If rank 0 fails, it rethrows, and on host groups
@@ -357,3 +285,7 @@ void atomic_write_on_main(G& group, const std::filesystem::path& target, std::st
 }
 
 }  // namespace cohort::inline v0
+
+#if !defined(COHORT_SEPARATE_COMPILATION)
+#include "cohort/impl/guards.ipp"
+#endif

@@ -54,6 +54,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cohort/detail/config.hpp"
 #include "cohort/detail/fnv1a.hpp"
 #include "cohort/error.hpp"
 #include "cohort/ops.hpp"
@@ -81,10 +82,7 @@ struct bucket_layout {
 namespace detail {
 // Every gradient starts on a 16-byte boundary inside its bucket, so device kernels can use
 // vector loads; the padding is zero and stays zero through the reduction.
-inline std::size_t aligned_elements(std::size_t elements, dtype type) {
-  const std::size_t per_word = std::max<std::size_t>(1, 16 / size_of(type));
-  return (elements + per_word - 1) / per_word * per_word;
-}
+std::size_t aligned_elements(std::size_t elements, dtype type);
 }  // namespace detail
 
 // Walks the gradients in `order` (empty: reverse declaration order) and fills one open bucket
@@ -92,78 +90,8 @@ inline std::size_t aligned_elements(std::size_t elements, dtype type) {
 // reaches the cap. The first bucket closed of each dtype uses first_bucket_bytes, later ones
 // bucket_bytes. A gradient larger than a cap gets a bucket of its own. Buckets are numbered
 // by the position of their first gradient in `order`, so bucket 0 is the first one ready.
-inline std::vector<bucket_layout> assign_buckets(std::span<const std::size_t> sizes, std::span<const dtype> types,
-                                                 bucket_caps caps = {}, std::span<const std::size_t> order = {}) {
-  const std::size_t n = sizes.size();
-  if (types.size() != n)
-    throw error(-1, "assign_buckets", std::to_string(n) + " sizes but " + std::to_string(types.size()) + " dtypes",
-                "pass one dtype per gradient");
-  if (caps.first_bucket_bytes == 0 || caps.bucket_bytes == 0)
-    throw error(-1, "assign_buckets", "a bucket cap of 0 bytes", "caps must be positive");
-  std::vector<std::size_t> walk;
-  if (order.empty()) {
-    walk.resize(n);
-    for (std::size_t i = 0; i < n; ++i) walk[i] = n - 1 - i;
-  } else {
-    walk.assign(order.begin(), order.end());
-    std::vector<bool> seen(n, false);
-    if (walk.size() != n)
-      throw error(-1, "assign_buckets",
-                  "order lists " + std::to_string(walk.size()) + " gradients of " + std::to_string(n),
-                  "the order must be a permutation of 0 .. n-1");
-    for (auto index : walk) {
-      if (index >= n || seen[index])
-        throw error(-1, "assign_buckets", "order is not a permutation (index " + std::to_string(index) + ")",
-                    "list every gradient exactly once");
-      seen[index] = true;
-    }
-  }
-  struct open_bucket {
-    bucket_layout layout;
-    std::size_t first_position = 0;
-    std::size_t closed = 0;  // buckets of this dtype closed so far
-  };
-  struct finished {
-    bucket_layout layout;
-    std::size_t first_position;
-  };
-  std::vector<open_bucket> open;  // one per dtype seen, small
-  std::vector<finished> done;
-  auto open_for = [&](dtype type) -> open_bucket& {
-    for (auto& bucket : open)
-      if (bucket.layout.type == type) return bucket;
-    open.push_back({});
-    open.back().layout.type = type;
-    return open.back();
-  };
-  auto close = [&](open_bucket& bucket) {
-    if (bucket.layout.gradients.empty()) return;
-    done.push_back({std::move(bucket.layout), bucket.first_position});
-    bucket.layout = bucket_layout{};
-    bucket.layout.type = done.back().layout.type;
-    ++bucket.closed;
-  };
-  for (std::size_t position = 0; position < n; ++position) {
-    const std::size_t index = walk[position];
-    const dtype type = types[index];
-    open_bucket& bucket = open_for(type);
-    const std::size_t padded = detail::aligned_elements(sizes[index], type);
-    auto cap = [&] { return bucket.closed == 0 ? caps.first_bucket_bytes : caps.bucket_bytes; };
-    if (!bucket.layout.gradients.empty() && (bucket.layout.elements + padded) * size_of(type) > cap()) close(bucket);
-    if (bucket.layout.gradients.empty()) bucket.first_position = position;
-    bucket.layout.gradients.push_back(index);
-    bucket.layout.offsets.push_back(bucket.layout.elements);
-    bucket.layout.elements += padded;
-    if (bucket.layout.bytes() >= cap()) close(bucket);
-  }
-  for (auto& bucket : open) close(bucket);
-  std::stable_sort(done.begin(), done.end(),
-                   [](const finished& a, const finished& b) { return a.first_position < b.first_position; });
-  std::vector<bucket_layout> result;
-  result.reserve(done.size());
-  for (auto& bucket : done) result.push_back(std::move(bucket.layout));
-  return result;
-}
+std::vector<bucket_layout> assign_buckets(std::span<const std::size_t> sizes, std::span<const dtype> types,
+                                          bucket_caps caps = {}, std::span<const std::size_t> order = {});
 
 // ---- options and results ----------------------------------------------------------------
 
@@ -219,10 +147,7 @@ struct bucket_ref {
 };
 
 namespace detail {
-inline std::string describe_gradient(std::size_t index, std::size_t count, dtype type) {
-  return "gradient " + std::to_string(index) + " (" + std::to_string(count) + " x " + std::string(to_string(type)) +
-         ")";
-}
+std::string describe_gradient(std::size_t index, std::size_t count, dtype type);
 }  // namespace detail
 
 // ---- the reducer --------------------------------------------------------------------------
@@ -904,3 +829,7 @@ typename B::work broadcast_parameters(process_group<B>& group, const std::vector
 }
 
 }  // namespace cohort::inline v0
+
+#if !defined(COHORT_SEPARATE_COMPILATION)
+#include "cohort/impl/reducer.ipp"
+#endif

@@ -32,6 +32,7 @@
 #include <string_view>
 #include <vector>
 
+#include "cohort/detail/config.hpp"
 #include "cohort/detail/permutation.hpp"
 #include "cohort/error.hpp"
 
@@ -41,18 +42,7 @@ namespace cohort::inline v0 {
 using warning_sink = std::function<void(std::string_view message)>;
 
 namespace detail {
-inline void emit_warning(const warning_sink& sink, int rank, std::string_view message) {
-  std::string line = "cohort";
-  if (rank >= 0) line += " [rank " + std::to_string(rank) + "]";
-  line += " warning: ";
-  line += message;
-  if (sink) {
-    sink(line);
-  } else {
-    line += '\n';
-    std::cerr << line << std::flush;  // one write per line keeps ranks' lines whole
-  }
-}
+void emit_warning(const warning_sink& sink, int rank, std::string_view message);
 }  // namespace detail
 
 struct sampler_options {
@@ -64,20 +54,7 @@ struct sampler_options {
 
 class distributed_sampler {
  public:
-  distributed_sampler(std::uint64_t dataset_size, int world, int rank, sampler_options options = {})
-      : dataset_size_(dataset_size), world_(world), rank_(rank), options_(std::move(options)) {
-    if (world < 1)
-      throw error(rank, "distributed_sampler", "world size must be at least 1, got " + std::to_string(world),
-                  "pass the process group's size()");
-    if (rank < 0 || rank >= world)
-      throw error(rank, "distributed_sampler",
-                  "rank " + std::to_string(rank) + " is outside [0, " + std::to_string(world) + ")",
-                  "pass the process group's rank(), not its local rank");
-    const auto w = static_cast<std::uint64_t>(world);
-    samples_per_rank_ = (options_.drop_last && dataset_size % w != 0)
-                            ? dataset_size / w  // torch: ceil((n - w) / w)
-                            : dataset_size / w + (dataset_size % w != 0 ? 1 : 0);
-  }
+  distributed_sampler(std::uint64_t dataset_size, int world, int rank, sampler_options options = {});
 
   // From any group with rank() and size() (cohort::process_group<gloo> or <nccl>, ...).
   template <class Group>
@@ -90,10 +67,7 @@ class distributed_sampler {
                             std::move(options)) {}
 
   // Starts a new epoch: a different (deterministic) order when shuffling.
-  void set_epoch(std::uint64_t epoch) noexcept {
-    epoch_ = epoch;
-    passes_this_epoch_ = 0;
-  }
+  void set_epoch(std::uint64_t epoch) noexcept;
   std::uint64_t epoch() const noexcept { return epoch_; }
 
   int rank() const noexcept { return rank_; }
@@ -107,48 +81,17 @@ class distributed_sampler {
   // The j-th index this rank reads in the current epoch (random access; does not count as a
   // pass for the missing-set_epoch warning).
   std::uint64_t operator[](std::uint64_t j) const noexcept { return index_map()(j); }
-  std::uint64_t at(std::uint64_t j) const {
-    if (j >= samples_per_rank_)
-      throw error(
-          rank_, "distributed_sampler::at",
-          "position " + std::to_string(j) + " is past this rank's " + std::to_string(samples_per_rank_) + " samples");
-    return (*this)[j];
-  }
+  std::uint64_t at(std::uint64_t j) const;
 
   // The plain, trivially copyable rule behind operator[], usable in device code.
-  detail::rank_index_map index_map() const noexcept {
-    detail::rank_index_map map;
-    map.permutation = detail::feistel_permutation(dataset_size_, options_.seed, epoch_);
-    map.dataset_size = dataset_size_;
-    map.samples_per_rank = samples_per_rank_;
-    map.world = static_cast<std::uint64_t>(world_);
-    map.rank = static_cast<std::uint64_t>(rank_);
-    map.shuffle = options_.shuffle;
-    return map;
-  }
+  detail::rank_index_map index_map() const noexcept;
 
   // Records the start of a pass over this epoch (begin(), indices() and batch sequences call
   // it); the second pass of a shuffled epoch without set_epoch warns, once per sampler.
-  void begin_pass() {
-    ++passes_this_epoch_;
-    if (options_.shuffle && passes_this_epoch_ == 2 && !warned_same_order_) {
-      warned_same_order_ = true;
-      detail::emit_warning(options_.warn, rank_,
-                           "distributed_sampler: a new pass over the data started with shuffle on but without "
-                           "set_epoch(); it repeats epoch " +
-                               std::to_string(epoch_) +
-                               "'s order exactly. Call sampler.set_epoch(epoch) at the start of every epoch.");
-    }
-  }
+  void begin_pass();
 
   // This rank's indices for the current epoch, materialized. Counts as a pass.
-  std::vector<std::uint64_t> indices() {
-    begin_pass();
-    std::vector<std::uint64_t> out(static_cast<std::size_t>(samples_per_rank_));
-    const auto map = index_map();
-    for (std::uint64_t j = 0; j < samples_per_rank_; ++j) out[static_cast<std::size_t>(j)] = map(j);
-    return out;
-  }
+  std::vector<std::uint64_t> indices();
 
   class iterator {
    public:
@@ -179,10 +122,7 @@ class distributed_sampler {
   };
 
   // for (auto index : sampler) -- counts as a pass.
-  iterator begin() {
-    begin_pass();
-    return iterator(index_map(), 0);
-  }
+  iterator begin();
   iterator end() const { return iterator(index_map(), samples_per_rank_); }
 
  private:
@@ -197,3 +137,7 @@ class distributed_sampler {
 };
 
 }  // namespace cohort::inline v0
+
+#if !defined(COHORT_SEPARATE_COMPILATION)
+#include "cohort/impl/sampler.ipp"
+#endif

@@ -23,6 +23,7 @@
 #include <string_view>
 #include <vector>
 
+#include "cohort/detail/config.hpp"
 #include "cohort/error.hpp"
 
 namespace cohort::inline v0 {
@@ -102,11 +103,7 @@ class store {
 // never changed (several groups share one store, each with its own timeout).
 class prefix_store final : public store {
  public:
-  prefix_store(std::shared_ptr<store> inner, std::string prefix)
-      : inner_(std::move(inner)), prefix_(std::move(prefix)) {
-    set_timeout(inner_->timeout());
-    set_rank(inner_->rank());
-  }
+  prefix_store(std::shared_ptr<store> inner, std::string prefix);
 
   void set(std::string_view key, std::span<const std::uint8_t> value) override { inner_->set(full(key), value); }
   using store::set;
@@ -120,10 +117,7 @@ class prefix_store final : public store {
     return inner_->compare_set(full(key), expected, desired);
   }
   bool check(std::span<const std::string> keys) override { return inner_->check(full(keys)); }
-  void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) override {
-    const auto names = full(keys);
-    inner_->wait(std::span<const std::string>(names), timeout);
-  }
+  void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) override;
   using store::wait;
   bool delete_key(std::string_view key) override { return inner_->delete_key(full(key)); }
   // Counts the inner store's keys: c10d has no per-prefix count either.
@@ -134,12 +128,7 @@ class prefix_store final : public store {
 
  private:
   std::string full(std::string_view key) const { return prefix_ + std::string(key); }
-  std::vector<std::string> full(std::span<const std::string> keys) const {
-    std::vector<std::string> out;
-    out.reserve(keys.size());
-    for (const auto& key : keys) out.push_back(full(key));
-    return out;
-  }
+  std::vector<std::string> full(std::span<const std::string> keys) const;
   std::shared_ptr<store> inner_;
   std::string prefix_;
 };
@@ -147,88 +136,32 @@ class prefix_store final : public store {
 // All ranks in one process: threads share one memory_store (hold it by shared_ptr).
 class memory_store final : public store {
  public:
-  void set(std::string_view key, std::span<const std::uint8_t> value) override {
-    {
-      std::lock_guard lock(mutex_);
-      data_[std::string(key)] = bytes(value.begin(), value.end());
-    }
-    changed_.notify_all();
-  }
+  void set(std::string_view key, std::span<const std::uint8_t> value) override;
   using store::set;
 
-  bytes get(std::string_view key, std::chrono::milliseconds timeout) override {
-    const std::string name(key);
-    std::unique_lock lock(mutex_);
-    wait_locked(lock, std::span<const std::string>(&name, 1), timeout, "get");
-    return data_.at(name);
-  }
+  bytes get(std::string_view key, std::chrono::milliseconds timeout) override;
   using store::get;
 
-  std::int64_t add(std::string_view key, std::int64_t delta) override {
-    std::int64_t value = 0;
-    {
-      std::lock_guard lock(mutex_);
-      auto& slot = data_[std::string(key)];
-      if (!slot.empty()) value = std::stoll(to_string(slot));
-      value += delta;
-      slot = to_bytes(std::to_string(value));
-    }
-    changed_.notify_all();
-    return value;
-  }
+  std::int64_t add(std::string_view key, std::int64_t delta) override;
 
   bytes compare_set(std::string_view key, std::span<const std::uint8_t> expected,
-                    std::span<const std::uint8_t> desired) override {
-    bytes result;
-    {
-      std::lock_guard lock(mutex_);
-      auto it = data_.find(std::string(key));
-      if (it == data_.end()) {
-        if (!expected.empty()) return bytes(expected.begin(), expected.end());
-        it = data_.emplace(std::string(key), bytes(desired.begin(), desired.end())).first;
-      } else if (std::equal(it->second.begin(), it->second.end(), expected.begin(), expected.end())) {
-        it->second.assign(desired.begin(), desired.end());
-      }
-      result = it->second;
-    }
-    changed_.notify_all();
-    return result;
-  }
+                    std::span<const std::uint8_t> desired) override;
 
-  bool check(std::span<const std::string> keys) override {
-    std::lock_guard lock(mutex_);
-    return all_present(keys);
-  }
+  bool check(std::span<const std::string> keys) override;
 
-  void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) override {
-    std::unique_lock lock(mutex_);
-    wait_locked(lock, keys, timeout, "wait");
-  }
+  void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) override;
   using store::wait;
 
-  bool delete_key(std::string_view key) override {
-    std::lock_guard lock(mutex_);
-    return data_.erase(std::string(key)) > 0;
-  }
+  bool delete_key(std::string_view key) override;
 
-  std::int64_t num_keys() override {
-    std::lock_guard lock(mutex_);
-    return static_cast<std::int64_t>(data_.size());
-  }
+  std::int64_t num_keys() override;
 
  private:
   bool all_present(std::span<const std::string> keys) const {
     return std::all_of(keys.begin(), keys.end(), [&](const std::string& key) { return data_.count(key) > 0; });
   }
   void wait_locked(std::unique_lock<std::mutex>& lock, std::span<const std::string> keys,
-                   std::chrono::milliseconds timeout, std::string_view operation) {
-    if (!changed_.wait_for(lock, timeout, [&] { return all_present(keys); })) {
-      std::vector<std::string> missing;
-      for (const auto& key : keys)
-        if (!data_.count(key)) missing.push_back(key);
-      throw_timeout(operation, missing, timeout);
-    }
-  }
+                   std::chrono::milliseconds timeout, std::string_view operation);
 
   std::mutex mutex_;
   std::condition_variable changed_;
@@ -236,3 +169,7 @@ class memory_store final : public store {
 };
 
 }  // namespace cohort::inline v0
+
+#if !defined(COHORT_SEPARATE_COMPILATION)
+#include "cohort/impl/store.ipp"
+#endif

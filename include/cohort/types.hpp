@@ -213,15 +213,15 @@ decltype(auto) visit_dtype(dtype value, Fn&& fn) {
 
 // The same over the floating-point dtypes only, the only ones casts, scaling and finiteness
 // have a meaning for (callers check is_floating first): four instantiations, not seven.
+#define COHORT_DTYPE_VISIT_FLOATING(name, host, text, floating, nccl, cuda) \
+  case dtype::name:                                                         \
+    if constexpr (floating) fn(host{});                                     \
+    return;
 template <class Fn>
-decltype(auto) visit_floating(dtype value, Fn&& fn) {
-  switch (value) {
-    case dtype::float64: return fn(double{});
-    case dtype::float16: return fn(half{});
-    case dtype::bfloat16: return fn(bfloat16{});
-    default: return fn(float{});  // float32 (integers never get here)
-  }
+void visit_floating(dtype value, Fn&& fn) {
+  switch (value) { COHORT_DTYPES(COHORT_DTYPE_VISIT_FLOATING) }
 }
+#undef COHORT_DTYPE_VISIT_FLOATING
 
 enum class memory_space { host, device };
 

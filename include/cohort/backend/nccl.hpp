@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "cohort/detail/config.hpp"
 #include "cohort/detail/device_identity.hpp"
 #include "cohort/error.hpp"
 #include "cohort/launch.hpp"
@@ -77,85 +78,19 @@ struct nccl_state {
   bool aborted = false;
   std::string abort_reason;
 
-  ~nccl_state() {
-    // No checks here: a destructor must not throw, and after an abort the context may be gone.
-    cudaSetDevice(device);
-    for (auto event : free_events) cudaEventDestroy(event);
-    if (comm) {
-      if (!aborted) {
-        ncclCommFinalize(comm);
-        ncclResult_t pending = ncclInProgress;
-        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-        while (pending == ncclInProgress && std::chrono::steady_clock::now() < deadline)
-          ncclCommGetAsyncError(comm, &pending);
-        if (pending == ncclSuccess)
-          ncclCommDestroy(comm);
-        else
-          ncclCommAbort(comm);
-      } else {
-        ncclCommAbort(comm);
-      }
-    }
-    if (stream) cudaStreamDestroy(stream);
-  }
+  ~nccl_state();
 
-  cudaEvent_t take_event() {
-    {
-      std::lock_guard lock(mutex);
-      if (!free_events.empty()) {
-        cudaEvent_t event = free_events.back();
-        free_events.pop_back();
-        return event;
-      }
-    }
-    cudaEvent_t event;
-    check_cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), rank, "event_create");
-    return event;
-  }
-  void give_event(cudaEvent_t event) {
-    std::lock_guard lock(mutex);
-    free_events.push_back(event);
-  }
+  cudaEvent_t take_event();
+  void give_event(cudaEvent_t event);
 
-  [[noreturn]] void fail(const std::string& operation, ncclResult_t status, const std::string& hint) {
-    const char* last = comm ? ncclGetLastError(comm) : nullptr;
-    std::string detail = ncclGetErrorString(status);
-    if (last && *last) detail += ": " + std::string(last);
-    abort(operation + " failed: " + detail);
-    throw error(rank, "nccl." + operation, detail, hint);
-  }
+  [[noreturn]] void fail(const std::string& operation, ncclResult_t status, const std::string& hint);
 
-  void abort(const std::string& reason) {
-    std::lock_guard lock(mutex);
-    if (aborted || !comm) return;
-    aborted = true;
-    abort_reason = reason;
-    ncclCommAbort(comm);
-    comm = nullptr;
-  }
+  void abort(const std::string& reason);
 
-  void check_usable(const std::string& operation) {
-    std::lock_guard lock(mutex);
-    if (aborted)
-      throw error(rank, "nccl." + operation, "the communicator was aborted earlier (" + abort_reason + ")",
-                  "an earlier collective failed or timed out; recreate the process group");
-  }
+  void check_usable(const std::string& operation);
 
   // Non-blocking communicators may answer ncclInProgress; wait until the call is enqueued.
-  void settle(const std::string& operation, ncclResult_t status) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (status == ncclInProgress) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        abort(operation + " timed out while being enqueued");
-        throw timeout_error(rank, "nccl." + operation, "not enqueued within " + format_duration(timeout),
-                            "a peer has not joined; check that every rank issues the same collectives");
-      }
-      std::this_thread::yield();
-      ncclCommGetAsyncError(comm, &status);
-    }
-    if (status != ncclSuccess)
-      fail(operation, status, "sizes or dtypes may differ across ranks, or a peer died (NCCL_DEBUG=WARN tells more)");
-  }
+  void settle(const std::string& operation, ncclResult_t status);
 };
 
 // A pooled event that returns to its pool when the last work handle holding it goes.
@@ -253,69 +188,16 @@ class nccl {
     std::string operation_;
   };
 
-  nccl(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts)
-      : state_(std::make_shared<detail::nccl_state>()) {
-    state_->rank = env.rank;
-    state_->size = env.world_size;
-    state_->timeout = opts.timeout;
-    options_ = opts;
-    select_device(*store, env, opts);
-    ncclUniqueId id;
-    if (env.rank == 0) {
-      check_nccl(ncclGetUniqueId(&id), "get_unique_id");
-      store->set("nccl_unique_id",
-                 std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(&id), sizeof id));
-    } else {
-      const bytes value = store->get("nccl_unique_id");
-      if (value.size() != sizeof id)
-        throw error(env.rank, "nccl.init",
-                    "unique id of " + std::to_string(value.size()) + " bytes, expected " + std::to_string(sizeof id),
-                    "ranks built against different NCCL versions, or the store key was overwritten");
-      std::memcpy(&id, value.data(), sizeof id);
-    }
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    ncclComm_t comm = nullptr;
-    ncclResult_t status = ncclCommInitRankConfig(&comm, env.world_size, id, env.rank, &config);
-    state_->comm = comm;
-    finish_init("comm_init_rank(world " + std::to_string(env.world_size) + ")", status);
-    create_stream_and_scratch();
-  }
+  nccl(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts);
 
   // Subgroup: ncclCommSplit; every rank of the parent calls it, excluded ones with a
   // negative color (no communicator, nullptr returned).
   static std::unique_ptr<nccl> split(nccl& parent, std::shared_ptr<cohort::store> /*sub_store*/, int color, int key,
-                                     int new_rank, int new_size) {
-    parent.state_->check_usable("split");
-    detail::check_cuda(cudaSetDevice(parent.state_->device), parent.state_->rank, "set_device");
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    ncclComm_t comm = nullptr;
-    ncclResult_t status =
-        ncclCommSplit(parent.state_->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &comm, &config);
-    parent.state_->settle("comm_split", status);
-    if (color < 0 || comm == nullptr) return nullptr;
-    auto child = std::unique_ptr<nccl>(new nccl());
-    child->options_ = parent.options_;
-    auto& state = *child->state_;
-    state.rank = new_rank;
-    state.size = new_size;
-    state.timeout = parent.state_->timeout;
-    state.device = parent.state_->device;
-    state.comm = comm;
-    child->finish_init("comm_split(color " + std::to_string(color) + ")", ncclInProgress);
-    child->create_stream_and_scratch();
-    return child;
-  }
+                                     int new_rank, int new_size);
 
   nccl(const nccl&) = delete;
   nccl& operator=(const nccl&) = delete;
-  ~nccl() {
-    if (barrier_scratch_) {
-      cudaSetDevice(state_->device);
-      cudaFree(barrier_scratch_);
-    }
-  }
+  ~nccl();
 
   int rank() const noexcept { return state_->rank; }
   int size() const noexcept { return state_->size; }
@@ -324,144 +206,35 @@ class nccl {
   ncclComm_t communicator() const noexcept { return state_->comm; }
   const options& settings() const noexcept { return options_; }
 
-  work all_reduce(const void* in, void* out, std::size_t count, dtype type, op reduce) {
-    return issue("all_reduce", [&] {
-      return ncclAllReduce(in, out, count, detail::nccl_type(type), detail::nccl_op(reduce), state_->comm,
-                           state_->stream);
-    });
-  }
-  work reduce_scatter(const void* in, void* out, std::size_t count_per_rank, dtype type, op reduce) {
-    return issue("reduce_scatter", [&] {
-      return ncclReduceScatter(in, out, count_per_rank, detail::nccl_type(type), detail::nccl_op(reduce), state_->comm,
-                               state_->stream);
-    });
-  }
-  work all_gather(const void* in, void* out, std::size_t count_per_rank, dtype type) {
-    return issue("all_gather", [&] {
-      return ncclAllGather(in, out, count_per_rank, detail::nccl_type(type), state_->comm, state_->stream);
-    });
-  }
-  work broadcast(void* data, std::size_t count, dtype type, int root) {
-    return issue("broadcast", [&] {
-      return ncclBroadcast(data, data, count, detail::nccl_type(type), root, state_->comm, state_->stream);
-    });
-  }
-  work all_to_all(const void* in, void* out, std::size_t count_per_rank, dtype type) {
-    return issue("all_to_all", [&] {
-      const std::size_t bytes = count_per_rank * size_of(type);
-      ncclResult_t status = ncclGroupStart();
-      for (int peer = 0; peer < size() && status == ncclSuccess; ++peer) {
-        status = ncclSend(static_cast<const char*>(in) + bytes * static_cast<std::size_t>(peer), count_per_rank,
-                          detail::nccl_type(type), peer, state_->comm, state_->stream);
-        if (status == ncclSuccess)
-          status = ncclRecv(static_cast<char*>(out) + bytes * static_cast<std::size_t>(peer), count_per_rank,
-                            detail::nccl_type(type), peer, state_->comm, state_->stream);
-      }
-      const ncclResult_t ended = ncclGroupEnd();
-      return status != ncclSuccess ? status : ended;
-    });
-  }
+  work all_reduce(const void* in, void* out, std::size_t count, dtype type, op reduce);
+  work reduce_scatter(const void* in, void* out, std::size_t count_per_rank, dtype type, op reduce);
+  work all_gather(const void* in, void* out, std::size_t count_per_rank, dtype type);
+  work broadcast(void* data, std::size_t count, dtype type, int root);
+  work all_to_all(const void* in, void* out, std::size_t count_per_rank, dtype type);
   // NCCL has no tags: point-to-point messages between two ranks match in issue order.
-  work send(const void* data, std::size_t count, dtype type, int peer, std::uint64_t /*tag*/) {
-    return issue("send",
-                 [&] { return ncclSend(data, count, detail::nccl_type(type), peer, state_->comm, state_->stream); });
-  }
-  work recv(void* data, std::size_t count, dtype type, int peer, std::uint64_t /*tag*/) {
-    return issue("recv",
-                 [&] { return ncclRecv(data, count, detail::nccl_type(type), peer, state_->comm, state_->stream); });
-  }
+  work send(const void* data, std::size_t count, dtype type, int peer, std::uint64_t /*tag*/);
+  work recv(void* data, std::size_t count, dtype type, int peer, std::uint64_t /*tag*/);
   // NCCL has no barrier: a one-element all-reduce every rank must join.
-  work barrier() {
-    return issue("barrier", [&] {
-      return ncclAllReduce(barrier_scratch_, barrier_scratch_, 1, ncclInt32, ncclSum, state_->comm, state_->stream);
-    });
-  }
+  work barrier();
 
   // --- ordering and memory --------------------------------------------------------------
   work record() { return record_event("record"); }
   // Later work on the communication stream waits for what the caller queued on `caller`.
-  void wait_for_caller(cudaStream_t caller) {
-    const auto event = std::make_shared<detail::nccl_event>(state_, state_->take_event());
-    detail::check_cuda(cudaEventRecord(event->event, caller), rank(), "event_record(caller)");
-    detail::check_cuda(cudaStreamWaitEvent(state_->stream, event->event, 0), rank(), "stream_wait_event(caller)");
-  }
-  void* allocate(std::size_t bytes) {
-    void* pointer = nullptr;
-    detail::check_cuda(cudaSetDevice(state_->device), rank(), "set_device");
-    detail::check_cuda(cudaMalloc(&pointer, bytes == 0 ? 1 : bytes), rank(),
-                       "malloc(" + std::to_string(bytes) + " bytes)",
-                       "the GPU is out of memory: lower the bucket size or shard the model");
-    return pointer;
-  }
-  void deallocate(void* pointer, std::size_t /*bytes*/) noexcept {
-    cudaSetDevice(state_->device);
-    cudaFree(pointer);
-  }
-  work copy(void* destination, const void* source, std::size_t bytes) {
-    detail::check_cuda(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDefault, state_->stream), rank(),
-                       "memcpy_async(" + std::to_string(bytes) + " bytes)");
-    return record_event("copy");
-  }
+  void wait_for_caller(cudaStream_t caller);
+  void* allocate(std::size_t bytes);
+  void deallocate(void* pointer, std::size_t /*bytes*/) noexcept;
+  work copy(void* destination, const void* source, std::size_t bytes);
 
  private:
   nccl() : state_(std::make_shared<detail::nccl_state>()) {}
 
-  void check_nccl(ncclResult_t status, const std::string& operation) {
-    if (status != ncclSuccess && status != ncclInProgress)
-      throw error(rank(), "nccl." + operation, ncclGetErrorString(status),
-                  "check the NCCL installation (NCCL_DEBUG=INFO)");
-  }
+  void check_nccl(ncclResult_t status, const std::string& operation);
 
-  void select_device(cohort::store& store, const launch_env& env, const options& opts) {
-    int count = 0;
-    detail::check_cuda(cudaGetDeviceCount(&count), env.rank, "get_device_count");
-    const int device = opts.device >= 0 ? opts.device : env.local_rank;
-    if (device >= count) {
-      const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-      throw error(env.rank, "nccl.select_device",
-                  "device " + std::to_string(device) + " (local rank " + std::to_string(env.local_rank) +
-                      ") but only " + std::to_string(count) + " GPU(s) visible" +
-                      (visible ? std::string(" (CUDA_VISIBLE_DEVICES=") + visible + ")" : std::string()),
-                  "launch at most as many ranks per node as GPUs (--nproc-per-node), or fix CUDA_VISIBLE_DEVICES");
-    }
-    state_->device = device;
-    detail::check_cuda(cudaSetDevice(device), env.rank, "set_device(" + std::to_string(device) + ")");
-    char bus[64] = {};
-    detail::check_cuda(cudaDeviceGetPCIBusId(bus, sizeof bus, device), env.rank, "device_get_pci_bus_id");
-    char host[256] = {};
-    gethostname(host, sizeof host - 1);
-    const std::string identity = std::string(host) + "|" + bus;
-    store.set("device/" + std::to_string(env.rank), identity);
-    std::vector<std::string> identities;
-    for (int r = 0; r < env.world_size; ++r) identities.push_back(store.get_string("device/" + std::to_string(r)));
-    if (const auto duplicate = detail::find_duplicate_device(identities))
-      throw error(env.rank, "nccl.select_device", detail::describe_duplicate(*duplicate),
-                  detail::duplicate_device_hint());
-  }
+  void select_device(cohort::store& store, const launch_env& env, const options& opts);
 
-  void finish_init(const std::string& operation, ncclResult_t status) {
-    const auto deadline = std::chrono::steady_clock::now() + state_->timeout;
-    while (status == ncclInProgress) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        state_->abort(operation + " timed out");
-        throw timeout_error(rank(), "nccl." + operation, "not done after " + detail::format_duration(state_->timeout),
-                            "a rank never arrived: check that every rank started with the same WORLD_SIZE");
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-      ncclCommGetAsyncError(state_->comm, &status);
-    }
-    if (status != ncclSuccess) state_->fail(operation, status, "check NCCL_DEBUG=WARN output on every rank");
-  }
+  void finish_init(const std::string& operation, ncclResult_t status);
 
-  void create_stream_and_scratch() {
-    int least = 0, greatest = 0;
-    detail::check_cuda(cudaDeviceGetStreamPriorityRange(&least, &greatest), rank(), "stream_priority_range");
-    // Communication gets the highest priority so it is not starved by compute kernels.
-    detail::check_cuda(cudaStreamCreateWithPriority(&state_->stream, cudaStreamNonBlocking, greatest), rank(),
-                       "stream_create");
-    barrier_scratch_ = allocate(sizeof(int));
-    detail::check_cuda(cudaMemset(barrier_scratch_, 0, sizeof(int)), rank(), "memset");
-  }
+  void create_stream_and_scratch();
 
   template <class Call>
   work issue(const char* operation, Call&& call) {
@@ -471,12 +244,7 @@ class nccl {
     return record_event(operation);
   }
 
-  work record_event(const char* operation) {
-    auto event = std::make_shared<detail::nccl_event>(state_, state_->take_event());
-    if (const cudaError_t status = cudaEventRecord(event->event, state_->stream); status != cudaSuccess)
-      detail::check_cuda(status, rank(), std::string("event_record(") + operation + ")");
-    return work(std::move(event), operation);
-  }
+  work record_event(const char* operation);
 
   std::shared_ptr<detail::nccl_state> state_;
   options options_;
@@ -484,3 +252,7 @@ class nccl {
 };
 
 }  // namespace cohort::inline v0
+
+#if !defined(COHORT_SEPARATE_COMPILATION)
+#include "cohort/impl/nccl.ipp"
+#endif

@@ -50,16 +50,15 @@ __device__ inline void on_dtype(dtype type, Body&& body) {
   switch (type) { COHORT_DTYPES(COHORT_DEVICE_DTYPE_CASE) }
 }
 #undef COHORT_DEVICE_DTYPE_CASE
+#define COHORT_DEVICE_FLOATING_CASE(name, host, text, floating, nccl, cuda) \
+  case dtype::name:                                                         \
+    if constexpr (floating) body(host{});                                   \
+    return;
 template <class Body>
 __device__ inline void on_floating(dtype type, Body&& body) {
-  switch (type) {
-    case dtype::float32: body(float{}); return;
-    case dtype::float64: body(double{}); return;
-    case dtype::float16: body(half{}); return;
-    case dtype::bfloat16: body(bfloat16{}); return;
-    default: return;
-  }
+  switch (type) { COHORT_DTYPES(COHORT_DEVICE_FLOATING_CASE) }
 }
+#undef COHORT_DEVICE_FLOATING_CASE
 
 template <class Unique = void>
 __global__ void divide_kernel(void* data, std::size_t count, dtype type, int divisor) {

@@ -1,9 +1,11 @@
 #pragma once
-// FNV-1a over the bytes of 64-bit words: a cheap fingerprint that every rank computes the
-// same way, for comparing what ranks are about to do (call signatures, bucket layouts).
-// Not for anything an adversary chooses.
+// FNV-1a over bytes (of 64-bit words, or of text): a cheap fingerprint that every rank
+// computes the same way, for comparing what ranks are about to do (call signatures, bucket
+// layouts) and for naming things (the file store's long keys). Not for anything an
+// adversary chooses.
 
 #include <cstdint>
+#include <string_view>
 
 namespace cohort::inline v0::detail {
 
@@ -15,10 +17,16 @@ class fnv1a {
       hash_ *= 1099511628211ull;
     }
   }
+  constexpr void mix(std::string_view text) noexcept {
+    for (const unsigned char c : text) {
+      hash_ ^= c;
+      hash_ *= 1099511628211ull;
+    }
+  }
   constexpr std::uint64_t value() const noexcept { return hash_; }
 
  private:
-  std::uint64_t hash_ = 1469598103934665603ull;
+  std::uint64_t hash_ = 14695981039346656037ull;  // the 64-bit offset basis
 };
 
 }  // namespace cohort::inline v0::detail

@@ -52,31 +52,14 @@ class file_descriptor {
   int fd_ = -1;
 };
 
-inline std::string endpoint(const std::string& host, std::uint16_t port) {
-  // IPv6 literals are bracketed so the port stays readable.
-  if (host.find(':') != std::string::npos) return "[" + host + "]:" + std::to_string(port);
-  return host + ":" + std::to_string(port);
-}
+std::string endpoint(const std::string& host, std::uint16_t port);
 
 inline std::chrono::milliseconds elapsed_since(clock::time_point start) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(clock::now() - start);
 }
 
 // Waits until fd is ready for events or the deadline passes; false on timeout.
-inline bool poll_until(int fd, short events, clock::time_point deadline) {
-  for (;;) {
-    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - clock::now());
-    const int wait_ms = static_cast<int>(std::clamp<std::int64_t>(left.count(), 0, INT_MAX));
-    pollfd entry{fd, events, 0};
-    const int ready = ::poll(&entry, 1, wait_ms);
-    if (ready > 0) return true;
-    if (ready == 0) {
-      if (clock::now() >= deadline) return false;
-      continue;
-    }
-    if (errno != EINTR) return true;  // let the following send/recv report the error
-  }
-}
+bool poll_until(int fd, short events, clock::time_point deadline);
 
 struct address_list {
   addrinfo* head = nullptr;
@@ -89,36 +72,10 @@ struct address_list {
 };
 
 // Resolves host:port for a stream socket; returns getaddrinfo's error text, or empty on success.
-inline std::string resolve(const std::string& host, std::uint16_t port, bool passive, address_list& out) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
-  const std::string service = std::to_string(port);
-  const bool wildcard = host.empty();
-  const int status = ::getaddrinfo(wildcard ? nullptr : host.c_str(), service.c_str(), &hints, &out.head);
-  if (status != 0) return status == EAI_SYSTEM ? errno_text(errno) : ::gai_strerror(status);
-  return {};
-}
+std::string resolve(const std::string& host, std::uint16_t port, bool passive, address_list& out);
 
 // "address:port" of a connected socket's peer, for the server's log.
-inline std::string peer_of(int fd) {
-  sockaddr_storage peer{};
-  socklen_t length = sizeof(peer);
-  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &length) != 0) return "an unknown peer";
-  char host[INET6_ADDRSTRLEN] = {};
-  std::uint16_t port = 0;
-  if (peer.ss_family == AF_INET6) {
-    const auto* v6 = reinterpret_cast<const sockaddr_in6*>(&peer);
-    ::inet_ntop(AF_INET6, &v6->sin6_addr, host, sizeof host);
-    port = ntohs(v6->sin6_port);
-  } else {
-    const auto* v4 = reinterpret_cast<const sockaddr_in*>(&peer);
-    ::inet_ntop(AF_INET, &v4->sin_addr, host, sizeof host);
-    port = ntohs(v4->sin_port);
-  }
-  return endpoint(host, port);
-}
+std::string peer_of(int fd);
 
 // What the handshake's failure most likely means, said on both sides of it.
 inline constexpr std::string_view other_protocol =
@@ -126,9 +83,11 @@ inline constexpr std::string_view other_protocol =
     "one, numbers its commands from SET = 0 and sends no VALIDATE) or is not a TCPStore at all; "
     "cohort speaks the TCPStore protocol of PyTorch 2.x (classic and libuv servers)";
 
-inline void set_no_delay(int fd) {
-  const int on = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
-}
+void set_no_delay(int fd);
 
 }  // namespace cohort::inline v0::detail::tcp
+
+#if !defined(COHORT_SEPARATE_COMPILATION)
+#include "cohort/detail/config.hpp"
+#include "cohort/impl/tcp_socket.ipp"
+#endif

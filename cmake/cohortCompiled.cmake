@@ -1,0 +1,26 @@
+# cohort_add_compiled_library(<name>): cohort's non-template code compiled once, for a program
+# whose translation units would otherwise each compile it (see cohort/detail/config.hpp).
+#
+#   cohort_add_compiled_library(cohort_impl)
+#   target_link_libraries(trainer PRIVATE cohort_impl)   # instead of cohort::gloo / cohort::nccl
+#
+# The library defines COHORT_SEPARATE_COMPILATION for everything that links it, so those
+# translation units see declarations only; it brings the backends whose targets exist
+# (cohort::gloo, cohort::nccl) and compiles their code too. Every translation unit of the
+# program that includes cohort must link it (mixing modes breaks the one-definition rule).
+function(cohort_add_compiled_library name)
+  set(source "${CMAKE_CURRENT_BINARY_DIR}/${name}_cohort_src.cpp")
+  file(CONFIGURE OUTPUT "${source}" CONTENT "#include <cohort/impl/src.hpp>\n" @ONLY)
+  add_library(${name} STATIC "${source}")
+  target_compile_definitions(${name} PUBLIC COHORT_SEPARATE_COMPILATION=1)
+  set_target_properties(${name} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+  if(TARGET cohort::gloo)
+    target_link_libraries(${name} PUBLIC cohort::gloo)
+  endif()
+  if(TARGET cohort::nccl)
+    target_link_libraries(${name} PUBLIC cohort::nccl)
+  endif()
+  if(NOT TARGET cohort::gloo AND NOT TARGET cohort::nccl)
+    target_link_libraries(${name} PUBLIC cohort::cohort)
+  endif()
+endfunction()

@@ -1,0 +1,314 @@
+#pragma once
+// cohort/backend/nccl.hpp's definitions: inline there when header-only, compiled once by <cohort/impl/src.hpp>
+// under COHORT_SEPARATE_COMPILATION (see cohort/detail/config.hpp).
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <unistd.h>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+#include "cohort/detail/device_identity.hpp"
+#include "cohort/error.hpp"
+#include "cohort/launch.hpp"
+#include "cohort/store.hpp"
+#include "cohort/types.hpp"
+
+#include "cohort/backend/nccl.hpp"
+#include "cohort/detail/config.hpp"
+
+namespace cohort::inline v0 {
+
+COHORT_DECL detail::nccl_state::~nccl_state() {
+  // No checks here: a destructor must not throw, and after an abort the context may be gone.
+  cudaSetDevice(device);
+  for (auto event : free_events) cudaEventDestroy(event);
+  if (comm) {
+    if (!aborted) {
+      ncclCommFinalize(comm);
+      ncclResult_t pending = ncclInProgress;
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (pending == ncclInProgress && std::chrono::steady_clock::now() < deadline)
+        ncclCommGetAsyncError(comm, &pending);
+      if (pending == ncclSuccess)
+        ncclCommDestroy(comm);
+      else
+        ncclCommAbort(comm);
+    } else {
+      ncclCommAbort(comm);
+    }
+  }
+  if (stream) cudaStreamDestroy(stream);
+}
+
+COHORT_DECL auto detail::nccl_state::take_event() -> cudaEvent_t {
+  {
+    std::lock_guard lock(mutex);
+    if (!free_events.empty()) {
+      cudaEvent_t event = free_events.back();
+      free_events.pop_back();
+      return event;
+    }
+  }
+  cudaEvent_t event;
+  check_cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), rank, "event_create");
+  return event;
+}
+
+COHORT_DECL auto detail::nccl_state::give_event(cudaEvent_t event) -> void {
+  std::lock_guard lock(mutex);
+  free_events.push_back(event);
+}
+
+COHORT_DECL auto detail::nccl_state::fail(const std::string& operation, ncclResult_t status, const std::string& hint)
+    -> void {
+  const char* last = comm ? ncclGetLastError(comm) : nullptr;
+  std::string detail = ncclGetErrorString(status);
+  if (last && *last) detail += ": " + std::string(last);
+  abort(operation + " failed: " + detail);
+  throw error(rank, "nccl." + operation, detail, hint);
+}
+
+COHORT_DECL auto detail::nccl_state::abort(const std::string& reason) -> void {
+  std::lock_guard lock(mutex);
+  if (aborted || !comm) return;
+  aborted = true;
+  abort_reason = reason;
+  ncclCommAbort(comm);
+  comm = nullptr;
+}
+
+COHORT_DECL auto detail::nccl_state::check_usable(const std::string& operation) -> void {
+  std::lock_guard lock(mutex);
+  if (aborted)
+    throw error(rank, "nccl." + operation, "the communicator was aborted earlier (" + abort_reason + ")",
+                "an earlier collective failed or timed out; recreate the process group");
+}
+
+COHORT_DECL auto detail::nccl_state::settle(const std::string& operation, ncclResult_t status) -> void {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (status == ncclInProgress) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      abort(operation + " timed out while being enqueued");
+      throw timeout_error(rank, "nccl." + operation, "not enqueued within " + format_duration(timeout),
+                          "a peer has not joined; check that every rank issues the same collectives");
+    }
+    std::this_thread::yield();
+    ncclCommGetAsyncError(comm, &status);
+  }
+  if (status != ncclSuccess)
+    fail(operation, status, "sizes or dtypes may differ across ranks, or a peer died (NCCL_DEBUG=WARN tells more)");
+}
+COHORT_DECL nccl::nccl(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts)
+    : state_(std::make_shared<detail::nccl_state>()) {
+  state_->rank = env.rank;
+  state_->size = env.world_size;
+  state_->timeout = opts.timeout;
+  options_ = opts;
+  select_device(*store, env, opts);
+  ncclUniqueId id;
+  if (env.rank == 0) {
+    check_nccl(ncclGetUniqueId(&id), "get_unique_id");
+    store->set("nccl_unique_id", std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(&id), sizeof id));
+  } else {
+    const bytes value = store->get("nccl_unique_id");
+    if (value.size() != sizeof id)
+      throw error(env.rank, "nccl.init",
+                  "unique id of " + std::to_string(value.size()) + " bytes, expected " + std::to_string(sizeof id),
+                  "ranks built against different NCCL versions, or the store key was overwritten");
+    std::memcpy(&id, value.data(), sizeof id);
+  }
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  ncclResult_t status = ncclCommInitRankConfig(&comm, env.world_size, id, env.rank, &config);
+  state_->comm = comm;
+  finish_init("comm_init_rank(world " + std::to_string(env.world_size) + ")", status);
+  create_stream_and_scratch();
+}
+
+COHORT_DECL auto nccl::split(nccl& parent, std::shared_ptr<cohort::store> /*sub_store*/, int color, int key,
+                             int new_rank, int new_size) -> std::unique_ptr<nccl> {
+  parent.state_->check_usable("split");
+  detail::check_cuda(cudaSetDevice(parent.state_->device), parent.state_->rank, "set_device");
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  ncclResult_t status = ncclCommSplit(parent.state_->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &comm, &config);
+  parent.state_->settle("comm_split", status);
+  if (color < 0 || comm == nullptr) return nullptr;
+  auto child = std::unique_ptr<nccl>(new nccl());
+  child->options_ = parent.options_;
+  auto& state = *child->state_;
+  state.rank = new_rank;
+  state.size = new_size;
+  state.timeout = parent.state_->timeout;
+  state.device = parent.state_->device;
+  state.comm = comm;
+  child->finish_init("comm_split(color " + std::to_string(color) + ")", ncclInProgress);
+  child->create_stream_and_scratch();
+  return child;
+}
+
+COHORT_DECL nccl::~nccl() {
+  if (barrier_scratch_) {
+    cudaSetDevice(state_->device);
+    cudaFree(barrier_scratch_);
+  }
+}
+
+COHORT_DECL auto nccl::all_reduce(const void* in, void* out, std::size_t count, dtype type, op reduce) -> work {
+  return issue("all_reduce", [&] {
+    return ncclAllReduce(in, out, count, detail::nccl_type(type), detail::nccl_op(reduce), state_->comm,
+                         state_->stream);
+  });
+}
+
+COHORT_DECL auto nccl::reduce_scatter(const void* in, void* out, std::size_t count_per_rank, dtype type, op reduce)
+    -> work {
+  return issue("reduce_scatter", [&] {
+    return ncclReduceScatter(in, out, count_per_rank, detail::nccl_type(type), detail::nccl_op(reduce), state_->comm,
+                             state_->stream);
+  });
+}
+
+COHORT_DECL auto nccl::all_gather(const void* in, void* out, std::size_t count_per_rank, dtype type) -> work {
+  return issue("all_gather", [&] {
+    return ncclAllGather(in, out, count_per_rank, detail::nccl_type(type), state_->comm, state_->stream);
+  });
+}
+
+COHORT_DECL auto nccl::broadcast(void* data, std::size_t count, dtype type, int root) -> work {
+  return issue("broadcast", [&] {
+    return ncclBroadcast(data, data, count, detail::nccl_type(type), root, state_->comm, state_->stream);
+  });
+}
+
+COHORT_DECL auto nccl::all_to_all(const void* in, void* out, std::size_t count_per_rank, dtype type) -> work {
+  return issue("all_to_all", [&] {
+    const std::size_t bytes = count_per_rank * size_of(type);
+    ncclResult_t status = ncclGroupStart();
+    for (int peer = 0; peer < size() && status == ncclSuccess; ++peer) {
+      status = ncclSend(static_cast<const char*>(in) + bytes * static_cast<std::size_t>(peer), count_per_rank,
+                        detail::nccl_type(type), peer, state_->comm, state_->stream);
+      if (status == ncclSuccess)
+        status = ncclRecv(static_cast<char*>(out) + bytes * static_cast<std::size_t>(peer), count_per_rank,
+                          detail::nccl_type(type), peer, state_->comm, state_->stream);
+    }
+    const ncclResult_t ended = ncclGroupEnd();
+    return status != ncclSuccess ? status : ended;
+  });
+}
+
+COHORT_DECL auto nccl::send(const void* data, std::size_t count, dtype type, int peer, std::uint64_t /*tag*/) -> work {
+  return issue("send",
+               [&] { return ncclSend(data, count, detail::nccl_type(type), peer, state_->comm, state_->stream); });
+}
+
+COHORT_DECL auto nccl::recv(void* data, std::size_t count, dtype type, int peer, std::uint64_t /*tag*/) -> work {
+  return issue("recv",
+               [&] { return ncclRecv(data, count, detail::nccl_type(type), peer, state_->comm, state_->stream); });
+}
+
+COHORT_DECL auto nccl::barrier() -> work {
+  return issue("barrier", [&] {
+    return ncclAllReduce(barrier_scratch_, barrier_scratch_, 1, ncclInt32, ncclSum, state_->comm, state_->stream);
+  });
+}
+
+COHORT_DECL auto nccl::wait_for_caller(cudaStream_t caller) -> void {
+  const auto event = std::make_shared<detail::nccl_event>(state_, state_->take_event());
+  detail::check_cuda(cudaEventRecord(event->event, caller), rank(), "event_record(caller)");
+  detail::check_cuda(cudaStreamWaitEvent(state_->stream, event->event, 0), rank(), "stream_wait_event(caller)");
+}
+
+COHORT_DECL auto nccl::allocate(std::size_t bytes) -> void* {
+  void* pointer = nullptr;
+  detail::check_cuda(cudaSetDevice(state_->device), rank(), "set_device");
+  detail::check_cuda(cudaMalloc(&pointer, bytes == 0 ? 1 : bytes), rank(),
+                     "malloc(" + std::to_string(bytes) + " bytes)",
+                     "the GPU is out of memory: lower the bucket size or shard the model");
+  return pointer;
+}
+
+COHORT_DECL auto nccl::deallocate(void* pointer, std::size_t /*bytes*/) noexcept -> void {
+  cudaSetDevice(state_->device);
+  cudaFree(pointer);
+}
+
+COHORT_DECL auto nccl::copy(void* destination, const void* source, std::size_t bytes) -> work {
+  detail::check_cuda(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDefault, state_->stream), rank(),
+                     "memcpy_async(" + std::to_string(bytes) + " bytes)");
+  return record_event("copy");
+}
+
+COHORT_DECL auto nccl::check_nccl(ncclResult_t status, const std::string& operation) -> void {
+  if (status != ncclSuccess && status != ncclInProgress)
+    throw error(rank(), "nccl." + operation, ncclGetErrorString(status),
+                "check the NCCL installation (NCCL_DEBUG=INFO)");
+}
+
+COHORT_DECL auto nccl::select_device(cohort::store& store, const launch_env& env, const options& opts) -> void {
+  int count = 0;
+  detail::check_cuda(cudaGetDeviceCount(&count), env.rank, "get_device_count");
+  const int device = opts.device >= 0 ? opts.device : env.local_rank;
+  if (device >= count) {
+    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+    throw error(env.rank, "nccl.select_device",
+                "device " + std::to_string(device) + " (local rank " + std::to_string(env.local_rank) + ") but only " +
+                    std::to_string(count) + " GPU(s) visible" +
+                    (visible ? std::string(" (CUDA_VISIBLE_DEVICES=") + visible + ")" : std::string()),
+                "launch at most as many ranks per node as GPUs (--nproc-per-node), or fix CUDA_VISIBLE_DEVICES");
+  }
+  state_->device = device;
+  detail::check_cuda(cudaSetDevice(device), env.rank, "set_device(" + std::to_string(device) + ")");
+  char bus[64] = {};
+  detail::check_cuda(cudaDeviceGetPCIBusId(bus, sizeof bus, device), env.rank, "device_get_pci_bus_id");
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  const std::string identity = std::string(host) + "|" + bus;
+  store.set("device/" + std::to_string(env.rank), identity);
+  std::vector<std::string> identities;
+  for (int r = 0; r < env.world_size; ++r) identities.push_back(store.get_string("device/" + std::to_string(r)));
+  if (const auto duplicate = detail::find_duplicate_device(identities))
+    throw error(env.rank, "nccl.select_device", detail::describe_duplicate(*duplicate),
+                detail::duplicate_device_hint());
+}
+
+COHORT_DECL auto nccl::finish_init(const std::string& operation, ncclResult_t status) -> void {
+  const auto deadline = std::chrono::steady_clock::now() + state_->timeout;
+  while (status == ncclInProgress) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      state_->abort(operation + " timed out");
+      throw timeout_error(rank(), "nccl." + operation, "not done after " + detail::format_duration(state_->timeout),
+                          "a rank never arrived: check that every rank started with the same WORLD_SIZE");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    ncclCommGetAsyncError(state_->comm, &status);
+  }
+  if (status != ncclSuccess) state_->fail(operation, status, "check NCCL_DEBUG=WARN output on every rank");
+}
+
+COHORT_DECL auto nccl::create_stream_and_scratch() -> void {
+  int least = 0, greatest = 0;
+  detail::check_cuda(cudaDeviceGetStreamPriorityRange(&least, &greatest), rank(), "stream_priority_range");
+  // Communication gets the highest priority so it is not starved by compute kernels.
+  detail::check_cuda(cudaStreamCreateWithPriority(&state_->stream, cudaStreamNonBlocking, greatest), rank(),
+                     "stream_create");
+  barrier_scratch_ = allocate(sizeof(int));
+  detail::check_cuda(cudaMemset(barrier_scratch_, 0, sizeof(int)), rank(), "memset");
+}
+
+COHORT_DECL auto nccl::record_event(const char* operation) -> work {
+  auto event = std::make_shared<detail::nccl_event>(state_, state_->take_event());
+  if (const cudaError_t status = cudaEventRecord(event->event, state_->stream); status != cudaSuccess)
+    detail::check_cuda(status, rank(), std::string("event_record(") + operation + ")");
+  return work(std::move(event), operation);
+}
+
+}  // namespace cohort::inline v0

@@ -1,0 +1,30 @@
+#pragma once
+// The one translation unit of a program built with COHORT_SEPARATE_COMPILATION (see
+// cohort/detail/config.hpp) includes this header: it defines cohort's non-template code once.
+// The backends' parts come in when their engine is available, as in the umbrella header.
+#if !defined(COHORT_SEPARATE_COMPILATION)
+#error "cohort/impl/src.hpp is for programs built with COHORT_SEPARATE_COMPILATION defined everywhere"
+#endif
+
+#include "cohort/detail/config.hpp"
+#include "cohort/impl/batch.ipp"
+#include "cohort/impl/device_identity.ipp"
+#include "cohort/impl/file_store.ipp"
+#include "cohort/impl/guards.ipp"
+#include "cohort/impl/launch.ipp"
+#include "cohort/impl/reducer.ipp"
+#include "cohort/impl/run_ranks.ipp"
+#include "cohort/impl/sampler.ipp"
+#include "cohort/impl/sharded_checkpoint.ipp"
+#include "cohort/impl/store.ipp"
+#include "cohort/impl/tcp_socket.ipp"
+#include "cohort/impl/tcp_store.ipp"
+#include "cohort/impl/tcp_store_protocol.ipp"
+#include "cohort/impl/tcp_store_server.ipp"
+
+#if defined(COHORT_HAS_GLOO) && COHORT_HAS_GLOO
+#include "cohort/impl/gloo.ipp"
+#endif
+#if defined(COHORT_HAS_NCCL) && COHORT_HAS_NCCL
+#include "cohort/impl/nccl.ipp"
+#endif

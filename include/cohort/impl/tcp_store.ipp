@@ -1,0 +1,473 @@
+#pragma once
+// cohort/tcp_store.hpp's definitions: inline there when header-only, compiled once by <cohort/impl/src.hpp>
+// under COHORT_SEPARATE_COMPILATION (see cohort/detail/config.hpp).
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+#include "cohort/detail/tcp_socket.hpp"
+#include "cohort/detail/tcp_store_protocol.hpp"
+#include "cohort/error.hpp"
+#include "cohort/launch.hpp"
+#include "cohort/store.hpp"
+#include "cohort/tcp_store_server.hpp"
+
+#include "cohort/detail/config.hpp"
+#include "cohort/tcp_store.hpp"
+
+namespace cohort::inline v0 {
+
+COHORT_DECL tcp_store::tcp_store(tcp_store_options options) : options_(std::move(options)) {
+  set_timeout(options_.timeout);
+  set_rank(options_.rank);
+  if (options_.is_server) {
+    server_ = std::make_shared<tcp_store_server>(options_.host, options_.port, options_.rank);
+    options_.port = server_->port();
+  }
+  connect();
+  if (options_.num_workers && options_.wait_for_workers) join_workers(*options_.num_workers);
+}
+
+COHORT_DECL auto tcp_store::set(std::string_view key, std::span<const std::uint8_t> value) -> void {
+  check_value_size("set", key, value.size());
+  exchange("set", [&](writer& write) {
+    write.command(command::set);
+    write.string(wire_key("set", key));
+    write.data(value);
+  });
+}
+
+COHORT_DECL auto tcp_store::get(std::string_view key, std::chrono::milliseconds timeout) -> bytes {
+  const std::string name(key);
+  std::lock_guard lock(mutex_);
+  wait_locked(std::span<const std::string>(&name, 1), timeout, "get");
+  return get_locked(wire_key("get", key), key);
+}
+
+COHORT_DECL auto tcp_store::compare_set(std::string_view key, std::span<const std::uint8_t> expected,
+                                        std::span<const std::uint8_t> desired) -> bytes {
+  check_value_size("compare_set", key, expected.size());
+  check_value_size("compare_set", key, desired.size());
+  bytes value;
+  exchange(
+      "compare_set",
+      [&](writer& write) {
+        write.command(command::compare_set);
+        write.string(wire_key("compare_set", key));
+        write.data(expected);
+        write.data(desired);
+      },
+      [&](clock::time_point deadline) { value = receive_data("compare_set", key, deadline); });
+  return value;
+}
+
+COHORT_DECL auto tcp_store::check(std::span<const std::string> keys) -> bool {
+  std::lock_guard lock(mutex_);
+  return check_locked(keys);
+}
+
+COHORT_DECL auto tcp_store::wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) -> void {
+  std::lock_guard lock(mutex_);
+  wait_locked(keys, timeout, "wait");
+}
+
+COHORT_DECL auto tcp_store::delete_key(std::string_view key) -> bool {
+  std::int64_t deleted = 0;
+  exchange(
+      "delete_key",
+      [&](writer& write) {
+        write.command(command::delete_key);
+        write.string(wire_key("delete_key", key));
+      },
+      [&](clock::time_point deadline) { deleted = receive_value<std::int64_t>("delete_key", key, deadline); });
+  return deleted == 1;
+}
+
+COHORT_DECL auto tcp_store::num_keys() -> std::int64_t {
+  std::int64_t count = 0;
+  exchange(
+      "num_keys", [&](writer& write) { write.command(command::num_keys); },
+      [&](clock::time_point deadline) { count = receive_value<std::int64_t>("num_keys", {}, deadline); });
+  return count;
+}
+
+COHORT_DECL auto tcp_store::append(std::string_view key, std::span<const std::uint8_t> value) -> void {
+  check_value_size("append", key, value.size());
+  exchange("append", [&](writer& write) {
+    write.command(command::append);
+    write.string(wire_key("append", key));
+    write.data(value);
+  });
+}
+
+COHORT_DECL auto tcp_store::multi_get(std::span<const std::string> keys) -> std::vector<bytes> {
+  std::lock_guard lock(mutex_);
+  wait_locked(keys, timeout(), "multi_get");
+  std::vector<bytes> values;
+  exchange_locked(
+      "multi_get", [&](writer& write) { write_key_list(write, command::multi_get, keys, "multi_get"); },
+      [&](clock::time_point deadline) {
+        for (const auto& key : keys) values.push_back(receive_data("multi_get", key, deadline));
+      });
+  return values;
+}
+
+COHORT_DECL auto tcp_store::multi_set(std::span<const std::string> keys, std::span<const bytes> values) -> void {
+  if (keys.size() != values.size())
+    throw error(rank(), "store.multi_set",
+                std::to_string(keys.size()) + " keys but " + std::to_string(values.size()) + " values",
+                "pass one value per key");
+  for (std::size_t i = 0; i < keys.size(); ++i) check_value_size("multi_set", keys[i], values[i].size());
+  exchange("multi_set", [&](writer& write) {
+    write.command(command::multi_set);
+    write.u64(keys.size());
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      write.string(wire_key("multi_set", keys[i]));
+      write.data(values[i]);
+    }
+  });
+}
+
+COHORT_DECL auto tcp_store::ping() -> void {
+  std::lock_guard lock(mutex_);
+  usable("ping");
+  ping_locked(clock::now() + timeout(), "ping");
+}
+
+COHORT_DECL auto tcp_store::wire_key(std::string_view operation, std::string_view key) const -> std::string {
+  if (key.size() > detail::tcp_store_protocol::max_key_bytes)
+    throw error(rank(), "store." + std::string(operation),
+                "key of " + std::to_string(key.size()) + " bytes exceeds the limit of " +
+                    std::to_string(detail::tcp_store_protocol::max_key_bytes),
+                "use short keys; put data in the value");
+  return options_.key_prefix + std::string(key);
+}
+
+COHORT_DECL auto tcp_store::check_value_size(std::string_view operation, std::string_view key, std::size_t size) const
+    -> void {
+  if (size > detail::tcp_store_protocol::max_value_bytes)
+    throw error(rank(), "store." + std::string(operation),
+                "value of " + std::to_string(size) + " bytes for key " + quoted(key) +
+                    " exceeds the store's limit of " + std::to_string(detail::tcp_store_protocol::max_value_bytes) +
+                    " bytes",
+                "a rendezvous store carries addresses and ids; move bulk data with a "
+                "collective");
+}
+
+COHORT_DECL auto tcp_store::write_key_list(writer& write, command which, std::span<const std::string> keys,
+                                           std::string_view operation) const -> void {
+  write.command(which);
+  write.u64(keys.size());
+  for (const auto& key : keys) write.string(wire_key(operation, key));
+}
+
+COHORT_DECL auto tcp_store::fail(std::string_view operation, const std::string& detail) -> void {
+  socket_.reset();
+  broken_ = detail;
+  throw error(rank(), "store." + std::string(operation), detail,
+              "the store server (rank 0 or the launcher's agent) may have exited or "
+              "rejected the request; look at its log");
+}
+
+COHORT_DECL auto tcp_store::fail_timeout(std::string_view operation, const std::string& detail) -> void {
+  socket_.reset();
+  broken_ = detail;
+  throw timeout_error(rank(), "store." + std::string(operation), detail,
+                      "the store server is overloaded or stalled; raise the store timeout "
+                      "or check the server host");
+}
+
+COHORT_DECL auto tcp_store::usable(std::string_view operation) const -> void {
+  if (!socket_)
+    throw error(rank(), "store." + std::string(operation),
+                "the connection to the store server at " + endpoint() + " was closed by an earlier failure: " + broken_,
+                "create a new store handle");
+}
+
+COHORT_DECL auto tcp_store::send_all(std::string_view operation, std::span<const std::uint8_t> data,
+                                     clock::time_point deadline) -> void {
+  std::size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t sent = ::send(socket_.get(), data.data() + done, data.size() - done, MSG_NOSIGNAL);
+    if (sent > 0) {
+      done += static_cast<std::size_t>(sent);
+      continue;
+    }
+    if (sent < 0 && errno == EINTR) continue;
+    if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (!detail::tcp::poll_until(socket_.get(), POLLOUT, deadline))
+        fail_timeout(operation, "could not send to the store server at " + endpoint() + " within " +
+                                    detail::format_duration(timeout()));
+      continue;
+    }
+    fail(operation, "sending to the store server at " + endpoint() + " failed: " + detail::tcp::errno_text(errno));
+  }
+}
+
+COHORT_DECL auto tcp_store::receive_exact(std::string_view operation, std::string_view key, void* destination,
+                                          std::size_t size, clock::time_point deadline) -> void {
+  auto* out = static_cast<std::uint8_t*>(destination);
+  std::size_t done = 0;
+  while (done < size) {
+    const ssize_t got = ::recv(socket_.get(), out + done, size - done, 0);
+    if (got > 0) {
+      done += static_cast<std::size_t>(got);
+      continue;
+    }
+    const std::string about = key.empty() ? std::string() : " for key " + quoted(key);
+    if (got == 0) fail(operation, "the store server at " + endpoint() + " closed the connection" + about);
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK)
+      fail(operation,
+           "receiving from the store server at " + endpoint() + about + " failed: " + detail::tcp::errno_text(errno));
+    if (!detail::tcp::poll_until(socket_.get(), POLLIN, deadline))
+      fail_timeout(operation, "no reply from the store server at " + endpoint() + about + " within " +
+                                  detail::format_duration(timeout()));
+  }
+}
+
+COHORT_DECL auto tcp_store::receive_data(std::string_view operation, std::string_view key, clock::time_point deadline)
+    -> bytes {
+  const auto size = receive_value<std::uint64_t>(operation, key, deadline);
+  if (size > detail::tcp_store_protocol::max_value_bytes)
+    fail(operation, "the store server at " + endpoint() + " announced a value of " + std::to_string(size) +
+                        " bytes for key " + quoted(key) + ", over the limit of " +
+                        std::to_string(detail::tcp_store_protocol::max_value_bytes));
+  bytes value(size);
+  receive_exact(operation, key, value.data(), value.size(), deadline);
+  return value;
+}
+
+COHORT_DECL auto tcp_store::get_locked(const std::string& wire, std::string_view key) -> bytes {
+  bytes value;
+  exchange_locked(
+      "get",
+      [&](writer& write) {
+        write.command(command::get);
+        write.string(wire);
+      },
+      [&](clock::time_point deadline) { value = receive_data("get", key, deadline); });
+  return value;
+}
+
+COHORT_DECL auto tcp_store::add_wire(const std::string& wire, std::string_view key, std::int64_t delta)
+    -> std::int64_t {
+  std::int64_t value = 0;
+  exchange(
+      "add",
+      [&](writer& write) {
+        write.command(command::add);
+        write.string(wire);
+        write.i64(delta);
+      },
+      [&](clock::time_point deadline) { value = receive_value<std::int64_t>("add", key, deadline); });
+  return value;
+}
+
+COHORT_DECL auto tcp_store::check_locked(std::span<const std::string> keys) -> bool {
+  std::uint8_t reply = 0;
+  exchange_locked(
+      "check", [&](writer& write) { write_key_list(write, command::check, keys, "check"); },
+      [&](clock::time_point deadline) { reply = receive_value<std::uint8_t>("check", first_key(keys), deadline); });
+  if (reply != static_cast<std::uint8_t>(check_reply::ready) &&
+      reply != static_cast<std::uint8_t>(check_reply::not_ready))
+    fail("check", "the store server answered CHECK with " + std::to_string(reply));
+  return reply == static_cast<std::uint8_t>(check_reply::ready);
+}
+
+COHORT_DECL auto tcp_store::wait_locked(std::span<const std::string> keys, std::chrono::milliseconds limit,
+                                        std::string_view operation) -> void {
+  usable(operation);
+  if (keys.empty()) return;
+  bytes message;
+  writer out(message);
+  write_key_list(out, command::wait, keys, operation);
+  const auto start = clock::now();
+  send_all(operation, message, start + std::max(limit, timeout()));
+  const std::uint8_t stop = static_cast<std::uint8_t>(wait_reply::stop_waiting);
+  const std::uint8_t canceled = static_cast<std::uint8_t>(wait_reply::wait_canceled);
+  if (detail::tcp::poll_until(socket_.get(), POLLIN, start + limit)) {
+    const auto reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + timeout());
+    if (reply != stop) fail(operation, "the store server answered WAIT with " + std::to_string(reply));
+    return;
+  }
+  message.assign(1, static_cast<std::uint8_t>(command::cancel_wait));
+  send_all(operation, message, clock::now() + timeout());
+  auto reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + timeout());
+  const bool arrived = reply == stop;
+  if (arrived) reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + timeout());
+  if (reply != canceled) fail(operation, "the store server answered CANCEL_WAIT with " + std::to_string(reply));
+  if (arrived) return;
+  std::vector<std::string> missing;
+  for (const auto& key : keys)
+    if (!check_locked(std::span<const std::string>(&key, 1))) missing.push_back(key);
+  if (missing.empty()) return;  // they arrived while we were cancelling
+  throw_timeout(operation, missing, limit);
+}
+
+COHORT_DECL auto tcp_store::ping_locked(clock::time_point deadline, std::string_view operation) -> void {
+  const std::uint32_t nonce = static_cast<std::uint32_t>(::getpid()) ^ (++ping_count_ * 0x9E3779B9u);
+  bytes message;
+  writer out(message);
+  out.command(command::ping);
+  out.u32(nonce);
+  send_all(operation, message, deadline);
+  const auto echoed = receive_value<std::uint32_t>(operation, {}, deadline);
+  if (echoed != nonce)
+    fail(operation, "the server at " + endpoint() + " echoed PING " + std::to_string(nonce) + " as " +
+                        std::to_string(echoed) + "; it does not speak TCPStore");
+}
+
+COHORT_DECL auto tcp_store::connect() -> void {
+  const auto start = clock::now();
+  const auto deadline = start + options_.connect_timeout;
+  auto backoff = std::max(options_.initial_backoff, std::chrono::milliseconds(1));
+  std::string last_error;
+  int attempts = 0;
+  int refused_in_a_row = 0;
+  for (;;) {
+    ++attempts;
+    handshake_ = handshake::not_reached;
+    last_error = try_connect(deadline);
+    if (last_error.empty()) return;
+    // A server that accepts the connection and then closes it at cohort's first message is
+    // an answer, not a server still starting: after a few, say what it means.
+    refused_in_a_row = handshake_ == handshake::refused ? refused_in_a_row + 1 : 0;
+    if (refused_in_a_row == 3)
+      throw error(rank(), "tcp_store.connect",
+                  "the server at " + endpoint() +
+                      " accepted the connection and closed it during cohort's "
+                      "handshake (VALIDATE, then PING) 3 times in a row (last: " +
+                      last_error + "): " + std::string(detail::tcp::other_protocol),
+                  "run a PyTorch >= 2.0 TCPStore (torchrun of torch 2.x), or let cohort's rank 0 host the "
+                  "store; check that MASTER_PORT is not another service's port");
+    const auto now = clock::now();
+    if (now >= deadline) break;
+    std::this_thread::sleep_for(std::min<clock::duration>(backoff, deadline - now));
+    backoff = std::min(backoff * 2, std::max(options_.max_backoff, backoff));
+  }
+  throw timeout_error(rank(), "tcp_store.connect",
+                      "could not connect to the store server at " + endpoint() + " within " +
+                          detail::format_duration(options_.connect_timeout) + " (" + std::to_string(attempts) +
+                          " attempts; last error: " + last_error + ")" +
+                          (handshake_ == handshake::unanswered
+                               ? "; the server accepted the connection but never answered the handshake: " +
+                                     std::string(detail::tcp::other_protocol)
+                               : std::string()),
+                      "check MASTER_ADDR and MASTER_PORT, that rank 0 (or the launcher's "
+                      "agent) is running, and that no firewall blocks the port");
+}
+
+COHORT_DECL auto tcp_store::try_connect(clock::time_point deadline) -> std::string {
+  detail::tcp::address_list addresses;
+  const std::string unresolved = detail::tcp::resolve(options_.host, options_.port, false, addresses);
+  if (!unresolved.empty()) return "cannot resolve " + options_.host + ": " + unresolved;
+  std::string last_error = "no address";
+  for (addrinfo* entry = addresses.head; entry; entry = entry->ai_next) {
+    detail::tcp::file_descriptor fd(
+        ::socket(entry->ai_family, entry->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, entry->ai_protocol));
+    if (!fd) {
+      last_error = detail::tcp::errno_text(errno);
+      continue;
+    }
+    if (::connect(fd.get(), entry->ai_addr, entry->ai_addrlen) != 0) {
+      if (errno != EINPROGRESS) {
+        last_error = detail::tcp::errno_text(errno);
+        continue;
+      }
+      if (!detail::tcp::poll_until(fd.get(), POLLOUT, deadline)) {
+        last_error = "connect timed out";
+        continue;
+      }
+      int status = 0;
+      socklen_t length = sizeof(status);
+      ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &status, &length);
+      if (status != 0) {
+        last_error = detail::tcp::errno_text(status);
+        continue;
+      }
+    }
+    detail::tcp::set_no_delay(fd.get());
+    socket_ = std::move(fd);
+    broken_.clear();
+    try {
+      // A just-accepted connection gets a moment to answer even at the connect deadline.
+      const auto handshake_deadline = std::max(deadline, clock::now() + std::chrono::seconds(2));
+      bytes message;
+      writer out(message);
+      out.command(command::validate);
+      out.u32(detail::tcp_store_protocol::validation_magic);
+      send_all("connect", message, handshake_deadline);
+      ping_locked(handshake_deadline, "connect");
+      return {};
+    } catch (const timeout_error& failure) {
+      socket_.reset();
+      handshake_ = handshake::unanswered;
+      last_error = "handshake failed: " + failure.detail();
+    } catch (const error& failure) {
+      socket_.reset();
+      handshake_ = handshake::refused;
+      last_error = "handshake failed: " + failure.detail();
+    }
+  }
+  return last_error;
+}
+
+COHORT_DECL auto tcp_store::join_workers(int workers) -> void {
+  const std::string init_key = "init/";  // c10d's key, without the key prefix
+  add_wire(init_key, init_key, 1);
+  if (!server_) return;
+  const auto start = clock::now();
+  auto pause = std::chrono::milliseconds(5);
+  for (;;) {
+    bytes value;
+    {
+      std::lock_guard lock(mutex_);
+      value = get_locked(init_key, init_key);
+    }
+    std::int64_t joined = 0;
+    std::from_chars(reinterpret_cast<const char*>(value.data()),
+                    reinterpret_cast<const char*>(value.data() + value.size()), joined);
+    if (joined >= workers) return;
+    if (clock::now() - start >= timeout())
+      throw timeout_error(rank(), "tcp_store.wait_for_workers",
+                          std::to_string(joined) + " of " + std::to_string(workers) + " workers joined the store at " +
+                              endpoint() + " within " + detail::format_duration(timeout()),
+                          "check that every rank was started with the same world size and "
+                          "master address");
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(100));
+  }
+}
+
+}  // namespace cohort::inline v0
+
+namespace cohort::inline v0 {
+
+COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_store_options options) {
+  options.host = env.master_addr;
+  options.port = env.master_port;
+  options.rank = env.rank;
+  if (env.use_agent_store) {
+    options.is_server = false;
+    auto agent_store = std::make_shared<tcp_store>(std::move(options));
+    return std::make_shared<prefix_store>(std::move(agent_store), env.store_prefix());
+  }
+  options.is_server = env.rank == 0;
+  return std::make_shared<tcp_store>(std::move(options));
+}
+
+}  // namespace cohort::inline v0
