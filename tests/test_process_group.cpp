@@ -11,6 +11,8 @@
 #include <cohort/process_group.hpp>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "support.hpp"
@@ -249,8 +251,63 @@ TEST_CASE("a rank that never arrives is a timeout error on the others, not a han
   RANK_CHECK(elapsed < 15s);
   for (const auto& text : messages) {
     INFO(text);
-    REQUIRE_THAT(text, Catch::Contains("rendezvous") && Catch::Contains("rank"));
+    REQUIRE_THAT(text, Catch::Contains("rank 2 never arrived at the rendezvous"));
   }
+}
+
+TEST_CASE("a rank that never issues a collective is named in every other rank's error",
+          "[process_group][gloo][faults]") {
+  auto store = fresh_store();
+  std::vector<std::string> messages(3);
+  const auto started = std::chrono::steady_clock::now();
+  cohort_test::run_ranks(3, [&](int rank) {
+    auto pg = make_group(store, rank, 3, 2s);
+    std::vector<float> data(1000, 1.0f);
+    pg.all_reduce(std::span<float>(data)).wait();
+    if (rank == 2) {
+      // Busy elsewhere (a longer backward, a data-loader stall) past the others' timeout
+      // and their report window, then gone without issuing the second call.
+      std::this_thread::sleep_for(6s);
+      return;
+    }
+    try {
+      pg.all_reduce(std::span<float>(data)).wait();
+      throw cohort_test::rank_failure("the second all_reduce completed without rank 2");
+    } catch (const cohort::timeout_error& failure) {
+      messages[static_cast<std::size_t>(rank)] = failure.what();
+    }
+  });
+  RANK_CHECK(std::chrono::steady_clock::now() - started < 15s);
+  for (int rank = 0; rank < 2; ++rank) {
+    const auto& text = messages[static_cast<std::size_t>(rank)];
+    INFO("rank " << rank << ": " << text);
+    REQUIRE_THAT(text, Catch::Contains("rank 2 never issued all_reduce #2 (float x 1000, sum)") &&
+                           Catch::Contains("ranks 0, 1 are waiting in all_reduce #2"));
+  }
+}
+
+TEST_CASE("a rank that skips a call is never paired with the next one: each error names the other's call",
+          "[process_group][gloo][faults]") {
+  // Rank 1 skips the broadcast. Its all_reduce is its second call, the broadcast is rank 0's
+  // second: the sequence number keeps them apart, so neither completes with the other's data.
+  auto store = fresh_store();
+  std::vector<std::string> messages(2);
+  cohort_test::run_ranks(2, [&](int rank) {
+    auto pg = make_group(store, rank, 2, 2s);
+    std::vector<float> data(256, 1.0f);
+    pg.all_reduce(std::span<float>(data)).wait();
+    try {
+      if (rank == 0) pg.broadcast(std::span<float>(data), 0).wait();
+      pg.all_reduce(std::span<float>(data)).wait();
+      throw cohort_test::rank_failure("a call completed although the ranks issued different calls");
+    } catch (const cohort::error& failure) {
+      messages[static_cast<std::size_t>(rank)] = failure.what();
+    }
+  });
+  INFO(messages[0]);
+  INFO(messages[1]);
+  REQUIRE_THAT(messages[0], Catch::Contains("rank 1 is in all_reduce #2 (float x 256, sum)"));
+  REQUIRE_THAT(messages[1], Catch::Contains("rank 0 is in broadcast #2 (float x 256, root 0)"));
 }
 
 TEST_CASE("a peer that stops participating turns a collective into an error within the timeout",

@@ -8,15 +8,18 @@
 // reduction, which puts (n-1)/n of the data on the wire, as a bandwidth-optimal
 // reduce-scatter does, instead of all-reducing everything and keeping a slice.
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <new>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cohort/detail/config.hpp"
@@ -84,6 +87,9 @@ struct gloo_task {
   std::size_t count = 0;  // elements (per rank for reduce_scatter, all_gather, all_to_all)
   int peer = 0;           // root for broadcast, peer for send/recv
   std::uint64_t tag = 0;
+  // The call's number in its group: collectives (and barriers) count 1, 2, ... in issue
+  // order; point-to-point calls count per (peer, tag, direction). 0 for host tasks.
+  std::uint64_t sequence = 0;
   std::function<void()> fn;
   std::shared_ptr<gloo_p2p> p2p;
 };
@@ -253,14 +259,22 @@ class gloo {
 
   // Gloo matches messages by slot, and a message larger than the receiver expects aborts
   // the process from Gloo's I/O thread. Deriving the tag from what the call moves (kind,
-  // dtype, count, op, root) makes mismatched calls use different slots: they never match,
-  // and the mismatch surfaces as a timeout error on every rank instead of a crash.
+  // dtype, count, op, root) and from its sequence number makes mismatched calls use
+  // different slots: they never match, and the mismatch surfaces as an error on every rank
+  // instead of a crash, or of call n on one rank meeting call n+1 of another.
   static std::uint64_t signature(const detail::gloo_task& task);
   static std::uint32_t collective_tag(const detail::gloo_task& task) {
     return static_cast<std::uint32_t>(signature(task) & 0x7fffffffu);
   }
 
-  [[noreturn]] void throw_timeout(const detail::gloo_task& task) const;
+  [[noreturn]] void throw_timeout(const detail::gloo_task& task);
+
+  // After a call failed: this rank publishes the call it is in to the group's store and
+  // reads what the other ranks published, for a short while, so that the error names the
+  // rank at fault ("rank 2 never issued all_reduce #7 (...); rank 0 waits in it").
+  std::string name_the_culprit(const detail::gloo_task& task, bool connection_lost);
+  // Which ranks never published their rendezvous address (a rendezvous that timed out).
+  std::string missing_at_rendezvous(cohort::store& store) const;
 
   // Point-to-point slots carry the user tag and the message size (see signature), in a
   // range of their own, away from the slots Gloo's collectives use.
@@ -275,7 +289,11 @@ class gloo {
   options options_;
   std::shared_ptr<::gloo::transport::Device> device_;
   std::shared_ptr<::gloo::Context> context_;
-  std::vector<std::byte> scratch_;       // used by the worker thread only
+  std::shared_ptr<cohort::store> store_;  // the group's namespace, for failure reports
+  std::atomic<std::uint64_t> collectives_issued_{0};
+  std::atomic<std::uint64_t> collectives_completed_{0};
+  std::map<std::tuple<int, std::uint64_t, bool>, std::uint64_t> p2p_issued_;  // guarded by p2p_mutex_
+  std::vector<std::byte> scratch_;                                            // used by the worker thread only
   std::shared_ptr<worker_type> worker_;  // last: their threads run run(), which uses the above
   std::shared_ptr<worker_type> p2p_worker_;
   std::mutex p2p_mutex_;

@@ -11,6 +11,7 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdlib>
@@ -19,6 +20,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <span>
 #include <string>
 #include <vector>
 #include "cohort/detail/fifo_worker.hpp"
@@ -135,13 +137,16 @@ COHORT_DECL auto gloo::make_device(const launch_env& env, const options& opts)
 COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
   auto context = std::make_shared<::gloo::rendezvous::Context>(rank_, size_);
   context->setTimeout(options_.timeout);
+  store_ = store;
   detail::gloo_store_adapter adapter(std::move(store), options_.timeout);
   try {
     context->connectFullMesh(adapter, device_);
   } catch (const timeout_error& failure) {
-    throw timeout_error(rank_, "gloo.rendezvous", "world of " + std::to_string(size_) + ": " + failure.detail(),
-                        "a rank never arrived: is every rank started with the same WORLD_SIZE "
-                        "and MASTER_ADDR/MASTER_PORT?");
+    throw timeout_error(
+        rank_, "gloo.rendezvous",
+        missing_at_rendezvous(*store_) + " (world of " + std::to_string(size_) + "): " + failure.detail(),
+        "a rank never arrived: is every rank started with the same WORLD_SIZE "
+        "and MASTER_ADDR/MASTER_PORT?");
   } catch (const ::gloo::Exception& failure) {
     throw error(rank_, "gloo.rendezvous", "world of " + std::to_string(size_) + ": " + failure.what(),
                 "a peer is unreachable: check the network interface (GLOO_SOCKET_IFNAME)");
@@ -166,6 +171,7 @@ COHORT_DECL auto gloo::task(task_kind what, dtype type, op reduce, const void* i
 }
 
 COHORT_DECL auto gloo::submit(detail::gloo_task queued) -> work {
+  if (queued.what != task_kind::function) queued.sequence = collectives_issued_.fetch_add(1) + 1;
   const std::uint64_t seq = worker_->submit(std::move(queued));
   return work(worker_, seq);
 }
@@ -176,9 +182,12 @@ COHORT_DECL auto gloo::post(detail::gloo_task operation) -> work {
     std::lock_guard lock(p2p_mutex_);
     std::erase_if(live_p2p_, [](const std::weak_ptr<detail::gloo_p2p>& weak) { return weak.expired(); });
     live_p2p_.push_back(pending);
+    // A send to B with tag t is matched by B's recv from this rank with tag t, in order.
+    operation.sequence = ++p2p_issued_[{operation.peer, operation.tag, operation.what == task_kind::send}];
   }
   auto completion = task(task_kind::p2p_wait, operation.type, op::sum, operation.in, operation.out, operation.count,
                          operation.peer, operation.tag);
+  completion.sequence = operation.sequence;
   completion.p2p = pending;
   operation.p2p = pending;
   pending->sending = operation.what == task_kind::send;
@@ -190,8 +199,9 @@ COHORT_DECL auto gloo::describe(const detail::gloo_task& task) -> std::string {
   static constexpr const char* names[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all",
                                           "send",       "recv",           "barrier",    "host_task", "p2p_wait"};
   std::string text = names[static_cast<int>(task.what)];
+  if (task.sequence != 0) text += " #" + std::to_string(task.sequence);
   if (task.what == task_kind::barrier || task.what == task_kind::function) return text;
-  text += "(" + std::string(to_string(task.type)) + " x " + std::to_string(task.count);
+  text += " (" + std::string(to_string(task.type)) + " x " + std::to_string(task.count);
   if (task.what == task_kind::all_reduce || task.what == task_kind::reduce_scatter)
     text += ", " + std::string(to_string(task.reduce));
   if (task.what == task_kind::broadcast) text += ", root " + std::to_string(task.peer);
@@ -203,17 +213,19 @@ COHORT_DECL auto gloo::describe(const detail::gloo_task& task) -> std::string {
 COHORT_DECL auto gloo::run(detail::gloo_task& task) -> void {
   try {
     execute(task);
+    if (task.what != task_kind::function && task.what != task_kind::send && task.what != task_kind::recv &&
+        task.what != task_kind::p2p_wait)
+      collectives_completed_.store(task.sequence, std::memory_order_relaxed);
   } catch (const error&) {
     throw;
   } catch (const ::gloo::IoException& failure) {
     const std::string what = failure.what();
     if (what.find("Timed out") != std::string::npos || what.find("timed out") != std::string::npos)
-      throw timeout_error(rank_, "gloo." + describe(task), what,
-                          "a peer did not enter the same collective within " +
-                              detail::format_duration(options_.timeout) +
-                              ": it hangs, crashed, issued collectives in another order, or "
+      throw timeout_error(rank_, "gloo." + describe(task), name_the_culprit(task, false) + " [" + what + "]",
+                          "a peer did not enter the same call within " + detail::format_duration(options_.timeout) +
+                              ": it hangs, crashed, issued calls in another order, or "
                               "passed another size or dtype (COHORT_DEBUG=1 names the calls)");
-    throw error(rank_, "gloo." + describe(task), what,
+    throw error(rank_, "gloo." + describe(task), name_the_culprit(task, true) + " [" + what + "]",
                 "a peer closed its connection: it crashed or exited early, or sizes differ "
                 "across ranks");
   } catch (const std::exception& failure) {
@@ -276,13 +288,82 @@ COHORT_DECL auto gloo::signature(const detail::gloo_task& task) -> std::uint64_t
   mix(static_cast<std::uint64_t>(task.reduce));
   if (task.what == task_kind::broadcast) mix(static_cast<std::uint64_t>(task.peer));
   if (point_to_point) mix(task.tag);
+  mix(task.sequence);
   return hash.value();
 }
 
-COHORT_DECL auto gloo::throw_timeout(const detail::gloo_task& task) const -> void {
+COHORT_DECL auto gloo::throw_timeout(const detail::gloo_task& task) -> void {
   throw timeout_error(rank_, "gloo." + describe(task),
                       "no matching peer operation within " + detail::format_duration(options_.timeout),
                       "the peer never posted the matching send/recv with the same tag, size and dtype");
+}
+
+COHORT_DECL auto gloo::name_the_culprit(const detail::gloo_task& task, bool connection_lost) -> std::string {
+  const std::string mine = describe(task);
+  const bool collective = task.what != task_kind::send && task.what != task_kind::recv &&
+                          task.what != task_kind::p2p_wait && task.what != task_kind::function;
+  if (!store_ || !collective || size_ < 2) return "this rank is in " + mine;
+  // Each rank that fails publishes the call it is in; a rank that is not in a cohort call
+  // (still computing, stopped, dead) publishes nothing. The window is short and bounded.
+  const auto window = std::min<std::chrono::milliseconds>(options_.timeout, std::chrono::seconds(5));
+  const auto deadline = std::chrono::steady_clock::now() + window;
+  const std::string prefix = "failure/";
+  std::vector<int> silent, waiting{rank_};
+  std::vector<std::string> differ;
+  try {
+    store_->set(prefix + std::to_string(rank_), std::to_string(task.sequence) + "\n" + mine);
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == rank_) continue;
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      std::string report;
+      try {
+        report = to_string(store_->get(prefix + std::to_string(peer), std::max(left, std::chrono::milliseconds(1))));
+      } catch (const timeout_error&) {
+        silent.push_back(peer);
+        continue;
+      }
+      const auto newline = report.find('\n');
+      const std::string theirs = newline == std::string::npos ? report : report.substr(newline + 1);
+      if (theirs == mine)
+        waiting.push_back(peer);
+      else
+        differ.push_back("rank " + std::to_string(peer) + " is in " + theirs);
+    }
+  } catch (const std::exception& unreachable) {
+    return "this rank is in " + mine + "; no failure reports: the group's store is unreachable (" + unreachable.what() +
+           "), so the rank that serves it (rank 0 of the job) may have died";
+  }
+  const auto list = [](const std::vector<int>& ranks) {
+    std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+    for (std::size_t k = 0; k < ranks.size(); ++k) text += (k ? ", " : "") + std::to_string(ranks[k]);
+    return text;
+  };
+  std::sort(waiting.begin(), waiting.end());
+  std::string text;
+  if (!silent.empty())
+    text = list(silent) + (connection_lost ? " died or exited during " : " never issued ") + mine +
+           " (no report within " + detail::format_duration(window) + ")";
+  for (const auto& line : differ) text += (text.empty() ? "" : "; ") + line;
+  if (text.empty()) text = "every rank reports " + mine;
+  return text + "; " + list(waiting) + (waiting.size() == 1 ? " is" : " are") +
+         (connection_lost ? " in " : " waiting in ") + mine;
+}
+
+COHORT_DECL auto gloo::missing_at_rendezvous(cohort::store& store) const -> std::string {
+  std::vector<int> missing;
+  try {
+    for (int peer = 0; peer < size_; ++peer) {
+      const std::string key = std::to_string(peer);  // Gloo's full-mesh rendezvous key
+      if (!store.check(std::span<const std::string>(&key, 1))) missing.push_back(peer);
+    }
+  } catch (const std::exception&) {
+    return "the store is unreachable";
+  }
+  if (missing.empty()) return "every rank published its address";
+  std::string text = missing.size() == 1 ? "rank " : "ranks ";
+  for (std::size_t k = 0; k < missing.size(); ++k) text += (k ? ", " : "") + std::to_string(missing[k]);
+  return text + " never arrived at the rendezvous";
 }
 
 COHORT_DECL auto gloo::scratch_bytes(std::size_t bytes) -> std::vector<std::byte>& {
