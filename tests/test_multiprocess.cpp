@@ -255,3 +255,47 @@ TEST_CASE("run_ranks under a launcher: a peer that never arrives ends every rank
   REQUIRE(codes == std::vector<int>{0, 0});
   REQUIRE(took < 2.0 + cohort::run_ranks_failure_grace.count() + 10.0);
 }
+
+TEST_CASE("under torchrun the failing rank's error reaches the agent's error file", "[multiprocess][faults]") {
+  char pattern[] = "/tmp/cohort-errorfile-XXXXXX";
+  REQUIRE(::mkdtemp(pattern) != nullptr);
+  const std::string directory = pattern;
+  auto envs = torchrun_envs(2, 2, std::to_string(free_port()));
+  for (int r = 0; r < 2; ++r) envs[r]["TORCHELASTIC_ERROR_FILE"] = directory + "/error" + std::to_string(r) + ".json";
+  const auto codes = run_children(envs, [] {
+    try {
+      cohort::run_ranks(0, [](std::shared_ptr<cohort::store>, const cohort::launch_env& env) {
+        if (env.rank == 1) throw cohort::error(1, "load_checkpoint", "no file \"step_100.bin\"\nin ./ckpt", "resume");
+      });
+    } catch (const cohort::error&) {
+      return 0;
+    }
+    return 1;
+  });
+  REQUIRE(codes == std::vector<int>{1, 0});  // rank 0 finished its part; rank 1 failed
+  const auto read = [](const std::string& path) {
+    std::string text;
+    if (std::FILE* file = std::fopen(path.c_str(), "r")) {
+      char buffer[4096];
+      for (std::size_t n; (n = std::fread(buffer, 1, sizeof buffer, file)) > 0;) text.append(buffer, n);
+      std::fclose(file);
+    }
+    return text;
+  };
+  CHECK(read(directory + "/error0.json").empty());  // no error, no file
+  const std::string written = read(directory + "/error1.json");
+  INFO(written);
+  const std::string message =
+      "cohort::error: cohort [rank 1] load_checkpoint: no file \\\"step_100.bin\\\"\\nin ./ckpt (hint: resume)";
+  REQUIRE_THAT(written, Catch::StartsWith("{\"message\": {\"message\": \"" + message + "\", \"extraInfo\": {"));
+  // Any JSON parser reads it back to the original text (Python's, the one torchrun uses).
+  if (std::system("python3 -c pass >/dev/null 2>&1") == 0) {
+    const std::string check =
+        "python3 -c \"import json,sys; d=json.load(open(sys.argv[1])); m=d['message']; "
+        "assert m['message'].endswith('in ./ckpt (hint: resume)'), m; int(m['extraInfo']['timestamp'])\" " +
+        directory + "/error1.json";
+    CHECK(std::system(check.c_str()) == 0);
+  }
+  std::remove((directory + "/error1.json").c_str());
+  ::rmdir(directory.c_str());
+}

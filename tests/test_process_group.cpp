@@ -286,6 +286,30 @@ TEST_CASE("a rank that never issues a collective is named in every other rank's 
   }
 }
 
+TEST_CASE("monitored_barrier names every rank that did not arrive, on every rank that did",
+          "[process_group][gloo][faults]") {
+  auto store = fresh_store();
+  std::vector<std::string> messages(4);
+  cohort_test::run_ranks(4, [&](int rank) {
+    auto pg = make_group(store, rank, 4, 20s);
+    // Late but within the timeout: not reported.
+    if (rank == 1) std::this_thread::sleep_for(300ms);
+    pg.monitored_barrier(5s);
+    if (rank == 2 || rank == 3) return;  // never arrive at the second barrier
+    try {
+      pg.monitored_barrier(1s);
+      throw cohort_test::rank_failure("the monitored barrier passed without ranks 2 and 3");
+    } catch (const cohort::timeout_error& failure) {
+      messages[static_cast<std::size_t>(rank)] = failure.what();
+    }
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    INFO(messages[static_cast<std::size_t>(rank)]);
+    REQUIRE_THAT(messages[static_cast<std::size_t>(rank)],
+                 Catch::Contains("monitored_barrier #2") && Catch::Contains("ranks 2, 3 did not arrive within 1 s"));
+  }
+}
+
 TEST_CASE("a rank that skips a call is never paired with the next one: each error names the other's call",
           "[process_group][gloo][faults]") {
   // Rank 1 skips the broadcast. Its all_reduce is its second call, the broadcast is rank 0's

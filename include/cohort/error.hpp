@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "cohort/version.hpp"
 
@@ -54,6 +55,12 @@ namespace detail {
 inline std::string format_duration(std::chrono::milliseconds ms) {
   if (ms.count() % 1000 == 0) return std::to_string(ms.count() / 1000) + " s";
   return std::to_string(ms.count()) + " ms";
+}
+// "rank 2" or "ranks 0, 1, 3", as errors name them.
+inline std::string format_ranks(const std::vector<int>& ranks) {
+  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+  for (std::size_t k = 0; k < ranks.size(); ++k) text += (k ? ", " : "") + std::to_string(ranks[k]);
+  return text;
 }
 }  // namespace detail
 

@@ -41,6 +41,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <optional>
 #include <string>
@@ -123,6 +124,20 @@ struct launch_env {
   static launch_env explicit_values(int rank, int world_size, int local_rank, int local_world_size,
                                     std::string master_addr = "127.0.0.1", std::uint16_t master_port = 29500);
 };
+
+// Under torchrun, which names a file per worker in TORCHELASTIC_ERROR_FILE, writes `failure`
+// there in the JSON that torchrun's agent reads, so its "Root Cause" shows this rank's
+// message instead of "To enable traceback see ...". The first error wins: a file already
+// there is kept. Returns true when the file was written; false without the variable, when
+// the file exists, or when it cannot be written. run_ranks calls it for a launched rank
+// whose function threw; a trainer with its own main calls it from its catch.
+bool record_error_for_launcher(const std::exception& failure);
+bool record_error_for_launcher(std::string_view type_name, std::string_view message);
+
+namespace detail {
+// `text` as the contents of a JSON string (quotes, backslashes and control characters escaped).
+std::string json_escape(std::string_view text);
+}  // namespace detail
 
 }  // namespace cohort::inline v0
 

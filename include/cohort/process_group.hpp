@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <concepts>
 #include <cstdint>
 #include <cstdlib>
@@ -194,6 +195,52 @@ class process_group {
     return backend_->barrier();
   }
 
+  // A barrier that names every rank that did not arrive within `timeout` (PyTorch's
+  // monitored_barrier with wait_all_ranks): each rank checks in through the group's store,
+  // rank 0 collects the arrivals and publishes who was missing, and every rank that arrived
+  // throws the same timeout_error listing them. A store round trip per rank, through rank 0:
+  // for start-up and debugging, not for every step. Blocks the caller; it does not order
+  // against work queued on the backend.
+  void monitored_barrier(std::chrono::milliseconds timeout) {
+    check_main_only("monitored_barrier", 0);
+    const std::string call = "monitored_barrier #" + std::to_string(++monitored_barriers_);
+    const std::string base = "monitored_barrier/" + std::to_string(monitored_barriers_) + "/";
+    store_->set(base + std::to_string(rank()), "arrived");
+    const auto hint = std::string("the missing ranks are still computing, blocked in another call, stopped or dead");
+    if (rank() != 0) {
+      std::string missing;
+      try {
+        // Rank 0 answers within its own timeout of arriving; allow it that long to arrive.
+        missing = to_string(store_->get(base + "missing", 2 * timeout));
+      } catch (const timeout_error&) {
+        throw timeout_error(
+            rank(), std::string(B::name) + "." + call,
+            "rank 0 did not arrive within " + detail::format_duration(2 * timeout) + " (it collects the barrier)",
+            hint);
+      }
+      if (!missing.empty())
+        throw timeout_error(rank(), std::string(B::name) + "." + call,
+                            missing + " did not arrive within " + detail::format_duration(timeout), hint);
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    std::vector<int> absent;
+    for (int r = 1; r < size(); ++r) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      try {
+        store_->get(base + std::to_string(r), std::max(left, std::chrono::milliseconds(1)));
+      } catch (const timeout_error&) {
+        absent.push_back(r);
+      }
+    }
+    const std::string missing = absent.empty() ? std::string() : detail::format_ranks(absent);
+    store_->set(base + "missing", missing);
+    if (!missing.empty())
+      throw timeout_error(rank(), std::string(B::name) + "." + call,
+                          missing + " did not arrive within " + detail::format_duration(timeout), hint);
+  }
+
   // --- subgroups ---------------------------------------------------------------------------
   // Collective over this group. Ranks with the same color form a new group, ordered by
   // (key, rank); a negative color joins no group (nullopt). Like MPI_Comm_split.
@@ -322,6 +369,7 @@ class process_group {
   bool debug_ = false;
   std::uint64_t debug_calls_ = 0;
   std::uint64_t split_count_ = 0;
+  std::uint64_t monitored_barriers_ = 0;
   // Behind a pointer so the group stays movable.
   std::unique_ptr<std::atomic<int>> main_only_depth_ = std::make_unique<std::atomic<int>>(0);
 };

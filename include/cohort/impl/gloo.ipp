@@ -334,19 +334,14 @@ COHORT_DECL auto gloo::name_the_culprit(const detail::gloo_task& task, bool conn
     return "this rank is in " + mine + "; no failure reports: the group's store is unreachable (" + unreachable.what() +
            "), so the rank that serves it (rank 0 of the job) may have died";
   }
-  const auto list = [](const std::vector<int>& ranks) {
-    std::string text = ranks.size() == 1 ? "rank " : "ranks ";
-    for (std::size_t k = 0; k < ranks.size(); ++k) text += (k ? ", " : "") + std::to_string(ranks[k]);
-    return text;
-  };
   std::sort(waiting.begin(), waiting.end());
   std::string text;
   if (!silent.empty())
-    text = list(silent) + (connection_lost ? " died or exited during " : " never issued ") + mine +
+    text = detail::format_ranks(silent) + (connection_lost ? " died or exited during " : " never issued ") + mine +
            " (no report within " + detail::format_duration(window) + ")";
   for (const auto& line : differ) text += (text.empty() ? "" : "; ") + line;
   if (text.empty()) text = "every rank reports " + mine;
-  return text + "; " + list(waiting) + (waiting.size() == 1 ? " is" : " are") +
+  return text + "; " + detail::format_ranks(waiting) + (waiting.size() == 1 ? " is" : " are") +
          (connection_lost ? " in " : " waiting in ") + mine;
 }
 
@@ -361,9 +356,7 @@ COHORT_DECL auto gloo::missing_at_rendezvous(cohort::store& store) const -> std:
     return "the store is unreachable";
   }
   if (missing.empty()) return "every rank published its address";
-  std::string text = missing.size() == 1 ? "rank " : "ranks ";
-  for (std::size_t k = 0; k < missing.size(); ++k) text += (k ? ", " : "") + std::to_string(missing[k]);
-  return text + " never arrived at the rendezvous";
+  return detail::format_ranks(missing) + " never arrived at the rendezvous";
 }
 
 COHORT_DECL auto gloo::scratch_bytes(std::size_t bytes) -> std::vector<std::byte>& {

@@ -4,7 +4,10 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstdio>
 #include <cstdlib>
+#include <ctime>
+#include <exception>
 #include <functional>
 #include <initializer_list>
 #include <optional>
@@ -515,6 +518,52 @@ COHORT_DECL launch_env launch_env::explicit_values(int rank, int world_size, int
                            throw error(-1, "launch_env::explicit_values", what, hint);
                          });
   return env;
+}
+
+COHORT_DECL std::string detail::json_escape(std::string_view text) {
+  std::string out;
+  out.reserve(text.size() + 16);
+  for (const char c : text) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      case '\r': out += "\\r"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char escaped[8];
+          std::snprintf(escaped, sizeof escaped, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
+          out += escaped;
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out;
+}
+
+COHORT_DECL bool record_error_for_launcher(std::string_view type_name, std::string_view message) {
+  const char* path = std::getenv("TORCHELASTIC_ERROR_FILE");
+  if (path == nullptr || *path == '\0') return false;
+  // "x": never replace a file already there (the first error is the root cause).
+  std::FILE* file = std::fopen(path, "wx");
+  if (file == nullptr) return false;
+  const std::string summary = detail::json_escape(std::string(type_name) + ": " + std::string(message));
+  // torchrun's agent reads message.message and message.extraInfo.timestamp; py_callstack is
+  // where a Python worker puts its traceback, shown when present.
+  const std::string json = "{\"message\": {\"message\": \"" + summary + "\", \"extraInfo\": {\"py_callstack\": \"" +
+                           summary + "\\n(a C++ program: no Python call stack)\", \"timestamp\": \"" +
+                           std::to_string(static_cast<long long>(std::time(nullptr))) + "\"}}}";
+  const bool written = std::fwrite(json.data(), 1, json.size(), file) == json.size();
+  return std::fclose(file) == 0 && written;
+}
+
+COHORT_DECL bool record_error_for_launcher(const std::exception& failure) {
+  const char* type_name = dynamic_cast<const timeout_error*>(&failure) ? "cohort::timeout_error"
+                          : dynamic_cast<const error*>(&failure)       ? "cohort::error"
+                                                                       : "std::exception";
+  return record_error_for_launcher(type_name, failure.what());
 }
 
 }  // namespace cohort::inline v0

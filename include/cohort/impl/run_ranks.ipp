@@ -31,8 +31,10 @@ COHORT_DECL void finish_launched_rank(store& rendezvous, const launch_env& env, 
       std::rethrow_exception(failure);
     } catch (const std::exception& raised) {
       reason = raised.what();
+      record_error_for_launcher(raised);
     } catch (...) {
       reason = "an exception that is not a std::exception";
+      record_error_for_launcher("unknown", reason);
     }
     rendezvous.set(base + "failure/" + std::to_string(env.rank), reason);
     rendezvous.add(base + "failed", 1);
