@@ -299,3 +299,52 @@ TEST_CASE("under torchrun the failing rank's error reaches the agent's error fil
   std::remove((directory + "/error1.json").c_str());
   ::rmdir(directory.c_str());
 }
+
+TEST_CASE("a stopped rank (SIGSTOP) is named by the others within the timeout", "[multiprocess][faults]") {
+  // A stopped process keeps its sockets open: nothing resets, the others only wait. They
+  // must still end within the timeout and report window, naming the stopped rank.
+  const std::string port = std::to_string(free_port());
+  std::vector<environment> envs;
+  for (int r = 0; r < 3; ++r)
+    envs.push_back({{"RANK", std::to_string(r)},
+                    {"WORLD_SIZE", "3"},
+                    {"LOCAL_RANK", std::to_string(r)},
+                    {"LOCAL_WORLD_SIZE", "3"},
+                    {"MASTER_ADDR", "127.0.0.1"},
+                    {"MASTER_PORT", port}});
+  const auto started = std::chrono::steady_clock::now();
+  const auto codes = run_children(envs, [] {
+    const auto env = cohort::launch_env::detect();
+    auto store = cohort::connect_store(env);
+    cohort::gloo::options opts;
+    opts.timeout = std::chrono::seconds(2);
+    cohort::process_group<cohort::gloo> pg{store, env, opts};
+    std::vector<float> data(1 << 12, 1.0f);
+    pg.all_reduce(std::span<float>(data)).wait();
+    if (pg.rank() == 2) {
+      // A helper wakes this rank after the others have given up, so the test can end.
+      const pid_t self = ::getpid();
+      if (::fork() == 0) {
+        ::sleep(8);
+        ::kill(self, SIGCONT);
+        ::_exit(0);
+      }
+      ::raise(SIGSTOP);
+      ::_exit(7);
+    }
+    const auto issued = std::chrono::steady_clock::now();
+    try {
+      pg.all_reduce(std::span<float>(data)).wait();
+    } catch (const cohort::timeout_error& failure) {
+      std::fprintf(stderr, "rank %d saw: %s\n", pg.rank(), failure.what());
+      // The timeout (2 s) and the report window (2 s), with room for a loaded machine.
+      if (std::chrono::steady_clock::now() - issued > std::chrono::seconds(7)) return 4;
+      const bool names_culprit =
+          std::string_view(failure.what()).find("rank 2 never issued all_reduce #2") != std::string_view::npos;
+      return names_culprit ? 0 : 3;
+    }
+    return 1;
+  });
+  REQUIRE(codes == std::vector<int>{0, 0, 7});
+  REQUIRE(std::chrono::steady_clock::now() - started < std::chrono::seconds(30));
+}
