@@ -106,18 +106,30 @@ int sum_of_ranks() {
   return ok ? 0 : 1;
 }
 
+std::vector<environment> torchrun_envs(int launched, int world, const std::string& port) {
+  std::vector<environment> envs;
+  for (int r = 0; r < launched; ++r)
+    envs.push_back({{"RANK", std::to_string(r)},
+                    {"WORLD_SIZE", std::to_string(world)},
+                    {"LOCAL_RANK", std::to_string(r)},
+                    {"LOCAL_WORLD_SIZE", std::to_string(world)},
+                    {"MASTER_ADDR", "127.0.0.1"},
+                    {"MASTER_PORT", port}});
+  return envs;
+}
+
+// A Gloo group over the launcher's environment and store, as a launched trainer makes one.
+cohort::process_group<cohort::gloo> launched_gloo_group(std::chrono::milliseconds timeout) {
+  const auto env = cohort::launch_env::detect();
+  cohort::gloo::options opts;
+  opts.timeout = timeout;
+  return cohort::process_group<cohort::gloo>(cohort::connect_store(env), env, opts);
+}
+
 }  // namespace
 
 TEST_CASE("torchrun-style environments rendezvous through the TCP store", "[multiprocess]") {
-  const std::string port = std::to_string(free_port());
-  std::vector<environment> envs;
-  for (int r = 0; r < 3; ++r)
-    envs.push_back({{"RANK", std::to_string(r)},
-                    {"WORLD_SIZE", "3"},
-                    {"LOCAL_RANK", std::to_string(r)},
-                    {"LOCAL_WORLD_SIZE", "3"},
-                    {"MASTER_ADDR", "127.0.0.1"},
-                    {"MASTER_PORT", port}});
+  const auto envs = torchrun_envs(3, 3, std::to_string(free_port()));
   REQUIRE(run_children(envs, sum_of_ranks) == std::vector<int>(3, 0));
 }
 
@@ -159,22 +171,10 @@ TEST_CASE("Open MPI, MPICH and Slurm environments run the same collectives", "[m
 }
 
 TEST_CASE("a rank process that dies is an error on the others within the timeout", "[multiprocess][faults]") {
-  const std::string port = std::to_string(free_port());
-  std::vector<environment> envs;
-  for (int r = 0; r < 3; ++r)
-    envs.push_back({{"RANK", std::to_string(r)},
-                    {"WORLD_SIZE", "3"},
-                    {"LOCAL_RANK", std::to_string(r)},
-                    {"LOCAL_WORLD_SIZE", "3"},
-                    {"MASTER_ADDR", "127.0.0.1"},
-                    {"MASTER_PORT", port}});
+  const auto envs = torchrun_envs(3, 3, std::to_string(free_port()));
   const auto started = std::chrono::steady_clock::now();
   const auto codes = run_children(envs, [] {
-    const auto env = cohort::launch_env::detect();
-    auto store = cohort::connect_store(env);
-    cohort::gloo::options opts;
-    opts.timeout = std::chrono::seconds(2);
-    cohort::process_group<cohort::gloo> pg{store, env, opts};
+    auto pg = launched_gloo_group(std::chrono::seconds(2));
     std::vector<float> data(1 << 16, 1.0f);
     pg.all_reduce(std::span<float>(data)).wait();
     if (pg.rank() == 2) ::_exit(42);  // dies without a word, mid-training
@@ -215,18 +215,6 @@ int launched_job(int dying) {
     code = 0;
   }
   return code;
-}
-
-std::vector<environment> torchrun_envs(int launched, int world, const std::string& port) {
-  std::vector<environment> envs;
-  for (int r = 0; r < launched; ++r)
-    envs.push_back({{"RANK", std::to_string(r)},
-                    {"WORLD_SIZE", std::to_string(world)},
-                    {"LOCAL_RANK", std::to_string(r)},
-                    {"LOCAL_WORLD_SIZE", std::to_string(world)},
-                    {"MASTER_ADDR", "127.0.0.1"},
-                    {"MASTER_PORT", port}});
-  return envs;
 }
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
@@ -303,22 +291,10 @@ TEST_CASE("under torchrun the failing rank's error reaches the agent's error fil
 TEST_CASE("a stopped rank (SIGSTOP) is named by the others within the timeout", "[multiprocess][faults]") {
   // A stopped process keeps its sockets open: nothing resets, the others only wait. They
   // must still end within the timeout and report window, naming the stopped rank.
-  const std::string port = std::to_string(free_port());
-  std::vector<environment> envs;
-  for (int r = 0; r < 3; ++r)
-    envs.push_back({{"RANK", std::to_string(r)},
-                    {"WORLD_SIZE", "3"},
-                    {"LOCAL_RANK", std::to_string(r)},
-                    {"LOCAL_WORLD_SIZE", "3"},
-                    {"MASTER_ADDR", "127.0.0.1"},
-                    {"MASTER_PORT", port}});
+  const auto envs = torchrun_envs(3, 3, std::to_string(free_port()));
   const auto started = std::chrono::steady_clock::now();
   const auto codes = run_children(envs, [] {
-    const auto env = cohort::launch_env::detect();
-    auto store = cohort::connect_store(env);
-    cohort::gloo::options opts;
-    opts.timeout = std::chrono::seconds(2);
-    cohort::process_group<cohort::gloo> pg{store, env, opts};
+    auto pg = launched_gloo_group(std::chrono::seconds(2));
     std::vector<float> data(1 << 12, 1.0f);
     pg.all_reduce(std::span<float>(data)).wait();
     if (pg.rank() == 2) {

@@ -291,7 +291,6 @@ class gloo {
   std::shared_ptr<::gloo::Context> context_;
   std::shared_ptr<cohort::store> store_;  // the group's namespace, for failure reports
   std::atomic<std::uint64_t> collectives_issued_{0};
-  std::atomic<std::uint64_t> collectives_completed_{0};
   std::map<std::tuple<int, std::uint64_t, bool>, std::uint64_t> p2p_issued_;  // guarded by p2p_mutex_
   std::vector<std::byte> scratch_;                                            // used by the worker thread only
   std::shared_ptr<worker_type> worker_;  // last: their threads run run(), which uses the above

@@ -213,9 +213,6 @@ COHORT_DECL auto gloo::describe(const detail::gloo_task& task) -> std::string {
 COHORT_DECL auto gloo::run(detail::gloo_task& task) -> void {
   try {
     execute(task);
-    if (task.what != task_kind::function && task.what != task_kind::send && task.what != task_kind::recv &&
-        task.what != task_kind::p2p_wait)
-      collectives_completed_.store(task.sequence, std::memory_order_relaxed);
   } catch (const error&) {
     throw;
   } catch (const ::gloo::IoException& failure) {
