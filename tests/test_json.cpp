@@ -85,6 +85,9 @@ TEST_CASE("json: numbers keep their value through a round trip") {
   CHECK(parse_json("1E3").as_number() == 1000.0);
   CHECK(json(-0.0).dump() == "0");
   CHECK(json(42).dump() == "42");
+  CHECK(json(1764600030000000.0).dump() == "1764600030000000");  // digits, not 1.76460003e+15
+  CHECK(json(-1e15).dump() == "-1000000000000000");
+  CHECK(json(1e300).dump() == "1e+300");
 }
 
 TEST_CASE("json: integers are checked, not truncated") {

@@ -145,6 +145,10 @@ class json {
       throw cohort::error(-1, "json", "cannot write a non-finite number (NaN or infinity)",
                           "JSON has no spelling for it; write null or a string instead");
     if (number == 0) return "0";  // also turns -0 into 0
+    // Whole numbers an int64 holds exactly print as digits: 1764600030000000, not the
+    // shorter 1.76460003e+15 that to_chars picks (timestamps, byte counts).
+    if (std::floor(number) == number && std::fabs(number) < 9007199254740992.0)
+      return std::to_string(static_cast<long long>(number));
     char buffer[32];
     auto [end, ec] = std::to_chars(buffer, buffer + sizeof buffer, number);
     (void)ec;  // 32 characters always hold the shortest round-trip form of a double
