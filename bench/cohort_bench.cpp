@@ -57,6 +57,8 @@ Operations: all_reduce, all_gather, reduce_scatter, broadcast, all_to_all (or nc
                        column: the ratio of their medians (default iters x repetitions)
   --json FILE          write every row and the environment as JSON (rank 0)
   --timeout SECONDS    bound of every collective and of the rendezvous (default 300)
+  --recorder N         flight-recorder entries of the measured group (default 2048, as a
+                       group's default; 0 turns the recorder off, to see what it costs)
   -h, --help           this text
 
 Columns follow nccl-tests: size is the full buffer in bytes, time the mean of one call in
@@ -129,6 +131,7 @@ struct command_line {
   std::optional<int> ranks;
   std::string json_path;
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  std::size_t recorder_entries = 2048;
   bool max_given = false;
 };
 
@@ -195,6 +198,8 @@ command_line parse(int argc, char** argv) {
       cl.json_path = value();
     } else if (flag == "--timeout") {
       cl.timeout = std::chrono::seconds(parse_int(flag, value(), 1));
+    } else if (flag == "--recorder") {
+      cl.recorder_entries = static_cast<std::size_t>(parse_int(flag, value(), 0));
     } else {
       fail("unknown option \"" + flag + "\"");
     }
@@ -267,6 +272,7 @@ int run_rank(const command_line& cl, std::shared_ptr<cohort::store> store, const
   cohort::process_group<cohort::gloo> control{store, env, control_options};
   typename B::options data_options;
   data_options.timeout = cl.timeout;
+  data_options.flight_recorder_entries = cl.recorder_entries;
   cohort::process_group<B> pg{store, env, data_options};
 
   std::string gpu = "-";

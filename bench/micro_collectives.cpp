@@ -10,6 +10,9 @@
 //   gloo_raw_all_reduce/bytes      gloo::allreduce(AllreduceOptions) on pg.backend().context()
 //   gloo_cohort_round_trip         pg.backend().record().wait(): an empty task to the worker
 //                                  and back, the hand-off alone
+//   gloo_cohort_all_reduce_unrecorded/bytes
+//                                  as gloo_cohort_all_reduce with the flight recorder off: the
+//                                  difference is what recording every call costs
 //
 //   ./micro_collectives --benchmark_min_time=0.5 --benchmark_repetitions=5
 //       --benchmark_report_aggregates_only=true
@@ -43,9 +46,10 @@ std::shared_ptr<cohort::store> shared_store(int world) {
   return store;
 }
 
-cohort::process_group<cohort::gloo> make_group(const benchmark::State& state) {
+cohort::process_group<cohort::gloo> make_group(const benchmark::State& state, std::size_t recorder_entries = 2048) {
   cohort::gloo::options options;
   options.timeout = std::chrono::seconds(30);
+  options.flight_recorder_entries = recorder_entries;
   return cohort::process_group<cohort::gloo>(shared_store(state.threads()),
                                              cohort::launch_env::explicit_ranks(state.thread_index(), state.threads()),
                                              options);
@@ -57,6 +61,14 @@ void gloo_cohort_all_reduce(benchmark::State& state) {
   for (auto _ : state) pg.all_reduce(std::span<float>(data)).wait();
   state.SetBytesProcessed(state.iterations() * state.range(0));
   pg.barrier().wait();  // no rank tears down its context while a peer is still in a call
+}
+
+void gloo_cohort_all_reduce_unrecorded(benchmark::State& state) {
+  auto pg = make_group(state, 0);
+  std::vector<float> data(static_cast<std::size_t>(state.range(0)) / sizeof(float), 1.0f);
+  for (auto _ : state) pg.all_reduce(std::span<float>(data)).wait();
+  state.SetBytesProcessed(state.iterations() * state.range(0));
+  pg.barrier().wait();
 }
 
 void gloo_raw_all_reduce(benchmark::State& state) {
@@ -84,6 +96,7 @@ void gloo_cohort_round_trip(benchmark::State& state) {
 }  // namespace
 
 BENCHMARK(gloo_cohort_all_reduce)->RangeMultiplier(64)->Range(64, 4 << 20)->Threads(1)->Threads(2)->UseRealTime();
+BENCHMARK(gloo_cohort_all_reduce_unrecorded)->Arg(64)->Threads(1)->UseRealTime();
 BENCHMARK(gloo_raw_all_reduce)->RangeMultiplier(64)->Range(64, 4 << 20)->Threads(1)->Threads(2)->UseRealTime();
 BENCHMARK(gloo_cohort_round_trip)->Threads(1)->UseRealTime();
 

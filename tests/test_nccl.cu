@@ -7,7 +7,9 @@
 #include <cohort/ops.hpp>
 #include <cohort/process_group.hpp>
 
+#include <chrono>
 #include <cmath>
+#include <thread>
 #include <vector>
 
 #include "support.hpp"
@@ -137,4 +139,51 @@ TEST_CASE("two ranks on one GPU are refused before NCCL sees them", "[nccl]") {
     INFO(text);
     REQUIRE_THAT(text, Catch::Contains("ranks 0 and 1") && Catch::Contains("LOCAL_RANK"));
   }
+}
+
+namespace {
+// Spins until the host sets *release: work queued behind it on a stream cannot start.
+__global__ void spin_until(volatile int* release) {
+  while (*release == 0) {}
+}
+}  // namespace
+
+TEST_CASE("the watchdog bounds work nobody waits for, records it, and the next call throws", "[nccl][watchdog]") {
+  require_gpu();
+  cohort::nccl::options opts;
+  opts.timeout = std::chrono::seconds(1);
+  opts.watchdog_interval = std::chrono::milliseconds(50);
+  opts.on_async_error = cohort::async_error_handling::throw_on_next_call;
+  cohort::process_group<cohort::nccl> pg(std::make_shared<cohort::memory_store>(),
+                                         cohort::launch_env::explicit_ranks(0, 1), opts);
+  device_buffer<float> data(1024);
+  pg.all_reduce(data.span()).wait();  // one that completes
+  int* release = nullptr;
+  REQUIRE(cudaHostAlloc(&release, sizeof(int), cudaHostAllocMapped) == cudaSuccess);
+  *release = 0;
+  int* device_release = nullptr;
+  REQUIRE(cudaHostGetDevicePointer(&device_release, release, 0) == cudaSuccess);
+  cudaStream_t caller;
+  cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking);
+  spin_until<<<1, 1, 0, caller>>>(device_release);
+  pg.backend().wait_for_caller(caller);
+  auto stuck = pg.all_reduce(data.span());  // behind the spinning kernel: never waited for
+  (void)stuck;
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  const auto calls = pg.backend().recorder().snapshot();
+  REQUIRE(calls.size() == 2);
+  CHECK(calls[0].state == cohort::detail::call_state::completed);
+  CHECK(calls[1].sequence == 2);
+  CHECK(calls[1].state == cohort::detail::call_state::failed);
+  try {
+    pg.all_reduce(data.span());
+    FAIL("a call on a group the watchdog aborted was accepted");
+  } catch (const cohort::timeout_error& failure) {
+    CHECK_THAT(failure.what(), Catch::Contains("all_reduce #2 (float x 1024, sum)") &&
+                                   Catch::Contains("the watchdog aborted the communicator"));
+  }
+  *release = 1;
+  cudaStreamSynchronize(caller);
+  cudaStreamDestroy(caller);
+  cudaFreeHost(release);
 }

@@ -76,6 +76,9 @@ if [ $ok = 1 ]; then
     step "bench_$operation" 120 "$build/bench/cohort-bench" "$operation" --backend nccl --ranks 1 -b 8 -e 1G -f 2 \
       --json "$out/bench-$operation.json"
   done
+  # What the flight recorder costs on NCCL's small calls: the same sweep with it off.
+  step bench_all_reduce_unrecorded 60 "$build/bench/cohort-bench" all_reduce --backend nccl --ranks 1 -b 8 -e 1M \
+    -f 4 --recorder 0 --json "$out/bench-all_reduce-unrecorded.json"
 fi
 
 python3 - "$out" "$((SECONDS - begin))" <<'PY'
@@ -98,7 +101,7 @@ for name in sorted(os.listdir(out)):
         data = json.load(open(os.path.join(out, name)))
         rows = [{k: row.get(k) for k in ("bytes", "time_us", "busbw_GBps", "inplace_time_us", "inplace_busbw_GBps",
                                           "raw_time_us", "cohort_over_raw", "wrong", "inplace_wrong")} for row in data["rows"]]
-        summary["bench"][data["operation"]] = {
+        summary["bench"][name[len("bench-"):-len(".json")]] = {  # all_reduce, all_reduce-unrecorded, ...
             "min_cohort_over_raw": data.get("min_cohort_over_raw"), "mean_cohort_over_raw": data.get("mean_cohort_over_raw"),
             "wrong_total": data.get("wrong_total"), "rows": rows}
 # On a GPU machine a CUDA test that skips is a failure too: every one must run and pass.

@@ -95,6 +95,7 @@ class process_group {
     store_->set_rank(env.rank);
     store_->set_timeout(opts.timeout);
     backend_ = std::make_unique<B>(store_, env, opts);
+    pass_debug_checks_to_backend();
   }
 
   process_group(process_group&&) noexcept = default;
@@ -108,7 +109,10 @@ class process_group {
   B& backend() noexcept { return *backend_; }
   const std::shared_ptr<prefix_store>& group_store() const noexcept { return store_; }
   bool debug_checks() const noexcept { return debug_; }
-  void set_debug_checks(bool on) noexcept { debug_ = on; }
+  void set_debug_checks(bool on) noexcept {
+    debug_ = on;
+    pass_debug_checks_to_backend();
+  }
 
   // --- collectives -----------------------------------------------------------------------
   template <element T>
@@ -306,7 +310,14 @@ class process_group {
 
  private:
   process_group(launch_env env, std::shared_ptr<prefix_store> group_store, std::unique_ptr<B> impl, bool debug)
-      : env_(std::move(env)), store_(std::move(group_store)), backend_(std::move(impl)), debug_(debug) {}
+      : env_(std::move(env)), store_(std::move(group_store)), backend_(std::move(impl)), debug_(debug) {
+    pass_debug_checks_to_backend();
+  }
+
+  // A backend that checks calls of its own (Gloo's point-to-point pairs) follows the group.
+  void pass_debug_checks_to_backend() noexcept {
+    if constexpr (requires(B & engine) { engine.set_debug_checks(true); }) backend_->set_debug_checks(debug_);
+  }
 
   static void validate_env(const launch_env& env) {
     if (env.world_size < 1 || env.rank < 0 || env.rank >= env.world_size)

@@ -24,6 +24,7 @@
 
 #include "cohort/detail/config.hpp"
 #include "cohort/detail/fifo_worker.hpp"
+#include "cohort/detail/flight_recorder.hpp"
 #include "cohort/detail/fnv1a.hpp"
 #include "cohort/detail/host_elementwise.hpp"
 #include "cohort/detail/host_math.hpp"
@@ -59,6 +60,7 @@ struct gloo_p2p {
   std::unique_ptr<::gloo::transport::UnboundBuffer> buffer;
   std::uint64_t post_sequence = 0;
   bool sending = false;
+  bool debug = false;  // COHORT_DEBUG: the completion compares both sides first
 
   gloo_p2p();
   ~gloo_p2p();
@@ -90,6 +92,7 @@ struct gloo_task {
   // The call's number in its group: collectives (and barriers) count 1, 2, ... in issue
   // order; point-to-point calls count per (peer, tag, direction). 0 for host tasks.
   std::uint64_t sequence = 0;
+  std::uint64_t record = 0;  // the call's id in the group's flight recorder (0: not recorded)
   std::function<void()> fn;
   std::shared_ptr<gloo_p2p> p2p;
 };
@@ -120,6 +123,16 @@ class gloo {
     // else this host's name (GLOO_SOCKET_IFNAME / `interface` select a NIC instead).
     std::string hostname;
     std::string interface;
+    // The flight recorder's ring: the last this many calls, written to
+    // `trace_dir`/rank<R>.<group>.json when a call fails. 0 turns recording off.
+    std::size_t flight_recorder_entries = 2048;
+    // Empty: the environment variable COHORT_TRACE_DIR; unset: no trace files.
+    std::string trace_dir;
+    // How often the watchdog looks for failures no cohort call has reported; 0: no watchdog.
+    // Every Gloo call is bounded by `timeout` on its own, so here the watchdog acts on a
+    // failed call nobody waits for within `timeout` (see async_error_handling).
+    std::chrono::milliseconds watchdog_interval{std::chrono::seconds(1)};
+    async_error_handling on_async_error = async_error_handling::abort_process;
   };
 
   using worker_type = detail::fifo_worker<detail::gloo_task>;
@@ -185,6 +198,13 @@ class gloo {
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return size_; }
   const options& settings() const noexcept { return options_; }
+  // The group's last calls (see options::flight_recorder_entries).
+  const detail::flight_recorder& recorder() const noexcept { return recorder_; }
+  // Writes the flight recorder to `directory` now (as a failure does when trace_dir is set);
+  // returns the file's path, empty when it could not be written.
+  std::string write_trace(const std::string& directory, std::string_view reason) const;
+  // Cross-rank checks of point-to-point pairs (process_group::set_debug_checks sets this).
+  void set_debug_checks(bool on) noexcept { debug_checks_.store(on, std::memory_order_relaxed); }
   const std::shared_ptr<::gloo::Context>& context() const noexcept { return context_; }
 
   // --- collectives (type-erased; process_group<gloo> adds the typed, checked surface) -----
@@ -238,6 +258,9 @@ class gloo {
   static std::shared_ptr<::gloo::transport::Device> make_device(const launch_env& env, const options& opts);
 
   void connect(std::shared_ptr<cohort::store> store);
+  void start_watchdog();
+  // The failure the watchdog acts on: a failed call no wait or test reported within `timeout`.
+  std::exception_ptr unreported_failure() const;
 
   static detail::gloo_task task(task_kind what, dtype type = dtype::uint8, op reduce = op::sum,
                                 const void* in = nullptr, void* out = nullptr, std::size_t count = 0, int peer = 0,
@@ -247,9 +270,18 @@ class gloo {
 
   work post(detail::gloo_task operation);
 
+  static detail::call_record as_call(const detail::gloo_task& task);
   static std::string describe(const detail::gloo_task& task);
 
   void run(detail::gloo_task& task);
+  // The cohort error a failed engine call becomes, naming the call and the rank at fault.
+  std::exception_ptr explain(const detail::gloo_task& task, std::exception_ptr raised);
+  // The first failure of the group writes its flight recorder (when trace_dir is set).
+  void keep_trace(const std::exception_ptr& failure);
+  // COHORT_DEBUG: both sides of a point-to-point pair publish what they move; the
+  // completion (never the caller: a ring of sends would deadlock) compares them.
+  std::string p2p_debug_key(const detail::gloo_task& task, bool mine) const;
+  void check_p2p_pair(const detail::gloo_task& task);
 
   void execute(detail::gloo_task& task);
 
@@ -269,9 +301,7 @@ class gloo {
 
   [[noreturn]] void throw_timeout(const detail::gloo_task& task);
 
-  // After a call failed: this rank publishes the call it is in to the group's store and
-  // reads what the other ranks published, for a short while, so that the error names the
-  // rank at fault ("rank 2 never issued all_reduce #7 (...); rank 0 waits in it").
+  // After a call failed: who is at fault (detail::name_the_culprit; collectives only).
   std::string name_the_culprit(const detail::gloo_task& task, bool connection_lost);
   // Which ranks never published their rendezvous address (a rendezvous that timed out).
   std::string missing_at_rendezvous(cohort::store& store) const;
@@ -291,12 +321,16 @@ class gloo {
   std::shared_ptr<::gloo::Context> context_;
   std::shared_ptr<cohort::store> store_;  // the group's namespace, for failure reports
   std::atomic<std::uint64_t> collectives_issued_{0};
+  detail::flight_recorder recorder_{options_.flight_recorder_entries};
+  std::atomic<bool> trace_written_{false};
+  std::atomic<bool> debug_checks_{false};
   std::map<std::tuple<int, std::uint64_t, bool>, std::uint64_t> p2p_issued_;  // guarded by p2p_mutex_
   std::vector<std::byte> scratch_;                                            // used by the worker thread only
   std::shared_ptr<worker_type> worker_;  // last: their threads run run(), which uses the above
   std::shared_ptr<worker_type> p2p_worker_;
   std::mutex p2p_mutex_;
   std::vector<std::weak_ptr<detail::gloo_p2p>> live_p2p_;
+  std::unique_ptr<detail::watchdog> watchdog_;  // destroyed first: it reads the workers
 };
 
 }  // namespace cohort::inline v0

@@ -15,8 +15,11 @@
 #include <nccl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -26,6 +29,7 @@
 
 #include "cohort/detail/config.hpp"
 #include "cohort/detail/device_identity.hpp"
+#include "cohort/detail/flight_recorder.hpp"
 #include "cohort/error.hpp"
 #include "cohort/launch.hpp"
 #include "cohort/store.hpp"
@@ -64,8 +68,10 @@ inline ncclRedOp_t nccl_op(op reduce) {
   return ncclSum;
 }
 
+struct nccl_event;
+
 // What every work handle of one communicator shares: the communicator, its stream, the
-// event pool, and whether the communicator has been aborted.
+// event pool, whether the communicator has been aborted, and what the watchdog watches.
 struct nccl_state {
   int rank = 0;
   int size = 1;
@@ -91,6 +97,37 @@ struct nccl_state {
 
   // Non-blocking communicators may answer ncclInProgress; wait until the call is enqueued.
   void settle(const std::string& operation, ncclResult_t status);
+
+  // --- failure reporting (cohort/detail/flight_recorder.hpp) ----------------------------
+  // A call on the stream that the watchdog polls until its event completes. The stream runs
+  // calls in issue order, so only the oldest can be overdue first.
+  struct outstanding_call {
+    call_record call;
+    std::uint64_t record = 0;
+    std::chrono::steady_clock::time_point issued;
+    std::shared_ptr<nccl_event> done;
+  };
+  std::unique_ptr<flight_recorder> recorder;
+  std::shared_ptr<cohort::store> store;  // the group's namespace, for failure reports
+  std::string group;
+  std::string trace_dir;
+  bool watched = false;  // a watchdog polls `outstanding` (else nothing is queued there)
+  std::atomic<bool> trace_written{false};
+  std::mutex watch_mutex;  // guards the members below; never taken while holding `mutex`
+  std::deque<outstanding_call> outstanding;
+  std::uint64_t collectives_issued = 0;
+  std::map<std::pair<int, bool>, std::uint64_t> p2p_issued;  // (peer, sending): NCCL has no tags
+
+  // Numbers the call, records it and, when watched, queues it for the watchdog.
+  void issued(call_record call, const std::shared_ptr<nccl_event>& done);
+  // The watchdog's check: completes finished calls in the recorder; past the timeout (or on
+  // an asynchronous NCCL error) aborts the communicator and returns the error naming the
+  // rank at fault. Nothing once the group was aborted by a call that reported it.
+  std::exception_ptr watch();
+  // "rank 2 never issued all_reduce #7 (...); ranks 0, 1 are waiting in it" for the oldest
+  // call not complete (or `operation` when none is known), asking the other ranks.
+  std::string name_the_culprit(const std::string& operation);
+  void keep_trace(std::string_view failure);
 };
 
 // A pooled event that returns to its pool when the last work handle holding it goes.
@@ -117,6 +154,14 @@ class nccl {
     bool debug_checks = false;  // also COHORT_DEBUG=1
     // GPU to drive; -1 picks local_rank (one rank per GPU, as NCCL requires).
     int device = -1;
+    // The flight recorder's ring (0: off); trace files go to `trace_dir` or COHORT_TRACE_DIR.
+    std::size_t flight_recorder_entries = 2048;
+    std::string trace_dir;
+    // How often the watchdog polls the stream's outstanding calls and NCCL's asynchronous
+    // error; 0: no watchdog (then a kernel stuck behind which the caller's stream waits is
+    // bounded only by waits made through cohort). Past `timeout` it aborts the communicator.
+    std::chrono::milliseconds watchdog_interval{100};
+    async_error_handling on_async_error = async_error_handling::abort_process;
   };
 
   class work {
@@ -175,15 +220,19 @@ class nccl {
         if (!blocking) return false;
         if (std::chrono::steady_clock::now() > deadline) {
           state.abort(operation_ + " exceeded the timeout");
-          throw timeout_error(state.rank, "nccl." + operation_,
-                              "not complete after " + detail::format_duration(state.timeout) + "; communicator aborted",
-                              "a peer never entered this collective: it hangs, crashed, or issued "
-                              "collectives in another order (COHORT_DEBUG=1 compares calls)");
+          const std::string culprit = state.name_the_culprit(operation_);
+          state.keep_trace(culprit);
+          throw timeout_error(
+              state.rank, "nccl." + operation_,
+              culprit + ": not complete after " + detail::format_duration(state.timeout) + "; communicator aborted",
+              "a peer never entered this collective: it hangs, crashed, or issued "
+              "collectives in another order (COHORT_DEBUG=1 compares calls)");
         }
         if (round > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
       }
     }
 
+    friend class nccl;
     std::shared_ptr<detail::nccl_event> event_;
     std::string operation_;
   };
@@ -205,6 +254,8 @@ class nccl {
   cudaStream_t stream() const noexcept { return state_->stream; }
   ncclComm_t communicator() const noexcept { return state_->comm; }
   const options& settings() const noexcept { return options_; }
+  const detail::flight_recorder& recorder() const noexcept { return *state_->recorder; }
+  std::string write_trace(const std::string& directory, std::string_view reason) const;
 
   work all_reduce(const void* in, void* out, std::size_t count, dtype type, op reduce);
   work reduce_scatter(const void* in, void* out, std::size_t count_per_rank, dtype type, op reduce);
@@ -235,13 +286,18 @@ class nccl {
   void finish_init(const std::string& operation, ncclResult_t status);
 
   void create_stream_and_scratch();
+  // The recorder, the group's name and the watchdog (after the communicator exists).
+  void start_failure_reporting(std::shared_ptr<cohort::store> group_store);
 
   template <class Call>
-  work issue(const char* operation, Call&& call) {
+  work issue(const char* operation, const detail::call_record& recorded, Call&& call) {
+    if (watchdog_) watchdog_->rethrow_if_failed();
     state_->check_usable(operation);
     // settle() only when NCCL did not answer ncclSuccess: it reads the clock for its deadline.
     if (const ncclResult_t status = call(); status != ncclSuccess) state_->settle(operation, status);
-    return record_event(operation);
+    work done = record_event(operation);
+    state_->issued(recorded, done.event_);
+    return done;
   }
 
   work record_event(const char* operation);
@@ -249,6 +305,7 @@ class nccl {
   std::shared_ptr<detail::nccl_state> state_;
   options options_;
   void* barrier_scratch_ = nullptr;
+  std::unique_ptr<detail::watchdog> watchdog_;
 };
 
 }  // namespace cohort::inline v0

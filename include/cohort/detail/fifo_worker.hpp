@@ -92,7 +92,18 @@ class fifo_worker {
     if (!any_failure_.load(std::memory_order_acquire)) return nullptr;
     std::lock_guard lock(mutex_);
     auto it = failures_.find(seq);
-    return it == failures_.end() ? nullptr : it->second;
+    if (it == failures_.end()) return nullptr;
+    failure_reported_ = true;
+    return it->second;
+  }
+
+  // The first failure, when no one has asked for any failure (failure() returning one) in
+  // the `grace` since it happened: a failure that no wait or test will report in time.
+  std::exception_ptr unreported_failure(std::chrono::steady_clock::duration grace) const {
+    if (!any_failure_.load(std::memory_order_acquire)) return nullptr;
+    std::lock_guard lock(mutex_);
+    if (failure_reported_ || std::chrono::steady_clock::now() - first_failure_at_ < grace) return nullptr;
+    return first_failure_;
   }
 
  private:
@@ -118,7 +129,10 @@ class fifo_worker {
     }
     lock.lock();
     if (failed) {
-      if (!first_failure_) first_failure_ = failed;
+      if (!first_failure_) {
+        first_failure_ = failed;
+        first_failure_at_ = std::chrono::steady_clock::now();
+      }
       failures_.emplace(next.seq, failed);
       any_failure_.store(true, std::memory_order_release);
     }
@@ -163,6 +177,8 @@ class fifo_worker {
   std::atomic<std::uint64_t> completed_{0};
   std::map<std::uint64_t, std::exception_ptr> failures_;
   std::exception_ptr first_failure_;
+  std::chrono::steady_clock::time_point first_failure_at_;
+  mutable bool failure_reported_ = false;  // guarded by mutex_
   std::atomic<bool> any_failure_{false};
   std::thread thread_;  // last: starts after every member above exists
 };

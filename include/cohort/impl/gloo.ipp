@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 #include "cohort/detail/fifo_worker.hpp"
+#include "cohort/detail/flight_recorder.hpp"
 #include "cohort/detail/fnv1a.hpp"
 #include "cohort/detail/host_elementwise.hpp"
 #include "cohort/detail/host_math.hpp"
@@ -83,6 +84,7 @@ COHORT_DECL gloo::gloo(std::shared_ptr<cohort::store> store, const launch_env& e
 }
 
 COHORT_DECL gloo::~gloo() {
+  watchdog_.reset();  // the group is going away: what is left to fail is the destructor's
   if (worker_) worker_->shutdown();
   // Point-to-point operations still unmatched would keep the completion worker waiting
   // for up to the timeout: end them, the group is going away.
@@ -154,6 +156,34 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
   context_ = std::move(context);
   worker_ = std::make_shared<worker_type>([this](detail::gloo_task& task) { run(task); });
   p2p_worker_ = std::make_shared<worker_type>([this](detail::gloo_task& task) { run(task); });
+  start_watchdog();
+}
+
+COHORT_DECL auto gloo::start_watchdog() -> void {
+  if (options_.watchdog_interval.count() <= 0) return;
+  watchdog_ = std::make_unique<detail::watchdog>(rank_, detail::group_name(*store_), options_.on_async_error,
+                                                 options_.watchdog_interval, [this] { return unreported_failure(); });
+}
+
+COHORT_DECL auto gloo::unreported_failure() const -> std::exception_ptr {
+  if (auto failure = worker_->unreported_failure(options_.timeout)) return failure;
+  return p2p_worker_->unreported_failure(options_.timeout);
+}
+
+COHORT_DECL auto gloo::write_trace(const std::string& directory, std::string_view reason) const -> std::string {
+  return detail::write_trace(directory, {detail::group_name(*store_), name, rank_, size_}, recorder_, reason);
+}
+
+COHORT_DECL auto gloo::keep_trace(const std::exception_ptr& failure) -> void {
+  const std::string directory = detail::trace_directory(options_.trace_dir);
+  if (directory.empty() || trace_written_.exchange(true)) return;
+  std::string reason = "unknown failure";
+  try {
+    std::rethrow_exception(failure);
+  } catch (const std::exception& known) {
+    reason = known.what();
+  } catch (...) {}
+  write_trace(directory, reason);
 }
 
 COHORT_DECL auto gloo::task(task_kind what, dtype type, op reduce, const void* in, void* out, std::size_t count,
@@ -171,12 +201,17 @@ COHORT_DECL auto gloo::task(task_kind what, dtype type, op reduce, const void* i
 }
 
 COHORT_DECL auto gloo::submit(detail::gloo_task queued) -> work {
-  if (queued.what != task_kind::function) queued.sequence = collectives_issued_.fetch_add(1) + 1;
+  if (watchdog_) watchdog_->rethrow_if_failed();
+  if (queued.what != task_kind::function) {
+    queued.sequence = collectives_issued_.fetch_add(1) + 1;
+    queued.record = recorder_.issued(as_call(queued));
+  }
   const std::uint64_t seq = worker_->submit(std::move(queued));
   return work(worker_, seq);
 }
 
 COHORT_DECL auto gloo::post(detail::gloo_task operation) -> work {
+  if (watchdog_) watchdog_->rethrow_if_failed();
   auto pending = std::make_shared<detail::gloo_p2p>();
   {
     std::lock_guard lock(p2p_mutex_);
@@ -185,49 +220,90 @@ COHORT_DECL auto gloo::post(detail::gloo_task operation) -> work {
     // A send to B with tag t is matched by B's recv from this rank with tag t, in order.
     operation.sequence = ++p2p_issued_[{operation.peer, operation.tag, operation.what == task_kind::send}];
   }
+  operation.record = recorder_.issued(as_call(operation));
+  if (debug_checks_.load(std::memory_order_relaxed))
+    store_->set(p2p_debug_key(operation, true),
+                std::string(to_string(operation.type)) + " x " + std::to_string(operation.count));
   auto completion = task(task_kind::p2p_wait, operation.type, op::sum, operation.in, operation.out, operation.count,
                          operation.peer, operation.tag);
   completion.sequence = operation.sequence;
+  completion.record = operation.record;
   completion.p2p = pending;
   operation.p2p = pending;
   pending->sending = operation.what == task_kind::send;
+  pending->debug = debug_checks_.load(std::memory_order_relaxed);
   pending->post_sequence = worker_->submit(std::move(operation));
   return work(p2p_worker_, p2p_worker_->submit(std::move(completion)));
 }
 
+COHORT_DECL auto gloo::as_call(const detail::gloo_task& task) -> detail::call_record {
+  using detail::call_kind;
+  detail::call_record call;
+  switch (task.what) {
+    case task_kind::all_reduce: call.kind = call_kind::all_reduce; break;
+    case task_kind::reduce_scatter: call.kind = call_kind::reduce_scatter; break;
+    case task_kind::all_gather: call.kind = call_kind::all_gather; break;
+    case task_kind::broadcast: call.kind = call_kind::broadcast; break;
+    case task_kind::all_to_all: call.kind = call_kind::all_to_all; break;
+    case task_kind::barrier: call.kind = call_kind::barrier; break;
+    case task_kind::send: call.kind = call_kind::send; break;
+    case task_kind::recv: call.kind = call_kind::recv; break;
+    case task_kind::p2p_wait: call.kind = task.p2p && task.p2p->sending ? call_kind::send : call_kind::recv; break;
+    case task_kind::function: break;  // host work: never recorded
+  }
+  call.sequence = task.sequence;
+  call.type = task.type;
+  call.reduce = task.reduce;
+  call.count = task.count;
+  call.tag = task.tag;
+  call.peer = call.kind == call_kind::broadcast || detail::is_point_to_point(call.kind) ? task.peer : -1;
+  return call;
+}
+
 COHORT_DECL auto gloo::describe(const detail::gloo_task& task) -> std::string {
-  static constexpr const char* names[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all",
-                                          "send",       "recv",           "barrier",    "host_task", "p2p_wait"};
-  std::string text = names[static_cast<int>(task.what)];
-  if (task.sequence != 0) text += " #" + std::to_string(task.sequence);
-  if (task.what == task_kind::barrier || task.what == task_kind::function) return text;
-  text += " (" + std::string(to_string(task.type)) + " x " + std::to_string(task.count);
-  if (task.what == task_kind::all_reduce || task.what == task_kind::reduce_scatter)
-    text += ", " + std::string(to_string(task.reduce));
-  if (task.what == task_kind::broadcast) text += ", root " + std::to_string(task.peer);
-  if (task.what == task_kind::send || task.what == task_kind::recv || task.what == task_kind::p2p_wait)
-    text += ", peer " + std::to_string(task.peer);
-  return text + ")";
+  if (task.what == task_kind::function) return "host_task";
+  return detail::describe(as_call(task));
 }
 
 COHORT_DECL auto gloo::run(detail::gloo_task& task) -> void {
+  // A point-to-point call starts when posted and completes when its wait does.
+  if (task.what != task_kind::p2p_wait) recorder_.started(task.record);
   try {
     execute(task);
+  } catch (...) {
+    recorder_.failed(task.record);
+    const std::exception_ptr failure = explain(task, std::current_exception());
+    keep_trace(failure);
+    std::rethrow_exception(failure);
+  }
+  if (task.what == task_kind::p2p_wait)
+    recorder_.completed(task.record, 0);
+  else if (task.what != task_kind::send && task.what != task_kind::recv)
+    recorder_.completed(task.record, task.sequence);
+}
+
+COHORT_DECL auto gloo::explain(const detail::gloo_task& task, std::exception_ptr raised) -> std::exception_ptr {
+  try {
+    std::rethrow_exception(std::move(raised));
   } catch (const error&) {
-    throw;
+    return std::current_exception();
   } catch (const ::gloo::IoException& failure) {
     const std::string what = failure.what();
     if (what.find("Timed out") != std::string::npos || what.find("timed out") != std::string::npos)
-      throw timeout_error(rank_, "gloo." + describe(task), name_the_culprit(task, false) + " [" + what + "]",
-                          "a peer did not enter the same call within " + detail::format_duration(options_.timeout) +
-                              ": it hangs, crashed, issued calls in another order, or "
-                              "passed another size or dtype (COHORT_DEBUG=1 names the calls)");
-    throw error(rank_, "gloo." + describe(task), name_the_culprit(task, true) + " [" + what + "]",
-                "a peer closed its connection: it crashed or exited early, or sizes differ "
-                "across ranks");
+      return std::make_exception_ptr(
+          timeout_error(rank_, "gloo." + describe(task), name_the_culprit(task, false) + " [" + what + "]",
+                        "a peer did not enter the same call within " + detail::format_duration(options_.timeout) +
+                            ": it hangs, crashed, issued calls in another order, or "
+                            "passed another size or dtype (COHORT_DEBUG=1 names the calls)"));
+    return std::make_exception_ptr(error(rank_, "gloo." + describe(task),
+                                         name_the_culprit(task, true) + " [" + what + "]",
+                                         "a peer closed its connection: it crashed or exited early, or sizes differ "
+                                         "across ranks"));
   } catch (const std::exception& failure) {
-    throw error(rank_, "gloo." + describe(task), failure.what(),
-                "sizes or dtypes may differ across ranks (set COHORT_DEBUG=1 to check)");
+    return std::make_exception_ptr(error(rank_, "gloo." + describe(task), failure.what(),
+                                         "sizes or dtypes may differ across ranks (set COHORT_DEBUG=1 to check)"));
+  } catch (...) {
+    return std::current_exception();
   }
 }
 
@@ -239,6 +315,7 @@ COHORT_DECL auto gloo::execute(detail::gloo_task& task) -> void {
     case task_kind::p2p_wait: {
       worker_->wait_until_done(task.p2p->post_sequence, std::chrono::steady_clock::time_point::max());
       if (auto failure = worker_->failure(task.p2p->post_sequence)) std::rethrow_exception(failure);
+      if (task.p2p->debug) check_p2p_pair(task);
       ::gloo::transport::UnboundBuffer* buffer = nullptr;
       {
         std::lock_guard lock(task.p2p->mutex);
@@ -299,47 +376,43 @@ COHORT_DECL auto gloo::name_the_culprit(const detail::gloo_task& task, bool conn
   const std::string mine = describe(task);
   const bool collective = task.what != task_kind::send && task.what != task_kind::recv &&
                           task.what != task_kind::p2p_wait && task.what != task_kind::function;
-  if (!store_ || !collective || size_ < 2) return "this rank is in " + mine;
-  // Each rank that fails publishes the call it is in; a rank that is not in a cohort call
-  // (still computing, stopped, dead) publishes nothing. The window is short and bounded.
-  const auto window = std::min<std::chrono::milliseconds>(options_.timeout, std::chrono::seconds(5));
-  const auto deadline = std::chrono::steady_clock::now() + window;
-  const std::string prefix = "failure/";
-  std::vector<int> silent, waiting{rank_};
-  std::vector<std::string> differ;
+  if (!store_ || !collective) return "this rank is in " + mine;
+  return detail::name_the_culprit(*store_, rank_, size_, options_.timeout, mine, connection_lost);
+}
+
+COHORT_DECL auto gloo::p2p_debug_key(const detail::gloo_task& task, bool mine) const -> std::string {
+  // Both sides name the pair the same way: sender, receiver, tag, the pair's sequence number.
+  const bool sending = task.what == task_kind::send || (task.p2p && task.p2p->sending);
+  const int from = sending ? rank_ : task.peer;
+  const int to = sending ? task.peer : rank_;
+  const bool send_side = mine ? sending : !sending;
+  return "p2p/" + std::to_string(from) + "-" + std::to_string(to) + "/" + std::to_string(task.tag) + "/" +
+         std::to_string(task.sequence) + (send_side ? "/send" : "/recv");
+}
+
+COHORT_DECL auto gloo::check_p2p_pair(const detail::gloo_task& task) -> void {
+  const bool sending = task.p2p->sending;
+  const std::string mine = std::string(to_string(task.type)) + " x " + std::to_string(task.count);
+  const std::string pair = (sending ? "send #" : "recv #") + std::to_string(task.sequence) +
+                           (sending ? " to rank " : " from rank ") + std::to_string(task.peer) + " (tag " +
+                           std::to_string(task.tag) + ")";
+  std::string theirs;
   try {
-    store_->set(prefix + std::to_string(rank_), std::to_string(task.sequence) + "\n" + mine);
-    for (int peer = 0; peer < size_; ++peer) {
-      if (peer == rank_) continue;
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-      std::string report;
-      try {
-        report = to_string(store_->get(prefix + std::to_string(peer), std::max(left, std::chrono::milliseconds(1))));
-      } catch (const timeout_error&) {
-        silent.push_back(peer);
-        continue;
-      }
-      const auto newline = report.find('\n');
-      const std::string theirs = newline == std::string::npos ? report : report.substr(newline + 1);
-      if (theirs == mine)
-        waiting.push_back(peer);
-      else
-        differ.push_back("rank " + std::to_string(peer) + " is in " + theirs);
-    }
-  } catch (const std::exception& unreachable) {
-    return "this rank is in " + mine + "; no failure reports: the group's store is unreachable (" + unreachable.what() +
-           "), so the rank that serves it (rank 0 of the job) may have died";
+    theirs = to_string(store_->get(p2p_debug_key(task, false), options_.timeout));
+  } catch (const timeout_error&) {
+    throw timeout_error(rank_, "gloo." + describe(task),
+                        "rank " + std::to_string(task.peer) + " never posted the " + (sending ? "recv" : "send") +
+                            " matching this rank's " + pair + " within " + detail::format_duration(options_.timeout),
+                        "every send needs a recv on the peer with the same tag, in the same order");
   }
-  std::sort(waiting.begin(), waiting.end());
-  std::string text;
-  if (!silent.empty())
-    text = detail::format_ranks(silent) + (connection_lost ? " died or exited during " : " never issued ") + mine +
-           " (no report within " + detail::format_duration(window) + ")";
-  for (const auto& line : differ) text += (text.empty() ? "" : "; ") + line;
-  if (text.empty()) text = "every rank reports " + mine;
-  return text + "; " + detail::format_ranks(waiting) + (waiting.size() == 1 ? " is" : " are") +
-         (connection_lost ? " in " : " waiting in ") + mine;
+  if (theirs == mine) return;
+  const std::string sender = std::to_string(sending ? rank_ : task.peer);
+  const std::string receiver = std::to_string(sending ? task.peer : rank_);
+  throw error(rank_, "gloo." + describe(task),
+              "rank " + sender + " sends " + (sending ? mine : theirs) + " to rank " + receiver + " (tag " +
+                  std::to_string(task.tag) + ", #" + std::to_string(task.sequence) + ") but rank " + receiver +
+                  "'s matching recv expects " + (sending ? theirs : mine),
+              "a send and its recv must move the same dtype and number of elements");
 }
 
 COHORT_DECL auto gloo::missing_at_rendezvous(cohort::store& store) const -> std::string {

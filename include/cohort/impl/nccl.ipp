@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 #include "cohort/detail/device_identity.hpp"
+#include "cohort/detail/flight_recorder.hpp"
 #include "cohort/error.hpp"
 #include "cohort/launch.hpp"
 #include "cohort/store.hpp"
@@ -104,6 +105,97 @@ COHORT_DECL auto detail::nccl_state::settle(const std::string& operation, ncclRe
   if (status != ncclSuccess)
     fail(operation, status, "sizes or dtypes may differ across ranks, or a peer died (NCCL_DEBUG=WARN tells more)");
 }
+COHORT_DECL auto detail::nccl_state::issued(call_record call, const std::shared_ptr<nccl_event>& done) -> void {
+  std::lock_guard lock(watch_mutex);
+  if (is_point_to_point(call.kind))
+    call.sequence = ++p2p_issued[{call.peer, call.kind == call_kind::send}];
+  else
+    call.sequence = ++collectives_issued;
+  const auto now = std::chrono::steady_clock::now();
+  const std::uint64_t record = recorder ? recorder->issued(call, now) : 0;
+  if (!watched) return;
+  outstanding.push_back(outstanding_call{call, record, now, done});
+}
+
+COHORT_DECL auto detail::nccl_state::watch() -> std::exception_ptr {
+  {
+    std::lock_guard state_lock(mutex);
+    if (aborted) return nullptr;  // a cohort call aborted the group, and reported it
+  }
+  std::deque<outstanding_call> finished;  // released after the lock: their events return to the pool
+  std::exception_ptr failure;
+  std::string overdue;
+  {
+    std::lock_guard lock(watch_mutex);
+    while (!outstanding.empty()) {
+      outstanding_call& oldest = outstanding.front();
+      const cudaError_t status = cudaEventQuery(oldest.done->event);
+      if (status == cudaErrorNotReady) break;
+      if (status != cudaSuccess) {
+        if (recorder) recorder->failed(oldest.record);
+        failure =
+            std::make_exception_ptr(error(rank, "nccl." + describe(oldest.call),
+                                          std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status),
+                                          "a kernel on the communication stream failed"));
+        break;
+      }
+      if (recorder) recorder->completed(oldest.record, is_point_to_point(oldest.call.kind) ? 0 : oldest.call.sequence);
+      finished.push_back(std::move(oldest));
+      outstanding.pop_front();
+    }
+    if (!failure && !outstanding.empty() && std::chrono::steady_clock::now() - outstanding.front().issued > timeout) {
+      overdue = describe(outstanding.front().call);
+      if (recorder) recorder->failed(outstanding.front().record);
+    }
+  }
+  if (!overdue.empty()) {
+    abort(overdue + " exceeded the timeout (watchdog)");
+    failure = std::make_exception_ptr(
+        timeout_error(rank, "nccl." + overdue,
+                      name_the_culprit(overdue) + ": not complete after " + format_duration(timeout) +
+                          "; the watchdog aborted the communicator",
+                      "a peer never entered this call: it hangs, crashed, or issued calls in another order "
+                      "(COHORT_DEBUG=1 compares calls)"));
+  }
+  if (!failure) {
+    ncclResult_t async = ncclSuccess;
+    {
+      std::lock_guard state_lock(mutex);
+      if (comm != nullptr && !aborted) ncclCommGetAsyncError(comm, &async);
+    }
+    if (async != ncclSuccess && async != ncclInProgress) {
+      const std::string detail = ncclGetErrorString(async);
+      abort("asynchronous error: " + detail);
+      failure = std::make_exception_ptr(
+          error(rank, "nccl.watchdog", detail, "a peer failed or the network broke (NCCL_DEBUG=WARN tells more)"));
+    }
+  }
+  if (failure) {
+    try {
+      std::rethrow_exception(failure);
+    } catch (const std::exception& known) {
+      keep_trace(known.what());
+    }
+  }
+  return failure;
+}
+
+COHORT_DECL auto detail::nccl_state::name_the_culprit(const std::string& operation) -> std::string {
+  std::string call = operation;
+  {
+    std::lock_guard lock(watch_mutex);
+    if (!outstanding.empty()) call = describe(outstanding.front().call);
+  }
+  if (!store) return "this rank is in " + call;
+  return detail::name_the_culprit(*store, rank, size, timeout, call, false);
+}
+
+COHORT_DECL auto detail::nccl_state::keep_trace(std::string_view failure) -> void {
+  const std::string directory = trace_directory(trace_dir);
+  if (directory.empty() || !recorder || trace_written.exchange(true)) return;
+  detail::write_trace(directory, {group, "nccl", rank, size}, *recorder, failure);
+}
+
 COHORT_DECL nccl::nccl(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts)
     : state_(std::make_shared<detail::nccl_state>()) {
   state_->rank = env.rank;
@@ -130,10 +222,28 @@ COHORT_DECL nccl::nccl(std::shared_ptr<cohort::store> store, const launch_env& e
   state_->comm = comm;
   finish_init("comm_init_rank(world " + std::to_string(env.world_size) + ")", status);
   create_stream_and_scratch();
+  start_failure_reporting(std::move(store));
 }
 
-COHORT_DECL auto nccl::split(nccl& parent, std::shared_ptr<cohort::store> /*sub_store*/, int color, int key,
-                             int new_rank, int new_size) -> std::unique_ptr<nccl> {
+COHORT_DECL auto nccl::start_failure_reporting(std::shared_ptr<cohort::store> group_store) -> void {
+  auto& state = *state_;
+  state.recorder = std::make_unique<detail::flight_recorder>(options_.flight_recorder_entries);
+  state.group = group_store ? detail::group_name(*group_store) : std::string("group");
+  state.store = std::move(group_store);
+  state.trace_dir = options_.trace_dir;
+  if (options_.watchdog_interval.count() <= 0) return;
+  state.watched = true;
+  watchdog_ =
+      std::make_unique<detail::watchdog>(state.rank, state.group, options_.on_async_error, options_.watchdog_interval,
+                                         [state = state_] { return state->watch(); });
+}
+
+COHORT_DECL auto nccl::write_trace(const std::string& directory, std::string_view reason) const -> std::string {
+  return detail::write_trace(directory, {state_->group, name, rank(), size()}, *state_->recorder, reason);
+}
+
+COHORT_DECL auto nccl::split(nccl& parent, std::shared_ptr<cohort::store> sub_store, int color, int key, int new_rank,
+                             int new_size) -> std::unique_ptr<nccl> {
   parent.state_->check_usable("split");
   detail::check_cuda(cudaSetDevice(parent.state_->device), parent.state_->rank, "set_device");
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -152,10 +262,20 @@ COHORT_DECL auto nccl::split(nccl& parent, std::shared_ptr<cohort::store> /*sub_
   state.comm = comm;
   child->finish_init("comm_split(color " + std::to_string(color) + ")", ncclInProgress);
   child->create_stream_and_scratch();
+  child->start_failure_reporting(std::move(sub_store));
   return child;
 }
 
 COHORT_DECL nccl::~nccl() {
+  watchdog_.reset();
+  // The watched calls hold events, whose owner is the state: let them go (a cycle otherwise).
+  std::deque<detail::nccl_state::outstanding_call> watched;
+  {
+    std::lock_guard lock(state_->watch_mutex);
+    watched.swap(state_->outstanding);
+    state_->watched = false;
+  }
+  watched.clear();
   if (barrier_scratch_) {
     cudaSetDevice(state_->device);
     cudaFree(barrier_scratch_);
@@ -163,34 +283,37 @@ COHORT_DECL nccl::~nccl() {
 }
 
 COHORT_DECL auto nccl::all_reduce(const void* in, void* out, std::size_t count, dtype type, op reduce) -> work {
-  return issue("all_reduce", [&] {
-    return ncclAllReduce(in, out, count, detail::nccl_type(type), detail::nccl_op(reduce), state_->comm,
-                         state_->stream);
-  });
+  return issue("all_reduce", {.kind = detail::call_kind::all_reduce, .type = type, .reduce = reduce, .count = count},
+               [&] {
+                 return ncclAllReduce(in, out, count, detail::nccl_type(type), detail::nccl_op(reduce), state_->comm,
+                                      state_->stream);
+               });
 }
 
 COHORT_DECL auto nccl::reduce_scatter(const void* in, void* out, std::size_t count_per_rank, dtype type, op reduce)
     -> work {
-  return issue("reduce_scatter", [&] {
-    return ncclReduceScatter(in, out, count_per_rank, detail::nccl_type(type), detail::nccl_op(reduce), state_->comm,
-                             state_->stream);
-  });
+  return issue("reduce_scatter",
+               {.kind = detail::call_kind::reduce_scatter, .type = type, .reduce = reduce, .count = count_per_rank},
+               [&] {
+                 return ncclReduceScatter(in, out, count_per_rank, detail::nccl_type(type), detail::nccl_op(reduce),
+                                          state_->comm, state_->stream);
+               });
 }
 
 COHORT_DECL auto nccl::all_gather(const void* in, void* out, std::size_t count_per_rank, dtype type) -> work {
-  return issue("all_gather", [&] {
+  return issue("all_gather", {.kind = detail::call_kind::all_gather, .type = type, .count = count_per_rank}, [&] {
     return ncclAllGather(in, out, count_per_rank, detail::nccl_type(type), state_->comm, state_->stream);
   });
 }
 
 COHORT_DECL auto nccl::broadcast(void* data, std::size_t count, dtype type, int root) -> work {
-  return issue("broadcast", [&] {
+  return issue("broadcast", {.kind = detail::call_kind::broadcast, .type = type, .peer = root, .count = count}, [&] {
     return ncclBroadcast(data, data, count, detail::nccl_type(type), root, state_->comm, state_->stream);
   });
 }
 
 COHORT_DECL auto nccl::all_to_all(const void* in, void* out, std::size_t count_per_rank, dtype type) -> work {
-  return issue("all_to_all", [&] {
+  return issue("all_to_all", {.kind = detail::call_kind::all_to_all, .type = type, .count = count_per_rank}, [&] {
     const std::size_t bytes = count_per_rank * size_of(type);
     ncclResult_t status = ncclGroupStart();
     for (int peer = 0; peer < size() && status == ncclSuccess; ++peer) {
@@ -206,17 +329,17 @@ COHORT_DECL auto nccl::all_to_all(const void* in, void* out, std::size_t count_p
 }
 
 COHORT_DECL auto nccl::send(const void* data, std::size_t count, dtype type, int peer, std::uint64_t /*tag*/) -> work {
-  return issue("send",
+  return issue("send", {.kind = detail::call_kind::send, .type = type, .peer = peer, .count = count},
                [&] { return ncclSend(data, count, detail::nccl_type(type), peer, state_->comm, state_->stream); });
 }
 
 COHORT_DECL auto nccl::recv(void* data, std::size_t count, dtype type, int peer, std::uint64_t /*tag*/) -> work {
-  return issue("recv",
+  return issue("recv", {.kind = detail::call_kind::recv, .type = type, .peer = peer, .count = count},
                [&] { return ncclRecv(data, count, detail::nccl_type(type), peer, state_->comm, state_->stream); });
 }
 
 COHORT_DECL auto nccl::barrier() -> work {
-  return issue("barrier", [&] {
+  return issue("barrier", {.kind = detail::call_kind::barrier}, [&] {
     return ncclAllReduce(barrier_scratch_, barrier_scratch_, 1, ncclInt32, ncclSum, state_->comm, state_->stream);
   });
 }
