@@ -15,7 +15,9 @@
 #include <cohort/process_group.hpp>
 #include <cohort/run_ranks.hpp>
 #include <cohort/tcp_store.hpp>
+#include <cohort/tools/trace.hpp>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <string>
@@ -106,6 +108,24 @@ int sum_of_ranks() {
   return ok ? 0 : 1;
 }
 
+// A fresh COHORT_TRACE_DIR for one test's ranks, and what cohort-trace makes of it afterwards.
+std::string fresh_trace_dir(const std::string& name) {
+  const auto dir = std::filesystem::path(COHORT_TEST_BINARY_DIR) / "multiprocess_traces" / name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
+
+// The ranks of the one group's first finding that the traces blame (the culprits).
+void require_traces_blame(const std::string& dir, const std::vector<int>& culprits) {
+  const auto report = cohort::analyze_traces(dir);
+  INFO(cohort::format_trace_report(report));
+  REQUIRE(report.groups.size() == 1);
+  REQUIRE_FALSE(report.groups[0].findings.empty());
+  CHECK(report.groups[0].missing == culprits);
+  CHECK(report.groups[0].findings[0].culprits == culprits);
+}
+
 std::vector<environment> torchrun_envs(int launched, int world, const std::string& port) {
   std::vector<environment> envs;
   for (int r = 0; r < launched; ++r)
@@ -171,7 +191,9 @@ TEST_CASE("Open MPI, MPICH and Slurm environments run the same collectives", "[m
 }
 
 TEST_CASE("a rank process that dies is an error on the others within the timeout", "[multiprocess][faults]") {
-  const auto envs = torchrun_envs(3, 3, std::to_string(free_port()));
+  auto envs = torchrun_envs(3, 3, std::to_string(free_port()));
+  const std::string traces = fresh_trace_dir("dead");
+  for (auto& env : envs) env["COHORT_TRACE_DIR"] = traces;
   const auto started = std::chrono::steady_clock::now();
   const auto codes = run_children(envs, [] {
     auto pg = launched_gloo_group(std::chrono::seconds(2));
@@ -191,6 +213,7 @@ TEST_CASE("a rank process that dies is an error on the others within the timeout
   });
   REQUIRE(codes == std::vector<int>{0, 0, 42});
   REQUIRE(std::chrono::steady_clock::now() - started < std::chrono::seconds(30));
+  require_traces_blame(traces, {2});  // the survivors' traces name the same rank
 }
 
 namespace {
@@ -291,7 +314,9 @@ TEST_CASE("under torchrun the failing rank's error reaches the agent's error fil
 TEST_CASE("a stopped rank (SIGSTOP) is named by the others within the timeout", "[multiprocess][faults]") {
   // A stopped process keeps its sockets open: nothing resets, the others only wait. They
   // must still end within the timeout and report window, naming the stopped rank.
-  const auto envs = torchrun_envs(3, 3, std::to_string(free_port()));
+  auto envs = torchrun_envs(3, 3, std::to_string(free_port()));
+  const std::string traces = fresh_trace_dir("stopped");
+  for (auto& env : envs) env["COHORT_TRACE_DIR"] = traces;
   const auto started = std::chrono::steady_clock::now();
   const auto codes = run_children(envs, [] {
     auto pg = launched_gloo_group(std::chrono::seconds(2));
@@ -323,4 +348,5 @@ TEST_CASE("a stopped rank (SIGSTOP) is named by the others within the timeout", 
   });
   REQUIRE(codes == std::vector<int>{0, 0, 7});
   REQUIRE(std::chrono::steady_clock::now() - started < std::chrono::seconds(30));
+  require_traces_blame(traces, {2});
 }
