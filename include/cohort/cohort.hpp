@@ -19,6 +19,7 @@
 #include "cohort/sampler.hpp"
 #include "cohort/sharded.hpp"
 #include "cohort/store.hpp"
+#include "cohort/straggler.hpp"
 #include "cohort/tcp_store.hpp"
 #include "cohort/types.hpp"
 #include "cohort/version.hpp"

@@ -59,6 +59,7 @@
 #include "cohort/error.hpp"
 #include "cohort/ops.hpp"
 #include "cohort/process_group.hpp"
+#include "cohort/straggler.hpp"
 #include "cohort/types.hpp"
 
 namespace cohort::inline v0 {
@@ -117,6 +118,9 @@ struct reducer_options {
   // Called as each bucket's reduction is queued (bucket index): an event log for tests,
   // tracing or profiling.
   std::function<void(std::size_t bucket)> on_launch = {};
+  // Straggler report (cohort/straggler.hpp; it must outlive the reducer): each synchronised
+  // finish() ends a step and counts the host's time inside it as waiting for communication.
+  straggler_report* straggler = nullptr;
 };
 
 struct reduction_summary {
@@ -285,12 +289,17 @@ class gradient_reducer {
 
   // Waits for every bucket (Gloo) or makes the caller's stream wait (CUDA); afterwards every
   // gradient holds the average across ranks. Inside no_sync: only ends the micro-step.
+  // With a straggler report, a synchronised finish() ends the report's step, and its time
+  // (entry to return: on Gloo the wait for the buckets, on CUDA only the queueing) is
+  // counted as waiting.
   reduction_summary finish() {
     reduction_summary summary;
     if (no_sync_depth_ > 0) {
       reset_iteration();
       return summary;
     }
+    straggler_report* const report = options_.straggler && options_.straggler->enabled() ? options_.straggler : nullptr;
+    const auto entered = report ? straggler_report::clock::now() : straggler_report::clock::time_point{};
     summary.synchronized = true;
     auto& engine = group_->backend();
     const bool find_unused = options_.unused == unused_gradients::zero;
@@ -310,6 +319,11 @@ class gradient_reducer {
     observed_order_complete_ = true;
     reset_iteration();
     if (rebuild_now) rebuild_buckets();
+    if (report) {
+      const auto now = straggler_report::clock::now();
+      report->add_wait(wait_kind::reduce, now - entered);
+      report->end_step(now);
+    }
     return summary;
   }
 

@@ -41,6 +41,7 @@
 #include "cohort/guards.hpp"
 #include "cohort/ops.hpp"
 #include "cohort/process_group.hpp"
+#include "cohort/straggler.hpp"
 #include "cohort/types.hpp"
 
 namespace cohort::inline v0 {
@@ -66,6 +67,10 @@ struct sharded_options {
   // Units with fewer elements than this are replicated on every rank, not sharded: their
   // gathers would be latency-bound. Their gradients are all-reduced.
   std::size_t replicate_below = 0;
+  // Straggler report (cohort/straggler.hpp; it must outlive the container): a gather
+  // guard's wait() counts as waiting for communication (steps end elsewhere: the reducer's
+  // finish() or the report's end_step()).
+  straggler_report* straggler = nullptr;
 };
 
 // Bytes held by a sharded_parameters (and the optimizer state registered with it).
@@ -140,7 +145,13 @@ class sharded_parameters {
     void wait() {
       check_alive("wait");
       if (waited_) return;
-      ready_.make_stream_wait(owner_->stream_);
+      if (straggler_report* report = owner_->options_.straggler; report && report->enabled()) {
+        const auto start = straggler_report::clock::now();
+        ready_.make_stream_wait(owner_->stream_);
+        report->add_wait(wait_kind::gather, straggler_report::clock::now() - start);
+      } else {
+        ready_.make_stream_wait(owner_->stream_);
+      }
       waited_ = true;
     }
     const work& ready() const noexcept { return ready_; }
