@@ -245,6 +245,38 @@ class process_group {
                           missing + " did not arrive within " + detail::format_duration(timeout), hint);
   }
 
+  // --- grouped calls -----------------------------------------------------------------------
+  // Calls issued while the scope lives are launched together when it ends: on NCCL one
+  // ncclGroupStart/End (many buffers in one launch, as a bucket made of several regions of
+  // a flat buffer needs); on Gloo calls run one after another anyway. Every rank groups
+  // the same calls. Do not wait on a call's work before its group ends (on NCCL nothing
+  // has been launched yet). end() reports a failure to launch; the destructor ends a group
+  // still open quietly (a failure then surfaces at the next wait, or to the watchdog).
+  class group_scope {
+   public:
+    explicit group_scope(B& engine) : engine_(&engine) { start(engine); }
+    group_scope(const group_scope&) = delete;
+    group_scope& operator=(const group_scope&) = delete;
+    ~group_scope() {
+      try {
+        end();
+      } catch (...) {
+      }
+    }
+    void end() {
+      if (!engine_) return;
+      B* engine = std::exchange(engine_, nullptr);
+      if constexpr (requires { engine->group_end(); }) engine->group_end();
+    }
+
+   private:
+    static void start(B& engine) {
+      if constexpr (requires { engine.group_start(); }) engine.group_start();
+    }
+    B* engine_;
+  };
+  [[nodiscard]] group_scope grouped() { return group_scope(*backend_); }
+
   // --- subgroups ---------------------------------------------------------------------------
   // Collective over this group. Ranks with the same color form a new group, ordered by
   // (key, rank); a negative color joins no group (nullopt). Like MPI_Comm_split.

@@ -96,7 +96,10 @@ std::vector<bucket_layout> assign_buckets(std::span<const std::size_t> sizes, st
 
 // ---- options and results ----------------------------------------------------------------
 
-enum class gradient_storage { bucket_views, user_buffers };
+// bucket_views: the reducer owns the gradients (one allocation per bucket). user_buffers: the
+// caller's buffers, copied into buckets and back. in_place: the caller's buffers reduced where
+// they are (regions of a flat buffer, say): no bucket memory and no copies.
+enum class gradient_storage { bucket_views, user_buffers, in_place };
 enum class unused_gradients { error, zero };
 enum class compression { none, bfloat16, half };
 
@@ -118,6 +121,12 @@ struct reducer_options {
   // Called as each bucket's reduction is queued (bucket index): an event log for tests,
   // tracing or profiling.
   std::function<void(std::size_t bucket)> on_launch = {};
+  // User buffers only: reduce them where they are instead of copying them through buckets.
+  // A bucket's gradients that lie next to each other in memory form one run; each run is one
+  // all-reduce, and a bucket's runs are one grouped call (one launch on NCCL). Gradients
+  // then need no second copy in memory and no copy per step; hooks and compression, which
+  // need a contiguous bucket, are not available.
+  bool in_place = false;
   // Straggler report (cohort/straggler.hpp; it must outlive the reducer): each synchronised
   // finish() ends a step and counts the host's time inside it as waiting for communication.
   straggler_report* straggler = nullptr;
@@ -141,6 +150,38 @@ struct gradient_spec {
     requires(!std::is_const_v<T>)
   gradient_spec(std::span<T> buffer) : count(buffer.size()), type(dtype_v<T>), data(buffer.data()) {}
 };
+
+// Gradient i of a trainer's flat gradient buffer: elements [offset, offset + count).
+struct gradient_region {
+  std::size_t offset = 0;
+  std::size_t count = 0;
+};
+
+// The specs of regions of one flat buffer, for a reducer over the trainer's own memory
+// (reducer_options::in_place). Every region must lie inside the buffer; overlaps are refused
+// by the reducer, naming both regions.
+template <element T>
+  requires(!std::is_const_v<T>)
+std::vector<gradient_spec> flat_gradients(std::span<T> buffer, std::span<const gradient_region> regions) {
+  std::vector<gradient_spec> specs;
+  specs.reserve(regions.size());
+  for (std::size_t i = 0; i < regions.size(); ++i) {
+    const auto& region = regions[i];
+    if (region.offset > buffer.size() || region.count > buffer.size() - region.offset)
+      throw error(-1, "flat_gradients",
+                  "region " + std::to_string(i) + " (elements " + std::to_string(region.offset) + ".." +
+                      std::to_string(region.offset + region.count) + ") ends past the buffer of " +
+                      std::to_string(buffer.size()) + " elements",
+                  "regions are element offsets and counts inside the flat buffer");
+    specs.emplace_back(buffer.subspan(region.offset, region.count));
+  }
+  return specs;
+}
+template <element T>
+  requires(!std::is_const_v<T>)
+std::vector<gradient_spec> flat_gradients(std::span<T> buffer, const std::vector<gradient_region>& regions) {
+  return flat_gradients(buffer, std::span<const gradient_region>(regions));
+}
 
 // What a communication hook sees: one bucket, laid out contiguously in the backend's memory.
 struct bucket_ref {
@@ -225,6 +266,25 @@ class gradient_reducer {
   std::size_t gradient_count() const noexcept { return specs_.size(); }
   std::size_t bucket_count() const noexcept { return buckets_.size(); }
   const std::vector<bucket_layout>& layout() const noexcept { return layout_; }
+  // Gradient bytes copied per synchronised step (user buffers: into the buckets and back;
+  // bucket views and in place: none), and bytes of bucket memory the reducer holds.
+  std::size_t copied_bytes_per_step() const noexcept {
+    if (storage_ != gradient_storage::user_buffers) return 0;
+    std::size_t bytes = 0;
+    for (const auto& spec : specs_) bytes += 2 * spec.count * size_of(spec.type);
+    return bytes;
+  }
+  std::size_t bucket_memory_bytes() const noexcept {
+    std::size_t bytes = 0;
+    for (const auto& bucket : buckets_) bytes += bucket.bytes + bucket.compressed_bytes;
+    return bytes;
+  }
+  // In place: the number of collectives a synchronised step issues (one per run).
+  std::size_t run_count() const noexcept {
+    std::size_t runs = 0;
+    for (const auto& bucket : buckets_) runs += storage_ == gradient_storage::in_place ? bucket.runs.size() : 1;
+    return runs;
+  }
   // Bumped by every rebuild: spans from gradient() of an older generation are stale.
   std::size_t layout_generation() const noexcept { return generation_; }
   // Which bucket holds gradient i.
@@ -251,7 +311,12 @@ class gradient_reducer {
   }
 
   // ---- options after construction -------------------------------------------------------
-  void register_comm_hook(comm_hook hook) { hook_ = std::move(hook); }
+  void register_comm_hook(comm_hook hook) {
+    if (storage_ == gradient_storage::in_place)
+      throw error(rank(), "gradient_reducer.register_comm_hook", "gradients are reduced in place (regions, no bucket)",
+                  "a hook sees one contiguous bucket: use bucket views or user buffers for hooks");
+    hook_ = std::move(hook);
+  }
   // CUDA: the stream the backward runs on (default: the legacy default stream). Every bucket
   // launch waits for the work queued on it so far; finish() makes it wait for the reduction.
   void set_stream(stream_type stream) noexcept { caller_stream_ = stream; }
@@ -420,6 +485,11 @@ class gradient_reducer {
     std::size_t compressed_bytes = 0;
     std::vector<copy_region> copy_in;   // user buffers -> bucket
     std::vector<copy_region> copy_out;  // bucket -> user buffers
+    struct run {
+      void* data;
+      std::size_t count;
+    };
+    std::vector<run> runs;  // in place: the bucket's gradients, adjacent ones merged
     work done;
   };
 
@@ -449,7 +519,16 @@ class gradient_reducer {
     storage_ = with_buffer == 0 ? gradient_storage::bucket_views : gradient_storage::user_buffers;
     if (specs_.empty())
       throw error(rank(), "gradient_reducer", "no gradients", "pass the gradient sizes or buffers of the model");
-    if (storage_ == gradient_storage::user_buffers) refuse_overlapping_buffers();
+    if (options_.in_place) {
+      if (storage_ != gradient_storage::user_buffers)
+        throw error(rank(), "gradient_reducer", "in_place without buffers: nothing to reduce in place",
+                    "pass the gradients' buffers (spans, or flat_gradients regions), or drop in_place");
+      if (options_.compress != compression::none)
+        throw error(rank(), "gradient_reducer", "in_place with compression",
+                    "compression casts a contiguous bucket: use bucket views or user buffers to compress");
+      storage_ = gradient_storage::in_place;
+    }
+    if (storage_ != gradient_storage::bucket_views) refuse_overlapping_buffers();
   }
 
   // An element in two regions would be copied into two bucket slots and come back from
@@ -494,7 +573,7 @@ class gradient_reducer {
   }
 
   void* location(std::size_t i) const {
-    if (storage_ == gradient_storage::user_buffers) return specs_[i].data;
+    if (storage_ != gradient_storage::bucket_views) return specs_[i].data;
     const auto& where = placement_[i];
     return static_cast<char*>(buckets_[where.bucket].data) + where.offset_bytes;
   }
@@ -514,16 +593,20 @@ class gradient_reducer {
     for (std::size_t b = 0; b < layout_.size(); ++b) {
       auto& bucket = buckets_[b];
       const auto& shape = layout_[b];
+      for (std::size_t k = 0; k < shape.gradients.size(); ++k) {
+        const std::size_t i = shape.gradients[k];
+        placement_[i] = {b, shape.offsets[k] * size_of(shape.type)};
+      }
+      if (storage_ == gradient_storage::in_place) {
+        bucket.runs = runs_of(shape);
+        continue;
+      }
       bucket.bytes = shape.bytes();
       bucket.data = engine.allocate(bucket.bytes);
       fill(engine, bucket.data, shape.elements, shape.type, 0.0);
       if (options_.compress != compression::none && compressible(shape.type)) {
         bucket.compressed_bytes = shape.elements * size_of(compressed_type());
         bucket.compressed = engine.allocate(bucket.compressed_bytes);
-      }
-      for (std::size_t k = 0; k < shape.gradients.size(); ++k) {
-        const std::size_t i = shape.gradients[k];
-        placement_[i] = {b, shape.offsets[k] * size_of(shape.type)};
       }
     }
     by_address_.clear();
@@ -541,6 +624,24 @@ class gradient_reducer {
     pending_.assign(buckets_.size(), 0);
     marked_.assign(gradient_count(), 0);
     reset_iteration();
+  }
+
+  // In place: a bucket's gradients by address, those that touch merged into one run.
+  std::vector<typename bucket_storage::run> runs_of(const bucket_layout& shape) const {
+    std::vector<typename bucket_storage::run> runs;
+    std::vector<std::size_t> members(shape.gradients);
+    std::sort(members.begin(), members.end(), [&](std::size_t a, std::size_t b) {
+      return std::less<const void*>{}(specs_[a].data, specs_[b].data);
+    });
+    const std::size_t width = size_of(shape.type);
+    for (const std::size_t i : members) {
+      if (specs_[i].count == 0) continue;
+      if (!runs.empty() && static_cast<char*>(runs.back().data) + runs.back().count * width == specs_[i].data)
+        runs.back().count += specs_[i].count;
+      else
+        runs.push_back({specs_[i].data, specs_[i].count});
+    }
+    return runs;
   }
 
   void release(std::vector<bucket_storage>& buckets) {
@@ -577,7 +678,14 @@ class gradient_reducer {
     const auto& shape = layout_[b];
     engine.wait_for_caller(caller_stream_);
     if (storage_ == gradient_storage::user_buffers) batched_copy(engine, std::span<const copy_region>(bucket.copy_in));
-    if (hook_) {
+    if (storage_ == gradient_storage::in_place) {
+      const op reduce = divides_when_marked(b) ? op::sum : op::avg;
+      auto together = group_->grouped();
+      work last = engine.record();  // an empty bucket (all its gradients empty) is done at once
+      for (const auto& run : bucket.runs) last = all_reduce_bucket(run.data, run.count, shape.type, reduce);
+      together.end();
+      bucket.done = last;
+    } else if (hook_) {
       bucket.done = hook_(*group_, bucket_ref{b, bucket.data, shape.elements, shape.type});
     } else if (bucket.compressed) {
       const dtype small = compressed_type();
@@ -624,8 +732,11 @@ class gradient_reducer {
     for (std::size_t i = 0; i < gradient_count(); ++i) {
       if (marked_[i]) continue;
       const auto& where = placement_[i];
-      fill(engine, static_cast<char*>(buckets_[where.bucket].data) + where.offset_bytes, specs_[i].count,
-           specs_[i].type, 0.0);
+      // In place the gradient itself is zeroed (the buffer is what gets reduced).
+      void* zeroed = storage_ == gradient_storage::in_place
+                         ? location(i)
+                         : static_cast<char*>(buckets_[where.bucket].data) + where.offset_bytes;
+      fill(engine, zeroed, specs_[i].count, specs_[i].type, 0.0);
       if (storage_ == gradient_storage::user_buffers) drop_copy_in(i);
       marked_[i] = 1;
       ++marked_count_;
@@ -661,8 +772,13 @@ class gradient_reducer {
     auto& engine = group_->backend();
     auto* counter = static_cast<std::int64_t*>(engine.allocate(sizeof(std::int64_t)));
     fill(engine, counter, 1, dtype::int64, 0.0);
-    for (std::size_t b = 0; b < buckets_.size(); ++b)
-      count_nonfinite(engine, buckets_[b].data, layout_[b].elements, layout_[b].type, counter);
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      if (storage_ == gradient_storage::in_place) {
+        for (const auto& run : buckets_[b].runs) count_nonfinite(engine, run.data, run.count, layout_[b].type, counter);
+      } else {
+        count_nonfinite(engine, buckets_[b].data, layout_[b].elements, layout_[b].type, counter);
+      }
+    }
     group_->all_reduce(std::span<std::int64_t>(counter, 1), op::sum);
     std::int64_t found = 0;
     engine.copy(&found, counter, sizeof found).wait();
@@ -744,6 +860,12 @@ class gradient_reducer {
         }
       }
       hash.mix(static_cast<std::uint64_t>(options_.compress));
+      // In place, each run is a collective of its own: the runs must match across ranks too
+      // (a gradient adjacent to the next on one rank but not on another would pair an
+      // all-reduce of one size with one of another).
+      hash.mix(storage_ == gradient_storage::in_place);
+      for (const auto& bucket : buckets_)
+        for (const auto& run : bucket.runs) hash.mix(run.count);
     }
     enum column : std::size_t { refused, fingerprint, gradient_total, element_count, bucket_total, width };
     std::vector<std::int64_t> mine(width);

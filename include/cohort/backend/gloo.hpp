@@ -234,6 +234,10 @@ class gloo {
     return post(task(task_kind::recv, type, op::sum, nullptr, data, count, peer, tag));
   }
   work barrier() { return submit(task(task_kind::barrier)); }
+  // Grouped calls (process_group::grouped): the worker runs calls one after another in
+  // issue order anyway, so a group changes nothing on Gloo.
+  void group_start() noexcept {}
+  void group_end() noexcept {}
 
   // --- ordering and memory: what algorithms written once over any backend need ----------
   // Runs fn on the worker after everything queued before it (host "kernels").

@@ -268,6 +268,13 @@ class nccl {
   // NCCL has no barrier: a one-element all-reduce every rank must join.
   work barrier();
 
+  // Grouped calls (process_group::grouped): between group_start and the matching group_end
+  // NCCL only collects the calls (ncclGroupStart/End), and launches them together at the
+  // end, as one kernel where it can. Their work handles complete from then on: waiting on
+  // one before the group ends is an error of the caller's (it would wait for nothing).
+  void group_start();
+  void group_end();
+
   // --- ordering and memory --------------------------------------------------------------
   work record() { return record_event("record"); }
   // Later work on the communication stream waits for what the caller queued on `caller`.
@@ -295,16 +302,25 @@ class nccl {
     state_->check_usable(operation);
     // settle() only when NCCL did not answer ncclSuccess: it reads the clock for its deadline.
     if (const ncclResult_t status = call(); status != ncclSuccess) state_->settle(operation, status);
+    if (group_depth_ > 0) return deferred(operation, recorded);
     work done = record_event(operation);
     state_->issued(recorded, done.event_);
     return done;
   }
+  // Inside a group: an event recorded at group_end, once NCCL has launched the calls.
+  work deferred(const char* operation, const detail::call_record& recorded);
 
   work record_event(const char* operation);
 
   std::shared_ptr<detail::nccl_state> state_;
   options options_;
   void* barrier_scratch_ = nullptr;
+  int group_depth_ = 0;
+  struct grouped_call {
+    detail::call_record call;
+    std::shared_ptr<detail::nccl_event> done;
+  };
+  std::vector<grouped_call> grouped_;  // issued inside the open group, recorded at its end
   std::unique_ptr<detail::watchdog> watchdog_;
 };
 

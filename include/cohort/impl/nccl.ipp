@@ -344,6 +344,34 @@ COHORT_DECL auto nccl::barrier() -> work {
   });
 }
 
+COHORT_DECL auto nccl::group_start() -> void {
+  state_->check_usable("group_start");
+  check_nccl(ncclGroupStart(), "group_start");
+  ++group_depth_;
+}
+
+COHORT_DECL auto nccl::group_end() -> void {
+  if (group_depth_ == 0)
+    throw error(rank(), "nccl.group_end", "no group is open", "pair every group_start with one group_end");
+  --group_depth_;
+  const ncclResult_t status = ncclGroupEnd();
+  if (status != ncclSuccess) state_->settle("group_end", status);
+  if (group_depth_ > 0) return;  // nested: the outermost end launches
+  auto calls = std::move(grouped_);
+  grouped_.clear();
+  for (auto& call : calls) {
+    if (const cudaError_t recorded = cudaEventRecord(call.done->event, state_->stream); recorded != cudaSuccess)
+      detail::check_cuda(recorded, rank(), "event_record(group_end)");
+    state_->issued(call.call, call.done);
+  }
+}
+
+COHORT_DECL auto nccl::deferred(const char* operation, const detail::call_record& recorded) -> work {
+  auto event = std::make_shared<detail::nccl_event>(state_, state_->take_event());
+  grouped_.push_back({recorded, event});
+  return work(std::move(event), operation);
+}
+
 COHORT_DECL auto nccl::wait_for_caller(cudaStream_t caller) -> void {
   const auto event = std::make_shared<detail::nccl_event>(state_, state_->take_event());
   detail::check_cuda(cudaEventRecord(event->event, caller), rank(), "event_record(caller)");
