@@ -109,6 +109,13 @@ typename B::work count_nonfinite(B& engine, const void* data, std::size_t count,
   return detail::elementwise<B::space>::count_nonfinite(engine, data, count, type, result);
 }
 
+// *result += the sum of the squared elements, in double (0 for integer dtypes): a global
+// gradient norm's local part; `result` lives in the backend's memory.
+template <backend B>
+typename B::work sum_of_squares(B& engine, const void* data, std::size_t count, dtype type, double* result) {
+  return detail::elementwise<B::space>::sum_of_squares(engine, data, count, type, result);
+}
+
 // One optimizer step over a shard (momentum may be null: plain SGD).
 template <backend B, class T>
 typename B::work sgd_step(B& engine, T* parameters, const T* gradients, T* momentum, std::size_t count,

@@ -122,6 +122,18 @@ __global__ void nonfinite_kernel(const void* data, std::size_t count, dtype type
   if (bad) atomicAdd(result, bad);
 }
 
+// Squares summed in double per thread, then one atomicAdd per thread that found any.
+template <class Unique = void>
+__global__ void squares_kernel(const void* data, std::size_t count, dtype type, double* result) {
+  double sum = 0;
+  on_floating(type, [&](auto sample) {
+    using T = decltype(sample);
+    const T* x = static_cast<const T*>(data);
+    for (std::size_t i = first_index(); i < count; i += stride()) sum += squared(x[i]);
+  });
+  if (sum != 0) atomicAdd(result, sum);
+}
+
 // Up to 64 regions per launch, passed by value (1.5 KiB of kernel parameters); blockIdx.y
 // picks the region, blocks stride over its bytes in 16-byte words when aligned.
 struct region_batch {
@@ -245,6 +257,16 @@ struct elementwise<memory_space::device> {
       device::nonfinite_kernel<><<<device::blocks_for(count), 256, 0, engine.stream()>>>(
           data, count, type, reinterpret_cast<unsigned long long*>(result));
       device::check_launch("count_nonfinite");
+    }
+    return engine.record();
+  }
+
+  template <class B>
+  static typename B::work sum_of_squares(B& engine, const void* data, std::size_t count, dtype type,
+                                         double* result) {
+    if (count > 0 && is_floating(type)) {
+      device::squares_kernel<><<<device::blocks_for(count), 256, 0, engine.stream()>>>(data, count, type, result);
+      device::check_launch("sum_of_squares");
     }
     return engine.record();
   }

@@ -81,14 +81,28 @@ COHORT_HOST_DEVICE inline bool nonfinite(T x) {
   }
 }
 
-// Optimizer updates of one element of a shard.
+// x * x in double: what a global gradient norm sums (16-bit floats through float).
+template <class T>
+COHORT_HOST_DEVICE inline double squared(T x) {
+  double value;
+  if constexpr (is_16bit_float<T>)
+    value = static_cast<double>(static_cast<float>(x));
+  else
+    value = static_cast<double>(x);
+  return value * value;
+}
+
+// Optimizer updates of one element of a shard. grad_scale multiplies the gradient first
+// (unscaling a loss scale, clipping by a global norm) without a pass of its own.
 struct sgd_coefficients {
   double lr = 0;
   double momentum = 0;
   double weight_decay = 0;
+  double grad_scale = 1;
 };
 template <class T>
 COHORT_HOST_DEVICE inline void sgd_update(T& parameter, T gradient, T* momentum, const sgd_coefficients& c) {
+  gradient *= static_cast<T>(c.grad_scale);
   T step = gradient + static_cast<T>(c.weight_decay) * parameter;
   if (momentum) {
     *momentum = static_cast<T>(c.momentum) * *momentum + step;
@@ -106,9 +120,11 @@ struct adam_coefficients {
   double weight_decay = 0;
   double correction1 = 1;
   double correction2 = 1;
+  double grad_scale = 1;
 };
 template <class T>
 COHORT_HOST_DEVICE inline void adam_update(T& parameter, T gradient, T& first, T& second, const adam_coefficients& c) {
+  gradient *= static_cast<T>(c.grad_scale);
   first = static_cast<T>(c.beta1) * first + static_cast<T>(1 - c.beta1) * gradient;
   second = static_cast<T>(c.beta2) * second + static_cast<T>(1 - c.beta2) * gradient * gradient;
   const T corrected_first = first / static_cast<T>(c.correction1);

@@ -103,6 +103,21 @@ struct elementwise<memory_space::host> {
     });
   }
 
+  template <class B>
+  static typename B::work sum_of_squares(B& engine, const void* data, std::size_t count, dtype type,
+                                         double* result) {
+    return engine.enqueue([=] {
+      if (!is_floating(type)) return;
+      visit_floating(type, [&](auto sample) {
+        using T = decltype(sample);
+        const T* x = static_cast<const T*>(data);
+        double sum = 0;
+        for (std::size_t i = 0; i < count; ++i) sum += squared(x[i]);
+        *result += sum;
+      });
+    });
+  }
+
   template <class B, class T>
   static typename B::work sgd_step(B& engine, T* parameters, const T* gradients, T* momentum, std::size_t count,
                                    const sgd_coefficients& c) {

@@ -1,0 +1,177 @@
+// ZeRO stage 1 or 2 over a trainer's own flat buffers: AdamW with fp32 master weights,
+// per-tensor weight decay and clipping by the global gradient norm, each rank keeping 1/N of
+// the optimizer state. The parameters stay resident in the trainer's buffer (laid out as
+// llm.c lays out GPT-2's, examples/flat_model.hpp) and are all-gathered back after each step.
+//
+//   zero --ranks 2 --stage 2               # 2 ranks as threads of this process
+//   mpirun -np 4 zero --stage 1            # or torchrun --nproc-per-node 4 --no-python zero
+//
+// Ends with a single-process AdamW (written out here, in double) on the same batches and
+// `... match`.
+#include <cohort/cohort.hpp>
+#include <cohort/zero.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "flat_model.hpp"
+#include "mlp.hpp"
+
+namespace {
+
+struct config {
+  int ranks = 0;  // 0: read the launcher's environment
+  int stage = 2;
+  int steps = 30;
+  std::size_t batch = 48;
+  cohort::adam_options adam{.lr = 3e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
+  double max_grad_norm = 0.5;
+  std::vector<std::size_t> widths{32, 96, 96, 96, 96, 8};
+};
+
+cohort_examples::synthetic_data make_data(const config& cfg, const cohort_examples::mlp& model) {
+  return cohort_examples::synthetic_data::make(cfg.batch * static_cast<std::size_t>(cfg.steps), model.input_width(),
+                                               model.output_width(), 2024);
+}
+
+std::span<const float> rows(const std::vector<float>& values, std::size_t first, std::size_t count, std::size_t width) {
+  return std::span<const float>(values).subspan(first * width, count * width);
+}
+
+float full_loss(const cohort_examples::mlp& model, const cohort_examples::flat_layout& layout,
+                std::vector<float>& params, const cohort_examples::synthetic_data& data) {
+  std::vector<float> scratch(layout.elements);
+  return model.loss_and_gradients(layout.tensors(params), layout.tensors(scratch), data.inputs, data.targets,
+                                  data.samples);
+}
+
+// One process, whole batches: AdamW with clipping, in double.
+float train_single(const config& cfg) {
+  const cohort_examples::mlp model(cfg.widths);
+  const auto layout = cohort_examples::flat_layout::of(model);
+  const auto data = make_data(cfg, model);
+  std::vector<float> params(layout.elements), grads(layout.elements);
+  model.initialize(layout.tensors(params), 7);
+  std::vector<double> master(params.begin(), params.end()), m(params.size()), v(params.size());
+  std::vector<bool> decays(params.size(), false);
+  for (std::size_t t = 0; t < layout.regions.size(); ++t)
+    for (std::size_t e = 0; e < layout.regions[t].count; ++e) decays[layout.regions[t].offset + e] = layout.decay[t];
+  const auto& o = cfg.adam;
+  for (int step = 0; step < cfg.steps; ++step) {
+    const std::size_t first = static_cast<std::size_t>(step) * cfg.batch;
+    model.loss_and_gradients(layout.tensors(params), layout.tensors(grads),
+                             rows(data.inputs, first, cfg.batch, model.input_width()),
+                             rows(data.targets, first, cfg.batch, model.output_width()), cfg.batch);
+    double squares = 0;
+    for (float g : grads) squares += static_cast<double>(g) * g;
+    const double norm = std::sqrt(squares);
+    const double clip = norm > cfg.max_grad_norm ? cfg.max_grad_norm / (norm + 1e-6) : 1.0;
+    const double t = step + 1;
+    for (std::size_t e = 0; e < params.size(); ++e) {
+      const double g = grads[e] * clip;
+      m[e] = o.beta1 * m[e] + (1 - o.beta1) * g;
+      v[e] = o.beta2 * v[e] + (1 - o.beta2) * g * g;
+      const double mh = m[e] / (1 - std::pow(o.beta1, t)), vh = v[e] / (1 - std::pow(o.beta2, t));
+      master[e] -= o.lr * (mh / (std::sqrt(vh) + o.eps) + (decays[e] ? o.weight_decay : 0.0) * master[e]);
+      params[e] = static_cast<float>(master[e]);
+    }
+  }
+  return full_loss(model, layout, params, data);
+}
+
+float train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
+  const cohort_examples::mlp model(cfg.widths);
+  const auto layout = cohort_examples::flat_layout::of(model);
+  const auto data = make_data(cfg, model);
+  const std::size_t shard = cfg.batch / static_cast<std::size_t>(pg.size());
+  std::vector<float> params(layout.elements), grads(layout.elements);
+  model.initialize(layout.tensors(params), 7);  // the same seed on every rank: equal replicas
+
+  cohort::zero_optimizer<cohort::gloo, float> zero{pg,
+                                                   std::span<float>(params),
+                                                   std::span<float>(grads),
+                                                   layout.regions,
+                                                   {.stage = cfg.stage,
+                                                    .bucket_bytes = 32 << 10,
+                                                    .adam = cfg.adam,
+                                                    .max_grad_norm = cfg.max_grad_norm,
+                                                    .decay = layout.decay}};
+  if (cohort::is_main_process(pg)) {
+    const std::size_t full_state = 3 * layout.elements * sizeof(float);
+    // The gradient shard is this rank's part of the averaged gradients, cast to fp32 once
+    // per step; nothing else of the gradients is copied.
+    std::printf("ZeRO-%d, %d rank(s), %zu buckets: optimizer state %zu bytes per rank (%.1f%% of %zu), fp32 "
+                "gradient shard %zu bytes, %zu bytes on the wire per step\n",
+                cfg.stage, pg.size(), zero.bucket_count(), zero.optimizer_state_bytes(),
+                100.0 * static_cast<double>(zero.optimizer_state_bytes()) / static_cast<double>(full_state),
+                full_state, zero.gradient_shard_bytes(), zero.wire_bytes_per_step());
+  }
+  for (int step = 0; step < cfg.steps; ++step) {
+    const std::size_t first = static_cast<std::size_t>(step) * cfg.batch + static_cast<std::size_t>(pg.rank()) * shard;
+    float loss = model.loss_and_gradients(layout.tensors(params), layout.tensors(grads),
+                                          rows(data.inputs, first, shard, model.input_width()),
+                                          rows(data.targets, first, shard, model.output_width()), shard,
+                                          [&](std::size_t t) { zero.mark_ready(t); });
+    const auto result = zero.step();
+    zero.parameters_ready().wait();  // before the next forward reads them
+    pg.all_reduce(std::span<float>(&loss, 1), cohort::op::avg).wait();
+    if (cohort::is_main_process(pg) && (step % 10 == 0 || step + 1 == cfg.steps))
+      std::printf("step %d loss %.6f grad norm %.4f%s\n", step, loss, result.grad_norm,
+                  result.clip_factor < 1 ? " (clipped)" : "");
+  }
+  return full_loss(model, layout, params, data);
+}
+
+config parse(int argc, char** argv) {
+  config cfg;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::runtime_error(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--ranks") {
+      cfg.ranks = std::stoi(value());
+    } else if (arg == "--stage") {
+      cfg.stage = std::stoi(value());
+    } else if (arg == "--steps") {
+      cfg.steps = std::stoi(value());
+    } else {
+      std::printf("usage: zero [--ranks N] [--stage 1|2] [--steps S]\n"
+                  "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
+      std::exit(arg == "--help" || arg == "-h" ? 0 : 2);
+    }
+  }
+  return cfg;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  const config cfg = parse(argc, argv);
+  int status = 0;
+  cohort::run_ranks(cfg.ranks, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+    if (cfg.batch % static_cast<std::size_t>(env.world_size) != 0)
+      throw std::runtime_error("the batch of " + std::to_string(cfg.batch) + " does not split over " +
+                               std::to_string(env.world_size) + " ranks");
+    cohort::process_group<cohort::gloo> pg{store, env};
+    const float loss = train(pg, cfg);
+    if (!cohort::is_main_process(pg)) return;
+    const float single = train_single(cfg);
+    const float difference = std::abs(loss - single);
+    const bool match = difference <= 1e-5f * std::max(1.0f, single);
+    std::printf("final loss: ZeRO-%d %.7f, single-rank AdamW %.7f, |difference| %.2e: %s\n", cfg.stage, loss, single,
+                difference, match ? "match" : "MISMATCH");
+    status = match ? 0 : 1;
+  });
+  return status;
+} catch (const std::exception& failure) {
+  std::fprintf(stderr, "zero: %s\n", failure.what());
+  return 1;
+}
