@@ -6,11 +6,13 @@
 // included: a trainer does not pay for them; cohort-bench and cohort-plan include them.
 
 #include "cohort/batch.hpp"
+#include "cohort/clip.hpp"
 #include "cohort/detail/config.hpp"
 #include "cohort/error.hpp"
 #include "cohort/file_store.hpp"
 #include "cohort/guards.hpp"
 #include "cohort/launch.hpp"
+#include "cohort/loss_scaler.hpp"
 #include "cohort/ops.hpp"
 #include "cohort/optim.hpp"
 #include "cohort/process_group.hpp"
@@ -23,6 +25,7 @@
 #include "cohort/tcp_store.hpp"
 #include "cohort/types.hpp"
 #include "cohort/version.hpp"
+#include "cohort/zero.hpp"
 
 #if defined(COHORT_HAS_GLOO) && COHORT_HAS_GLOO
 #include "cohort/backend/gloo.hpp"

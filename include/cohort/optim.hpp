@@ -84,11 +84,12 @@ class sgd final : public sharded_optimizer_state<T> {
   sgd(sharded_parameters<B, T>& params, sgd_options opts = {})
       : params_(&params), options_(opts), state_(params, opts.momentum != 0 ? 1 : 0) {}
 
-  // Updates every unit's shard with its gradient shard; returns when-done work.
-  typename B::work step() {
+  // Updates every unit's shard with its gradient shard times grad_scale (unscaling a loss
+  // scale, clipping: see clip_grad_norm); returns when-done work.
+  typename B::work step(double grad_scale = 1.0) {
     ++steps_;
     auto& engine = params_->group().backend();
-    const detail::sgd_coefficients c{options_.lr, options_.momentum, options_.weight_decay};
+    const detail::sgd_coefficients c{options_.lr, options_.momentum, options_.weight_decay, grad_scale};
     for (std::size_t u = 0; u < params_->unit_count(); ++u) {
       T* parameters = params_->shard(u).data();
       const T* gradients = params_->grad_shard(u).data();
@@ -117,10 +118,19 @@ class sgd final : public sharded_optimizer_state<T> {
 template <backend B, class T = float>
 class adam final : public sharded_optimizer_state<T> {
  public:
-  adam(sharded_parameters<B, T>& params, adam_options opts = {})
-      : params_(&params), options_(opts), state_(params, 2) {}
+  // decay_units: per unit, whether weight decay applies (trainers decay matrices, not biases
+  // or norms); empty: every unit.
+  adam(sharded_parameters<B, T>& params, adam_options opts = {}, std::vector<std::uint8_t> decay_units = {})
+      : params_(&params), options_(opts), state_(params, 2), decay_units_(std::move(decay_units)) {
+    if (!decay_units_.empty() && decay_units_.size() != params.unit_count())
+      throw error(params.rank(), "adam",
+                  std::to_string(decay_units_.size()) + " decay flags for " + std::to_string(params.unit_count()) +
+                      " units",
+                  "one flag per unit, or none");
+  }
 
-  typename B::work step() {
+  // grad_scale multiplies every gradient first (loss-scale unscaling, clipping).
+  typename B::work step(double grad_scale = 1.0) {
     ++steps_;
     auto& engine = params_->group().backend();
     const double t = static_cast<double>(steps_);
@@ -130,13 +140,16 @@ class adam final : public sharded_optimizer_state<T> {
                                       options_.eps,
                                       options_.weight_decay,
                                       1 - std::pow(options_.beta1, t),
-                                      1 - std::pow(options_.beta2, t)};
+                                      1 - std::pow(options_.beta2, t),
+                                      grad_scale};
     for (std::size_t u = 0; u < params_->unit_count(); ++u) {
       T* parameters = params_->shard(u).data();
       const T* gradients = params_->grad_shard(u).data();
       T* first = state_.get(u, 0);
       T* second = state_.get(u, 1);
-      adam_step(engine, parameters, gradients, first, second, params_->shard_elements(u), c);
+      auto unit = c;
+      if (!decay_units_.empty() && decay_units_[u] == 0) unit.weight_decay = 0;
+      adam_step(engine, parameters, gradients, first, second, params_->shard_elements(u), unit);
     }
     return engine.record();
   }
@@ -154,6 +167,7 @@ class adam final : public sharded_optimizer_state<T> {
   sharded_parameters<B, T>* params_;
   adam_options options_;
   detail::sharded_state<B, T> state_;
+  std::vector<std::uint8_t> decay_units_;
   std::uint64_t steps_ = 0;
 };
 
@@ -163,6 +177,8 @@ template <backend B, class T>
 sgd(sharded_parameters<B, T>&) -> sgd<B, T>;
 template <backend B, class T>
 adam(sharded_parameters<B, T>&, adam_options) -> adam<B, T>;
+template <backend B, class T>
+adam(sharded_parameters<B, T>&, adam_options, std::vector<std::uint8_t>) -> adam<B, T>;
 template <backend B, class T>
 adam(sharded_parameters<B, T>&) -> adam<B, T>;
 

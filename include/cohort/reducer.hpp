@@ -290,6 +290,19 @@ class gradient_reducer {
   // Which bucket holds gradient i.
   std::size_t bucket_of(std::size_t i) const { return placement_.at(i).bucket; }
 
+  // Gradient i without its element type (where it lives, how many, which dtype): what
+  // type-erased work over every gradient needs (clip_grad_norm, say).
+  struct gradient_view {
+    void* data;
+    std::size_t count;
+    dtype type;
+  };
+  gradient_view view(std::size_t i) {
+    check_index("view", i);
+    return {location(i), specs_[i].count, specs_[i].type};
+  }
+  process_group<B>& group() noexcept { return *group_; }
+
   // Bucket views: the span the backward writes gradient i into. User buffers: the user's span.
   template <element T = float>
   std::span<T> gradient(std::size_t i) {
