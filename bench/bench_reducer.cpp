@@ -26,6 +26,7 @@
 #include <cohort/run_ranks.hpp>
 #include <cohort/store.hpp>
 #include <cohort/tools/detail/json.hpp>
+#include <cohort/zero.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -301,6 +302,81 @@ class bench {
                      }),
                compute);
       }
+      measure_flat(pg, record, compute);
+    }
+  }
+
+  // The trainer's own flat buffers (tensors back to back in declaration order), at 25 MiB
+  // buckets: data parallelism in place against bucket views above, and an optimizer step
+  // after it, AdamW on every parameter (data parallelism: each rank updates everything)
+  // against ZeRO-1/2 (reduce-scatter, AdamW on 1/N, all-gather).
+  template <class Record>
+  void measure_flat(group& pg, Record& record, double compute) {
+    const std::size_t n = sizes_.size();
+    std::vector<float> params(total_, 0.01f), grads(total_);
+    std::vector<cohort::gradient_region> regions;
+    std::size_t offset = 0;
+    for (auto count : sizes_) {
+      regions.push_back({offset, count});
+      offset += count;
+    }
+    const auto tensor = [&](std::size_t t) { return std::span<float>(grads).subspan(regions[t].offset, sizes_[t]); };
+    const std::size_t bytes = std::size_t{25} << 20;
+    {
+      cohort::gradient_reducer<cohort::gloo> flat(
+          pg, cohort::flat_gradients(std::span<float>(grads), regions),
+          {.first_bucket_bytes = 1 << 20, .bucket_bytes = bytes, .in_place = true});
+      record("backward overlapped, flat buffer reduced in place", 25, flat.bucket_count(),
+             timed(pg,
+                   [&] {
+                     for (std::size_t t = n; t-- > 0;) {
+                       layer_backward(t, tensor(t));
+                       flat.mark_ready(t);
+                     }
+                     flat.finish();
+                   }),
+             compute);
+      std::vector<float> first(total_), second(total_);
+      const cohort::adam_options adam{.lr = 1e-4, .weight_decay = 0.01};
+      std::uint64_t step = 0;
+      record("data parallel in place + AdamW on every parameter", 25, flat.bucket_count(),
+             timed(pg,
+                   [&] {
+                     for (std::size_t t = n; t-- > 0;) {
+                       layer_backward(t, tensor(t));
+                       flat.mark_ready(t);
+                     }
+                     flat.finish();
+                     const double k = static_cast<double>(++step);
+                     const cohort::detail::adam_coefficients c{adam.lr,
+                                                               adam.beta1,
+                                                               adam.beta2,
+                                                               adam.eps,
+                                                               adam.weight_decay,
+                                                               1 - std::pow(adam.beta1, k),
+                                                               1 - std::pow(adam.beta2, k)};
+                     cohort::adam_step(pg.backend(), params.data(), grads.data(), first.data(), second.data(), total_,
+                                       c)
+                         .wait();
+                   }),
+             compute);
+    }
+    for (int stage : {1, 2}) {
+      cohort::zero_optimizer<cohort::gloo, float> zero(pg, std::span<float>(params), std::span<float>(grads), regions,
+                                                       {.stage = stage, .bucket_bytes = bytes, .adam = {.lr = 1e-4}});
+      record(stage == 1 ? "ZeRO-1: reduce-scatter + AdamW on 1/N + all-gather"
+                        : "ZeRO-2: the same, buckets reduce-scattered during the backward",
+             25, zero.bucket_count(),
+             timed(pg,
+                   [&] {
+                     for (std::size_t t = n; t-- > 0;) {
+                       layer_backward(t, tensor(t));
+                       zero.mark_ready(t);
+                     }
+                     zero.step();
+                     zero.parameters_ready().wait();
+                   }),
+             compute);
     }
   }
 
