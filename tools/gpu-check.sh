@@ -72,6 +72,9 @@ if [ $ok = 1 ]; then
     name=$(basename "$source" .cu)_cuda
     step "example_$name" 120 sh -c "'$build/examples/$name' && '$build/examples/$name' | tail -1 | grep -q match"
   done
+  for stage in 0 1; do  # zero_cuda's default is --zero 2
+    step "example_zero_cuda_$stage" 60 sh -c "'$build/examples/zero_cuda' --zero $stage | tail -1 | grep -q match"
+  done
   for operation in all_reduce all_gather reduce_scatter broadcast alltoall; do
     step "bench_$operation" 120 "$build/bench/cohort-bench" "$operation" --backend nccl --ranks 1 -b 8 -e 1G -f 2 \
       --json "$out/bench-$operation.json"
