@@ -5,7 +5,9 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -17,6 +19,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -24,9 +27,15 @@
 #include <thread>
 #include <vector>
 
+#include "cohort/detail/device_identity.hpp"
+#include "cohort/detail/sha256.hpp"
 #include "cohort/file_store.hpp"
 #include "cohort/tcp_store.hpp"
 #include "support.hpp"
+#if defined(COHORT_HAS_GLOO) && COHORT_HAS_GLOO
+#include "cohort/backend/gloo.hpp"
+#include "cohort/process_group.hpp"
+#endif
 
 namespace {
 
@@ -177,6 +186,12 @@ std::vector<std::string> semantics_log(cohort::store& s) {
   record(s.get("binary") == binary ? "binary intact" : "binary garbled");
   s.set("empty", std::span<const std::uint8_t>());
   record("empty:" + s.get_string("empty"));
+  const std::vector<std::string> several{"cas", "binary", "empty", "count"};
+  const auto values = s.multi_get(several);
+  record(values.size() == several.size() && values[1] == binary
+             ? "multi_get:" + cohort::to_string(values[0]) + "," + cohort::to_string(values[2]) + "," +
+                   cohort::to_string(values[3])
+             : "multi_get garbled");
   return log;
 }
 
@@ -663,9 +678,19 @@ TEST_CASE("store: our tcp client against PyTorch's TCPStore server (libuv and cl
 
   for (const unsigned port : {libuv_port, classic_port}) {
     INFO("TCPStore server on port " << port);
+    {
+      // PyTorch's server checks no token: a rank that has one is told so, at once.
+      auto with_token = client_of(static_cast<std::uint16_t>(port));
+      with_token.token = "not-for-pytorch";
+      CHECK_THROWS_WITH(cohort::tcp_store(with_token), Catch::Contains("it checks no token"));
+    }
     cohort::tcp_store s(client_of(static_cast<std::uint16_t>(port)));
     CHECK(s.get_string("py/x") == "from-python");
     CHECK(s.add("counter", 5) == 7);
+    const std::vector<std::string> both{"py/x", "counter"};
+    const auto before = s.requests_sent();
+    CHECK(s.multi_get(both) == std::vector<cohort::bytes>{cohort::to_bytes("from-python"), cohort::to_bytes("7")});
+    CHECK(s.requests_sent() - before == 2);  // WAIT, MULTI_GET
     CHECK(cohort::to_string(s.compare_set("cas", cohort::bytes{}, cohort::to_bytes("one"))) == "one");
     CHECK(cohort::to_string(s.compare_set("cas", cohort::to_bytes("zz"), cohort::to_bytes("two"))) == "one");
     CHECK(s.check(std::vector<std::string>{"py/x"}));
@@ -776,6 +801,582 @@ TEST_CASE("store: a PyTorch 1.x client is refused and the server says it speaks 
   CHECK(s.server()->rejected_connections() >= 1);
   CHECK_THAT(s.server()->last_rejection(), Catch::Matchers::Contains("not VALIDATE"));
   CHECK_THAT(s.server()->last_rejection(), Catch::Matchers::Contains("another c10d store protocol"));
+}
+
+// ===========================================================================================
+// Hostile clients, the token, batched reads (SECURITY.md)
+
+namespace {
+
+std::string hex(std::span<const std::uint8_t> digest) {
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string text;
+  for (const std::uint8_t byte : digest) {
+    text += digits[byte >> 4];
+    text += digits[byte & 15];
+  }
+  return text;
+}
+
+std::span<const std::uint8_t> as_span(std::string_view text) {
+  return {reinterpret_cast<const std::uint8_t*>(text.data()), text.size()};
+}
+
+// Sanitizers keep freed memory in quarantine and shadow every byte: resident size says
+// nothing about the server's bound there, so only the release build checks it.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool resident_size_is_meaningful = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+constexpr bool resident_size_is_meaningful = false;
+#else
+constexpr bool resident_size_is_meaningful = true;
+#endif
+#else
+constexpr bool resident_size_is_meaningful = true;
+#endif
+
+long peak_resident_kib() {
+  std::FILE* status = std::fopen("/proc/self/status", "r");
+  if (!status) return -1;
+  char line[256];
+  long kib = -1;
+  while (std::fgets(line, sizeof(line), status))
+    if (std::sscanf(line, "VmHWM: %ld kB", &kib) == 1) break;
+  std::fclose(status);
+  return kib;
+}
+
+// A tcp_store_server in a child process (so its memory and descriptors are its own), asked
+// for its numbers through a pipe.
+class server_process {
+ public:
+  struct report {
+    std::size_t rejected = 0;
+    std::uint64_t held = 0;
+    std::size_t open = 0;
+    std::size_t max_connections = 0;
+    long peak_kib = -1;
+    std::string last_rejection;
+  };
+
+  explicit server_process(const cohort::tcp_store_server_options& options, rlim_t descriptor_limit = 0) {
+    int down[2];
+    int up[2];
+    REQUIRE(::pipe(down) == 0);
+    REQUIRE(::pipe(up) == 0);
+    pid_ = spawn([&] {
+      ::close(down[1]);
+      ::close(up[0]);
+      if (descriptor_limit > 0) {
+        const rlimit limit{descriptor_limit, descriptor_limit};
+        expect(::setrlimit(RLIMIT_NOFILE, &limit) == 0, "setrlimit");
+      }
+      cohort::tcp_store_server server("127.0.0.1", 0, 0, options);
+      const std::uint16_t port = server.port();
+      expect(::write(up[1], &port, sizeof port) == sizeof port, "port pipe");
+      char command = 0;
+      while (::read(down[0], &command, 1) == 1) {
+        const std::string text = std::to_string(server.rejected_connections()) + " " +
+                                 std::to_string(server.held_bytes()) + " " + std::to_string(server.open_connections()) +
+                                 " " + std::to_string(server.max_connections()) + " " +
+                                 std::to_string(peak_resident_kib()) + " " + server.last_rejection() + "\n";
+        expect(::write(up[1], text.data(), text.size()) == static_cast<ssize_t>(text.size()), "report pipe");
+      }
+      return 0;
+    });
+    ::close(down[0]);
+    ::close(up[1]);
+    to_child_ = down[1];
+    from_child_ = ::fdopen(up[0], "r");
+    REQUIRE(std::fread(&port_, sizeof port_, 1, from_child_) == 1);
+  }
+  server_process(const server_process&) = delete;
+  server_process& operator=(const server_process&) = delete;
+  ~server_process() {
+    if (to_child_ >= 0) ::close(to_child_);
+    if (from_child_) std::fclose(from_child_);
+    if (pid_ > 0) wait_child(pid_, 10s);
+  }
+
+  std::uint16_t port() const { return port_; }
+
+  report ask() {
+    REQUIRE(::write(to_child_, "?", 1) == 1);
+    char line[4096] = {};
+    REQUIRE(std::fgets(line, sizeof line, from_child_) != nullptr);
+    report out;
+    unsigned long long held = 0;
+    int consumed = 0;
+    REQUIRE(std::sscanf(line, "%zu %llu %zu %zu %ld %n", &out.rejected, &held, &out.open, &out.max_connections,
+                        &out.peak_kib, &consumed) >= 5);
+    out.held = held;
+    out.last_rejection = line + consumed;
+    return out;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int to_child_ = -1;
+  std::FILE* from_child_ = nullptr;
+  std::uint16_t port_ = 0;
+};
+
+// The key pattern of a start, on `ranks` processes: every rank publishes its address, reads
+// everyone's in one batched read, rank 0 publishes a group id the others wait for, and every
+// rank counts itself done. Returns how long the slowest rank took; every rank must succeed
+// within `limit` (its store timeout too).
+std::chrono::milliseconds rendezvous(std::uint16_t port, const std::string& run, int ranks,
+                                     std::chrono::milliseconds limit, const std::string& token = {}) {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<pid_t> children;
+  for (int rank = 0; rank < ranks; ++rank) {
+    children.push_back(spawn([=] {
+      auto options = client_of(port, rank);
+      options.timeout = limit;
+      options.connect_timeout = limit;
+      options.token = token;
+      cohort::tcp_store s(options);
+      const std::string base = run + "/";
+      s.set(base + "addr/" + std::to_string(rank), "10.0.0." + std::to_string(rank) + ":2950" + std::to_string(rank));
+      std::vector<std::string> keys;
+      for (int r = 0; r < ranks; ++r) keys.push_back(base + "addr/" + std::to_string(r));
+      const auto values = s.multi_get(keys);
+      for (int r = 0; r < ranks; ++r)
+        expect(cohort::to_string(values[static_cast<std::size_t>(r)]) ==
+                   "10.0.0." + std::to_string(r) + ":2950" + std::to_string(r),
+               "rank " + std::to_string(rank) + " read a wrong address for rank " + std::to_string(r));
+      if (rank == 0) s.set(base + "group", "id-" + run);
+      expect(s.get_string(base + "group") == "id-" + run, "group id");
+      s.add(base + "done", 1);
+      return 0;
+    }));
+  }
+  bool all_ok = true;
+  for (const pid_t child : children) all_ok = wait_child(child, limit + 5s) == 0 && all_ok;
+  const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+  INFO("rendezvous '" << run << "' of " << ranks << " ranks took " << took.count() << " ms");
+  CHECK(all_ok);
+  CHECK(took < limit);
+  return took;
+}
+
+cohort::bytes get_request(std::string_view key) {
+  cohort::bytes message;
+  protocol::message_writer write(message);
+  write.command(protocol::command::get);
+  write.string(key);
+  return message;
+}
+
+void send_all_blocking(int fd, std::span<const std::uint8_t> data) {
+  std::size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t sent = ::send(fd, data.data() + done, data.size() - done, MSG_NOSIGNAL);
+    if (sent <= 0) return;  // the server closed it: what the test then checks
+    done += static_cast<std::size_t>(sent);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("store: SHA-256 and HMAC-SHA256 match FIPS 180 and RFC 4231") {
+  using cohort::detail::hmac_sha256;
+  using cohort::detail::sha256;
+  CHECK(hex(sha256::of(as_span(""))) == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  CHECK(hex(sha256::of(as_span("abc"))) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  const std::string two_blocks = "abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq";
+  CHECK(hex(sha256::of(as_span(two_blocks))) == "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  const std::string million(1000000, 'a');
+  CHECK(hex(sha256::of(as_span(million))) == "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+  // Fed in pieces of every size from 1 to 130 bytes, the digest is the same.
+  for (std::size_t piece = 1; piece <= 130; piece += 7) {
+    sha256 hash;
+    for (std::size_t at = 0; at < two_blocks.size(); at += piece)
+      hash.update(std::string_view(two_blocks).substr(at, piece));
+    CHECK(hex(hash.finish()) == "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  }
+
+  const std::vector<std::uint8_t> key1(20, 0x0b);
+  CHECK(hex(hmac_sha256(key1, {as_span("Hi There")})) ==
+        "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7");
+  CHECK(hex(hmac_sha256(as_span("Jefe"), {as_span("what do ya want "), as_span("for nothing?")})) ==
+        "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+  const std::vector<std::uint8_t> key3(20, 0xaa);
+  const std::vector<std::uint8_t> data3(50, 0xdd);
+  CHECK(hex(hmac_sha256(key3, {data3})) == "773ea91e36800e46854db8ebd09181a72959098b3ef8c122d9635514ced565fe");
+  std::vector<std::uint8_t> key4;
+  for (std::uint8_t b = 1; b <= 25; ++b) key4.push_back(b);
+  const std::vector<std::uint8_t> data4(50, 0xcd);
+  CHECK(hex(hmac_sha256(key4, {data4})) == "82558a389a443c0ea4cc819899f2083a85f0faa3e578f8077a2e3ff46729665b");
+  const std::vector<std::uint8_t> long_key(131, 0xaa);
+  CHECK(hex(hmac_sha256(long_key, {as_span("Test Using Larger Than Block-Size Key - Hash Key First")})) ==
+        "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
+  CHECK(hex(hmac_sha256(long_key, {as_span("This is a test using a larger than block-size key and a larger than "
+                                           "block-size data. The key needs to be hashed before being used by the "
+                                           "HMAC algorithm.")})) ==
+        "9b09ffa71b942fcb27635fbcd5b0e944bfdc63644f0713938a7f51535c3a35e2");
+
+  CHECK(cohort::detail::equal_in_constant_time(key3, key3));
+  CHECK_FALSE(cohort::detail::equal_in_constant_time(key3, key1));
+  CHECK_FALSE(cohort::detail::equal_in_constant_time(key3, data3));
+}
+
+TEST_CASE("store: multi_get costs two requests whatever the number of keys, and names what is missing") {
+  cohort::tcp_store s(hosting(2s));
+  std::vector<std::string> keys;
+  std::vector<cohort::bytes> expected;
+  for (int r = 0; r < 256; ++r) {
+    keys.push_back("rank/" + std::to_string(r));
+    expected.push_back(cohort::to_bytes("address of " + std::to_string(r)));
+    s.set(keys.back(), std::span<const std::uint8_t>(expected.back()));
+  }
+  cohort::tcp_store reader(client_of(s.port()));
+  for (const std::size_t count : {std::size_t{1}, std::size_t{16}, std::size_t{256}}) {
+    const auto before = reader.requests_sent();
+    const auto values = reader.multi_get(std::span<const std::string>(keys).first(count));
+    CHECK(reader.requests_sent() - before == 2);  // WAIT, MULTI_GET
+    CHECK(values ==
+          std::vector<cohort::bytes>(expected.begin(), expected.begin() + static_cast<std::ptrdiff_t>(count)));
+  }
+  // Key by key, the same read costs two requests per key (c10d's get is WAIT + GET).
+  const auto before = reader.requests_sent();
+  for (std::size_t r = 0; r < 16; ++r) (void)reader.get(keys[r]);
+  CHECK(reader.requests_sent() - before == 32);
+
+  const std::vector<std::string> partly{"rank/0", "rank/never"};
+  CHECK_THROWS_WITH(reader.multi_get(partly, 200ms),
+                    Catch::Contains("'/rank/never'") || Catch::Contains("'rank/never'"));
+  CHECK_THROWS_WITH(reader.multi_get(partly, 200ms), !Catch::Contains("'rank/0'"));
+  reader.ping();  // the connection is still in step
+
+  auto memory = std::make_shared<cohort::memory_store>();
+  cohort::prefix_store view(memory, "p/");
+  view.set("a", "1");
+  view.set("b", "2");
+  const std::vector<std::string> ab{"a", "b"};
+  CHECK(view.multi_get(ab) == std::vector<cohort::bytes>{cohort::to_bytes("1"), cohort::to_bytes("2")});
+  CHECK(memory->get_string("p/b") == "2");
+  const std::vector<std::string> missing{"a", "z"};
+  CHECK_THROWS_WITH(view.multi_get(missing, 50ms), Catch::Contains("'p/z'"));
+}
+
+TEST_CASE("store: a token admits the ranks that know it and refuses everyone else before any key") {
+  const std::string token = "correct horse battery staple";
+  auto host = hosting(5s);
+  host.token = token;
+  cohort::tcp_store s(host);
+  CHECK(s.authenticated());
+  const auto& server = *s.server();
+  s.set("secret", "for the job only");
+
+  // Four ranks that know the token meet; each publishes and reads differently.
+  rendezvous(s.port(), "with-token", 4, 10s, token);
+
+  auto quick = [&](const std::string& with) {
+    auto options = client_of(s.port(), 7);
+    options.token = with;
+    options.connect_timeout = 3s;
+    return options;
+  };
+  SECTION("a rank without the token is told the server requires one") {
+    const auto started = std::chrono::steady_clock::now();
+    CHECK_THROWS_WITH(cohort::tcp_store(quick("")),
+                      Catch::Contains("requires a token (COHORT_STORE_TOKEN)") && Catch::Contains("rank 7"));
+    CHECK(std::chrono::steady_clock::now() - started < 2s);  // an answer, not a connect timeout
+    CHECK_THAT(server.last_rejection(), Catch::Contains("without proving the store token"));
+  }
+  SECTION("a rank with another token is refused, and the server did not prove itself to it") {
+    CHECK_THROWS_WITH(cohort::tcp_store(quick("another token")), Catch::Contains("could not prove that it knows"));
+  }
+  SECTION("a c10d client is closed at its first command byte, before any key is read") {
+    const std::size_t rejected = server.rejected_connections();
+    for (const auto command : {protocol::command::set, protocol::command::get, protocol::command::add}) {
+      raw_connection connection(s.port());
+      auto message = validate_message();
+      protocol::message_writer write(message);
+      write.command(command);
+      write.string("secret");
+      if (command == protocol::command::set) write.data(cohort::to_bytes("overwritten"));
+      if (command == protocol::command::add) write.i64(1);
+      connection.send(message);
+      CHECK(connection.closed_by_server());  // no reply byte came first
+    }
+    CHECK(server.rejected_connections() == rejected + 3);
+    CHECK(s.get_string("secret") == "for the job only");
+  }
+  SECTION("a forged proof is refused") {
+    raw_connection connection(s.port());
+    auto message = validate_message();
+    protocol::message_writer write(message);
+    write.command(protocol::command::auth_hello);
+    write.u8(protocol::auth_version);
+    write.raw_bytes(std::vector<std::uint8_t>(32, 7));
+    connection.send(message);
+    std::uint8_t challenge[65];
+    REQUIRE(::recv(connection.fd, challenge, sizeof challenge, MSG_WAITALL) == sizeof challenge);
+    CHECK(challenge[0] == 0);
+    cohort::bytes proof;
+    protocol::message_writer answer(proof);
+    answer.command(protocol::command::auth_proof);
+    answer.raw_bytes(std::span<const std::uint8_t>(challenge + 33, 32));  // the server's own proof, replayed
+    connection.send(proof);
+    std::uint8_t verdict = 0;
+    CHECK(::recv(connection.fd, &verdict, 1, 0) == 1);
+    CHECK(verdict == static_cast<std::uint8_t>(protocol::auth_reply::refused));
+    CHECK(connection.closed_by_server());
+    CHECK_THAT(server.last_rejection(), Catch::Contains("token proof is wrong"));
+  }
+  SECTION("a rank with a token meets a server without one") {
+    cohort::tcp_store open_server(hosting());
+    auto options = client_of(open_server.port());
+    options.token = token;
+    CHECK_THROWS_WITH(cohort::tcp_store(options), Catch::Contains("was started without a token"));
+  }
+  SECTION("the server's limits come with the handshake: the client refuses an oversized value itself") {
+    auto small = hosting();
+    small.token = token;
+    small.server.max_value_bytes = 1024;
+    cohort::tcp_store limited(small);
+    const cohort::bytes big(2048);
+    CHECK_THROWS_WITH(limited.set("big", std::span<const std::uint8_t>(big)),
+                      Catch::Contains("exceeds the store's limit of 1024"));
+    limited.ping();  // nothing was sent
+  }
+}
+
+TEST_CASE("store: the token never crosses the wire, and the environment supplies it") {
+  // A listener that records what a client with a token sends.
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0);
+  REQUIRE(::listen(listener, 4) == 0);
+  socklen_t length = sizeof(address);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length);
+  const std::string token = "TOKEN-THAT-MUST-NOT-LEAK";
+  std::thread client([&] {
+    auto options = client_of(ntohs(address.sin_port));
+    options.token = token;
+    options.connect_timeout = 300ms;
+    try {
+      cohort::tcp_store s(options);
+    } catch (const cohort::error&) {}
+  });
+  const int connection = ::accept(listener, nullptr, nullptr);
+  REQUIRE(connection >= 0);
+  timeval limit{2, 0};
+  ::setsockopt(connection, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
+  std::string seen(1 + 4 + 1 + 1 + 32, '\0');  // VALIDATE, then AUTH_HELLO
+  const ssize_t got = ::recv(connection, seen.data(), seen.size(), MSG_WAITALL);
+  pollfd more{connection, POLLIN, 0};
+  const int another = ::poll(&more, 1, 100);  // and nothing more before a reply
+  ::close(connection);
+  ::close(listener);
+  client.join();
+  REQUIRE(got == static_cast<ssize_t>(seen.size()));
+  CHECK(another == 0);
+  CHECK(static_cast<std::uint8_t>(seen[5]) == 0xC0);
+  CHECK(seen.find(token) == std::string::npos);
+
+  SECTION("COHORT_STORE_TOKEN, or a file") {
+    ::setenv("COHORT_STORE_TOKEN", "from-env", 1);
+    CHECK(cohort::store_token_from_environment() == "from-env");
+    const std::string file = "/tmp/cohort-token-" + std::to_string(::getpid());
+    std::FILE* out = std::fopen(file.c_str(), "w");
+    REQUIRE(out != nullptr);
+    std::fputs("from-file\n", out);
+    std::fclose(out);
+    ::setenv("COHORT_STORE_TOKEN_FILE", file.c_str(), 1);
+    CHECK_THROWS_WITH(cohort::store_token_from_environment(), Catch::Contains("both"));
+    ::unsetenv("COHORT_STORE_TOKEN");
+    CHECK(cohort::store_token_from_environment() == "from-file");
+    out = std::fopen(file.c_str(), "w");
+    std::fclose(out);
+    CHECK_THROWS_WITH(cohort::store_token_from_environment(), Catch::Contains("is empty"));
+    std::remove(file.c_str());
+    CHECK_THROWS_WITH(cohort::store_token_from_environment(), Catch::Contains("cannot read"));
+    ::unsetenv("COHORT_STORE_TOKEN_FILE");
+    CHECK(cohort::store_token_from_environment().empty());
+  }
+  SECTION("torchrun's agent store checks no token: connect_store says so instead of failing later") {
+    auto env = cohort::launch_env::explicit_ranks(1, 2);
+    env.use_agent_store = true;
+    cohort::tcp_store_options options;
+    options.token = "t";
+    CHECK_THROWS_WITH(cohort::connect_store(env, options),
+                      Catch::Contains("PyTorch's TCPStore, which checks no token"));
+  }
+}
+
+TEST_CASE("store: a value shared by GETs on connections that never read costs one copy and the rendezvous goes on") {
+  // The issue's attack: one 64 MiB value, 24 GETs on 3 connections that never read. The
+  // server is configured to accept such a value; its default refuses it outright.
+  cohort::tcp_store_server_options options;
+  options.max_value_bytes = std::uint64_t{64} << 20;
+  options.max_memory_bytes = std::uint64_t{160} << 20;
+  server_process server(options);
+  {
+    cohort::tcp_store writer(client_of(server.port()));
+    const cohort::bytes big(std::size_t{64} << 20, 0x5a);
+    writer.set("big", std::span<const std::uint8_t>(big));
+    CHECK(writer.get("big", 10s).size() == big.size());  // this client reads: served in full
+  }
+  std::vector<std::unique_ptr<raw_connection>> silent;
+  for (int c = 0; c < 3; ++c) {
+    silent.push_back(std::make_unique<raw_connection>(server.port()));
+    auto message = validate_message();
+    for (int g = 0; g < 8; ++g) {
+      const auto get = get_request("/big");
+      message.insert(message.end(), get.begin(), get.end());
+    }
+    silent.back()->send(message);
+  }
+  std::this_thread::sleep_for(200ms);
+  const auto attacked = server.ask();
+  INFO("server holds " << attacked.held << " bytes with 24 GETs of a 64 MiB value unread");
+  CHECK(attacked.held < (std::uint64_t{66} << 20));  // the value once, no copy per reply
+  rendezvous(server.port(), "beside-unread-gets", 4, 5s);
+  const auto after = server.ask();
+  if (resident_size_is_meaningful) {
+    INFO("server peak resident " << after.peak_kib << " KiB");
+    CHECK(after.peak_kib > 0);
+    CHECK(after.peak_kib <= 256 * 1024);
+  }
+  // The default limits refuse the 64 MiB value itself, at its length.
+  cohort::tcp_store defaults(hosting());
+  cohort::tcp_store writer(client_of(defaults.port()));
+  const cohort::bytes big(std::size_t{64} << 20, 0x5a);
+  try {
+    writer.set("big", std::span<const std::uint8_t>(big));  // c10d's SET has no reply: the send or the next call tells
+    writer.ping();
+    FAIL("a 64 MiB value was accepted under the default limits");
+  } catch (const cohort::error& failure) {
+    CHECK_THAT(failure.what(), Catch::Contains("max_value_bytes"));
+  }
+  CHECK_THAT(defaults.server()->last_rejection(), Catch::Contains("exceeds the limit of 16777216"));
+}
+
+TEST_CASE("store: idle connections past a low descriptor limit do not lock the ranks out") {
+  // The issue's attack: 400 idle connections to a server whose process may open 300.
+  cohort::tcp_store_server_options options;
+  options.reserved_connections = 4;
+  server_process server(options, 300);
+  std::vector<std::unique_ptr<raw_connection>> idle;
+  for (int c = 0; c < 400; ++c) idle.push_back(std::make_unique<raw_connection>(server.port()));
+  std::this_thread::sleep_for(100ms);
+  const auto flooded = server.ask();
+  INFO("connection limit " << flooded.max_connections << ", open " << flooded.open);
+  CHECK(flooded.max_connections < 300);
+  CHECK(flooded.open <= flooded.max_connections);
+  rendezvous(server.port(), "past-idle-flood", 4, 5s);
+  const auto after = server.ask();
+  CHECK(after.rejected >= 400 - after.max_connections);
+  CHECK_THAT(after.last_rejection, Catch::Contains("had not proved itself"));
+}
+
+TEST_CASE("store: half-sent and oversized requests are refused or timed out, memory stays bounded") {
+  cohort::tcp_store_server_options options;
+  options.idle_timeout = 1s;
+  options.handshake_timeout = 1s;
+  server_process server(options);  // default limits: 16 MiB values, 128 MiB in all
+  auto announce = [&](protocol::command command, std::uint64_t announced, std::size_t sent) {
+    auto connection = std::make_unique<raw_connection>(server.port());
+    auto message = validate_message();
+    protocol::message_writer write(message);
+    write.command(command);
+    write.string("victim");
+    write.u64(announced);
+    message.resize(message.size() + sent, 0x11);
+    send_all_blocking(connection->fd, message);
+    return connection;
+  };
+  // Announcing 256 MiB (a SET, and COMPARE_SET's expected value) is refused at the length.
+  for (const auto command : {protocol::command::set, protocol::command::compare_set}) {
+    const auto connection = announce(command, std::uint64_t{256} << 20, 0);
+    CHECK(connection->closed_by_server());
+  }
+  CHECK_THAT(server.ask().last_rejection, Catch::Contains("exceeds the limit of 16777216"));
+  // Twelve truncated 15 MiB SETs with 12 MiB sent each: 144 MiB announced, more than the budget.
+  std::vector<std::unique_ptr<raw_connection>> truncated;
+  for (int c = 0; c < 12; ++c) truncated.push_back(announce(protocol::command::set, 15 << 20, 12 << 20));
+  truncated.push_back(announce(protocol::command::set, 100, 10));        // a small one, stalled
+  truncated.push_back(std::make_unique<raw_connection>(server.port()));  // never says anything
+  const auto loaded = server.ask();
+  INFO("holding " << loaded.held << " bytes of half-sent requests; last refusal: " << loaded.last_rejection);
+  CHECK(loaded.held <= options.max_memory_bytes);
+  CHECK(loaded.rejected >= 3);  // the budget turned some of the twelve away
+  rendezvous(server.port(), "beside-truncated", 4, 5s);
+  // Past the idle timeout every half-sent request, and the silent connection, is closed.
+  for (const auto& connection : truncated) CHECK(connection->closed_by_server());
+  auto after = server.ask();
+  for (int tries = 0; tries < 100 && after.held >= (std::uint64_t{1} << 20); ++tries) {
+    std::this_thread::sleep_for(20ms);  // the server's numbers are published once per round
+    after = server.ask();
+  }
+  CHECK(after.held < (std::uint64_t{1} << 20));
+  if (resident_size_is_meaningful) {
+    INFO("server peak resident " << after.peak_kib << " KiB");
+    CHECK(after.peak_kib <= 256 * 1024);
+  }
+}
+
+TEST_CASE("store: at its connection limit the server turns newcomers away and the client says so") {
+  auto options = hosting(2s);
+  options.server.max_connections = 3;
+  cohort::tcp_store s(options);
+  cohort::tcp_store second(client_of(s.port()));
+  cohort::tcp_store third(client_of(s.port()));
+  s.set("a", "1");  // every connection has proved itself: none may be closed for a newcomer
+  second.set("b", "2");
+  third.set("c", "3");
+  auto late = client_of(s.port(), 3);
+  late.connect_timeout = 500ms;
+  CHECK_THROWS_WITH(cohort::tcp_store(late), Catch::Contains("connection limit") && Catch::Contains("rank 3"));
+  CHECK(second.get_string("a") == "1");  // the served ones are unaffected
+}
+
+TEST_CASE("store: values cohort reads back are checked before use") {
+  using cohort::detail::well_formed_device_identity;
+  CHECK(well_formed_device_identity("node-7|0000:3B:00.0"));
+  CHECK(well_formed_device_identity("gpu01.cluster|00000001:c1:1f.7"));
+  CHECK_FALSE(well_formed_device_identity("node-7"));
+  CHECK_FALSE(well_formed_device_identity("|0000:3B:00.0"));
+  CHECK_FALSE(well_formed_device_identity("node 7|0000:3B:00.0"));
+  CHECK_FALSE(well_formed_device_identity("node-7|0000:3B:00"));
+  CHECK_FALSE(well_formed_device_identity("node-7|0000:3B:0G.0"));
+  CHECK_FALSE(well_formed_device_identity(std::string("node-7|0000:3B:00.0\0", 20)));
+
+  int fields[3] = {};
+  CHECK(cohort::detail::parse_int_fields("-1,20,300", ',', fields));
+  CHECK((fields[0] == -1 && fields[1] == 20 && fields[2] == 300));
+  for (const char* bad : {"1,2", "1,2,3,4", "a,2,3", "1,,3", " 1,2,3", "1,2,3 ", "99999999999,1,1"})
+    CHECK_FALSE(cohort::detail::parse_int_fields(bad, ',', fields));
+
+  const auto failure = cohort::detail::malformed_store_value(2, "split", "cohort/pg1/split0/1",
+                                                             std::string_view("\x01garbage\xff"), "x");
+  CHECK_THAT(failure.what(), Catch::Contains("key 'cohort/pg1/split0/1' holds malformed data written by someone else"));
+  CHECK_THAT(failure.what(), Catch::Contains("\\x01garbage\\xff"));
+  CHECK_THAT(failure.what(), Catch::Contains("COHORT_STORE_TOKEN"));
+
+#if defined(COHORT_HAS_GLOO) && COHORT_HAS_GLOO
+  SECTION("garbage under a rank's split entry is named, on the rank that reads it") {
+    auto shared = std::make_shared<cohort::memory_store>();
+    cohort_test::run_ranks(2, [&](int rank) {
+      cohort::gloo::options opts;
+      opts.timeout = 10s;
+      cohort::process_group<cohort::gloo> pg(shared, cohort::launch_env::explicit_ranks(rank, 2), opts);
+      if (rank == 1) {
+        // Not rank 1's own entry: what an outsider writes under its key.
+        shared->set("cohort/pg1/split0/1", "garbage");
+        return;
+      }
+      RANK_CHECK_THROWS(cohort::error, pg.split(0, 0),
+                        "key 'cohort/pg1/split0/1' holds malformed data written by someone else: 'garbage'");
+    });
+  }
+#endif
 }
 
 // ===========================================================================================

@@ -289,13 +289,18 @@ class process_group {
     struct member {
       int color, key, node, rank;
     };
+    // One batched read of every rank's entry (O(1) requests per rank on a tcp_store).
+    std::vector<std::string> keys;
+    for (int r = 0; r < size(); ++r) keys.push_back(base + std::to_string(r));
+    const auto entries = store_->multi_get(keys);
     std::vector<member> mine;
     for (int r = 0; r < size(); ++r) {
-      const std::string text = store_->get_string(base + std::to_string(r));
-      const auto first = text.find(',');
-      const auto second = text.find(',', first + 1);
-      const member m{std::stoi(text.substr(0, first)), std::stoi(text.substr(first + 1, second - first - 1)),
-                     std::stoi(text.substr(second + 1)), r};
+      const std::string text = to_string(entries[static_cast<std::size_t>(r)]);
+      int fields[3] = {};
+      if (!detail::parse_int_fields(text, ',', fields))
+        throw detail::malformed_store_value(rank(), "split", store_->prefix() + keys[static_cast<std::size_t>(r)], text,
+                                            "'color,key,node' as three decimal integers");
+      const member m{fields[0], fields[1], fields[2], r};
       if (color >= 0 && m.color == color) mine.push_back(m);
     }
     std::sort(mine.begin(), mine.end(),

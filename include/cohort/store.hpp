@@ -56,6 +56,11 @@ class store {
   // True when the key existed.
   virtual bool delete_key(std::string_view key) = 0;
   virtual std::int64_t num_keys() = 0;
+  // Waits until every key exists (at most `timeout`), then returns their values in order.
+  // What a rank calls to read every other rank's key: a store that batches does it in a
+  // constant number of requests (tcp_store: one WAIT, one MULTI_GET), so a start of N ranks
+  // costs O(N) requests in all instead of O(N^2). This default waits, then gets key by key.
+  virtual std::vector<bytes> multi_get(std::span<const std::string> keys, std::chrono::milliseconds timeout);
 
   void set(std::string_view key, std::string_view value) {
     const bytes data = to_bytes(value);
@@ -69,6 +74,8 @@ class store {
     std::vector<std::string> list(keys);
     wait(std::span<const std::string>(list), timeout());
   }
+  // Waits at most timeout().
+  std::vector<bytes> multi_get(std::span<const std::string> keys) { return multi_get(keys, timeout()); }
 
   // The bound of this handle's waits. A handle shared by threads may be read while one of
   // them changes it, so both settings are atomic; views (prefix_store) keep their own.
@@ -98,6 +105,27 @@ class store {
   std::atomic<int> rank_{-1};
 };
 
+namespace detail {
+
+// What a rank throws when a key that cohort itself writes (a rank's address, device or split
+// color) holds something cohort never writes: another program, a stray or hostile client, or
+// a rank of another job sharing the store wrote it. Names the key, shows the start of the
+// value (escaped) and what was expected, and points at the store token (SECURITY.md).
+error malformed_store_value(int rank, std::string_view operation, std::string_view key,
+                            std::span<const std::uint8_t> value, std::string_view expected);
+inline error malformed_store_value(int rank, std::string_view operation, std::string_view key, std::string_view value,
+                                   std::string_view expected) {
+  return malformed_store_value(
+      rank, operation, key,
+      std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(value.data()), value.size()), expected);
+}
+
+// Parses exactly `count` decimal integers separated by `separator` (no spaces, no signs other
+// than a leading '-'); false when the text is anything else.
+bool parse_int_fields(std::string_view text, char separator, std::span<int> out);
+
+}  // namespace detail
+
 // A namespace inside another store: every key is stored as prefix + key. Its waits use its
 // own timeout(), passed to the inner store with each call; the inner store's settings are
 // never changed (several groups share one store, each with its own timeout).
@@ -122,6 +150,10 @@ class prefix_store final : public store {
   bool delete_key(std::string_view key) override { return inner_->delete_key(full(key)); }
   // Counts the inner store's keys: c10d has no per-prefix count either.
   std::int64_t num_keys() override { return inner_->num_keys(); }
+  std::vector<bytes> multi_get(std::span<const std::string> keys, std::chrono::milliseconds timeout) override {
+    return inner_->multi_get(full(keys), timeout);
+  }
+  using store::multi_get;
 
   const std::string& prefix() const noexcept { return prefix_; }
   const std::shared_ptr<store>& inner() const noexcept { return inner_; }
@@ -155,6 +187,9 @@ class memory_store final : public store {
   bool delete_key(std::string_view key) override;
 
   std::int64_t num_keys() override;
+
+  std::vector<bytes> multi_get(std::span<const std::string> keys, std::chrono::milliseconds timeout) override;
+  using store::multi_get;
 
  private:
   bool all_present(std::span<const std::string> keys) const {

@@ -10,17 +10,20 @@
 //
 // Like c10d's client, tcp_store puts options.key_prefix ("/") before every key on the wire,
 // so `store.set("x", ...)` in Python and `get("x")` here name the same key.
-// Protocol, limits and wire layout: detail/tcp_store_protocol.hpp.
+// Protocol, limits and wire layout: detail/tcp_store_protocol.hpp. Trust model, the token
+// (COHORT_STORE_TOKEN) and the server's limits: SECURITY.md.
 
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -65,7 +68,19 @@ struct tcp_store_options {
   std::string key_prefix = "/";
   // Named in error messages.
   int rank = -1;
+  // The shared secret (SECURITY.md). When set, this handle proves it in a challenge-response
+  // handshake (never sending it) and accepts only a server that proves it too; a hosted
+  // server then serves only such clients. Empty: c10d's protocol, as PyTorch speaks it.
+  // connect_store fills it from COHORT_STORE_TOKEN or COHORT_STORE_TOKEN_FILE.
+  std::string token;
+  // Limits of the hosted server (is_server); its token is `token` above.
+  tcp_store_server_options server;
 };
+
+// The token of SECURITY.md from the environment: COHORT_STORE_TOKEN, or the contents of the
+// file COHORT_STORE_TOKEN_FILE names (one trailing newline dropped); empty when neither is
+// set. Throws when both are set, or the file cannot be read or is empty.
+std::string store_token_from_environment(int rank = -1);
 
 class tcp_store final : public store {
  public:
@@ -107,16 +122,23 @@ class tcp_store final : public store {
   // Counts every key on the server (c10d counts its "init/" key too).
   std::int64_t num_keys() override;
 
+  // One WAIT for every key, then one MULTI_GET (c10d has had it since PyTorch 2.0, before
+  // VALIDATE, so every server that passes cohort's handshake has it): two requests in all.
+  std::vector<bytes> multi_get(std::span<const std::string> keys, std::chrono::milliseconds timeout) override;
+  using store::multi_get;
+
   // c10d's extensions beyond `store` (Gloo's v2 store interface has the same ones).
   void append(std::string_view key, std::span<const std::uint8_t> value);
-
-  // Waits for every key, then returns their values in order.
-  std::vector<bytes> multi_get(std::span<const std::string> keys);
 
   void multi_set(std::span<const std::string> keys, std::span<const bytes> values);
 
   // One round trip; throws when the server does not answer within timeout().
   void ping();
+
+  // Messages this handle has sent (the handshake's included): what bench_rendezvous counts.
+  std::uint64_t requests_sent() const noexcept { return requests_.load(std::memory_order_relaxed); }
+  // Whether this handle proved the token (options.token) to its server.
+  bool authenticated() const noexcept { return authenticated_; }
 
  private:
   using clock = detail::tcp::clock;
@@ -144,6 +166,9 @@ class tcp_store final : public store {
 
   [[noreturn]] void fail_timeout(std::string_view operation, const std::string& detail);
 
+  // The server wrote its busy marker (detail/tcp_store_protocol.hpp): retried by connect().
+  [[noreturn]] void fail_busy(std::string_view operation);
+
   void usable(std::string_view operation) const;
 
   // --- raw I/O with a deadline.
@@ -162,6 +187,11 @@ class tcp_store final : public store {
 
   bytes receive_data(std::string_view operation, std::string_view key, clock::time_point deadline);
 
+  void drop_connection() noexcept {
+    socket_.reset();
+    inbox_start_ = inbox_end_ = 0;
+  }
+
   // --- one request and its reply, bounded by timeout().
 
   static void no_reply(clock::time_point) {}
@@ -173,8 +203,14 @@ class tcp_store final : public store {
     writer out(message);
     write(out);
     const auto deadline = clock::now() + timeout();
-    send_all(operation, message, deadline);
+    send_message(operation, message, deadline);
     read(deadline);
+  }
+
+  void send_message(std::string_view operation, std::span<const std::uint8_t> data, clock::time_point deadline,
+                    std::uint64_t messages = 1) {
+    requests_.fetch_add(messages, std::memory_order_relaxed);
+    send_all(operation, data, deadline);
   }
 
   template <class Write, class Read = decltype(&no_reply)>
@@ -195,6 +231,8 @@ class tcp_store final : public store {
   void wait_locked(std::span<const std::string> keys, std::chrono::milliseconds limit, std::string_view operation);
 
   void ping_locked(clock::time_point deadline, std::string_view operation);
+  std::uint32_t append_ping(writer& out);  // returns the nonce to expect back
+  void read_ping_echo(std::uint32_t nonce, clock::time_point deadline, std::string_view operation);
 
   // --- connecting.
 
@@ -203,26 +241,46 @@ class tcp_store final : public store {
   // One attempt; returns why it failed, or an empty string once connected and validated.
   std::string try_connect(clock::time_point deadline);
 
+  // VALIDATE, the token exchange (options.token), PING.
+  void handshake_locked(clock::time_point deadline);
+  void prove_token(const detail::tcp_store_protocol::nonce& client, clock::time_point deadline);
+
   void join_workers(int workers);
 
   tcp_store_options options_;
   std::shared_ptr<tcp_store_server> server_;  // declared first: outlives the connection
   std::mutex mutex_;
   detail::tcp::file_descriptor socket_;
+  // Bytes of replies read ahead and not yet taken (receive_exact).
+  static constexpr std::size_t inbox_capacity = std::size_t{64} << 10;
+  bytes inbox_;
+  std::size_t inbox_start_ = 0;  // inbox_[start, end) is unread
+  std::size_t inbox_end_ = 0;
   std::string broken_;
   std::uint32_t ping_count_ = 0;
-  // How the last connection attempt's handshake went (connect() only).
-  enum class handshake { not_reached, refused, unanswered } handshake_ = handshake::not_reached;
+  std::atomic<std::uint64_t> requests_{0};
+  bool authenticated_ = false;
+  // What the server said it accepts (after the token exchange; else the protocol's ceilings).
+  std::uint64_t max_key_bytes_ = detail::tcp_store_protocol::max_key_bytes;
+  std::uint64_t max_value_bytes_ = detail::tcp_store_protocol::max_value_bytes;
+  // How the last connection attempt's handshake went (connect() only). busy: the server is at
+  // its connection limit (retried); fatal: an answer that retrying cannot change (a token
+  // mismatch), thrown at once.
+  enum class handshake { not_reached, refused, unanswered, busy, fatal } handshake_ = handshake::not_reached;
+  std::string fatal_hint_;
 };
 
 // Connects a launched program to its rendezvous store.
 //  - Under torchrun's elastic agent (env.use_agent_store): a client of the TCPStore the agent
 //    already serves at MASTER_ADDR:MASTER_PORT, inside prefix_store(env.store_prefix()), the
-//    keys torch workers of this restart attempt use.
+//    keys torch workers of this restart attempt use. PyTorch's server checks no token, so a
+//    token set there is refused with an error that says so.
 //  - Otherwise rank 0 hosts a server on MASTER_ADDR:MASTER_PORT (that address only) and every
 //    rank, rank 0 included, is a client of it. Rank 0's handle owns the server: keep it alive
-//    until every rank is done with the store.
-// host, port, is_server and rank come from env; timeouts and num_workers from options.
+//    until every rank is done with the store. The server keeps room for env.world_size ranks
+//    (options.server.reserved_connections, unless set).
+// host, port, is_server and rank come from env; the token from options.token or else the
+// environment (store_token_from_environment); timeouts, limits and num_workers from options.
 std::shared_ptr<store> connect_store(const launch_env& env, tcp_store_options options = {});
 
 inline std::shared_ptr<store> tcp_store::connect(const launch_env& env, tcp_store_options options) {

@@ -1,21 +1,22 @@
 #pragma once
 // tcp_store_server: the TCP store's server alone, speaking PyTorch c10d TCPStore's wire
-// protocol (torch 2.x): a background thread polling one listening socket, bound only to the
+// protocol (torch 2.x): a background thread over one listening socket, bound only to the
 // address it is given (loopback stays loopback). tcp_store (tcp_store.hpp) hosts one inside
-// rank 0's handle; protocol, limits and wire layout: detail/tcp_store_protocol.hpp.
+// rank 0's handle; protocol, limits and wire layout: detail/tcp_store_protocol.hpp; the trust
+// model and what each setting protects: SECURITY.md.
 
-#include <fcntl.h>
-#include <poll.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
-#include <charconv>
+#include <chrono>
 #include <cstdint>
-#include <cstdio>
+#include <deque>
+#include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -29,17 +30,60 @@
 
 namespace cohort::inline v0 {
 
+// What the server lets any one client, and all of them together, hold. The defaults bound a
+// server's memory to about max_memory_bytes plus its connections' small per-connection state,
+// whatever its clients send; every refusal closes that one connection and is printed in the
+// server's log (the first few; all are counted) with the peer's address and the reason.
+struct tcp_store_server_options {
+  // The largest key and value a request may carry (values: also what APPEND may grow a key
+  // to). At most the protocol's ceilings (64 KiB, 256 MiB). A cohort client that proved the
+  // token learns them in the handshake and refuses an oversized request itself.
+  std::uint64_t max_key_bytes = std::uint64_t{64} << 10;
+  std::uint64_t max_value_bytes = std::uint64_t{16} << 20;
+  // Everything the server holds: keys, values (also those only replies still being sent
+  // reference), and what it has read of requests not yet complete. Requests that would pass
+  // it are refused; the last eighth is kept for requests of at most 64 KiB, so large requests
+  // cannot starve the small ones a rendezvous is made of.
+  std::uint64_t max_memory_bytes = std::uint64_t{128} << 20;
+  // Replies queued for one connection above which the server stops reading that connection's
+  // requests until the client has read them: a client that does not read its replies stops
+  // being served, and costs no memory beyond its unread replies (values are shared, never
+  // copied per reply).
+  std::uint64_t max_queued_reply_bytes = std::uint64_t{1} << 20;
+  // A connection that stops in the middle of a request, or leaves replies unread, for this
+  // long is closed. Whole requests and a parked WAIT have no time limit.
+  std::chrono::milliseconds idle_timeout = std::chrono::seconds(10);
+  // A connection that has not finished the handshake (VALIDATE, and with a token the token
+  // exchange) this long after it was accepted is closed.
+  std::chrono::milliseconds handshake_timeout = std::chrono::seconds(10);
+  // Connections served at once; 0: three quarters of the descriptors this process has free
+  // when the server starts (the rest is left to the job: Gloo's and NCCL's sockets, files).
+  std::size_t max_connections = 0;
+  // Room kept for the job's own ranks (connect_store sets the world size): connections that
+  // have not proved themselves (finished the handshake and, without a token, sent a store
+  // request) may take at most max_connections - reserved_connections (at least half) places;
+  // past that the oldest of them is closed for a newcomer. When the descriptor limit is lower
+  // than such a world needs, the server raises its soft limit towards the hard one.
+  std::size_t reserved_connections = 0;
+  // The shared secret of SECURITY.md (COHORT_STORE_TOKEN): when set, only clients that prove
+  // they know it (tcp_store_protocol.hpp, AUTH_HELLO) are served, and nothing of another
+  // connection is read past its first command byte. Empty: c10d's protocol, no authentication,
+  // so PyTorch's clients can join.
+  std::string token;
+};
+
 // ------------------------------------------------------------------------------------------
-// The server: one thread, poll() over the listening socket and every connection. Requests
-// are decoded from per-connection buffers (detail/tcp_store_protocol.hpp bounds every length);
-// WAITs are parked here and answered when their keys appear. A malformed request, or any
-// failure while serving one connection, closes that connection only.
+// The server: one thread, epoll over the listening socket and every connection. Requests are
+// decoded from per-connection buffers (detail/tcp_store_protocol.hpp bounds every length);
+// WAITs are parked here and answered when their keys appear. A malformed or refused request,
+// or any failure while serving one connection, closes that connection only.
 
 class tcp_store_server {
  public:
   // Listens on host:port (port 0: a free port, see port()). host "" listens on every
   // interface; any other host listens only on the address it resolves to.
-  explicit tcp_store_server(std::string host, std::uint16_t port = 0, int rank = -1);
+  explicit tcp_store_server(std::string host, std::uint16_t port = 0, int rank = -1,
+                            tcp_store_server_options options = {});
 
   tcp_store_server(const tcp_store_server&) = delete;
   tcp_store_server& operator=(const tcp_store_server&) = delete;
@@ -49,79 +93,159 @@ class tcp_store_server {
   const std::string& host() const noexcept { return host_; }
   std::uint16_t port() const noexcept { return port_; }
   std::string endpoint() const { return detail::tcp::endpoint(host_, port_); }
+  const tcp_store_server_options& options() const noexcept { return options_; }
+  // The connection limit in force (options.max_connections, or the one derived from the
+  // descriptor limit).
+  std::size_t max_connections() const noexcept { return max_connections_; }
 
-  // Connections closed because they sent something malformed, and the last reason why. The
-  // first few are also printed on stderr (a refused rank would otherwise only see a reset).
+  // Connections closed because they sent something malformed or were refused (limits, token,
+  // timeouts, capacity), and the last reason why. The first few are also printed on stderr
+  // (a refused rank would otherwise only see a reset).
   std::size_t rejected_connections() const noexcept { return rejected_.load(); }
   std::string last_rejection() const;
+  // Bytes the server holds now (what max_memory_bytes bounds) and connections open now.
+  std::uint64_t held_bytes() const noexcept { return held_published_.load(std::memory_order_relaxed); }
+  std::size_t open_connections() const noexcept { return open_published_.load(std::memory_order_relaxed); }
 
  private:
   using bytes_t = std::vector<std::uint8_t>;
+  using clock = detail::tcp::clock;
   static constexpr std::size_t read_chunk = std::size_t{64} << 10;
-  // Reading stops after this much per connection per poll round, so one fast sender cannot
+  // Reading stops after this much per connection per round, so one fast sender cannot
   // starve the others.
   static constexpr std::size_t read_budget = std::size_t{4} << 20;
-  // A client that stops reading its replies is cut off once this much is queued for it.
-  static constexpr std::uint64_t max_queued_reply_bytes =
-      detail::tcp_store_protocol::max_request_bytes + detail::tcp_store_protocol::max_value_bytes;
+  // An emptied input buffer up to this size is kept for the next request, a larger one freed.
+  static constexpr std::size_t kept_input = 4096;
+  // Requests up to this size draw on the last eighth of the memory budget too.
+  static constexpr std::uint64_t small_request = std::uint64_t{64} << 10;
+  static constexpr std::uint64_t entry_overhead = 64;  // what an entry costs beyond key and value
+
+  // A stored value, shared by the map and by every reply still sending it; it counts itself
+  // in the server's memory while it lives.
+  struct value_block {
+    bytes_t bytes;
+    std::uint64_t* held;
+    value_block(bytes_t data, std::uint64_t* counter) : bytes(std::move(data)), held(counter) { *held += bytes.size(); }
+    value_block(const value_block&) = delete;
+    value_block& operator=(const value_block&) = delete;
+    ~value_block() { *held -= bytes.size(); }
+  };
+  using value_ptr = std::shared_ptr<const value_block>;
+
+  struct output_segment {
+    value_ptr shared;  // a value sent without copying, or
+    bytes_t owned;     // bytes of the reply itself
+    std::size_t offset = 0;
+    std::size_t size() const noexcept { return shared ? shared->bytes.size() : owned.size(); }
+    const std::uint8_t* data() const noexcept { return shared ? shared->bytes.data() : owned.data(); }
+  };
+
+  enum class stage : std::uint8_t { fresh, validated, challenged, ready };
 
   struct connection {
+    std::uint64_t id = 0;
     detail::tcp::file_descriptor socket;
     bytes_t input;
-    std::size_t input_start = 0;     // bytes of input already consumed
-    std::uint64_t input_needed = 0;  // don't re-parse until this many unconsumed bytes
-    bytes_t output;
-    std::size_t output_start = 0;
-    std::string peer;  // "address:port", for the log
-    bool validated = false;
+    std::size_t input_start = 0;      // bytes of input already consumed
+    std::uint64_t input_needed = 0;   // don't re-parse until this many unconsumed bytes
+    std::uint64_t input_counted = 0;  // input's capacity as counted in held_
+    std::deque<output_segment> output;
+    std::uint64_t output_queued = 0;  // unsent bytes in output
+    std::string peer;                 // "address:port", for the log
+    stage step = stage::fresh;
+    bool productive = false;  // has sent a store request (not only the handshake)
     bool closing = false;
+    std::uint32_t interest = 0;  // the epoll events registered
+    clock::time_point accepted;
+    clock::time_point last_input;
+    clock::time_point last_output;
+    detail::tcp_store_protocol::nonce client_nonce{};
+    detail::tcp_store_protocol::nonce server_nonce{};
     std::size_t keys_awaited = 0;
     std::vector<std::string> waiting_on;
   };
 
   void listen_on(std::uint16_t port);
+  void size_connection_limit();
 
   void serve();
-
   void accept_all();
+  void place(int fd);
+  bool evict_untrusted(const char* why);
+  void refuse_busy(int fd);
+  void drain_and_close(int fd);
+  bool trusted(const connection& conn) const noexcept {
+    return conn.step == stage::ready && (!options_.token.empty() || conn.productive);
+  }
 
-  void receive(std::uint64_t id, connection& conn);
+  void receive(connection& conn);
+  bool take_input(connection& conn, const std::uint8_t* data, std::size_t size);
+  void process(connection& conn);
+  bool gatekeep(connection& conn, std::uint8_t code);
+  void handle(connection& conn, detail::tcp_store_protocol::request& request);
+  void authenticate(connection& conn, detail::tcp_store_protocol::request& request);
 
-  void process(std::uint64_t id, connection& conn);
-
-  void handle(std::uint64_t id, connection& conn, detail::tcp_store_protocol::request& request);
-
+  bool admit(std::uint64_t more, std::uint64_t request_size) const noexcept;
+  bool store_value(connection& conn, const std::string& key, bytes_t value);
+  value_ptr make_value(bytes_t data) { return std::make_shared<const value_block>(std::move(data), &held_); }
   bool all_present(const std::vector<std::string>& keys) const {
     return std::all_of(keys.begin(), keys.end(), [&](const std::string& key) { return data_.count(key) > 0; });
   }
 
   void wake_waiters(const std::string& key);
+  void clear_wait_state(connection& conn);
 
-  void clear_wait_state(std::uint64_t id, connection& conn);
-
-  void send(connection& conn, std::span<const std::uint8_t> reply);
-
+  // Queues a reply (its own bytes, then a stored value sent without copying); send also
+  // writes what the socket takes now.
+  void queue(connection& conn, bytes_t reply, value_ptr shared = nullptr);
+  void send(connection& conn, bytes_t reply, value_ptr shared = nullptr);
   void flush(connection& conn);
+  bool backpressured(const connection& conn) const noexcept {
+    return conn.output_queued > options_.max_queued_reply_bytes;
+  }
+  void update_interest(connection& conn);
+  void sweep(clock::time_point now);
 
-  void reject(connection& conn, const std::string& reason);
+  // Logs why, writes the farewell bytes (a last reply, or a marker: busy_marker,
+  // token_required_marker, when not 0) and closes.
+  void reject(connection& conn, const std::string& reason, std::span<const std::uint8_t> farewell);
+  void reject(connection& conn, const std::string& reason, std::uint32_t marker = 0);
+  void close_now(connection& conn);
+  void log_refusal(const std::string& peer, const std::string& reason);
   static constexpr std::size_t logged_rejections = 8;
 
   void remove_closed();
+  void publish_stats() noexcept {
+    held_published_.store(held_, std::memory_order_relaxed);
+    open_published_.store(connections_.size(), std::memory_order_relaxed);
+  }
 
   std::string host_;
   int rank_ = -1;
   std::uint16_t port_ = 0;
+  tcp_store_server_options options_;
+  detail::tcp_store_protocol::limits limits_;
+  std::size_t max_connections_ = 0;
   detail::tcp::file_descriptor listener_;
   detail::tcp::file_descriptor wake_read_;
   detail::tcp::file_descriptor wake_write_;
+  detail::tcp::file_descriptor epoll_;
+  detail::tcp::file_descriptor spare_;  // given up to take a connection when out of descriptors
 
-  // Owned by the server thread once it runs.
-  std::unordered_map<std::string, bytes_t> data_;
+  // Owned by the server thread once it runs. held_ is declared before everything that holds
+  // value blocks, which count themselves out of it when destroyed.
+  std::uint64_t held_ = 0;
+  std::unordered_map<std::string, value_ptr> data_;
   std::unordered_map<std::string, std::vector<std::uint64_t>> waiters_;
   std::unordered_map<std::uint64_t, connection> connections_;
-  std::uint64_t next_id_ = 1;
+  std::vector<std::uint64_t> dirty_;    // connections whose epoll interest may have changed
+  std::vector<std::uint64_t> closing_;  // connections to remove at the end of the round
+  std::vector<std::uint8_t> scratch_ = std::vector<std::uint8_t>(read_chunk);
+  std::uint64_t next_id_ = 2;  // 0 and 1 are the wake pipe and the listener
 
   std::atomic<std::size_t> rejected_{0};
+  std::atomic<std::uint64_t> held_published_{0};
+  std::atomic<std::size_t> open_published_{0};
   mutable std::mutex report_mutex_;
   std::string last_rejection_;
   std::thread thread_;

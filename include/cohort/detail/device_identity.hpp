@@ -5,6 +5,7 @@
 
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -22,6 +23,11 @@ std::optional<duplicate_device> find_duplicate_device(const std::vector<std::str
 std::string describe_duplicate(const duplicate_device& duplicate);
 
 const char* duplicate_device_hint();
+
+// Whether an identity read from the store is one cohort writes: a host name (printable, no
+// '|'), '|', and a PCI bus id as cudaDeviceGetPCIBusId prints it (domain:bus:device.function,
+// in hex). Anything else was written by someone else and is refused before it is compared.
+bool well_formed_device_identity(std::string_view identity);
 
 }  // namespace cohort::inline v0::detail
 

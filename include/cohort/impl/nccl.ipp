@@ -210,9 +210,9 @@ COHORT_DECL nccl::nccl(std::shared_ptr<cohort::store> store, const launch_env& e
   } else {
     const bytes value = store->get("nccl_unique_id");
     if (value.size() != sizeof id)
-      throw error(env.rank, "nccl.init",
-                  "unique id of " + std::to_string(value.size()) + " bytes, expected " + std::to_string(sizeof id),
-                  "ranks built against different NCCL versions, or the store key was overwritten");
+      throw detail::malformed_store_value(env.rank, "nccl.init", "nccl_unique_id", value,
+                                          "rank 0's ncclUniqueId of " + std::to_string(sizeof id) +
+                                              " bytes; a rank built against another NCCL version would differ too");
     std::memcpy(&id, value.data(), sizeof id);
   }
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -424,8 +424,15 @@ COHORT_DECL auto nccl::select_device(cohort::store& store, const launch_env& env
   gethostname(host, sizeof host - 1);
   const std::string identity = std::string(host) + "|" + bus;
   store.set("device/" + std::to_string(env.rank), identity);
+  // One batched read of every rank's identity (O(1) requests per rank on a tcp_store).
+  std::vector<std::string> keys;
+  for (int r = 0; r < env.world_size; ++r) keys.push_back("device/" + std::to_string(r));
   std::vector<std::string> identities;
-  for (int r = 0; r < env.world_size; ++r) identities.push_back(store.get_string("device/" + std::to_string(r)));
+  for (const auto& value : store.multi_get(keys)) identities.push_back(to_string(value));
+  for (std::size_t r = 0; r < identities.size(); ++r)
+    if (!detail::well_formed_device_identity(identities[r]))
+      throw detail::malformed_store_value(env.rank, "nccl.select_device", keys[r], identities[r],
+                                          "'host|PCI bus id' (domain:bus:device.function)");
   if (const auto duplicate = detail::find_duplicate_device(identities))
     throw error(env.rank, "nccl.select_device", detail::describe_duplicate(*duplicate),
                 detail::duplicate_device_hint());

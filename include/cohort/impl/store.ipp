@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -97,6 +98,29 @@ COHORT_DECL auto memory_store::wait_locked(std::unique_lock<std::mutex>& lock, s
     throw_timeout(operation, missing, timeout);
   }
 }
+COHORT_DECL auto store::multi_get(std::span<const std::string> keys, std::chrono::milliseconds timeout)
+    -> std::vector<bytes> {
+  const auto start = std::chrono::steady_clock::now();
+  wait(keys, timeout);
+  std::vector<bytes> values;
+  values.reserve(keys.size());
+  for (const auto& key : keys) {
+    const auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+    values.push_back(get(key, std::max(timeout - spent, std::chrono::milliseconds(1))));
+  }
+  return values;
+}
+
+COHORT_DECL auto memory_store::multi_get(std::span<const std::string> keys, std::chrono::milliseconds timeout)
+    -> std::vector<bytes> {
+  std::unique_lock lock(mutex_);
+  wait_locked(lock, keys, timeout, "multi_get");
+  std::vector<bytes> values;
+  values.reserve(keys.size());
+  for (const auto& key : keys) values.push_back(data_.find(key)->second);
+  return values;
+}
+
 COHORT_DECL prefix_store::prefix_store(std::shared_ptr<store> inner, std::string prefix)
     : inner_(std::move(inner)), prefix_(std::move(prefix)) {
   set_timeout(inner_->timeout());
@@ -114,5 +138,48 @@ COHORT_DECL auto prefix_store::full(std::span<const std::string> keys) const -> 
   for (const auto& key : keys) out.push_back(full(key));
   return out;
 }
+
+namespace detail {
+
+COHORT_DECL error malformed_store_value(int rank, std::string_view operation, std::string_view key,
+                                        std::span<const std::uint8_t> value, std::string_view expected) {
+  constexpr std::size_t shown = 48;
+  std::string text;
+  for (std::size_t i = 0; i < std::min(value.size(), shown); ++i) {
+    const unsigned char c = value[i];
+    if (c >= 0x20 && c < 0x7f && c != '\\') {
+      text += static_cast<char>(c);
+    } else {
+      static constexpr char digits[] = "0123456789abcdef";
+      text += "\\x";
+      text += digits[c >> 4];
+      text += digits[c & 15];
+    }
+  }
+  if (value.size() > shown) text += "...";
+  return error(rank, std::string(operation),
+               "key '" + std::string(key) + "' holds malformed data written by someone else: '" + text + "' (" +
+                   std::to_string(value.size()) + " bytes; cohort writes " + std::string(expected) + ")",
+               "another program, a stray client or another job wrote into this job's rendezvous store; give each "
+               "job its own MASTER_PORT, and set the same COHORT_STORE_TOKEN on every rank so the store serves only "
+               "the job's ranks (SECURITY.md)");
+}
+
+COHORT_DECL bool parse_int_fields(std::string_view text, char separator, std::span<int> out) {
+  std::size_t position = 0;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const std::size_t end = i + 1 < out.size() ? text.find(separator, position) : text.size();
+    if (end == std::string_view::npos) return false;
+    const char* first = text.data() + position;
+    const char* last = text.data() + end;
+    if (first == last) return false;
+    const auto [stop, status] = std::from_chars(first, last, out[i]);
+    if (status != std::errc() || stop != last) return false;
+    position = end + 1;
+  }
+  return true;
+}
+
+}  // namespace detail
 
 }  // namespace cohort::inline v0

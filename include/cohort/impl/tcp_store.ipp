@@ -6,18 +6,24 @@
 #include <sys/socket.h>
 #include <unistd.h>
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
+#include "cohort/detail/sha256.hpp"
 #include "cohort/detail/tcp_socket.hpp"
 #include "cohort/detail/tcp_store_protocol.hpp"
 #include "cohort/error.hpp"
@@ -34,7 +40,10 @@ COHORT_DECL tcp_store::tcp_store(tcp_store_options options) : options_(std::move
   set_timeout(options_.timeout);
   set_rank(options_.rank);
   if (options_.is_server) {
-    server_ = std::make_shared<tcp_store_server>(options_.host, options_.port, options_.rank);
+    auto server_options = options_.server;
+    server_options.token = options_.token;
+    server_ =
+        std::make_shared<tcp_store_server>(options_.host, options_.port, options_.rank, std::move(server_options));
     options_.port = server_->port();
   }
   connect();
@@ -113,15 +122,22 @@ COHORT_DECL auto tcp_store::append(std::string_view key, std::span<const std::ui
   });
 }
 
-COHORT_DECL auto tcp_store::multi_get(std::span<const std::string> keys) -> std::vector<bytes> {
+COHORT_DECL auto tcp_store::multi_get(std::span<const std::string> keys, std::chrono::milliseconds timeout)
+    -> std::vector<bytes> {
   std::lock_guard lock(mutex_);
-  wait_locked(keys, timeout(), "multi_get");
+  wait_locked(keys, timeout, "multi_get");
   std::vector<bytes> values;
-  exchange_locked(
-      "multi_get", [&](writer& write) { write_key_list(write, command::multi_get, keys, "multi_get"); },
-      [&](clock::time_point deadline) {
-        for (const auto& key : keys) values.push_back(receive_data("multi_get", key, deadline));
-      });
+  values.reserve(keys.size());
+  // One MULTI_GET per 128 Ki keys (the protocol's bound on a key list).
+  const std::size_t batch = detail::tcp_store_protocol::max_keys_per_request;
+  for (std::size_t first = 0; first < keys.size(); first += batch) {
+    const auto part = keys.subspan(first, std::min(batch, keys.size() - first));
+    exchange_locked(
+        "multi_get", [&](writer& write) { write_key_list(write, command::multi_get, part, "multi_get"); },
+        [&](clock::time_point deadline) {
+          for (const auto& key : part) values.push_back(receive_data("multi_get", key, deadline));
+        });
+  }
   return values;
 }
 
@@ -148,21 +164,20 @@ COHORT_DECL auto tcp_store::ping() -> void {
 }
 
 COHORT_DECL auto tcp_store::wire_key(std::string_view operation, std::string_view key) const -> std::string {
-  if (key.size() > detail::tcp_store_protocol::max_key_bytes)
+  if (options_.key_prefix.size() + key.size() > max_key_bytes_)
     throw error(rank(), "store." + std::string(operation),
-                "key of " + std::to_string(key.size()) + " bytes exceeds the limit of " +
-                    std::to_string(detail::tcp_store_protocol::max_key_bytes),
+                "key of " + std::to_string(options_.key_prefix.size() + key.size()) +
+                    " bytes (with the key prefix) exceeds the store's limit of " + std::to_string(max_key_bytes_),
                 "use short keys; put data in the value");
   return options_.key_prefix + std::string(key);
 }
 
 COHORT_DECL auto tcp_store::check_value_size(std::string_view operation, std::string_view key, std::size_t size) const
     -> void {
-  if (size > detail::tcp_store_protocol::max_value_bytes)
+  if (size > max_value_bytes_)
     throw error(rank(), "store." + std::string(operation),
                 "value of " + std::to_string(size) + " bytes for key " + quoted(key) +
-                    " exceeds the store's limit of " + std::to_string(detail::tcp_store_protocol::max_value_bytes) +
-                    " bytes",
+                    " exceeds the store's limit of " + std::to_string(max_value_bytes_) + " bytes",
                 "a rendezvous store carries addresses and ids; move bulk data with a "
                 "collective");
 }
@@ -175,19 +190,25 @@ COHORT_DECL auto tcp_store::write_key_list(writer& write, command which, std::sp
 }
 
 COHORT_DECL auto tcp_store::fail(std::string_view operation, const std::string& detail) -> void {
-  socket_.reset();
+  drop_connection();
   broken_ = detail;
   throw error(rank(), "store." + std::string(operation), detail,
-              "the store server (rank 0 or the launcher's agent) may have exited or "
-              "rejected the request; look at its log");
+              "the store server (rank 0 or the launcher's agent) may have exited, or refused a request: "
+              "cohort's server closes a connection that sends a value over its max_value_bytes or a request "
+              "past its memory budget (tcp_store_server_options, SECURITY.md), and prints why in its log");
 }
 
 COHORT_DECL auto tcp_store::fail_timeout(std::string_view operation, const std::string& detail) -> void {
-  socket_.reset();
+  drop_connection();
   broken_ = detail;
   throw timeout_error(rank(), "store." + std::string(operation), detail,
                       "the store server is overloaded or stalled; raise the store timeout "
                       "or check the server host");
+}
+
+COHORT_DECL auto tcp_store::fail_busy(std::string_view operation) -> void {
+  handshake_ = handshake::busy;
+  fail(operation, "the server at " + endpoint() + " is at its connection limit and turned this connection away");
 }
 
 COHORT_DECL auto tcp_store::usable(std::string_view operation) const -> void {
@@ -221,10 +242,28 @@ COHORT_DECL auto tcp_store::receive_exact(std::string_view operation, std::strin
                                           std::size_t size, clock::time_point deadline) -> void {
   auto* out = static_cast<std::uint8_t*>(destination);
   std::size_t done = 0;
+  // Replies are read ahead into the inbox, so a MULTI_GET of N values costs a few recv calls,
+  // not two per value; a large value goes straight to its destination.
+  auto take_buffered = [&] {
+    const std::size_t taken = std::min(size - done, inbox_end_ - inbox_start_);
+    if (taken > 0) std::memcpy(out + done, inbox_.data() + inbox_start_, taken);
+    done += taken;
+    inbox_start_ += taken;
+  };
+  take_buffered();
   while (done < size) {
-    const ssize_t got = ::recv(socket_.get(), out + done, size - done, 0);
+    const bool direct = size - done >= inbox_capacity;
+    if (!direct && inbox_.size() < inbox_capacity) inbox_.resize(inbox_capacity);
+    const ssize_t got = direct ? ::recv(socket_.get(), out + done, size - done, 0)
+                               : ::recv(socket_.get(), inbox_.data(), inbox_capacity, 0);
     if (got > 0) {
-      done += static_cast<std::size_t>(got);
+      if (direct) {
+        done += static_cast<std::size_t>(got);
+      } else {
+        inbox_start_ = 0;
+        inbox_end_ = static_cast<std::size_t>(got);
+        take_buffered();
+      }
       continue;
     }
     const std::string about = key.empty() ? std::string() : " for key " + quoted(key);
@@ -296,16 +335,16 @@ COHORT_DECL auto tcp_store::wait_locked(std::span<const std::string> keys, std::
   writer out(message);
   write_key_list(out, command::wait, keys, operation);
   const auto start = clock::now();
-  send_all(operation, message, start + std::max(limit, timeout()));
+  send_message(operation, message, start + std::max(limit, timeout()));
   const std::uint8_t stop = static_cast<std::uint8_t>(wait_reply::stop_waiting);
   const std::uint8_t canceled = static_cast<std::uint8_t>(wait_reply::wait_canceled);
-  if (detail::tcp::poll_until(socket_.get(), POLLIN, start + limit)) {
+  if (inbox_start_ < inbox_end_ || detail::tcp::poll_until(socket_.get(), POLLIN, start + limit)) {
     const auto reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + timeout());
     if (reply != stop) fail(operation, "the store server answered WAIT with " + std::to_string(reply));
     return;
   }
   message.assign(1, static_cast<std::uint8_t>(command::cancel_wait));
-  send_all(operation, message, clock::now() + timeout());
+  send_message(operation, message, clock::now() + timeout());
   auto reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + timeout());
   const bool arrived = reply == stop;
   if (arrived) reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + timeout());
@@ -319,16 +358,38 @@ COHORT_DECL auto tcp_store::wait_locked(std::span<const std::string> keys, std::
 }
 
 COHORT_DECL auto tcp_store::ping_locked(clock::time_point deadline, std::string_view operation) -> void {
-  const std::uint32_t nonce = static_cast<std::uint32_t>(::getpid()) ^ (++ping_count_ * 0x9E3779B9u);
   bytes message;
   writer out(message);
+  const std::uint32_t nonce = append_ping(out);
+  send_message(operation, message, deadline);
+  read_ping_echo(nonce, deadline, operation);
+}
+
+COHORT_DECL auto tcp_store::append_ping(writer& out) -> std::uint32_t {
+  namespace protocol = detail::tcp_store_protocol;
+  std::uint32_t nonce = static_cast<std::uint32_t>(::getpid()) ^ (++ping_count_ * 0x9E3779B9u);
+  if (nonce == protocol::busy_marker || nonce == protocol::token_required_marker) nonce ^= 1;
   out.command(command::ping);
   out.u32(nonce);
-  send_all(operation, message, deadline);
+  return nonce;
+}
+
+COHORT_DECL auto tcp_store::read_ping_echo(std::uint32_t nonce, clock::time_point deadline, std::string_view operation)
+    -> void {
+  namespace protocol = detail::tcp_store_protocol;
   const auto echoed = receive_value<std::uint32_t>(operation, {}, deadline);
-  if (echoed != nonce)
-    fail(operation, "the server at " + endpoint() + " echoed PING " + std::to_string(nonce) + " as " +
-                        std::to_string(echoed) + "; it does not speak TCPStore");
+  if (echoed == nonce) return;
+  if (echoed == protocol::busy_marker) fail_busy(operation);
+  if (echoed == protocol::token_required_marker) {
+    handshake_ = handshake::fatal;
+    fatal_hint_ =
+        "set the same COHORT_STORE_TOKEN (or COHORT_STORE_TOKEN_FILE) on every rank, rank 0 included "
+        "(SECURITY.md)";
+    fail(operation, "the store server at " + endpoint() +
+                        " requires a token (COHORT_STORE_TOKEN) and this rank has none, so it refused the connection");
+  }
+  fail(operation, "the server at " + endpoint() + " echoed PING " + std::to_string(nonce) + " as " +
+                      std::to_string(echoed) + "; it does not speak TCPStore");
 }
 
 COHORT_DECL auto tcp_store::connect() -> void {
@@ -338,14 +399,27 @@ COHORT_DECL auto tcp_store::connect() -> void {
   std::string last_error;
   int attempts = 0;
   int refused_in_a_row = 0;
+  int busy = 0;
   for (;;) {
     ++attempts;
     handshake_ = handshake::not_reached;
     last_error = try_connect(deadline);
     if (last_error.empty()) return;
+    if (handshake_ == handshake::fatal) throw error(rank(), "tcp_store.connect", last_error, fatal_hint_);
+    if (handshake_ == handshake::busy) ++busy;
     // A server that accepts the connection and then closes it at cohort's first message is
     // an answer, not a server still starting: after a few, say what it means.
     refused_in_a_row = handshake_ == handshake::refused ? refused_in_a_row + 1 : 0;
+    if (refused_in_a_row == 3 && !options_.token.empty())
+      throw error(rank(), "tcp_store.connect",
+                  "the server at " + endpoint() +
+                      " accepted the connection and closed it during cohort's token handshake 3 times in a row "
+                      "(last: " +
+                      last_error +
+                      "): it checks no token. PyTorch's TCPStore (torchrun's agent store among them) has no "
+                      "authentication",
+                  "a token needs rank 0 to serve the store with cohort (connect_store without torchrun's agent "
+                  "store); otherwise unset COHORT_STORE_TOKEN on every rank");
     if (refused_in_a_row == 3)
       throw error(rank(), "tcp_store.connect",
                   "the server at " + endpoint() +
@@ -359,14 +433,18 @@ COHORT_DECL auto tcp_store::connect() -> void {
     std::this_thread::sleep_for(std::min<clock::duration>(backoff, deadline - now));
     backoff = std::min(backoff * 2, std::max(options_.max_backoff, backoff));
   }
+  std::string why;
+  if (busy > 0)
+    why = "; the server turned " + std::to_string(busy) +
+          " attempt(s) away at its connection limit: look for clients that are not the job's (SECURITY.md), or "
+          "raise tcp_store_server_options::max_connections or ulimit -n on the rank serving the store";
+  else if (handshake_ == handshake::unanswered)
+    why = "; the server accepted the connection but never answered the handshake: " +
+          std::string(detail::tcp::other_protocol);
   throw timeout_error(rank(), "tcp_store.connect",
                       "could not connect to the store server at " + endpoint() + " within " +
                           detail::format_duration(options_.connect_timeout) + " (" + std::to_string(attempts) +
-                          " attempts; last error: " + last_error + ")" +
-                          (handshake_ == handshake::unanswered
-                               ? "; the server accepted the connection but never answered the handshake: " +
-                                     std::string(detail::tcp::other_protocol)
-                               : std::string()),
+                          " attempts; last error: " + last_error + ")" + why,
                       "check MASTER_ADDR and MASTER_PORT, that rank 0 (or the launcher's "
                       "agent) is running, and that no firewall blocks the port");
 }
@@ -401,29 +479,94 @@ COHORT_DECL auto tcp_store::try_connect(clock::time_point deadline) -> std::stri
       }
     }
     detail::tcp::set_no_delay(fd.get());
+    drop_connection();
     socket_ = std::move(fd);
     broken_.clear();
     try {
       // A just-accepted connection gets a moment to answer even at the connect deadline.
-      const auto handshake_deadline = std::max(deadline, clock::now() + std::chrono::seconds(2));
-      bytes message;
-      writer out(message);
-      out.command(command::validate);
-      out.u32(detail::tcp_store_protocol::validation_magic);
-      send_all("connect", message, handshake_deadline);
-      ping_locked(handshake_deadline, "connect");
+      handshake_locked(std::max(deadline, clock::now() + std::chrono::seconds(2)));
       return {};
     } catch (const timeout_error& failure) {
-      socket_.reset();
-      handshake_ = handshake::unanswered;
+      drop_connection();
+      if (handshake_ == handshake::not_reached) handshake_ = handshake::unanswered;
       last_error = "handshake failed: " + failure.detail();
     } catch (const error& failure) {
-      socket_.reset();
-      handshake_ = handshake::refused;
-      last_error = "handshake failed: " + failure.detail();
+      drop_connection();
+      if (handshake_ == handshake::not_reached) handshake_ = handshake::refused;
+      last_error = (handshake_ == handshake::fatal ? "" : "handshake failed: ") + failure.detail();
+      if (handshake_ == handshake::fatal) return last_error;
     }
   }
   return last_error;
+}
+
+COHORT_DECL auto tcp_store::handshake_locked(clock::time_point deadline) -> void {
+  namespace protocol = detail::tcp_store_protocol;
+  // One message per round trip: VALIDATE and PING together (one round trip), or with a token
+  // VALIDATE and AUTH_HELLO, then AUTH_PROOF and PING (two).
+  bytes message;
+  writer out(message);
+  out.command(command::validate);
+  out.u32(protocol::validation_magic);
+  if (options_.token.empty()) {
+    const std::uint32_t nonce = append_ping(out);
+    send_message("connect", message, deadline, 2);
+    return read_ping_echo(nonce, deadline, "connect");
+  }
+  protocol::nonce client{};
+  if (!detail::random_bytes(client))
+    throw error(rank(), "tcp_store.connect", "no random source (getrandom, /dev/urandom) for the token handshake");
+  out.command(command::auth_hello);
+  out.u8(protocol::auth_version);
+  out.raw_bytes(client);
+  send_message("connect", message, deadline, 2);
+  const auto status = receive_value<std::uint8_t>("connect", {}, deadline);
+  if (status == protocol::busy_first_byte) fail_busy("connect");
+  if (status == static_cast<std::uint8_t>(protocol::auth_reply::no_token)) {
+    handshake_ = handshake::fatal;
+    fatal_hint_ = "set the same COHORT_STORE_TOKEN on every rank, rank 0 included, or unset it everywhere";
+    fail("connect", "the store server at " + endpoint() +
+                        " was started without a token, and this rank has one (COHORT_STORE_TOKEN)");
+  }
+  if (status != static_cast<std::uint8_t>(protocol::auth_reply::challenge))
+    fail("connect", "the server at " + endpoint() + " answered AUTH_HELLO with " + std::to_string(status));
+  prove_token(client, deadline);
+}
+
+COHORT_DECL auto tcp_store::prove_token(const detail::tcp_store_protocol::nonce& client, clock::time_point deadline)
+    -> void {
+  namespace protocol = detail::tcp_store_protocol;
+  protocol::nonce server{};
+  detail::sha256_digest claimed{};
+  receive_exact("connect", {}, server.data(), server.size(), deadline);
+  receive_exact("connect", {}, claimed.data(), claimed.size(), deadline);
+  if (!detail::equal_in_constant_time(protocol::server_proof(options_.token, client, server), claimed)) {
+    handshake_ = handshake::fatal;
+    fatal_hint_ =
+        "set the same COHORT_STORE_TOKEN (or the same COHORT_STORE_TOKEN_FILE contents) on every rank, "
+        "and check that MASTER_ADDR:MASTER_PORT is this job's rank 0";
+    fail("connect", "the store server at " + endpoint() +
+                        " could not prove that it knows this rank's token: rank 0 has another COHORT_STORE_TOKEN, or "
+                        "the server is not this job's");
+  }
+  const auto proof = protocol::client_proof(options_.token, client, server);
+  bytes message;
+  writer out(message);
+  out.command(command::auth_proof);
+  out.raw_bytes(proof);
+  const std::uint32_t nonce = append_ping(out);
+  send_message("connect", message, deadline, 2);
+  const auto status = receive_value<std::uint8_t>("connect", {}, deadline);
+  if (status == protocol::busy_first_byte) fail_busy("connect");
+  if (status != static_cast<std::uint8_t>(protocol::auth_reply::accepted)) {
+    handshake_ = handshake::fatal;
+    fatal_hint_ = "set the same COHORT_STORE_TOKEN on every rank";
+    fail("connect", "the store server at " + endpoint() + " refused this rank's token proof");
+  }
+  max_key_bytes_ = std::min(receive_value<std::uint64_t>("connect", {}, deadline), protocol::max_key_bytes);
+  max_value_bytes_ = std::min(receive_value<std::uint64_t>("connect", {}, deadline), protocol::max_value_bytes);
+  authenticated_ = true;
+  read_ping_echo(nonce, deadline, "connect");
 }
 
 COHORT_DECL auto tcp_store::join_workers(int workers) -> void {
@@ -457,11 +600,45 @@ COHORT_DECL auto tcp_store::join_workers(int workers) -> void {
 
 namespace cohort::inline v0 {
 
+COHORT_DECL std::string store_token_from_environment(int rank) {
+  const char* token = std::getenv("COHORT_STORE_TOKEN");
+  const char* file = std::getenv("COHORT_STORE_TOKEN_FILE");
+  if (token && !*token) token = nullptr;
+  if (file && !*file) file = nullptr;
+  if (token && file)
+    throw error(rank, "store_token", "both COHORT_STORE_TOKEN and COHORT_STORE_TOKEN_FILE are set",
+                "set one of them, the same on every rank");
+  if (token) return token;
+  if (!file) return {};
+  std::ifstream in(file, std::ios::binary);
+  std::ostringstream contents;
+  if (in) contents << in.rdbuf();
+  if (!in && !in.eof())
+    throw error(rank, "store_token", std::string("cannot read COHORT_STORE_TOKEN_FILE=") + file,
+                "the file must exist and be readable by this rank on every node");
+  std::string text = contents.str();
+  if (!text.empty() && text.back() == '\n') text.pop_back();
+  if (!text.empty() && text.back() == '\r') text.pop_back();
+  if (text.empty())
+    throw error(rank, "store_token", std::string("COHORT_STORE_TOKEN_FILE=") + file + " is empty",
+                "write the token into it (for example: head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE)");
+  return text;
+}
+
 COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_store_options options) {
   options.host = env.master_addr;
   options.port = env.master_port;
   options.rank = env.rank;
+  if (options.token.empty()) options.token = store_token_from_environment(env.rank);
+  if (options.server.reserved_connections == 0 && env.world_size > 0)
+    options.server.reserved_connections = static_cast<std::size_t>(env.world_size);
   if (env.use_agent_store) {
+    if (!options.token.empty())
+      throw error(env.rank, "connect_store",
+                  "a store token is set (COHORT_STORE_TOKEN or COHORT_STORE_TOKEN_FILE), but under torchrun's agent "
+                  "store (TORCHELASTIC_USE_AGENT_STORE=True) the store is PyTorch's TCPStore, which checks no token",
+                  "unset the token for this job, or start the ranks another way (mpirun, srun, COHORT_* variables) "
+                  "so that rank 0 serves a cohort store that checks it (SECURITY.md)");
     options.is_server = false;
     auto agent_store = std::make_shared<tcp_store>(std::move(options));
     return std::make_shared<prefix_store>(std::move(agent_store), env.store_prefix());

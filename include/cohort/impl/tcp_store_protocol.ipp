@@ -2,6 +2,7 @@
 // cohort/detail/tcp_store_protocol.hpp's definitions: inline there when header-only, compiled once by
 // <cohort/impl/src.hpp> under COHORT_SEPARATE_COMPILATION (see cohort/detail/config.hpp).
 
+#include <array>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "cohort/detail/config.hpp"
+#include "cohort/detail/sha256.hpp"
 #include "cohort/detail/tcp_store_protocol.hpp"
 
 namespace cohort::inline v0::detail::tcp_store_protocol {
@@ -32,8 +34,29 @@ COHORT_DECL const char* command_name(command c) noexcept {
     case command::multi_set: return "MULTI_SET";
     case command::cancel_wait: return "CANCEL_WAIT";
     case command::ping: return "PING";
+    case command::auth_hello: return "AUTH_HELLO";
+    case command::auth_proof: return "AUTH_PROOF";
   }
   return "unknown";
+}
+
+namespace auth_labels {
+inline constexpr std::string_view server_label = "cohort-store-v1 server";
+inline constexpr std::string_view client_label = "cohort-store-v1 client";
+
+inline std::span<const std::uint8_t> as_bytes_of(std::string_view text) noexcept {
+  return {reinterpret_cast<const std::uint8_t*>(text.data()), text.size()};
+}
+}  // namespace auth_labels
+
+COHORT_DECL sha256_digest server_proof(std::string_view token, const nonce& client, const nonce& server) noexcept {
+  using namespace auth_labels;
+  return hmac_sha256(as_bytes_of(token), {as_bytes_of(server_label), client, server});
+}
+
+COHORT_DECL sha256_digest client_proof(std::string_view token, const nonce& client, const nonce& server) noexcept {
+  using namespace auth_labels;
+  return hmac_sha256(as_bytes_of(token), {as_bytes_of(client_label), server, client});
 }
 
 }  // namespace cohort::inline v0::detail::tcp_store_protocol
@@ -46,7 +69,7 @@ COHORT_DECL bool key_list(cursor& in, request& out) {
   if (!in.count(count, "key")) return false;
   out.keys.resize(count);
   for (auto& key : out.keys)
-    if (!in.string(key, max_key_bytes, "key")) return false;
+    if (!in.string(key, in.bounds().max_key_bytes, "key")) return false;
   return true;
 }
 
@@ -55,24 +78,30 @@ COHORT_DECL bool key_list(cursor& in, request& out) {
 
 namespace cohort::inline v0::detail::tcp_store_protocol {
 
-COHORT_DECL parse_result parse_request(std::span<const std::uint8_t> input, request& out) {
-  parsing::cursor in(input);
+COHORT_DECL parse_result parse_request(std::span<const std::uint8_t> input, request& out, const limits& bounds) {
+  parsing::cursor in(input, bounds);
   out = request{};
   std::uint8_t code = 0;
   if (!in.fixed(code)) return in.result();
-  if (code > last_command) return {parse_status::malformed, 0, "unknown command " + std::to_string(code)};
+  if (!known_command(code)) return {parse_status::malformed, 0, "unknown command " + std::to_string(code)};
   out.command = static_cast<command>(code);
 
   auto key = [&] {
     out.keys.emplace_back();
-    return in.string(out.keys.back(), max_key_bytes, "key");
+    return in.string(out.keys.back(), bounds.max_key_bytes, "key");
   };
   auto value = [&] {
     out.values.emplace_back();
-    return in.data(out.values.back(), max_value_bytes, "value");
+    return in.data(out.values.back(), bounds.max_value_bytes, "value");
   };
 
   switch (out.command) {
+    case command::auth_hello: {
+      std::uint8_t version = 0;
+      if (in.fixed(version) && in.fixed(out.token)) out.word = version;
+      break;
+    }
+    case command::auth_proof: in.fixed(out.token); break;
     case command::validate:
     case command::ping: in.fixed(out.word); break;
     case command::set:
