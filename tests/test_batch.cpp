@@ -2,13 +2,20 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "cohort/batch.hpp"
 #include "support.hpp"
+
+#if COHORT_HAS_GLOO
+#include "cohort/backend/gloo.hpp"
+#include "cohort/process_group.hpp"
+#endif
 
 namespace {
 
@@ -152,6 +159,116 @@ TEST_CASE("batch: launching on another world size fails loudly unless acknowledg
   CHECK(linear.learning_rate == Approx(0.4));
   CHECK(contains(out.str(), "warm"));
 }
+
+TEST_CASE("batch: a global batch splits into per-device x accumulation x world", "[batch]") {
+  const cohort::global_batch configured{.size = 512, .accumulation = 2, .learning_rate = 0.1};
+  const auto plan = configured.plan_for(4);
+  CHECK(plan.per_device == 64);
+  CHECK(plan.accumulation == 2);
+  CHECK(plan.world == 4);
+  CHECK(plan.learning_rate == 0.1);
+  CHECK(plan.effective() == 512);
+  CHECK(plan.summary() == "per-device batch 64 x accumulation 2 x world 4 = effective batch 512, learning rate 0.1");
+  // Exhaustively: it splits exactly when world x accumulation divides the global batch.
+  for (std::int64_t size = 1; size <= 40; ++size)
+    for (int accumulation = 1; accumulation <= 4; ++accumulation)
+      for (int world = 1; world <= 6; ++world) {
+        INFO("size=" << size << " accumulation=" << accumulation << " world=" << world);
+        const cohort::global_batch g{.size = size, .accumulation = accumulation};
+        if (size % (world * accumulation) == 0)
+          CHECK(g.plan_for(world).effective() == size);
+        else
+          CHECK_THROWS_AS(g.plan_for(world), cohort::error);
+      }
+  CHECK_THROWS_AS((cohort::global_batch{.size = 0}.plan_for(1)), cohort::error);
+  CHECK_THROWS_AS((cohort::global_batch{.size = 8, .accumulation = 0}.plan_for(1)), cohort::error);
+  CHECK_THROWS_AS((cohort::global_batch{.size = 8}.plan_for(0)), cohort::error);
+}
+
+TEST_CASE("batch: a global batch that does not split names the numbers and the nearest that do", "[batch]") {
+  auto message = [](const cohort::global_batch& g, int world) {
+    try {
+      (void)g.plan_for(world);
+    } catch (const cohort::error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const auto text = message({.size = 500, .accumulation = 2}, 4);
+  INFO(text);
+  CHECK(contains(text, "global batch 500 does not split over world 4 x accumulation 2 = 8 micro-batches"));
+  CHECK(contains(text, "500/8 = 62.5"));
+  // The nearest multiples of 8 around 500, found here by brute force.
+  std::int64_t below = 500, above = 500;
+  while (below % 8 != 0) --below;
+  while (above % 8 != 0) ++above;
+  CHECK(contains(text, std::to_string(below) + " (per-device batch " + std::to_string(below / 8) + ")"));
+  CHECK(contains(text, std::to_string(above) + " (per-device batch " + std::to_string(above / 8) + ")"));
+  // 500 / 4 = 125 per rank: accumulation 1 or 5 keeps 500 (125 = 5^3).
+  CHECK(contains(text, "keep global batch 500 with accumulation 1 (per-device batch 125) or 5 (per-device batch 25)"));
+
+  const auto tiny = message({.size = 3}, 4);
+  INFO(tiny);
+  CHECK(contains(tiny, "3/4 = 0.75, less than one"));
+  CHECK(contains(tiny, "4 (per-device batch 1)"));
+  CHECK_FALSE(contains(tiny, "0 (per-device batch 0)"));
+  CHECK_FALSE(contains(tiny, "keep global batch"));  // 3 is not a multiple of 4
+}
+
+TEST_CASE("batch: launch_plan from a global batch plans for the group and prints on rank 0", "[batch]") {
+  const cohort::global_batch configured{.size = 96, .accumulation = 4};
+  for (int rank = 0; rank < 3; ++rank) {
+    fake_group group{rank, 3};
+    std::ostringstream out;
+    const auto plan = cohort::launch_plan(configured, group, out);
+    CHECK(plan.per_device == 8);
+    CHECK(plan.world == 3);
+    CHECK(out.str() == (rank == 0 ? "cohort: per-device batch 8 x accumulation 4 x world 3 = effective batch 96 "
+                                    "(from global batch 96)\n"
+                                  : ""));
+  }
+  fake_group five{0, 5};
+  std::ostringstream out;
+  CHECK_THROWS_WITH(cohort::launch_plan(configured, five, out), Catch::Contains("does not split over world 5"));
+}
+
+#if COHORT_HAS_GLOO
+TEST_CASE("batch: a rank configured with another global batch is refused on every rank", "[batch][gloo]") {
+  constexpr int world = 3;
+  auto store = std::make_shared<cohort::memory_store>();
+  std::vector<std::string> errors(world);
+  std::vector<cohort::batch_plan> plans(world);
+  cohort_test::run_ranks(world, [&](int rank) {
+    cohort::gloo::options opts;
+    opts.timeout = std::chrono::seconds(20);
+    cohort::process_group<cohort::gloo> pg(store, cohort::launch_env::explicit_ranks(rank, world), opts);
+    std::ostringstream out;
+    // Agreeing ranks: the same plan everywhere.
+    plans[static_cast<std::size_t>(rank)] =
+        cohort::launch_plan(cohort::global_batch{.size = 384, .accumulation = 2}, pg, out);
+    // Rank 2 read another configuration (1024 does not split over 3 ranks either: the
+    // disagreement is reported first, on every rank, instead of rank 2 failing alone).
+    const cohort::global_batch mine{.size = rank == 2 ? 1024 : 512, .accumulation = 2};
+    try {
+      (void)cohort::launch_plan(mine, pg, out);
+    } catch (const cohort::error& e) {
+      errors[static_cast<std::size_t>(rank)] = e.what();
+    }
+  });
+  for (const auto& plan : plans) {
+    CHECK(plan.per_device == 64);
+    CHECK(plan.effective() == 384);
+  }
+  for (int rank = 0; rank < world; ++rank) {
+    const auto& text = errors[static_cast<std::size_t>(rank)];
+    INFO("rank " << rank << ": " << text);
+    CHECK(contains(text, "configured with different global batches"));
+    CHECK(contains(text, "this rank has global batch " + std::string(rank == 2 ? "1024" : "512") + ", accumulation 2"));
+    CHECK(contains(text, "across the ranks global batch ranges 512..1024"));
+    CHECK_FALSE(contains(text, "accumulation ranges"));
+  }
+}
+#endif
 
 TEST_CASE("batch: loader workers share the cores and warn when oversubscribed", "[batch]") {
   std::vector<std::string> warnings;

@@ -1,5 +1,6 @@
 // Main-process guards on 3 Gloo ranks as threads: main-first ordering (seen through a shared
-// log with sequence numbers), on_main and its collective check, rank-aware logging, and an
+// log with sequence numbers), on_main and its collective check, rank-aware logging, printf
+// on stdout (in order with the trainer's own printf, lines whole across threads), and an
 // atomic write that a concurrent reader never sees half-done.
 #include <catch2/catch.hpp>
 
@@ -7,8 +8,10 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <mutex>
 #include <optional>
@@ -17,7 +20,11 @@
 #include <thread>
 #include <vector>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include "cohort/guards.hpp"
+#include "cohort/launch.hpp"
 #include "support.hpp"
 
 #if COHORT_HAS_GLOO
@@ -254,6 +261,97 @@ TEST_CASE("guards: rank-aware logging prints from main only unless asked", "[gua
   std::sort(lines.begin(), lines.end());
   CHECK(lines == std::vector<std::string>{"[rank 0/3] hello", "[rank 1/3] hello", "[rank 2/3] hello"});
   fs::remove_all(dir);
+}
+
+namespace {
+// Runs fn with stdout (its FILE and file descriptor 1) going to a file; returns what was written.
+std::string capture_stdout(const std::function<void()>& fn) {
+  const auto path = scratch_dir("stdout") / "stdout.txt";
+  std::fflush(stdout);
+  const int saved = ::dup(1);
+  const int file = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  REQUIRE(saved >= 0);
+  REQUIRE(file >= 0);
+  ::dup2(file, 1);
+  ::close(file);
+  try {
+    fn();
+  } catch (...) {
+    std::fflush(stdout);
+    ::dup2(saved, 1);
+    ::close(saved);
+    throw;
+  }
+  std::fflush(stdout);
+  ::dup2(saved, 1);
+  ::close(saved);
+  auto text = read_file(path);
+  fs::remove_all(path.parent_path());
+  return text;
+}
+}  // namespace
+
+TEST_CASE("guards: main_printf prints on rank 0 only, in order with the trainer's own printf", "[guards]") {
+  const plain_group first{0, 3}, second{1, 3}, third{2, 3};
+  const std::string long_word(700, 'x');  // past the formatting's first buffer
+  const auto text = capture_stdout([&] {
+    for (int step = 0; step < 3; ++step) {
+      std::printf("trainer step %d\n", step);  // the trainer's own lines, buffered in stdout
+      for (const auto* group : {&first, &second, &third})
+        cohort::main_printf(*group, "step %d loss %.4f\n", step, 0.25 * step);
+    }
+    cohort::printf_on(third, 2, "only rank %d\n", third.rank());
+    cohort::printf_on(first, 2, "not rank %d\n", first.rank());
+    cohort::main_printf(cohort::launch_env::explicit_ranks(0, 3), "from the %s\n", "environment");
+    cohort::main_printf(cohort::launch_env::explicit_ranks(1, 3), "never\n");
+    cohort::main_printf(first, "no newline");  // ended by one: every call prints whole lines
+    cohort::main_printf(first, "%s\n", long_word.c_str());
+    std::printf("trainer done\n");
+  });
+  CHECK(text ==
+        "trainer step 0\nstep 0 loss 0.0000\n"
+        "trainer step 1\nstep 1 loss 0.2500\n"
+        "trainer step 2\nstep 2 loss 0.5000\n"
+        "only rank 2\nfrom the environment\nno newline\n" +
+            long_word + "\ntrainer done\n");
+}
+
+TEST_CASE("guards: rank_printf prefixes every line and keeps lines whole across rank threads", "[guards]") {
+  constexpr int world = 4, lines_per_rank = 200;
+  const std::string payload(300, '=');
+  const auto text = capture_stdout([&] {
+    cohort_test::run_ranks(world, [&](int rank) {
+      const plain_group group{rank, world};
+      for (int i = 0; i < lines_per_rank; ++i) cohort::rank_printf(group, "line %d %s\n", i, payload.c_str());
+      cohort::rank_printf(group, "two\nlines\n");
+    });
+  });
+  std::vector<int> next(world, 0);
+  std::vector<int> two(world, 0);
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    int rank = -1, index = -1;
+    char rest[400] = {};
+    if (std::sscanf(line.c_str(), "[rank %d] line %d %399s", &rank, &index, rest) == 3) {
+      INFO(line);
+      REQUIRE(rank >= 0);
+      REQUIRE(rank < world);
+      CHECK(index == next[static_cast<std::size_t>(rank)]++);  // whole, and in each rank's order
+      CHECK(std::string(rest) == payload);
+      CHECK(line == "[rank " + std::to_string(rank) + "] line " + std::to_string(index) + " " + payload);
+    } else {
+      INFO(line);
+      REQUIRE(std::sscanf(line.c_str(), "[rank %d]", &rank) == 1);
+      REQUIRE(rank >= 0);
+      REQUIRE(rank < world);
+      const auto prefix = "[rank " + std::to_string(rank) + "] ";
+      CHECK((line == prefix + "two" || line == prefix + "lines"));
+      ++two[static_cast<std::size_t>(rank)];
+    }
+  }
+  CHECK(next == std::vector<int>(world, lines_per_rank));
+  CHECK(two == std::vector<int>(world, 2));
 }
 
 TEST_CASE("guards: a reader concurrent with the atomic write never sees a partial file", "[guards][gloo]") {

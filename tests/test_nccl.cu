@@ -1,14 +1,19 @@
 // The NCCL backend at world size 1 (NCCL allows one rank per GPU, and CI has none):
-// every collective and dtype, the device element-wise ops, stream ordering and timeouts
-// of work handles. Without a GPU each case reports itself skipped.
+// every collective and dtype, the device element-wise ops, stream ordering (pg.on(stream)
+// included), host values staged through device memory, and timeouts of work handles.
+// Without a GPU each case reports itself skipped.
 #include <catch2/catch.hpp>
 
 #include <cohort/backend/nccl.hpp>
+#include <cohort/batch.hpp>
+#include <cohort/guards.hpp>
 #include <cohort/ops.hpp>
 #include <cohort/process_group.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -119,6 +124,61 @@ TEST_CASE("a caller stream waits on a work without blocking the host", "[nccl]")
   REQUIRE(first == 2.0f);
   REQUIRE(w.test());
   cudaStreamDestroy(caller);
+}
+
+namespace {
+// Busy for `cycles` clock ticks, then fills data with value: work queued on the caller's
+// stream that a stream-ordered collective has to wait for.
+__global__ void late_fill(float* data, std::size_t n, float value, long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {}
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x)
+    data[i] = value;
+}
+}  // namespace
+
+TEST_CASE("a stream-ordered collective waits for the caller's stream, and the stream for it", "[nccl]") {
+  require_gpu();
+  auto pg = make_group();
+  cudaStream_t caller;
+  cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking);
+  const std::size_t n = 1 << 20;
+  device_buffer<float> in(n), out(n);
+  cudaMemset(in.data, 0, n * sizeof(float));
+  cudaMemset(out.data, 0, n * sizeof(float));
+  cudaDeviceSynchronize();
+  // About 0.1 s of spinning before the input is written: a collective that did not wait for
+  // the caller's stream would reduce the zeros.
+  late_fill<<<64, 256, 0, caller>>>(in.data, n, 3.0f, 200'000'000);
+  auto done = pg.on(caller).all_reduce(std::span<const float>(in.data, n), out.span(), cohort::op::sum);
+  // Read on the caller's stream, with no host wait on the work in between.
+  std::vector<float> host(n);
+  cudaMemcpyAsync(host.data(), out.data, n * sizeof(float), cudaMemcpyDeviceToHost, caller);
+  REQUIRE(cudaStreamSynchronize(caller) == cudaSuccess);
+  CHECK(std::count(host.begin(), host.end(), 3.0f) == static_cast<std::ptrdiff_t>(n));
+  CHECK(done.test());
+  // The view forwards every collective; one more on the same stream, in place.
+  pg.on(caller).broadcast(out.span(), 0);
+  REQUIRE(cudaStreamSynchronize(caller) == cudaSuccess);
+  cudaStreamDestroy(caller);
+}
+
+TEST_CASE("host values across ranks are staged through device memory", "[nccl]") {
+  require_gpu();
+  auto pg = make_group();
+  CHECK(cohort::all_reduce_value(pg, 2.5f, cohort::op::avg) == 2.5f);
+  CHECK(cohort::all_reduce_value(pg, 1.25, cohort::op::max) == 1.25);
+  CHECK(cohort::all_reduce_value(pg, std::size_t{7}) == 7);
+  CHECK(cohort::all_reduce_values(pg, {1.0f, -2.0f, 3.0f}) == std::vector<float>{1.0f, -2.0f, 3.0f});
+  const std::vector<std::int64_t> counts{4, 5};
+  CHECK(cohort::all_reduce_values(pg, counts, cohort::op::min) == counts);
+  // launch_plan compares the ranks' global batch through the same helper.
+  std::ostringstream summary;
+  CHECK(cohort::launch_plan(cohort::global_batch{.size = 64, .accumulation = 4}, pg, summary).per_device == 16);
+  CHECK(summary.str() ==
+        "cohort: per-device batch 16 x accumulation 4 x world 1 = effective batch 64 (from global "
+        "batch 64)\n");
+  cohort::main_printf(pg, "nccl: mean loss %.2f\n", cohort::all_reduce_value(pg, 0.5f, cohort::op::avg));
 }
 
 TEST_CASE("two ranks on one GPU are refused before NCCL sees them", "[nccl]") {

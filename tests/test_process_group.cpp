@@ -1,9 +1,11 @@
 // process_group<gloo>: every collective x dtype x op on 2, 3 and 4 ranks (threads, each
 // with its own Gloo context over loopback), against expectations computed here
 // independently; then the faults: a rank that never arrives, a rank that dies, mismatched
-// sizes, collectives inside on_main.
+// sizes, collectives inside on_main; then the conveniences: collectives on any contiguous
+// range, stream-ordered calls (pg.on(stream)) and one host value across ranks.
 #include <catch2/catch.hpp>
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cohort/backend/gloo.hpp>
@@ -13,6 +15,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "support.hpp"
@@ -463,4 +466,184 @@ TEST_CASE("building process groups leaves the caller's store settings alone", "[
   });
   CHECK(store->timeout() == 5s);
   CHECK(store->rank() == -1);
+}
+
+// ---- collectives on any contiguous range ------------------------------------------------------
+
+namespace {
+template <class G, class... Args>
+concept all_reduce_takes = requires(G& pg, Args&&... args) {
+  pg.all_reduce(std::forward<Args>(args)...);
+};
+template <class G, class... Args>
+concept broadcast_takes = requires(G& pg, Args&&... args) {
+  pg.broadcast(std::forward<Args>(args)...);
+};
+template <class G, class... Args>
+concept send_takes = requires(G& pg, Args&&... args) {
+  pg.send(std::forward<Args>(args)...);
+};
+}  // namespace
+
+// Ranges as lvalues, spans as before; a temporary container (the work would outlive it), a
+// read-only output or mismatched element types do not compile.
+static_assert(all_reduce_takes<group, std::vector<float>&>);
+static_assert(all_reduce_takes<group, std::vector<float>&, op>);
+static_assert(all_reduce_takes<group, std::array<double, 3>&>);
+static_assert(all_reduce_takes<group, std::int32_t (&)[4], op>);
+static_assert(all_reduce_takes<group, std::span<float, 4>>);
+static_assert(all_reduce_takes<group, std::span<float>>);
+static_assert(all_reduce_takes<group, const std::vector<float>&, std::vector<float>&, op>);
+static_assert(all_reduce_takes<group, std::span<const float>, std::vector<float>&>);
+static_assert(all_reduce_takes<group, std::vector<float>&, std::span<float>>);
+static_assert(!all_reduce_takes<group, std::vector<float>>);
+static_assert(!all_reduce_takes<group, const std::vector<float>&>);
+static_assert(!all_reduce_takes<group, std::vector<float>&, std::vector<float>>);
+static_assert(!all_reduce_takes<group, std::vector<double>&, std::vector<float>&>);
+static_assert(!all_reduce_takes<group, std::vector<long long>&>);  // not a cohort element type
+static_assert(broadcast_takes<group, std::vector<cohort::half>&, int>);
+static_assert(send_takes<group, const std::vector<float>&, int>);
+static_assert(!send_takes<group, std::vector<float>, int>);
+
+TEST_CASE("collectives take vectors, std::arrays and C arrays as they take spans", "[process_group][gloo]") {
+  constexpr int world = 3;
+  auto store = fresh_store();
+  cohort_test::run_ranks(world, [&](int rank) {
+    auto pg = make_group(store, rank, world);
+    const auto w = static_cast<std::size_t>(world);
+    std::vector<float> values(5);
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(contribution(rank, i));
+    pg.all_reduce(values).wait();
+    for (std::size_t i = 0; i < values.size(); ++i)
+      RANK_CHECK(values[i] == expected_reduction<float>(op::sum, world, i), "i " << i << " got " << values[i]);
+
+    const std::vector<std::int32_t> in{rank, 10 - rank, 7};
+    std::array<std::int32_t, 3> out{};
+    pg.all_reduce(in, out, op::max).wait();
+    RANK_CHECK(out[0] == world - 1 && out[1] == 10 && out[2] == 7);
+
+    double c_array[4] = {0, 0, 0, 0};
+    for (auto& x : c_array) x = rank;
+    pg.all_reduce(c_array, op::avg).wait();
+    for (auto x : c_array) RANK_CHECK(x == 1.0, "got " << x);  // (0 + 1 + 2) / 3
+
+    std::array<std::uint8_t, 3> bytes{};
+    bytes.fill(static_cast<std::uint8_t>(rank + 1));
+    pg.broadcast(bytes, 1).wait();
+    for (auto b : bytes) RANK_CHECK(b == 2);
+
+    const std::vector<float> mine{static_cast<float>(rank), static_cast<float>(10 * rank)};
+    std::vector<float> gathered(2 * w);
+    pg.all_gather(mine, gathered).wait();
+    for (std::size_t r = 0; r < w; ++r)
+      RANK_CHECK(gathered[2 * r] == static_cast<float>(r) && gathered[2 * r + 1] == static_cast<float>(10 * r));
+
+    std::vector<std::int64_t> scatter_in(2 * w);
+    for (std::size_t i = 0; i < scatter_in.size(); ++i) scatter_in[i] = static_cast<std::int64_t>(i) + rank;
+    std::array<std::int64_t, 2> shard{};
+    pg.reduce_scatter(scatter_in, shard).wait();
+    for (std::size_t i = 0; i < 2; ++i)  // the sum over ranks q of (2 * rank + i + q)
+      RANK_CHECK(shard[i] ==
+                 static_cast<std::int64_t>(world * (2 * rank + static_cast<int>(i)) + world * (world - 1) / 2));
+
+    std::vector<double> to(w), from(w);
+    for (std::size_t r = 0; r < w; ++r) to[r] = 100.0 * rank + static_cast<double>(r);
+    pg.all_to_all(to, from).wait();
+    for (std::size_t r = 0; r < w; ++r) RANK_CHECK(from[r] == 100.0 * static_cast<double>(r) + rank);
+
+    // A fixed-extent span, and point-to-point around the ring.
+    pg.all_reduce(std::span<float, 5>(values.data(), 5), op::min).wait();
+    const std::vector<std::int64_t> message{rank, 10 * rank};
+    std::array<std::int64_t, 2> received{};
+    auto sent = pg.send(message, (rank + 1) % world, 5);
+    pg.recv(received, (rank + world - 1) % world, 5).wait();
+    sent.wait();
+    const int left = (rank + world - 1) % world;
+    RANK_CHECK(received[0] == left && received[1] == 10 * left);
+
+    // The span overloads' checks, through a range.
+    std::vector<float> wrong(4), ten(10);
+    RANK_CHECK_THROWS(cohort::error, pg.all_reduce(ten, wrong), "output has 4");
+  });
+}
+
+// ---- stream-ordered collectives ----------------------------------------------------------------
+
+static_assert(std::is_same_v<group::stream_type, std::nullptr_t>);
+
+TEST_CASE("stream-ordered collectives on Gloo return complete: the caller's order is its thread",
+          "[process_group][gloo]") {
+  constexpr int world = 2;
+  auto store = fresh_store();
+  cohort_test::run_ranks(world, [&](int rank) {
+    auto pg = make_group(store, rank, world);
+    std::vector<float> values(1000, static_cast<float>(rank + 1));
+    auto on_mine = pg.on(nullptr);
+    auto done = on_mine.all_reduce(values, op::avg);
+    RANK_CHECK(done.test(), "the caller's order waits for the result: done on return");
+    for (auto x : values) RANK_CHECK(x == 1.5f, "got " << x);
+    std::vector<float> gathered(2000);
+    RANK_CHECK(on_mine.all_gather(std::span<const float>(values), std::span<float>(gathered)).test());
+    std::vector<std::int32_t> root(3, rank);
+    RANK_CHECK(pg.on(pg.backend().stream()).broadcast(std::span<std::int32_t>(root), 1).test());
+    RANK_CHECK(root == std::vector<std::int32_t>(3, 1));
+    RANK_CHECK(on_mine.barrier().test());
+    std::array<float, 2> one{}, other{};
+    one.fill(static_cast<float>(rank));
+    // Each call returns complete, as blocking calls do: one side sends first, the other receives.
+    if (rank == 0) {
+      RANK_CHECK(on_mine.send(one, 1, 9).test());
+      RANK_CHECK(on_mine.recv(other, 1, 9).test());
+    } else {
+      RANK_CHECK(on_mine.recv(other, 0, 9).test());
+      RANK_CHECK(on_mine.send(one, 0, 9).test());
+    }
+    RANK_CHECK(other[0] == static_cast<float>(1 - rank));
+    // What the plain overloads refuse, the view refuses too.
+    std::vector<float> wrong(3);
+    RANK_CHECK_THROWS(cohort::error, on_mine.all_reduce(std::span<const float>(values), std::span<float>(wrong)),
+                      "output has 3");
+  });
+}
+
+// ---- one host value across ranks -----------------------------------------------------------------
+
+TEST_CASE("all_reduce_value gives every rank the same mean, sum, min and max of values that differ",
+          "[process_group][gloo]") {
+  for (int world : {2, 3, 4}) {
+    auto store = fresh_store();
+    cohort_test::run_ranks(world, [&](int rank) {
+      auto pg = make_group(store, rank, world);
+      const float loss = 0.5f * static_cast<float>(rank + 1);  // 0.5, 1.0, 1.5, ...
+      const float mean_loss = cohort::all_reduce_value(pg, loss, op::avg);
+      RANK_CHECK(std::abs(mean_loss - 0.25f * static_cast<float>(world + 1)) < 1e-6f, "got " << mean_loss);
+      RANK_CHECK(cohort::all_reduce_value(pg, rank + 1) == world * (world + 1) / 2);  // int
+      const std::size_t tokens = 1000 * static_cast<std::size_t>(rank);               // not an element: int64
+      RANK_CHECK(cohort::all_reduce_value(pg, tokens, op::max) == 1000 * static_cast<std::size_t>(world - 1));
+      RANK_CHECK(cohort::all_reduce_value(pg, -1.0 * rank, op::min) == -1.0 * (world - 1));
+      RANK_CHECK(cohort::all_reduce_value(pg, std::uint64_t{1} << 40) == std::uint64_t(world) << 40);
+      const auto biggest = cohort::all_reduce_value(pg, cohort::half(static_cast<float>(rank)), op::max);
+      RANK_CHECK(static_cast<float>(biggest) == static_cast<float>(world - 1));
+      RANK_CHECK(cohort::all_reduce_value(pg, 2.0L, op::product) == std::pow(2.0L, world));  // long double
+
+      // A few values in one call: a braced list, or any contiguous range.
+      const auto sums = cohort::all_reduce_values(pg, {loss, 1.0f});
+      RANK_CHECK(sums.size() == 2 && sums[1] == static_cast<float>(world));
+      const std::vector<std::int64_t> counts{rank, 1, -rank};
+      const std::vector<std::int64_t> extremes = cohort::all_reduce_values(pg, counts, op::max);
+      RANK_CHECK(extremes == (std::vector<std::int64_t>{world - 1, 1, 0}));
+    });
+  }
+}
+
+TEST_CASE("all_reduce_value is a collective: refused inside a main-only section", "[process_group][gloo][faults]") {
+  auto store = fresh_store();
+  cohort_test::run_ranks(2, [&](int rank) {
+    auto pg = make_group(store, rank, 2);
+    if (rank == 0) {
+      auto section = pg.main_only_section();
+      RANK_CHECK_THROWS(cohort::error, cohort::all_reduce_value(pg, 1.0f), "on_main");
+    }
+    RANK_CHECK(cohort::all_reduce_value(pg, 1.0f) == 2.0f);
+  });
 }

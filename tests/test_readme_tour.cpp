@@ -26,6 +26,11 @@ TEST_CASE("the README tour runs on two Gloo ranks", "[readme]") {
     auto work = pg.all_reduce(std::span<float>(grad), cohort::op::avg);
     RANK_CHECK(work.wait_for(std::chrono::seconds(20)));
     RANK_CHECK(grad[9] == 0.5f);
+    pg.on(nullptr).all_reduce(std::span<float>(grad));  // Gloo: the calling thread is the stream
+    RANK_CHECK(grad[9] == 1.0f);
+    const float loss = static_cast<float>(rank);
+    const float mean_loss = cohort::all_reduce_value(pg, loss, cohort::op::avg);
+    RANK_CHECK(mean_loss == 0.5f);
 
     // Data parallelism.
     const std::vector<std::size_t> parameter_sizes{300, 20, 7};
@@ -74,6 +79,8 @@ TEST_CASE("the README tour runs on two Gloo ranks", "[readme]") {
     auto plan = cohort::launch_plan(cohort::batch_plan{.per_device = 2, .accumulation = 8, .world = 2}, pg,
                                     cohort::world_change::refuse, mine);
     RANK_CHECK(plan.effective() == 32);
+    auto split = cohort::launch_plan(cohort::global_batch{.size = 32, .accumulation = 8}, pg, mine);
+    RANK_CHECK(split.per_device == 2 && split.effective() == 32);
     if (rank == 0) summaries << mine.str();
     int downloads = 0;
     cohort::main_process_first(pg, [&] { ++downloads; });
@@ -85,7 +92,8 @@ TEST_CASE("the README tour runs on two Gloo ranks", "[readme]") {
     RANK_CHECK(text == "weights");
     cohort::rank_logger log(pg);
     log("done");
+    cohort::main_printf(pg, "step %d loss %.4f\n", 1, mean_loss);
   });
   std::filesystem::remove_all(directory);
-  REQUIRE_THAT(summaries.str(), Catch::Contains("effective batch 32"));
+  REQUIRE_THAT(summaries.str(), Catch::Contains("effective batch 32") && Catch::Contains("(from global batch 32)"));
 }

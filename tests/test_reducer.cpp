@@ -8,6 +8,7 @@
 #include <cohort/store.hpp>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -765,5 +766,50 @@ TEST_CASE("broadcast_parameters makes replicas equal", "[reducer]") {
     cohort::broadcast_parameters(pg, spans(params), 1).wait();
     for (auto x : params[0]) RANK_CHECK(x == 1.0f);
     for (auto x : params[1]) RANK_CHECK(x == 11.0f);
+  });
+}
+
+TEST_CASE("broadcast_parameters takes a vector of vectors and other lists of ranges", "[reducer]") {
+  constexpr int world = 3;
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(world, [&](int rank) {
+    auto pg = make_group(store, rank, world);
+    const auto mine = static_cast<float>(rank);
+    tensors params{std::vector<float>(5, mine), std::vector<float>(7, 10.0f + mine), {}};
+    cohort::broadcast_parameters(pg, params, 2).wait();  // std::vector<std::vector<float>>&
+    for (auto x : params[0]) RANK_CHECK(x == 2.0f, "rank " << rank << " got " << x);
+    for (auto x : params[1]) RANK_CHECK(x == 12.0f, "rank " << rank << " got " << x);
+    std::array<std::array<double, 3>, 2> fixed{};
+    for (auto& tensor : fixed) tensor.fill(100.0 + rank);
+    cohort::broadcast_parameters(pg, fixed).wait();  // root 0
+    for (const auto& tensor : fixed)
+      for (auto x : tensor) RANK_CHECK(x == 100.0, "rank " << rank << " got " << x);
+  });
+}
+
+namespace {
+template <class List>
+concept broadcastable_list = requires(group& pg, List&& list) {
+  cohort::broadcast_parameters(pg, std::forward<List>(list));
+};
+}  // namespace
+
+// The parameters must outlive the asynchronous broadcasts and be writable.
+static_assert(broadcastable_list<tensors&>);
+static_assert(!broadcastable_list<tensors>);
+static_assert(!broadcastable_list<const tensors&>);
+static_assert(broadcastable_list<std::vector<std::span<float>>>);  // spans: views of memory kept elsewhere
+static_assert(!broadcastable_list<std::vector<std::span<const float>>&>);
+
+TEST_CASE("gradient_reducer{pg, {512, 32}} means bucket views of those sizes", "[reducer]") {
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(2, [&](int rank) {
+    auto pg = make_group(store, rank, 2);
+    cohort::gradient_reducer ddp{pg, {512, 32}};  // was ambiguous: sizes or gradient specs
+    RANK_CHECK(ddp.gradient_count() == 2);
+    RANK_CHECK(ddp.gradient(0).size() == 512 && ddp.gradient(1).size() == 32);
+    RANK_CHECK(ddp.storage() == cohort::gradient_storage::bucket_views);
+    reducer with_options(pg, {3, 4, 5}, {.first_bucket_bytes = 16, .bucket_bytes = 16});
+    RANK_CHECK(with_options.gradient_count() == 3 && with_options.bucket_count() == 3);
   });
 }

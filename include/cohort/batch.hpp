@@ -6,6 +6,10 @@
 //   ... .rescaled_for(4, keep::accumulation)    -> {2, 8, 4}, learning rate x4 (linear rule)
 //   launch_plan(plan, pg)                       -> throws unless pg.size() == plan.world or the
 //                                                  change is acknowledged; rank 0 prints a summary
+//   global_batch{.size = 512, .accumulation = 2}.plan_for(4)
+//                                               -> {64, 2, 4}: per_device = size / (world x accumulation)
+//   launch_plan(global_batch{...}, pg)          -> the same on pg.size() ranks, checked to be the same
+//                                                  configuration on every rank; rank 0 prints a summary
 //   batch_sequence{sampler, plan}               -> this rank's micro-batches, each saying which
 //                                                  optimizer step it belongs to and whether it syncs
 //   suggest_loader_workers(cores, local_ranks)  -> data-loader workers per rank
@@ -25,6 +29,7 @@
 #include "cohort/detail/config.hpp"
 #include "cohort/error.hpp"
 #include "cohort/sampler.hpp"
+#include "cohort/types.hpp"
 
 namespace cohort::inline v0 {
 
@@ -56,6 +61,32 @@ struct batch_plan {
  private:
   static std::string nearest_worlds_hint(std::int64_t micro_batches, int new_world);
 };
+
+// A run configured by its global batch: the samples of one optimizer step over all ranks
+// (the effective batch). The per-device batch follows from the world it runs on:
+// per_device = size / (world x accumulation).
+struct global_batch {
+  std::int64_t size = 0;
+  int accumulation = 1;
+  double learning_rate = 0.0;  // 0: not tracked
+
+  // The plan on `world` ranks (effective() == size). Throws when size is not a multiple of
+  // world x accumulation, naming the numbers, the nearest global batches that split and, when
+  // the world divides the global batch, the nearest accumulations that would.
+  batch_plan plan_for(int world) const;
+};
+
+namespace detail {
+// Groups whose ranks can compare a few numbers (cohort's process_group, through
+// all_reduce_values in process_group.hpp, found by argument-dependent lookup).
+template <class G>
+concept value_reducing_group = requires(G& group, const std::vector<double>& values) {
+  all_reduce_values(group, values, op::max);
+};
+// Throws on every rank when the ranks' configurations differ: `extremes` holds the maxima of
+// size, accumulation, learning rate and of their negations.
+void check_same_global_batch(const global_batch& mine, const std::vector<double>& extremes, int rank);
+}  // namespace detail
 
 // How launch_plan treats a world size different from the configured one.
 enum class world_change {
@@ -96,6 +127,39 @@ batch_plan launch_plan(const batch_plan& configured, Group& group, world_change 
     line += '\n';
     summary_out << line << std::flush;
   }
+  return plan;
+}
+
+// The plan for a configured global batch on the group it was launched on, every rank the
+// same: with a process_group the ranks first compare their configurations (one all-reduce of
+// a few numbers) and, when any differs, every rank throws, naming its own and the range
+// across ranks, instead of some training with another per-device batch. Rank 0 then prints
+// one summary line ("cohort: per-device batch 64 x accumulation 2 x world 4 = effective batch
+// 512 (from global batch 512)"). Collective on a process_group: every rank calls it.
+template <class Group>
+  requires requires(Group& group) {
+    { group.rank() } -> std::convertible_to<int>;
+    { group.size() } -> std::convertible_to<int>;
+  }
+batch_plan launch_plan(const global_batch& configured, Group& group, std::ostream& summary_out = std::clog) {
+  const int rank = static_cast<int>(group.rank());
+  const int size = static_cast<int>(group.size());
+  if constexpr (detail::value_reducing_group<Group>) {
+    // Before any local check, so a rank that would refuse its own numbers does not leave
+    // the others waiting here: max of each number and of its negation (its minimum).
+    const std::vector<double> mine{static_cast<double>(configured.size),
+                                   static_cast<double>(configured.accumulation),
+                                   configured.learning_rate,
+                                   -static_cast<double>(configured.size),
+                                   -static_cast<double>(configured.accumulation),
+                                   -configured.learning_rate};
+    const std::vector<double> extremes = all_reduce_values(group, mine, op::max);
+    detail::check_same_global_batch(configured, extremes, rank);
+  }
+  const batch_plan plan = configured.plan_for(size);
+  if (rank == 0)
+    summary_out << ("cohort: " + plan.summary() + " (from global batch " + std::to_string(configured.size) + ")\n")
+                << std::flush;
   return plan;
 }
 

@@ -7,6 +7,7 @@
 //   cohort::main_process_first(pg, [&] { load_or_download(); });
 //                                                         rank 0 first, then everyone else
 //   cohort::rank_logger log{pg};  log("loss ", loss);      "[rank 0/8] loss 0.25", main only
+//   cohort::main_printf(pg, "loss %.4f\n", loss);         printf on stdout, main only
 //   cohort::atomic_write_on_main(pg, "ckpt.bin", bytes);  temp file + fsync + rename on rank 0;
 //                                                         the others wait until it is complete
 //
@@ -18,7 +19,9 @@
 #include <array>
 #include <cerrno>
 #include <concepts>
+#include <cstdarg>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <filesystem>
@@ -246,6 +249,72 @@ class rank_logger {
   std::ofstream file_;
   std::mutex file_mutex_;
 };
+
+// ---- printf on stdout ---------------------------------------------------------------------------
+//
+//   cohort::main_printf(pg, "step %d loss %.4f\n", step, loss);   rank 0 only
+//   cohort::printf_on(pg, 3, "shard %zu ready\n", shard);         rank 3 only
+//   cohort::rank_printf(pg, "loaded %d files\n", n);              every rank: "[rank 1] loaded 8 files"
+//
+// For trainers that print with printf: the lines go to stdout, formatted as printf formats
+// them (the compiler checks the arguments against the format, as for printf). The first
+// argument is a group (rank()) or a launch_env (.rank); no communication.
+//
+// Their lines and the trainer's own printf lines stay in the order the program printed
+// them: both go through the same FILE* stdout, so they sit in one buffer in call order
+// (writing to file descriptor 1 directly would overtake the trainer's lines still buffered
+// there, which is the whole buffer when stdout is a pipe or a file). Each call is one
+// fwrite of whole lines (stdio locks the FILE for it, so another thread's printf cannot land
+// inside it), completed with a newline when the text lacks one, then fflush: under a
+// launcher that merges the ranks' pipes, each rank's lines arrive whole and promptly.
+// rank_printf prefixes every line of the text.
+
+template <class G>
+concept rank_source = rank_group<G> || requires(const G& env) {
+  { env.rank } -> std::convertible_to<int>;
+  { env.world_size } -> std::convertible_to<int>;
+};
+
+namespace detail {
+template <rank_source G>
+int rank_of(const G& who) {
+  if constexpr (rank_group<G>)
+    return static_cast<int>(who.rank());
+  else
+    return static_cast<int>(who.rank);
+}
+// Formats, prefixes each line with `prefix`, ends the text with a newline and writes it
+// with one fwrite, then fflush. Never throws (printing must not end a training run).
+void print_lines(std::FILE* out, std::string_view prefix, const char* format, std::va_list args) noexcept;
+std::string rank_prefix(int rank);
+}  // namespace detail
+
+template <rank_source G>
+[[gnu::format(printf, 2, 3)]] void main_printf(const G& who, const char* format, ...) {
+  if (detail::rank_of(who) != 0) return;
+  std::va_list args;
+  va_start(args, format);
+  detail::print_lines(stdout, {}, format, args);
+  va_end(args);
+}
+
+template <rank_source G>
+[[gnu::format(printf, 3, 4)]] void printf_on(const G& who, int printing_rank, const char* format, ...) {
+  if (detail::rank_of(who) != printing_rank) return;
+  std::va_list args;
+  va_start(args, format);
+  detail::print_lines(stdout, {}, format, args);
+  va_end(args);
+}
+
+template <rank_source G>
+[[gnu::format(printf, 2, 3)]] void rank_printf(const G& who, const char* format, ...) {
+  const std::string prefix = detail::rank_prefix(detail::rank_of(who));
+  std::va_list args;
+  va_start(args, format);
+  detail::print_lines(stdout, prefix, format, args);
+  va_end(args);
+}
 
 // ---- atomic writes --------------------------------------------------------------------------------
 

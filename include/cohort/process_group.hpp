@@ -5,6 +5,9 @@
 //   auto store = cohort::connect_store(env);
 //   cohort::process_group<cohort::gloo> pg{store, env};       // or cohort::nccl
 //   pg.all_reduce(std::span<float>(grad), cohort::op::avg).wait();
+//   pg.all_reduce(grad_vector).wait();                        // any contiguous range
+//   pg.on(stream).all_reduce(grad, cohort::op::avg);          // ordered on the caller's stream
+//   float mean = cohort::all_reduce_value(pg, loss, cohort::op::avg);   // one host value
 //
 // Every collective is asynchronous and returns the backend's work handle (wait, test,
 // wait_for); collectives on one group complete in issue order. The group checks what can
@@ -18,11 +21,14 @@
 #include <concepts>
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cohort/error.hpp"
@@ -72,6 +78,42 @@ namespace detail {
 inline bool debug_from_environment() {
   const char* value = std::getenv("COHORT_DEBUG");
   return value && *value && std::string(value) != "0";
+}
+
+// What the collectives' range overloads take (std::vector, std::array, C arrays, fixed-extent
+// spans, a user's type with data() and size(); see contiguous_elements in types.hpp, which
+// needs only <iterator>: <ranges> would add ~9% to this header's compile cost). A collective
+// is asynchronous, so its buffer must outlive the call: an lvalue, or a span (a view of
+// memory the caller keeps); a temporary container is refused at compile time.
+template <class T>
+inline constexpr bool is_span_v = false;
+template <class T, std::size_t Extent>
+inline constexpr bool is_span_v<std::span<T, Extent>> = true;
+template <class T>
+inline constexpr bool is_dynamic_span_v = false;
+template <class T>
+inline constexpr bool is_dynamic_span_v<std::span<T>> = true;
+template <class R>
+concept lasting_elements = contiguous_elements<std::remove_cvref_t<R>> &&
+    (std::is_lvalue_reference_v<R> || is_span_v<std::remove_cvref_t<R>>);
+// The range overloads leave std::span<T> (dynamic extent) to the span overloads, so no call
+// has two equally good candidates.
+template <class R>
+concept lasting_input = lasting_elements<R> && !is_dynamic_span_v<std::remove_cvref_t<R>>;
+template <class R>
+concept lasting_output = lasting_input<R> && writable_contiguous_elements<std::remove_reference_t<R>>;
+// An input beside an output: any span too (the output decides the overload), same elements.
+template <class In, class Out>
+concept lasting_input_for = lasting_elements<In> &&
+    std::same_as<element_type_of<std::remove_cvref_t<In>>, element_type_of<std::remove_cvref_t<Out>>>;
+
+template <class R>
+auto as_span(R& range) noexcept {
+  return std::span(std::data(range), std::size(range));
+}
+template <class R>
+auto as_const_span(const R& range) noexcept {
+  return std::span(std::data(range), std::size(range));
 }
 }  // namespace detail
 
@@ -198,6 +240,104 @@ class process_group {
     enter("barrier", dtype::uint8, 0, op::sum);
     return backend_->barrier();
   }
+
+  // Any contiguous range of cohort elements, not only std::span: pg.all_reduce(grad) on a
+  // std::vector<float>, a std::array, a C array, a fixed-extent span or a type of the user's
+  // with data() and size(). Each is viewed as a std::span and takes the span overload above,
+  // so checks, errors and the call are the same. The range must outlive the work (an
+  // lvalue, or a span): a temporary container does not compile. Arguments that are
+  // std::span<T> keep taking the span overloads (these leave them out), so no call is
+  // ambiguous and existing calls resolve as before.
+  template <detail::lasting_output R>
+  work all_reduce(R&& data, op reduce = op::sum) {
+    return all_reduce(detail::as_span(data), reduce);
+  }
+  template <detail::lasting_output Out, detail::lasting_input_for<Out> In>
+  work all_reduce(In&& in, Out&& out, op reduce = op::sum) {
+    return all_reduce(detail::as_const_span(in), detail::as_span(out), reduce);
+  }
+  template <detail::lasting_output Out, detail::lasting_input_for<Out> In>
+  work reduce_scatter(In&& in, Out&& out, op reduce = op::sum) {
+    return reduce_scatter(detail::as_const_span(in), detail::as_span(out), reduce);
+  }
+  template <detail::lasting_output Out, detail::lasting_input_for<Out> In>
+  work all_gather(In&& in, Out&& out) {
+    return all_gather(detail::as_const_span(in), detail::as_span(out));
+  }
+  template <detail::lasting_output R>
+  work broadcast(R&& data, int root = 0) {
+    return broadcast(detail::as_span(data), root);
+  }
+  template <detail::lasting_output Out, detail::lasting_input_for<Out> In>
+  work all_to_all(In&& in, Out&& out) {
+    return all_to_all(detail::as_const_span(in), detail::as_span(out));
+  }
+  template <detail::lasting_input R>
+  work send(R&& data, int peer, std::uint64_t tag = 0) {
+    return send(detail::as_const_span(data), peer, tag);
+  }
+  template <detail::lasting_output R>
+  work recv(R&& data, int peer, std::uint64_t tag = 0) {
+    return recv(detail::as_span(data), peer, tag);
+  }
+
+  // --- stream-ordered collectives ----------------------------------------------------------
+  using stream_type = typename B::stream_type;
+
+  // pg.on(stream).all_reduce(grad, op::avg): the same collective, ordered on the caller's
+  // stream. It runs after the work queued on `stream` so far (the backend's wait_for_caller)
+  // and later work queued on `stream` runs after it (work::make_stream_wait). On NCCL neither
+  // blocks the host: the kernels the trainer queues on its stream next see the result. On
+  // Gloo the caller's "stream" is its thread (stream_type is std::nullptr_t: pass nullptr):
+  // what it queued is already done, and the call returns once the collective is complete
+  // (a send once received: order point-to-point pairs as for blocking calls). The work is
+  // returned too (wait(), test()). Not inside a grouped() scope on NCCL: there a
+  // call's event exists only once the group ends, so the stream would wait for nothing.
+  //
+  // A view rather than a trailing argument (pg.all_reduce(grad, op::avg, on_stream(s))):
+  // every collective has defaulted trailing parameters (op, root, tag) and both span and
+  // range overloads; a stream parameter would double each overload set and sit beside those
+  // defaults. The view forwards to the very same overloads, so what they accept or refuse is
+  // the same with a stream, and a run of calls on one stream reads as one:
+  // `auto s = pg.on(stream); s.all_reduce(a); s.broadcast(b);`. It points to the group: use it
+  // while the group lives.
+  class stream_ordered {
+   public:
+    stream_ordered(process_group& group, stream_type caller) noexcept : group_(&group), caller_(caller) {}
+    stream_type stream() const noexcept { return caller_; }
+
+    // Each collective of the group, with the same arguments (so the same overloads).
+#define COHORT_STREAM_ORDERED(name)                                                                 \
+  template <class... Args>                                                                          \
+    requires requires(process_group & g, Args && ... args) { g.name(std::forward<Args>(args)...); } \
+  work name(Args&&... args) {                                                                       \
+    return ordered([&] { return group_->name(std::forward<Args>(args)...); });                      \
+  }
+    COHORT_STREAM_ORDERED(all_reduce)
+    COHORT_STREAM_ORDERED(reduce_scatter)
+    COHORT_STREAM_ORDERED(all_gather)
+    COHORT_STREAM_ORDERED(broadcast)
+    COHORT_STREAM_ORDERED(all_to_all)
+    COHORT_STREAM_ORDERED(send)
+    COHORT_STREAM_ORDERED(recv)
+#undef COHORT_STREAM_ORDERED
+    work barrier() {
+      return ordered([&] { return group_->barrier(); });
+    }
+
+   private:
+    template <class Call>
+    work ordered(Call&& call) {
+      group_->backend().wait_for_caller(caller_);
+      work done = call();
+      done.make_stream_wait(caller_);
+      return done;
+    }
+
+    process_group* group_;
+    stream_type caller_;
+  };
+  stream_ordered on(stream_type caller) noexcept { return stream_ordered(*this, caller); }
 
   // A barrier that names every rank that did not arrive within `timeout` (PyTorch's
   // monitored_barrier with wait_all_ranks): each rank checks in through the group's store,
@@ -421,5 +561,79 @@ class process_group {
   // Behind a pointer so the group stays movable.
   std::unique_ptr<std::atomic<int>> main_only_depth_ = std::make_unique<std::atomic<int>>(0);
 };
+
+// ---- a few host values across ranks -------------------------------------------------------
+//
+//   float mean_loss = cohort::all_reduce_value(pg, loss, cohort::op::avg);
+//   auto [sum_loss, tokens] = ... cohort::all_reduce_values(pg, {loss, double(tokens)}) ...
+//
+// Collective and blocking: every rank calls it with as many values, and gets the reduction
+// back (op::avg: the mean; integer averages truncate, as ncclAvg's do: pass a double for a
+// fractional mean). On a device backend the values go through device memory (allocate, copy,
+// all-reduce, copy back on the group's stream: the NCCL backend's allocate and free cost
+// about as much as the call itself, so this is for a few values a step, not for data).
+
+// Any arithmetic type but bool, or a cohort element (half, bfloat16). Elements travel as
+// themselves; other integers as int64 (64-bit unsigned values keep their bits: sums and
+// products are exact modulo 2^64, min, max and avg need values below 2^63); long double as
+// double.
+template <class T>
+concept reducible_value = !std::same_as<std::remove_cv_t<T>, bool> && (element<T> || std::is_arithmetic_v<T>);
+
+namespace detail {
+template <class T>
+using value_wire_t = std::conditional_t<element<T>, std::remove_cv_t<T>,
+                                        std::conditional_t<std::is_floating_point_v<T>, double, std::int64_t>>;
+
+template <backend B, class T>
+std::vector<T> all_reduce_host_values(process_group<B>& group, const T* values, std::size_t count, op reduce) {
+  using W = value_wire_t<T>;
+  std::vector<W> wire(count);
+  for (std::size_t i = 0; i < count; ++i) wire[i] = static_cast<W>(values[i]);
+  if constexpr (B::space == memory_space::host) {
+    group.all_reduce(std::span<W>(wire), reduce).wait();
+  } else {
+    auto& engine = group.backend();
+    const std::size_t bytes = count * sizeof(W);
+    auto* staged = static_cast<W*>(engine.allocate(bytes));
+    try {
+      engine.copy(staged, wire.data(), bytes);
+      group.all_reduce(std::span<W>(staged, count), reduce);
+      engine.copy(wire.data(), staged, bytes).wait();
+    } catch (...) {
+      try {
+        engine.record().wait();  // nothing queued may still use what is freed below
+      } catch (...) {}
+      engine.deallocate(staged, bytes);
+      throw;
+    }
+    engine.deallocate(staged, bytes);
+  }
+  std::vector<T> result(count);
+  for (std::size_t i = 0; i < count; ++i) result[i] = static_cast<T>(wire[i]);
+  return result;
+}
+}  // namespace detail
+
+template <backend B, reducible_value T>
+T all_reduce_value(process_group<B>& group, T value, op reduce = op::sum) {
+  return detail::all_reduce_host_values(group, &value, 1, reduce)[0];
+}
+
+// A few values in one collective: all_reduce_values(pg, {loss, accuracy}, op::avg), or any
+// contiguous range of them (a std::vector, std::array, span).
+template <backend B, reducible_value T>
+std::vector<T> all_reduce_values(process_group<B>& group, std::initializer_list<T> values, op reduce = op::sum) {
+  return detail::all_reduce_host_values(group, values.begin(), values.size(), reduce);
+}
+template <backend B, class R>
+  requires requires(const R& values) {
+    std::data(values);
+    std::size(values);
+    requires reducible_value<std::remove_pointer_t<decltype(std::data(values))>>;
+  }
+auto all_reduce_values(process_group<B>& group, const R& values, op reduce = op::sum) {
+  return detail::all_reduce_host_values(group, std::data(values), std::size(values), reduce);
+}
 
 }  // namespace cohort::inline v0

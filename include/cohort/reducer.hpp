@@ -46,6 +46,8 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <initializer_list>
+#include <iterator>
 #include <numeric>
 #include <optional>
 #include <span>
@@ -241,6 +243,10 @@ class gradient_reducer {
   // Bucket views of float32 gradients of these sizes.
   gradient_reducer(process_group<B>& group, const std::vector<std::size_t>& sizes, reducer_options options = {})
       : gradient_reducer(group, specs_from(sizes), std::move(options)) {}
+  // gradient_reducer ddp{pg, {512, 32}}: sizes (a braced list would otherwise fit both the
+  // sizes and the gradient_spec vector, and be ambiguous).
+  gradient_reducer(process_group<B>& group, std::initializer_list<std::size_t> sizes, reducer_options options = {})
+      : gradient_reducer(group, specs_from(std::vector<std::size_t>(sizes)), std::move(options)) {}
 
   // User buffers (spans of one element type), in declaration order.
   template <element T>
@@ -966,15 +972,32 @@ class gradient_reducer {
 // the last broadcast's work: collectives complete in issue order, so waiting on it waits
 // for all.
 template <backend B, element T>
+  requires(!std::is_const_v<T>)
 typename B::work broadcast_parameters(process_group<B>& group, std::span<const std::span<T>> parameters, int root = 0) {
   typename B::work last;
   for (auto parameter : parameters) last = group.broadcast(parameter, root);
   return last;
 }
 template <backend B, element T>
+  requires(!std::is_const_v<T>)
 typename B::work broadcast_parameters(process_group<B>& group, const std::vector<std::span<T>>& parameters,
                                       int root = 0) {
   return broadcast_parameters(group, std::span<const std::span<T>>(parameters), root);
+}
+// Any range of contiguous ranges, each broadcast in place: a std::vector<std::vector<float>>,
+// a std::array of std::arrays, a list of fixed-extent spans, ... (each one what pg.broadcast
+// takes: the parameters must outlive the work, so the list is an lvalue).
+template <class Parameters, class B>
+concept broadcastable_parameters = list_of_contiguous_elements<std::remove_const_t<Parameters>> &&
+    requires(process_group<B>& group, Parameters& parameters) {
+  requires writable_contiguous_elements<std::remove_cvref_t<decltype(*std::begin(parameters))>>;
+  group.broadcast(*std::begin(parameters), 0);
+};
+template <backend B, broadcastable_parameters<B> Parameters>
+typename B::work broadcast_parameters(process_group<B>& group, Parameters& parameters, int root = 0) {
+  typename B::work last;
+  for (auto&& parameter : parameters) last = group.broadcast(parameter, root);
+  return last;
 }
 
 }  // namespace cohort::inline v0

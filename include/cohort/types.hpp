@@ -195,6 +195,13 @@ concept contiguous_elements = requires(const R& r) {
 template <class R>
 using element_type_of = std::remove_cv_t<std::remove_pointer_t<decltype(std::data(std::declval<const R&>()))>>;
 
+// One a collective may write into: std::data of it (as a non-const lvalue) points to
+// non-const elements (a std::vector<float>, not a const one nor a std::span<const float>).
+template <class R>
+concept writable_contiguous_elements = contiguous_elements<R> && requires(R& r) {
+  requires !std::is_const_v<std::remove_pointer_t<decltype(std::data(r))>>;
+};
+
 // A list of such runs (one per tensor, say): a vector of vectors, of spans, ...
 template <class L>
 concept list_of_contiguous_elements = !contiguous_elements<L> && requires(const L& list) {

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <iostream>
 #include <iterator>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -122,6 +123,81 @@ COHORT_DECL auto batch_plan::nearest_worlds_hint(std::int64_t micro_batches, int
   hint += "; or pass keep::accumulation to scale the learning rate instead";
   return hint;
 }
+COHORT_DECL auto global_batch::plan_for(int world) const -> batch_plan {
+  if (size < 1 || accumulation < 1 || world < 1)
+    throw error(-1, "global_batch::plan_for",
+                "global batch size, accumulation and world must all be at least 1, got " + std::to_string(size) + ", " +
+                    std::to_string(accumulation) + ", " + std::to_string(world));
+  const std::int64_t micro_batches = std::int64_t{world} * accumulation;  // per step, all ranks
+  const std::int64_t per_device = size / micro_batches;
+  if (size % micro_batches != 0) {
+    std::ostringstream detail;
+    detail << "global batch " << size << " does not split over world " << world << " x accumulation " << accumulation
+           << " = " << micro_batches << " micro-batches per step: the per-device batch would be " << size << "/"
+           << micro_batches << " = " << static_cast<double>(size) / static_cast<double>(micro_batches)
+           << (per_device == 0 ? ", less than one" : "");
+    std::ostringstream hint;
+    hint << "nearest global batches that split: ";
+    if (per_device > 0) hint << per_device * micro_batches << " (per-device batch " << per_device << ") or ";
+    hint << (per_device + 1) * micro_batches << " (per-device batch " << per_device + 1 << ")";
+    if (size % world == 0) {
+      // The accumulations that split this global batch on this world: divisors of its share per rank.
+      const std::int64_t per_rank = size / world;
+      std::int64_t below = 0, above = 0;
+      for (std::int64_t d = 1; d <= per_rank / d; ++d) {
+        if (per_rank % d != 0) continue;
+        for (const std::int64_t divisor : {d, per_rank / d}) {
+          if (divisor < accumulation && divisor > below) below = divisor;
+          if (divisor > accumulation && (above == 0 || divisor < above)) above = divisor;
+        }
+      }
+      hint << "; or keep global batch " << size << " with accumulation ";
+      if (below) hint << below << " (per-device batch " << per_rank / below << ")";
+      if (below && above) hint << " or ";
+      if (above) hint << above << " (per-device batch " << per_rank / above << ")";
+    }
+    throw error(-1, "global_batch::plan_for", detail.str(), hint.str());
+  }
+  if (per_device > std::numeric_limits<int>::max())
+    throw error(-1, "global_batch::plan_for",
+                "global batch " + std::to_string(size) + " gives a per-device batch of " + std::to_string(per_device) +
+                    ", past the largest int",
+                "raise the accumulation");
+  return batch_plan{.per_device = static_cast<int>(per_device),
+                    .accumulation = accumulation,
+                    .world = world,
+                    .learning_rate = learning_rate};
+}
+
+namespace detail {
+
+COHORT_DECL void check_same_global_batch(const global_batch& mine, const std::vector<double>& extremes, int rank) {
+  // extremes: the maxima of size, accumulation, learning rate, then of their negations.
+  const auto differs = [&](std::size_t i) { return extremes[i] != -extremes[i + 3]; };
+  if (!differs(0) && !differs(1) && !differs(2)) return;
+  std::ostringstream detail;
+  detail << "the ranks were configured with different global batches: this rank has global batch " << mine.size
+         << ", accumulation " << mine.accumulation;
+  if (mine.learning_rate != 0.0 || differs(2)) detail << ", learning rate " << mine.learning_rate;
+  detail << "; across the ranks";
+  const char* names[] = {"global batch", "accumulation", "learning rate"};
+  const char* separator = " ";
+  for (std::size_t i = 0; i < 3; ++i) {
+    if (!differs(i)) continue;
+    detail << separator << names[i] << " ranges ";
+    if (i < 2)  // counts: exact in a double, printed whole
+      detail << static_cast<std::int64_t>(-extremes[i + 3]) << ".." << static_cast<std::int64_t>(extremes[i]);
+    else
+      detail << -extremes[i + 3] << ".." << extremes[i];
+    separator = ", ";
+  }
+  throw error(rank, "launch_plan", detail.str(),
+              "every rank must read the same configuration: compare the ranks' command lines, environment and "
+              "config files");
+}
+
+}  // namespace detail
+
 COHORT_DECL batch_sequence::batch_sequence(distributed_sampler& sampler, int per_device, int accumulation,
                                            partial_batch partial)
     : sampler_(&sampler), per_device_(per_device), accumulation_(accumulation), partial_(partial) {

@@ -8,7 +8,9 @@
 #include <array>
 #include <cerrno>
 #include <concepts>
+#include <cstdarg>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <filesystem>
@@ -129,4 +131,49 @@ COHORT_DECL auto rank_logger::log(std::string_view message) -> void {
   }
 }
 
+}  // namespace cohort::inline v0
+
+namespace cohort::inline v0 {
+namespace detail {
+
+COHORT_DECL std::string rank_prefix(int rank) { return "[rank " + std::to_string(rank) + "] "; }
+
+COHORT_DECL void print_lines(std::FILE* out, std::string_view prefix, const char* format, std::va_list args) noexcept {
+  // va_copy and its va_end in this one function, whatever is thrown in between.
+  std::va_list again;
+  va_copy(again, args);
+  std::string lines;
+  try {
+    char small[512];
+    const int length = std::vsnprintf(small, sizeof small, format, args);
+    std::string text;
+    if (length > 0 && static_cast<std::size_t>(length) < sizeof small) {
+      text.assign(small, static_cast<std::size_t>(length));
+    } else if (length > 0) {
+      text.resize(static_cast<std::size_t>(length) + 1);
+      std::vsnprintf(text.data(), text.size(), format, again);
+      text.resize(static_cast<std::size_t>(length));
+    }
+    if (!text.empty() && text.back() != '\n') text += '\n';  // every call ends its line
+    if (prefix.empty()) {
+      lines = std::move(text);
+    } else {
+      lines.reserve(text.size() + prefix.size() * 4);
+      for (std::size_t begin = 0; begin < text.size();) {
+        const std::size_t end = text.find('\n', begin) + 1;  // the text ends with '\n'
+        lines += prefix;
+        lines.append(text, begin, end - begin);
+        begin = end;
+      }
+    }
+  } catch (...) {
+    lines.clear();  // out of memory: print nothing rather than end the run
+  }
+  va_end(again);
+  if (lines.empty()) return;
+  std::fwrite(lines.data(), 1, lines.size(), out);
+  std::fflush(out);
+}
+
+}  // namespace detail
 }  // namespace cohort::inline v0
