@@ -71,21 +71,22 @@ float train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
 
   // The reducer reduces the regions of `grads` where they are (in_place); small caps so this
   // model (about 40 k parameters) spans several buckets.
-  cohort::gradient_reducer<cohort::gloo> ddp{pg, cohort::flat_gradients(std::span<float>(grads), layout.regions),
-                                             {.first_bucket_bytes = 16 << 10, .bucket_bytes = 48 << 10,
-                                              .in_place = true}};
+  cohort::gradient_reducer<cohort::gloo> ddp{
+      pg,
+      cohort::flat_gradients(std::span<float>(grads), layout.regions),
+      {.first_bucket_bytes = 16 << 10, .bucket_bytes = 48 << 10, .in_place = true}};
   if (cohort::is_main_process(pg))
-    std::printf("%zu tensors in %zu buckets (%zu collectives per step), %d rank(s), shard %zu of %zu: "
-                "gradient bytes copied per step %zu, extra gradient memory %zu bytes\n",
-                layout.regions.size(), ddp.bucket_count(), ddp.run_count(), pg.size(), shard, cfg.batch,
-                ddp.copied_bytes_per_step(), ddp.bucket_memory_bytes());
+    std::printf(
+        "%zu tensors in %zu buckets (%zu collectives per step), %d rank(s), shard %zu of %zu: "
+        "gradient bytes copied per step %zu, extra gradient memory %zu bytes\n",
+        layout.regions.size(), ddp.bucket_count(), ddp.run_count(), pg.size(), shard, cfg.batch,
+        ddp.copied_bytes_per_step(), ddp.bucket_memory_bytes());
 
   for (int step = 0; step < cfg.steps; ++step) {
     const std::size_t first = static_cast<std::size_t>(step) * cfg.batch + static_cast<std::size_t>(pg.rank()) * shard;
-    float loss = model.loss_and_gradients(layout.tensors(params), layout.tensors(grads),
-                                          rows(data.inputs, first, shard, model.input_width()),
-                                          rows(data.targets, first, shard, model.output_width()), shard,
-                                          [&](std::size_t t) { ddp.mark_ready(t); });
+    float loss = model.loss_and_gradients(
+        layout.tensors(params), layout.tensors(grads), rows(data.inputs, first, shard, model.input_width()),
+        rows(data.targets, first, shard, model.output_width()), shard, [&](std::size_t t) { ddp.mark_ready(t); });
     ddp.finish();
     pg.all_reduce(std::span<float>(&loss, 1), cohort::op::avg).wait();
     if (cohort::is_main_process(pg) && (step % 10 == 0 || step + 1 == cfg.steps))
@@ -109,8 +110,9 @@ config parse(int argc, char** argv) {
     } else if (arg == "--steps") {
       cfg.steps = std::stoi(value());
     } else {
-      std::printf("usage: flat_buffer [--ranks N] [--steps S]\n"
-                  "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
+      std::printf(
+          "usage: flat_buffer [--ranks N] [--steps S]\n"
+          "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
       std::exit(arg == "--help" || arg == "-h" ? 0 : 2);
     }
   }

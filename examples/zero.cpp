@@ -106,18 +106,18 @@ float train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
     const std::size_t full_state = 3 * layout.elements * sizeof(float);
     // The gradient shard is this rank's part of the averaged gradients, cast to fp32 once
     // per step; nothing else of the gradients is copied.
-    std::printf("ZeRO-%d, %d rank(s), %zu buckets: optimizer state %zu bytes per rank (%.1f%% of %zu), fp32 "
-                "gradient shard %zu bytes, %zu bytes on the wire per step\n",
-                cfg.stage, pg.size(), zero.bucket_count(), zero.optimizer_state_bytes(),
-                100.0 * static_cast<double>(zero.optimizer_state_bytes()) / static_cast<double>(full_state),
-                full_state, zero.gradient_shard_bytes(), zero.wire_bytes_per_step());
+    std::printf(
+        "ZeRO-%d, %d rank(s), %zu buckets: optimizer state %zu bytes per rank (%.1f%% of %zu), fp32 "
+        "gradient shard %zu bytes, %zu bytes on the wire per step\n",
+        cfg.stage, pg.size(), zero.bucket_count(), zero.optimizer_state_bytes(),
+        100.0 * static_cast<double>(zero.optimizer_state_bytes()) / static_cast<double>(full_state), full_state,
+        zero.gradient_shard_bytes(), zero.wire_bytes_per_step());
   }
   for (int step = 0; step < cfg.steps; ++step) {
     const std::size_t first = static_cast<std::size_t>(step) * cfg.batch + static_cast<std::size_t>(pg.rank()) * shard;
-    float loss = model.loss_and_gradients(layout.tensors(params), layout.tensors(grads),
-                                          rows(data.inputs, first, shard, model.input_width()),
-                                          rows(data.targets, first, shard, model.output_width()), shard,
-                                          [&](std::size_t t) { zero.mark_ready(t); });
+    float loss = model.loss_and_gradients(
+        layout.tensors(params), layout.tensors(grads), rows(data.inputs, first, shard, model.input_width()),
+        rows(data.targets, first, shard, model.output_width()), shard, [&](std::size_t t) { zero.mark_ready(t); });
     const auto result = zero.step();
     zero.parameters_ready().wait();  // before the next forward reads them
     pg.all_reduce(std::span<float>(&loss, 1), cohort::op::avg).wait();
@@ -143,8 +143,9 @@ config parse(int argc, char** argv) {
     } else if (arg == "--steps") {
       cfg.steps = std::stoi(value());
     } else {
-      std::printf("usage: zero [--ranks N] [--stage 1|2] [--steps S]\n"
-                  "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
+      std::printf(
+          "usage: zero [--ranks N] [--stage 1|2] [--steps S]\n"
+          "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
       std::exit(arg == "--help" || arg == "-h" ? 0 : 2);
     }
   }

@@ -44,8 +44,7 @@ float contribution(int rank, std::size_t element) { return static_cast<float>((r
 
 }  // namespace
 
-TEST_CASE("in place: regions of one flat buffer are averaged where they are, with no copies",
-          "[reducer][gloo][flat]") {
+TEST_CASE("in place: regions of one flat buffer are averaged where they are, with no copies", "[reducer][gloo][flat]") {
   const int world = 3;
   const stacked_model model;
   auto store = std::make_shared<cohort::memory_store>();
@@ -54,7 +53,8 @@ TEST_CASE("in place: regions of one flat buffer are averaged where they are, wit
     std::vector<float> grads(model.elements());
     const auto regions = model.regions();
     // Caps of 72 bytes: several buckets, each holding two layers' regions.
-    reducer ddp{pg, cohort::flat_gradients(std::span<float>(grads), regions),
+    reducer ddp{pg,
+                cohort::flat_gradients(std::span<float>(grads), regions),
                 {.first_bucket_bytes = 72, .bucket_bytes = 72, .in_place = true}};
     RANK_CHECK(ddp.storage() == cohort::gradient_storage::in_place);
     RANK_CHECK(ddp.bucket_memory_bytes() == 0);
@@ -81,15 +81,15 @@ TEST_CASE("in place: regions of one flat buffer are averaged where they are, wit
   });
 }
 
-TEST_CASE("in place: an unused region is zeroed in the caller's buffer and reduced as zero",
-          "[reducer][gloo][flat]") {
+TEST_CASE("in place: an unused region is zeroed in the caller's buffer and reduced as zero", "[reducer][gloo][flat]") {
   const int world = 2;
   const stacked_model model;
   auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(world, [&](int rank) {
     auto pg = make_group(store, rank, world);
     std::vector<float> grads(model.elements(), 1.0f + static_cast<float>(rank));
-    reducer ddp{pg, cohort::flat_gradients(std::span<float>(grads), model.regions()),
+    reducer ddp{pg,
+                cohort::flat_gradients(std::span<float>(grads), model.regions()),
                 {.unused = cohort::unused_gradients::zero, .in_place = true}};
     // Rank 1 never produces the embedding's gradient; rank 0 does.
     for (std::size_t i = model.regions().size(); i-- > 1;) ddp.mark_ready(i);
@@ -154,10 +154,10 @@ TEST_CASE("in place: hooks and compression, which need a contiguous bucket, are 
   auto pg = make_group(store, 0, 1);
   std::vector<float> grads(8);
   const std::vector<cohort::gradient_region> regions{{0, 8}};
-  REQUIRE_THROWS_WITH(
-      (reducer{pg, cohort::flat_gradients(std::span<float>(grads), regions),
-               {.compress = cohort::compression::bfloat16, .in_place = true}}),
-      Catch::Contains("in_place with compression"));
+  REQUIRE_THROWS_WITH((reducer{pg,
+                               cohort::flat_gradients(std::span<float>(grads), regions),
+                               {.compress = cohort::compression::bfloat16, .in_place = true}}),
+                      Catch::Contains("in_place with compression"));
   reducer ddp{pg, cohort::flat_gradients(std::span<float>(grads), regions), {.in_place = true}};
   REQUIRE_THROWS_WITH(ddp.register_comm_hook([](group&, const cohort::bucket_ref&) { return cohort::gloo::work(); }),
                       Catch::Contains("reduced in place"));

@@ -7,6 +7,7 @@
 #include <cohort/reducer.hpp>
 #include <cohort/sharded.hpp>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -53,6 +54,33 @@ TEST_CASE("the README tour runs on two Gloo ranks", "[readme]") {
       auto scope = ddp.no_sync();
       for (std::size_t i = grads.size(); i-- > 0;) ddp.mark_ready(i);
       ddp.finish();  // nothing communicated inside the scope
+    }
+
+    // A flat gradient buffer reduced in place, clipped; ZeRO-2 over resident flat buffers.
+    {
+      std::vector<float> flat_params(12, 1.0f), flat_grads(12, static_cast<float>(rank + 1));
+      const std::vector<cohort::gradient_region> regions{{0, 8}, {8, 4}};
+      cohort::gradient_reducer<cohort::gloo> flat{
+          pg, cohort::flat_gradients(std::span<float>(flat_grads), regions), {.in_place = true}};
+      flat.mark_ready(1);
+      flat.mark_ready(0);
+      flat.finish();
+      RANK_CHECK(flat_grads[11] == 1.5f);
+      const auto norm = cohort::clip_grad_norm(flat, 1.0);
+      RANK_CHECK(std::abs(norm.norm - 1.5 * std::sqrt(12.0)) < 1e-5);
+      const std::vector<std::uint8_t> is_matrix{1, 0};
+      cohort::zero_optimizer<cohort::gloo, float> zero{
+          pg,
+          std::span<float>(flat_params),
+          std::span<float>(flat_grads),
+          regions,
+          {.stage = 2, .adam = {.lr = 3e-4, .weight_decay = 0.1}, .max_grad_norm = 1.0, .decay = is_matrix}};
+      zero.mark_ready(1);
+      zero.mark_ready(0);
+      const auto result = zero.step();
+      zero.parameters_ready().wait();
+      RANK_CHECK(!result.skipped && result.clip_factor < 1.0);
+      RANK_CHECK(flat_params[0] < 1.0f);  // one AdamW step, the same on both ranks
     }
 
     // Sharding.

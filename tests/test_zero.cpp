@@ -201,11 +201,8 @@ TEST_CASE("ZeRO: a rank with another layout is refused on every rank, and bad re
     auto pg = make_group(store, rank, world);
     std::vector<float> params(16), grads(16);
     try {
-      cohort::zero_optimizer<cohort::gloo, float> zero{pg,
-                                                       std::span<float>(params),
-                                                       std::span<float>(grads),
-                                                       {{0, 16}},
-                                                       {.bucket_bytes = rank == 1 ? 32u : 64u}};
+      cohort::zero_optimizer<cohort::gloo, float> zero{
+          pg, std::span<float>(params), std::span<float>(grads), {{0, 16}}, {.bucket_bytes = rank == 1 ? 32u : 64u}};
       throw cohort_test::rank_failure("mismatched layouts accepted");
     } catch (const cohort::error& failure) {
       messages[static_cast<std::size_t>(rank)] = failure.what();
@@ -238,10 +235,13 @@ TEST_CASE("ZeRO over bfloat16 parameters keeps fp32 masters and matches the fp32
       params32[e] = static_cast<float>(params[e]);  // both start from the same rounded values
     }
     const cohort::zero_options options{.stage = 2, .bucket_bytes = 32, .adam = {.lr = 0.01}};
-    cohort::zero_optimizer<cohort::gloo, cohort::bfloat16> low{pg, std::span<cohort::bfloat16>(params),
-                                                               std::span<cohort::bfloat16>(grads), {{0, n}}, options};
-    cohort::zero_optimizer<cohort::gloo, float> full{pg, std::span<float>(params32), std::span<float>(grads32),
-                                                     {{0, n}}, {.stage = 2, .bucket_bytes = 64, .adam = {.lr = 0.01}}};
+    cohort::zero_optimizer<cohort::gloo, cohort::bfloat16> low{
+        pg, std::span<cohort::bfloat16>(params), std::span<cohort::bfloat16>(grads), {{0, n}}, options};
+    cohort::zero_optimizer<cohort::gloo, float> full{pg,
+                                                     std::span<float>(params32),
+                                                     std::span<float>(grads32),
+                                                     {{0, n}},
+                                                     {.stage = 2, .bucket_bytes = 64, .adam = {.lr = 0.01}}};
     for (int step = 0; step < 3; ++step) {
       for (std::size_t e = 0; e < n; ++e) {
         grads32[e] = static_cast<float>(cohort::bfloat16(gradient(rank, step, e)));

@@ -47,8 +47,7 @@ double sum_of_squares_read(B& engine, Each&& each, const std::function<void(doub
   } catch (...) {
     try {
       engine.record().wait();
-    } catch (...) {
-    }
+    } catch (...) {}
     engine.deallocate(sum, sizeof(double));
     throw;
   }

@@ -43,8 +43,8 @@ class loss_scaler {
   // must be skipped (it was), so a caller can write `if (scaler.update(found)) continue;`.
   bool update(bool found_nonfinite) noexcept {
     if (found_nonfinite) {
-      scale_ = scale_ * options_.backoff_factor < options_.min_scale ? options_.min_scale
-                                                                      : scale_ * options_.backoff_factor;
+      scale_ =
+          scale_ * options_.backoff_factor < options_.min_scale ? options_.min_scale : scale_ * options_.backoff_factor;
       good_steps_ = 0;
       ++skipped_;
       return true;

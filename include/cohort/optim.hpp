@@ -123,10 +123,10 @@ class adam final : public sharded_optimizer_state<T> {
   adam(sharded_parameters<B, T>& params, adam_options opts = {}, std::vector<std::uint8_t> decay_units = {})
       : params_(&params), options_(opts), state_(params, 2), decay_units_(std::move(decay_units)) {
     if (!decay_units_.empty() && decay_units_.size() != params.unit_count())
-      throw error(params.rank(), "adam",
-                  std::to_string(decay_units_.size()) + " decay flags for " + std::to_string(params.unit_count()) +
-                      " units",
-                  "one flag per unit, or none");
+      throw error(
+          params.rank(), "adam",
+          std::to_string(decay_units_.size()) + " decay flags for " + std::to_string(params.unit_count()) + " units",
+          "one flag per unit, or none");
   }
 
   // grad_scale multiplies every gradient first (loss-scale unscaling, clipping).

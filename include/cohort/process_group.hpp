@@ -400,8 +400,7 @@ class process_group {
     ~group_scope() {
       try {
         end();
-      } catch (...) {
-      }
+      } catch (...) {}
     }
     void end() {
       if (!engine_) return;

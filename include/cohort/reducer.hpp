@@ -649,9 +649,8 @@ class gradient_reducer {
   std::vector<typename bucket_storage::run> runs_of(const bucket_layout& shape) const {
     std::vector<typename bucket_storage::run> runs;
     std::vector<std::size_t> members(shape.gradients);
-    std::sort(members.begin(), members.end(), [&](std::size_t a, std::size_t b) {
-      return std::less<const void*>{}(specs_[a].data, specs_[b].data);
-    });
+    std::sort(members.begin(), members.end(),
+              [&](std::size_t a, std::size_t b) { return std::less<const void*>{}(specs_[a].data, specs_[b].data); });
     const std::size_t width = size_of(shape.type);
     for (const std::size_t i : members) {
       if (specs_[i].count == 0) continue;

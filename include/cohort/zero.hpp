@@ -50,7 +50,7 @@
 namespace cohort::inline v0 {
 
 struct zero_options {
-  int stage = 2;                                  // 1 or 2
+  int stage = 2;                                     // 1 or 2
   std::size_t bucket_bytes = std::size_t{25} << 20;  // of gradients (G), per bucket
   adam_options adam = {};
   double max_grad_norm = 0;  // > 0: clip the global gradient norm to this
@@ -63,10 +63,10 @@ struct zero_options {
 };
 
 struct zero_step_result {
-  bool skipped = false;      // an inf/NaN on some rank: no rank updated its parameters
-  double grad_norm = 0;      // global L2 norm of the averaged, unscaled gradients (before clipping)
-  double clip_factor = 1;    // what clipping multiplied the gradients by
-  double loss_scale = 1;     // the scale this step's gradients carried
+  bool skipped = false;    // an inf/NaN on some rank: no rank updated its parameters
+  double grad_norm = 0;    // global L2 norm of the averaged, unscaled gradients (before clipping)
+  double clip_factor = 1;  // what clipping multiplied the gradients by
+  double loss_scale = 1;   // the scale this step's gradients carried
   std::int64_t nonfinite = 0;
 };
 
@@ -98,8 +98,7 @@ class zero_optimizer {
     auto& engine = group_->backend();
     try {
       engine.record().wait();  // nothing queued may still use what is freed below
-    } catch (...) {
-    }
+    } catch (...) {}
     for (auto& [pointer, bytes] : allocations_) engine.deallocate(pointer, bytes);
   }
 
@@ -337,8 +336,9 @@ class zero_optimizer {
     for (std::size_t r = 1; r < all.size(); ++r)
       if (all[r] != all[0])
         throw error(rank(), "zero_optimizer",
-                    "rank " + std::to_string(r) + " has another layout than rank 0 (buffer size, regions, stage, "
-                    "bucket size or dtypes differ)",
+                    "rank " + std::to_string(r) +
+                        " has another layout than rank 0 (buffer size, regions, stage, "
+                        "bucket size or dtypes differ)",
                     "build the optimizer from the same model and options on every rank");
   }
 
@@ -355,8 +355,7 @@ class zero_optimizer {
     } catch (...) {
       try {
         engine.record().wait();
-      } catch (...) {
-      }
+      } catch (...) {}
       engine.deallocate(in, sizeof(T));
       engine.deallocate(out, world() * sizeof(T));
       throw;
@@ -386,8 +385,9 @@ class zero_optimizer {
     const std::size_t r = static_cast<std::size_t>(rank());
     engine.wait_for_caller(caller_stream_);
     for (const auto& b : buckets_) {
-      if (b.chunk) cast(engine, parameters_ + b.begin + r * b.chunk, dtype_v<P>, master_ + b.chunk_offset,
-                        dtype::float32, b.chunk);
+      if (b.chunk)
+        cast(engine, parameters_ + b.begin + r * b.chunk, dtype_v<P>, master_ + b.chunk_offset, dtype::float32,
+             b.chunk);
       if (b.remainder)
         cast(engine, parameters_ + b.begin + world() * b.chunk, dtype_v<P>, master_ + b.remainder_offset,
              dtype::float32, b.remainder);
@@ -422,7 +422,8 @@ class zero_optimizer {
       if (b.remainder) group_->all_reduce(std::span<G>(base + world() * b.chunk, b.remainder), op::avg);
       together.end();
     }
-    if (b.chunk) cast(engine, base + r * b.chunk, dtype_v<G>, gradient_shard_ + b.chunk_offset, dtype::float32, b.chunk);
+    if (b.chunk)
+      cast(engine, base + r * b.chunk, dtype_v<G>, gradient_shard_ + b.chunk_offset, dtype::float32, b.chunk);
     if (b.remainder)
       cast(engine, base + world() * b.chunk, dtype_v<G>, gradient_shard_ + b.remainder_offset, dtype::float32,
            b.remainder);
@@ -460,8 +461,8 @@ class zero_optimizer {
     ++steps_;
     const auto& o = options_.adam;
     const double t = static_cast<double>(steps_);
-    detail::adam_coefficients c{o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, 1 - std::pow(o.beta1, t),
-                                1 - std::pow(o.beta2, t), grad_scale};
+    detail::adam_coefficients c{
+        o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, 1 - std::pow(o.beta1, t), 1 - std::pow(o.beta2, t), grad_scale};
     for (const auto& piece : segments_) {
       c.weight_decay = piece.decay ? o.weight_decay : 0.0;
       adam_step(engine, master_ + piece.offset, gradient_shard_ + piece.offset, first_ + piece.offset,
@@ -500,8 +501,8 @@ class zero_optimizer {
   std::size_t elements_;
   std::vector<gradient_region> regions_;
   zero_options options_;
-  std::vector<bucket> buckets_;                           // in launch order
-  std::vector<std::size_t> touched_;                      // regions touching each bucket
+  std::vector<bucket> buckets_;       // in launch order
+  std::vector<std::size_t> touched_;  // regions touching each bucket
   std::vector<std::vector<std::size_t>> buckets_of_region_;
   std::vector<segment> segments_;
   std::vector<std::uint8_t> marked_;

@@ -10,6 +10,7 @@
 #include <cohort/sampler_thrust.hpp>
 #include <cohort/tools/planner.hpp>
 #include <cohort/tools/topology.hpp>
+#include <cohort/tools/trace.hpp>
 
 #include <cstdio>
 #include <exception>
@@ -37,6 +38,12 @@ void collectives(cohort::process_group<B>& pg) {
     sent.wait();
   }
   if (auto sub = pg.split(pg.rank() % 2, pg.rank())) sub->barrier().wait();
+  // Any contiguous range, the caller's stream, host values.
+  pg.all_reduce(in).wait();
+  pg.all_gather(one, out).wait();
+  pg.on(pg.backend().stream()).all_reduce(std::span<float>(in), cohort::op::avg).wait();
+  (void)cohort::all_reduce_value(pg, 1.0f, cohort::op::avg);
+  (void)cohort::all_reduce_values(pg, {1.0, 2.0});
 }
 
 void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
@@ -47,6 +54,8 @@ void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_en
   std::vector<std::vector<float>> storage{std::vector<float>(300), std::vector<float>(20)};
   std::vector<std::span<float>> params(storage.begin(), storage.end());
   cohort::broadcast_parameters(pg, params, 0).wait();
+  cohort::broadcast_parameters(pg, storage).wait();
+  cohort::gradient_reducer<cohort::gloo> by_sizes{pg, {300, 20}};
   cohort::gradient_reducer<cohort::gloo> ddp{
       pg, std::vector<std::size_t>{300, 20}, {.unused = cohort::unused_gradients::zero, .check_nonfinite = true}};
   for (std::size_t i = ddp.gradient_count(); i-- > 0;) ddp.mark_ready(i);
@@ -82,6 +91,45 @@ void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_en
   weights.save_sharded(directory, &adam);
   weights.load_sharded(directory, &adam);
 
+  // Flat buffers: the reducer in place, clipping, ZeRO-2 with a loss scaler; global norms.
+  {
+    std::vector<float> flat_params(64, 1.0f), flat_grads(64, 0.5f);
+    const std::vector<cohort::gradient_region> regions{{0, 40}, {40, 24}};
+    cohort::gradient_reducer<cohort::gloo> flat{
+        pg, cohort::flat_gradients(std::span<float>(flat_grads), regions), {.in_place = true}};
+    flat.mark_ready(1);
+    flat.mark_ready(0);
+    (void)flat.finish();
+    (void)cohort::clip_grad_norm(flat, 1.0);
+    cohort::loss_scaler scaler;
+    cohort::zero_optimizer<cohort::gloo, float> zero{
+        pg,
+        std::span<float>(flat_params),
+        std::span<float>(flat_grads),
+        regions,
+        {.stage = 2, .bucket_bytes = 64, .max_grad_norm = 1.0, .decay = {1, 0}, .scaler = &scaler}};
+    zero.mark_ready(1);
+    zero.mark_ready(0);
+    (void)zero.step();
+    zero.parameters_ready().wait();
+    (void)cohort::global_grad_norm(weights);
+    (void)adam.step(0.5);
+  }
+
+  // Straggler report: on a reducer and on sharded gathers, a counted wait, the last window.
+  cohort::straggler_report stragglers{pg, {.every = 2, .output = nullptr}};
+  {
+    cohort::gradient_reducer<cohort::gloo> timed{pg, std::vector<std::size_t>{8}, {.straggler = &stragglers}};
+    cohort::sharded_parameters<cohort::gloo, float> timed_weights{pg, units, {.straggler = &stragglers}};
+    for (int step = 0; step < 3; ++step) {
+      timed.mark_ready(0);
+      (void)timed.finish();
+      (void)timed_weights.gather(0).param(0);
+    }
+    stragglers.wait(pg.barrier());
+  }
+  stragglers.flush();
+
   // Sampler, batch bookkeeping, guards.
   cohort::distributed_sampler sampler{100, pg, {.shuffle = true, .seed = 0}};
   sampler.set_epoch(1);
@@ -89,6 +137,7 @@ void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_en
   (void)cohort::device_indices(sampler);
   const auto plan = cohort::launch_plan(cohort::batch_plan{.per_device = 2, .accumulation = 8, .world = 2}, pg);
   (void)plan.effective();
+  (void)cohort::launch_plan(cohort::global_batch{.size = 32, .accumulation = 8}, pg);
   (void)cohort::suggest_loader_workers(16, pg.local_size());
   cohort::main_process_first(pg, [] {});
   cohort::local_main_process_first(pg, [] {});
@@ -96,6 +145,9 @@ void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_en
   cohort::atomic_write_on_main(pg, directory / "file", [](std::ostream& out) { out << "x"; });
   cohort::rank_logger log(pg);
   log("done");
+  cohort::main_printf(pg, "done %d\n", 1);
+  cohort::printf_on(pg, 1, "done %s\n", "too");
+  cohort::rank_printf(env, "done\n");
 }
 
 #if defined(COHORT_HAS_NCCL) && COHORT_HAS_NCCL
@@ -117,6 +169,7 @@ int main() {
     const auto topology = cohort::probe_topology();
     (void)topology;
     (void)cohort::plan(cohort::plan_input{});
+    (void)cohort::format_trace_report(cohort::analyze_traces(std::filesystem::temp_directory_path()));
   } catch (const std::exception& failure) {
     std::fprintf(stderr, "%s\n", failure.what());
     return 1;

@@ -262,8 +262,7 @@ struct elementwise<memory_space::device> {
   }
 
   template <class B>
-  static typename B::work sum_of_squares(B& engine, const void* data, std::size_t count, dtype type,
-                                         double* result) {
+  static typename B::work sum_of_squares(B& engine, const void* data, std::size_t count, dtype type, double* result) {
     if (count > 0 && is_floating(type)) {
       device::squares_kernel<><<<device::blocks_for(count), 256, 0, engine.stream()>>>(data, count, type, result);
       device::check_launch("sum_of_squares");

@@ -104,8 +104,7 @@ struct elementwise<memory_space::host> {
   }
 
   template <class B>
-  static typename B::work sum_of_squares(B& engine, const void* data, std::size_t count, dtype type,
-                                         double* result) {
+  static typename B::work sum_of_squares(B& engine, const void* data, std::size_t count, dtype type, double* result) {
     return engine.enqueue([=] {
       if (!is_floating(type)) return;
       visit_floating(type, [&](auto sample) {
