@@ -69,12 +69,14 @@ TEST_CASE("the README tour runs on two Gloo ranks", "[readme]") {
       const auto norm = cohort::clip_grad_norm(flat, 1.0);
       RANK_CHECK(std::abs(norm.norm - 1.5 * std::sqrt(12.0)) < 1e-5);
       const std::vector<std::uint8_t> is_matrix{1, 0};
-      cohort::zero_optimizer<cohort::gloo, float> zero{
-          pg,
-          std::span<float>(flat_params),
-          std::span<float>(flat_grads),
-          regions,
-          {.stage = 2, .adam = {.lr = 3e-4, .weight_decay = 0.1}, .max_grad_norm = 1.0, .decay = is_matrix}};
+      cohort::zero_optimizer<cohort::gloo, float> zero{pg,
+                                                       std::span<float>(flat_params),
+                                                       std::span<float>(flat_grads),
+                                                       regions,
+                                                       {.stage = 2,
+                                                        .adam = {.lr = 3e-4, .weight_decay = 0.1},
+                                                        .max_grad_norm = 0.5,
+                                                        .decay = is_matrix}};  // below the clipped 1.0
       zero.mark_ready(1);
       zero.mark_ready(0);
       const auto result = zero.step();
