@@ -24,6 +24,8 @@
 
 namespace {
 
+using cohort_examples::rows;
+
 struct config {
   int ranks = 0;  // 0: read the launcher's environment
   int steps = 30;
@@ -35,10 +37,6 @@ struct config {
 cohort_examples::synthetic_data make_data(const config& cfg, const cohort_examples::mlp& model) {
   return cohort_examples::synthetic_data::make(cfg.batch * static_cast<std::size_t>(cfg.steps), model.input_width(),
                                                model.output_width(), 2024);
-}
-
-std::span<const float> rows(const std::vector<float>& values, std::size_t first, std::size_t count, std::size_t width) {
-  return std::span<const float>(values).subspan(first * width, count * width);
 }
 
 // One process, whole batches, the same flat layout: the reference.

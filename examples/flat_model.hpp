@@ -4,10 +4,13 @@
 // [b_1 .. b_L]), so one tensor of every layer is contiguous and a layer's parameters are not.
 // The gradients sit in a second flat buffer of the same layout. The backward finishes them
 // layer by layer, last layer first, as a transformer's does.
+#include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <vector>
 
+#include <cohort/optim.hpp>
 #include <cohort/reducer.hpp>
 
 #include "mlp.hpp"
@@ -51,6 +54,55 @@ struct flat_layout {
     for (const auto& region : regions) spans.push_back(std::span<float>(flat).subspan(region.offset, region.count));
     return spans;
   }
+};
+
+// Rows [first, first + count) of a row-major table `width` wide: one shard of a batch.
+inline std::span<const float> rows(const std::vector<float>& values, std::size_t first, std::size_t count,
+                                   std::size_t width) {
+  return std::span<const float>(values).subspan(first * width, count * width);
+}
+
+// The examples' reference optimizer, written out in double on the host: AdamW with clipping
+// by the global norm (max / (norm + 1e-6), as PyTorch) and weight decay where the layout
+// says. The parameters keep a double master; the float copy is what the model reads.
+class adamw_reference {
+ public:
+  adamw_reference(const flat_layout& layout, const std::vector<float>& initial, cohort::adam_options adam,
+                  double max_grad_norm)
+      : adam_(adam),
+        max_grad_norm_(max_grad_norm),
+        master_(initial.begin(), initial.end()),
+        first_(initial.size()),
+        second_(initial.size()),
+        decays_(initial.size(), false) {
+    for (std::size_t t = 0; t < layout.regions.size(); ++t)
+      for (std::size_t e = 0; e < layout.regions[t].count; ++e)
+        decays_[layout.regions[t].offset + e] = layout.decay[t] != 0;
+  }
+
+  void step(const std::vector<float>& gradients, std::vector<float>& parameters) {
+    double squares = 0;
+    for (float g : gradients) squares += static_cast<double>(g) * g;
+    const double norm = std::sqrt(squares);
+    const double clip = norm > max_grad_norm_ ? max_grad_norm_ / (norm + 1e-6) : 1.0;
+    const double t = static_cast<double>(++steps_);
+    const auto& o = adam_;
+    for (std::size_t e = 0; e < parameters.size(); ++e) {
+      const double g = gradients[e] * clip;
+      first_[e] = o.beta1 * first_[e] + (1 - o.beta1) * g;
+      second_[e] = o.beta2 * second_[e] + (1 - o.beta2) * g * g;
+      const double mh = first_[e] / (1 - std::pow(o.beta1, t)), vh = second_[e] / (1 - std::pow(o.beta2, t));
+      master_[e] -= o.lr * (mh / (std::sqrt(vh) + o.eps) + (decays_[e] ? o.weight_decay : 0.0) * master_[e]);
+      parameters[e] = static_cast<float>(master_[e]);
+    }
+  }
+
+ private:
+  cohort::adam_options adam_;
+  double max_grad_norm_;
+  std::vector<double> master_, first_, second_;
+  std::vector<bool> decays_;
+  std::uint64_t steps_ = 0;
 };
 
 }  // namespace cohort_examples

@@ -25,6 +25,8 @@
 
 namespace {
 
+using cohort_examples::rows;
+
 struct config {
   int ranks = 0;  // 0: read the launcher's environment
   int stage = 2;
@@ -38,10 +40,6 @@ struct config {
 cohort_examples::synthetic_data make_data(const config& cfg, const cohort_examples::mlp& model) {
   return cohort_examples::synthetic_data::make(cfg.batch * static_cast<std::size_t>(cfg.steps), model.input_width(),
                                                model.output_width(), 2024);
-}
-
-std::span<const float> rows(const std::vector<float>& values, std::size_t first, std::size_t count, std::size_t width) {
-  return std::span<const float>(values).subspan(first * width, count * width);
 }
 
 float full_loss(const cohort_examples::mlp& model, const cohort_examples::flat_layout& layout,
@@ -58,29 +56,13 @@ float train_single(const config& cfg) {
   const auto data = make_data(cfg, model);
   std::vector<float> params(layout.elements), grads(layout.elements);
   model.initialize(layout.tensors(params), 7);
-  std::vector<double> master(params.begin(), params.end()), m(params.size()), v(params.size());
-  std::vector<bool> decays(params.size(), false);
-  for (std::size_t t = 0; t < layout.regions.size(); ++t)
-    for (std::size_t e = 0; e < layout.regions[t].count; ++e) decays[layout.regions[t].offset + e] = layout.decay[t];
-  const auto& o = cfg.adam;
+  cohort_examples::adamw_reference adamw(layout, params, cfg.adam, cfg.max_grad_norm);
   for (int step = 0; step < cfg.steps; ++step) {
     const std::size_t first = static_cast<std::size_t>(step) * cfg.batch;
     model.loss_and_gradients(layout.tensors(params), layout.tensors(grads),
                              rows(data.inputs, first, cfg.batch, model.input_width()),
                              rows(data.targets, first, cfg.batch, model.output_width()), cfg.batch);
-    double squares = 0;
-    for (float g : grads) squares += static_cast<double>(g) * g;
-    const double norm = std::sqrt(squares);
-    const double clip = norm > cfg.max_grad_norm ? cfg.max_grad_norm / (norm + 1e-6) : 1.0;
-    const double t = step + 1;
-    for (std::size_t e = 0; e < params.size(); ++e) {
-      const double g = grads[e] * clip;
-      m[e] = o.beta1 * m[e] + (1 - o.beta1) * g;
-      v[e] = o.beta2 * v[e] + (1 - o.beta2) * g * g;
-      const double mh = m[e] / (1 - std::pow(o.beta1, t)), vh = v[e] / (1 - std::pow(o.beta2, t));
-      master[e] -= o.lr * (mh / (std::sqrt(vh) + o.eps) + (decays[e] ? o.weight_decay : 0.0) * master[e]);
-      params[e] = static_cast<float>(master[e]);
-    }
+    adamw.step(grads, params);
   }
   return full_loss(model, layout, params, data);
 }

@@ -120,11 +120,7 @@ std::vector<float> train_single(const config& cfg, const flat_layout& layout, cu
   const batches data(cfg);
   std::vector<float> host = initial_parameters(cfg, layout), gradient(layout.elements);
   device_tensor params(layout.elements), grads(layout.elements);
-  std::vector<double> master(host.begin(), host.end()), m(host.size()), v(host.size());
-  std::vector<bool> decays(host.size(), false);
-  for (std::size_t t = 0; t < layout.regions.size(); ++t)
-    for (std::size_t e = 0; e < layout.regions[t].count; ++e) decays[layout.regions[t].offset + e] = layout.decay[t];
-  const auto& o = cfg.adam;
+  adamw_reference adamw(layout, host, cfg.adam, cfg.max_grad_norm);
   for (int step = 0; step < cfg.steps; ++step) {
     check(cudaMemcpy(params.data, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice), "upload");
     const std::size_t first = static_cast<std::size_t>(step * cfg.batch);
@@ -135,19 +131,7 @@ std::vector<float> train_single(const config& cfg, const flat_layout& layout, cu
       for (std::size_t e = 0; e < host.size(); ++e) host[e] -= cfg.sgd_lr * gradient[e];
       continue;
     }
-    double squares = 0;
-    for (float g : gradient) squares += static_cast<double>(g) * g;
-    const double norm = std::sqrt(squares);
-    const double clip = norm > cfg.max_grad_norm ? cfg.max_grad_norm / (norm + 1e-6) : 1.0;
-    const double t = step + 1;
-    for (std::size_t e = 0; e < host.size(); ++e) {
-      const double g = gradient[e] * clip;
-      m[e] = o.beta1 * m[e] + (1 - o.beta1) * g;
-      v[e] = o.beta2 * v[e] + (1 - o.beta2) * g * g;
-      const double mh = m[e] / (1 - std::pow(o.beta1, t)), vh = v[e] / (1 - std::pow(o.beta2, t));
-      master[e] -= o.lr * (mh / (std::sqrt(vh) + o.eps) + (decays[e] ? o.weight_decay : 0.0) * master[e]);
-      host[e] = static_cast<float>(master[e]);
-    }
+    adamw.step(gradient, host);
   }
   return host;
 }

@@ -13,17 +13,10 @@
 #include <cmath>
 #include <vector>
 
+#include "flat_fixtures.hpp"
 #include "support.hpp"
 
 namespace {
-
-using group = cohort::process_group<cohort::gloo>;
-
-group make_group(const std::shared_ptr<cohort::memory_store>& store, int rank, int world) {
-  cohort::gloo::options options;
-  options.timeout = std::chrono::seconds(5);
-  return group(store, cohort::launch_env::explicit_ranks(rank, world), options);
-}
 
 float value(int rank, std::size_t tensor, std::size_t i) {
   return std::cos(0.3f * static_cast<float>(i + 7 * tensor)) * static_cast<float>(rank + 1);
@@ -51,7 +44,7 @@ TEST_CASE("clip_grad_norm on a reducer: every rank gets the norm of the average 
   const double norm = expected_norm(world, sizes);
   auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(world, [&](int rank) {
-    auto pg = make_group(store, rank, world);
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
     cohort::gradient_reducer<cohort::gloo> ddp{pg, sizes};
     for (std::size_t t = 0; t < sizes.size(); ++t) {
       auto g = ddp.gradient(t);
@@ -82,7 +75,7 @@ TEST_CASE("global_grad_norm over sharded parameters sums the shards and counts r
   const double norm = expected_norm(world, flat);
   auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(world, [&](int rank) {
-    auto pg = make_group(store, rank, world);
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
     cohort::sharded_parameters<cohort::gloo, float> params{pg, units, {.replicate_below = 8}};
     RANK_CHECK(params.replicated(0) && !params.replicated(1));
     for (std::size_t u = 0; u < flat.size(); ++u) {

@@ -12,33 +12,14 @@
 #include <string>
 #include <vector>
 
+#include "flat_fixtures.hpp"
 #include "support.hpp"
 
 namespace {
 
-using group = cohort::process_group<cohort::gloo>;
+using group = cohort_test::gloo_group;  // what a communication hook receives
 using reducer = cohort::gradient_reducer<cohort::gloo>;
-
-group make_group(const std::shared_ptr<cohort::memory_store>& store, int rank, int world) {
-  cohort::gloo::options options;
-  options.timeout = std::chrono::seconds(5);
-  return group(store, cohort::launch_env::explicit_ranks(rank, world), options);
-}
-
-// An embedding, then per layer two stacked tensors: buffer = [embedding | a_0 .. a_{L-1} |
-// b_0 .. b_{L-1}]. Regions in forward order: embedding, then per layer a_l, b_l.
-struct stacked_model {
-  std::size_t embedding = 7, a = 5, b = 3, layers = 4;
-  std::size_t elements() const { return embedding + layers * (a + b); }
-  std::vector<cohort::gradient_region> regions() const {
-    std::vector<cohort::gradient_region> list{{0, embedding}};
-    for (std::size_t l = 0; l < layers; ++l) {
-      list.push_back({embedding + l * a, a});
-      list.push_back({embedding + layers * a + l * b, b});
-    }
-    return list;
-  }
-};
+using cohort_test::stacked_model;
 
 float contribution(int rank, std::size_t element) { return static_cast<float>((rank + 1) * 10 + element % 7); }
 
@@ -49,7 +30,7 @@ TEST_CASE("in place: regions of one flat buffer are averaged where they are, wit
   const stacked_model model;
   auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(world, [&](int rank) {
-    auto pg = make_group(store, rank, world);
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
     std::vector<float> grads(model.elements());
     const auto regions = model.regions();
     // Caps of 72 bytes: several buckets, each holding two layers' regions.
@@ -86,7 +67,7 @@ TEST_CASE("in place: an unused region is zeroed in the caller's buffer and reduc
   const stacked_model model;
   auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(world, [&](int rank) {
-    auto pg = make_group(store, rank, world);
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
     std::vector<float> grads(model.elements(), 1.0f + static_cast<float>(rank));
     reducer ddp{pg,
                 cohort::flat_gradients(std::span<float>(grads), model.regions()),
@@ -112,7 +93,7 @@ TEST_CASE("in place: regions past the buffer or overlapping are refused, on ever
   auto store = std::make_shared<cohort::memory_store>();
   std::vector<std::string> messages(world);
   cohort_test::run_ranks(world, [&](int rank) {
-    auto pg = make_group(store, rank, world);
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
     std::vector<float> grads(10);
     // Rank 1's second region starts inside its first.
     const std::vector<cohort::gradient_region> regions{{0, 4}, {rank == 1 ? 2u : 4u, 4}};
@@ -135,7 +116,7 @@ TEST_CASE("in place: a rank whose regions touch where another's do not is refuse
   auto store = std::make_shared<cohort::memory_store>();
   std::vector<std::string> messages(world);
   cohort_test::run_ranks(world, [&](int rank) {
-    auto pg = make_group(store, rank, world);
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
     std::vector<float> grads(20);
     const std::vector<cohort::gradient_region> regions{{0, 4}, {rank == 1 ? 10u : 4u, 4}};
     try {
@@ -151,7 +132,7 @@ TEST_CASE("in place: a rank whose regions touch where another's do not is refuse
 TEST_CASE("in place: hooks and compression, which need a contiguous bucket, are refused clearly",
           "[reducer][gloo][flat]") {
   auto store = std::make_shared<cohort::memory_store>();
-  auto pg = make_group(store, 0, 1);
+  auto pg = cohort_test::make_gloo_group(store, 0, 1);
   std::vector<float> grads(8);
   const std::vector<cohort::gradient_region> regions{{0, 8}};
   REQUIRE_THROWS_WITH((reducer{pg,

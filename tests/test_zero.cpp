@@ -14,40 +14,12 @@
 #include <string>
 #include <vector>
 
+#include "flat_fixtures.hpp"
 #include "support.hpp"
 
 namespace {
 
-using group = cohort::process_group<cohort::gloo>;
-
-group make_group(const std::shared_ptr<cohort::memory_store>& store, int rank, int world) {
-  cohort::gloo::options options;
-  options.timeout = std::chrono::seconds(5);
-  return group(store, cohort::launch_env::explicit_ranks(rank, world), options);
-}
-
-// [embedding | a_0 .. a_{L-1} | b_0 .. b_{L-1}]; regions in forward order: embedding, then
-// per layer a_l, b_l. Only the a tensors (the "matrices") decay.
-struct stacked_model {
-  std::size_t embedding = 7, a = 5, b = 3, layers = 4;
-  std::size_t elements() const { return embedding + layers * (a + b); }
-  std::vector<cohort::gradient_region> regions() const {
-    std::vector<cohort::gradient_region> list{{0, embedding}};
-    for (std::size_t l = 0; l < layers; ++l) {
-      list.push_back({embedding + l * a, a});
-      list.push_back({embedding + layers * a + l * b, b});
-    }
-    return list;
-  }
-  std::vector<std::uint8_t> decay() const {
-    std::vector<std::uint8_t> flags{0};
-    for (std::size_t l = 0; l < layers; ++l) {
-      flags.push_back(1);
-      flags.push_back(0);
-    }
-    return flags;
-  }
-};
+using cohort_test::stacked_model;
 
 float initial_parameter(std::size_t e) { return 0.1f * static_cast<float>(e % 11) - 0.5f; }
 // Rank r's unscaled gradient at step s: varied signs and sizes, so clipping bites.
@@ -106,7 +78,7 @@ void train(int world, int stage) {
   const auto expected = reference(world, model, s);
   auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(world, [&](int rank) {
-    auto pg = make_group(store, rank, world);
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
     std::vector<float> params(model.elements()), grads(model.elements());
     for (std::size_t e = 0; e < params.size(); ++e) params[e] = initial_parameter(e);
     cohort::loss_scaler scaler({.initial_scale = s.initial_scale, .growth_interval = 1000});
@@ -177,7 +149,7 @@ TEST_CASE("ZeRO-2 (buckets reduce-scattered during the backward) equals the same
 
 TEST_CASE("ZeRO-2 launches a bucket as soon as its last region is marked", "[zero][gloo]") {
   auto store = std::make_shared<cohort::memory_store>();
-  auto pg = make_group(store, 0, 1);
+  auto pg = cohort_test::make_gloo_group(store, 0, 1);
   std::vector<float> params(12, 1.0f), grads(12, 0.0f);
   // Two regions, one bucket each (24 bytes).
   cohort::zero_optimizer<cohort::gloo, float> zero{
@@ -198,7 +170,7 @@ TEST_CASE("ZeRO: a rank with another layout is refused on every rank, and bad re
   auto store = std::make_shared<cohort::memory_store>();
   std::vector<std::string> messages(world);
   cohort_test::run_ranks(world, [&](int rank) {
-    auto pg = make_group(store, rank, world);
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
     std::vector<float> params(16), grads(16);
     try {
       cohort::zero_optimizer<cohort::gloo, float> zero{
@@ -210,7 +182,7 @@ TEST_CASE("ZeRO: a rank with another layout is refused on every rank, and bad re
   });
   for (const auto& text : messages) CHECK_THAT(text, Catch::Contains("rank 1 has another layout than rank 0"));
 
-  auto single = make_group(store, 0, 1);
+  auto single = cohort_test::make_gloo_group(store, 0, 1);
   std::vector<float> params(10), grads(10);
   REQUIRE_THROWS_WITH((cohort::zero_optimizer<cohort::gloo, float>{
                           single, std::span<float>(params), std::span<float>(grads), {{0, 6}, {4, 6}}}),
@@ -225,7 +197,7 @@ TEST_CASE("ZeRO over bfloat16 parameters keeps fp32 masters and matches the fp32
   const int world = 2;
   auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(world, [&](int rank) {
-    auto pg = make_group(store, rank, world);
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
     const std::size_t n = 40;
     std::vector<cohort::bfloat16> params(n), grads(n);
     std::vector<float> params32(n), grads32(n);

@@ -698,11 +698,14 @@ class gradient_reducer {
     if (storage_ == gradient_storage::user_buffers) batched_copy(engine, std::span<const copy_region>(bucket.copy_in));
     if (storage_ == gradient_storage::in_place) {
       const op reduce = divides_when_marked(b) ? op::sum : op::avg;
-      auto together = group_->grouped();
-      work last = engine.record();  // an empty bucket (all its gradients empty) is done at once
-      for (const auto& run : bucket.runs) last = all_reduce_bucket(run.data, run.count, shape.type, reduce);
-      together.end();
-      bucket.done = last;
+      // A bucket whose gradients are all empty has no run: it is done once what came before is.
+      if (bucket.runs.empty()) {
+        bucket.done = engine.record();
+      } else {
+        auto together = group_->grouped();
+        for (const auto& run : bucket.runs) bucket.done = all_reduce_bucket(run.data, run.count, shape.type, reduce);
+        together.end();
+      }
     } else if (hook_) {
       bucket.done = hook_(*group_, bucket_ref{b, bucket.data, shape.elements, shape.type});
     } else if (bucket.compressed) {
