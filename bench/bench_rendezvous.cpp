@@ -30,6 +30,7 @@
 #include <cohort/detail/device_identity.hpp>
 #include <cohort/store.hpp>
 #include <cohort/tcp_store.hpp>
+#include <cohort/tcp_store_server.hpp>
 #include <cohort/tools/detail/json.hpp>
 #include <cstdio>
 #include <cstdlib>

@@ -21,10 +21,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <charconv>
 #include <chrono>
 #include <cstdint>
-#include <filesystem>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -50,7 +48,8 @@ std::string encode(std::string_view key);
 
 class file_store final : public store {
  public:
-  file_store(std::filesystem::path directory, std::string run_id, int rank = -1);
+  // directory may be a std::filesystem::path (it converts).
+  file_store(std::string directory, std::string run_id, int rank = -1);
 
   file_store(const file_store&) = delete;
   file_store& operator=(const file_store&) = delete;
@@ -59,7 +58,7 @@ class file_store final : public store {
   }
 
   // directory/<encoded run id>: where this run's keys live.
-  const std::filesystem::path& path() const noexcept { return root_; }
+  const std::string& path() const noexcept { return root_; }
   const std::string& run_id() const noexcept { return run_id_; }
 
   void set(std::string_view key, std::span<const std::uint8_t> value) override;
@@ -91,7 +90,7 @@ class file_store final : public store {
 
   static void sleep_before_retry(std::chrono::milliseconds& pause, clock::time_point deadline);
 
-  std::filesystem::path file_of(std::string_view key) const { return root_ / detail::file_store_names::encode(key); }
+  std::string file_of(std::string_view key) const { return root_ + '/' + detail::file_store_names::encode(key); }
 
   bool exists(std::string_view key) const { return ::access(file_of(key).c_str(), F_OK) == 0; }
 
@@ -118,7 +117,7 @@ class file_store final : public store {
 
   exclusive_lock exclusive(std::string_view operation, std::string_view key);
 
-  std::filesystem::path root_;
+  std::string root_;
   std::string run_id_;
   std::mutex mutex_;
   int lock_fd_ = -1;

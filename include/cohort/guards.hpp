@@ -24,10 +24,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
-#include <filesystem>
-#include <fstream>
 #include <functional>
-#include <iostream>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -207,7 +204,9 @@ struct log_options {
   // Print from every rank, not only rank 0.
   bool all_ranks = false;
   // Non-empty: every rank (main or not) also appends its lines to directory/rank-<r>.log.
-  std::filesystem::path directory = {};
+  // (A std::filesystem::path converts; paths are strings here so that this header does not
+  // cost every trainer TU <filesystem>.)
+  std::string directory = {};
   // Where console lines go, one call per whole line (prefix included, no newline).
   // Empty: std::clog.
   std::function<void(std::string_view line)> console = {};
@@ -225,9 +224,11 @@ class rank_logger {
 
   rank_logger(const rank_logger&) = delete;
   rank_logger& operator=(const rank_logger&) = delete;
+  ~rank_logger();
 
   const std::string& prefix() const noexcept { return prefix_; }
-  const std::filesystem::path& file() const noexcept { return file_path_; }
+  // directory/rank-<r>.log, or empty without a directory.
+  const std::string& file() const noexcept { return file_path_; }
   bool prints_to_console() const noexcept { return options_.all_ranks || rank_ == 0; }
 
   void log(std::string_view message);
@@ -245,8 +246,8 @@ class rank_logger {
   int world_;
   log_options options_;
   std::string prefix_;
-  std::filesystem::path file_path_;
-  std::ofstream file_;
+  std::string file_path_;
+  std::FILE* file_ = nullptr;
   std::mutex file_mutex_;
 };
 
@@ -318,39 +319,30 @@ template <rank_source G>
 
 // ---- atomic writes --------------------------------------------------------------------------------
 
-namespace detail {
-
-void fsync_path(const std::filesystem::path& path, bool directory, int rank);
-
-std::filesystem::path temporary_sibling(const std::filesystem::path& target);
-
-}  // namespace detail
-
 // Writes target atomically: readers see the old file (or none) until the new one is complete
 // and durable. The data goes to a temporary file in the same directory, which is flushed,
 // fsync'ed and renamed over target; then the directory is fsync'ed so the rename survives a
 // crash. `write` fills the stream; if it throws, target is untouched and the temporary removed.
-void atomic_write_file(const std::filesystem::path& target, const std::function<void(std::ostream&)>& write,
-                       int rank = -1);
+// target may be a std::filesystem::path (it converts).
+void atomic_write_file(const std::string& target, const std::function<void(std::ostream&)>& write, int rank = -1);
 
-void atomic_write_file(const std::filesystem::path& target, std::string_view contents, int rank = -1);
+void atomic_write_file(const std::string& target, std::string_view contents, int rank = -1);
 
 // Collective: rank 0 writes target atomically, the others wait until it is in place, so no
 // rank reads a half-written checkpoint. If rank 0 fails, it rethrows, and on host groups
 // (Gloo) the others throw a cohort::error naming the failure instead of reading a stale file.
 template <barrier_group G>
-void atomic_write_on_main(G& group, const std::filesystem::path& target,
-                          const std::function<void(std::ostream&)>& write) {
+void atomic_write_on_main(G& group, const std::string& target, const std::function<void(std::ostream&)>& write) {
   const int rank = static_cast<int>(group.rank());
   auto write_it = [&] { atomic_write_file(target, write, rank); };
   detail::leader_first(group, rank == 0, write_it, "atomic_write_on_main", true, false);
 }
 
 template <barrier_group G>
-void atomic_write_on_main(G& group, const std::filesystem::path& target, std::string_view contents) {
-  atomic_write_on_main(group, target, [&](std::ostream& out) {
-    out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
-  });
+void atomic_write_on_main(G& group, const std::string& target, std::string_view contents) {
+  const int rank = static_cast<int>(group.rank());
+  auto write_it = [&] { atomic_write_file(target, contents, rank); };
+  detail::leader_first(group, rank == 0, write_it, "atomic_write_on_main", true, false);
 }
 
 }  // namespace cohort::inline v0

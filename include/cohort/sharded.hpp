@@ -23,9 +23,6 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <deque>
-#include <filesystem>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -520,12 +517,13 @@ class sharded_parameters {
 
   // Collective: each rank writes its shards (and the optimizer's, if given) to
   // directory/shard-<rank>-of-<world>.bin atomically. Under hybrid sharding replica 0 writes.
-  void save_sharded(const std::filesystem::path& directory, sharded_optimizer_state<T>* optimizer = nullptr) {
+  // directory may be a std::filesystem::path (it converts).
+  void save_sharded(const std::string& directory, sharded_optimizer_state<T>* optimizer = nullptr) {
     auto& engine = group_->backend();
     engine.record().wait();
     const bool writer = !replicas_ || replicas_->rank() == 0;
     if (writer) {
-      std::filesystem::create_directories(directory);
+      detail::create_checkpoint_directory(directory, rank());
       const std::size_t states = optimizer ? optimizer->state_count() : 0;
       detail::checkpoint_header header;
       header.world = static_cast<std::uint32_t>(world_size());
@@ -537,7 +535,7 @@ class sharded_parameters {
       for (auto& u : units_) header.units.push_back({u.replicated, u.elements, u.padded, u.shard, u.sizes});
       std::vector<T> staging;
       atomic_write_file(
-          directory / detail::shard_file_name(rank(), world_size()),
+          detail::join_path(directory, detail::shard_file_name(rank(), world_size())),
           [&](std::ostream& out) {
             header.write(out);
             for (std::size_t u = 0; u < units_.size(); ++u) {
@@ -558,19 +556,9 @@ class sharded_parameters {
 
   // Collective: loads what save_sharded wrote, from any world size (every rank reads the
   // ranges it now owns from the old shard files; the directory must be visible to all).
-  void load_sharded(const std::filesystem::path& directory, sharded_optimizer_state<T>* optimizer = nullptr) {
-    const std::uint32_t old_world = detail::find_checkpoint_world(directory, rank());
-    std::vector<detail::checkpoint_header> headers(old_world);
-    std::vector<std::ifstream> files(old_world);
-    for (std::uint32_t k = 0; k < old_world; ++k) {
-      const auto path = directory / detail::shard_file_name(static_cast<int>(k), static_cast<int>(old_world));
-      files[k].open(path, std::ios::binary);
-      if (!files[k])
-        throw error(rank(), "sharded_parameters.load_sharded", "cannot open " + path.string(),
-                    "every shard file of the checkpoint must be readable by every rank (shared file system)");
-      headers[k] = detail::checkpoint_header::read(files[k], path, rank());
-    }
-    const auto& header = headers[0];
+  void load_sharded(const std::string& directory, sharded_optimizer_state<T>* optimizer = nullptr) {
+    detail::checkpoint_reader files(directory, rank());
+    const auto& header = files.headers()[0];
     check_checkpoint(header, optimizer, directory);
     const std::size_t states = optimizer ? optimizer->state_count() : 0;
     // Where unit u's data starts in every file (all files share the layout).
@@ -594,14 +582,8 @@ class sharded_parameters {
           const std::uint32_t source = saved.replicated ? 0u : static_cast<std::uint32_t>(begin / saved.shard);
           const std::size_t source_first = saved.replicated ? 0 : source * saved.shard;
           const std::size_t stop = std::min(end, source_first + saved.shard);
-          auto& in = files[source];
-          in.seekg(static_cast<std::streamoff>(unit_start[u] + (k * saved.shard + (begin - source_first)) * sizeof(T)));
-          in.read(reinterpret_cast<char*>(staging.data() + (begin - first)),
-                  static_cast<std::streamsize>((stop - begin) * sizeof(T)));
-          if (!in)
-            throw error(rank(), "sharded_parameters.load_sharded",
-                        "short read in shard file " + std::to_string(source) + " (unit " + std::to_string(u) + ")",
-                        "the checkpoint is truncated or was written by another version");
+          files.read(source, unit_start[u] + (k * saved.shard + (begin - source_first)) * sizeof(T),
+                     staging.data() + (begin - first), (stop - begin) * sizeof(T), u);
           begin = stop;
         }
         T* target = k == 0 ? now.master : optimizer->state(u, k - 1);
@@ -835,7 +817,7 @@ class sharded_parameters {
       const std::size_t bytes = std::max<std::size_t>(gather_bytes(next), 1);
       const std::size_t cost = pool_.fit(bytes).value_or(bytes);
       if (memory_.gathered + cost > limit_) break;
-      deferred_.pop_front();
+      deferred_.erase(deferred_.begin());
       issue_gather(next, false, unused);
     }
   }
@@ -969,9 +951,9 @@ class sharded_parameters {
   }
 
   void check_checkpoint(const detail::checkpoint_header& header, sharded_optimizer_state<T>* optimizer,
-                        const std::filesystem::path& directory) const {
+                        const std::string& directory) const {
     auto fail = [&](const std::string& what, const std::string& hint) {
-      throw error(rank(), "sharded_parameters.load_sharded", directory.string() + ": " + what, hint);
+      throw error(rank(), "sharded_parameters.load_sharded", directory + ": " + what, hint);
     };
     if (header.type != static_cast<std::uint32_t>(dtype_v<T>))
       fail("saved as " + std::string(to_string(static_cast<dtype>(header.type))) + ", loading into " +
@@ -1009,7 +991,7 @@ class sharded_parameters {
   std::condition_variable released_;
   std::map<std::size_t, live_gather> live_;
   detail::buffer_pool<B> pool_;
-  std::deque<std::size_t> deferred_;
+  std::vector<std::size_t> deferred_;  // a handful of units: a vector is the queue
   sharded_memory memory_;
   sharded_memory peak_;
   std::size_t peak_total_ = 0;

@@ -13,14 +13,9 @@
 // Protocol, limits and wire layout: detail/tcp_store_protocol.hpp. Trust model, the token
 // (COHORT_STORE_TOKEN) and the server's limits: SECURITY.md.
 
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <charconv>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -39,9 +34,11 @@
 #include "cohort/error.hpp"
 #include "cohort/launch.hpp"
 #include "cohort/store.hpp"
-#include "cohort/tcp_store_server.hpp"
+#include "cohort/tcp_store_server_options.hpp"
 
 namespace cohort::inline v0 {
+
+class tcp_store_server;  // tcp_store_server.hpp: include it to use server() beyond a null check
 
 // ------------------------------------------------------------------------------------------
 // The client. One connection per handle; a mutex makes a handle safe to share between

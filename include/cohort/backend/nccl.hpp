@@ -18,7 +18,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
-#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -29,6 +28,7 @@
 
 #include "cohort/detail/config.hpp"
 #include "cohort/detail/device_identity.hpp"
+#include "cohort/detail/fifo_queue.hpp"
 #include "cohort/detail/flight_recorder.hpp"
 #include "cohort/error.hpp"
 #include "cohort/launch.hpp"
@@ -114,7 +114,7 @@ struct nccl_state {
   bool watched = false;  // a watchdog polls `outstanding` (else nothing is queued there)
   std::atomic<bool> trace_written{false};
   std::mutex watch_mutex;  // guards the members below; never taken while holding `mutex`
-  std::deque<outstanding_call> outstanding;
+  detail::fifo_queue<outstanding_call> outstanding;
   std::uint64_t collectives_issued = 0;
   std::map<std::pair<int, bool>, std::uint64_t> p2p_issued;  // (peer, sending): NCCL has no tags
 

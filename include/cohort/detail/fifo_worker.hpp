@@ -13,7 +13,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <exception>
 #include <functional>
 #include <map>
@@ -21,6 +20,8 @@
 #include <mutex>
 #include <thread>
 #include <utility>
+
+#include "cohort/detail/fifo_queue.hpp"
 
 namespace cohort::inline v0::detail {
 
@@ -169,7 +170,7 @@ class fifo_worker {
   mutable std::mutex mutex_;
   std::condition_variable ready_;         // wakes the worker
   std::condition_variable completed_cv_;  // wakes waiters
-  std::deque<queued> tasks_;
+  fifo_queue<queued> tasks_;
   std::uint64_t submitted_ = 0;
   bool executing_ = false;
   bool worker_sleeping_ = false;

@@ -6,12 +6,10 @@
 
 #include <cstdint>
 #include <cstring>
-#include <filesystem>
 #include <istream>
-#include <optional>
+#include <memory>
 #include <ostream>
 #include <string>
-#include <system_error>
 #include <vector>
 
 #include "cohort/detail/config.hpp"
@@ -42,11 +40,40 @@ struct checkpoint_header {
     out.write(reinterpret_cast<const char*>(&value), sizeof value);
   }
   void write(std::ostream& out) const;
-  static checkpoint_header read(std::istream& in, const std::filesystem::path& path, int reader);
+  static checkpoint_header read(std::istream& in, const std::string& path, int reader);
 };
 
 // The world size the checkpoint in `directory` was written with (from shard-0-of-<world>.bin).
-std::uint32_t find_checkpoint_world(const std::filesystem::path& directory, int rank);
+std::uint32_t find_checkpoint_world(const std::string& directory, int rank);
+
+// directory/name. Paths are strings in these declarations so that <cohort/sharded.hpp> does
+// not cost every trainer TU <filesystem> and <fstream>; the definitions use them.
+std::string join_path(const std::string& directory, const std::string& name);
+
+// Creates directory and its parents; a failure is a cohort::error naming rank.
+void create_checkpoint_directory(const std::string& directory, int rank);
+
+// Every shard file of the checkpoint in `directory`, open, with its header read.
+class checkpoint_reader {
+ public:
+  checkpoint_reader(const std::string& directory, int rank);
+  checkpoint_reader(const checkpoint_reader&) = delete;
+  checkpoint_reader& operator=(const checkpoint_reader&) = delete;
+  ~checkpoint_reader();
+
+  // One header per file of the old world, in rank order.
+  const std::vector<checkpoint_header>& headers() const noexcept { return headers_; }
+
+  // `bytes` bytes at `offset` of file `source` into `into`; a short read is a cohort::error
+  // naming the file and the unit.
+  void read(std::uint32_t source, std::uint64_t offset, void* into, std::size_t bytes, std::size_t unit);
+
+ private:
+  struct open_files;
+  int rank_;
+  std::vector<checkpoint_header> headers_;
+  std::unique_ptr<open_files> files_;
+};
 
 }  // namespace cohort::inline v0::detail
 

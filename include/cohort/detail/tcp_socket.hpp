@@ -3,12 +3,6 @@
 // name resolution, bounded polling, and the words both sides use for a peer that speaks
 // another protocol.
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <poll.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,6 +14,8 @@
 #include <string_view>
 #include <system_error>
 #include <utility>
+
+struct addrinfo;  // <netdb.h>: the socket headers are for the definitions (tcp_socket.ipp)
 
 namespace cohort::inline v0::detail::tcp {
 
@@ -68,9 +64,7 @@ struct address_list {
   address_list() = default;
   address_list(const address_list&) = delete;
   address_list& operator=(const address_list&) = delete;
-  ~address_list() {
-    if (head) ::freeaddrinfo(head);
-  }
+  ~address_list();
 };
 
 // Resolves host:port for a stream socket; returns getaddrinfo's error text, or empty on success.

@@ -28,18 +28,17 @@
 
 namespace cohort::inline v0 {
 
-COHORT_DECL file_store::file_store(std::filesystem::path directory, std::string run_id, int rank)
-    : run_id_(std::move(run_id)) {
+COHORT_DECL file_store::file_store(std::string directory, std::string run_id, int rank) : run_id_(std::move(run_id)) {
   set_rank(rank);
   if (run_id_.empty())
-    throw error(rank, "file_store", "empty run id for store directory " + directory.string(),
+    throw error(rank, "file_store", "empty run id for store directory " + directory,
                 "pass an id unique to this run (e.g. the Slurm job id), so files of an "
                 "earlier run are never read");
-  root_ = std::move(directory) / detail::file_store_names::encode(run_id_);
+  root_ = (std::filesystem::path(std::move(directory)) / detail::file_store_names::encode(run_id_)).string();
   std::error_code failure;
   std::filesystem::create_directories(root_, failure);
   if (failure)
-    throw error(rank, "file_store", "cannot create store directory " + root_.string() + ": " + failure.message(),
+    throw error(rank, "file_store", "cannot create store directory " + root_ + ": " + failure.message(),
                 "the directory must be on a filesystem every rank can write");
 }
 
@@ -125,10 +124,9 @@ COHORT_DECL auto file_store::sleep_before_retry(std::chrono::milliseconds& pause
 
 COHORT_DECL auto file_store::fail(std::string_view operation, std::string_view key, const std::string& what,
                                   int code) const -> void {
-  throw error(
-      rank(), "store." + std::string(operation),
-      what + " for key '" + std::string(key) + "' in " + root_.string() + ": " + std::system_category().message(code),
-      "check that the store directory is writable and not full");
+  throw error(rank(), "store." + std::string(operation),
+              what + " for key '" + std::string(key) + "' in " + root_ + ": " + std::system_category().message(code),
+              "check that the store directory is writable and not full");
 }
 
 COHORT_DECL auto file_store::read(std::string_view operation, std::string_view key) const -> std::optional<bytes> {
@@ -158,7 +156,7 @@ COHORT_DECL auto file_store::write_atomically(std::string_view operation, std::s
   static std::atomic<std::uint64_t> sequence{0};
   const std::filesystem::path target = file_of(key);
   const std::filesystem::path temporary =
-      root_ / (".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(++sequence));
+      std::filesystem::path(root_) / (".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(++sequence));
   const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) fail(operation, key, "cannot create " + temporary.filename().string(), errno);
   std::size_t done = 0;
@@ -183,7 +181,7 @@ COHORT_DECL auto file_store::write_atomically(std::string_view operation, std::s
 COHORT_DECL auto file_store::exclusive(std::string_view operation, std::string_view key) -> exclusive_lock {
   std::unique_lock guard(mutex_);
   if (lock_fd_ < 0) {
-    lock_fd_ = ::open((root_ / ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    lock_fd_ = ::open((root_ + "/.lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (lock_fd_ < 0) fail(operation, key, "cannot open the lock file", errno);
   }
   const auto deadline = clock::now() + timeout();
@@ -192,8 +190,8 @@ COHORT_DECL auto file_store::exclusive(std::string_view operation, std::string_v
     if (errno != EWOULDBLOCK && errno != EINTR) fail(operation, key, "cannot lock", errno);
     if (clock::now() >= deadline)
       throw timeout_error(rank(), "store." + std::string(operation),
-                          "waited " + detail::format_duration(timeout()) + " for the lock " +
-                              (root_ / ".lock").string() + " to update key '" + std::string(key) + "'",
+                          "waited " + detail::format_duration(timeout()) + " for the lock " + (root_ + "/.lock") +
+                              " to update key '" + std::string(key) + "'",
                           "another process holds the store's lock; it may be stuck");
     sleep_before_retry(pause, deadline);
   }

@@ -60,8 +60,9 @@ COHORT_DECL std::filesystem::path temporary_sibling(const std::filesystem::path&
 
 namespace cohort::inline v0 {
 
-COHORT_DECL void atomic_write_file(const std::filesystem::path& target, const std::function<void(std::ostream&)>& write,
+COHORT_DECL void atomic_write_file(const std::string& target_name, const std::function<void(std::ostream&)>& write,
                                    int rank) {
+  const std::filesystem::path target(target_name);
   if (target.filename().empty()) throw error(rank, "atomic_write", "target '" + target.string() + "' names no file");
   const auto temporary = detail::temporary_sibling(target);
   try {
@@ -91,7 +92,7 @@ COHORT_DECL void atomic_write_file(const std::filesystem::path& target, const st
   detail::fsync_path(directory, true, rank);
 }
 
-COHORT_DECL void atomic_write_file(const std::filesystem::path& target, std::string_view contents, int rank) {
+COHORT_DECL void atomic_write_file(const std::string& target, std::string_view contents, int rank) {
   atomic_write_file(
       target, [&](std::ostream& out) { out.write(contents.data(), static_cast<std::streamsize>(contents.size())); },
       rank);
@@ -107,12 +108,17 @@ COHORT_DECL rank_logger::rank_logger(int rank, int world, log_options options)
   if (!options_.directory.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(options_.directory, ec);
-    file_path_ = options_.directory / ("rank-" + std::to_string(rank_) + ".log");
-    file_.open(file_path_, std::ios::out | std::ios::app);
+    file_path_ = (std::filesystem::path(options_.directory) / ("rank-" + std::to_string(rank_) + ".log")).string();
+    file_ = std::fopen(file_path_.c_str(), "ae");  // e: close-on-exec
     if (!file_)
-      throw error(rank_, "rank_logger", "cannot open log file " + file_path_.string() + " for appending",
+      throw error(rank_, "rank_logger",
+                  "cannot open log file " + file_path_ + " for appending: " + std::strerror(errno),
                   "check that the log directory is writable");
   }
+}
+
+COHORT_DECL rank_logger::~rank_logger() {
+  if (file_) std::fclose(file_);
 }
 
 COHORT_DECL auto rank_logger::log(std::string_view message) -> void {
@@ -125,9 +131,11 @@ COHORT_DECL auto rank_logger::log(std::string_view message) -> void {
       std::clog << (line + '\n') << std::flush;  // one write keeps ranks' lines whole
     }
   }
-  if (file_.is_open()) {
+  if (file_) {
+    line += '\n';
     std::lock_guard lock(file_mutex_);
-    file_ << line << '\n' << std::flush;
+    std::fwrite(line.data(), 1, line.size(), file_);
+    std::fflush(file_);
   }
 }
 

@@ -122,7 +122,7 @@ COHORT_DECL auto detail::nccl_state::watch() -> std::exception_ptr {
     std::lock_guard state_lock(mutex);
     if (aborted) return nullptr;  // a cohort call aborted the group, and reported it
   }
-  std::deque<outstanding_call> finished;  // released after the lock: their events return to the pool
+  std::vector<outstanding_call> finished;  // released after the lock: their events return to the pool
   std::exception_ptr failure;
   std::string overdue;
   {
@@ -269,7 +269,7 @@ COHORT_DECL auto nccl::split(nccl& parent, std::shared_ptr<cohort::store> sub_st
 COHORT_DECL nccl::~nccl() {
   watchdog_.reset();
   // The watched calls hold events, whose owner is the state: let them go (a cycle otherwise).
-  std::deque<detail::nccl_state::outstanding_call> watched;
+  detail::fifo_queue<detail::nccl_state::outstanding_call> watched;
   {
     std::lock_guard lock(state_->watch_mutex);
     watched.swap(state_->outstanding);

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <istream>
 #include <optional>
 #include <ostream>
@@ -18,7 +19,7 @@
 
 namespace cohort::inline v0::detail {
 
-COHORT_DECL std::uint32_t find_checkpoint_world(const std::filesystem::path& directory, int rank) {
+COHORT_DECL std::uint32_t find_checkpoint_world(const std::string& directory, int rank) {
   std::optional<std::uint32_t> found;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(directory, ec)) {
@@ -30,16 +31,60 @@ COHORT_DECL std::uint32_t find_checkpoint_world(const std::filesystem::path& dir
         static_cast<std::uint32_t>(std::stoul(name.substr(prefix.size(), name.size() - prefix.size() - 4)));
     if (found && *found != world)
       throw error(rank, "sharded_parameters.load_sharded",
-                  directory.string() + " holds checkpoints of world " + std::to_string(*found) + " and " +
-                      std::to_string(world),
+                  directory + " holds checkpoints of world " + std::to_string(*found) + " and " + std::to_string(world),
                   "keep one sharded checkpoint per directory");
     found = world;
   }
   if (!found)
     throw error(rank, "sharded_parameters.load_sharded",
-                "no shard-0-of-<world>.bin in " + directory.string() + (ec ? " (" + ec.message() + ")" : ""),
+                "no shard-0-of-<world>.bin in " + directory + (ec ? " (" + ec.message() + ")" : ""),
                 "pass the directory save_sharded wrote");
   return *found;
+}
+
+COHORT_DECL std::string join_path(const std::string& directory, const std::string& name) {
+  return (std::filesystem::path(directory) / name).string();
+}
+
+COHORT_DECL void create_checkpoint_directory(const std::string& directory, int rank) {
+  std::error_code ec;
+  std::filesystem::create_directories(directory, ec);
+  if (ec)
+    throw error(rank, "sharded_parameters.save_sharded", "cannot create " + directory + ": " + ec.message(),
+                "the checkpoint directory must be writable by the ranks that save");
+}
+
+struct checkpoint_reader::open_files {
+  std::vector<std::ifstream> files;
+};
+
+COHORT_DECL checkpoint_reader::checkpoint_reader(const std::string& directory, int rank)
+    : rank_(rank), files_(std::make_unique<open_files>()) {
+  const std::uint32_t old_world = find_checkpoint_world(directory, rank);
+  headers_.resize(old_world);
+  files_->files.resize(old_world);
+  for (std::uint32_t k = 0; k < old_world; ++k) {
+    const auto path = join_path(directory, shard_file_name(static_cast<int>(k), static_cast<int>(old_world)));
+    auto& file = files_->files[k];
+    file.open(path, std::ios::binary);
+    if (!file)
+      throw error(rank, "sharded_parameters.load_sharded", "cannot open " + path,
+                  "every shard file of the checkpoint must be readable by every rank (shared file system)");
+    headers_[k] = checkpoint_header::read(file, path, rank);
+  }
+}
+
+COHORT_DECL checkpoint_reader::~checkpoint_reader() = default;
+
+COHORT_DECL void checkpoint_reader::read(std::uint32_t source, std::uint64_t offset, void* into, std::size_t bytes,
+                                         std::size_t unit) {
+  auto& in = files_->files.at(source);
+  in.seekg(static_cast<std::streamoff>(offset));
+  in.read(static_cast<char*>(into), static_cast<std::streamsize>(bytes));
+  if (!in)
+    throw error(rank_, "sharded_parameters.load_sharded",
+                "short read in shard file " + std::to_string(source) + " (unit " + std::to_string(unit) + ")",
+                "the checkpoint is truncated or was written by another version");
 }
 
 }  // namespace cohort::inline v0::detail
@@ -67,10 +112,10 @@ COHORT_DECL auto detail::checkpoint_header::write(std::ostream& out) const -> vo
   }
 }
 
-COHORT_DECL auto detail::checkpoint_header::read(std::istream& in, const std::filesystem::path& path, int reader)
+COHORT_DECL auto detail::checkpoint_header::read(std::istream& in, const std::string& path, int reader)
     -> checkpoint_header {
   auto bad = [&](const std::string& what) {
-    return error(reader, "sharded_parameters.load_sharded", path.string() + ": " + what,
+    return error(reader, "sharded_parameters.load_sharded", path + ": " + what,
                  "is this a cohort sharded checkpoint, complete and from this version?");
   };
   auto get = [&](auto& value) {

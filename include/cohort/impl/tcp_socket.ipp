@@ -24,6 +24,10 @@
 
 namespace cohort::inline v0::detail::tcp {
 
+COHORT_DECL address_list::~address_list() {
+  if (head) ::freeaddrinfo(head);
+}
+
 COHORT_DECL std::string endpoint(const std::string& host, std::uint16_t port) {
   // IPv6 literals are bracketed so the port stays readable.
   if (host.find(':') != std::string::npos) return "[" + host + "]:" + std::to_string(port);
