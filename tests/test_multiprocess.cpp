@@ -4,11 +4,13 @@
 #include <catch2/catch.hpp>
 
 #include <netinet/in.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cohort/backend/gloo.hpp>
 #include <cohort/launch.hpp>
@@ -214,6 +216,40 @@ TEST_CASE("a rank process that dies is an error on the others within the timeout
   REQUIRE(codes == std::vector<int>{0, 0, 42});
   REQUIRE(std::chrono::steady_clock::now() - started < std::chrono::seconds(30));
   require_traces_blame(traces, {2});  // the survivors' traces name the same rank
+}
+
+// Writing to the socket of a rank that has gone raises SIGPIPE, whose default action kills
+// the writer (exit status 141) before it can say which rank died; under a C++ launcher
+// nothing ignores it (Python does, so PyTorch never meets this). The threads that write to
+// Gloo's sockets run with it blocked, so such a write fails with EPIPE and Gloo reports it,
+// while the trainer's own threads keep their signal mask. Checked on the group's worker
+// thread (the work is polled, never waited for: a waiting thread runs queued work itself)
+// with a socket whose reader is gone, which is what a dead rank's socket is; and the
+// caller's mask after it ran collectives itself.
+TEST_CASE("a Gloo group's threads see EPIPE where a dead peer's socket would raise SIGPIPE", "[multiprocess][faults]") {
+  const auto envs = torchrun_envs(2, 2, std::to_string(free_port()));
+  const auto codes = run_children(envs, [] {
+    auto pg = launched_gloo_group(std::chrono::seconds(5));
+    std::vector<float> data(1024, 1.0f);
+    for (int step = 0; step < 3; ++step) pg.all_reduce(std::span<float>(data)).wait();
+    sigset_t mine;
+    pthread_sigmask(SIG_BLOCK, nullptr, &mine);
+    if (sigismember(&mine, SIGPIPE)) return 4;  // the group left its block on the caller
+    ssize_t written = 0;
+    int failure = 0;
+    auto on_worker = pg.backend().enqueue([&] {
+      int ends[2];
+      if (::socketpair(AF_UNIX, SOCK_STREAM, 0, ends) != 0) return;
+      ::close(ends[1]);
+      written = ::write(ends[0], "x", 1);  // SIGPIPE here would end the process
+      failure = errno;
+      ::close(ends[0]);
+    });
+    while (!on_worker.test()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    pg.barrier().wait();
+    return written == -1 && failure == EPIPE ? 0 : 3;
+  });
+  REQUIRE(codes == std::vector<int>{0, 0});
 }
 
 namespace {

@@ -305,7 +305,8 @@ class gloo {
 
   [[noreturn]] void throw_timeout(const detail::gloo_task& task);
 
-  // After a call failed: who is at fault (detail::name_the_culprit; collectives only).
+  // After a call failed: who is at fault (detail::name_the_culprit for collectives; a
+  // point-to-point call whose connection closed names its peer).
   std::string name_the_culprit(const detail::gloo_task& task, bool connection_lost);
   // Which ranks never published their rendezvous address (a rendezvous that timed out).
   std::string missing_at_rendezvous(cohort::store& store) const;

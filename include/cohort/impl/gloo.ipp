@@ -11,6 +11,9 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
+#include <pthread.h>
+#include <signal.h>
+#include <time.h>
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
@@ -61,6 +64,39 @@ class gloo_store_adapter final : public ::gloo::rendezvous::Store {
  private:
   std::shared_ptr<cohort::store> inner_;
   std::chrono::milliseconds timeout_;
+};
+
+// Gloo's TCP transport writes with writev, which raises SIGPIPE once a peer has died, and the
+// signal's default action kills this rank before cohort can name the dead one (PyTorch never
+// meets this: Python ignores SIGPIPE). So whatever writes to Gloo's sockets runs with SIGPIPE
+// blocked: the device's event loop and cohort's workers, which inherit the mask of the thread
+// that starts them inside this scope and keep it; the caller during the rendezvous; and the
+// caller while it runs a queued call itself (gloo::run). The write then fails with EPIPE,
+// Gloo reports it, and the trainer's threads and the process's disposition stay as they were.
+// On a thread that already blocks SIGPIPE this is one system call.
+class sigpipe_blocked {
+ public:
+  sigpipe_blocked() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_, &previous_);
+  }
+  sigpipe_blocked(const sigpipe_blocked&) = delete;
+  sigpipe_blocked& operator=(const sigpipe_blocked&) = delete;
+  ~sigpipe_blocked() {
+    if (sigismember(&previous_, SIGPIPE)) return;  // the caller had it blocked already
+    // A SIGPIPE raised meanwhile waits on this thread: take it before unblocking.
+    sigset_t pending;
+    if (sigpending(&pending) == 0 && sigismember(&pending, SIGPIPE)) {
+      const timespec now{0, 0};
+      (void)sigtimedwait(&pipe_, nullptr, &now);
+    }
+    pthread_sigmask(SIG_SETMASK, &previous_, nullptr);
+  }
+
+ private:
+  sigset_t pipe_;
+  sigset_t previous_;
 };
 
 COHORT_DECL gloo_p2p::gloo_p2p() = default;
@@ -129,6 +165,7 @@ COHORT_DECL auto gloo::make_device(const launch_env& env, const options& opts)
   else if (detail::is_loopback(env.master_addr) || env.world_size == env.local_world_size)
     attr.hostname = "127.0.0.1";  // one node: stay on loopback, never expose a port
   try {
+    const detail::sigpipe_blocked loop_thread_inherits_it;
     return ::gloo::transport::tcp::CreateDevice(attr);
   } catch (const std::exception& failure) {
     throw error(env.rank, "gloo.create_device", std::string("cannot open a TCP device: ") + failure.what(),
@@ -141,6 +178,7 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
   context->setTimeout(options_.timeout);
   store_ = store;
   detail::gloo_store_adapter adapter(std::move(store), options_.timeout);
+  const detail::sigpipe_blocked writes_fail_with_epipe;  // also for the threads started below
   try {
     context->connectFullMesh(adapter, device_);
   } catch (const timeout_error& failure) {
@@ -269,7 +307,14 @@ COHORT_DECL auto gloo::run(detail::gloo_task& task) -> void {
   // A point-to-point call starts when posted and completes when its wait does.
   if (task.what != task_kind::p2p_wait) recorder_.started(task.record);
   try {
-    execute(task);
+    if (task.what == task_kind::function || size_ == 1) {
+      execute(task);
+    } else {
+      // The caller's thread runs queued calls when it waits (fifo_worker): Gloo writes from
+      // it too. A no-op on cohort's own threads, which block SIGPIPE for good.
+      const detail::sigpipe_blocked writes_fail_with_epipe;
+      execute(task);
+    }
   } catch (...) {
     recorder_.failed(task.record);
     const std::exception_ptr failure = explain(task, std::current_exception());
@@ -355,7 +400,8 @@ COHORT_DECL auto gloo::signature(const detail::gloo_task& task) -> std::uint64_t
   detail::fnv1a hash;
   const auto mix = [&](std::uint64_t value) { hash.mix(value); };
   // A send and its recv must share a slot: both count as "point to point".
-  const bool point_to_point = task.what == task_kind::send || task.what == task_kind::recv;
+  const bool point_to_point =
+      task.what == task_kind::send || task.what == task_kind::recv || task.what == task_kind::p2p_wait;
   mix(point_to_point ? 0xffu : static_cast<std::uint64_t>(task.what));
   mix(static_cast<std::uint64_t>(task.type));
   mix(task.count);
@@ -376,6 +422,10 @@ COHORT_DECL auto gloo::name_the_culprit(const detail::gloo_task& task, bool conn
   const std::string mine = describe(task);
   const bool collective = task.what != task_kind::send && task.what != task_kind::recv &&
                           task.what != task_kind::p2p_wait && task.what != task_kind::function;
+  const bool point_to_point =
+      task.what == task_kind::send || task.what == task_kind::recv || task.what == task_kind::p2p_wait;
+  if (point_to_point && connection_lost)  // one peer: its connection is the one that closed
+    return "rank " + std::to_string(task.peer) + " (the peer) closed its connection: it died or exited during " + mine;
   if (!store_ || !collective) return "this rank is in " + mine;
   return detail::name_the_culprit(*store_, rank_, size_, options_.timeout, mine, connection_lost);
 }
