@@ -195,6 +195,33 @@ struct bucket_ref {
 
 namespace detail {
 std::string describe_gradient(std::size_t index, std::size_t count, dtype type);
+
+// The reducer's cross-rank layout check, apart from the template: the same code whatever the
+// backend, compiled once under separate compilation. A row is what one rank contributes:
+// whether it refused its gradients, a fingerprint of its layout, its gradient, element and
+// bucket counts.
+struct layout_check {
+  enum column : std::size_t {
+    refused_column,
+    fingerprint_column,
+    gradients_column,
+    elements_column,
+    buckets_column,
+    layout_columns
+  };
+  static std::vector<std::int64_t> row(bool refused, std::span<const gradient_spec> specs,
+                                       std::span<const bucket_layout> layout, compression compress, bool in_place,
+                                       std::span<const std::size_t> run_counts, std::size_t buckets);
+  // The first rank whose row differs from rank 0's, or world. A rank that refused makes every
+  // rank throw: its own reason there, "rank r refused" on the others.
+  static int first_mismatch(std::span<const std::int64_t> all, int world, int rank, const std::exception_ptr& refusal);
+  static bool same_gradient_count(std::span<const std::int64_t> all, int world);
+  // Every gradient's count and dtype, to name the first gradient that differs.
+  static std::vector<std::int64_t> shapes(std::span<const gradient_spec> specs);
+  // shapes_of_all: every rank's shapes(), or empty when the gradient counts differ.
+  [[noreturn]] static void fail(int rank, std::span<const std::int64_t> all, int world, int other,
+                                std::size_t gradients, std::span<const std::int64_t> shapes_of_all);
+};
 }  // namespace detail
 
 // ---- the reducer --------------------------------------------------------------------------
@@ -863,88 +890,21 @@ class gradient_reducer {
   // {4, 3} floats pad alike, and the third element would be averaged with padding. One
   // all-gather of a fingerprint per rank; a second, on a mismatch only, names the gradient.
   // A rank that refused its own list (`refusal`) says so here, so every rank throws at once.
+  // Every rank's layout summary (detail::layout_check) in one all-gather; when they differ,
+  // every rank throws the same error naming rank 0 and the first rank unlike it.
   void check_layout_across_ranks(const std::exception_ptr& refusal) {
-    detail::fnv1a hash;
-    std::size_t elements = 0;
-    if (!refusal) {
-      for (const auto& spec : specs_) {
-        hash.mix(spec.count);
-        hash.mix(static_cast<std::uint64_t>(spec.type));
-        elements += spec.count;
-      }
-      for (const auto& bucket : layout_) {
-        hash.mix(static_cast<std::uint64_t>(bucket.type));
-        hash.mix(bucket.elements);
-        for (std::size_t k = 0; k < bucket.gradients.size(); ++k) {
-          hash.mix(bucket.gradients[k]);
-          hash.mix(bucket.offsets[k]);
-        }
-      }
-      hash.mix(static_cast<std::uint64_t>(options_.compress));
-      // In place, each run is a collective of its own: the runs must match across ranks too
-      // (a gradient adjacent to the next on one rank but not on another would pair an
-      // all-reduce of one size with one of another).
-      hash.mix(storage_ == gradient_storage::in_place);
-      for (const auto& bucket : buckets_)
-        for (const auto& run : bucket.runs) hash.mix(run.count);
-    }
-    enum column : std::size_t { refused, fingerprint, gradient_total, element_count, bucket_total, width };
-    std::vector<std::int64_t> mine(width);
-    mine[refused] = refusal ? 1 : 0;
-    mine[fingerprint] = static_cast<std::int64_t>(hash.value() & 0x7fffffffffffffffull);
-    mine[gradient_total] = static_cast<std::int64_t>(gradient_count());
-    mine[element_count] = static_cast<std::int64_t>(elements);
-    mine[bucket_total] = static_cast<std::int64_t>(buckets_.size());
-    const auto all = all_gather_host(mine);
+    using check = detail::layout_check;
+    std::vector<std::size_t> run_counts;
+    for (const auto& bucket : buckets_)
+      for (const auto& run : bucket.runs) run_counts.push_back(run.count);
+    const auto all = all_gather_host(check::row(refusal != nullptr, specs_, layout_, options_.compress,
+                                                storage_ == gradient_storage::in_place, run_counts, buckets_.size()));
     const int world = group_->size();
-    const auto cell = [&](int r, column c) { return all[static_cast<std::size_t>(r) * width + c]; };
-    for (int r = 0; r < world; ++r) {
-      if (cell(r, refused) == 0) continue;
-      if (refusal) std::rethrow_exception(refusal);  // this rank's own reason
-      throw error(rank(), "gradient_reducer",
-                  "rank " + std::to_string(r) + " refused its gradients, so no rank builds a reducer",
-                  "rank " + std::to_string(r) + "'s own error names the cause");
-    }
-    // Every rank sees the same table, so every rank names the same pair: rank 0 and the
-    // first rank that differs from it.
-    const auto differs = [&](int r) {
-      for (auto c : {fingerprint, gradient_total, element_count, bucket_total})
-        if (cell(r, c) != cell(0, c)) return true;
-      return false;
-    };
-    int other = 1;
-    while (other < world && !differs(other)) ++other;
+    const int other = check::first_mismatch(all, world, rank(), refusal);
     if (other == world) return;
-    auto describe = [&](int r) {
-      return "rank " + std::to_string(r) + " has " + std::to_string(cell(r, gradient_total)) + " gradients of " +
-             std::to_string(cell(r, element_count)) + " elements in " + std::to_string(cell(r, bucket_total)) +
-             " buckets";
-    };
-    std::string detail = "bucket layouts differ across ranks: " + describe(0) + "; " + describe(other);
-    bool same_count = true;
-    for (int r = 1; r < world; ++r) same_count = same_count && cell(r, gradient_total) == cell(0, gradient_total);
-    std::string named;
-    if (same_count) {
-      std::vector<std::int64_t> shapes;
-      shapes.reserve(2 * gradient_count());
-      for (const auto& spec : specs_) {
-        shapes.push_back(static_cast<std::int64_t>(spec.count));
-        shapes.push_back(static_cast<std::int64_t>(spec.type));
-      }
-      const auto every = all_gather_host(shapes);
-      const auto shape = [&](int r, std::size_t i) {
-        const std::size_t at = (static_cast<std::size_t>(r) * gradient_count() + i) * 2;
-        return std::to_string(every[at]) + " x " + std::string(to_string(static_cast<dtype>(every[at + 1])));
-      };
-      for (std::size_t i = 0; i < gradient_count() && named.empty(); ++i)
-        for (int r = 1; r < world && named.empty(); ++r)
-          if (shape(r, i) != shape(0, i))
-            named = ": gradient " + std::to_string(i) + " is " + shape(0, i) + " on rank 0 but " + shape(r, i) +
-                    " on rank " + std::to_string(r);
-    }
-    throw error(rank(), "gradient_reducer",
-                detail + (named.empty() ? " (sizes, dtypes, caps or compression differ)" : named),
-                "build the reducer from the same model on every rank, with the same options");
+    std::vector<std::int64_t> shapes;
+    if (check::same_gradient_count(all, world)) shapes = all_gather_host(check::shapes(specs_));
+    check::fail(rank(), all, world, other, gradient_count(), shapes);
   }
 
   process_group<B>* group_;

@@ -121,3 +121,108 @@ COHORT_DECL std::string describe_gradient(std::size_t index, std::size_t count, 
 
 }  // namespace detail
 }  // namespace cohort::inline v0
+
+namespace cohort::inline v0::detail {
+
+COHORT_DECL std::vector<std::int64_t> layout_check::row(bool refused, std::span<const gradient_spec> specs,
+                                                        std::span<const bucket_layout> layout, compression compress,
+                                                        bool in_place, std::span<const std::size_t> run_counts,
+                                                        std::size_t buckets) {
+  fnv1a hash;
+  std::size_t elements = 0;
+  if (!refused) {
+    for (const auto& spec : specs) {
+      hash.mix(spec.count);
+      hash.mix(static_cast<std::uint64_t>(spec.type));
+      elements += spec.count;
+    }
+    for (const auto& bucket : layout) {
+      hash.mix(static_cast<std::uint64_t>(bucket.type));
+      hash.mix(bucket.elements);
+      for (std::size_t k = 0; k < bucket.gradients.size(); ++k) {
+        hash.mix(bucket.gradients[k]);
+        hash.mix(bucket.offsets[k]);
+      }
+    }
+    hash.mix(static_cast<std::uint64_t>(compress));
+    // In place, each run is a collective of its own: the runs must match across ranks too
+    // (a gradient adjacent to the next on one rank but not on another would pair an
+    // all-reduce of one size with one of another).
+    hash.mix(in_place);
+    for (const auto count : run_counts) hash.mix(count);
+  }
+  std::vector<std::int64_t> mine(layout_columns);
+  mine[refused_column] = refused ? 1 : 0;
+  mine[fingerprint_column] = static_cast<std::int64_t>(hash.value() & 0x7fffffffffffffffull);
+  mine[gradients_column] = static_cast<std::int64_t>(specs.size());
+  mine[elements_column] = static_cast<std::int64_t>(elements);
+  mine[buckets_column] = static_cast<std::int64_t>(buckets);
+  return mine;
+}
+
+COHORT_DECL int layout_check::first_mismatch(std::span<const std::int64_t> all, int world, int rank,
+                                             const std::exception_ptr& refusal) {
+  const auto cell = [&](int r, std::size_t c) { return all[static_cast<std::size_t>(r) * layout_columns + c]; };
+  for (int r = 0; r < world; ++r) {
+    if (cell(r, refused_column) == 0) continue;
+    if (refusal) std::rethrow_exception(refusal);  // this rank's own reason
+    throw error(rank, "gradient_reducer",
+                "rank " + std::to_string(r) + " refused its gradients, so no rank builds a reducer",
+                "rank " + std::to_string(r) + "'s own error names the cause");
+  }
+  // Every rank sees the same table, so every rank names the same pair: rank 0 and the
+  // first rank that differs from it.
+  const auto differs = [&](int r) {
+    for (auto c : {fingerprint_column, gradients_column, elements_column, buckets_column})
+      if (cell(r, c) != cell(0, c)) return true;
+    return false;
+  };
+  int other = 1;
+  while (other < world && !differs(other)) ++other;
+  return std::min(other, world);
+}
+
+COHORT_DECL bool layout_check::same_gradient_count(std::span<const std::int64_t> all, int world) {
+  for (int r = 1; r < world; ++r)
+    if (all[static_cast<std::size_t>(r) * layout_columns + gradients_column] != all[gradients_column]) return false;
+  return true;
+}
+
+COHORT_DECL std::vector<std::int64_t> layout_check::shapes(std::span<const gradient_spec> specs) {
+  std::vector<std::int64_t> shapes;
+  shapes.reserve(2 * specs.size());
+  for (const auto& spec : specs) {
+    shapes.push_back(static_cast<std::int64_t>(spec.count));
+    shapes.push_back(static_cast<std::int64_t>(spec.type));
+  }
+  return shapes;
+}
+
+COHORT_DECL void layout_check::fail(int rank, std::span<const std::int64_t> all, int world, int other,
+                                    std::size_t gradients, std::span<const std::int64_t> shapes_of_all) {
+  const auto cell = [&](int r, std::size_t c) { return all[static_cast<std::size_t>(r) * layout_columns + c]; };
+  auto describe = [&](int r) {
+    return "rank " + std::to_string(r) + " has " + std::to_string(cell(r, gradients_column)) + " gradients of " +
+           std::to_string(cell(r, elements_column)) + " elements in " + std::to_string(cell(r, buckets_column)) +
+           " buckets";
+  };
+  const std::string detail = "bucket layouts differ across ranks: " + describe(0) + "; " + describe(other);
+  std::string named;
+  if (!shapes_of_all.empty()) {
+    const auto shape = [&](int r, std::size_t i) {
+      const std::size_t at = (static_cast<std::size_t>(r) * gradients + i) * 2;
+      return std::to_string(shapes_of_all[at]) + " x " +
+             std::string(to_string(static_cast<dtype>(shapes_of_all[at + 1])));
+    };
+    for (std::size_t i = 0; i < gradients && named.empty(); ++i)
+      for (int r = 1; r < world && named.empty(); ++r)
+        if (shape(r, i) != shape(0, i))
+          named = ": gradient " + std::to_string(i) + " is " + shape(0, i) + " on rank 0 but " + shape(r, i) +
+                  " on rank " + std::to_string(r);
+  }
+  throw error(rank, "gradient_reducer",
+              detail + (named.empty() ? " (sizes, dtypes, caps or compression differ)" : named),
+              "build the reducer from the same model on every rank, with the same options");
+}
+
+}  // namespace cohort::inline v0::detail
