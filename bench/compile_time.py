@@ -3,7 +3,7 @@
 unit of twenty standard headers (bench/compile/std_headers.cpp) compiled in the same run.
 
   python3 bench/compile_time.py [--cxx g++] [--nvcc nvcc] [--runs 5] [--no-nvcc]
-                                [--no-headers] [--against DIR] [--json FILE]
+                                [--no-headers] [--only TEXT] [--against DIR] [--json FILE]
 
 Rows:
   - the umbrella header <cohort/cohort.hpp>, -fsyntax-only;
@@ -14,10 +14,12 @@ Rows:
   - the umbrella header and both trainer TUs again with COHORT_SEPARATE_COMPILATION, and
     the one translation unit such a program adds (cohort/impl/src.hpp, -O2), compiled once
     however many translation units the program has.
-Times are CPU seconds (user + system) of the compiler, the fastest of --runs: on a shared
-VM the wall clock also counts time other guests held the core. The yardstick runs before
-every run of every row and the ratios divide by its fastest time in the whole run, so a
-machine whose speed drifts cannot favour one row.
+Times are CPU seconds (user + system) of the compiler: on a shared VM the wall clock also
+counts time other guests held the core. The yardstick runs right before every run of every
+row, each run is divided by that yardstick run, and the lowest ratio of --runs is kept (with
+its seconds): a VM whose speed drifts during the run slows both sides of a ratio together,
+where a ratio to the yardstick's fastest run of the whole run would charge the drift to
+whichever rows met the slow minutes.
 
 --against DIR measures a second checkout of cohort (its include/ and bench/compile/, for
 example a `git worktree` of an older commit) in the same run, each of its runs right after
@@ -140,6 +142,7 @@ def main():
     parser.add_argument("--no-nvcc", action="store_true")
     parser.add_argument("--no-headers", action="store_true", help="skip the per-header rows")
     parser.add_argument("--against", default="", help="a second checkout of cohort to measure beside this one")
+    parser.add_argument("--only", default="", help="measure only the rows whose name contains this text")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
 
@@ -150,7 +153,7 @@ def main():
             trees.append(Tree(args.against, args, work))
         yardstick_command = [args.cxx, "-std=c++20", "-fsyntax-only", os.path.join(HERE, "compile", "std_headers.cpp")]
         yardstick = None
-        plans = [tree.rows() for tree in trees]
+        plans = [[row for row in tree.rows() if args.only in row[0]] for tree in trees]
         names = [name for name, _, _ in plans[0]]
         best = {}  # (tree index, row name) -> (seconds, kernels)
         print(f"measuring with {args.cxx}, fastest of {args.runs} runs (CPU seconds) ...", flush=True)
@@ -165,8 +168,9 @@ def main():
                     output = [""]
                     seconds = cpu_seconds(command, output)
                     kernels = kernels_in(output[0]) if wants_output else None
-                    if (index, name) not in best or seconds < best[(index, name)][0]:
-                        best[(index, name)] = (seconds, kernels)
+                    ratio = seconds / stick
+                    if (index, name) not in best or ratio < best[(index, name)][2]:
+                        best[(index, name)] = (seconds, kernels, ratio)
         print("compile CPU time as ratios to the standard-headers TU:")
         header = f"  {'':58s} {'seconds':>8s} {'ratio':>7s}"
         if len(trees) > 1:
@@ -175,14 +179,14 @@ def main():
         print(f"  {'20 standard headers, -fsyntax-only (the yardstick)':58s} {yardstick:8.2f} {1.0:6.2f}x")
         rows = []
         for name in names:
-            seconds, kernels = best[(0, name)]
-            row = {"what": name, "seconds": round(seconds, 3), "ratio": round(seconds / yardstick, 2)}
-            line = f"  {name:58s} {seconds:8.2f} {seconds / yardstick:6.2f}x"
+            seconds, kernels, ratio = best[(0, name)]
+            row = {"what": name, "seconds": round(seconds, 3), "ratio": round(ratio, 2)}
+            line = f"  {name:58s} {seconds:8.2f} {ratio:6.2f}x"
             if len(trees) > 1 and (1, name) in best:
-                other, other_kernels = best[(1, name)]
-                row.update({"against_seconds": round(other, 3), "against_ratio": round(other / yardstick, 2),
-                            "this_over_against": round(seconds / other, 2)})
-                line += f" {other:9.2f} {other / yardstick:6.2f}x {seconds / other:12.2f}x"
+                other, other_kernels, other_ratio = best[(1, name)]
+                row.update({"against_seconds": round(other, 3), "against_ratio": round(other_ratio, 2),
+                            "this_over_against": round(ratio / other_ratio, 2)})
+                line += f" {other:9.2f} {other_ratio:6.2f}x {ratio / other_ratio:12.2f}x"
                 if other_kernels is not None:
                     row["against_kernels"] = other_kernels
             if kernels is not None:
