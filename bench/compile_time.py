@@ -16,10 +16,12 @@ Rows:
     however many translation units the program has.
 Times are CPU seconds (user + system) of the compiler: on a shared VM the wall clock also
 counts time other guests held the core. The yardstick runs right before every run of every
-row, each run is divided by that yardstick run, and the lowest ratio of --runs is kept (with
-its seconds): a VM whose speed drifts during the run slows both sides of a ratio together,
-where a ratio to the yardstick's fastest run of the whole run would charge the drift to
-whichever rows met the slow minutes.
+row, each run is divided by that yardstick run, and the median ratio of --runs is printed
+beside the row's fastest seconds: a VM whose speed drifts during the run slows both sides of
+a ratio together, where a ratio to the yardstick's fastest run of the whole run charges the
+drift to whichever rows met the slow minutes, and the median keeps one odd yardstick run
+from setting a row's ratio. On a noisy VM use --runs 5 or more; differences under about 5%
+are noise there.
 
 --against DIR measures a second checkout of cohort (its include/ and bench/compile/, for
 example a `git worktree` of an older commit) in the same run, each of its runs right after
@@ -155,7 +157,8 @@ def main():
         yardstick = None
         plans = [[row for row in tree.rows() if args.only in row[0]] for tree in trees]
         names = [name for name, _, _ in plans[0]]
-        best = {}  # (tree index, row name) -> (seconds, kernels)
+        best = {}  # (tree index, row name) -> (fastest seconds, kernels)
+        ratios = {}  # (tree index, row name) -> every run's ratio to the yardstick run before it
         print(f"measuring with {args.cxx}, fastest of {args.runs} runs (CPU seconds) ...", flush=True)
         for name in names:
             for _ in range(args.runs):
@@ -168,9 +171,10 @@ def main():
                     output = [""]
                     seconds = cpu_seconds(command, output)
                     kernels = kernels_in(output[0]) if wants_output else None
-                    ratio = seconds / stick
-                    if (index, name) not in best or ratio < best[(index, name)][2]:
-                        best[(index, name)] = (seconds, kernels, ratio)
+                    ratios.setdefault((index, name), []).append(seconds / stick)
+                    fastest = best.get((index, name), (seconds, kernels))[0]
+                    if seconds <= fastest:
+                        best[(index, name)] = (seconds, kernels)
         print("compile CPU time as ratios to the standard-headers TU:")
         header = f"  {'':58s} {'seconds':>8s} {'ratio':>7s}"
         if len(trees) > 1:
@@ -178,12 +182,19 @@ def main():
         print(header)
         print(f"  {'20 standard headers, -fsyntax-only (the yardstick)':58s} {yardstick:8.2f} {1.0:6.2f}x")
         rows = []
+        def median(values):
+            ordered = sorted(values)
+            middle = len(ordered) // 2
+            return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
         for name in names:
-            seconds, kernels, ratio = best[(0, name)]
+            seconds, kernels = best[(0, name)]
+            ratio = median(ratios[(0, name)])
             row = {"what": name, "seconds": round(seconds, 3), "ratio": round(ratio, 2)}
             line = f"  {name:58s} {seconds:8.2f} {ratio:6.2f}x"
             if len(trees) > 1 and (1, name) in best:
-                other, other_kernels, other_ratio = best[(1, name)]
+                other, other_kernels = best[(1, name)]
+                other_ratio = median(ratios[(1, name)])
                 row.update({"against_seconds": round(other, 3), "against_ratio": round(other_ratio, 2),
                             "this_over_against": round(ratio / other_ratio, 2)})
                 line += f" {other:9.2f} {other_ratio:6.2f}x {ratio / other_ratio:12.2f}x"
