@@ -218,6 +218,29 @@ TEST_CASE("a rank process that dies is an error on the others within the timeout
   require_traces_blame(traces, {2});  // the survivors' traces name the same rank
 }
 
+// Point to point, the rank at fault is the peer: rank 1 leaves without a word, and rank 0's
+// send to it must name rank 1, not only "this rank is in send #1".
+TEST_CASE("a send to a rank that has exited names that rank", "[multiprocess][faults]") {
+  const auto envs = torchrun_envs(2, 2, std::to_string(free_port()));
+  const auto codes = run_children(envs, [] {
+    auto pg = launched_gloo_group(std::chrono::seconds(5));
+    pg.barrier().wait();
+    if (pg.rank() == 1) ::_exit(42);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // its sockets are closed by now
+    std::vector<float> data(std::size_t{1} << 20, 1.0f);
+    try {
+      for (int step = 0; step < 20; ++step) pg.send(std::span<const float>(data), 1).wait();
+    } catch (const cohort::error& failure) {
+      std::fprintf(stderr, "rank 0 saw: %s\n", failure.what());
+      const bool names_peer =
+          std::string_view(failure.what()).find("rank 1 (the peer) closed its connection") != std::string_view::npos;
+      return names_peer ? 0 : 3;
+    }
+    return 1;  // 80 MiB sent to nobody without an error
+  });
+  REQUIRE(codes == std::vector<int>{0, 42});
+}
+
 // Writing to the socket of a rank that has gone raises SIGPIPE, whose default action kills
 // the writer (exit status 141) before it can say which rank died; under a C++ launcher
 // nothing ignores it (Python does, so PyTorch never meets this). The threads that write to
