@@ -9,10 +9,12 @@
 // calling thread; on a device backend a kernel on the caller's stream.
 //
 // Like Thrust's systems, each memory space implements these entry points in its own place:
-// detail/host_elementwise.hpp (loops) and detail/device_elementwise.cuh (kernels, so a
-// translation unit that uses them on a device backend is compiled by nvcc; a clear
-// static_assert says so otherwise). The per-element formulas are shared
-// (detail/elementwise.hpp), so both compute the same values.
+// detail/host_elementwise.hpp (loops) and detail/device_elementwise.hpp (kernel launches).
+// The kernels (detail/device_elementwise.cuh) are compiled by nvcc: in the translation unit
+// that uses them on a device backend (a clear static_assert says so when it is not a .cu
+// file), or once in the program's cohort library with COHORT_SEPARATE_DEVICE_CODE (see
+// cohort/detail/config.hpp). The per-element formulas are shared (detail/elementwise.hpp), so
+// both compute the same values.
 
 #include <cstdint>
 #include <span>
@@ -32,7 +34,8 @@ template <memory_space Space>
 struct elementwise {
   static_assert(Space == memory_space::host,
                 "cohort: device-side element-wise work launches CUDA kernels: compile this translation unit "
-                "with nvcc (a .cu file)");
+                "with nvcc (a .cu file), or link a cohort library that compiled them "
+                "(COHORT_SEPARATE_DEVICE_CODE, cohort_add_compiled_library with CUDA enabled)");
 };
 
 inline void require_floating(std::string_view operation, dtype type) {
@@ -45,8 +48,8 @@ inline void require_floating(std::string_view operation, dtype type) {
 }  // namespace cohort::inline v0
 
 #include "cohort/detail/host_elementwise.hpp"
-#if defined(__CUDACC__)
-#include "cohort/detail/device_elementwise.cuh"
+#if defined(__CUDACC__) || (defined(COHORT_SEPARATE_DEVICE_CODE) && defined(COHORT_HAS_NCCL) && COHORT_HAS_NCCL)
+#include "cohort/detail/device_elementwise.hpp"
 #endif
 
 namespace cohort::inline v0 {

@@ -1,12 +1,12 @@
 #pragma once
-// The device system's element-wise work (cohort/ops.hpp): CUDA kernels over the formulas of
-// detail/elementwise.hpp, launched on the backend's stream (or, for the caller-order entry
-// point, the caller's). Included only when nvcc compiles the translation unit.
+// The device system's element-wise kernels, over the formulas of detail/elementwise.hpp, and
+// the launchers detail/device_elementwise.hpp declares. nvcc compiles this header: in each
+// .cu translation unit that uses the device backend's algorithms (header-only), or once in the
+// program's cohort library (COHORT_SEPARATE_DEVICE_CODE, cohort/impl/device_src.cuh).
 //
 // One kernel per operation, whatever the dtypes: the dtype is a kernel argument and each
-// kernel switches on it once, outside its loop. A trainer's translation unit so compiles a
-// handful of kernels rather than one per operation and dtype (pair), and the branch costs
-// nothing per element.
+// kernel switches on it once, outside its loop. A program so compiles a handful of kernels
+// rather than one per operation and dtype (pair), and the branch costs nothing per element.
 
 #include <cuda_runtime.h>
 
@@ -16,6 +16,7 @@
 #include <span>
 #include <string>
 
+#include "cohort/detail/device_elementwise.hpp"
 #include "cohort/detail/elementwise.hpp"
 #include "cohort/error.hpp"
 #include "cohort/types.hpp"
@@ -175,122 +176,86 @@ __global__ void adam_kernel(T* parameters, const T* gradients, T* first, T* seco
     adam_update(parameters[i], gradients[i], first[i], second[i], c);
 }
 
+COHORT_DEVICE_DECL void launch_divide(cudaStream_t stream, void* data, std::size_t count, dtype type, int divisor) {
+  if (count == 0) return;
+  divide_kernel<><<<blocks_for(count), 256, 0, stream>>>(data, count, type, divisor);
+  check_launch("divide");
+}
+
+COHORT_DEVICE_DECL void launch_scale(cudaStream_t stream, void* data, std::size_t count, dtype type, double factor) {
+  if (count == 0) return;
+  scale_kernel<><<<blocks_for(count), 256, 0, stream>>>(data, count, type, factor);
+  check_launch("scale");
+}
+
+COHORT_DEVICE_DECL void launch_convert(cudaStream_t stream, const void* in, dtype from, void* out, dtype to,
+                                       std::size_t count, bool add) {
+  if (count == 0) return;
+  convert_kernel<><<<blocks_for(count), 256, 0, stream>>>(in, from, out, to, count, add);
+  check_launch(add ? "accumulate" : "cast");
+}
+
+COHORT_DEVICE_DECL void launch_fill(cudaStream_t stream, void* data, std::size_t count, dtype type, double value) {
+  if (count == 0) return;
+  std::uint64_t pattern = 0;
+  visit_dtype(type, [&](auto sample) {
+    const auto v = converted_value<decltype(sample)>(value);
+    std::memcpy(&pattern, &v, sizeof v);
+  });
+  const auto width = static_cast<unsigned>(size_of(type));
+  fill_kernel<><<<blocks_for(count), 256, 0, stream>>>(data, count, width, pattern);
+  check_launch("fill");
+}
+
+COHORT_DEVICE_DECL void launch_batched_copy(cudaStream_t stream, std::span<const copy_region> regions) {
+  for (std::size_t first = 0; first < regions.size(); first += region_batch::capacity) {
+    region_batch batch{};
+    const std::size_t n = std::min<std::size_t>(region_batch::capacity, regions.size() - first);
+    std::size_t largest = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      batch.destination[i] = static_cast<char*>(regions[first + i].destination);
+      batch.source[i] = static_cast<const char*>(regions[first + i].source);
+      batch.bytes[i] = regions[first + i].bytes;
+      largest = std::max(largest, regions[first + i].bytes);
+    }
+    if (largest == 0) continue;
+    const dim3 grid(std::min<unsigned>(blocks_for(largest / 16 + 1), 1024u), static_cast<unsigned>(n));
+    batched_copy_kernel<><<<grid, 256, 0, stream>>>(batch);
+    check_launch("batched_copy");
+  }
+}
+
+COHORT_DEVICE_DECL void launch_count_nonfinite(cudaStream_t stream, const void* data, std::size_t count, dtype type,
+                                               std::int64_t* result) {
+  if (count == 0 || !is_floating(type)) return;
+  nonfinite_kernel<>
+      <<<blocks_for(count), 256, 0, stream>>>(data, count, type, reinterpret_cast<unsigned long long*>(result));
+  check_launch("count_nonfinite");
+}
+
+COHORT_DEVICE_DECL void launch_sum_of_squares(cudaStream_t stream, const void* data, std::size_t count, dtype type,
+                                              double* result) {
+  if (count == 0 || !is_floating(type)) return;
+  squares_kernel<><<<blocks_for(count), 256, 0, stream>>>(data, count, type, result);
+  check_launch("sum_of_squares");
+}
+
+template <class T>
+void launch_sgd(cudaStream_t stream, T* parameters, const T* gradients, T* momentum, std::size_t count,
+                const sgd_coefficients& c) {
+  if (count == 0) return;
+  sgd_kernel<T><<<blocks_for(count), 256, 0, stream>>>(parameters, gradients, momentum, count, c);
+  check_launch("sgd_step");
+}
+
+template <class T>
+void launch_adam(cudaStream_t stream, T* parameters, const T* gradients, T* first, T* second, std::size_t count,
+                 const adam_coefficients& c) {
+  if (count == 0) return;
+  adam_kernel<T><<<blocks_for(count), 256, 0, stream>>>(parameters, gradients, first, second, count, c);
+  check_launch("adam_step");
+}
+
 }  // namespace device
-
-template <memory_space Space>
-struct elementwise;
-
-template <>
-struct elementwise<memory_space::device> {
-  template <class B>
-  static typename B::work divide(B& engine, void* data, std::size_t count, dtype type, int divisor) {
-    divide_in_caller_order(engine, engine.stream(), data, count, type, divisor);
-    return engine.record();
-  }
-
-  template <class B>
-  static void divide_in_caller_order(B&, typename B::stream_type stream, void* data, std::size_t count, dtype type,
-                                     int divisor) {
-    if (count == 0) return;
-    device::divide_kernel<><<<device::blocks_for(count), 256, 0, stream>>>(data, count, type, divisor);
-    device::check_launch("divide");
-  }
-
-  template <class B>
-  static typename B::work scale(B& engine, void* data, std::size_t count, dtype type, double factor) {
-    if (count > 0) {
-      device::scale_kernel<><<<device::blocks_for(count), 256, 0, engine.stream()>>>(data, count, type, factor);
-      device::check_launch("scale");
-    }
-    return engine.record();
-  }
-
-  template <class B>
-  static typename B::work convert(B& engine, const void* in, dtype from, void* out, dtype to, std::size_t count,
-                                  bool add) {
-    if (count > 0) {
-      device::convert_kernel<><<<device::blocks_for(count), 256, 0, engine.stream()>>>(in, from, out, to, count, add);
-      device::check_launch(add ? "accumulate" : "cast");
-    }
-    return engine.record();
-  }
-
-  template <class B>
-  static typename B::work fill(B& engine, void* data, std::size_t count, dtype type, double value) {
-    if (count > 0) {
-      std::uint64_t pattern = 0;
-      visit_dtype(type, [&](auto sample) {
-        const auto v = converted_value<decltype(sample)>(value);
-        std::memcpy(&pattern, &v, sizeof v);
-      });
-      const auto width = static_cast<unsigned>(size_of(type));
-      device::fill_kernel<><<<device::blocks_for(count), 256, 0, engine.stream()>>>(data, count, width, pattern);
-      device::check_launch("fill");
-    }
-    return engine.record();
-  }
-
-  template <class B>
-  static typename B::work batched_copy(B& engine, std::span<const copy_region> regions) {
-    for (std::size_t first = 0; first < regions.size(); first += device::region_batch::capacity) {
-      device::region_batch batch{};
-      const std::size_t n = std::min<std::size_t>(device::region_batch::capacity, regions.size() - first);
-      std::size_t largest = 0;
-      for (std::size_t i = 0; i < n; ++i) {
-        batch.destination[i] = static_cast<char*>(regions[first + i].destination);
-        batch.source[i] = static_cast<const char*>(regions[first + i].source);
-        batch.bytes[i] = regions[first + i].bytes;
-        largest = std::max(largest, regions[first + i].bytes);
-      }
-      if (largest == 0) continue;
-      const dim3 grid(std::min<unsigned>(device::blocks_for(largest / 16 + 1), 1024u), static_cast<unsigned>(n));
-      device::batched_copy_kernel<><<<grid, 256, 0, engine.stream()>>>(batch);
-      device::check_launch("batched_copy");
-    }
-    return engine.record();
-  }
-
-  template <class B>
-  static typename B::work count_nonfinite(B& engine, const void* data, std::size_t count, dtype type,
-                                          std::int64_t* result) {
-    if (count > 0 && is_floating(type)) {
-      device::nonfinite_kernel<><<<device::blocks_for(count), 256, 0, engine.stream()>>>(
-          data, count, type, reinterpret_cast<unsigned long long*>(result));
-      device::check_launch("count_nonfinite");
-    }
-    return engine.record();
-  }
-
-  template <class B>
-  static typename B::work sum_of_squares(B& engine, const void* data, std::size_t count, dtype type, double* result) {
-    if (count > 0 && is_floating(type)) {
-      device::squares_kernel<><<<device::blocks_for(count), 256, 0, engine.stream()>>>(data, count, type, result);
-      device::check_launch("sum_of_squares");
-    }
-    return engine.record();
-  }
-
-  template <class B, class T>
-  static typename B::work sgd_step(B& engine, T* parameters, const T* gradients, T* momentum, std::size_t count,
-                                   const sgd_coefficients& c) {
-    if (count > 0) {
-      device::sgd_kernel<T>
-          <<<device::blocks_for(count), 256, 0, engine.stream()>>>(parameters, gradients, momentum, count, c);
-      device::check_launch("sgd_step");
-    }
-    return engine.record();
-  }
-
-  template <class B, class T>
-  static typename B::work adam_step(B& engine, T* parameters, const T* gradients, T* first, T* second,
-                                    std::size_t count, const adam_coefficients& c) {
-    if (count > 0) {
-      device::adam_kernel<T>
-          <<<device::blocks_for(count), 256, 0, engine.stream()>>>(parameters, gradients, first, second, count, c);
-      device::check_launch("adam_step");
-    }
-    return engine.record();
-  }
-};
 
 }  // namespace cohort::inline v0::detail

@@ -1,6 +1,7 @@
 // Sharded parameters on NCCL with one rank on one GPU: the device path of the same template
 // (gathers into cudaMalloc'd pooled buffers ordered with a caller stream, the gradient
-// kernels, SGD and Adam kernels, device checkpoints). Skipped without a GPU.
+// kernels, SGD and Adam kernels, device checkpoints). Skipped without a GPU. A plain C++ file:
+// the kernels come compiled from cohort_self_impl (COHORT_SEPARATE_DEVICE_CODE).
 #include <catch2/catch.hpp>
 
 #include <cuda_runtime.h>
@@ -17,6 +18,10 @@
 #include <cohort/store.hpp>
 
 #include "support.hpp"
+
+#if !defined(COHORT_SEPARATE_DEVICE_CODE) || defined(__CUDACC__)
+#error "test_sharded_nccl.cpp is the plain C++ test of the kernels cohort_self_impl compiled"
+#endif
 
 namespace {
 
