@@ -11,9 +11,10 @@ Rows:
   - a trainer TU on Gloo (bench/compile/trainer.cpp), compiled, at -O0 and -O2;
   - a CUDA trainer TU on NCCL (bench/compile/trainer.cu) with nvcc, and how many kernels
     it instantiates (ptxas -v names each);
-  - the umbrella header and both trainer TUs again with COHORT_SEPARATE_COMPILATION, and
-    the one translation unit such a program adds (cohort/impl/src.hpp, -O2), compiled once
-    however many translation units the program has.
+  - the umbrella header and both trainer TUs again with COHORT_SEPARATE_COMPILATION (the
+    CUDA one also with COHORT_SEPARATE_DEVICE_CODE, as a library built with CUDA gives it),
+    and the translation units such a program adds (cohort/impl/src.hpp, -O2, and
+    cohort/impl/device_src.cuh with nvcc), compiled once however many TUs the program has.
 Times are CPU seconds (user + system) of the compiler: on a shared VM the wall clock also
 counts time other guests held the core. The yardstick runs right before every run of every
 row, each run is divided by that yardstick run, and the median ratio of --runs is printed
@@ -117,19 +118,30 @@ class Tree:
                          self.base() + separate + ["-fsyntax-only", os.path.join(self.sources, "umbrella.cpp")], False))
             rows.append(("separate compilation: trainer TU on Gloo, -O2 -c", self.base() + separate + [
                 "-O2", "-c", os.path.join(self.sources, "trainer.cpp"), "-o", os.path.join(self.work, "trainer.o")], False))
+            # A library built with CUDA compiles the kernels too (cohort/impl/device_src.cuh), and
+            # the trainer's TUs see their launchers' declarations only.
+            device_src = os.path.exists(os.path.join(self.include, "cohort", "impl", "device_src.cuh"))
+            device = ["-DCOHORT_SEPARATE_DEVICE_CODE=1"] if device_src else []
             if nvcc:
-                rows.append(("separate compilation: CUDA trainer TU, nvcc -O2 -c", self.nvcc_command(separate), True))
+                rows.append(("separate compilation: CUDA trainer TU, nvcc -O2 -c",
+                             self.nvcc_command(separate + device), True))
             source = os.path.join(self.work, "src.cpp")
             with open(source, "w") as f:
                 f.write("#include <cohort/impl/src.hpp>\n")
             rows.append(("separate compilation: impl/src.hpp, -O2 -c (once per program)",
                          self.base() + separate + ["-O2", "-c", source, "-o", os.path.join(self.work, "src.o")], False))
+            if nvcc and device_src:
+                source = os.path.join(self.work, "device_src.cu")
+                with open(source, "w") as f:
+                    f.write("#include <cohort/impl/device_src.cuh>\n")
+                rows.append(("separate compilation: impl/device_src.cuh, nvcc -O2 -c (once per program)",
+                             self.nvcc_command(separate + device, source), True))
         return rows
 
-    def nvcc_command(self, extra):
+    def nvcc_command(self, extra, source=None):
+        source = source or os.path.join(self.sources, "trainer.cu")
         return [self.args.nvcc, "-std=c++20", "-O2", "-arch=sm_90", "-Xptxas=-v", f"-I{self.include}",
-                "-DCOHORT_HAS_NCCL=1"] + extra + ["-c", os.path.join(self.sources, "trainer.cu"), "-o",
-                                                  os.path.join(self.work, "trainer_cu.o")]
+                "-DCOHORT_HAS_NCCL=1"] + extra + ["-c", source, "-o", os.path.join(self.work, "nvcc.o")]
 
 
 def kernels_in(output):

@@ -15,7 +15,6 @@
 //   suggest_loader_workers(cores, local_ranks)  -> data-loader workers per rank
 
 #include <algorithm>
-#include <cmath>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>

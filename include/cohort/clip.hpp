@@ -16,11 +16,11 @@
 // every rank), which is what a loss_scaler::update takes. Each call reads one number back
 // to the host: on a device backend it waits for the gradients.
 
-#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <span>
 
+#include "cohort/detail/scalar_math.hpp"
 #include "cohort/ops.hpp"
 #include "cohort/reducer.hpp"
 #include "cohort/sharded.hpp"
@@ -72,7 +72,7 @@ double global_grad_norm(gradient_reducer<B>& reducer) {
       sum_of_squares(engine, gradient.data, gradient.count, gradient.type, sum);
     }
   });
-  return std::sqrt(squares);
+  return detail::square_root(squares);
 }
 
 // Multiplies every gradient by min(1, max_norm / (norm + 1e-6)), as
@@ -109,7 +109,7 @@ double global_grad_norm(sharded_parameters<B, T>& params) {
         }
       },
       [&](double* sum) { group.all_reduce(std::span<double>(sum, 1), op::sum); });
-  return std::sqrt(squares);
+  return detail::square_root(squares);
 }
 
 // Collective. The norm, and the factor to clip by: pass result.factor to the optimizer's

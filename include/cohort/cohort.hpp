@@ -33,3 +33,8 @@
 #if defined(COHORT_HAS_NCCL) && COHORT_HAS_NCCL
 #include "cohort/backend/nccl.hpp"
 #endif
+
+// Separately compiled, the library has instantiated the algorithms on each engine once.
+#if defined(COHORT_SEPARATE_COMPILATION)
+#include "cohort/detail/instantiations.hpp"
+#endif

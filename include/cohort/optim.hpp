@@ -11,11 +11,11 @@
 // worker, a kernel on NCCL's stream, whose translation unit nvcc compiles), from one
 // per-element formula for both (detail::sgd_update, adam_update).
 
-#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "cohort/detail/scalar_math.hpp"
 #include "cohort/ops.hpp"
 #include "cohort/sharded.hpp"
 
@@ -36,6 +36,12 @@ struct adam_options {
 };
 
 namespace detail {
+
+// Step `steps`'s coefficients (bias corrections 1 - beta^t) for adam_update.
+inline adam_coefficients adam_coefficients_at(const adam_options& o, std::uint64_t steps, double grad_scale) {
+  const double t = static_cast<double>(steps);
+  return {o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, 1 - power(o.beta1, t), 1 - power(o.beta2, t), grad_scale};
+}
 
 // State shards (state_count per unit) allocated in the backend's memory and zeroed.
 template <backend B, class T>
@@ -86,18 +92,7 @@ class sgd final : public sharded_optimizer_state<T> {
 
   // Updates every unit's shard with its gradient shard times grad_scale (unscaling a loss
   // scale, clipping: see clip_grad_norm); returns when-done work.
-  typename B::work step(double grad_scale = 1.0) {
-    ++steps_;
-    auto& engine = params_->group().backend();
-    const detail::sgd_coefficients c{options_.lr, options_.momentum, options_.weight_decay, grad_scale};
-    for (std::size_t u = 0; u < params_->unit_count(); ++u) {
-      T* parameters = params_->shard(u).data();
-      const T* gradients = params_->grad_shard(u).data();
-      T* momentum = state_.count() ? state_.get(u, 0) : nullptr;
-      sgd_step(engine, parameters, gradients, momentum, params_->shard_elements(u), c);
-    }
-    return engine.record();
-  }
+  typename B::work step(double grad_scale = 1.0);
 
   void set_lr(double lr) noexcept { options_.lr = lr; }
   const sgd_options& settings() const noexcept { return options_; }
@@ -115,44 +110,29 @@ class sgd final : public sharded_optimizer_state<T> {
   std::uint64_t steps_ = 0;
 };
 
+template <backend B, class T>
+auto sgd<B, T>::step(double grad_scale) -> typename B::work {
+  ++steps_;
+  auto& engine = params_->group().backend();
+  const detail::sgd_coefficients c{options_.lr, options_.momentum, options_.weight_decay, grad_scale};
+  for (std::size_t u = 0; u < params_->unit_count(); ++u) {
+    T* parameters = params_->shard(u).data();
+    const T* gradients = params_->grad_shard(u).data();
+    T* momentum = state_.count() ? state_.get(u, 0) : nullptr;
+    sgd_step(engine, parameters, gradients, momentum, params_->shard_elements(u), c);
+  }
+  return engine.record();
+}
+
 template <backend B, class T = float>
 class adam final : public sharded_optimizer_state<T> {
  public:
   // decay_units: per unit, whether weight decay applies (trainers decay matrices, not biases
   // or norms); empty: every unit.
-  adam(sharded_parameters<B, T>& params, adam_options opts = {}, std::vector<std::uint8_t> decay_units = {})
-      : params_(&params), options_(opts), state_(params, 2), decay_units_(std::move(decay_units)) {
-    if (!decay_units_.empty() && decay_units_.size() != params.unit_count())
-      throw error(
-          params.rank(), "adam",
-          std::to_string(decay_units_.size()) + " decay flags for " + std::to_string(params.unit_count()) + " units",
-          "one flag per unit, or none");
-  }
+  adam(sharded_parameters<B, T>& params, adam_options opts = {}, std::vector<std::uint8_t> decay_units = {});
 
   // grad_scale multiplies every gradient first (loss-scale unscaling, clipping).
-  typename B::work step(double grad_scale = 1.0) {
-    ++steps_;
-    auto& engine = params_->group().backend();
-    const double t = static_cast<double>(steps_);
-    const detail::adam_coefficients c{options_.lr,
-                                      options_.beta1,
-                                      options_.beta2,
-                                      options_.eps,
-                                      options_.weight_decay,
-                                      1 - std::pow(options_.beta1, t),
-                                      1 - std::pow(options_.beta2, t),
-                                      grad_scale};
-    for (std::size_t u = 0; u < params_->unit_count(); ++u) {
-      T* parameters = params_->shard(u).data();
-      const T* gradients = params_->grad_shard(u).data();
-      T* first = state_.get(u, 0);
-      T* second = state_.get(u, 1);
-      auto unit = c;
-      if (!decay_units_.empty() && decay_units_[u] == 0) unit.weight_decay = 0;
-      adam_step(engine, parameters, gradients, first, second, params_->shard_elements(u), unit);
-    }
-    return engine.record();
-  }
+  typename B::work step(double grad_scale = 1.0);
 
   void set_lr(double lr) noexcept { options_.lr = lr; }
   const adam_options& settings() const noexcept { return options_; }
@@ -170,6 +150,33 @@ class adam final : public sharded_optimizer_state<T> {
   std::vector<std::uint8_t> decay_units_;
   std::uint64_t steps_ = 0;
 };
+
+template <backend B, class T>
+adam<B, T>::adam(sharded_parameters<B, T>& params, adam_options opts, std::vector<std::uint8_t> decay_units)
+    : params_(&params), options_(opts), state_(params, 2), decay_units_(std::move(decay_units)) {
+  if (!decay_units_.empty() && decay_units_.size() != params.unit_count())
+    throw error(
+        params.rank(), "adam",
+        std::to_string(decay_units_.size()) + " decay flags for " + std::to_string(params.unit_count()) + " units",
+        "one flag per unit, or none");
+}
+
+template <backend B, class T>
+auto adam<B, T>::step(double grad_scale) -> typename B::work {
+  ++steps_;
+  auto& engine = params_->group().backend();
+  const detail::adam_coefficients c = detail::adam_coefficients_at(options_, steps_, grad_scale);
+  for (std::size_t u = 0; u < params_->unit_count(); ++u) {
+    T* parameters = params_->shard(u).data();
+    const T* gradients = params_->grad_shard(u).data();
+    T* first = state_.get(u, 0);
+    T* second = state_.get(u, 1);
+    auto unit = c;
+    if (!decay_units_.empty() && decay_units_[u] == 0) unit.weight_decay = 0;
+    adam_step(engine, parameters, gradients, first, second, params_->shard_elements(u), unit);
+  }
+  return engine.record();
+}
 
 template <backend B, class T>
 sgd(sharded_parameters<B, T>&, sgd_options) -> sgd<B, T>;

@@ -244,28 +244,7 @@ class gradient_reducer {
   // A rank whose own list is unusable (overlapping buffers, say) does not throw alone: the
   // others would wait for it in the layout check until the timeout. Every rank first learns
   // whether any rank refused, then all throw together; the refusing rank throws its reason.
-  gradient_reducer(process_group<B>& group, std::vector<gradient_spec> gradients, reducer_options options = {})
-      : group_(&group), specs_(std::move(gradients)), options_(std::move(options)) {
-    std::exception_ptr refusal;
-    try {
-      validate_specs();
-      std::vector<std::size_t> sizes;
-      std::vector<dtype> types;
-      for (const auto& spec : specs_) {
-        sizes.push_back(spec.count);
-        types.push_back(spec.type);
-      }
-      build(assign_buckets(sizes, types, caps()));
-    } catch (...) {
-      refusal = std::current_exception();
-    }
-    try {
-      check_layout_across_ranks(refusal);
-    } catch (...) {
-      release(buckets_);  // no destructor runs for a constructor that throws
-      throw;
-    }
-  }
+  gradient_reducer(process_group<B>& group, std::vector<gradient_spec> gradients, reducer_options options = {});
 
   // Bucket views of float32 gradients of these sizes.
   gradient_reducer(process_group<B>& group, const std::vector<std::size_t>& sizes, reducer_options options = {})
@@ -286,13 +265,7 @@ class gradient_reducer {
   gradient_reducer(const gradient_reducer&) = delete;
   gradient_reducer& operator=(const gradient_reducer&) = delete;
 
-  ~gradient_reducer() {
-    // Queued reductions write into the buckets: let them finish before freeing.
-    try {
-      group_->backend().record().wait();
-    } catch (...) {}
-    release(buckets_);
-  }
+  ~gradient_reducer();
 
   // ---- layout -------------------------------------------------------------------------------
   gradient_storage storage() const noexcept { return storage_; }
@@ -370,24 +343,7 @@ class gradient_reducer {
   // ---- the iteration --------------------------------------------------------------------------
   // Gradient i is final. When that completes the next buckets in index order, their
   // reductions are queued at once.
-  void mark_ready(std::size_t i) {
-    check_index("mark_ready", i);
-    if (marked_[i])
-      throw error(
-          rank(), "gradient_reducer.mark_ready",
-          detail::describe_gradient(i, specs_[i].count, specs_[i].type) + " was marked ready twice in one iteration",
-          "mark each gradient once per backward pass (shared parameters: accumulate first, then mark)");
-    marked_[i] = 1;
-    ++marked_count_;
-    if (!observed_order_complete_) observed_order_.push_back(i);
-    if (no_sync_depth_ > 0) return;
-    const std::size_t bucket = placement_[i].bucket;
-    if (group_->size() > 1 && divides_when_marked(bucket))  // dividing by 1 would be a pass for nothing
-      divide_in_caller_order(group_->backend(), caller_stream_, location(i), specs_[i].count, specs_[i].type,
-                             group_->size());
-    --pending_[bucket];
-    launch_ready_buckets();
-  }
+  void mark_ready(std::size_t i);
   // The gradient whose storage starts at span.data() (a bucket view or a user buffer).
   template <element T>
   void mark_ready(std::span<T> gradient) {
@@ -403,40 +359,7 @@ class gradient_reducer {
   // With a straggler report, a synchronised finish() ends the report's step, and its time
   // (entry to return: on Gloo the wait for the buckets, on CUDA only the queueing) is
   // counted as waiting.
-  reduction_summary finish() {
-    reduction_summary summary;
-    if (no_sync_depth_ > 0) {
-      reset_iteration();
-      return summary;
-    }
-    straggler_report* const report = options_.straggler && options_.straggler->enabled() ? options_.straggler : nullptr;
-    const auto entered = report ? straggler_report::clock::now() : straggler_report::clock::time_point{};
-    summary.synchronized = true;
-    auto& engine = group_->backend();
-    const bool find_unused = options_.unused == unused_gradients::zero;
-    std::vector<std::uint8_t> used;
-    if (find_unused) used = marked_;  // before handle_unmarked counts the zero-filled ones as marked
-    if (marked_count_ < gradient_count()) handle_unmarked();
-    launch_ready_buckets();
-    // Every rank issues the used-mask exchange, whatever it marked: a rank that marked every
-    // gradient must still meet a rank that did not.
-    if (find_unused) find_unused_everywhere(std::move(used), summary);
-    if (storage_ == gradient_storage::user_buffers) {
-      for (auto& bucket : buckets_) batched_copy(engine, std::span<const copy_region>(bucket.copy_out));
-    }
-    if (options_.check_nonfinite) check_nonfinite(summary);
-    engine.record().make_stream_wait(caller_stream_);
-    const bool rebuild_now = options_.rebuild_after_first_iteration && generation_ == 0;
-    observed_order_complete_ = true;
-    reset_iteration();
-    if (rebuild_now) rebuild_buckets();
-    if (report) {
-      const auto now = straggler_report::clock::now();
-      report->add_wait(wait_kind::reduce, now - entered);
-      report->end_step(now);
-    }
-    return summary;
-  }
+  reduction_summary finish();
 
   // Gradient-accumulation micro-steps: while the scope lives, mark_ready only bookkeeps and
   // finish() communicates nothing. The gradients (views or user buffers) keep what the
@@ -472,52 +395,7 @@ class gradient_reducer {
 
   // Collective: re-buckets in rank 0's observed ready order (broadcast, so every rank agrees).
   // Gradient values are carried over; spans from gradient() must be fetched again.
-  void rebuild_buckets() {
-    if (marked_count_ > 0 || launched_ > 0)
-      throw error(rank(), "gradient_reducer.rebuild_buckets", "called in the middle of an iteration",
-                  "rebuild after finish(), before the next backward pass");
-    std::vector<std::int64_t> order(gradient_count());
-    const bool have_order = observed_order_.size() == gradient_count();
-    std::vector<bool> listed(gradient_count(), false);
-    std::size_t fill = 0;
-    if (have_order)
-      for (auto index : observed_order_) {
-        order[fill++] = static_cast<std::int64_t>(index);
-        listed[index] = true;
-      }
-    for (std::size_t i = gradient_count(); i-- > 0;)
-      if (!listed[i]) order[fill++] = static_cast<std::int64_t>(i);
-    order = broadcast_host(std::move(order), 0);
-    std::vector<std::size_t> agreed(order.begin(), order.end());
-    std::vector<std::size_t> sizes;
-    std::vector<dtype> types;
-    for (const auto& spec : specs_) {
-      sizes.push_back(spec.count);
-      types.push_back(spec.type);
-    }
-    auto layout = assign_buckets(sizes, types, caps(), agreed);
-    auto old_buckets = std::move(buckets_);
-    const auto old_placement = placement_;
-    build(std::move(layout));
-    if (storage_ == gradient_storage::bucket_views) {
-      // Carry the (reduced) values over to the new views.
-      std::vector<copy_region> moves;
-      for (std::size_t i = 0; i < gradient_count(); ++i) {
-        const auto& from = old_placement[i];
-        const std::size_t bytes = specs_[i].count * size_of(specs_[i].type);
-        moves.push_back({location(i), static_cast<char*>(old_buckets[from.bucket].data) + from.offset_bytes, bytes});
-      }
-      auto& engine = group_->backend();
-      batched_copy(engine, std::span<const copy_region>(moves));
-      work moved = engine.record();
-      moved.make_stream_wait(caller_stream_);
-      moved.wait();
-    } else {
-      group_->backend().record().wait();
-    }
-    release(old_buckets);
-    ++generation_;
-  }
+  void rebuild_buckets();
 
  private:
   struct placement {
@@ -927,6 +805,144 @@ class gradient_reducer {
   comm_hook hook_;
   stream_type caller_stream_{};
 };
+
+template <backend B>
+gradient_reducer<B>::gradient_reducer(process_group<B>& group, std::vector<gradient_spec> gradients,
+                                      reducer_options options)
+    : group_(&group), specs_(std::move(gradients)), options_(std::move(options)) {
+  std::exception_ptr refusal;
+  try {
+    validate_specs();
+    std::vector<std::size_t> sizes;
+    std::vector<dtype> types;
+    for (const auto& spec : specs_) {
+      sizes.push_back(spec.count);
+      types.push_back(spec.type);
+    }
+    build(assign_buckets(sizes, types, caps()));
+  } catch (...) {
+    refusal = std::current_exception();
+  }
+  try {
+    check_layout_across_ranks(refusal);
+  } catch (...) {
+    release(buckets_);  // no destructor runs for a constructor that throws
+    throw;
+  }
+}
+
+template <backend B>
+gradient_reducer<B>::~gradient_reducer() {
+  // Queued reductions write into the buckets: let them finish before freeing.
+  try {
+    group_->backend().record().wait();
+  } catch (...) {}
+  release(buckets_);
+}
+
+template <backend B>
+auto gradient_reducer<B>::mark_ready(std::size_t i) -> void {
+  check_index("mark_ready", i);
+  if (marked_[i])
+    throw error(
+        rank(), "gradient_reducer.mark_ready",
+        detail::describe_gradient(i, specs_[i].count, specs_[i].type) + " was marked ready twice in one iteration",
+        "mark each gradient once per backward pass (shared parameters: accumulate first, then mark)");
+  marked_[i] = 1;
+  ++marked_count_;
+  if (!observed_order_complete_) observed_order_.push_back(i);
+  if (no_sync_depth_ > 0) return;
+  const std::size_t bucket = placement_[i].bucket;
+  if (group_->size() > 1 && divides_when_marked(bucket))  // dividing by 1 would be a pass for nothing
+    divide_in_caller_order(group_->backend(), caller_stream_, location(i), specs_[i].count, specs_[i].type,
+                           group_->size());
+  --pending_[bucket];
+  launch_ready_buckets();
+}
+
+template <backend B>
+auto gradient_reducer<B>::finish() -> reduction_summary {
+  reduction_summary summary;
+  if (no_sync_depth_ > 0) {
+    reset_iteration();
+    return summary;
+  }
+  straggler_report* const report = options_.straggler && options_.straggler->enabled() ? options_.straggler : nullptr;
+  const auto entered = report ? straggler_report::clock::now() : straggler_report::clock::time_point{};
+  summary.synchronized = true;
+  auto& engine = group_->backend();
+  const bool find_unused = options_.unused == unused_gradients::zero;
+  std::vector<std::uint8_t> used;
+  if (find_unused) used = marked_;  // before handle_unmarked counts the zero-filled ones as marked
+  if (marked_count_ < gradient_count()) handle_unmarked();
+  launch_ready_buckets();
+  // Every rank issues the used-mask exchange, whatever it marked: a rank that marked every
+  // gradient must still meet a rank that did not.
+  if (find_unused) find_unused_everywhere(std::move(used), summary);
+  if (storage_ == gradient_storage::user_buffers) {
+    for (auto& bucket : buckets_) batched_copy(engine, std::span<const copy_region>(bucket.copy_out));
+  }
+  if (options_.check_nonfinite) check_nonfinite(summary);
+  engine.record().make_stream_wait(caller_stream_);
+  const bool rebuild_now = options_.rebuild_after_first_iteration && generation_ == 0;
+  observed_order_complete_ = true;
+  reset_iteration();
+  if (rebuild_now) rebuild_buckets();
+  if (report) {
+    const auto now = straggler_report::clock::now();
+    report->add_wait(wait_kind::reduce, now - entered);
+    report->end_step(now);
+  }
+  return summary;
+}
+
+template <backend B>
+auto gradient_reducer<B>::rebuild_buckets() -> void {
+  if (marked_count_ > 0 || launched_ > 0)
+    throw error(rank(), "gradient_reducer.rebuild_buckets", "called in the middle of an iteration",
+                "rebuild after finish(), before the next backward pass");
+  std::vector<std::int64_t> order(gradient_count());
+  const bool have_order = observed_order_.size() == gradient_count();
+  std::vector<bool> listed(gradient_count(), false);
+  std::size_t fill = 0;
+  if (have_order)
+    for (auto index : observed_order_) {
+      order[fill++] = static_cast<std::int64_t>(index);
+      listed[index] = true;
+    }
+  for (std::size_t i = gradient_count(); i-- > 0;)
+    if (!listed[i]) order[fill++] = static_cast<std::int64_t>(i);
+  order = broadcast_host(std::move(order), 0);
+  std::vector<std::size_t> agreed(order.begin(), order.end());
+  std::vector<std::size_t> sizes;
+  std::vector<dtype> types;
+  for (const auto& spec : specs_) {
+    sizes.push_back(spec.count);
+    types.push_back(spec.type);
+  }
+  auto layout = assign_buckets(sizes, types, caps(), agreed);
+  auto old_buckets = std::move(buckets_);
+  const auto old_placement = placement_;
+  build(std::move(layout));
+  if (storage_ == gradient_storage::bucket_views) {
+    // Carry the (reduced) values over to the new views.
+    std::vector<copy_region> moves;
+    for (std::size_t i = 0; i < gradient_count(); ++i) {
+      const auto& from = old_placement[i];
+      const std::size_t bytes = specs_[i].count * size_of(specs_[i].type);
+      moves.push_back({location(i), static_cast<char*>(old_buckets[from.bucket].data) + from.offset_bytes, bytes});
+    }
+    auto& engine = group_->backend();
+    batched_copy(engine, std::span<const copy_region>(moves));
+    work moved = engine.record();
+    moved.make_stream_wait(caller_stream_);
+    moved.wait();
+  } else {
+    group_->backend().record().wait();
+  }
+  release(old_buckets);
+  ++generation_;
+}
 
 // ---- helpers ---------------------------------------------------------------------------------
 

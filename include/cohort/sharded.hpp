@@ -19,7 +19,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -222,74 +221,13 @@ class sharded_parameters {
   // replicate across `replicas`, whose members hold the same shard index). `units`: each
   // unit's parameter sizes, in elements.
   sharded_parameters(group_type& group, std::vector<std::vector<std::size_t>> units, sharded_options opts = {},
-                     group_type* replicas = nullptr)
-      : group_(&group),
-        replicas_(replicas),
-        options_(opts),
-        gather_type_(opts.gather_type.value_or(dtype_v<T>)),
-        reduce_type_(opts.reduce_type.value_or(dtype_v<T>)),
-        pool_(group.backend()) {
-    if (opts.prefetch < 0)
-      throw error(rank(), "sharded_parameters", "prefetch depth " + std::to_string(opts.prefetch),
-                  "use 0 (no prefetch) or a positive depth");
-    for (dtype type : {gather_type_, reduce_type_})
-      if (type != dtype::float32 && type != dtype::float64 && type != dtype::float16 && type != dtype::bfloat16)
-        throw error(rank(), "sharded_parameters", "gather/reduce dtype " + std::string(to_string(type)),
-                    "use a floating-point dtype (float, double, half, bfloat16)");
-    const std::size_t world = static_cast<std::size_t>(group.size());
-    for (auto& sizes : units) {
-      unit_layout info;
-      info.sizes = std::move(sizes);
-      for (std::size_t size : info.sizes) {
-        info.offsets.push_back(info.elements);
-        info.elements += size;
-      }
-      info.replicated = world == 1 || info.elements < opts.replicate_below;
-      info.padded = info.replicated ? info.elements : (info.elements + world - 1) / world * world;
-      info.shard = info.replicated ? info.elements : info.padded / world;
-      units_.push_back(std::move(info));
-    }
-    // Automatic limit: the prefetch + 1 largest units, so gathered and pooled buffers
-    // together never exceed what depth `prefetch` needs at its worst.
-    std::vector<std::size_t> sizes;
-    for (std::size_t u = 0; u < units_.size(); ++u) sizes.push_back(std::max<std::size_t>(gather_bytes(u), 1));
-    std::sort(sizes.rbegin(), sizes.rend());
-    largest_gather_bytes_ = sizes.empty() ? 0 : sizes.front();
-    std::size_t automatic = 0;
-    for (std::size_t i = 0; i < sizes.size() && i <= static_cast<std::size_t>(opts.prefetch); ++i)
-      automatic += sizes[i];
-    limit_ = opts.max_gathered_bytes ? opts.max_gathered_bytes : automatic;
-    auto& engine = group.backend();
-    try {
-      for (auto& info : units_) {
-        const std::size_t bytes = std::max<std::size_t>(info.shard, 1) * sizeof(T);
-        info.master = static_cast<T*>(engine.allocate(bytes));
-        info.grad = static_cast<T*>(engine.allocate(bytes));
-        memory_.shards += bytes;
-        memory_.gradients += bytes;
-        fill(engine, info.master, info.shard, dtype_v<T>, 0.0);
-        fill(engine, info.grad, info.shard, dtype_v<T>, 0.0);
-      }
-      engine.record().wait();
-    } catch (...) {
-      free_all();
-      throw;
-    }
-    note_peak();
-  }
+                     group_type* replicas = nullptr);
 
   sharded_parameters(const sharded_parameters&) = delete;
   sharded_parameters& operator=(const sharded_parameters&) = delete;
 
   // Waits for everything queued, then frees every buffer. Guards must be gone by then.
-  ~sharded_parameters() {
-    try {
-      group_->backend().record().wait();
-    } catch (...) {
-      // The group failed; the buffers are freed regardless.
-    }
-    free_all();
-  }
+  ~sharded_parameters();
 
   // --- layout ------------------------------------------------------------------------------
   int rank() const noexcept { return group_->rank(); }
@@ -408,33 +346,10 @@ class sharded_parameters {
 
   // --- gather ------------------------------------------------------------------------------
   // Collective. All ranks gather the same units in the same order.
-  gathered gather(std::size_t unit) {
-    info(unit, "gather");
-    std::unique_lock lock(mutex_);
-    auto it = live_.find(unit);
-    if (it == live_.end()) {
-      std::erase(deferred_, unit);
-      it = issue_gather(unit, true, lock);
-    }
-    it->second.users += 1;
-    it->second.prefetched = false;
-    gathered guard(this, unit, it->second.buf.data, it->second.ready);
-    schedule_prefetch(unit);
-    return guard;
-  }
+  gathered gather(std::size_t unit);
 
   // Drops prefetched gathers nobody has used yet (their buffers go back to the pool).
-  void drop_prefetched() {
-    std::lock_guard lock(mutex_);
-    deferred_.clear();
-    for (auto it = live_.begin(); it != live_.end();) {
-      if (it->second.users == 0)
-        it = retire(it);
-      else
-        ++it;
-    }
-    trim_pool();
-  }
+  void drop_prefetched();
 
   // --- gradients ---------------------------------------------------------------------------
   // Collective. Averages the unit's full gradient across ranks (every replica too) and
@@ -480,11 +395,7 @@ class sharded_parameters {
   }
 
   // Sets every gradient shard to zero (queued in the backend's order).
-  work zero_grad() {
-    auto& engine = group_->backend();
-    for (auto& u : units_) fill(engine, u.grad, u.shard, dtype_v<T>, 0.0);
-    return engine.record();
-  }
+  work zero_grad();
 
   // Completes when everything the container queued so far has.
   work record() { return group_->backend().record(); }
@@ -492,107 +403,16 @@ class sharded_parameters {
   // --- checkpoints -------------------------------------------------------------------------
   // Collective over the shard group: every parameter in full, on shard rank `root` (empty
   // elsewhere), in unit order. One unit is materialised at a time.
-  std::vector<std::vector<T>> gather_full_state(int root = 0) {
-    std::vector<std::vector<T>> out;
-    auto& engine = group_->backend();
-    for (std::size_t u = 0; u < units_.size(); ++u) {
-      auto& info = units_[u];
-      buffer full = take_buffer(std::max<std::size_t>(info.padded, 1) * sizeof(T), true);
-      work done = info.replicated ? engine.copy(full.data, info.master, info.elements * sizeof(T))
-                                  : group_->all_gather(std::span<const T>(info.master, info.shard),
-                                                       std::span<T>(static_cast<T*>(full.data), info.padded));
-      done.wait();
-      if (rank() == root) {
-        for (std::size_t p = 0; p < info.sizes.size(); ++p) {
-          out.emplace_back(info.sizes[p]);
-          engine.copy(out.back().data(), static_cast<T*>(full.data) + info.offsets[p], info.sizes[p] * sizeof(T));
-        }
-      }
-      full.last_use = engine.record();
-      full.last_use.wait();
-      give_back(full);
-    }
-    return out;
-  }
+  std::vector<std::vector<T>> gather_full_state(int root = 0);
 
   // Collective: each rank writes its shards (and the optimizer's, if given) to
   // directory/shard-<rank>-of-<world>.bin atomically. Under hybrid sharding replica 0 writes.
   // directory may be a std::filesystem::path (it converts).
-  void save_sharded(const std::string& directory, sharded_optimizer_state<T>* optimizer = nullptr) {
-    auto& engine = group_->backend();
-    engine.record().wait();
-    const bool writer = !replicas_ || replicas_->rank() == 0;
-    if (writer) {
-      detail::create_checkpoint_directory(directory, rank());
-      const std::size_t states = optimizer ? optimizer->state_count() : 0;
-      detail::checkpoint_header header;
-      header.world = static_cast<std::uint32_t>(world_size());
-      header.rank = static_cast<std::uint32_t>(rank());
-      header.type = static_cast<std::uint32_t>(dtype_v<T>);
-      header.optimizer = optimizer ? optimizer->kind() : std::string();
-      header.steps = optimizer ? optimizer->steps() : 0;
-      header.states = static_cast<std::uint32_t>(states);
-      for (auto& u : units_) header.units.push_back({u.replicated, u.elements, u.padded, u.shard, u.sizes});
-      std::vector<T> staging;
-      atomic_write_file(
-          detail::join_path(directory, detail::shard_file_name(rank(), world_size())),
-          [&](std::ostream& out) {
-            header.write(out);
-            for (std::size_t u = 0; u < units_.size(); ++u) {
-              const std::size_t n = units_[u].shard;
-              staging.resize(n);
-              for (std::size_t k = 0; k <= states; ++k) {
-                const T* source = k == 0 ? units_[u].master : optimizer->state(u, k - 1);
-                engine.copy(staging.data(), source, n * sizeof(T)).wait();
-                out.write(reinterpret_cast<const char*>(staging.data()), static_cast<std::streamsize>(n * sizeof(T)));
-              }
-            }
-          },
-          rank());
-    }
-    group_->barrier().wait();
-    if (replicas_) replicas_->barrier().wait();
-  }
+  void save_sharded(const std::string& directory, sharded_optimizer_state<T>* optimizer = nullptr);
 
   // Collective: loads what save_sharded wrote, from any world size (every rank reads the
   // ranges it now owns from the old shard files; the directory must be visible to all).
-  void load_sharded(const std::string& directory, sharded_optimizer_state<T>* optimizer = nullptr) {
-    detail::checkpoint_reader files(directory, rank());
-    const auto& header = files.headers()[0];
-    check_checkpoint(header, optimizer, directory);
-    const std::size_t states = optimizer ? optimizer->state_count() : 0;
-    // Where unit u's data starts in every file (all files share the layout).
-    std::vector<std::uint64_t> unit_start(units_.size());
-    std::uint64_t position = header.data_offset;
-    for (std::size_t u = 0; u < units_.size(); ++u) {
-      unit_start[u] = position;
-      position += (1 + header.states) * header.units[u].shard * sizeof(T);
-    }
-    auto& engine = group_->backend();
-    std::vector<T> staging;
-    for (std::size_t u = 0; u < units_.size(); ++u) {
-      const auto& saved = header.units[u];
-      const auto& now = units_[u];
-      const std::size_t first = shard_offset(u);
-      for (std::size_t k = 0; k <= states; ++k) {
-        staging.assign(now.shard, T(0));
-        const std::size_t end = std::min(first + now.shard, now.elements);
-        for (std::size_t begin = first; begin < end;) {
-          // The old file holding element `begin`, and how far it goes.
-          const std::uint32_t source = saved.replicated ? 0u : static_cast<std::uint32_t>(begin / saved.shard);
-          const std::size_t source_first = saved.replicated ? 0 : source * saved.shard;
-          const std::size_t stop = std::min(end, source_first + saved.shard);
-          files.read(source, unit_start[u] + (k * saved.shard + (begin - source_first)) * sizeof(T),
-                     staging.data() + (begin - first), (stop - begin) * sizeof(T), u);
-          begin = stop;
-        }
-        T* target = k == 0 ? now.master : optimizer->state(u, k - 1);
-        engine.copy(target, staging.data(), now.shard * sizeof(T)).wait();
-      }
-    }
-    if (optimizer) optimizer->set_steps(header.steps);
-    group_->barrier().wait();
-  }
+  void load_sharded(const std::string& directory, sharded_optimizer_state<T>* optimizer = nullptr);
 
   // --- accounting --------------------------------------------------------------------------
   sharded_memory memory() const {
@@ -997,5 +817,210 @@ class sharded_parameters {
   std::size_t peak_total_ = 0;
   sharded_traffic traffic_;
 };
+
+template <backend B, class T>
+sharded_parameters<B, T>::sharded_parameters(group_type& group, std::vector<std::vector<std::size_t>> units,
+                                             sharded_options opts, group_type* replicas)
+    : group_(&group),
+      replicas_(replicas),
+      options_(opts),
+      gather_type_(opts.gather_type.value_or(dtype_v<T>)),
+      reduce_type_(opts.reduce_type.value_or(dtype_v<T>)),
+      pool_(group.backend()) {
+  if (opts.prefetch < 0)
+    throw error(rank(), "sharded_parameters", "prefetch depth " + std::to_string(opts.prefetch),
+                "use 0 (no prefetch) or a positive depth");
+  for (dtype type : {gather_type_, reduce_type_})
+    if (type != dtype::float32 && type != dtype::float64 && type != dtype::float16 && type != dtype::bfloat16)
+      throw error(rank(), "sharded_parameters", "gather/reduce dtype " + std::string(to_string(type)),
+                  "use a floating-point dtype (float, double, half, bfloat16)");
+  const std::size_t world = static_cast<std::size_t>(group.size());
+  for (auto& sizes : units) {
+    unit_layout info;
+    info.sizes = std::move(sizes);
+    for (std::size_t size : info.sizes) {
+      info.offsets.push_back(info.elements);
+      info.elements += size;
+    }
+    info.replicated = world == 1 || info.elements < opts.replicate_below;
+    info.padded = info.replicated ? info.elements : (info.elements + world - 1) / world * world;
+    info.shard = info.replicated ? info.elements : info.padded / world;
+    units_.push_back(std::move(info));
+  }
+  // Automatic limit: the prefetch + 1 largest units, so gathered and pooled buffers
+  // together never exceed what depth `prefetch` needs at its worst.
+  std::vector<std::size_t> sizes;
+  for (std::size_t u = 0; u < units_.size(); ++u) sizes.push_back(std::max<std::size_t>(gather_bytes(u), 1));
+  std::sort(sizes.rbegin(), sizes.rend());
+  largest_gather_bytes_ = sizes.empty() ? 0 : sizes.front();
+  std::size_t automatic = 0;
+  for (std::size_t i = 0; i < sizes.size() && i <= static_cast<std::size_t>(opts.prefetch); ++i) automatic += sizes[i];
+  limit_ = opts.max_gathered_bytes ? opts.max_gathered_bytes : automatic;
+  auto& engine = group.backend();
+  try {
+    for (auto& info : units_) {
+      const std::size_t bytes = std::max<std::size_t>(info.shard, 1) * sizeof(T);
+      info.master = static_cast<T*>(engine.allocate(bytes));
+      info.grad = static_cast<T*>(engine.allocate(bytes));
+      memory_.shards += bytes;
+      memory_.gradients += bytes;
+      fill(engine, info.master, info.shard, dtype_v<T>, 0.0);
+      fill(engine, info.grad, info.shard, dtype_v<T>, 0.0);
+    }
+    engine.record().wait();
+  } catch (...) {
+    free_all();
+    throw;
+  }
+  note_peak();
+}
+
+template <backend B, class T>
+sharded_parameters<B, T>::~sharded_parameters() {
+  try {
+    group_->backend().record().wait();
+  } catch (...) {
+    // The group failed; the buffers are freed regardless.
+  }
+  free_all();
+}
+
+template <backend B, class T>
+auto sharded_parameters<B, T>::gather(std::size_t unit) -> gathered {
+  info(unit, "gather");
+  std::unique_lock lock(mutex_);
+  auto it = live_.find(unit);
+  if (it == live_.end()) {
+    std::erase(deferred_, unit);
+    it = issue_gather(unit, true, lock);
+  }
+  it->second.users += 1;
+  it->second.prefetched = false;
+  gathered guard(this, unit, it->second.buf.data, it->second.ready);
+  schedule_prefetch(unit);
+  return guard;
+}
+
+template <backend B, class T>
+auto sharded_parameters<B, T>::drop_prefetched() -> void {
+  std::lock_guard lock(mutex_);
+  deferred_.clear();
+  for (auto it = live_.begin(); it != live_.end();) {
+    if (it->second.users == 0)
+      it = retire(it);
+    else
+      ++it;
+  }
+  trim_pool();
+}
+
+template <backend B, class T>
+auto sharded_parameters<B, T>::zero_grad() -> work {
+  auto& engine = group_->backend();
+  for (auto& u : units_) fill(engine, u.grad, u.shard, dtype_v<T>, 0.0);
+  return engine.record();
+}
+
+template <backend B, class T>
+auto sharded_parameters<B, T>::gather_full_state(int root) -> std::vector<std::vector<T>> {
+  std::vector<std::vector<T>> out;
+  auto& engine = group_->backend();
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    auto& info = units_[u];
+    buffer full = take_buffer(std::max<std::size_t>(info.padded, 1) * sizeof(T), true);
+    work done = info.replicated ? engine.copy(full.data, info.master, info.elements * sizeof(T))
+                                : group_->all_gather(std::span<const T>(info.master, info.shard),
+                                                     std::span<T>(static_cast<T*>(full.data), info.padded));
+    done.wait();
+    if (rank() == root) {
+      for (std::size_t p = 0; p < info.sizes.size(); ++p) {
+        out.emplace_back(info.sizes[p]);
+        engine.copy(out.back().data(), static_cast<T*>(full.data) + info.offsets[p], info.sizes[p] * sizeof(T));
+      }
+    }
+    full.last_use = engine.record();
+    full.last_use.wait();
+    give_back(full);
+  }
+  return out;
+}
+
+template <backend B, class T>
+auto sharded_parameters<B, T>::save_sharded(const std::string& directory, sharded_optimizer_state<T>* optimizer)
+    -> void {
+  auto& engine = group_->backend();
+  engine.record().wait();
+  const bool writer = !replicas_ || replicas_->rank() == 0;
+  if (writer) {
+    detail::create_checkpoint_directory(directory, rank());
+    const std::size_t states = optimizer ? optimizer->state_count() : 0;
+    detail::checkpoint_header header;
+    header.world = static_cast<std::uint32_t>(world_size());
+    header.rank = static_cast<std::uint32_t>(rank());
+    header.type = static_cast<std::uint32_t>(dtype_v<T>);
+    header.optimizer = optimizer ? optimizer->kind() : std::string();
+    header.steps = optimizer ? optimizer->steps() : 0;
+    header.states = static_cast<std::uint32_t>(states);
+    for (auto& u : units_) header.units.push_back({u.replicated, u.elements, u.padded, u.shard, u.sizes});
+    std::vector<T> staging;
+    atomic_write_file(
+        detail::join_path(directory, detail::shard_file_name(rank(), world_size())),
+        [&](std::ostream& out) {
+          header.write(out);
+          for (std::size_t u = 0; u < units_.size(); ++u) {
+            const std::size_t n = units_[u].shard;
+            staging.resize(n);
+            for (std::size_t k = 0; k <= states; ++k) {
+              const T* source = k == 0 ? units_[u].master : optimizer->state(u, k - 1);
+              engine.copy(staging.data(), source, n * sizeof(T)).wait();
+              out.write(reinterpret_cast<const char*>(staging.data()), static_cast<std::streamsize>(n * sizeof(T)));
+            }
+          }
+        },
+        rank());
+  }
+  group_->barrier().wait();
+  if (replicas_) replicas_->barrier().wait();
+}
+
+template <backend B, class T>
+auto sharded_parameters<B, T>::load_sharded(const std::string& directory, sharded_optimizer_state<T>* optimizer)
+    -> void {
+  detail::checkpoint_reader files(directory, rank());
+  const auto& header = files.headers()[0];
+  check_checkpoint(header, optimizer, directory);
+  const std::size_t states = optimizer ? optimizer->state_count() : 0;
+  // Where unit u's data starts in every file (all files share the layout).
+  std::vector<std::uint64_t> unit_start(units_.size());
+  std::uint64_t position = header.data_offset;
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    unit_start[u] = position;
+    position += (1 + header.states) * header.units[u].shard * sizeof(T);
+  }
+  auto& engine = group_->backend();
+  std::vector<T> staging;
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    const auto& saved = header.units[u];
+    const auto& now = units_[u];
+    const std::size_t first = shard_offset(u);
+    for (std::size_t k = 0; k <= states; ++k) {
+      staging.assign(now.shard, T(0));
+      const std::size_t end = std::min(first + now.shard, now.elements);
+      for (std::size_t begin = first; begin < end;) {
+        // The old file holding element `begin`, and how far it goes.
+        const std::uint32_t source = saved.replicated ? 0u : static_cast<std::uint32_t>(begin / saved.shard);
+        const std::size_t source_first = saved.replicated ? 0 : source * saved.shard;
+        const std::size_t stop = std::min(end, source_first + saved.shard);
+        files.read(source, unit_start[u] + (k * saved.shard + (begin - source_first)) * sizeof(T),
+                   staging.data() + (begin - first), (stop - begin) * sizeof(T), u);
+        begin = stop;
+      }
+      T* target = k == 0 ? now.master : optimizer->state(u, k - 1);
+      engine.copy(target, staging.data(), now.shard * sizeof(T)).wait();
+    }
+  }
+  if (optimizer) optimizer->set_steps(header.steps);
+  group_->barrier().wait();
+}
 
 }  // namespace cohort::inline v0

@@ -31,7 +31,6 @@
 // compile the translation unit with nvcc. Not thread-safe: one training thread drives it.
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -39,6 +38,7 @@
 #include <vector>
 
 #include "cohort/detail/fnv1a.hpp"
+#include "cohort/detail/scalar_math.hpp"
 #include "cohort/error.hpp"
 #include "cohort/loss_scaler.hpp"
 #include "cohort/ops.hpp"
@@ -78,75 +78,22 @@ class zero_optimizer {
 
   // Collective: every rank passes buffers of the same size and the same regions and options.
   zero_optimizer(process_group<B>& group, std::span<P> parameters, std::span<G> gradients,
-                 std::vector<gradient_region> regions, zero_options options = {})
-      : group_(&group),
-        parameters_(parameters.data()),
-        gradients_(gradients.data()),
-        elements_(parameters.size()),
-        regions_(std::move(regions)),
-        options_(std::move(options)) {
-    static_assert(is_floating(dtype_v<P>) && is_floating(dtype_v<G>), "ZeRO updates floating parameters");
-    validate(parameters.size(), gradients.size());
-    plan_buckets();
-    check_across_ranks();
-    allocate_state();
-  }
+                 std::vector<gradient_region> regions, zero_options options = {});
 
   zero_optimizer(const zero_optimizer&) = delete;
   zero_optimizer& operator=(const zero_optimizer&) = delete;
-  ~zero_optimizer() {
-    auto& engine = group_->backend();
-    try {
-      engine.record().wait();  // nothing queued may still use what is freed below
-    } catch (...) {}
-    for (auto& [pointer, bytes] : allocations_) engine.deallocate(pointer, bytes);
-  }
+  ~zero_optimizer();
 
   // CUDA: the stream the backward and forward run on (default: the legacy default stream).
   void set_stream(stream_type stream) noexcept { caller_stream_ = stream; }
 
   // Region i's gradient is final. Stage 2 launches every bucket this completes, in the order
   // all ranks share; stage 1 only counts.
-  void mark_ready(std::size_t region) {
-    if (region >= regions_.size())
-      throw error(rank(), "zero_optimizer.mark_ready",
-                  "region " + std::to_string(region) + " of " + std::to_string(regions_.size()),
-                  "regions are numbered as they were passed");
-    if (marked_[region])
-      throw error(rank(), "zero_optimizer.mark_ready", "region " + std::to_string(region) + " marked twice in one step",
-                  "mark each region once per backward pass");
-    marked_[region] = 1;
-    ++marked_count_;
-    for (const std::size_t b : buckets_of_region_[region]) --buckets_[b].pending;
-    if (options_.stage == 2) launch_ready();
-  }
+  void mark_ready(std::size_t region);
 
   // Reduces what is left, then updates this rank's shard and gathers the parameters back
   // into the trainer's buffer (see parameters_ready()). Stage 2 wants every region marked.
-  zero_step_result step() {
-    if (options_.stage == 2 && marked_count_ != regions_.size()) {
-      const std::size_t missing = regions_.size() - marked_count_;
-      reset_marks();
-      throw error(rank(), "zero_optimizer.step", std::to_string(missing) + " region(s) never marked ready",
-                  "stage 2 reduces buckets as their regions are marked: mark every region in the backward");
-    }
-    for (auto& bucket : buckets_) bucket.pending = 0;  // stage 1: everything is final now
-    launch_ready();
-    zero_step_result result;
-    result.loss_scale = options_.scaler ? options_.scaler->scale() : 1.0;
-    measure(result);
-    const bool skip = result.nonfinite > 0;
-    if (options_.scaler) options_.scaler->update(skip);
-    result.skipped = skip;
-    if (!skip) {
-      if (options_.max_grad_norm > 0 && result.grad_norm > options_.max_grad_norm)
-        result.clip_factor = options_.max_grad_norm / (result.grad_norm + 1e-6);
-      update(result.clip_factor / result.loss_scale);
-      gathered_ = gather();
-    }
-    reset_marks();
-    return result;
-  }
+  zero_step_result step();
 
   // The all-gather of the updated parameters: wait on it (Gloo) or make the forward's
   // stream wait (NCCL) before reading the parameters. Complete after a skipped step.
@@ -453,16 +400,14 @@ class zero_optimizer {
     engine.copy(&found, count, sizeof found);
     engine.copy(&sum, squares, sizeof sum).wait();
     result.nonfinite = found;
-    result.grad_norm = found > 0 ? std::nan("") : std::sqrt(sum) / result.loss_scale;
+    result.grad_norm = found > 0 ? detail::quiet_nan() : detail::square_root(sum) / result.loss_scale;
   }
 
   void update(double grad_scale) {
     auto& engine = group_->backend();
     ++steps_;
     const auto& o = options_.adam;
-    const double t = static_cast<double>(steps_);
-    detail::adam_coefficients c{
-        o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, 1 - std::pow(o.beta1, t), 1 - std::pow(o.beta2, t), grad_scale};
+    detail::adam_coefficients c = detail::adam_coefficients_at(o, steps_, grad_scale);
     for (const auto& piece : segments_) {
       c.weight_decay = piece.decay ? o.weight_decay : 0.0;
       adam_step(engine, master_ + piece.offset, gradient_shard_ + piece.offset, first_ + piece.offset,
@@ -520,5 +465,71 @@ class zero_optimizer {
   work gathered_;
   stream_type caller_stream_{};
 };
+
+template <backend B, element P, element G>
+zero_optimizer<B, P, G>::zero_optimizer(process_group<B>& group, std::span<P> parameters, std::span<G> gradients,
+                                        std::vector<gradient_region> regions, zero_options options)
+    : group_(&group),
+      parameters_(parameters.data()),
+      gradients_(gradients.data()),
+      elements_(parameters.size()),
+      regions_(std::move(regions)),
+      options_(std::move(options)) {
+  static_assert(is_floating(dtype_v<P>) && is_floating(dtype_v<G>), "ZeRO updates floating parameters");
+  validate(parameters.size(), gradients.size());
+  plan_buckets();
+  check_across_ranks();
+  allocate_state();
+}
+
+template <backend B, element P, element G>
+zero_optimizer<B, P, G>::~zero_optimizer() {
+  auto& engine = group_->backend();
+  try {
+    engine.record().wait();  // nothing queued may still use what is freed below
+  } catch (...) {}
+  for (auto& [pointer, bytes] : allocations_) engine.deallocate(pointer, bytes);
+}
+
+template <backend B, element P, element G>
+auto zero_optimizer<B, P, G>::mark_ready(std::size_t region) -> void {
+  if (region >= regions_.size())
+    throw error(rank(), "zero_optimizer.mark_ready",
+                "region " + std::to_string(region) + " of " + std::to_string(regions_.size()),
+                "regions are numbered as they were passed");
+  if (marked_[region])
+    throw error(rank(), "zero_optimizer.mark_ready", "region " + std::to_string(region) + " marked twice in one step",
+                "mark each region once per backward pass");
+  marked_[region] = 1;
+  ++marked_count_;
+  for (const std::size_t b : buckets_of_region_[region]) --buckets_[b].pending;
+  if (options_.stage == 2) launch_ready();
+}
+
+template <backend B, element P, element G>
+auto zero_optimizer<B, P, G>::step() -> zero_step_result {
+  if (options_.stage == 2 && marked_count_ != regions_.size()) {
+    const std::size_t missing = regions_.size() - marked_count_;
+    reset_marks();
+    throw error(rank(), "zero_optimizer.step", std::to_string(missing) + " region(s) never marked ready",
+                "stage 2 reduces buckets as their regions are marked: mark every region in the backward");
+  }
+  for (auto& bucket : buckets_) bucket.pending = 0;  // stage 1: everything is final now
+  launch_ready();
+  zero_step_result result;
+  result.loss_scale = options_.scaler ? options_.scaler->scale() : 1.0;
+  measure(result);
+  const bool skip = result.nonfinite > 0;
+  if (options_.scaler) options_.scaler->update(skip);
+  result.skipped = skip;
+  if (!skip) {
+    if (options_.max_grad_norm > 0 && result.grad_norm > options_.max_grad_norm)
+      result.clip_factor = options_.max_grad_norm / (result.grad_norm + 1e-6);
+    update(result.clip_factor / result.loss_scale);
+    gathered_ = gather();
+  }
+  reset_marks();
+  return result;
+}
 
 }  // namespace cohort::inline v0

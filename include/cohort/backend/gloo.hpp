@@ -27,7 +27,6 @@
 #include "cohort/detail/flight_recorder.hpp"
 #include "cohort/detail/fnv1a.hpp"
 #include "cohort/detail/host_elementwise.hpp"
-#include "cohort/detail/host_math.hpp"
 #include "cohort/error.hpp"
 #include "cohort/launch.hpp"
 #include "cohort/store.hpp"

@@ -4,11 +4,11 @@
 // both compute the same values. 16-bit floats compute in float; other types as themselves
 // (scaling goes through double, as a factor is a double).
 
-#include <cmath>
 #include <cstddef>
 #include <type_traits>
 
 #include "cohort/detail/host_device.hpp"
+#include "cohort/detail/scalar_math.hpp"
 #include "cohort/types.hpp"
 
 namespace cohort::inline v0::detail {
@@ -73,11 +73,7 @@ COHORT_HOST_DEVICE inline bool nonfinite(T x) {
       else
         return x;
     }();
-#if defined(__CUDA_ARCH__)
-    return !isfinite(value);
-#else
-    return !std::isfinite(value);
-#endif
+    return !is_finite(value);
   }
 }
 
@@ -129,7 +125,7 @@ COHORT_HOST_DEVICE inline void adam_update(T& parameter, T gradient, T& first, T
   second = static_cast<T>(c.beta2) * second + static_cast<T>(1 - c.beta2) * gradient * gradient;
   const T corrected_first = first / static_cast<T>(c.correction1);
   const T corrected_second = second / static_cast<T>(c.correction2);
-  parameter -= static_cast<T>(c.lr) * (corrected_first / (std::sqrt(corrected_second) + static_cast<T>(c.eps)) +
+  parameter -= static_cast<T>(c.lr) * (corrected_first / (square_root(corrected_second) + static_cast<T>(c.eps)) +
                                        static_cast<T>(c.weight_decay) * parameter);
 }
 

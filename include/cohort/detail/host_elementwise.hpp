@@ -2,119 +2,85 @@
 // The host system's element-wise work (cohort/ops.hpp): plain loops over the formulas of
 // detail/elementwise.hpp, queued as one task on the backend's FIFO worker (enqueue), so
 // they run after everything queued on the group before them.
+//
+// The loops take the dtype at run time and are plain functions (cohort/impl/host_elementwise.ipp),
+// as the device system's kernels are: compiled once by a separately compiled program, and
+// never instantiated per dtype (pair) in a translation unit that only includes this header.
 
+#include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <span>
 #include <vector>
 
+#include "cohort/detail/config.hpp"
 #include "cohort/detail/elementwise.hpp"
 #include "cohort/types.hpp"
 
 namespace cohort::inline v0::detail {
+
+namespace host {
+
+COHORT_DECL void divide(void* data, std::size_t count, dtype type, int divisor);
+COHORT_DECL void scale(void* data, std::size_t count, dtype type, double factor);
+// y = (to) x, or y += (to) x with `add`; floating dtypes.
+COHORT_DECL void convert(const void* in, dtype from, void* out, dtype to, std::size_t count, bool add);
+COHORT_DECL void fill(void* data, std::size_t count, dtype type, double value);
+COHORT_DECL void copy_regions(const copy_region* regions, std::size_t count);
+// 0 / 0.0 for a dtype that is not floating.
+COHORT_DECL std::int64_t count_nonfinite(const void* data, std::size_t count, dtype type);
+COHORT_DECL double sum_of_squares(const void* data, std::size_t count, dtype type);
+
+}  // namespace host
 
 template <memory_space Space>
 struct elementwise;
 
 template <>
 struct elementwise<memory_space::host> {
-  static void divide_now(void* data, std::size_t count, dtype type, int divisor) {
-    visit_dtype(type, [&](auto sample) {
-      using T = decltype(sample);
-      T* x = static_cast<T*>(data);
-      for (std::size_t i = 0; i < count; ++i) x[i] = divided(x[i], divisor);
-    });
-  }
-
   template <class B>
   static typename B::work divide(B& engine, void* data, std::size_t count, dtype type, int divisor) {
-    return engine.enqueue([=] { divide_now(data, count, type, divisor); });
+    return engine.enqueue([=] { host::divide(data, count, type, divisor); });
   }
 
   // The caller's order on the host is the calling thread: now.
   template <class B>
   static void divide_in_caller_order(B&, typename B::stream_type, void* data, std::size_t count, dtype type,
                                      int divisor) {
-    divide_now(data, count, type, divisor);
+    host::divide(data, count, type, divisor);
   }
 
   template <class B>
   static typename B::work scale(B& engine, void* data, std::size_t count, dtype type, double factor) {
-    return engine.enqueue([=] {
-      visit_floating(type, [&](auto sample) {
-        using T = decltype(sample);
-        T* x = static_cast<T*>(data);
-        for (std::size_t i = 0; i < count; ++i) x[i] = scaled(x[i], factor);
-      });
-    });
+    return engine.enqueue([=] { host::scale(data, count, type, factor); });
   }
 
   template <class B>
   static typename B::work convert(B& engine, const void* in, dtype from, void* out, dtype to, std::size_t count,
                                   bool add) {
-    return engine.enqueue([=] {
-      visit_floating(from, [&](auto source) {
-        visit_floating(to, [&](auto target) {
-          using F = decltype(source);
-          using T = decltype(target);
-          const F* x = static_cast<const F*>(in);
-          T* y = static_cast<T*>(out);
-          if (add)
-            for (std::size_t i = 0; i < count; ++i) y[i] = added(y[i], converted<T>(x[i]));
-          else
-            for (std::size_t i = 0; i < count; ++i) y[i] = converted<T>(x[i]);
-        });
-      });
-    });
+    return engine.enqueue([=] { host::convert(in, from, out, to, count, add); });
   }
 
   template <class B>
   static typename B::work fill(B& engine, void* data, std::size_t count, dtype type, double value) {
-    return engine.enqueue([=] {
-      visit_dtype(type, [&](auto sample) {
-        using T = decltype(sample);
-        T* x = static_cast<T*>(data);
-        const T v = converted_value<T>(value);
-        for (std::size_t i = 0; i < count; ++i) x[i] = v;
-      });
-    });
+    return engine.enqueue([=] { host::fill(data, count, type, value); });
   }
 
   template <class B>
   static typename B::work batched_copy(B& engine, std::span<const copy_region> regions) {
     return engine.enqueue([list = std::vector<copy_region>(regions.begin(), regions.end())] {
-      for (const auto& region : list)  // empty regions may carry null pointers, which memmove must not see
-        if (region.bytes != 0) std::memmove(region.destination, region.source, region.bytes);
+      host::copy_regions(list.data(), list.size());
     });
   }
 
   template <class B>
   static typename B::work count_nonfinite(B& engine, const void* data, std::size_t count, dtype type,
                                           std::int64_t* result) {
-    return engine.enqueue([=] {
-      if (!is_floating(type)) return;
-      visit_floating(type, [&](auto sample) {
-        using T = decltype(sample);
-        const T* x = static_cast<const T*>(data);
-        std::int64_t bad = 0;
-        for (std::size_t i = 0; i < count; ++i) bad += nonfinite(x[i]);
-        *result += bad;
-      });
-    });
+    return engine.enqueue([=] { *result += host::count_nonfinite(data, count, type); });
   }
 
   template <class B>
   static typename B::work sum_of_squares(B& engine, const void* data, std::size_t count, dtype type, double* result) {
-    return engine.enqueue([=] {
-      if (!is_floating(type)) return;
-      visit_floating(type, [&](auto sample) {
-        using T = decltype(sample);
-        const T* x = static_cast<const T*>(data);
-        double sum = 0;
-        for (std::size_t i = 0; i < count; ++i) sum += squared(x[i]);
-        *result += sum;
-      });
-    });
+    return engine.enqueue([=] { *result += host::sum_of_squares(data, count, type); });
   }
 
   template <class B, class T>
@@ -136,3 +102,7 @@ struct elementwise<memory_space::host> {
 };
 
 }  // namespace cohort::inline v0::detail
+
+#if !defined(COHORT_SEPARATE_COMPILATION)
+#include "cohort/impl/host_elementwise.ipp"
+#endif

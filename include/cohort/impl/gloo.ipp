@@ -501,7 +501,7 @@ COHORT_DECL auto gloo::execute_sized(detail::gloo_task& task) -> void {
       opts.setReduceFunction(detail::reduce_function(task.type, task.reduce));
       opts.setTimeout(options_.timeout);
       ::gloo::allreduce(opts);
-      if (task.reduce == op::avg) detail::elementwise<memory_space::host>::divide_now(out, n, task.type, size_);
+      if (task.reduce == op::avg) detail::host::divide(out, n, task.type, size_);
       return;
     }
     case task_kind::reduce_scatter: {
@@ -522,7 +522,7 @@ COHORT_DECL auto gloo::execute_sized(detail::gloo_task& task) -> void {
       std::memmove(out, gathered, n * sizeof(T));
       const auto reduce = detail::reduce_function(task.type, task.reduce);
       for (std::size_t r = 1; r < world; ++r) reduce(out, out, gathered + r * n, n);
-      if (task.reduce == op::avg) detail::elementwise<memory_space::host>::divide_now(out, n, task.type, size_);
+      if (task.reduce == op::avg) detail::host::divide(out, n, task.type, size_);
       return;
     }
     case task_kind::all_gather: {

@@ -12,6 +12,7 @@
 #include "cohort/impl/file_store.ipp"
 #include "cohort/impl/flight_recorder.ipp"
 #include "cohort/impl/guards.ipp"
+#include "cohort/impl/host_elementwise.ipp"
 #include "cohort/impl/launch.ipp"
 #include "cohort/impl/reducer.ipp"
 #include "cohort/impl/run_ranks.ipp"
@@ -31,3 +32,17 @@
 #if defined(COHORT_HAS_NCCL) && COHORT_HAS_NCCL
 #include "cohort/impl/nccl.ipp"
 #endif
+
+// The algorithms' class templates on each engine, once for the program (the umbrella header
+// declares them extern). On NCCL they launch kernels the library's .cu compiles
+// (COHORT_SEPARATE_DEVICE_CODE, cohort/impl/device_src.cuh).
+#define COHORT_INSTANTIATIONS_DEFINED_HERE 1
+#include "cohort/cohort.hpp"
+namespace cohort::inline v0 {
+#if defined(COHORT_INSTANTIATES_GLOO)
+COHORT_ALGORITHM_INSTANTIATIONS(, gloo)
+#endif
+#if defined(COHORT_INSTANTIATES_NCCL)
+COHORT_ALGORITHM_INSTANTIATIONS(, nccl)
+#endif
+}  // namespace cohort::inline v0
