@@ -5,12 +5,14 @@
 
 #include <cohort/backend/gloo.hpp>
 #include <cohort/clip.hpp>
+#include <cohort/detail/scalar_math.hpp>
 #include <cohort/loss_scaler.hpp>
 #include <cohort/optim.hpp>
 #include <cohort/store.hpp>
 
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "flat_fixtures.hpp"
@@ -36,6 +38,32 @@ double expected_norm(int world, const std::vector<std::size_t>& sizes) {
 }
 
 }  // namespace
+
+// The norms above and Adam's update use detail/scalar_math.hpp's builtins in place of <cmath>:
+// the same values, bit for bit, including at the edges.
+TEST_CASE("scalar_math's builtins give what <cmath> gives", "[clip]") {
+  const double inf = std::numeric_limits<double>::infinity();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double denormal = std::numeric_limits<double>::denorm_min();
+  for (double x : {0.0, -0.0, denormal, 1e-300, 0.5, 2.0, 3.0, 1e300, inf, -1.0, -inf, nan}) {
+    const double root = cohort::detail::square_root(x);
+    if (std::isnan(std::sqrt(x)))
+      CHECK(std::isnan(root));
+    else
+      CHECK(root == std::sqrt(x));
+    const auto single = static_cast<float>(x);
+    const float single_root = cohort::detail::square_root(single);
+    if (std::isnan(std::sqrt(single)))
+      CHECK(std::isnan(single_root));
+    else
+      CHECK(single_root == std::sqrt(single));
+    CHECK(cohort::detail::is_finite(x) == std::isfinite(x));
+    CHECK(cohort::detail::is_finite(single) == std::isfinite(single));
+  }
+  for (double beta : {0.9, 0.999, 0.5})
+    for (double t : {1.0, 2.0, 10.0, 1000.0, 1e6}) CHECK(cohort::detail::power(beta, t) == std::pow(beta, t));
+  CHECK(std::isnan(cohort::detail::quiet_nan()));
+}
 
 TEST_CASE("clip_grad_norm on a reducer: every rank gets the norm of the average and clips alike",
           "[clip][reducer][gloo]") {
