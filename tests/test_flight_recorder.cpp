@@ -5,8 +5,10 @@
 #include <unistd.h>
 #include <catch2/catch.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <cohort/backend/gloo.hpp>
+#include <cohort/detail/background_abort.hpp>
 #include <cohort/detail/flight_recorder.hpp>
 #include <cohort/process_group.hpp>
 #include <cohort/tools/detail/json.hpp>
@@ -14,6 +16,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -306,4 +310,53 @@ TEST_CASE("watchdog, abort_process: a failure nobody waits for ends the process 
                        Catch::Contains("rank 1 never issued all_reduce #1 (float x 64, sum)") &&
                        Catch::Contains("ending the process"));
   CHECK(std::filesystem::exists(dir / "rank0.pg1.json"));
+}
+
+namespace {
+// An engine abort that never returns until released: NCCL's, behind a kernel that never ends.
+struct hanging_abort {
+  std::shared_ptr<std::atomic<bool>> released = std::make_shared<std::atomic<bool>>(false);
+  std::function<void()> call() const {
+    return [released = released] {
+      while (!released->load()) std::this_thread::sleep_for(1ms);
+    };
+  }
+};
+}  // namespace
+
+TEST_CASE("an engine abort that hangs costs whoever aborts only its bounded wait", "[watchdog]") {
+  hanging_abort hang;
+  const auto started = std::chrono::steady_clock::now();
+  CHECK_FALSE(cohort::detail::abort_in_background(hang.call(), 200ms));
+  const auto waited = std::chrono::steady_clock::now() - started;
+  CHECK(waited >= 200ms);
+  CHECK(waited < 5s);
+  CHECK_FALSE(cohort::detail::abort_in_background(hang.call(), 0ms));  // the watchdog's: no wait at all
+  hang.released->store(true);
+  bool ran = false;
+  CHECK(cohort::detail::abort_in_background([&ran] { ran = true; }, 5s));  // a quick one is waited for
+  CHECK(ran);
+}
+
+TEST_CASE("watchdog, abort_process: the process ends even when the engine's abort never returns", "[watchdog]") {
+  std::fflush(nullptr);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    std::FILE* quiet = std::freopen("/dev/null", "w", stderr);
+    if (quiet == nullptr) std::_Exit(90);
+    hanging_abort hang;  // never released
+    cohort::detail::watchdog dog(0, "pg1", cohort::async_error_handling::abort_process, 20ms, [&] {
+      cohort::detail::abort_in_background(hang.call(), 0ms);
+      return std::make_exception_ptr(cohort::error(0, "nccl.all_reduce", "overdue", "a peer never arrived"));
+    });
+    std::this_thread::sleep_for(20s);
+    std::_Exit(0);  // the policy never acted
+  }
+  int status = 0;
+  const auto started = std::chrono::steady_clock::now();
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 1);
+  CHECK(std::chrono::steady_clock::now() - started < 5s);
 }

@@ -1338,6 +1338,34 @@ TEST_CASE("store: at its connection limit the server turns newcomers away and th
   CHECK(second.get_string("a") == "1");  // the served ones are unaffected
 }
 
+TEST_CASE("a rank drives its local rank's GPU among those it sees, one per process included") {
+  using cohort::detail::choose_device;
+  // Every GPU visible (torchrun's default): local rank r drives GPU r.
+  CHECK(choose_device(-1, 0, 8, nullptr).device == 0);
+  CHECK(choose_device(-1, 5, 8, nullptr).device == 5);
+  // One GPU per process through CUDA_VISIBLE_DEVICES (Slurm's --gpus-per-task, some
+  // launchers): local rank 3 sees one device, its own, at index 0. This threw before.
+  const auto own = choose_device(-1, 3, 1, "3");
+  CHECK(own.error.empty());
+  CHECK(own.device == 0);
+  // Two GPUs per process: local rank 1 drives the second it sees.
+  CHECK(choose_device(-1, 1, 2, "2,3").device == 1);
+  // An explicit device wins, and is checked against what is visible.
+  CHECK(choose_device(2, 0, 4, nullptr).device == 2);
+  const auto beyond = choose_device(4, 0, 4, "0,1,2,3");
+  CHECK(beyond.device == -1);
+  CHECK_THAT(beyond.error, Catch::Contains("options.device 4") && Catch::Contains("only 4 GPU(s) visible") &&
+                               Catch::Contains("CUDA_VISIBLE_DEVICES=0,1,2,3"));
+  const auto none = choose_device(-1, 0, 0, "");
+  CHECK(none.device == -1);
+  CHECK_THAT(none.error, Catch::Contains("no GPU is visible"));
+  // More local ranks than GPUs: the modulo puts two on one GPU, which the duplicate check
+  // then refuses, naming both ranks and these counts.
+  CHECK(choose_device(-1, 2, 2, nullptr).device == 0);
+  CHECK(cohort::detail::describe_device_counts(2, 3, 2, nullptr) ==
+        "local rank 2 of 3 sees 2 GPU(s) (CUDA_VISIBLE_DEVICES unset)");
+}
+
 TEST_CASE("store: values cohort reads back are checked before use") {
   using cohort::detail::well_formed_device_identity;
   CHECK(well_formed_device_identity("node-7|0000:3B:00.0"));

@@ -28,6 +28,7 @@
 
 #include "cohort/detail/config.hpp"
 #include "cohort/detail/device_identity.hpp"
+#include "cohort/detail/device_scope.hpp"
 #include "cohort/detail/fifo_queue.hpp"
 #include "cohort/detail/flight_recorder.hpp"
 #include "cohort/error.hpp"
@@ -79,7 +80,9 @@ struct nccl_state {
   std::chrono::milliseconds timeout{};
   ncclComm_t comm = nullptr;
   cudaStream_t stream = nullptr;
-  std::mutex mutex;  // guards events and aborted
+  // Guards events, aborted and comm: abort() takes the communicator under it and aborts it
+  // outside, so every other reader of comm snapshots it (or polls it) under this lock.
+  std::mutex mutex;
   std::vector<cudaEvent_t> free_events;
   bool aborted = false;
   std::string abort_reason;
@@ -91,7 +94,12 @@ struct nccl_state {
 
   [[noreturn]] void fail(const std::string& operation, ncclResult_t status, const std::string& hint);
 
-  void abort(const std::string& reason);
+  // Publishes the failure (aborted, abort_reason) and takes the communicator under the lock,
+  // then aborts it outside every lock on a thread of its own (detail/background_abort.hpp),
+  // waiting for that at most `wait_at_most`: a negative wait means min(timeout, 10 s). The
+  // watchdog waits not at all, so its policy acts (or the process ends) even when the
+  // abort hangs behind a kernel that never ends.
+  void abort(const std::string& reason, std::chrono::milliseconds wait_at_most = std::chrono::milliseconds(-1));
 
   void check_usable(const std::string& operation);
 
@@ -299,6 +307,7 @@ class nccl {
   template <class Call>
   work issue(const char* operation, const detail::call_record& recorded, Call&& call) {
     if (watchdog_) watchdog_->rethrow_if_failed();
+    const detail::device_scope on_device(state_->device);
     state_->check_usable(operation);
     // settle() only when NCCL did not answer ncclSuccess: it reads the clock for its deadline.
     if (const ncclResult_t status = call(); status != ncclSuccess) state_->settle(operation, status);

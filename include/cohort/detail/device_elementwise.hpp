@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "cohort/detail/config.hpp"
+#include "cohort/detail/device_scope.hpp"
 #include "cohort/detail/elementwise.hpp"
 #include "cohort/types.hpp"
 
@@ -53,18 +54,21 @@ template <>
 struct elementwise<memory_space::device> {
   template <class B>
   static typename B::work divide(B& engine, void* data, std::size_t count, dtype type, int divisor) {
+    const device_scope on_group_device(engine.device());
     device::launch_divide(engine.stream(), data, count, type, divisor);
     return engine.record();
   }
 
   template <class B>
-  static void divide_in_caller_order(B&, typename B::stream_type stream, void* data, std::size_t count, dtype type,
-                                     int divisor) {
+  static void divide_in_caller_order(B& engine, typename B::stream_type stream, void* data, std::size_t count,
+                                     dtype type, int divisor) {
+    const device_scope on_group_device(engine.device());
     device::launch_divide(stream, data, count, type, divisor);
   }
 
   template <class B>
   static typename B::work scale(B& engine, void* data, std::size_t count, dtype type, double factor) {
+    const device_scope on_group_device(engine.device());
     device::launch_scale(engine.stream(), data, count, type, factor);
     return engine.record();
   }
@@ -72,18 +76,21 @@ struct elementwise<memory_space::device> {
   template <class B>
   static typename B::work convert(B& engine, const void* in, dtype from, void* out, dtype to, std::size_t count,
                                   bool add) {
+    const device_scope on_group_device(engine.device());
     device::launch_convert(engine.stream(), in, from, out, to, count, add);
     return engine.record();
   }
 
   template <class B>
   static typename B::work fill(B& engine, void* data, std::size_t count, dtype type, double value) {
+    const device_scope on_group_device(engine.device());
     device::launch_fill(engine.stream(), data, count, type, value);
     return engine.record();
   }
 
   template <class B>
   static typename B::work batched_copy(B& engine, std::span<const copy_region> regions) {
+    const device_scope on_group_device(engine.device());
     device::launch_batched_copy(engine.stream(), regions);
     return engine.record();
   }
@@ -91,12 +98,14 @@ struct elementwise<memory_space::device> {
   template <class B>
   static typename B::work count_nonfinite(B& engine, const void* data, std::size_t count, dtype type,
                                           std::int64_t* result) {
+    const device_scope on_group_device(engine.device());
     device::launch_count_nonfinite(engine.stream(), data, count, type, result);
     return engine.record();
   }
 
   template <class B>
   static typename B::work sum_of_squares(B& engine, const void* data, std::size_t count, dtype type, double* result) {
+    const device_scope on_group_device(engine.device());
     device::launch_sum_of_squares(engine.stream(), data, count, type, result);
     return engine.record();
   }
@@ -106,6 +115,7 @@ struct elementwise<memory_space::device> {
                                    const sgd_coefficients& c) {
     static_assert(!separately_compiled || std::is_same_v<T, float> || std::is_same_v<T, double>,
                   "cohort: with COHORT_SEPARATE_DEVICE_CODE the library compiles device SGD for float and double");
+    const device_scope on_group_device(engine.device());
     device::launch_sgd(engine.stream(), parameters, gradients, momentum, count, c);
     return engine.record();
   }
@@ -115,6 +125,7 @@ struct elementwise<memory_space::device> {
                                     std::size_t count, const adam_coefficients& c) {
     static_assert(!separately_compiled || std::is_same_v<T, float> || std::is_same_v<T, double>,
                   "cohort: with COHORT_SEPARATE_DEVICE_CODE the library compiles device Adam for float and double");
+    const device_scope on_group_device(engine.device());
     device::launch_adam(engine.stream(), parameters, gradients, first, second, count, c);
     return engine.record();
   }

@@ -29,6 +29,23 @@ const char* duplicate_device_hint();
 // in hex). Anything else was written by someone else and is refused before it is compared.
 bool well_formed_device_identity(std::string_view identity);
 
+// The device index a rank drives among the `visible` devices its process sees. `requested`
+// (options.device) wins when set (>= 0); otherwise local_rank % visible: all GPUs visible, local
+// rank r drives GPU r; a launcher that gives each process its own GPU through
+// CUDA_VISIBLE_DEVICES leaves one visible, so every local rank drives its device 0. Where the
+// counts disagree (more local ranks than GPUs) two ranks meet on one GPU, and the duplicate
+// check names them with describe_device_counts. An empty `error` means `device` is good.
+struct device_choice {
+  int device = -1;
+  std::string error;
+  std::string hint;
+};
+device_choice choose_device(int requested, int local_rank, int visible, const char* cuda_visible_devices);
+
+// "local rank 3 of 4 sees 2 GPU(s) (CUDA_VISIBLE_DEVICES=0,1)": what a duplicate or a bad
+// choice is explained by.
+std::string describe_device_counts(int local_rank, int local_world_size, int visible, const char* cuda_visible_devices);
+
 }  // namespace cohort::inline v0::detail
 
 #if !defined(COHORT_SEPARATE_COMPILATION)

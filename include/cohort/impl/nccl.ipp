@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 #include <unistd.h>
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -12,8 +13,11 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
+#include "cohort/detail/background_abort.hpp"
 #include "cohort/detail/device_identity.hpp"
+#include "cohort/detail/device_scope.hpp"
 #include "cohort/detail/flight_recorder.hpp"
 #include "cohort/error.hpp"
 #include "cohort/launch.hpp"
@@ -27,7 +31,7 @@ namespace cohort::inline v0 {
 
 COHORT_DECL detail::nccl_state::~nccl_state() {
   // No checks here: a destructor must not throw, and after an abort the context may be gone.
-  cudaSetDevice(device);
+  const device_scope on_device(device);
   for (auto event : free_events) cudaEventDestroy(event);
   if (comm) {
     if (!aborted) {
@@ -41,7 +45,7 @@ COHORT_DECL detail::nccl_state::~nccl_state() {
       else
         ncclCommAbort(comm);
     } else {
-      ncclCommAbort(comm);
+      ncclCommAbort(comm);  // never reached through abort(), which takes comm; kept for safety
     }
   }
   if (stream) cudaStreamDestroy(stream);
@@ -56,6 +60,7 @@ COHORT_DECL auto detail::nccl_state::take_event() -> cudaEvent_t {
       return event;
     }
   }
+  const device_scope on_device(device);
   cudaEvent_t event;
   check_cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), rank, "event_create");
   return event;
@@ -68,20 +73,33 @@ COHORT_DECL auto detail::nccl_state::give_event(cudaEvent_t event) -> void {
 
 COHORT_DECL auto detail::nccl_state::fail(const std::string& operation, ncclResult_t status, const std::string& hint)
     -> void {
-  const char* last = comm ? ncclGetLastError(comm) : nullptr;
   std::string detail = ncclGetErrorString(status);
-  if (last && *last) detail += ": " + std::string(last);
+  {
+    std::lock_guard lock(mutex);  // comm is read under the lock: the watchdog may be taking it
+    const char* last = comm ? ncclGetLastError(comm) : nullptr;
+    if (last && *last) detail += ": " + std::string(last);
+  }
   abort(operation + " failed: " + detail);
   throw error(rank, "nccl." + operation, detail, hint);
 }
 
-COHORT_DECL auto detail::nccl_state::abort(const std::string& reason) -> void {
-  std::lock_guard lock(mutex);
-  if (aborted || !comm) return;
-  aborted = true;
-  abort_reason = reason;
-  ncclCommAbort(comm);
-  comm = nullptr;
+COHORT_DECL auto detail::nccl_state::abort(const std::string& reason, std::chrono::milliseconds wait_at_most) -> void {
+  ncclComm_t doomed = nullptr;
+  {
+    std::lock_guard lock(mutex);
+    if (aborted || !comm) return;
+    aborted = true;  // published first: every later call fails at once, whatever the abort does
+    abort_reason = reason;
+    doomed = std::exchange(comm, nullptr);
+  }
+  if (wait_at_most.count() < 0) wait_at_most = std::min<std::chrono::milliseconds>(timeout, std::chrono::seconds(10));
+  const int gpu = device;
+  abort_in_background(
+      [doomed, gpu] {
+        cudaSetDevice(gpu);  // a thread of its own: nothing to restore
+        ncclCommAbort(doomed);
+      },
+      wait_at_most);
 }
 
 COHORT_DECL auto detail::nccl_state::check_usable(const std::string& operation) -> void {
@@ -100,6 +118,11 @@ COHORT_DECL auto detail::nccl_state::settle(const std::string& operation, ncclRe
                           "a peer has not joined; check that every rank issues the same collectives");
     }
     std::this_thread::yield();
+    std::lock_guard lock(mutex);  // the watchdog may abort (and free) comm meanwhile
+    if (aborted)
+      throw error(rank, "nccl." + operation,
+                  "the communicator was aborted while this call was enqueued (" + abort_reason + ")",
+                  "an earlier failure or timeout ended this group; recreate the process group");
     ncclCommGetAsyncError(comm, &status);
   }
   if (status != ncclSuccess)
@@ -125,6 +148,7 @@ COHORT_DECL auto detail::nccl_state::watch() -> std::exception_ptr {
   std::vector<outstanding_call> finished;  // released after the lock: their events return to the pool
   std::exception_ptr failure;
   std::string overdue;
+  cudaSetDevice(device);  // the watchdog's own thread: events and the abort act on the group's GPU
   {
     std::lock_guard lock(watch_mutex);
     while (!outstanding.empty()) {
@@ -149,7 +173,9 @@ COHORT_DECL auto detail::nccl_state::watch() -> std::exception_ptr {
     }
   }
   if (!overdue.empty()) {
-    abort(overdue + " exceeded the timeout (watchdog)");
+    // No wait: the abort may hang behind the very kernel that is overdue, and the policy
+    // (throw at the next call, or end the process) must act regardless.
+    abort(overdue + " exceeded the timeout (watchdog)", std::chrono::milliseconds(0));
     failure = std::make_exception_ptr(
         timeout_error(rank, "nccl." + overdue,
                       name_the_culprit(overdue) + ": not complete after " + format_duration(timeout) +
@@ -165,7 +191,7 @@ COHORT_DECL auto detail::nccl_state::watch() -> std::exception_ptr {
     }
     if (async != ncclSuccess && async != ncclInProgress) {
       const std::string detail = ncclGetErrorString(async);
-      abort("asynchronous error: " + detail);
+      abort("asynchronous error: " + detail, std::chrono::milliseconds(0));
       failure = std::make_exception_ptr(
           error(rank, "nccl.watchdog", detail, "a peer failed or the network broke (NCCL_DEBUG=WARN tells more)"));
     }
@@ -245,11 +271,16 @@ COHORT_DECL auto nccl::write_trace(const std::string& directory, std::string_vie
 COHORT_DECL auto nccl::split(nccl& parent, std::shared_ptr<cohort::store> sub_store, int color, int key, int new_rank,
                              int new_size) -> std::unique_ptr<nccl> {
   parent.state_->check_usable("split");
-  detail::check_cuda(cudaSetDevice(parent.state_->device), parent.state_->rank, "set_device");
+  const detail::device_scope on_device(parent.state_->device);
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   ncclComm_t comm = nullptr;
-  ncclResult_t status = ncclCommSplit(parent.state_->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &comm, &config);
+  ncclComm_t parent_comm = nullptr;
+  {
+    std::lock_guard lock(parent.state_->mutex);
+    parent_comm = parent.state_->comm;
+  }
+  ncclResult_t status = ncclCommSplit(parent_comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &comm, &config);
   parent.state_->settle("comm_split", status);
   if (color < 0 || comm == nullptr) return nullptr;
   auto child = std::unique_ptr<nccl>(new nccl());
@@ -277,7 +308,7 @@ COHORT_DECL nccl::~nccl() {
   }
   watched.clear();
   if (barrier_scratch_) {
-    cudaSetDevice(state_->device);
+    const detail::device_scope on_device(state_->device);
     cudaFree(barrier_scratch_);
   }
 }
@@ -353,12 +384,14 @@ COHORT_DECL auto nccl::group_start() -> void {
 COHORT_DECL auto nccl::group_end() -> void {
   if (group_depth_ == 0)
     throw error(rank(), "nccl.group_end", "no group is open", "pair every group_start with one group_end");
+  const detail::device_scope on_device(state_->device);
   --group_depth_;
+  // The outermost end owns the group's calls from here, whatever settle() does: were it to
+  // throw, stale calls would otherwise stay behind and be recorded at the next group's end.
+  std::vector<grouped_call> calls;
+  if (group_depth_ == 0) calls = std::exchange(grouped_, {});
   const ncclResult_t status = ncclGroupEnd();
   if (status != ncclSuccess) state_->settle("group_end", status);
-  if (group_depth_ > 0) return;  // nested: the outermost end launches
-  auto calls = std::move(grouped_);
-  grouped_.clear();
   for (auto& call : calls) {
     if (const cudaError_t recorded = cudaEventRecord(call.done->event, state_->stream); recorded != cudaSuccess)
       detail::check_cuda(recorded, rank(), "event_record(group_end)");
@@ -373,6 +406,7 @@ COHORT_DECL auto nccl::deferred(const char* operation, const detail::call_record
 }
 
 COHORT_DECL auto nccl::wait_for_caller(cudaStream_t caller) -> void {
+  const detail::device_scope on_device(state_->device);
   const auto event = std::make_shared<detail::nccl_event>(state_, state_->take_event());
   detail::check_cuda(cudaEventRecord(event->event, caller), rank(), "event_record(caller)");
   detail::check_cuda(cudaStreamWaitEvent(state_->stream, event->event, 0), rank(), "stream_wait_event(caller)");
@@ -380,7 +414,7 @@ COHORT_DECL auto nccl::wait_for_caller(cudaStream_t caller) -> void {
 
 COHORT_DECL auto nccl::allocate(std::size_t bytes) -> void* {
   void* pointer = nullptr;
-  detail::check_cuda(cudaSetDevice(state_->device), rank(), "set_device");
+  const detail::device_scope on_device(state_->device);
   detail::check_cuda(cudaMalloc(&pointer, bytes == 0 ? 1 : bytes), rank(),
                      "malloc(" + std::to_string(bytes) + " bytes)",
                      "the GPU is out of memory: lower the bucket size or shard the model");
@@ -388,11 +422,12 @@ COHORT_DECL auto nccl::allocate(std::size_t bytes) -> void* {
 }
 
 COHORT_DECL auto nccl::deallocate(void* pointer, std::size_t /*bytes*/) noexcept -> void {
-  cudaSetDevice(state_->device);
+  const detail::device_scope on_device(state_->device);
   cudaFree(pointer);
 }
 
 COHORT_DECL auto nccl::copy(void* destination, const void* source, std::size_t bytes) -> work {
+  const detail::device_scope on_device(state_->device);
   detail::check_cuda(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDefault, state_->stream), rank(),
                      "memcpy_async(" + std::to_string(bytes) + " bytes)");
   return record_event("copy");
@@ -407,15 +442,10 @@ COHORT_DECL auto nccl::check_nccl(ncclResult_t status, const std::string& operat
 COHORT_DECL auto nccl::select_device(cohort::store& store, const launch_env& env, const options& opts) -> void {
   int count = 0;
   detail::check_cuda(cudaGetDeviceCount(&count), env.rank, "get_device_count");
-  const int device = opts.device >= 0 ? opts.device : env.local_rank;
-  if (device >= count) {
-    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-    throw error(env.rank, "nccl.select_device",
-                "device " + std::to_string(device) + " (local rank " + std::to_string(env.local_rank) + ") but only " +
-                    std::to_string(count) + " GPU(s) visible" +
-                    (visible ? std::string(" (CUDA_VISIBLE_DEVICES=") + visible + ")" : std::string()),
-                "launch at most as many ranks per node as GPUs (--nproc-per-node), or fix CUDA_VISIBLE_DEVICES");
-  }
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  const detail::device_choice choice = detail::choose_device(opts.device, env.local_rank, count, visible);
+  if (!choice.error.empty()) throw error(env.rank, "nccl.select_device", choice.error, choice.hint);
+  const int device = choice.device;
   state_->device = device;
   detail::check_cuda(cudaSetDevice(device), env.rank, "set_device(" + std::to_string(device) + ")");
   char bus[64] = {};
@@ -434,7 +464,9 @@ COHORT_DECL auto nccl::select_device(cohort::store& store, const launch_env& env
       throw detail::malformed_store_value(env.rank, "nccl.select_device", keys[r], identities[r],
                                           "'host|PCI bus id' (domain:bus:device.function)");
   if (const auto duplicate = detail::find_duplicate_device(identities))
-    throw error(env.rank, "nccl.select_device", detail::describe_duplicate(*duplicate),
+    throw error(env.rank, "nccl.select_device",
+                detail::describe_duplicate(*duplicate) + "; this rank's " +
+                    detail::describe_device_counts(env.local_rank, env.local_world_size, count, visible),
                 detail::duplicate_device_hint());
 }
 
@@ -447,6 +479,11 @@ COHORT_DECL auto nccl::finish_init(const std::string& operation, ncclResult_t st
                           "a rank never arrived: check that every rank started with the same WORLD_SIZE");
     }
     std::this_thread::sleep_for(std::chrono::microseconds(100));
+    std::lock_guard lock(state_->mutex);  // the watchdog may abort (and free) comm meanwhile
+    if (state_->aborted)
+      throw error(rank(), "nccl." + operation,
+                  "the communicator was aborted during initialisation (" + state_->abort_reason + ")",
+                  "check NCCL_DEBUG=WARN output on every rank");
     ncclCommGetAsyncError(state_->comm, &status);
   }
   if (status != ncclSuccess) state_->fail(operation, status, "check NCCL_DEBUG=WARN output on every rank");
@@ -463,6 +500,7 @@ COHORT_DECL auto nccl::create_stream_and_scratch() -> void {
 }
 
 COHORT_DECL auto nccl::record_event(const char* operation) -> work {
+  const detail::device_scope on_device(state_->device);
   auto event = std::make_shared<detail::nccl_event>(state_, state_->take_event());
   if (const cudaError_t status = cudaEventRecord(event->event, state_->stream); status != cudaSuccess)
     detail::check_cuda(status, rank(), std::string("event_record(") + operation + ")");
