@@ -117,6 +117,40 @@ auto as_const_span(const R& range) noexcept {
 }
 }  // namespace detail
 
+namespace detail {
+// Backend memory owned by a type: allocated through an engine, freed through it once, when
+// the owner goes (no hand-written clean-up on error paths). Move-only.
+template <class B>
+class backend_buffer {
+ public:
+  backend_buffer() = default;
+  backend_buffer(B& engine, std::size_t bytes) : engine_(&engine), data_(engine.allocate(bytes)), bytes_(bytes) {}
+  backend_buffer(backend_buffer&& other) noexcept
+      : engine_(other.engine_), data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+  backend_buffer& operator=(backend_buffer&& other) noexcept {
+    if (this != &other) {
+      release();
+      engine_ = other.engine_;
+      data_ = std::exchange(other.data_, nullptr);
+      bytes_ = std::exchange(other.bytes_, 0);
+    }
+    return *this;
+  }
+  ~backend_buffer() { release(); }
+
+  void* data() const noexcept { return data_; }
+  std::size_t bytes() const noexcept { return bytes_; }
+
+ private:
+  void release() noexcept {
+    if (data_) engine_->deallocate(std::exchange(data_, nullptr), bytes_);
+  }
+  B* engine_ = nullptr;
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+}  // namespace detail
+
 template <class B>
 class process_group {
  public:
@@ -141,7 +175,22 @@ class process_group {
   }
 
   process_group(process_group&&) noexcept = default;
-  process_group& operator=(process_group&&) noexcept = default;
+  // Not defaulted: members are assigned in declaration order, so the engine would go before
+  // the staging memory allocated through it is freed. Free that first, then take other's.
+  process_group& operator=(process_group&& other) noexcept {
+    if (this == &other) return *this;
+    value_staging_ = {};
+    env_ = std::move(other.env_);
+    store_ = std::move(other.store_);
+    backend_ = std::move(other.backend_);
+    value_staging_ = std::move(other.value_staging_);
+    debug_ = other.debug_;
+    debug_calls_ = other.debug_calls_;
+    split_count_ = other.split_count_;
+    monitored_barriers_ = other.monitored_barriers_;
+    main_only_depth_ = std::move(other.main_only_depth_);
+    return *this;
+  }
 
   int rank() const noexcept { return env_.rank; }
   int size() const noexcept { return env_.world_size; }
@@ -149,6 +198,16 @@ class process_group {
   int local_size() const noexcept { return env_.local_world_size; }
   const launch_env& env() const noexcept { return env_; }
   B& backend() noexcept { return *backend_; }
+
+  // Backend memory the group keeps for staging a few host values through its engine (cohort's
+  // host-value helpers use it): at least `bytes`, reused by the next such call, grown when a
+  // call needs more. One allocation per group, not one per call: on NCCL each cudaFree would
+  // synchronise the whole device.
+  void* value_staging(std::size_t bytes) {
+    if (value_staging_.bytes() < bytes)
+      value_staging_ = detail::backend_buffer<B>(*backend_, std::max<std::size_t>(bytes, 256));
+    return value_staging_.data();
+  }
   const std::shared_ptr<prefix_store>& group_store() const noexcept { return store_; }
   bool debug_checks() const noexcept { return debug_; }
   void set_debug_checks(bool on) noexcept {
@@ -553,6 +612,7 @@ class process_group {
   launch_env env_;
   std::shared_ptr<prefix_store> store_;
   std::unique_ptr<B> backend_;
+  detail::backend_buffer<B> value_staging_;  // after backend_: freed before the engine goes
   bool debug_ = false;
   std::uint64_t debug_calls_ = 0;
   std::uint64_t split_count_ = 0;
@@ -568,9 +628,9 @@ class process_group {
 //
 // Collective and blocking: every rank calls it with as many values, and gets the reduction
 // back (op::avg: the mean; integer averages truncate, as ncclAvg's do: pass a double for a
-// fractional mean). On a device backend the values go through device memory (allocate, copy,
-// all-reduce, copy back on the group's stream: the NCCL backend's allocate and free cost
-// about as much as the call itself, so this is for a few values a step, not for data).
+// fractional mean). On a device backend the values go through the group's cached staging
+// memory (copy, all-reduce, copy back on the group's stream, then wait): a few values a step,
+// not data.
 
 // Any arithmetic type but bool, or a cohort element (half, bfloat16). Elements travel as
 // themselves; other integers as int64 (64-bit unsigned values keep their bits: sums and
@@ -594,19 +654,12 @@ std::vector<T> all_reduce_host_values(process_group<B>& group, const T* values, 
   } else {
     auto& engine = group.backend();
     const std::size_t bytes = count * sizeof(W);
-    auto* staged = static_cast<W*>(engine.allocate(bytes));
-    try {
-      engine.copy(staged, wire.data(), bytes);
-      group.all_reduce(std::span<W>(staged, count), reduce);
-      engine.copy(wire.data(), staged, bytes).wait();
-    } catch (...) {
-      try {
-        engine.record().wait();  // nothing queued may still use what is freed below
-      } catch (...) {}
-      engine.deallocate(staged, bytes);
-      throw;
-    }
-    engine.deallocate(staged, bytes);
+    // The group's cached staging: a failed call leaves it to the group, and the next call's
+    // copy is ordered after anything still queued on the same stream.
+    auto* staged = static_cast<W*>(group.value_staging(bytes));
+    engine.copy(staged, wire.data(), bytes);
+    group.all_reduce(std::span<W>(staged, count), reduce);
+    engine.copy(wire.data(), staged, bytes).wait();
   }
   std::vector<T> result(count);
   for (std::size_t i = 0; i < count; ++i) result[i] = static_cast<T>(wire[i]);
