@@ -421,14 +421,20 @@ struct engine<cohort::nccl> {
   template <class T>
   static void upload(group& pg, T* destination, const std::vector<T>& source) {
     check(cudaSetDevice(pg.backend().device()), pg.rank(), "set_device");
-    check(cudaMemcpy(destination, source.data(), source.size() * sizeof(T), cudaMemcpyHostToDevice), pg.rank(),
-          "upload");
+    // On the group's stream, not the legacy one: from pageable memory cudaMemcpy may return
+    // before its DMA lands, and the group's non-blocking stream does not wait for the legacy
+    // stream, so a collective could read a stale tail.
+    check(cudaMemcpyAsync(destination, source.data(), source.size() * sizeof(T), cudaMemcpyHostToDevice,
+                          pg.backend().stream()),
+          pg.rank(), "upload");
+    check(cudaStreamSynchronize(pg.backend().stream()), pg.rank(), "stream_synchronize(upload)");
   }
   template <class T>
   static void download(group& pg, std::vector<T>& destination, const T* source, std::size_t count) {
     destination.resize(count);
-    check(cudaStreamSynchronize(pg.backend().stream()), pg.rank(), "stream_synchronize");
-    check(cudaMemcpy(destination.data(), source, count * sizeof(T), cudaMemcpyDeviceToHost), pg.rank(), "download");
+    check(cudaMemcpyAsync(destination.data(), source, count * sizeof(T), cudaMemcpyDeviceToHost, pg.backend().stream()),
+          pg.rank(), "download");
+    check(cudaStreamSynchronize(pg.backend().stream()), pg.rank(), "stream_synchronize(download)");
   }
 
   // Back to back, then wait for the last (nccl-tests' timing).

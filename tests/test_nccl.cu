@@ -29,16 +29,33 @@ void require_gpu() {
   }
 }
 
+void check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) FAIL(what << ": " << cudaGetErrorString(status));
+}
+
+// Uploads and downloads synchronise the whole device: the legacy stream they run on does
+// not order with the group's non-blocking stream, and from pageable memory cudaMemcpy may
+// return before its DMA lands, so a collective right after could read a stale tail.
 template <class T>
 struct device_buffer {
   T* data = nullptr;
   std::size_t count = 0;
-  explicit device_buffer(std::size_t n) : count(n) { cudaMalloc(&data, n * sizeof(T) + 1); }
+  explicit device_buffer(std::size_t n) : count(n) { check(cudaMalloc(&data, n * sizeof(T) + 1), "malloc"); }
+  device_buffer(const device_buffer&) = delete;
+  device_buffer& operator=(const device_buffer&) = delete;
   ~device_buffer() { cudaFree(data); }
-  void upload(const std::vector<T>& host) { cudaMemcpy(data, host.data(), count * sizeof(T), cudaMemcpyHostToDevice); }
+  void upload(const std::vector<T>& host) {
+    check(cudaMemcpy(data, host.data(), count * sizeof(T), cudaMemcpyHostToDevice), "upload");
+    check(cudaDeviceSynchronize(), "synchronize(upload)");
+  }
+  void zero() {
+    check(cudaMemset(data, 0, count * sizeof(T)), "memset");
+    check(cudaDeviceSynchronize(), "synchronize(memset)");
+  }
   std::vector<T> download() const {
     std::vector<T> host(count);
-    cudaMemcpy(host.data(), data, count * sizeof(T), cudaMemcpyDeviceToHost);
+    check(cudaDeviceSynchronize(), "synchronize(download)");
+    check(cudaMemcpy(host.data(), data, count * sizeof(T), cudaMemcpyDeviceToHost), "download");
     return host;
   }
   std::span<T> span() { return {data, count}; }
@@ -100,7 +117,7 @@ TEST_CASE("device element-wise ops match the host ones", "[nccl]") {
     regions.push_back({copy.data + first, values.data + first, std::min<std::size_t>(997, n - first) * sizeof(float)});
   cohort::batched_copy(engine, std::span<const cohort::copy_region>(regions)).wait();
   REQUIRE(copy.download() == scaled);
-  cudaMemset(bad.data, 0, sizeof(std::int64_t));
+  bad.zero();
   host[5] = NAN;
   host[77] = INFINITY;
   values.upload(host);
@@ -218,14 +235,31 @@ TEST_CASE("the watchdog bounds work nobody waits for, records it, and the next c
                                          cohort::launch_env::explicit_ranks(0, 1), opts);
   device_buffer<float> data(1024);
   pg.all_reduce(data.span()).wait();  // one that completes
-  int* release = nullptr;
-  REQUIRE(cudaHostAlloc(&release, sizeof(int), cudaHostAllocMapped) == cudaSuccess);
-  *release = 0;
-  int* device_release = nullptr;
-  REQUIRE(cudaHostGetDevicePointer(&device_release, release, 0) == cudaSuccess);
-  cudaStream_t caller;
-  cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking);
-  spin_until<<<1, 1, 0, caller>>>(device_release);
+  // Released however the case ends: a failed REQUIRE below must not leave the kernel spinning,
+  // or every later cudaFree (the buffers', the communicator's abort) would wait for it forever.
+  struct spinning_kernel {
+    int* release = nullptr;
+    cudaStream_t stream = nullptr;
+    spinning_kernel() {
+      check(cudaHostAlloc(&release, sizeof(int), cudaHostAllocMapped), "host_alloc");
+      *release = 0;
+      check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream_create");
+      int* device_release = nullptr;
+      check(cudaHostGetDevicePointer(&device_release, release, 0), "host_get_device_pointer");
+      spin_until<<<1, 1, 0, stream>>>(device_release);
+    }
+    spinning_kernel(const spinning_kernel&) = delete;
+    spinning_kernel& operator=(const spinning_kernel&) = delete;
+    ~spinning_kernel() {
+      if (release) *static_cast<volatile int*>(release) = 1;
+      if (stream) {
+        cudaStreamSynchronize(stream);
+        cudaStreamDestroy(stream);
+      }
+      if (release) cudaFreeHost(release);
+    }
+  } spinning;
+  cudaStream_t caller = spinning.stream;
   pg.backend().wait_for_caller(caller);
   auto stuck = pg.all_reduce(data.span());  // behind the spinning kernel: never waited for
   (void)stuck;
@@ -242,8 +276,4 @@ TEST_CASE("the watchdog bounds work nobody waits for, records it, and the next c
     CHECK_THAT(failure.what(), Catch::Contains("all_reduce #2 (float x 1024, sum)") &&
                                    Catch::Contains("the watchdog aborted the communicator"));
   }
-  *release = 1;
-  cudaStreamSynchronize(caller);
-  cudaStreamDestroy(caller);
-  cudaFreeHost(release);
 }
