@@ -5,6 +5,7 @@
 // finishes them back to front, reporting each as soon as it is final, which is what a
 // gradient reducer needs to overlap communication with the rest of the backward pass.
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -169,5 +170,48 @@ struct synthetic_data {
     return data;
   }
 };
+
+// One process on whole batches of `data`, Adam (beta 0.9, 0.999, eps 1e-8, no weight decay)
+// written out in float: the sharded examples' reference, on the CPU and on GPUs alike.
+inline std::vector<std::vector<float>> train_adam_single(const mlp& model, const synthetic_data& data,
+                                                         std::size_t batch, int steps, double lr) {
+  std::vector<std::vector<float>> params, grads, m, v;
+  for (auto n : model.parameter_sizes()) {
+    params.emplace_back(n, 0.0f);
+    grads.emplace_back(n, 0.0f);
+    m.emplace_back(n, 0.0f);
+    v.emplace_back(n, 0.0f);
+  }
+  model.initialize(std::vector<std::span<float>>(params.begin(), params.end()), 7);
+  for (int step = 0; step < steps; ++step) {
+    const std::size_t first = static_cast<std::size_t>(step) * batch;
+    model.loss_and_gradients(std::vector<std::span<float>>(params.begin(), params.end()),
+                             std::vector<std::span<float>>(grads.begin(), grads.end()),
+                             std::span<const float>(data.inputs).subspan(first * model.input_width()),
+                             std::span<const float>(data.targets).subspan(first * model.output_width()), batch);
+    const double t = step + 1;
+    for (std::size_t k = 0; k < params.size(); ++k)
+      for (std::size_t i = 0; i < params[k].size(); ++i) {
+        const float g = grads[k][i];
+        m[k][i] = 0.9f * m[k][i] + 0.1f * g;
+        v[k][i] = 0.999f * v[k][i] + static_cast<float>(1 - 0.999) * g * g;
+        const float m_hat = m[k][i] / static_cast<float>(1 - std::pow(0.9, t));
+        const float v_hat = v[k][i] / static_cast<float>(1 - std::pow(0.999, t));
+        params[k][i] -= static_cast<float>(lr) * (m_hat / (std::sqrt(v_hat) + 1e-8f));
+      }
+  }
+  return params;
+}
+
+// The largest |a - b| over every element of two sets of tensors of the same shapes.
+inline double max_difference(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  double worst = a.size() == b.size() ? 0.0 : INFINITY;
+  for (std::size_t k = 0; k < a.size() && k < b.size(); ++k) {
+    if (a[k].size() != b[k].size()) return INFINITY;
+    for (std::size_t i = 0; i < a[k].size(); ++i)
+      worst = std::max(worst, std::abs(static_cast<double>(a[k][i]) - static_cast<double>(b[k][i])));
+  }
+  return worst;
+}
 
 }  // namespace cohort_examples

@@ -48,34 +48,6 @@ cohort_examples::synthetic_data make_data(const config& cfg, const cohort_exampl
                                                model.output_width(), 2024);
 }
 
-// One process, whole batches, Adam written out: the reference.
-tensors train_single(const config& cfg) {
-  const cohort_examples::mlp model(cfg.widths);
-  const auto data = make_data(cfg, model);
-  auto params = zeros(model.parameter_sizes());
-  auto grads = zeros(model.parameter_sizes());
-  auto m = zeros(model.parameter_sizes()), v = zeros(model.parameter_sizes());
-  model.initialize(std::vector<std::span<float>>(params.begin(), params.end()), 7);
-  for (int step = 0; step < cfg.steps; ++step) {
-    const std::size_t first = static_cast<std::size_t>(step) * cfg.batch;
-    model.loss_and_gradients(std::vector<std::span<float>>(params.begin(), params.end()),
-                             std::vector<std::span<float>>(grads.begin(), grads.end()),
-                             std::span<const float>(data.inputs).subspan(first * model.input_width()),
-                             std::span<const float>(data.targets).subspan(first * model.output_width()), cfg.batch);
-    const double t = step + 1;
-    for (std::size_t k = 0; k < params.size(); ++k)
-      for (std::size_t i = 0; i < params[k].size(); ++i) {
-        const float g = grads[k][i];
-        m[k][i] = 0.9f * m[k][i] + 0.1f * g;
-        v[k][i] = 0.999f * v[k][i] + static_cast<float>(1 - 0.999) * g * g;
-        const float m_hat = m[k][i] / static_cast<float>(1 - std::pow(0.9, t));
-        const float v_hat = v[k][i] / static_cast<float>(1 - std::pow(0.999, t));
-        params[k][i] -= static_cast<float>(cfg.lr) * (m_hat / (std::sqrt(v_hat) + 1e-8f));
-      }
-  }
-  return params;
-}
-
 // One rank's training; returns every parameter in full on rank 0 (empty elsewhere).
 tensors train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
   cohort::rank_logger log(pg);
@@ -152,11 +124,9 @@ tensors train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
 }
 
 int report(const tensors& distributed, const config& cfg) {
-  const tensors single = train_single(cfg);
-  double worst = 0;
-  for (std::size_t k = 0; k < single.size(); ++k)
-    for (std::size_t i = 0; i < single[k].size(); ++i)
-      worst = std::max(worst, std::abs(static_cast<double>(distributed[k][i]) - single[k][i]));
+  const cohort_examples::mlp model(cfg.widths);
+  const tensors single = cohort_examples::train_adam_single(model, make_data(cfg, model), cfg.batch, cfg.steps, cfg.lr);
+  const double worst = cohort_examples::max_difference(distributed, single);
   const bool match = worst <= 1e-5;
   std::printf("final parameters: sharded vs single rank, max |difference| %.2e: %s\n", worst,
               match ? "match" : "MISMATCH");

@@ -7,6 +7,9 @@
 //
 //   sharded_cuda                                                  # one GPU
 //   torchrun --nproc-per-node 2 --no-python sharded_cuda          # or mpirun -np 2
+//
+// Ends, on rank 0, with the final parameters against one process training on the whole
+// batch with Adam written out on the host (the line ends with "match").
 #include <cohort/backend/nccl.hpp>
 #include <cohort/guards.hpp>
 #include <cohort/launch.hpp>
@@ -31,6 +34,11 @@ void check(cudaError_t status, const char* what) {
 }  // namespace
 
 int main() try {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("sharded_cuda: no CUDA device; nothing to do\n");
+    return 0;
+  }
   const auto env = cohort::launch_env::detect();
   auto store = env.world_size == 1 ? std::shared_ptr<cohort::store>(std::make_shared<cohort::memory_store>())
                                    : cohort::connect_store(env);
@@ -106,10 +114,20 @@ int main() try {
   log("peak device bytes ", params.peak_total(), " (shards ", peak.shards, ", gradients ", peak.gradients,
       ", gathered ", peak.gathered, ", pool ", peak.pool, ", optimizer ", peak.optimizer, ") against ",
       4 * parameter_bytes, " unsharded (parameters, gradients, Adam moments)");
+  const auto distributed = params.gather_full_state(0);  // collective; the full model on rank 0
   for (auto g : device_grads) cudaFree(g);
   cudaStreamDestroy(stream);
-  pg.barrier().wait();
-  return 0;
+  int status = 0;
+  if (pg.rank() == 0) {
+    const auto single = cohort_examples::train_adam_single(model, data, batch, static_cast<int>(steps), 1e-3);
+    const double worst = cohort_examples::max_difference(distributed, single);
+    const bool match = worst <= 1e-5;
+    std::printf("final parameters: sharded on %d GPU(s) vs one process on the host, max |difference| %.2e: %s\n",
+                pg.size(), worst, match ? "match" : "MISMATCH");
+    status = match ? 0 : 1;
+  }
+  pg.barrier().wait();  // the others wait for the reference: rank 0 hosts the store
+  return status;
 } catch (const std::exception& failure) {
   std::fprintf(stderr, "sharded_cuda: %s\n", failure.what());
   return 1;
