@@ -196,8 +196,8 @@ else
   for entry in "${programs[@]}"; do
     IFS=$'\t' read -r kind name path <<< "$entry"
     case $kind in
-      test) step "test_$name" 90 "'$path' -r junit -o '$out/junit-$name.xml'" ;;
-      consumer) step "consumer_$name" 30 "'$path'" ;;
+      test) step "$name" 90 "'$path' -r junit -o '$out/junit-$name.xml'" ;;
+      consumer) step "$name" 30 "'$path'" ;;
       example)
         runs=("")
         [ "$name" = zero_cuda ] && runs=("" "--zero 0" "--zero 1")
