@@ -22,6 +22,7 @@
 
 #include "cohort/detail/scalar_math.hpp"
 #include "cohort/ops.hpp"
+#include "cohort/parallel/optimizer_options.hpp"
 #include "cohort/reducer.hpp"
 #include "cohort/sharded.hpp"
 
@@ -53,10 +54,6 @@ double sum_of_squares_read(B& engine, Each&& each, const std::function<void(doub
   }
   engine.deallocate(sum, sizeof(double));
   return host;
-}
-
-inline double clip_factor(double norm, double max_norm) {
-  return max_norm > 0 && norm > max_norm ? max_norm / (norm + 1e-6) : 1.0;
 }
 
 }  // namespace detail

@@ -17,31 +17,12 @@
 
 #include "cohort/detail/scalar_math.hpp"
 #include "cohort/ops.hpp"
+#include "cohort/parallel/optimizer_options.hpp"
 #include "cohort/sharded.hpp"
 
 namespace cohort::inline v0 {
 
-struct sgd_options {
-  double lr = 0.01;
-  double momentum = 0;      // 0: plain SGD, no state
-  double weight_decay = 0;  // L2, added to the gradient
-};
-
-struct adam_options {
-  double lr = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 0;  // decoupled (AdamW)
-};
-
 namespace detail {
-
-// Step `steps`'s coefficients (bias corrections 1 - beta^t) for adam_update.
-inline adam_coefficients adam_coefficients_at(const adam_options& o, std::uint64_t steps, double grad_scale) {
-  const double t = static_cast<double>(steps);
-  return {o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, 1 - power(o.beta1, t), 1 - power(o.beta2, t), grad_scale};
-}
 
 // State shards (state_count per unit) allocated in the backend's memory and zeroed.
 template <backend B, class T>

@@ -139,6 +139,10 @@ class backend_buffer {
   ~backend_buffer() { release(); }
 
   void* data() const noexcept { return data_; }
+  template <class T>
+  T* as() const noexcept {
+    return static_cast<T*>(data_);
+  }
   std::size_t bytes() const noexcept { return bytes_; }
 
  private:
@@ -666,6 +670,25 @@ std::vector<T> all_reduce_host_values(process_group<B>& group, const T* values, 
   return result;
 }
 }  // namespace detail
+
+// Every rank's `values` (the same count on every rank), rank by rank: a layout check's row,
+// a count per rank. Through the group's staging buffer on a device backend, as above.
+template <backend B, class T>
+  requires(std::same_as<T, std::int64_t> || std::same_as<T, double>)
+std::vector<T> all_gather_values(process_group<B>& group, std::span<const T> values) {
+  const std::size_t count = values.size(), world = static_cast<std::size_t>(group.size());
+  std::vector<T> all(count * world);
+  if constexpr (B::space == memory_space::host) {
+    group.all_gather(values, std::span<T>(all)).wait();
+  } else {
+    auto& engine = group.backend();
+    auto* staged = static_cast<T*>(group.value_staging((world + 1) * count * sizeof(T)));
+    engine.copy(staged + world * count, values.data(), count * sizeof(T));
+    group.all_gather(std::span<const T>(staged + world * count, count), std::span<T>(staged, world * count));
+    engine.copy(all.data(), staged, world * count * sizeof(T)).wait();
+  }
+  return all;
+}
 
 template <backend B, reducible_value T>
 T all_reduce_value(process_group<B>& group, T value, op reduce = op::sum) {

@@ -43,6 +43,7 @@
 #include "cohort/loss_scaler.hpp"
 #include "cohort/ops.hpp"
 #include "cohort/optim.hpp"
+#include "cohort/parallel/gradient_statistics.hpp"
 #include "cohort/process_group.hpp"
 #include "cohort/reducer.hpp"
 #include "cohort/types.hpp"
@@ -62,13 +63,8 @@ struct zero_options {
   loss_scaler* scaler = nullptr;
 };
 
-struct zero_step_result {
-  bool skipped = false;    // an inf/NaN on some rank: no rank updated its parameters
-  double grad_norm = 0;    // global L2 norm of the averaged, unscaled gradients (before clipping)
-  double clip_factor = 1;  // what clipping multiplied the gradients by
-  double loss_scale = 1;   // the scale this step's gradients carried
-  std::int64_t nonfinite = 0;
-};
+// One result shape for every strategy (cohort/parallel/optimizer_options.hpp).
+using zero_step_result = step_result;
 
 template <backend B, element P = float, element G = P>
 class zero_optimizer {
@@ -376,31 +372,21 @@ class zero_optimizer {
            b.remainder);
   }
 
-  // The inf/NaN count and the global sum of squares, the same on every rank. Replicated
-  // elements (the remainders) are counted by rank 0 only, so each element counts once.
+  // Replicated elements (the remainders) are counted by rank 0 only: each element counts once.
   void measure(zero_step_result& result) {
     auto& engine = group_->backend();
-    auto* count = static_cast<std::int64_t*>(stats_);
-    auto* squares = static_cast<double*>(stats_) + 1;
-    fill(engine, stats_, 2, dtype::int64, 0.0);
-    count_nonfinite(engine, gradient_shard_, chunk_elements_, dtype::float32, count);
-    sum_of_squares(engine, gradient_shard_, chunk_elements_, dtype::float32, squares);
-    if (rank() == 0) {
-      count_nonfinite(engine, gradient_shard_ + chunk_elements_, owned_ - chunk_elements_, dtype::float32, count);
-      sum_of_squares(engine, gradient_shard_ + chunk_elements_, owned_ - chunk_elements_, dtype::float32, squares);
-    }
-    {
-      auto together = group_->grouped();
-      group_->all_reduce(std::span<std::int64_t>(count, 1), op::sum);
-      group_->all_reduce(std::span<double>(squares, 1), op::sum);
-      together.end();
-    }
-    std::int64_t found = 0;
-    double sum = 0;
-    engine.copy(&found, count, sizeof found);
-    engine.copy(&sum, squares, sizeof sum).wait();
-    result.nonfinite = found;
-    result.grad_norm = found > 0 ? detail::quiet_nan() : detail::square_root(sum) / result.loss_scale;
+    detail::agree_on_gradient_statistics(
+        *group_, stats_, true,
+        [&](std::int64_t* count, double* squares) {
+          count_nonfinite(engine, gradient_shard_, chunk_elements_, dtype::float32, count);
+          sum_of_squares(engine, gradient_shard_, chunk_elements_, dtype::float32, squares);
+          if (rank() == 0) {
+            count_nonfinite(engine, gradient_shard_ + chunk_elements_, owned_ - chunk_elements_, dtype::float32, count);
+            sum_of_squares(engine, gradient_shard_ + chunk_elements_, owned_ - chunk_elements_, dtype::float32,
+                           squares);
+          }
+        },
+        result);
   }
 
   void update(double grad_scale) {
@@ -523,8 +509,7 @@ auto zero_optimizer<B, P, G>::step() -> zero_step_result {
   if (options_.scaler) options_.scaler->update(skip);
   result.skipped = skip;
   if (!skip) {
-    if (options_.max_grad_norm > 0 && result.grad_norm > options_.max_grad_norm)
-      result.clip_factor = options_.max_grad_norm / (result.grad_norm + 1e-6);
+    result.clip_factor = detail::clip_factor(result.grad_norm, options_.max_grad_norm);
     update(result.clip_factor / result.loss_scale);
     gathered_ = gather();
   }

@@ -1,0 +1,513 @@
+#pragma once
+// training_state's member templates (cohort/parallel/training_state.hpp), always included.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cohort/parallel/training_state.hpp"
+
+namespace cohort::inline v0 {
+
+template <backend B, element P, element G>
+training_state<B, P, G>::training_state(process_group<B>& group, std::vector<region> regions, training_options options)
+    : group_(&group),
+      regions_(std::move(regions)),
+      options_(std::move(options)),
+      gradient_pool_(group.backend()),
+      parameter_pool_(group.backend()) {
+  std::string refusal = detail::check_regions(regions_);
+  const auto s = static_cast<int>(options_.strategy);
+  if (refusal.empty() && (s < 0 || s > 3))
+    refusal = "strategy " + std::to_string(s) + ": use strategy::ddp, zero1, zero2 or zero3";
+  if (refusal.empty() && options_.bucket_bytes < sizeof(G))
+    refusal = "bucket_bytes " + std::to_string(options_.bucket_bytes) + " is below one gradient element";
+  if (refusal.empty() && options_.prefetch < 0) refusal = "prefetch " + std::to_string(options_.prefetch) + " < 0";
+  agree_on_layout(refusal);
+
+  // 16-byte aligned shards and regions for both dtypes: vector loads in the kernels.
+  const std::size_t alignment = std::max<std::size_t>(16 / std::min(sizeof(P), sizeof(G)), 1);
+  layout_ = detail::plan_storage(regions_, group.size(), std::max<std::size_t>(options_.bucket_bytes / sizeof(G), 1),
+                                 !sharded_parameters(), alignment);
+  segments_ = detail::owned_segments(layout_, group.rank(), sharded());
+  shard_offset_.assign(layout_.buckets.size(), 0);
+  for (std::size_t b = 0, at = 0; b < layout_.buckets.size(); ++b) {
+    shard_offset_[b] = at;
+    at += sharded() ? layout_.buckets[b].shard : layout_.buckets[b].padded;
+    owned_ = at;
+  }
+  const std::size_t buckets = layout_.buckets.size();
+  bucket_grads_.resize(buckets);
+  bucket_params_.resize(buckets);
+  bucket_gathered_.resize(buckets);
+  layer_users_.assign(layout_.layers, 0);
+  marked_.assign(regions_.size(), 0);
+  pending_.assign(buckets, 0);
+  due_.assign(buckets, 0);
+  backward_view_.assign(layout_.layers, 0);
+  reset_marks();
+  allocate();
+  // Nothing overlaps the backward when one bucket holds everything: say so once, where it
+  // costs (a model of more than a few MiB), instead of leaving bucket_count() to tell.
+  const std::size_t gradient_bytes = layout_.storage * sizeof(G);
+  if (buckets == 1 && group.size() > 1 && group.rank() == 0 && gradient_bytes > (std::size_t{4} << 20) &&
+      options_.strategy != strategy::zero1)
+    std::fprintf(stderr,
+                 "[cohort rank 0] training_state: one bucket holds all %zu gradient bytes, so its reduction "
+                 "cannot overlap the backward; lower bucket_bytes (now %zu) to overlap\n",
+                 gradient_bytes, options_.bucket_bytes);
+}
+
+template <backend B, element P, element G>
+training_state<B, P, G>::~training_state() {
+  try {
+    group_->backend().record().wait();  // nothing queued may still use what is freed
+  } catch (...) {
+    // A failed group: the memory is still ours to free.
+  }
+  for (auto& held : bucket_grads_)
+    if (held.data) gradient_pool_.release(held);
+  for (auto& held : bucket_params_)
+    if (held.data) parameter_pool_.release(held);
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::agree_on_layout(const std::string& refusal) {
+  // One row per rank: whether it refused, a fingerprint of everything the collectives pair
+  // up by, and the sizes an error names.
+  std::size_t logical = 0;
+  for (const auto& r : regions_) logical = std::max(logical, r.offset + r.count);
+  const std::int64_t row[4] = {
+      refusal.empty() ? 0 : 1,
+      detail::layout_fingerprint(regions_, options_.bucket_bytes / sizeof(G), static_cast<int>(options_.strategy),
+                                 static_cast<int>(dtype_v<P>), static_cast<int>(dtype_v<G>)),
+      static_cast<std::int64_t>(regions_.size()), static_cast<std::int64_t>(logical)};
+  const auto all = all_gather_values(*group_, std::span<const std::int64_t>(row, 4));
+  if (!refusal.empty()) fail("layout", refusal, "describe every tensor of the flat buffer once, as a region");
+  for (int r = 0; r < group_->size(); ++r)
+    if (all[static_cast<std::size_t>(r) * 4] != 0)
+      fail("layout", "rank " + std::to_string(r) + " refused its regions or options (its error says why)",
+           "build the state from the same model on every rank");
+  for (int r = 1; r < group_->size(); ++r) {
+    const auto* theirs = &all[static_cast<std::size_t>(r) * 4];
+    if (theirs[1] != all[1])
+      fail("layout",
+           "rank " + std::to_string(r) + " has " + std::to_string(theirs[2]) + " regions over " +
+               std::to_string(theirs[3]) + " elements, rank 0 " + std::to_string(all[2]) + " over " +
+               std::to_string(all[3]) +
+               (theirs[2] == all[2] && theirs[3] == all[3]
+                    ? " (the same sizes: their offsets, layers, strategy, bucket_bytes or dtypes differ)"
+                    : ""),
+           "every rank must pass the same regions, strategy, bucket size and dtypes, or the collectives pair "
+           "up wrongly");
+  }
+}
+
+template <backend B, element P, element G>
+template <class T>
+T* training_state<B, P, G>::allocate_zeroed(detail::backend_buffer<B>& buffer, std::size_t count) {
+  auto& engine = group_->backend();
+  buffer = detail::backend_buffer<B>(engine, std::max<std::size_t>(count, 1) * sizeof(T));
+  fill(engine, buffer.data(), count, dtype_v<T>, 0.0);
+  return buffer.template as<T>();
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::allocate() {
+  allocate_zeroed<P>(params_, sharded_parameters() ? owned_ : layout_.storage);
+  if (sharded_gradients())
+    allocate_zeroed<G>(grad_shard_, owned_);
+  else
+    allocate_zeroed<G>(grads_, layout_.storage);
+  if (separate_master()) allocate_zeroed<master_type>(master_, owned_);
+  const bool adam = !options_.sgd;
+  if (adam || options_.sgd->momentum != 0) allocate_zeroed<master_type>(first_, owned_);
+  if (adam) allocate_zeroed<master_type>(second_, owned_);
+  if (!std::is_same_v<G, master_type>) allocate_zeroed<master_type>(scratch_, owned_);
+  stats_ = detail::backend_buffer<B>(group_->backend(), 2 * sizeof(double));
+  group_->backend().record().wait();
+}
+
+// --- parameters ------------------------------------------------------------------------------
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::load_parameters(std::span<const P> logical) {
+  if (logical.size() != layout_.logical)
+    fail("load_parameters",
+         std::to_string(logical.size()) + " elements for regions covering " + std::to_string(layout_.logical),
+         "pass the trainer's whole flat parameter buffer");
+  auto& engine = group_->backend();
+  engine.wait_for_caller(caller_stream_);
+  P* params = params_.template as<P>();
+  if (sharded_parameters()) {
+    for (const auto& s : segments_) {
+      const auto& placed = layout_.regions[s.region];
+      engine.copy(params + s.owned, logical.data() + regions_[s.region].offset + (s.storage - placed.storage),
+                  s.count * sizeof(P));
+    }
+  } else {
+    for (std::size_t r = 0; r < regions_.size(); ++r)
+      engine.copy(params + layout_.regions[r].storage, logical.data() + regions_[r].offset,
+                  regions_[r].count * sizeof(P));
+  }
+  if (separate_master())
+    for (const auto& s : segments_)
+      cast(engine, sharded_parameters() ? params + s.owned : params + s.storage, dtype_v<P>,
+           master_.template as<master_type>() + s.owned, dtype_v<master_type>, s.count);
+  drop_gathered();
+  engine.record().wait();  // the caller's buffer may go once this returns
+}
+
+template <backend B, element P, element G>
+std::vector<P> training_state<B, P, G>::gather_parameters() {
+  auto& engine = group_->backend();
+  engine.wait_for_caller(caller_stream_);
+  const std::size_t step_wire_bytes = wire_bytes_;  // a check's gathers are not a step's traffic
+  std::vector<P> logical(layout_.logical);
+  for (std::size_t b = 0; b < layout_.buckets.size(); ++b) {
+    const auto& bucket = layout_.buckets[b];
+    const P* source = params_.template as<P>();
+    if (sharded_parameters()) {
+      gather_bucket(b);
+      source = static_cast<const P*>(bucket_params_[b].data) - bucket.begin;
+    }
+    for (const std::size_t r : bucket.regions)
+      engine.copy(logical.data() + regions_[r].offset, source + layout_.regions[r].storage,
+                  regions_[r].count * sizeof(P));
+    if (sharded_parameters() && layer_users_[bucket.layer] == 0) {
+      engine.record().wait();
+      bucket_params_[b].last_use = engine.record();
+      parameter_pool_.put(std::exchange(bucket_params_[b], pooled{}));
+    }
+  }
+  engine.record().wait();
+  wire_bytes_ = step_wire_bytes;
+  return logical;
+}
+
+template <backend B, element P, element G>
+auto training_state<B, P, G>::gather(std::size_t layer) -> layer_view {
+  if (layer >= layout_.layers)
+    fail("gather", "layer " + std::to_string(layer) + " of " + std::to_string(layout_.layers),
+         "layers are the regions' layer numbers, 0 .. layers - 1");
+  if (!sharded_parameters()) return layer_view(this, layer);
+  if (no_sync_depth_ == 0) launch_ready();  // what the backward released so far, before this gather
+  // The first gather of a step is the forward's; a gather at or below the last one is the
+  // backward's, whose view's end makes the layer's buckets due. The gathers are collectives,
+  // so this is the same on every rank.
+  backward_view_[layer] = last_gathered_ && layer <= *last_gathered_;
+  for (std::size_t b = layout_.first_bucket_of_layer[layer]; b < layout_.first_bucket_of_layer[layer + 1]; ++b) {
+    gather_bucket(b);
+    hand_to_caller(bucket_gathered_[b]);
+  }
+  ++layer_users_[layer];
+  prefetch_after(layer);
+  last_gathered_ = layer;
+  return layer_view(this, layer);
+}
+
+template <backend B, element P, element G>
+std::span<P> training_state<B, P, G>::parameter_span(std::size_t layer, std::size_t r) {
+  check_region("param", r);
+  const auto& placed = layout_.regions[r];
+  if (regions_[r].layer != layer)
+    fail("param",
+         describe(r) + " is in layer " + std::to_string(regions_[r].layer) + ", not layer " + std::to_string(layer),
+         "gather the region's own layer");
+  if (!sharded_parameters()) return {params_.template as<P>() + placed.storage, placed.count};
+  const auto& bucket = layout_.buckets[placed.bucket];
+  return {static_cast<P*>(bucket_params_[placed.bucket].data) + (placed.storage - bucket.begin), placed.count};
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::gather_bucket(std::size_t b) {
+  if (bucket_params_[b].data) return;  // held, or prefetched
+  auto& engine = group_->backend();
+  const auto& bucket = layout_.buckets[b];
+  const std::size_t bytes = bucket.padded * sizeof(P);
+  const std::size_t before = parameter_pool_.allocations();
+  bucket_params_[b] = parameter_pool_.take(bytes);
+  if (parameter_pool_.allocations() != before) parameter_pool_bytes_ += bytes;
+  engine.wait_for_caller(caller_stream_);  // a reused buffer's last readers are done
+  const P* shard = params_.template as<P>() + shard_offset_[b];
+  bucket_gathered_[b] = group_->all_gather(std::span<const P>(shard, bucket.shard),
+                                           std::span<P>(static_cast<P*>(bucket_params_[b].data), bucket.padded));
+  count_wire(bytes, false);
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::prefetch_after(std::size_t layer) {
+  const bool backward = last_gathered_ && layer < *last_gathered_;
+  for (int ahead = 1; ahead <= options_.prefetch; ++ahead) {
+    const auto step = static_cast<std::size_t>(ahead);
+    if (backward ? layer < step : layer + step >= layout_.layers) break;
+    const std::size_t next = backward ? layer - step : layer + step;
+    for (std::size_t b = layout_.first_bucket_of_layer[next]; b < layout_.first_bucket_of_layer[next + 1]; ++b)
+      gather_bucket(b);
+  }
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::release_layer(std::size_t layer) noexcept {
+  if (!sharded_parameters() || --layer_users_[layer] > 0) return;
+  for (std::size_t b = layout_.first_bucket_of_layer[layer]; b < layout_.first_bucket_of_layer[layer + 1]; ++b) {
+    // The backward is done with this layer: its buckets are reduced at the next gather or
+    // step(), whatever this rank marked (unmarked regions contribute zeros).
+    if (backward_view_[layer]) due_[b] = 1;
+    if (!bucket_params_[b].data) continue;
+    try {
+      bucket_params_[b].last_use = group_->backend().record();
+    } catch (...) {
+      // A failed group: the buffer is freed once its gather is done, whatever happened.
+      bucket_params_[b].last_use = bucket_gathered_[b];
+    }
+    parameter_pool_.put(std::exchange(bucket_params_[b], pooled{}));
+  }
+}
+
+// Gathered parameters are stale once the step updates the shards, and a prefetch nobody
+// used holds memory: both go back to the pool.
+template <backend B, element P, element G>
+void training_state<B, P, G>::drop_gathered() {
+  if (!sharded_parameters()) return;
+  for (std::size_t b = 0; b < bucket_params_.size(); ++b) {
+    if (!bucket_params_[b].data) continue;
+    if (layer_users_[layout_.buckets[b].layer] > 0)
+      fail("step", "layer " + std::to_string(layout_.buckets[b].layer) + " is still gathered",
+           "end the layer's view (it goes out of scope, or reset()) before step(): its parameters change");
+    bucket_params_[b].last_use = group_->backend().record();
+    parameter_pool_.put(std::exchange(bucket_params_[b], pooled{}));
+  }
+  last_gathered_.reset();
+}
+
+// --- gradients and the step --------------------------------------------------------------------
+
+template <backend B, element P, element G>
+G* training_state<B, P, G>::bucket_gradients(std::size_t b, bool for_caller) {
+  if (!bucket_grads_[b].data) {
+    auto& engine = group_->backend();
+    const std::size_t bytes = layout_.buckets[b].padded * sizeof(G);
+    const std::size_t before = gradient_pool_.allocations();
+    bucket_grads_[b] = gradient_pool_.take(bytes);
+    if (gradient_pool_.allocations() != before) gradient_pool_bytes_ += bytes;
+    // Zeroed in the backend's order, after the reduction that last read a reused buffer.
+    const work zeroed = fill(engine, bucket_grads_[b].data, layout_.buckets[b].padded, dtype_v<G>, 0.0);
+    if (for_caller) hand_to_caller(zeroed);
+  }
+  return static_cast<G*>(bucket_grads_[b].data);
+}
+
+template <backend B, element P, element G>
+std::span<G> training_state<B, P, G>::gradient(std::size_t r) {
+  check_region("gradient", r);
+  const auto& placed = layout_.regions[r];
+  if (!sharded_gradients()) return {grads_.template as<G>() + placed.storage, placed.count};
+  const std::size_t position = layout_.buckets.size() - 1 - placed.bucket;  // in launch order
+  if (position < launched_)
+    fail("gradient", describe(r) + "'s bucket was already reduced this step",
+         "at zero2/zero3 ask for a region's gradient before marking its bucket's regions ready");
+  const auto& bucket = layout_.buckets[placed.bucket];
+  return {bucket_gradients(placed.bucket, true) + (placed.storage - bucket.begin), placed.count};
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::mark_ready(std::size_t r) {
+  check_region("mark_ready", r);
+  if (marked_[r])
+    fail("mark_ready", describe(r) + " marked twice in one step", "mark each region once per backward pass");
+  marked_[r] = 1;
+  --pending_[layout_.regions[r].bucket];
+  // ddp and zero2 launch as marks complete buckets; zero1 reduces in step(); zero3 when the
+  // backward releases a layer, since its gathers interleave with the reductions and marks
+  // differ across ranks (a region one rank leaves unused), while releases do not.
+  if (no_sync_depth_ == 0 && (options_.strategy == strategy::ddp || options_.strategy == strategy::zero2))
+    launch_ready();
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::mark_layer_ready(std::size_t layer) {
+  for (std::size_t r = 0; r < regions_.size(); ++r)
+    if (regions_[r].layer == layer) mark_ready(r);
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::launch_ready() {
+  const std::size_t buckets = layout_.buckets.size();
+  const auto ready = [&](std::size_t b) { return sharded_parameters() ? due_[b] != 0 : pending_[b] == 0; };
+  while (launched_ < buckets && ready(buckets - 1 - launched_)) launch(buckets - 1 - launched_++);
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::launch(std::size_t b) {
+  auto& engine = group_->backend();
+  const auto& bucket = layout_.buckets[b];
+  engine.wait_for_caller(caller_stream_);
+  if (options_.on_launch) options_.on_launch(b);
+  const std::size_t bytes = bucket.padded * sizeof(G);
+  switch (options_.strategy) {
+    case strategy::ddp:
+      group_->all_reduce(std::span<G>(grads_.template as<G>() + bucket.begin, bucket.padded), op::avg);
+      count_wire(bytes, true);
+      break;
+    case strategy::zero1: {
+      G* base = grads_.template as<G>() + bucket.begin;
+      group_->reduce_scatter(std::span<const G>(base, bucket.padded),
+                             std::span<G>(base + my_rank() * bucket.shard, bucket.shard), op::avg);
+      count_wire(bytes, false);
+      break;
+    }
+    case strategy::zero2:
+    case strategy::zero3: {
+      // A bucket this rank never wrote contributes zeros.
+      G* full = bucket_gradients(b, false);
+      work reduced =
+          group_->reduce_scatter(std::span<const G>(full, bucket.padded),
+                                 std::span<G>(grad_shard_.template as<G>() + shard_offset_[b], bucket.shard), op::avg);
+      count_wire(bytes, false);
+      bucket_grads_[b].last_use = std::move(reduced);
+      gradient_pool_.put(std::exchange(bucket_grads_[b], pooled{}));
+      break;
+    }
+  }
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::reset_marks() {
+  std::fill(marked_.begin(), marked_.end(), std::uint8_t{0});
+  for (auto& count : pending_) count = 0;
+  for (const auto& placed : layout_.regions) ++pending_[placed.bucket];
+  std::fill(due_.begin(), due_.end(), std::uint8_t{0});
+  launched_ = 0;
+  last_gathered_.reset();  // a micro-step's end: the next gather is a forward's
+}
+
+template <backend B, element P, element G>
+auto training_state<B, P, G>::no_sync() -> no_sync_scope {
+  if (launched_ > 0)
+    fail("no_sync", std::to_string(launched_) + " bucket(s) already launched this step",
+         "enter no_sync before the backward pass, not during it");
+  return no_sync_scope(*this);
+}
+
+template <backend B, element P, element G>
+std::size_t training_state<B, P, G>::region_index(std::string_view name) const {
+  for (std::size_t r = 0; r < regions_.size(); ++r)
+    if (regions_[r].name == name) return r;
+  fail("region_index", "no region is named '" + std::string(name) + "'", "use a name the regions were given");
+}
+
+// Sharded, each rank measures its shard and the ranks' parts are summed (every element counted
+// once); under ddp every rank holds the same averaged gradients and measures them whole.
+template <backend B, element P, element G>
+void training_state<B, P, G>::measure(step_result& result) {
+  auto& engine = group_->backend();
+  detail::agree_on_gradient_statistics(
+      *group_, stats_.data(), sharded(),
+      [&](std::int64_t* count, double* squares) {
+        for (const auto& s : segments_) {
+          count_nonfinite(engine, reduced_gradient_at(s), s.count, dtype_v<G>, count);
+          sum_of_squares(engine, reduced_gradient_at(s), s.count, dtype_v<G>, squares);
+        }
+      },
+      result);
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::update(double grad_scale) {
+  auto& engine = group_->backend();
+  ++steps_;
+  master_type* first = first_.data() ? first_.template as<master_type>() : nullptr;
+  master_type* second = second_.data() ? second_.template as<master_type>() : nullptr;
+  for (const auto& s : segments_) {
+    const region& r = regions_[s.region];
+    const master_type* gradient = nullptr;
+    if constexpr (std::is_same_v<G, master_type>) {
+      gradient = reduced_gradient_at(s);
+    } else {
+      master_type* widened = scratch_.template as<master_type>() + s.owned;
+      cast(engine, reduced_gradient_at(s), dtype_v<G>, widened, dtype_v<master_type>, s.count);
+      gradient = widened;
+    }
+    if (options_.sgd) {
+      const auto& o = *options_.sgd;
+      const detail::sgd_coefficients c{o.lr * r.lr_scale, o.momentum, r.decay ? o.weight_decay : 0.0, grad_scale};
+      sgd_step(engine, master_at(s), gradient, first ? first + s.owned : nullptr, s.count, c);
+    } else {
+      detail::adam_coefficients c = detail::adam_coefficients_at(options_.adam, steps_, grad_scale);
+      c.lr *= r.lr_scale;
+      c.weight_decay = r.decay ? options_.adam.weight_decay : 0.0;
+      adam_step(engine, master_at(s), gradient, first + s.owned, second + s.owned, s.count, c);
+    }
+  }
+}
+
+// The updated masters where the forward reads them: cast into the parameters where those
+// are narrower, and at zero1/zero2 every bucket's shards all-gathered back in place.
+template <backend B, element P, element G>
+void training_state<B, P, G>::publish_parameters() {
+  auto& engine = group_->backend();
+  P* params = params_.template as<P>();
+  if (separate_master())
+    for (const auto& s : segments_)
+      cast(engine, master_.template as<master_type>() + s.owned, dtype_v<master_type>,
+           sharded_parameters() ? params + s.owned : params + s.storage, dtype_v<P>, s.count);
+  if (options_.strategy == strategy::zero1 || options_.strategy == strategy::zero2) {
+    auto together = group_->grouped();
+    for (const auto& bucket : layout_.buckets) {
+      group_->all_gather(std::span<const P>(params + bucket.begin + my_rank() * bucket.shard, bucket.shard),
+                         std::span<P>(params + bucket.begin, bucket.padded));
+      count_wire(bucket.padded * sizeof(P), false);
+    }
+    together.end();
+  }
+}
+
+template <backend B, element P, element G>
+step_result training_state<B, P, G>::step() {
+  if (no_sync_depth_ > 0)
+    fail("step", "step() inside no_sync: this micro-step's gradients were not reduced",
+         "end the no_sync scope before the last micro-step's backward, then step()");
+  straggler_report* const report = options_.straggler && options_.straggler->enabled() ? options_.straggler : nullptr;
+  const auto entered = report ? straggler_report::clock::now() : straggler_report::clock::time_point{};
+  auto& engine = group_->backend();
+  drop_gathered();
+  for (auto& count : pending_) count = 0;  // unmarked regions contribute what they hold: zero
+  std::fill(due_.begin(), due_.end(), std::uint8_t{1});
+  launch_ready();
+  step_result result;
+  result.loss_scale = options_.scaler ? options_.scaler->scale() : 1.0;
+  measure(result);
+  result.skipped = result.nonfinite > 0;
+  if (options_.scaler) options_.scaler->update(result.skipped);
+  if (!result.skipped) {
+    result.clip_factor = detail::clip_factor(result.grad_norm, options_.max_grad_norm);
+    update(result.clip_factor / result.loss_scale);
+    publish_parameters();
+  }
+  if (!sharded_gradients()) fill(engine, grads_.data(), layout_.storage, dtype_v<G>, 0.0);
+  hand_to_caller(engine.record());
+  reset_marks();
+  last_step_wire_bytes_ = std::exchange(wire_bytes_, 0);
+  if (report) {
+    const auto now = straggler_report::clock::now();
+    report->add_wait(wait_kind::reduce, now - entered);
+    report->end_step(now);
+  }
+  return result;
+}
+
+template <backend B, element P, element G>
+training_memory training_state<B, P, G>::memory() const noexcept {
+  training_memory m;
+  m.parameters = (sharded_parameters() ? owned_ : layout_.storage) * sizeof(P) + parameter_pool_bytes_;
+  m.gradients = (sharded_gradients() ? owned_ : layout_.storage) * sizeof(G) + gradient_pool_bytes_;
+  m.optimizer_state = master_.bytes() + first_.bytes() + second_.bytes() + scratch_.bytes();
+  return m;
+}
+
+}  // namespace cohort::inline v0

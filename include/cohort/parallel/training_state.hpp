@@ -1,0 +1,335 @@
+#pragma once
+// training_state<Backend, P, G>: one training state under every strategy. The same trainer
+// source trains data-parallel (DDP), with optimizer state sharded (ZeRO-1), with gradients
+// sharded too (ZeRO-2), or with parameters sharded as well (ZeRO-3, FSDP), by one option:
+//
+//   std::vector<cohort::region> regions = ...;     // the model's tensors in its flat buffer
+//   cohort::training_state<cohort::gloo> state{pg, regions,
+//       {.strategy = cohort::strategy::zero2, .adam = {.lr = 3e-4, .weight_decay = 0.1},
+//        .max_grad_norm = 1.0}};
+//   state.load_parameters(initial);                // the trainer's flat buffer, on every rank
+//   for (l in layers)           { auto layer = state.gather(l); forward(layer.param(r)...); }
+//   for (l in layers, reversed) { auto layer = state.gather(l);
+//                                 backward(layer.param(r)..., state.gradient(r)...);
+//                                 state.mark_ready(r) for the layer's regions; }
+//   auto result = state.step();                    // norm, clipping, AdamW, parameters back
+//
+// What each strategy keeps per rank (N ranks, P bytes of parameters):
+//   ddp    parameters, gradients and optimizer state in full; gradients all-reduced per
+//          bucket as the backward marks them; every rank updates everything.
+//   zero1  optimizer state 1/N: buckets reduce-scattered in step(), this rank's shard updated,
+//          the parameters all-gathered back in place.
+//   zero2  gradients 1/N as well: a bucket's gradients live in a pooled buffer from its first
+//          gradient() to its reduce-scatter, launched during the backward.
+//   zero3  parameters 1/N as well: gather(layer) all-gathers a layer into a pooled buffer
+//          (prefetching the next in the direction of travel) and the view's end releases it.
+// Wire bytes per step (nccl-tests bus bytes): 2(N-1)/N x P for ddp, zero1 and zero2,
+// 3(N-1)/N x P for zero3 (the gathers of the forward and of the backward, the reduce-scatter).
+//
+// One layout serves them all (cohort/parallel/layout.hpp): regions placed in cohort's
+// storage layer by layer, buckets of whole regions of one layer padded to a multiple of the
+// world, each rank's shard one equal slice of every bucket. Buckets launch last to first
+// (the backward's order), each once all its regions are marked and every bucket before it
+// in that order has launched: the same sequence of collectives on every rank, whatever order
+// a rank marks in. A region a rank never marks contributes zeros. One optimizer layer
+// (AdamW, or SGD with momentum) runs over this rank's segments with per-region weight decay
+// and learning-rate scale, fp32 masters where P is narrower (P itself where it is float), the
+// global norm (each element counted once) and its clipping, and a loss scaler whose skip is
+// the same on every rank.
+//
+// Gradients are zero at the start of each step: a backward may add into gradient(r) or
+// overwrite it; under no_sync() it must add, for the micro-steps to accumulate. On a device
+// backend set_stream() names the stream the trainer computes on: collectives wait for it,
+// and it waits for the gathers and the step. Not thread-safe: one training thread drives it.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "cohort/detail/buffer_pool.hpp"
+#include "cohort/detail/scalar_math.hpp"
+#include "cohort/error.hpp"
+#include "cohort/loss_scaler.hpp"
+#include "cohort/ops.hpp"
+#include "cohort/parallel/gradient_statistics.hpp"
+#include "cohort/parallel/layout.hpp"
+#include "cohort/parallel/optimizer_options.hpp"
+#include "cohort/process_group.hpp"
+#include "cohort/straggler.hpp"
+#include "cohort/types.hpp"
+
+namespace cohort::inline v0 {
+
+enum class strategy : std::uint8_t { ddp, zero1, zero2, zero3 };
+
+constexpr std::string_view to_string(strategy s) noexcept {
+  switch (s) {
+    case strategy::ddp: return "ddp";
+    case strategy::zero1: return "zero1";
+    case strategy::zero2: return "zero2";
+    case strategy::zero3: return "zero3";
+  }
+  return "unknown";
+}
+
+// "ddp", "zero1", "zero2", "zero3" (as cohort-plan advises them); nullopt for anything else.
+constexpr std::optional<strategy> parse_strategy(std::string_view text) noexcept {
+  for (strategy s : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3})
+    if (text == to_string(s)) return s;
+  return std::nullopt;
+}
+
+struct training_options {
+  cohort::strategy strategy = strategy::ddp;
+  std::size_t bucket_bytes = std::size_t{25} << 20;  // of gradients, per bucket
+  adam_options adam = {};                            // AdamW, the default optimizer
+  std::optional<sgd_options> sgd = {};               // set: SGD (with momentum) instead
+  double max_grad_norm = 0;                          // > 0: clip the global norm to this
+  // fp16: the trainer scales its loss by scaler->scale(); step() unscales, and skips on every
+  // rank when any rank's gradients hold an inf or a NaN. It must outlive the state.
+  loss_scaler* scaler = nullptr;
+  int prefetch = 1;  // zero3: layers gathered ahead, in the direction of travel
+  // Called as each bucket's reduction is queued (bucket index): to see the overlap.
+  std::function<void(std::size_t bucket)> on_launch = {};
+  // Straggler report (cohort/straggler.hpp; it must outlive the state): each step() ends a
+  // step, and its time counts as waiting for communication.
+  straggler_report* straggler = nullptr;
+};
+
+// Bytes one rank holds, by kind; pooled buffers count at their peak.
+struct training_memory {
+  std::size_t parameters = 0;       // resident parameters (zero3: the shard) and gathered layers
+  std::size_t gradients = 0;        // resident gradients (zero2/3: the shard) and bucket buffers
+  std::size_t optimizer_state = 0;  // masters (where apart from the parameters), moments, scratch
+  std::size_t total() const noexcept { return parameters + gradients + optimizer_state; }
+};
+
+template <backend B, element P = float, element G = P>
+class training_state {
+ public:
+  using work = typename B::work;
+  using stream_type = typename B::stream_type;
+  // The optimizer's arithmetic: fp32, or fp64 for fp64 parameters.
+  using master_type = std::conditional_t<std::is_same_v<P, double>, double, float>;
+  static_assert(is_floating(dtype_v<P>) && is_floating(dtype_v<G>), "training_state trains floating parameters");
+
+  // Collective: every rank passes the same regions and options. A rank whose own input is
+  // unusable does not throw alone (the others would wait for it until the timeout): every
+  // rank learns in one exchange whether any refused, and all throw together.
+  training_state(process_group<B>& group, std::vector<region> regions, training_options options = {});
+  training_state(const training_state&) = delete;
+  training_state& operator=(const training_state&) = delete;
+  ~training_state();
+
+  // CUDA: the stream the trainer computes on (default: the legacy default stream).
+  void set_stream(stream_type stream) noexcept { caller_stream_ = stream; }
+
+  // --- parameters ----------------------------------------------------------------------------
+  // The trainer's flat buffer (its logical layout), the same on every rank: each rank keeps
+  // what its strategy holds. Host memory on a host backend; any memory cudaMemcpy reaches on
+  // a device one.
+  void load_parameters(std::span<const P> logical);
+  // Collective: the parameters in the trainer's flat layout, on every rank (host memory).
+  std::vector<P> gather_parameters();
+
+  // A layer's parameters while the view lives: free where parameters stay resident (ddp,
+  // zero1, zero2); at zero3 an all-gather into a pooled buffer, released at the view's end.
+  class layer_view {
+   public:
+    layer_view() = default;
+    layer_view(layer_view&& other) noexcept { *this = std::move(other); }
+    layer_view& operator=(layer_view&& other) noexcept {
+      if (this != &other) {
+        reset();
+        state_ = std::exchange(other.state_, nullptr);
+        layer_ = other.layer_;
+      }
+      return *this;
+    }
+    ~layer_view() { reset(); }
+    // Region r's parameters (r must belong to this layer). Device memory on a device backend.
+    std::span<P> param(std::size_t r) const { return state_->parameter_span(layer_, r); }
+    std::size_t layer() const noexcept { return layer_; }
+    void reset() noexcept {
+      if (state_) std::exchange(state_, nullptr)->release_layer(layer_);
+    }
+
+   private:
+    friend class training_state;
+    layer_view(training_state* state, std::size_t layer) : state_(state), layer_(layer) {}
+    training_state* state_ = nullptr;
+    std::size_t layer_ = 0;
+  };
+  [[nodiscard]] layer_view gather(std::size_t layer);
+
+  // --- gradients and the step ----------------------------------------------------------------
+  // Where the backward writes region r's gradient (zero at the start of a step). At zero2
+  // and zero3 valid from this call until r's bucket is reduced: ask right before writing.
+  std::span<G> gradient(std::size_t r);
+  // Region r's gradient is final (once per step). ddp and zero2 launch every bucket this
+  // completes, in the order all ranks share; zero1 reduces in step(); zero3 reduces a layer's
+  // buckets once the backward's view of it ends (at the next gather or step()), so that its
+  // gathers and reductions interleave alike on every rank whatever each marked.
+  void mark_ready(std::size_t r);
+  // Every region of `layer` at once (a transformer block's tensors, stacked or not).
+  void mark_layer_ready(std::size_t layer);
+  // Reduces what is left, then the global norm, clipping and the loss scaler's decision,
+  // the optimizer on this rank's segments and the parameters back where they are read.
+  step_result step();
+
+  // Gradient-accumulation micro-steps: while the scope lives, mark_ready only bookkeeps.
+  // The gradients accumulate where they are (zero2/3: the bucket buffers stay held until
+  // the synchronised micro-step, as FSDP's no_sync keeps unsharded gradients).
+  class no_sync_scope {
+   public:
+    explicit no_sync_scope(training_state& state) : state_(&state) { ++state_->no_sync_depth_; }
+    no_sync_scope(const no_sync_scope&) = delete;
+    no_sync_scope& operator=(const no_sync_scope&) = delete;
+    ~no_sync_scope() {
+      if (--state_->no_sync_depth_ == 0) state_->reset_marks();
+    }
+
+   private:
+    training_state* state_;
+  };
+  [[nodiscard]] no_sync_scope no_sync();
+
+  // --- what it is and what it holds ----------------------------------------------------------
+  cohort::strategy strategy() const noexcept { return options_.strategy; }
+  const training_options& options() const noexcept { return options_; }
+  const std::vector<region>& regions() const noexcept { return regions_; }
+  // The region named `name` (throws, naming it, when there is none).
+  std::size_t region_index(std::string_view name) const;
+  std::size_t layer_count() const noexcept { return layout_.layers; }
+  std::size_t bucket_count() const noexcept { return layout_.buckets.size(); }
+  // Buckets whose reduction has been queued in the current step.
+  std::size_t launched_buckets() const noexcept { return launched_; }
+  std::size_t parameter_count() const noexcept { return layout_.logical; }
+  // Elements this rank's optimizer updates (its shard, or everything under ddp).
+  std::size_t owned_elements() const noexcept { return owned_; }
+  training_memory memory() const noexcept;
+  // Gradient and parameter bytes the last step put on the wire (nccl-tests bus bytes), from
+  // its first gather or gradient to the end of step().
+  std::size_t wire_bytes_per_step() const noexcept { return last_step_wire_bytes_; }
+  std::uint64_t steps() const noexcept { return steps_; }
+  void set_lr(double lr) noexcept {
+    options_.adam.lr = lr;
+    if (options_.sgd) options_.sgd->lr = lr;
+  }
+  int rank() const noexcept { return group_->rank(); }
+  int world_size() const noexcept { return group_->size(); }
+
+ private:
+  using pool_type = detail::buffer_pool<B>;
+  using pooled = typename pool_type::buffer;
+
+  bool sharded() const noexcept { return options_.strategy != strategy::ddp; }
+  bool sharded_gradients() const noexcept {
+    return options_.strategy == strategy::zero2 || options_.strategy == strategy::zero3;
+  }
+  bool sharded_parameters() const noexcept { return options_.strategy == strategy::zero3; }
+  bool separate_master() const noexcept { return !std::is_same_v<P, master_type>; }
+  std::size_t world() const noexcept { return static_cast<std::size_t>(group_->size()); }
+  std::size_t my_rank() const noexcept { return static_cast<std::size_t>(group_->rank()); }
+
+  [[noreturn]] void fail(std::string_view operation, const std::string& what, const std::string& hint) const {
+    throw error(rank(), "training_state." + std::string(operation), what, hint);
+  }
+  std::string describe(std::size_t r) const {
+    return "region " + std::to_string(r) + (regions_[r].name.empty() ? "" : " '" + regions_[r].name + "'");
+  }
+  void check_region(std::string_view operation, std::size_t r) const {
+    if (r >= regions_.size())
+      fail(operation, "region " + std::to_string(r) + " of " + std::to_string(regions_.size()),
+           "regions are numbered as they were passed");
+  }
+
+  void agree_on_layout(const std::string& refusal);
+  void allocate();
+  template <class T>
+  T* allocate_zeroed(detail::backend_buffer<B>& buffer, std::size_t count);
+
+  // The caller may use what `done` produced: the host waits for it on a host backend; on a
+  // device one the caller's stream does.
+  void hand_to_caller(const work& done) {
+    if constexpr (B::space == memory_space::host)
+      done.wait();
+    else
+      done.make_stream_wait(caller_stream_);
+  }
+
+  std::span<P> parameter_span(std::size_t layer, std::size_t r);
+  void release_layer(std::size_t layer) noexcept;
+  void gather_bucket(std::size_t b);
+  void prefetch_after(std::size_t layer);
+  void drop_gathered();
+
+  G* bucket_gradients(std::size_t b, bool for_caller);
+  void launch_ready();
+  void launch(std::size_t b);
+  void reset_marks();
+  void measure(step_result& result);
+  void update(double grad_scale);
+  void publish_parameters();
+
+  master_type* master_at(const detail::segment& s) {
+    if (separate_master()) return master_.template as<master_type>() + s.owned;
+    P* base = params_.template as<P>();
+    return reinterpret_cast<master_type*>(sharded_parameters() ? base + s.owned : base + s.storage);
+  }
+  G* reduced_gradient_at(const detail::segment& s) {
+    return sharded_gradients() ? grad_shard_.template as<G>() + s.owned : grads_.template as<G>() + s.storage;
+  }
+  void count_wire(std::size_t bytes, bool all_reduce) noexcept {
+    const std::size_t n = world();
+    wire_bytes_ += (all_reduce ? 2 : 1) * (n - 1) * bytes / n;
+  }
+
+  process_group<B>* group_;
+  std::vector<region> regions_;
+  training_options options_;
+  detail::storage_layout layout_;
+  std::vector<detail::segment> segments_;
+  std::vector<std::size_t> shard_offset_;  // owned offset of each bucket's shard (sharded)
+  std::size_t owned_ = 0;
+
+  detail::backend_buffer<B> params_;      // storage (zero3: the owned shards)
+  detail::backend_buffer<B> grads_;       // storage (ddp, zero1)
+  detail::backend_buffer<B> grad_shard_;  // owned (zero2, zero3)
+  detail::backend_buffer<B> master_;      // owned, where P is not the master type
+  detail::backend_buffer<B> first_;       // owned: Adam's first moment, or SGD's momentum
+  detail::backend_buffer<B> second_;      // owned: Adam's second moment
+  detail::backend_buffer<B> scratch_;     // owned: gradients cast to the master type
+  detail::backend_buffer<B> stats_;       // the non-finite count and the sum of squares
+  pool_type gradient_pool_;
+  pool_type parameter_pool_;
+  std::size_t gradient_pool_bytes_ = 0, parameter_pool_bytes_ = 0;  // allocated by each pool
+
+  std::vector<pooled> bucket_grads_;   // zero2/3: held gradient buffers
+  std::vector<pooled> bucket_params_;  // zero3: gathered parameter buffers
+  std::vector<work> bucket_gathered_;  // zero3: the gather of each held buffer
+  std::vector<int> layer_users_;       // zero3: live views per layer
+  std::optional<std::size_t> last_gathered_;
+
+  std::vector<std::uint8_t> marked_;
+  std::vector<std::size_t> pending_;         // unmarked regions per bucket
+  std::vector<std::uint8_t> due_;            // zero3: released by the backward, to be reduced
+  std::vector<std::uint8_t> backward_view_;  // zero3: by layer, gathered by the backward
+  std::size_t launched_ = 0;                 // buckets launched, from the last
+  int no_sync_depth_ = 0;
+  std::uint64_t steps_ = 0;
+  std::size_t wire_bytes_ = 0, last_step_wire_bytes_ = 0;
+  stream_type caller_stream_{};
+};
+
+}  // namespace cohort::inline v0
+
+#include "cohort/parallel/impl/training_state.hpp"

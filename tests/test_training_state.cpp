@@ -1,0 +1,365 @@
+// training_state: one trainer, four strategies. The same training loop runs under ddp,
+// zero1, zero2 and zero3 at 2, 3 and 4 ranks (threads with Gloo contexts over loopback) and
+// must equal a single process computing the same thing on its own, in double: AdamW with
+// per-region weight decay and learning-rate scales, clipping by the global norm, a loss
+// scaler whose skip every rank takes together, ranks marking in different orders and one
+// rank leaving a region unused. Then the layout's own rules, the accounting, and the errors.
+#include <catch2/catch.hpp>
+
+#include <cohort/parallel/training_state.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "flat_fixtures.hpp"
+#include "support.hpp"
+
+namespace {
+
+using cohort::region;
+using cohort::strategy;
+
+// llm.c's layout, smaller: an embedding, then two tensors stacked over the layers.
+std::vector<region> model_regions() {
+  std::vector<region> regions{{"embedding", 0, 23, 0, true, 1.0}};
+  auto stacked = cohort::stacked_regions({{"w", 37, true}, {"b", 5, false}}, 4, 1, 23);
+  stacked[1].lr_scale = 0.5;  // a parameter group of its own
+  regions.insert(regions.end(), stacked.begin(), stacked.end());
+  return regions;
+}
+
+constexpr std::size_t samples_per_rank = 3;
+
+double target(std::size_t sample, std::size_t element) {
+  return std::sin(0.37 * static_cast<double>(sample) + 0.11 * static_cast<double>(element));
+}
+double weight(std::size_t element) { return 1.0 + static_cast<double>(element % 3); }
+
+// Rank k's gradient of its batch at `batch` (a step's micro-batch), for the elements
+// [offset, offset + count) of the flat buffer: mean over its samples of weight x (parameter -
+// target).
+void rank_gradient(std::size_t batch, int rank, int world, const double* params, std::size_t offset, std::size_t count,
+                   double* out) {
+  const std::size_t first =
+      (batch * static_cast<std::size_t>(world) + static_cast<std::size_t>(rank)) * samples_per_rank;
+  for (std::size_t j = 0; j < count; ++j) {
+    double sum = 0;
+    for (std::size_t s = first; s < first + samples_per_rank; ++s)
+      sum += weight(offset + j) * (params[j] - target(s, offset + j));
+    out[j] = sum / samples_per_rank;
+  }
+}
+
+std::vector<double> initial_parameters(std::size_t n) {
+  std::vector<double> p(n);
+  for (std::size_t i = 0; i < n; ++i) p[i] = 0.5 * std::cos(0.7 * static_cast<double>(i));
+  return p;
+}
+
+struct scenario {
+  int world = 2;
+  strategy kind = strategy::ddp;
+  int steps = 6;
+  int inf_step = 3;               // rank 0 puts an inf into this step's gradient
+  std::size_t unused_region = 4;  // rank 1 never writes or marks it
+  std::size_t bucket_bytes = 600;
+  int accumulation = 1;  // micro-steps per step, all but the last under no_sync
+};
+
+cohort::training_options options_for(const scenario& s) {
+  cohort::training_options o;
+  o.strategy = s.kind;
+  o.bucket_bytes = s.bucket_bytes;
+  o.adam = {.lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.1};
+  o.max_grad_norm = 0.4;  // active: the gradients' norm is well above it
+  return o;
+}
+
+// One process, everything written out: what the distributed run must equal.
+std::vector<double> reference(const scenario& s) {
+  const auto regions = model_regions();
+  const std::size_t n = regions.back().offset + regions.back().count;
+  auto params = initial_parameters(n);
+  std::vector<double> m(n), v(n), gradient(n), part(n);
+  const auto o = options_for(s);
+  double scale = 1024;
+  int good = 0, t = 0;
+  for (int step = 0; step < s.steps; ++step) {
+    std::fill(gradient.begin(), gradient.end(), 0.0);
+    for (int micro = 0; micro < s.accumulation; ++micro)
+      for (int rank = 0; rank < s.world; ++rank) {
+        rank_gradient(static_cast<std::size_t>(step * s.accumulation + micro), rank, s.world, params.data(), 0, n,
+                      part.data());
+        if (rank == 1 && s.world > 1)
+          for (std::size_t j = 0; j < regions[s.unused_region].count; ++j)
+            part[regions[s.unused_region].offset + j] = 0;
+        for (std::size_t i = 0; i < n; ++i) gradient[i] += part[i] / s.world;
+      }
+    if (step == s.inf_step) {  // skipped by everyone; the scale backs off
+      scale /= 2;
+      good = 0;
+      continue;
+    }
+    if (++good == 3) {
+      scale *= 2;
+      good = 0;
+    }
+    double squares = 0;
+    for (double g : gradient) squares += g * g;
+    const double norm = std::sqrt(squares);
+    const double clip = norm > o.max_grad_norm ? o.max_grad_norm / (norm + 1e-6) : 1.0;
+    ++t;
+    for (const auto& r : regions)
+      for (std::size_t j = r.offset; j < r.offset + r.count; ++j) {
+        const double g = gradient[j] * clip;
+        m[j] = o.adam.beta1 * m[j] + (1 - o.adam.beta1) * g;
+        v[j] = o.adam.beta2 * v[j] + (1 - o.adam.beta2) * g * g;
+        const double mh = m[j] / (1 - std::pow(o.adam.beta1, t)), vh = v[j] / (1 - std::pow(o.adam.beta2, t));
+        params[j] -= o.adam.lr * r.lr_scale *
+                     (mh / (std::sqrt(vh) + o.adam.eps) + (r.decay ? o.adam.weight_decay : 0.0) * params[j]);
+      }
+  }
+  return params;
+}
+
+// The trainer: the same source for every strategy. Ranks walk the layers and their regions in
+// different orders; rank 1 leaves one region unused; rank 0 sends an inf at one step.
+std::vector<double> train(const scenario& s, cohort_test::gloo_group& pg, std::vector<std::size_t>* launches) {
+  auto regions = model_regions();
+  const std::size_t n = regions.back().offset + regions.back().count;
+  cohort::loss_scaler scaler({.initial_scale = 1024, .growth_factor = 2, .backoff_factor = 0.5, .growth_interval = 3});
+  auto options = options_for(s);
+  options.scaler = &scaler;
+  if (launches) options.on_launch = [launches](std::size_t b) { launches->push_back(b); };
+  cohort::training_state<cohort::gloo, double> state(pg, regions, options);
+  state.load_parameters(initial_parameters(n));
+  const int rank = pg.rank();
+  std::vector<std::size_t> layers(state.layer_count());
+  std::iota(layers.begin(), layers.end(), std::size_t{0});
+  std::reverse(layers.begin(), layers.end());
+  // Rank 2 marks in forward order, where the layers are not gathered: at zero3 the gathers are
+  // collectives, which every rank issues in the same order.
+  if (rank == 2 && s.kind != strategy::zero3) std::reverse(layers.begin(), layers.end());
+  std::vector<double> scratch;
+  const auto micro_step = [&](int step, int micro) {
+    // The forward reads every layer (at zero3 gathered, prefetching the next).
+    double checksum = 0;
+    for (std::size_t l = 0; l < state.layer_count(); ++l) {
+      auto layer = state.gather(l);
+      for (std::size_t r = 0; r < regions.size(); ++r)
+        if (regions[r].layer == l) checksum += layer.param(r)[0];
+    }
+    RANK_CHECK(std::isfinite(checksum));
+    for (const std::size_t l : layers) {
+      auto layer = state.gather(l);
+      std::vector<std::size_t> mine;
+      for (std::size_t r = 0; r < regions.size(); ++r)
+        if (regions[r].layer == l) mine.push_back(r);
+      if (rank == 1) std::reverse(mine.begin(), mine.end());
+      for (const std::size_t r : mine) {
+        if (rank == 1 && r == s.unused_region && s.world > 1) continue;
+        auto gradient = state.gradient(r);
+        const auto p = layer.param(r);
+        scratch.resize(regions[r].count);
+        rank_gradient(static_cast<std::size_t>(step * s.accumulation + micro), rank, s.world, p.data(),
+                      regions[r].offset, regions[r].count, scratch.data());
+        // Added, not written: the micro-steps accumulate. Scaled, as by the trainer's scaled loss.
+        for (std::size_t j = 0; j < gradient.size(); ++j) gradient[j] += scratch[j] * scaler.scale();
+        if (step == s.inf_step && rank == 0 && r == mine.front()) gradient[0] = std::numeric_limits<double>::infinity();
+        state.mark_ready(r);
+      }
+    }
+  };
+  for (int step = 0; step < s.steps; ++step) {
+    for (int micro = 0; micro + 1 < s.accumulation; ++micro) {
+      auto quiet = state.no_sync();
+      micro_step(step, micro);
+    }
+    micro_step(step, s.accumulation - 1);
+    const auto result = state.step();
+    RANK_CHECK(result.skipped == (step == s.inf_step));
+    RANK_CHECK(result.clip_factor <= 1.0);
+    if (launches) launches->push_back(~std::size_t{0});  // a step's end
+  }
+  return state.gather_parameters();
+}
+
+double max_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  double worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
+  return a.size() == b.size() ? worst : INFINITY;
+}
+
+}  // namespace
+
+TEST_CASE("one trainer source under ddp, zero1, zero2 and zero3 equals one process, at 2, 3 and 4 ranks",
+          "[training_state][gloo]") {
+  for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3})
+    for (const int world : {2, 3, 4}) {
+      // Two micro-steps of accumulation at 3 ranks.
+      const scenario s{.world = world, .kind = kind, .accumulation = world == 3 ? 2 : 1};
+      const auto expected = reference(s);
+      std::vector<std::vector<double>> results(static_cast<std::size_t>(world));
+      auto store = std::make_shared<cohort::memory_store>();
+      cohort_test::run_ranks(world, [&](int rank) {
+        auto pg = cohort_test::make_gloo_group(store, rank, world);
+        results[static_cast<std::size_t>(rank)] = train(s, pg, nullptr);
+      });
+      for (int rank = 0; rank < world; ++rank) {
+        INFO(std::string(cohort::to_string(kind)) << " at " << world << " ranks, rank " << rank);
+        CHECK(max_difference(results[static_cast<std::size_t>(rank)], expected) < 1e-9);
+      }
+    }
+}
+
+TEST_CASE("the layout: buckets of one layer padded to the world, shards that cover every element once",
+          "[training_state]") {
+  const auto regions = model_regions();
+  for (const int world : {1, 2, 3, 4, 7})
+    for (const bool merge : {true, false}) {
+      const auto layout = cohort::detail::plan_storage(regions, world, 75, merge, 4);
+      INFO("world " << world << (merge ? ", layers merged" : ", a bucket per layer"));
+      std::vector<int> seen(layout.logical, 0);
+      for (const auto& bucket : layout.buckets) {
+        CHECK(bucket.padded % static_cast<std::size_t>(world * 4) == 0);
+        CHECK(bucket.shard * static_cast<std::size_t>(world) == bucket.padded);
+        if (!merge)
+          for (const std::size_t r : bucket.regions) CHECK(regions[r].layer == bucket.layer);
+      }
+      for (int rank = 0; rank < world; ++rank)
+        for (const auto& s : cohort::detail::owned_segments(layout, rank, true))
+          for (std::size_t j = 0; j < s.count; ++j)
+            ++seen[regions[s.region].offset + (s.storage - layout.regions[s.region].storage) + j];
+      CHECK(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));
+      std::size_t unsharded = 0;
+      for (const auto& s : cohort::detail::owned_segments(layout, 0, false)) unsharded += s.count;
+      CHECK(unsharded == layout.logical);
+    }
+}
+
+TEST_CASE("regions that leave elements uncovered, overlap or repeat a name are refused, naming them",
+          "[training_state]") {
+  using cohort::detail::check_regions;
+  CHECK(check_regions({{"a", 0, 10}, {"b", 10, 5}}).empty());
+  CHECK_THAT(check_regions({{"a", 0, 10}, {"b", 12, 5}}),
+             Catch::Contains("elements 10..12 of the flat buffer belong to no region"));
+  CHECK_THAT(check_regions({{"a", 0, 10}, {"b", 8, 5}}),
+             Catch::Contains("region 1 'b' (elements 8..13) overlaps region 0 'a' (elements 0..10)"));
+  CHECK_THAT(check_regions({{"a", 0, 10}, {"a", 10, 5}}), Catch::Contains("repeats the name 'a'"));
+  CHECK_THAT(check_regions({{"a", 0, 0}}), Catch::Contains("is empty"));
+  CHECK_THAT(check_regions({{"a", 4, 10}}), Catch::Contains("elements 0..4"));
+}
+
+TEST_CASE("a rank whose regions differ, or leave a gap, fails every rank within the timeout, naming it",
+          "[training_state][gloo][faults]") {
+  auto store = std::make_shared<cohort::memory_store>();
+  std::vector<std::string> errors(3);
+  cohort_test::run_ranks(3, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 3);
+    auto regions = model_regions();
+    if (rank == 2) regions.back().count += 1;  // another model: one element more
+    try {
+      cohort::training_state<cohort::gloo, double> state(pg, regions, {.strategy = strategy::zero2});
+    } catch (const cohort::error& e) {
+      errors[static_cast<std::size_t>(rank)] = e.what();
+    }
+    // The group still works: the failure was agreed on, not timed out.
+    std::vector<double> one{1.0};
+    pg.all_reduce(std::span<double>(one)).wait();
+  });
+  CHECK_THAT(errors[0], Catch::Contains("rank 2 has 9 regions over 192 elements, rank 0 9 over 191"));
+  CHECK_THAT(errors[1], Catch::Contains("rank 2 has"));
+  CHECK_THAT(errors[2], Catch::Contains("rank 2 has"));
+
+  store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(2, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 2);
+    auto regions = model_regions();
+    if (rank == 1) regions.back().offset += 3;  // elements left to no region
+    RANK_CHECK_THROWS(cohort::error, (cohort::training_state<cohort::gloo, double>(pg, regions)),
+                      rank == 1 ? "belong to no region" : "rank 1 refused its regions");
+  });
+}
+
+TEST_CASE("misuse is named: a region marked twice, step() inside no_sync, a gradient asked after its reduction",
+          "[training_state][gloo]") {
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(1, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 1);
+    cohort::training_state<cohort::gloo, double> state(pg, model_regions(),
+                                                       {.strategy = strategy::zero2, .bucket_bytes = 600});
+    const std::size_t last = model_regions().size() - 1;  // b.4: its bucket launches first
+    (void)state.gradient(last);
+    state.mark_layer_ready(4);
+    RANK_CHECK_THROWS(cohort::error, state.mark_ready(last), "region 8 'b.4' marked twice in one step");
+    RANK_CHECK_THROWS(cohort::error, state.gradient(last), "'b.4''s bucket was already reduced this step");
+    state.step();
+    {
+      auto quiet = state.no_sync();
+      RANK_CHECK_THROWS(cohort::error, state.step(), "step() inside no_sync");
+    }
+    RANK_CHECK_THROWS(cohort::error, state.region_index("w.9"), "no region is named 'w.9'");
+    RANK_CHECK(state.region_index("w.2") == 2);
+  });
+}
+
+TEST_CASE("memory and wire bytes per rank are what each strategy promises", "[training_state][gloo]") {
+  // A float model of 4 equal layers, a bucket per layer, at 4 ranks.
+  std::vector<region> regions;
+  for (std::size_t l = 0; l < 4; ++l) regions.push_back({"layer." + std::to_string(l), l * 4096, 4096, l});
+  const std::size_t P = 4 * 4096 * sizeof(float);
+  const int world = 4;
+  std::vector<cohort::training_memory> memory(4);
+  std::vector<std::size_t> wire(4);
+  for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3}) {
+    auto store = std::make_shared<cohort::memory_store>();
+    cohort_test::run_ranks(world, [&](int rank) {
+      auto pg = cohort_test::make_gloo_group(store, rank, world);
+      cohort::training_state<cohort::gloo> state(pg, regions, {.strategy = kind, .bucket_bytes = 4096 * 4});
+      state.load_parameters(std::vector<float>(4 * 4096, 0.25f));
+      for (int step = 0; step < 2; ++step) {
+        for (std::size_t l = 0; l < 4; ++l) (void)state.gather(l);
+        for (std::size_t l = 4; l-- > 0;) {
+          auto layer = state.gather(l);
+          auto gradient = state.gradient(l);
+          std::fill(gradient.begin(), gradient.end(), 0.01f * static_cast<float>(rank + 1));
+          state.mark_ready(l);
+        }
+        state.step();
+      }
+      if (rank == 0) {
+        memory[static_cast<std::size_t>(kind)] = state.memory();
+        wire[static_cast<std::size_t>(kind)] = state.wire_bytes_per_step();
+      }
+    });
+  }
+  const auto &ddp = memory[0], &zero1 = memory[1], &zero2 = memory[2], &zero3 = memory[3];
+  const std::size_t n = world;
+  // ddp: everything in full (float parameters are their own masters: Adam's two moments).
+  CHECK(ddp.parameters == P);
+  CHECK(ddp.gradients == P);
+  CHECK(ddp.optimizer_state == 2 * P);
+  // zero1: optimizer state 1/N.
+  CHECK(zero1.parameters == P);
+  CHECK(zero1.gradients == P);
+  CHECK(zero1.optimizer_state == 2 * P / n);
+  // zero2: gradients 1/N too, plus the buckets in flight (one layer at a time here).
+  CHECK(zero2.optimizer_state == 2 * P / n);
+  CHECK(zero2.gradients <= P / n + 2 * P / 4);
+  CHECK(zero2.parameters == P);
+  // zero3: parameters 1/N too, plus the layers in flight (in use and prefetched).
+  CHECK(zero3.optimizer_state == 2 * P / n);
+  CHECK(zero3.parameters <= P / n + 3 * P / 4);
+  CHECK(zero3.parameters < P);
+  // Bus bytes: 2(N-1)/N x P, and 3(N-1)/N x P with the gathers of forward and backward.
+  CHECK(wire[0] == 2 * (n - 1) * P / n);
+  CHECK(wire[1] == 2 * (n - 1) * P / n);
+  CHECK(wire[2] == 2 * (n - 1) * P / n);
+  CHECK(wire[3] == 3 * (n - 1) * P / n);
+}
