@@ -66,8 +66,8 @@ COHORT_DECL void check_metrics_claims(int my_rank, std::vector<metrics_claim>& c
       case metrics_problem::count_differs_from_sampler:
         throw error(my_rank, operation,
                     who + " passed " + s(c.count) + " values, but its sampler gave it " + s(c.expected) +
-                        " indices this epoch (" + s(c.or_else) +
-                        " of them real, the rest padding); counts passed: " + counts(),
+                        " indices this epoch (" + s(c.or_else) + " real, " + s(c.expected - c.or_else) +
+                        " padding); counts passed: " + counts(),
                     "pass one value per index the sampler yielded on that rank, padding included (gather_for_metrics "
                     "drops it), or only its unpadded_size() real ones; every rank learned this in the same "
                     "collective, so none is left waiting");
