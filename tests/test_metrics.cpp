@@ -116,6 +116,44 @@ TEST_CASE("split_between_processes: even slices, remainder first, padding repeat
   CHECK_THROWS_AS(cohort::split_between_processes(10, 3, 3), cohort::error);
 }
 
+TEST_CASE("gather_for_metrics: counts too large for the wire are refused the same way on every rank", "[metrics]") {
+  // The verdict is a pure function of the claims every rank holds after the first all_gather,
+  // so checking it directly on each "rank" checks that they all throw the same error.
+  using cohort::detail::metrics_claim;
+  using cohort::detail::metrics_layout;
+  const std::int64_t huge = std::int64_t{1} << 61;  // each fits the wire; three of 8 bytes do not fit memory
+  for (int rank = 0; rank < 3; ++rank) {
+    std::vector<metrics_claim> claims(3);
+    for (auto& c : claims) {
+      c.count = huge;
+      c.keep = huge;
+      c.agreed = 3 * huge;
+    }
+    try {
+      cohort::detail::check_metrics_claims(rank, claims, 8, metrics_layout::rank_order);
+      FAIL("expected an error");
+    } catch (const cohort::error& e) {
+      const std::string text = e.what();
+      INFO(text);
+      CHECK(e.rank() == rank);
+      CHECK(text.find("would need 3 x 2305843009213693952 x 8 bytes") != std::string::npos);
+      CHECK(text.find("hint") != std::string::npos);
+    }
+    // A rank whose own count could not be put on the wire says so for everyone.
+    std::vector<metrics_claim> one_bad(3);
+    one_bad[2].count = -1;
+    one_bad[2].problem = static_cast<std::int64_t>(cohort::detail::metrics_problem::too_many_values);
+    try {
+      cohort::detail::check_metrics_claims(rank, one_bad, 16, metrics_layout::rank_order);
+      FAIL("expected an error");
+    } catch (const cohort::error& e) {
+      const std::string text = e.what();
+      INFO(text);
+      CHECK(text.find("rank 2 passed more values than a 64-bit count of bytes can hold") != std::string::npos);
+    }
+  }
+}
+
 TEST_CASE("gather_for_metrics: sampler accuracy over 101 samples equals the single-process accuracy",
           "[metrics][gloo]") {
 #if COHORT_HAS_GLOO
