@@ -251,11 +251,14 @@ std::vector<T> gather_metrics_values(process_group<B>& group, const T* values, m
   return result;
 }
 
+// Any contiguous range of trivially copyable values (they travel as bytes) that can be
+// default-constructed (the result is a std::vector of them).
 template <class R>
 concept metric_values = requires(const R& values) {
   std::data(values);
   std::size(values);
   requires std::is_trivially_copyable_v<std::remove_cv_t<std::remove_pointer_t<decltype(std::data(values))>>>;
+  requires std::is_default_constructible_v<std::remove_cv_t<std::remove_pointer_t<decltype(std::data(values))>>>;
 };
 template <class R>
 using metric_value_t = std::remove_cv_t<std::remove_pointer_t<decltype(std::data(std::declval<const R&>()))>>;
