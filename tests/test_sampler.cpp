@@ -1,4 +1,5 @@
-// distributed_sampler: torch-compatible assignment, coverage, determinism, epochs, warnings.
+// distributed_sampler: torch-compatible assignment, coverage, determinism, epochs, warnings,
+// padding and uneven (even_batches = false) shares.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -270,6 +271,138 @@ TEST_CASE("sampler: built from a group, and rejects impossible ranks", "[sampler
   } catch (const cohort::error& e) {
     CHECK(std::string(e.what()).find("rank 7") != std::string::npos);
   }
+}
+
+TEST_CASE("sampler: is_padding marks exactly the duplicates, the rest is the dataset once", "[sampler]") {
+  for (std::uint64_t n : {0u, 1u, 2u, 7u, 100u, 101u}) {
+    for (int world : {1, 2, 3, 4, 8}) {
+      for (bool shuffle : {false, true}) {
+        for (bool drop_last : {false, true}) {
+          for (bool even_batches : {true, false}) {
+            INFO("n=" << n << " world=" << world << " shuffle=" << shuffle << " drop_last=" << drop_last
+                      << " even_batches=" << even_batches);
+            const cohort::sampler_options options{
+                .shuffle = shuffle, .seed = 11, .drop_last = drop_last, .even_batches = even_batches};
+            const auto w = static_cast<std::uint64_t>(world);
+            std::map<std::uint64_t, int> real_seen;
+            std::uint64_t positions = 0;
+            for (int rank = 0; rank < world; ++rank) {
+              cohort::distributed_sampler sampler{n, world, rank, options};
+              sampler.set_epoch(4);
+              const auto mine = sampler.indices();
+              positions += mine.size();
+              CHECK(sampler.unpadded_size() <= sampler.size());
+              for (std::uint64_t j = 0; j < mine.size(); ++j) {
+                // Padding is the tail of each rank's list, at the positions past the dataset.
+                CHECK(sampler.is_padding(j) == (j >= sampler.unpadded_size()));
+                CHECK(sampler.is_padding(j) == (sampler.epoch_position(j) >= n));
+                if (!sampler.is_padding(j)) ++real_seen[mine[j]];
+              }
+              CHECK_FALSE(sampler.is_padding(sampler.size()));  // past the end: not a position at all
+              if (!even_batches && !drop_last) {
+                // The true share: ranks below the remainder read one more, nothing is padded.
+                CHECK(sampler.size() == n / w + (static_cast<std::uint64_t>(rank) < n % w ? 1 : 0));
+                CHECK(sampler.unpadded_size() == sampler.size());
+                CHECK(sampler.total_size() == n);
+              }
+            }
+            {
+              cohort::distributed_sampler any_rank{n, world, 0, options};
+              CHECK(positions == any_rank.total_size());
+            }
+            for (const auto& [index, count] : real_seen) {
+              CHECK(index < n);
+              CHECK(count == 1);  // no real sample twice
+            }
+            CHECK(real_seen.size() == (drop_last ? n - n % w : n));  // drop_last drops the tail only
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("sampler: even_batches off reads the padded assignment minus its padding", "[sampler]") {
+  // The same positions r, r + world, ... as torch's rule, so switching the option changes no
+  // sample's rank: the uneven list is the even list's non-padding prefix.
+  for (bool shuffle : {false, true}) {
+    for (int rank = 0; rank < 4; ++rank) {
+      cohort::distributed_sampler even{101, 4, rank, {.shuffle = shuffle, .seed = 2}};
+      cohort::distributed_sampler uneven{101, 4, rank, {.shuffle = shuffle, .seed = 2, .even_batches = false}};
+      auto expected = even.indices();
+      expected.resize(static_cast<std::size_t>(even.unpadded_size()));
+      CHECK(uneven.indices() == expected);
+      CHECK(uneven.size() == (rank == 0 ? 26u : 25u));  // 101 = 4 x 25 + 1
+    }
+  }
+  cohort::distributed_sampler first{101, 4, 0, {.shuffle = false}};
+  cohort::distributed_sampler last{101, 4, 3, {.shuffle = false}};
+  CHECK(first.unpadded_size() == 26);
+  CHECK(last.unpadded_size() == 25);
+  CHECK(last.size() == 26);
+  CHECK(last.is_padding(25));
+  CHECK(last[25] == 2);  // position 3 + 25 x 4 = 103 wraps to the list's element 103 - 101
+}
+
+TEST_CASE("sampler: on Gloo ranks the non-padding indices are the dataset exactly once", "[sampler][gloo]") {
+#if COHORT_HAS_GLOO
+  const std::uint64_t n = 101;
+  for (int world : {3, 4}) {
+    for (bool shuffle : {false, true}) {
+      for (bool drop_last : {false, true}) {
+        for (bool even_batches : {true, false}) {
+          INFO("world=" << world << " shuffle=" << shuffle << " drop_last=" << drop_last
+                        << " even_batches=" << even_batches);
+          auto store = std::make_shared<cohort::memory_store>();
+          std::vector<std::vector<std::int64_t>> real_by_rank(static_cast<std::size_t>(world));
+          cohort_test::run_ranks(world, [&](int rank) {
+            cohort::gloo::options opts;
+            opts.timeout = std::chrono::seconds(20);
+            cohort::process_group<cohort::gloo> pg{store, cohort::launch_env::explicit_ranks(rank, world), opts};
+            cohort::distributed_sampler sampler{
+                n, pg, {.shuffle = shuffle, .seed = 5, .drop_last = drop_last, .even_batches = even_batches}};
+            sampler.set_epoch(1);
+            std::vector<std::int64_t> real;
+            std::uint64_t j = 0;
+            for (auto index : sampler) {
+              if (!sampler.is_padding(j++)) real.push_back(static_cast<std::int64_t>(index));
+            }
+            // Each rank learns every rank's count, then the real indices, padded with -1 to
+            // the longest list so one all_gather carries them.
+            std::vector<std::int64_t> count{static_cast<std::int64_t>(real.size())};
+            std::vector<std::int64_t> counts(static_cast<std::size_t>(world));
+            pg.all_gather(count, counts).wait();
+            const auto longest = static_cast<std::size_t>(*std::max_element(counts.begin(), counts.end()));
+            real.resize(longest, -1);
+            std::vector<std::int64_t> all(longest * static_cast<std::size_t>(world));
+            pg.all_gather(real, all).wait();
+            if (rank == 0) {
+              for (int r = 0; r < world; ++r) {
+                const auto first = all.begin() + static_cast<std::ptrdiff_t>(longest) * r;
+                real_by_rank[static_cast<std::size_t>(r)].assign(first, first + counts[static_cast<std::size_t>(r)]);
+              }
+            }
+          });
+          std::map<std::int64_t, int> seen;
+          for (const auto& real : real_by_rank)
+            for (auto index : real) ++seen[index];
+          const std::uint64_t expected_count = drop_last ? n - n % static_cast<std::uint64_t>(world) : n;
+          CHECK(seen.size() == expected_count);
+          bool each_once = true;
+          for (const auto& [index, times] : seen) each_once = each_once && times == 1 && index >= 0 && index < 101;
+          CHECK(each_once);
+          if (!drop_last && !even_batches) {
+            // 101 over 3: 34, 34, 33; over 4: 26, 25, 25, 25.
+            CHECK(real_by_rank[0].size() == (world == 3 ? 34u : 26u));
+            CHECK(real_by_rank.back().size() == (world == 3 ? 33u : 25u));
+          }
+        }
+      }
+    }
+  }
+#else
+  cohort_test::skip("built without Gloo (apt-get install libgloo-dev)");
+#endif
 }
 
 TEST_CASE("sampler: on 3 Gloo ranks the gathered slices cover the dataset", "[sampler][gloo]") {

@@ -92,6 +92,17 @@ TEST_CASE("sampler_thrust: explicit policies and the set_epoch warning", "[sampl
   CHECK(warnings.size() == 1);  // second pass of epoch 1
 }
 
+TEST_CASE("sampler_thrust: uneven shares (even_batches off) match the host sampler", "[sampler][thrust]") {
+  for (int rank = 0; rank < 4; ++rank) {
+    cohort::distributed_sampler sampler{101, 4, rank, {.seed = 3, .even_batches = false}};
+    std::vector<std::uint64_t> through_host_policy(static_cast<std::size_t>(sampler.size()));
+    cohort::rank_indices(thrust::host, sampler, through_host_policy.begin());
+    CHECK(through_host_policy.size() == (rank == 0 ? 26u : 25u));
+    CHECK(to_std(cohort::device_indices(sampler)) == sampler.indices());
+    CHECK(through_host_policy == sampler.indices());
+  }
+}
+
 #else
 
 TEST_CASE("sampler_thrust: Thrust's host system gives the host sampler's indices, bit for bit", "[sampler][thrust]") {

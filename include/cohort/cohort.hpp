@@ -13,6 +13,7 @@
 #include "cohort/guards.hpp"
 #include "cohort/launch.hpp"
 #include "cohort/loss_scaler.hpp"
+#include "cohort/metrics.hpp"
 #include "cohort/ops.hpp"
 #include "cohort/optim.hpp"
 #include "cohort/parallel/layout.hpp"

@@ -13,6 +13,19 @@
 // Every rank therefore gets exactly samples_per_rank indices; with drop_last = false at most
 // world - 1 of them repeat an index from the start of the list.
 //
+// Epoch positions: rank r's j-th index sits at position p = r + j * world of the padded
+// list (epoch_position(j)); positions p >= n are padding, duplicates that exist only to even
+// the ranks out. They are always the last ones a rank reads: is_padding(j) is
+// j >= unpadded_size(). Evaluation must not count them (cohort/metrics.hpp's
+// gather_for_metrics drops them).
+//
+// even_batches = false (with drop_last = false): no padding; rank r reads the same positions
+// r, r + world, ... but only those below n, so the ranks with r < n % world read one index
+// more than the others (ceil(n / world) against floor(n / world)). Together the ranks read
+// every index exactly once. Ranks then run different numbers of batches, so a training loop
+// over them must keep the ranks' collectives in step itself. With drop_last = true the ranks
+// are even by dropping the tail and even_batches changes nothing.
+//
 // The shuffled order is NOT torch's (torch.randperm on a Mersenne Twister); it is the
 // counter-based Feistel permutation documented in cohort/detail/permutation.hpp, identical on
 // every rank, on the host and on a GPU (see cohort/sampler_thrust.hpp), and it costs O(1) per
@@ -49,6 +62,9 @@ struct sampler_options {
   bool shuffle = true;
   std::uint64_t seed = 0;
   bool drop_last = false;
+  // true: every rank reads as many indices, padded by repeating samples (torch's rule);
+  // false: each rank reads its true share, which differs by one between ranks.
+  bool even_batches = true;
   warning_sink warn = {};  // empty: std::cerr
 };
 
@@ -74,9 +90,21 @@ class distributed_sampler {
   int world_size() const noexcept { return world_; }
   std::uint64_t dataset_size() const noexcept { return dataset_size_; }
   const sampler_options& options() const noexcept { return options_; }
-  // Indices this rank reads per epoch; the same on every rank.
+  // Indices this rank reads per epoch, padding included; the same on every rank unless
+  // even_batches is off.
   std::uint64_t size() const noexcept { return samples_per_rank_; }
-  std::uint64_t total_size() const noexcept { return samples_per_rank_ * static_cast<std::uint64_t>(world_); }
+  // Indices all ranks read together per epoch, padding included.
+  std::uint64_t total_size() const noexcept { return total_size_; }
+  // How many of this rank's size() indices are real samples rather than padding: the first
+  // unpadded_size() positions are, the rest are duplicates.
+  std::uint64_t unpadded_size() const noexcept { return unpadded_size_; }
+  // Whether this rank's j-th index (j < size()) is a padded duplicate, added only to even
+  // the ranks out.
+  bool is_padding(std::uint64_t j) const noexcept { return j >= unpadded_size_ && j < samples_per_rank_; }
+  // Where this rank's j-th index sits in the epoch's (padded) list: j * world + rank.
+  std::uint64_t epoch_position(std::uint64_t j) const noexcept {
+    return j * static_cast<std::uint64_t>(world_) + static_cast<std::uint64_t>(rank_);
+  }
 
   // The j-th index this rank reads in the current epoch (random access; does not count as a
   // pass for the missing-set_epoch warning).
@@ -130,7 +158,9 @@ class distributed_sampler {
   int world_;
   int rank_;
   sampler_options options_;
-  std::uint64_t samples_per_rank_ = 0;
+  std::uint64_t samples_per_rank_ = 0;  // on this rank
+  std::uint64_t unpadded_size_ = 0;
+  std::uint64_t total_size_ = 0;
   std::uint64_t epoch_ = 0;
   int passes_this_epoch_ = 0;
   bool warned_same_order_ = false;

@@ -25,7 +25,8 @@ namespace cohort::inline v0 {
 
 // This rank's indices for the sampler's current epoch, written through `out` under the given
 // Thrust execution policy (thrust::device, thrust::cuda::par.on(stream), thrust::host, ...).
-// `out` needs room for sampler.size() elements. Does not count as a pass over the epoch.
+// `out` needs room for sampler.size() elements (this rank's own count, which differs between
+// ranks when even_batches is off). Does not count as a pass over the epoch.
 template <class ExecutionPolicy, class OutputIterator>
 OutputIterator rank_indices(ExecutionPolicy&& exec, const distributed_sampler& sampler, OutputIterator out) {
   const thrust::counting_iterator<std::uint64_t> first(0);

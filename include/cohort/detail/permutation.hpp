@@ -94,10 +94,12 @@ class feistel_permutation {
 // torch.utils.data.DistributedSampler: the (optionally shuffled) list of dataset indices is
 // padded by wrapping around to its start (or truncated, with drop_last) to
 // total_size = samples_per_rank * world, and rank r takes padded positions r, r + world, ...
+// Without even batches (sampler_options::even_batches = false) the positions are the same,
+// only none reaches n, so nothing wraps; samples_per_rank then differs between ranks.
 struct rank_index_map {
   feistel_permutation permutation;
   std::uint64_t dataset_size = 0;
-  std::uint64_t samples_per_rank = 0;
+  std::uint64_t samples_per_rank = 0;  // on this rank
   std::uint64_t world = 1;
   std::uint64_t rank = 0;
   bool shuffle = false;

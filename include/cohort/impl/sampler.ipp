@@ -2,6 +2,7 @@
 // cohort/sampler.hpp's definitions: inline there when header-only, compiled once by <cohort/impl/src.hpp>
 // under COHORT_SEPARATE_COMPILATION (see cohort/detail/config.hpp).
 
+#include <algorithm>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -49,9 +50,24 @@ COHORT_DECL distributed_sampler::distributed_sampler(std::uint64_t dataset_size,
                 "rank " + std::to_string(rank) + " is outside [0, " + std::to_string(world) + ")",
                 "pass the process group's rank(), not its local rank");
   const auto w = static_cast<std::uint64_t>(world);
-  samples_per_rank_ = (options_.drop_last && dataset_size % w != 0)
-                          ? dataset_size / w  // torch: ceil((n - w) / w)
-                          : dataset_size / w + (dataset_size % w != 0 ? 1 : 0);
+  const auto r = static_cast<std::uint64_t>(rank);
+  const std::uint64_t whole_rounds = dataset_size / w;
+  const std::uint64_t remainder = dataset_size % w;
+  if (options_.drop_last) {
+    samples_per_rank_ = whole_rounds;  // torch: ceil((n - w) / w); the tail is dropped, nothing padded
+    total_size_ = whole_rounds * w;
+  } else if (options_.even_batches) {
+    samples_per_rank_ = whole_rounds + (remainder != 0 ? 1 : 0);
+    total_size_ = samples_per_rank_ * w;
+  } else {
+    // Positions r, r + w, ... below n: one more for the ranks below the remainder.
+    samples_per_rank_ = whole_rounds + (r < remainder ? 1 : 0);
+    total_size_ = dataset_size;
+  }
+  // Real samples sit at the positions below n (below total_size with drop_last, which pads
+  // nothing); this rank's are r, r + w, ... below that bound.
+  const std::uint64_t real_positions = std::min(total_size_, dataset_size);
+  unpadded_size_ = real_positions > r ? (real_positions - r - 1) / w + 1 : 0;
 }
 
 COHORT_DECL auto distributed_sampler::set_epoch(std::uint64_t epoch) noexcept -> void {

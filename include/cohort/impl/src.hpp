@@ -14,6 +14,7 @@
 #include "cohort/impl/guards.ipp"
 #include "cohort/impl/host_elementwise.ipp"
 #include "cohort/impl/launch.ipp"
+#include "cohort/impl/metrics.ipp"
 #include "cohort/impl/reducer.ipp"
 #include "cohort/impl/run_ranks.ipp"
 #include "cohort/impl/sampler.ipp"
