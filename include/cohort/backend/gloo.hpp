@@ -96,10 +96,6 @@ struct gloo_task {
   std::shared_ptr<gloo_p2p> p2p;
 };
 
-inline bool is_loopback(const std::string& address) {
-  return address == "localhost" || address == "::1" || address.rfind("127.", 0) == 0;
-}
-
 }  // namespace detail
 
 class gloo {
@@ -118,8 +114,9 @@ class gloo {
     // Cross-rank checks of every call's signature, and of collectives inside on_main.
     // Also turned on by the environment variable COHORT_DEBUG=1.
     bool debug_checks = false;
-    // Address this rank listens on. Empty: loopback when MASTER_ADDR is loopback,
-    // else this host's name (GLOO_SOCKET_IFNAME / `interface` select a NIC instead).
+    // Address this rank listens on (a name or a numeric address), else the address of
+    // `interface`, else of GLOO_SOCKET_IFNAME's interface. All empty: 127.0.0.1 on one node;
+    // across nodes the local address that routes to MASTER_ADDR (cohort/detail/host_address.hpp).
     std::string hostname;
     std::string interface;
     // The flight recorder's ring: the last this many calls, written to
@@ -180,7 +177,7 @@ class gloo {
 
   // A new context over an existing device (subgroups).
   gloo(const gloo& parent, std::shared_ptr<cohort::store> store, int rank, int size)
-      : rank_(rank), size_(size), options_(parent.options_), device_(parent.device_) {
+      : rank_(rank), size_(size), options_(parent.options_), address_(parent.address_), device_(parent.device_) {
     connect(std::move(store));
   }
 
@@ -196,6 +193,8 @@ class gloo {
 
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return size_; }
+  // The address this rank listens on and published at the rendezvous (numeric).
+  const std::string& address() const noexcept { return address_; }
   const options& settings() const noexcept { return options_; }
   // The group's last calls (see options::flight_recorder_entries).
   const detail::flight_recorder& recorder() const noexcept { return recorder_; }
@@ -258,7 +257,9 @@ class gloo {
  private:
   using task_kind = detail::gloo_task::kind;
 
-  static std::shared_ptr<::gloo::transport::Device> make_device(const launch_env& env, const options& opts);
+  // Chooses the address to listen on (detail::choose_listen_address) into `address`.
+  static std::shared_ptr<::gloo::transport::Device> make_device(const launch_env& env, const options& opts,
+                                                                std::string& address);
 
   void connect(std::shared_ptr<cohort::store> store);
   void start_watchdog();
@@ -321,6 +322,7 @@ class gloo {
   int rank_;
   int size_;
   options options_;
+  std::string address_;  // what this rank listens on and publishes (see make_device)
   std::shared_ptr<::gloo::transport::Device> device_;
   std::shared_ptr<::gloo::Context> context_;
   std::shared_ptr<cohort::store> store_;  // the group's namespace, for failure reports

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -29,6 +30,7 @@
 #include "cohort/detail/fifo_worker.hpp"
 #include "cohort/detail/flight_recorder.hpp"
 #include "cohort/detail/fnv1a.hpp"
+#include "cohort/detail/host_address.hpp"
 #include "cohort/detail/host_elementwise.hpp"
 #include "cohort/detail/host_math.hpp"
 #include "cohort/error.hpp"
@@ -115,7 +117,7 @@ COHORT_DECL void gloo_p2p::abort() {
 
 COHORT_DECL gloo::gloo(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts)
     : rank_(env.rank), size_(env.world_size), options_(opts) {
-  device_ = make_device(env, opts);
+  device_ = make_device(env, opts, address_);
   connect(std::move(store));
 }
 
@@ -151,24 +153,31 @@ COHORT_DECL auto gloo::copy(void* destination, const void* source, std::size_t b
   });
 }
 
-COHORT_DECL auto gloo::make_device(const launch_env& env, const options& opts)
+COHORT_DECL auto gloo::make_device(const launch_env& env, const options& opts, std::string& address)
     -> std::shared_ptr<::gloo::transport::Device> {
+  detail::listen_request request;
+  request.rank = env.rank;
+  request.hostname = opts.hostname;
+  request.interface = opts.interface;
+  if (const char* name = std::getenv("GLOO_SOCKET_IFNAME")) request.env_interface = name;
+  request.master_addr = env.master_addr;
+  request.world_size = env.world_size;
+  request.local_world_size = env.local_world_size;
+  const detail::listen_choice choice = detail::choose_listen_address(request);
+  if (detail::debug_from_environment())
+    std::fprintf(stderr, "cohort [rank %d] gloo: listening on %s (%s)\n", env.rank, choice.address.c_str(),
+                 choice.reason.c_str());
+  address = choice.address;
+  // Gloo gets a numeric address only: its own lookup of a name is unchecked (a name that
+  // does not resolve crashes it), and the choice above is what the errors name.
   ::gloo::transport::tcp::attr attr;
-  std::string interface = opts.interface;
-  if (interface.empty()) {
-    if (const char* name = std::getenv("GLOO_SOCKET_IFNAME")) interface = name;
-  }
-  if (!opts.hostname.empty())
-    attr.hostname = opts.hostname;
-  else if (!interface.empty())
-    attr.iface = interface;
-  else if (detail::is_loopback(env.master_addr) || env.world_size == env.local_world_size)
-    attr.hostname = "127.0.0.1";  // one node: stay on loopback, never expose a port
+  attr.hostname = choice.address;
   try {
     const detail::sigpipe_blocked loop_thread_inherits_it;
     return ::gloo::transport::tcp::CreateDevice(attr);
   } catch (const std::exception& failure) {
-    throw error(env.rank, "gloo.create_device", std::string("cannot open a TCP device: ") + failure.what(),
+    throw error(env.rank, "gloo.create_device",
+                "cannot open a TCP device on " + choice.address + " (" + choice.reason + "): " + failure.what(),
                 "set options.hostname or GLOO_SOCKET_IFNAME to an address of this host");
   }
 }
