@@ -188,33 +188,65 @@ COHORT_DECL std::string name_the_culprit(store& group_store, int rank, int size,
                                          const std::string& call, bool connection_lost) {
   if (size < 2) return "this rank is in " + call;
   // Each rank that fails publishes the call it is in; a rank that is not in a cohort call
-  // (still computing, stopped, dead) publishes nothing. The window is short and bounded.
+  // (still computing, stopped, dead) publishes nothing. The window is short and bounded, and
+  // so is every store request in it: a handle of its own bounded by the window (the group's
+  // handle waits as long as the store's own timeout, minutes, when the store has gone silent).
   const auto window = std::min<std::chrono::milliseconds>(timeout, std::chrono::seconds(5));
   const auto deadline = std::chrono::steady_clock::now() + window;
+  const auto left = [&] {
+    return std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()),
+                    std::chrono::milliseconds(1));
+  };
   const std::string prefix = "failure/";
   std::vector<int> silent, waiting{rank};
   std::vector<std::string> differ;
   try {
-    group_store.set(prefix + std::to_string(rank), call);
-    for (int peer = 0; peer < size; ++peer) {
-      if (peer == rank) continue;
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-      std::string theirs;
-      try {
-        theirs = cohort::to_string(
-            group_store.get(prefix + std::to_string(peer), std::max(left, std::chrono::milliseconds(1))));
-      } catch (const timeout_error&) {
-        silent.push_back(peer);
-        continue;
+    std::shared_ptr<store> own;
+    try {
+      own = group_store.bounded(window);
+    } catch (const std::exception& unreachable) {
+      const std::string where = group_store.location();
+      const auto* known = dynamic_cast<const error*>(&unreachable);
+      return "this rank is in " + call + "; cannot reach rank 0's store" + (where.empty() ? "" : " at " + where) +
+             " within " + format_duration(window) + " (" + (known ? known->detail() : unreachable.what()) +
+             "): this rank is cut off from rank 0's node, or rank 0 died";
+    }
+    store& reports = own ? *own : group_store;
+    reports.set(prefix + std::to_string(rank), call);
+    std::vector<std::string> keys;
+    std::vector<int> peers;
+    for (int peer = 0; peer < size; ++peer)
+      if (peer != rank) {
+        keys.push_back(prefix + std::to_string(peer));
+        peers.push_back(peer);
       }
-      if (theirs == call)
-        waiting.push_back(peer);
+    // One wait for every report; when some never come, which did is asked key by key.
+    std::vector<bool> present(keys.size(), true);
+    try {
+      reports.wait(std::span<const std::string>(keys), left());
+    } catch (const timeout_error&) {
+      for (std::size_t k = 0; k < keys.size(); ++k)
+        present[k] = reports.check(std::span<const std::string>(&keys[k], 1));
+    }
+    std::vector<std::string> readable;
+    for (std::size_t k = 0; k < keys.size(); ++k)
+      if (present[k])
+        readable.push_back(keys[k]);
       else
-        differ.push_back("rank " + std::to_string(peer) + " is in " + theirs);
+        silent.push_back(peers[k]);
+    const auto values = reports.multi_get(std::span<const std::string>(readable), left());
+    for (std::size_t k = 0, v = 0; k < keys.size(); ++k) {
+      if (!present[k]) continue;
+      const std::string theirs = cohort::to_string(values[v++]);
+      if (theirs == call)
+        waiting.push_back(peers[k]);
+      else
+        differ.push_back("rank " + std::to_string(peers[k]) + " is in " + theirs);
     }
   } catch (const std::exception& unreachable) {
-    return "this rank is in " + call + "; no failure reports: the group's store is unreachable (" + unreachable.what() +
+    const std::string where = group_store.location();
+    return "this rank is in " + call + "; no failure reports: the group's store" +
+           (where.empty() ? "" : " at " + where) + " is unreachable (" + unreachable.what() +
            "), so the rank that serves it (rank 0 of the job) may have died";
   }
   std::sort(waiting.begin(), waiting.end());
