@@ -38,6 +38,7 @@
 namespace gloo {
 class Context;
 namespace transport {
+class Context;
 class Device;
 class UnboundBuffer;
 }  // namespace transport
@@ -65,6 +66,15 @@ struct gloo_p2p {
   ~gloo_p2p();
   // Ends a wait that no peer will ever match (the group is going away).
   void abort();
+};
+
+// What a rank published at the rendezvous (gloo::connect): where it runs and listens, for
+// connecting and for errors and failure reports that name it.
+struct gloo_peer {
+  std::string host;         // its gethostname()
+  long pid = 0;             // its process id
+  std::string address;      // the numeric address it listens on
+  std::vector<char> pairs;  // its pairs' addresses (Gloo's bytes), one per other rank in order
 };
 
 struct gloo_task {
@@ -261,7 +271,14 @@ class gloo {
   static std::shared_ptr<::gloo::transport::Device> make_device(const launch_env& env, const options& opts,
                                                                 std::string& address);
 
+  // The rendezvous: publishes this rank's pair addresses, reads every rank's with one
+  // multi_get, and connects the full mesh (connect_mesh), all within options.timeout.
   void connect(std::shared_ptr<cohort::store> store);
+  void connect_mesh(::gloo::transport::Context& transport, std::chrono::steady_clock::time_point deadline);
+  // The address `peer` published for its pair with this rank (Gloo's bytes).
+  std::vector<char> peer_pair_address(int peer) const;
+  // "rank 3 published 10.0.0.4 (host node1, pid 812, its pair for this rank at [10.0.0.4]:40123)".
+  std::string describe_peer(int peer) const;
   void start_watchdog();
   // The failure the watchdog acts on: a failed call no wait or test reported within `timeout`.
   std::exception_ptr unreported_failure() const;
@@ -326,6 +343,7 @@ class gloo {
   std::shared_ptr<::gloo::transport::Device> device_;
   std::shared_ptr<::gloo::Context> context_;
   std::shared_ptr<cohort::store> store_;  // the group's namespace, for failure reports
+  std::vector<detail::gloo_peer> peers_;  // what every rank published (connect)
   std::atomic<std::uint64_t> collectives_issued_{0};
   detail::flight_recorder recorder_{options_.flight_recorder_entries};
   std::atomic<bool> trace_written_{false};
