@@ -325,6 +325,9 @@ class gloo {
   // After a call failed: who is at fault (detail::name_the_culprit for collectives; a
   // point-to-point call whose connection closed names its peer).
   std::string name_the_culprit(const detail::gloo_task& task, bool connection_lost);
+  // What `peer` is, without its help (for a rank that sent no failure report): its process
+  // on this host, the state of its pair, whether its host answers.
+  detail::peer_status probe_peer(int peer) const;
   // Which ranks never published their rendezvous address (a rendezvous that timed out).
   std::string missing_at_rendezvous(cohort::store& store) const;
 

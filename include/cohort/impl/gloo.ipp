@@ -13,12 +13,16 @@
 #include <gloo/transport/pair.h>
 #include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -137,6 +141,31 @@ class sigpipe_blocked {
   sigset_t pipe_;
   sigset_t previous_;
 };
+
+// Whether the host of a Gloo address (its bytes) answers a TCP connection attempt within
+// `bound`: accepted or refused, it is reachable; no answer, or no route, it is not (`why`).
+inline bool host_answers(const std::vector<char>& pair_address, std::chrono::milliseconds bound, std::string& why) {
+  const ::gloo::transport::tcp::Address address(pair_address);
+  const sockaddr_storage& target = address.getSockaddr();
+  const socklen_t length = target.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+  const int fd = ::socket(target.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return true;  // cannot tell: do not call it unreachable
+  int result = ::connect(fd, reinterpret_cast<const sockaddr*>(&target), length) == 0 ? 0 : errno;
+  if (result == EINPROGRESS) {
+    pollfd wait{fd, POLLOUT, 0};
+    if (::poll(&wait, 1, static_cast<int>(bound.count())) == 1) {
+      socklen_t size = sizeof result;
+      ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &result, &size);
+    } else {
+      result = ETIMEDOUT;
+    }
+  }
+  ::close(fd);
+  if (result == 0 || result == ECONNREFUSED) return true;
+  why = "no answer from " + address.str() +
+        (result == ETIMEDOUT ? " within " + format_duration(bound) : ": " + std::system_category().message(result));
+  return false;
+}
 
 COHORT_DECL gloo_p2p::gloo_p2p() = default;
 COHORT_DECL gloo_p2p::~gloo_p2p() = default;
@@ -582,7 +611,44 @@ COHORT_DECL auto gloo::name_the_culprit(const detail::gloo_task& task, bool conn
   if (point_to_point && connection_lost)  // one peer: its connection is the one that closed
     return "rank " + std::to_string(task.peer) + " (the peer) closed its connection: it died or exited during " + mine;
   if (!store_ || !collective) return "this rank is in " + mine;
-  return detail::name_the_culprit(*store_, rank_, size_, options_.timeout, mine, connection_lost);
+  return detail::name_the_culprit(*store_, rank_, size_, options_.timeout, mine, connection_lost,
+                                  [this](int peer) { return probe_peer(peer); });
+}
+
+COHORT_DECL auto gloo::probe_peer(int peer) const -> detail::peer_status {
+  using detail::peer_state;
+  if (!context_ || peer < 0 || peer >= size_ || peers_.size() != static_cast<std::size_t>(size_)) return {};
+  const auto& theirs = peers_[static_cast<std::size_t>(peer)];
+  const bool same_host = theirs.host == peers_[static_cast<std::size_t>(rank_)].host;
+  // On this host the process table is the truth. (Host names are unique within a job.)
+  if (same_host && theirs.pid > 0 && ::kill(static_cast<pid_t>(theirs.pid), 0) != 0 && errno == ESRCH)
+    return {peer_state::died, "its process is gone"};
+  // Gloo's event loop watches every connected pair, busy or not: a peer whose process ended
+  // has its pair failed with the reason, which any operation on the pair rethrows before
+  // doing anything. On a healthy pair this zero-byte receive is posted on a slot nobody
+  // sends to (the group has failed; the peer only counts the notice), and dropped at once.
+  // (Debian's libgloo lacks a header that tcp::Pair needs, so its side-effect-free
+  // tryRecv is out of reach.)
+  std::string failure;
+  try {
+    auto& pair = context_->getPair(peer);
+    if (!pair) return {};
+    auto nothing = context_->createUnboundBuffer(nullptr, 0);
+    constexpr std::uint64_t unused_slot = 0x7fffffffffffffffull;  // above Gloo's and cohort's slots
+    pair->recv(nothing.get(), unused_slot, 0, 0);
+  } catch (const std::exception& closed) {
+    failure = closed.what();
+  }
+  if (failure.empty()) return {peer_state::alive, "connected"};
+  for (const char* closed_by_peer : {"closed by peer", "reset by peer", "Broken pipe", "Socket closed"})
+    if (failure.find(closed_by_peer) != std::string::npos) return {peer_state::died, "its connection closed"};
+  // The pair failed on this side (a timeout): alive but silent, or cut off?
+  if (same_host) return {peer_state::alive, "its process runs"};
+  // A host that answers a connection attempt at all (refused counts) is reachable.
+  const auto bound = std::min<std::chrono::milliseconds>(options_.timeout, std::chrono::seconds(1));
+  std::string why;
+  if (detail::host_answers(peer_pair_address(peer), bound, why)) return {peer_state::alive, "its host answers"};
+  return {peer_state::unreachable, why};
 }
 
 COHORT_DECL auto gloo::p2p_debug_key(const detail::gloo_task& task, bool mine) const -> std::string {
