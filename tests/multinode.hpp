@@ -76,6 +76,7 @@ class cluster {
   };
   std::vector<pid_t> start(const std::vector<rank_process>& ranks, const std::function<int()>& body) const {
     std::vector<pid_t> children;
+    std::fflush(nullptr);  // or the children would print the test's buffered output again
     for (const auto& rank : ranks) {
       const pid_t pid = ::fork();
       if (pid == 0) ::_exit(enter_and_run(nodes_[static_cast<std::size_t>(rank.node)], rank.env, body));

@@ -158,6 +158,7 @@ TEST_CASE("ranks on two 'nodes' of this host connect over the address that route
 // that resolves nowhere; cohort never asks Gloo to look a name up.
 TEST_CASE("a host whose own name does not resolve still joins a world across nodes", "[address]") {
   const std::string mine = this_host_address();
+  std::fflush(nullptr);
   const pid_t child = ::fork();
   REQUIRE(child >= 0);
   if (child == 0) {

@@ -12,8 +12,11 @@
 #include <cohort/tcp_store.hpp>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "multinode.hpp"
@@ -160,5 +163,74 @@ TEST_CASE("an address a node cannot reach ends every rank's rendezvous within th
                    }),
       std::chrono::seconds(60));
   INFO("took " << seconds_since(started) << " s");
+  REQUIRE(codes == std::vector<int>(4, 0));
+}
+
+namespace {
+
+// A directory both the test and its ranks see (/tmp is shared: only /etc/hosts is bound).
+std::string fresh_directory(const std::string& name) {
+  const std::string path = "/tmp/cohort-multinode-" + std::to_string(::getpid()) + "-" + name;
+  std::filesystem::remove_all(path);
+  std::filesystem::create_directories(path);
+  return path;
+}
+
+bool wait_for_file(const std::string& path, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (!std::filesystem::exists(path))
+    if (std::chrono::steady_clock::now() > deadline)
+      return false;
+    else
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  return true;
+}
+
+}  // namespace
+
+// Node 1's link goes down between two calls (a partition: nothing closes, nothing arrives).
+// Node 0's ranks must name ranks 2 and 3 unreachable (not "never issued"); node 1's ranks,
+// cut off from the store on node 0, must say so themselves. Every rank within the group's
+// timeout (3 s), the report's window (3 s) and slack.
+TEST_CASE("a partition names the unreachable ranks on one side and the store on the other", "[multinode]") {
+  auto nodes = make_cluster(2);
+  hosts_name_every_node(*nodes);
+  const std::string flags = fresh_directory("partition");
+  auto ranks = torchrun_ranks(*nodes, 2);
+  for (auto& rank : ranks) rank.env["COHORT_TEST_FLAGS"] = flags;
+  auto children = nodes->start(ranks, [] {
+    const auto env = cohort::launch_env::detect();
+    const std::string flags = std::getenv("COHORT_TEST_FLAGS");
+    auto store = cohort::connect_store(env);
+    auto opts = group_options(std::chrono::seconds(3));
+    opts.on_async_error = cohort::async_error_handling::throw_on_next_call;
+    cohort::process_group<cohort::gloo> pg{store, env, opts};
+    std::vector<float> data(1 << 10, 1.0f);
+    pg.all_reduce(std::span<float>(data)).wait();
+    std::ofstream(flags + "/ready" + std::to_string(env.rank)).put('1');
+    if (!wait_for_file(flags + "/go", std::chrono::seconds(30))) return 5;
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      pg.all_reduce(std::span<float>(data)).wait();
+    } catch (const cohort::error& failure) {
+      const double took = seconds_since(start);
+      std::fprintf(stderr, "rank %d after %.1f s: %s\n", env.rank, took, failure.what());
+      if (took > 3.0 + 3.0 + 4.0) return 4;
+      const std::string_view text = failure.what();
+      const bool named = env.rank < 2
+                             ? text.find("ranks 2, 3 are unreachable during all_reduce #2") != text.npos
+                             : text.find("cannot reach rank 0's store at " + env.master_addr + ":29400") != text.npos;
+      return named ? 0 : 3;
+    }
+    return 1;
+  });
+  bool ready = true;
+  for (int r = 0; r < 4; ++r)
+    ready = ready && wait_for_file(flags + "/ready" + std::to_string(r), std::chrono::seconds(30));
+  if (ready) nodes->unplug(1);
+  std::ofstream(flags + "/go").put('1');
+  const auto codes = cohort_test::wait_children(children, std::chrono::seconds(60));
+  std::filesystem::remove_all(flags);
+  REQUIRE(ready);
   REQUIRE(codes == std::vector<int>(4, 0));
 }

@@ -326,8 +326,8 @@ class gloo {
   // point-to-point call whose connection closed names its peer).
   std::string name_the_culprit(const detail::gloo_task& task, bool connection_lost);
   // What `peer` is, without its help (for a rank that sent no failure report): its process
-  // on this host, the state of its pair, whether its host answers.
-  detail::peer_status probe_peer(int peer) const;
+  // on this host, the state of its pair, and (thorough) whether its host answers.
+  detail::peer_status probe_peer(int peer, bool thorough) const;
   // Which ranks never published their rendezvous address (a rendezvous that timed out).
   std::string missing_at_rendezvous(cohort::store& store) const;
 

@@ -162,7 +162,9 @@ struct peer_status {
   peer_state state = peer_state::unknown;
   std::string why;  // "its connection closed", "no answer from 10.0.0.3 within 1 s", ...
 };
-using peer_probe = std::function<peer_status(int peer)>;
+// `thorough`: may take a while (at most a second or the timeout) to tell alive from
+// unreachable; otherwise answers at once, with `unknown` where only waiting could tell.
+using peer_probe = std::function<peer_status(int peer, bool thorough)>;
 
 // After `call` (this rank's collective number `sequence`) failed: publishes it under
 // failure/<rank> in the group's store, reads the other ranks' reports for at most

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <future>
 #include <span>
 #include <string>
 #include <vector>
@@ -224,7 +225,7 @@ COHORT_DECL std::string name_the_culprit(store& group_store, int rank, int size,
     std::vector<std::string> dead_why;
     for (int peer = 0; peer < size; ++peer) {
       if (peer == rank) continue;
-      const peer_status status = probe ? probe(peer) : peer_status{};
+      const peer_status status = probe ? probe(peer, false) : peer_status{};
       keys.push_back(prefix + std::to_string(peer));
       peers.push_back(peer);
       dead.push_back(status.state == peer_state::died);
@@ -248,6 +249,12 @@ COHORT_DECL std::string name_the_culprit(store& group_store, int rank, int size,
     for (std::size_t k = 0; k < keys.size(); ++k)
       if (present[k]) readable.push_back(keys[k]);
     const auto values = reports.multi_get(std::span<const std::string>(readable), left());
+    // Silent peers: what are they? Asked again now, after the window (dead stays dead), all
+    // at once: telling alive from unreachable may take a second each.
+    std::vector<std::future<peer_status>> asked(keys.size());
+    for (std::size_t k = 0; k < keys.size(); ++k)
+      if (!present[k] && !dead[k] && probe)
+        asked[k] = std::async(std::launch::async, [&probe, peer = peers[k]] { return probe(peer, true); });
     for (std::size_t k = 0, v = 0; k < keys.size(); ++k) {
       const int peer = peers[k];
       if (present[k]) {
@@ -258,10 +265,9 @@ COHORT_DECL std::string name_the_culprit(store& group_store, int rank, int size,
           differ.push_back("rank " + std::to_string(peer) + " is in " + theirs);
         continue;
       }
-      // Silent: what is it? Asked again now, after the window (dead stays dead).
-      const peer_status status = dead[k] ? peer_status{peer_state::died, dead_why[k]}
-                                 : probe ? probe(peer)
-                                         : peer_status{};
+      const peer_status status = dead[k]            ? peer_status{peer_state::died, dead_why[k]}
+                                 : asked[k].valid() ? asked[k].get()
+                                                    : peer_status{};
       switch (status.state) {
         case peer_state::died:
           died.push_back(peer);

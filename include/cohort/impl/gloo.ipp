@@ -162,7 +162,9 @@ inline bool host_answers(const std::vector<char>& pair_address, std::chrono::mil
   }
   ::close(fd);
   if (result == 0 || result == ECONNREFUSED) return true;
-  why = "no answer from " + address.str() +
+  std::string host = address.str();  // "[10.0.0.3]:40123": the host is what did not answer
+  if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.find(']') - 1);
+  why = "no answer from " + host +
         (result == ETIMEDOUT ? " within " + format_duration(bound) : ": " + std::system_category().message(result));
   return false;
 }
@@ -612,10 +614,10 @@ COHORT_DECL auto gloo::name_the_culprit(const detail::gloo_task& task, bool conn
     return "rank " + std::to_string(task.peer) + " (the peer) closed its connection: it died or exited during " + mine;
   if (!store_ || !collective) return "this rank is in " + mine;
   return detail::name_the_culprit(*store_, rank_, size_, options_.timeout, mine, connection_lost,
-                                  [this](int peer) { return probe_peer(peer); });
+                                  [this](int peer, bool thorough) { return probe_peer(peer, thorough); });
 }
 
-COHORT_DECL auto gloo::probe_peer(int peer) const -> detail::peer_status {
+COHORT_DECL auto gloo::probe_peer(int peer, bool thorough) const -> detail::peer_status {
   using detail::peer_state;
   if (!context_ || peer < 0 || peer >= size_ || peers_.size() != static_cast<std::size_t>(size_)) return {};
   const auto& theirs = peers_[static_cast<std::size_t>(peer)];
@@ -644,6 +646,7 @@ COHORT_DECL auto gloo::probe_peer(int peer) const -> detail::peer_status {
     if (failure.find(closed_by_peer) != std::string::npos) return {peer_state::died, "its connection closed"};
   // The pair failed on this side (a timeout): alive but silent, or cut off?
   if (same_host) return {peer_state::alive, "its process runs"};
+  if (!thorough) return {};
   // A host that answers a connection attempt at all (refused counts) is reachable.
   const auto bound = std::min<std::chrono::milliseconds>(options_.timeout, std::chrono::seconds(1));
   std::string why;
