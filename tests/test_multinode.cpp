@@ -234,3 +234,57 @@ TEST_CASE("a partition names the unreachable ranks on one side and the store on 
   REQUIRE(ready);
   REQUIRE(codes == std::vector<int>(4, 0));
 }
+
+// Node 1 is killed (both its ranks, SIGKILL, mid-training): the kernel resets their
+// connections. Node 0's ranks must name exactly ranks 2 and 3 as dead, within the timeout.
+TEST_CASE("a killed node is named dead by the other node's ranks, and only it", "[multinode]") {
+  auto nodes = make_cluster(2);
+  hosts_name_every_node(*nodes);
+  const std::string flags = fresh_directory("killed");
+  auto ranks = torchrun_ranks(*nodes, 2);
+  for (auto& rank : ranks) rank.env["COHORT_TEST_FLAGS"] = flags;
+  auto children = nodes->start(ranks, [] {
+    const auto env = cohort::launch_env::detect();
+    const std::string flags = std::getenv("COHORT_TEST_FLAGS");
+    auto store = cohort::connect_store(env);
+    auto opts = group_options(std::chrono::seconds(3));
+    opts.on_async_error = cohort::async_error_handling::throw_on_next_call;
+    cohort::process_group<cohort::gloo> pg{store, env, opts};
+    std::vector<float> data(1 << 10, 1.0f);
+    pg.all_reduce(std::span<float>(data)).wait();
+    std::ofstream(flags + "/ready" + std::to_string(env.rank)).put('1');
+    if (env.rank >= 2) {  // node 1 waits to be killed
+      std::this_thread::sleep_for(std::chrono::seconds(60));
+      return 6;
+    }
+    if (!wait_for_file(flags + "/go", std::chrono::seconds(30))) return 5;
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      pg.all_reduce(std::span<float>(data)).wait();
+    } catch (const cohort::error& failure) {
+      const double took = seconds_since(start);
+      std::fprintf(stderr, "rank %d after %.1f s: %s\n", env.rank, took, failure.what());
+      if (took > 3.0 + 3.0 + 4.0) return 4;
+      const std::string_view text = failure.what();
+      bool named = text.find("ranks 2, 3 died or exited during all_reduce #2") != text.npos;
+      for (const char* wrong : {"rank 0 died", "rank 1 died", "ranks 0, 2, 3 died", "ranks 1, 2, 3 died",
+                                "ranks 0, 1, 2, 3 died", "never issued", "unreachable"})
+        named = named && text.find(wrong) == text.npos;
+      return named ? 0 : 3;
+    }
+    return 1;
+  });
+  bool ready = true;
+  for (int r = 0; r < 4; ++r)
+    ready = ready && wait_for_file(flags + "/ready" + std::to_string(r), std::chrono::seconds(30));
+  if (ready) {
+    ::kill(children[2], SIGKILL);
+    ::kill(children[3], SIGKILL);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  std::ofstream(flags + "/go").put('1');
+  const auto codes = cohort_test::wait_children(children, std::chrono::seconds(60));
+  std::filesystem::remove_all(flags);
+  REQUIRE(ready);
+  REQUIRE(codes == std::vector<int>{0, 0, 128 + SIGKILL, 128 + SIGKILL});
+}

@@ -290,18 +290,19 @@ COHORT_DECL std::string name_the_culprit(store& group_store, int rank, int size,
            (where.empty() ? "" : " at " + where) + " is unreachable (" + unreachable_store.what() +
            "), so the rank that serves it (rank 0 of the job) may have died";
   }
-  const auto reasons = [&](std::vector<std::string> list) {
-    std::string text = " (no report within " + format_duration(window);
-    for (const auto& why : list) text += "; " + why;
-    return text + ")";
+  // A dead peer was not waited for: its reasons are the probe's alone.
+  const auto reasons = [&](const std::vector<std::string>& list, bool waited) {
+    std::string text = waited ? "no report within " + format_duration(window) : std::string();
+    for (const auto& why : list) text += (text.empty() ? "" : "; ") + why;
+    return text.empty() ? text : " (" + text + ")";
   };
   for (auto* list : {&died, &unreachable, &never, &waiting}) std::sort(list->begin(), list->end());
   std::vector<std::string> parts;
-  if (!died.empty()) parts.push_back(format_ranks(died) + " died or exited during " + call + reasons(died_why));
+  if (!died.empty()) parts.push_back(format_ranks(died) + " died or exited during " + call + reasons(died_why, !probe));
   if (!unreachable.empty())
     parts.push_back(format_ranks(unreachable) + (unreachable.size() == 1 ? " is" : " are") + " unreachable during " +
-                    call + reasons(unreachable_why));
-  if (!never.empty()) parts.push_back(format_ranks(never) + " never issued " + call + reasons(never_why));
+                    call + reasons(unreachable_why, true));
+  if (!never.empty()) parts.push_back(format_ranks(never) + " never issued " + call + reasons(never_why, true));
   for (const auto& line : differ) parts.push_back(line);
   std::string text;
   for (const auto& part : parts) text += (text.empty() ? "" : "; ") + part;
