@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cohort/backend/gloo.hpp>
+#include <cohort/guards.hpp>
 #include <cohort/launch.hpp>
 #include <cohort/process_group.hpp>
 #include <cohort/tcp_store.hpp>
@@ -287,4 +288,43 @@ TEST_CASE("a killed node is named dead by the other node's ranks, and only it", 
   std::filesystem::remove_all(flags);
   REQUIRE(ready);
   REQUIRE(codes == std::vector<int>{0, 0, 128 + SIGKILL, 128 + SIGKILL});
+}
+
+// Per-node guards across real nodes: the node-local group holds this node's ranks only, and
+// local_main_process_first runs the node's local main before the node's other ranks (each
+// node's own file, as a per-node dataset cache would be).
+TEST_CASE("node-local groups and local-main-first hold per simulated node", "[multinode]") {
+  auto nodes = make_cluster(2);
+  hosts_name_every_node(*nodes);
+  const std::string flags = fresh_directory("guards");
+  auto ranks = torchrun_ranks(*nodes, 2);
+  for (auto& rank : ranks) rank.env["COHORT_TEST_FLAGS"] = flags;
+  const auto codes = cohort_test::wait_children(
+      nodes->start(ranks,
+                   [] {
+                     const auto env = cohort::launch_env::detect();
+                     const std::string flags = std::getenv("COHORT_TEST_FLAGS");
+                     auto store = cohort::connect_store(env);
+                     cohort::process_group<cohort::gloo> pg{store, env, group_options(std::chrono::seconds(10))};
+                     auto local = pg.node_local();
+                     std::vector<int> mine{pg.rank()};
+                     local.all_reduce(std::span<int>(mine)).wait();
+                     const int first = pg.rank() - pg.local_rank();
+                     if (local.size() != 2 || mine[0] != first + first + 1) return 2;
+                     char host[64] = {};
+                     ::gethostname(host, sizeof host - 1);
+                     const std::string cache = flags + "/" + host;
+                     bool ordered = true;
+                     cohort::local_main_process_first(pg, [&] {
+                       if (pg.local_rank() == 0)
+                         std::ofstream(cache).put('1');
+                       else
+                         ordered = std::filesystem::exists(cache);
+                     });
+                     pg.barrier().wait();
+                     return ordered ? 0 : 3;
+                   }),
+      std::chrono::seconds(60));
+  std::filesystem::remove_all(flags);
+  REQUIRE(codes == std::vector<int>(4, 0));
 }
