@@ -35,6 +35,7 @@
 #include <new>
 #include <span>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 #include "cohort/detail/fifo_worker.hpp"
