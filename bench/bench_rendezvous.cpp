@@ -12,8 +12,9 @@
 // ranks start until the last is done. The server is cohort's (tcp_store_server, in a child
 // process) and, side by side, PyTorch's TCPStore (libuv backend) when a PyTorch 2.x is
 // importable by --python (bench/peers/torch_store_server.py); the clients are cohort's on both.
-// Gloo's own full-mesh rendezvous (N gets per rank inside libgloo) and NCCL's bootstrap are not
-// part of the pattern: neither goes through code cohort controls.
+// Gloo's mesh (cohort connects it: one SET, one WAIT, one MULTI_GET per rank, whatever N;
+// tests/test_rendezvous.cpp counts a real group and split) and NCCL's bootstrap (which does
+// not go through code cohort controls) are not part of the pattern.
 //
 //   bench_rendezvous [--ranks 64,256,512,1024] [--repeat 3] [--per-key-max 512] [--python python3]
 //                    [--torch-peer bench/peers/torch_store_server.py] [--torch libuv,classic | --no-torch]

@@ -218,6 +218,40 @@ TEST_CASE("a rank process that dies is an error on the others within the timeout
   require_traces_blame(traces, {2});  // the survivors' traces name the same rank
 }
 
+// Both ranks of a "node" (ranks 2 and 3 of 4, two per node on loopback) die at once while
+// rank 0 is still computing: rank 1 fails first and must name exactly the dead ranks as
+// dead. Before peers were probed, a rank that sent no failure report within the window was
+// named dead whenever a connection had closed: "ranks 0, 2, 3 died or exited" with rank 0
+// alive and about to issue the call.
+TEST_CASE("both ranks of a node killed: the ranks named dead are exactly the dead ones", "[multiprocess][faults]") {
+  auto envs = torchrun_envs(4, 4, std::to_string(free_port()));
+  for (int r = 0; r < 4; ++r) {
+    envs[static_cast<std::size_t>(r)]["LOCAL_RANK"] = std::to_string(r % 2);
+    envs[static_cast<std::size_t>(r)]["LOCAL_WORLD_SIZE"] = "2";
+  }
+  const auto codes = run_children(envs, [] {
+    auto pg = launched_gloo_group(std::chrono::seconds(3));
+    std::vector<float> data(1 << 12, 1.0f);
+    pg.all_reduce(std::span<float>(data)).wait();
+    if (pg.rank() >= 2) ::_exit(42);                                           // the node goes down
+    if (pg.rank() == 0) std::this_thread::sleep_for(std::chrono::seconds(4));  // still computing
+    try {
+      pg.all_reduce(std::span<float>(data)).wait();
+    } catch (const cohort::error& failure) {
+      std::fprintf(stderr, "rank %d saw: %s\n", pg.rank(), failure.what());
+      const std::string_view text = failure.what();
+      const bool dead_named = text.find("ranks 2, 3 died or exited during all_reduce #2") != std::string_view::npos;
+      const bool nobody_else = text.find("ranks 0, 2, 3 died") == std::string_view::npos &&
+                               text.find("ranks 1, 2, 3 died") == std::string_view::npos &&
+                               text.find("rank 0 died") == std::string_view::npos &&
+                               text.find("rank 1 died") == std::string_view::npos;
+      return dead_named && nobody_else ? 0 : 3;
+    }
+    return 1;
+  });
+  REQUIRE(codes == std::vector<int>{0, 0, 42, 42});
+}
+
 // Point to point, the rank at fault is the peer: rank 1 leaves without a word, and rank 0's
 // send to it must name rank 1, not only "this rank is in send #1".
 TEST_CASE("a send to a rank that has exited names that rank", "[multiprocess][faults]") {

@@ -4,6 +4,7 @@
 // person reading it is usually looking at the interleaved logs of many processes.
 
 #include <chrono>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -52,6 +53,11 @@ class timeout_error : public error {
 };
 
 namespace detail {
+// COHORT_DEBUG set to anything but "" or "0": cross-rank checks, and debug lines on stderr.
+inline bool debug_from_environment() {
+  const char* value = std::getenv("COHORT_DEBUG");
+  return value && *value && std::string(value) != "0";
+}
 inline std::string format_duration(std::chrono::milliseconds ms) {
   if (ms.count() % 1000 == 0) return std::to_string(ms.count() / 1000) + " s";
   return std::to_string(ms.count()) + " ms";

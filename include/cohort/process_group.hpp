@@ -75,11 +75,6 @@ concept backend = requires(B& b, const void* in, void* out, std::size_t n, dtype
 };
 
 namespace detail {
-inline bool debug_from_environment() {
-  const char* value = std::getenv("COHORT_DEBUG");
-  return value && *value && std::string(value) != "0";
-}
-
 // What the collectives' range overloads take (std::vector, std::array, C arrays, fixed-extent
 // spans, a user's type with data() and size(); see contiguous_elements in types.hpp, which
 // needs only <iterator>: <ranges> would add ~9% to this header's compile cost). A collective

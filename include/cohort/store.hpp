@@ -62,6 +62,15 @@ class store {
   // costs O(N) requests in all instead of O(N^2). This default waits, then gets key by key.
   virtual std::vector<bytes> multi_get(std::span<const std::string> keys, std::chrono::milliseconds timeout);
 
+  // A new handle to the same store whose every operation, connecting included, is bounded by
+  // `timeout`, or null where this handle's operations are bounded already (in-process and
+  // file stores: use this one). Failure reports use it, so that a store gone silent (a
+  // partition) holds them for the group's timeout, not for the store's own minutes, and
+  // a stuck request of another thread on this handle cannot hold them either.
+  virtual std::shared_ptr<store> bounded(std::chrono::milliseconds /*timeout*/) const { return nullptr; }
+  // Where the store lives, for errors ("10.0.0.1:29500"); empty for an in-process store.
+  virtual std::string location() const { return {}; }
+
   void set(std::string_view key, std::string_view value) {
     const bytes data = to_bytes(value);
     set(key, std::span<const std::uint8_t>(data));
@@ -154,6 +163,9 @@ class prefix_store final : public store {
     return inner_->multi_get(full(keys), timeout);
   }
   using store::multi_get;
+  // The inner store's bounded handle under the same prefix (null when the inner has none).
+  std::shared_ptr<store> bounded(std::chrono::milliseconds timeout) const override;
+  std::string location() const override { return inner_->location(); }
 
   const std::string& prefix() const noexcept { return prefix_; }
   const std::shared_ptr<store>& inner() const noexcept { return inner_; }

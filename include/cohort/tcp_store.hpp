@@ -129,6 +129,11 @@ class tcp_store final : public store {
 
   void multi_set(std::span<const std::string> keys, std::span<const bytes> values);
 
+  // A second connection to the same server (never hosting one), with `timeout` as its
+  // timeout() and its connect timeout: see store::bounded.
+  std::shared_ptr<store> bounded(std::chrono::milliseconds timeout) const override;
+  std::string location() const override { return endpoint(); }
+
   // One round trip; throws when the server does not answer within timeout().
   void ping();
 

@@ -38,6 +38,7 @@
 namespace gloo {
 class Context;
 namespace transport {
+class Context;
 class Device;
 class UnboundBuffer;
 }  // namespace transport
@@ -65,6 +66,15 @@ struct gloo_p2p {
   ~gloo_p2p();
   // Ends a wait that no peer will ever match (the group is going away).
   void abort();
+};
+
+// What a rank published at the rendezvous (gloo::connect): where it runs and listens, for
+// connecting and for errors and failure reports that name it.
+struct gloo_peer {
+  std::string host;         // its gethostname()
+  long pid = 0;             // its process id
+  std::string address;      // the numeric address it listens on
+  std::vector<char> pairs;  // its pairs' addresses (Gloo's bytes), one per other rank in order
 };
 
 struct gloo_task {
@@ -96,10 +106,6 @@ struct gloo_task {
   std::shared_ptr<gloo_p2p> p2p;
 };
 
-inline bool is_loopback(const std::string& address) {
-  return address == "localhost" || address == "::1" || address.rfind("127.", 0) == 0;
-}
-
 }  // namespace detail
 
 class gloo {
@@ -118,8 +124,9 @@ class gloo {
     // Cross-rank checks of every call's signature, and of collectives inside on_main.
     // Also turned on by the environment variable COHORT_DEBUG=1.
     bool debug_checks = false;
-    // Address this rank listens on. Empty: loopback when MASTER_ADDR is loopback,
-    // else this host's name (GLOO_SOCKET_IFNAME / `interface` select a NIC instead).
+    // Address this rank listens on (a name or a numeric address), else the address of
+    // `interface`, else of GLOO_SOCKET_IFNAME's interface. All empty: 127.0.0.1 on one node;
+    // across nodes the local address that routes to MASTER_ADDR (cohort/detail/host_address.hpp).
     std::string hostname;
     std::string interface;
     // The flight recorder's ring: the last this many calls, written to
@@ -180,7 +187,7 @@ class gloo {
 
   // A new context over an existing device (subgroups).
   gloo(const gloo& parent, std::shared_ptr<cohort::store> store, int rank, int size)
-      : rank_(rank), size_(size), options_(parent.options_), device_(parent.device_) {
+      : rank_(rank), size_(size), options_(parent.options_), address_(parent.address_), device_(parent.device_) {
     connect(std::move(store));
   }
 
@@ -196,6 +203,8 @@ class gloo {
 
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return size_; }
+  // The address this rank listens on and published at the rendezvous (numeric).
+  const std::string& address() const noexcept { return address_; }
   const options& settings() const noexcept { return options_; }
   // The group's last calls (see options::flight_recorder_entries).
   const detail::flight_recorder& recorder() const noexcept { return recorder_; }
@@ -258,9 +267,18 @@ class gloo {
  private:
   using task_kind = detail::gloo_task::kind;
 
-  static std::shared_ptr<::gloo::transport::Device> make_device(const launch_env& env, const options& opts);
+  // Chooses the address to listen on (detail::choose_listen_address) into `address`.
+  static std::shared_ptr<::gloo::transport::Device> make_device(const launch_env& env, const options& opts,
+                                                                std::string& address);
 
+  // The rendezvous: publishes this rank's pair addresses, reads every rank's with one
+  // multi_get, and connects the full mesh (connect_mesh), all within options.timeout.
   void connect(std::shared_ptr<cohort::store> store);
+  void connect_mesh(::gloo::transport::Context& transport, std::chrono::steady_clock::time_point deadline);
+  // The address `peer` published for its pair with this rank (Gloo's bytes).
+  std::vector<char> peer_pair_address(int peer) const;
+  // "rank 3 published 10.0.0.4 (host node1, pid 812, its pair for this rank at [10.0.0.4]:40123)".
+  std::string describe_peer(int peer) const;
   void start_watchdog();
   // The failure the watchdog acts on: a failed call no wait or test reported within `timeout`.
   std::exception_ptr unreported_failure() const;
@@ -307,6 +325,9 @@ class gloo {
   // After a call failed: who is at fault (detail::name_the_culprit for collectives; a
   // point-to-point call whose connection closed names its peer).
   std::string name_the_culprit(const detail::gloo_task& task, bool connection_lost);
+  // What `peer` is, without its help (for a rank that sent no failure report): its process
+  // on this host, the state of its pair, and (thorough) whether its host answers.
+  detail::peer_status probe_peer(int peer, bool thorough) const;
   // Which ranks never published their rendezvous address (a rendezvous that timed out).
   std::string missing_at_rendezvous(cohort::store& store) const;
 
@@ -321,9 +342,11 @@ class gloo {
   int rank_;
   int size_;
   options options_;
+  std::string address_;  // what this rank listens on and publishes (see make_device)
   std::shared_ptr<::gloo::transport::Device> device_;
   std::shared_ptr<::gloo::Context> context_;
   std::shared_ptr<cohort::store> store_;  // the group's namespace, for failure reports
+  std::vector<detail::gloo_peer> peers_;  // what every rank published (connect)
   std::atomic<std::uint64_t> collectives_issued_{0};
   detail::flight_recorder recorder_{options_.flight_recorder_entries};
   std::atomic<bool> trace_written_{false};

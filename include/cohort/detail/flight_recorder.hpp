@@ -151,12 +151,29 @@ std::string trace_directory(const std::string& configured);
 std::string write_trace(const std::string& directory, const trace_identity& who, const flight_recorder& recorder,
                         std::string_view failure);
 
+// What a backend can tell of a peer that sent no failure report, without its help.
+enum class peer_state : std::uint8_t {
+  unknown,      // no way to tell (a backend without probes)
+  alive,        // connected (or its process runs, on this host): it never issued the call
+  died,         // its connection closed, or its process (on this host) is gone
+  unreachable,  // no connection to it and its host does not answer
+};
+struct peer_status {
+  peer_state state = peer_state::unknown;
+  std::string why;  // "its connection closed", "no answer from 10.0.0.3 within 1 s", ...
+};
+// `thorough`: may take a while (at most a second or the timeout) to tell alive from
+// unreachable; otherwise answers at once, with `unknown` where only waiting could tell.
+using peer_probe = std::function<peer_status(int peer, bool thorough)>;
+
 // After `call` (this rank's collective number `sequence`) failed: publishes it under
 // failure/<rank> in the group's store, reads the other ranks' reports for at most
-// min(timeout, 5 s), and says who is at fault. `connection_lost`: the engine reported a
-// closed connection rather than a timeout (a silent peer then died rather than never issued).
+// min(timeout, 5 s) through a handle bounded by that window, and says who is at fault. A
+// rank that sent no report is named as `probe` finds it: died, unreachable, or (alive) never
+// issued the call. Without a probe, `connection_lost` (the engine reported a closed connection
+// rather than a timeout) names the silent ranks dead, else as never having issued the call.
 std::string name_the_culprit(store& group_store, int rank, int size, std::chrono::milliseconds timeout,
-                             const std::string& call, bool connection_lost);
+                             const std::string& call, bool connection_lost, const peer_probe& probe = {});
 
 // A thread that calls check() every `interval` until it returns a failure (or the watchdog
 // is destroyed), then hands the failure to the policy: abort_process ends the process,

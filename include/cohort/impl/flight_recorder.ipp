@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <future>
 #include <span>
 #include <string>
 #include <vector>
@@ -185,47 +186,130 @@ COHORT_DECL std::string write_trace(const std::string& directory, const trace_id
 }
 
 COHORT_DECL std::string name_the_culprit(store& group_store, int rank, int size, std::chrono::milliseconds timeout,
-                                         const std::string& call, bool connection_lost) {
+                                         const std::string& call, bool connection_lost, const peer_probe& probe) {
   if (size < 2) return "this rank is in " + call;
   // Each rank that fails publishes the call it is in; a rank that is not in a cohort call
-  // (still computing, stopped, dead) publishes nothing. The window is short and bounded.
+  // (still computing, stopped, dead) publishes nothing. The window is short and bounded, and
+  // so is every store request in it: a handle of its own bounded by the window (the group's
+  // handle waits as long as the store's own timeout, minutes, when the store has gone silent).
   const auto window = std::min<std::chrono::milliseconds>(timeout, std::chrono::seconds(5));
   const auto deadline = std::chrono::steady_clock::now() + window;
+  const auto left = [&] {
+    return std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()),
+                    std::chrono::milliseconds(1));
+  };
   const std::string prefix = "failure/";
-  std::vector<int> silent, waiting{rank};
-  std::vector<std::string> differ;
+  std::vector<int> died, unreachable, never, waiting{rank};
+  std::vector<std::string> died_why, unreachable_why, never_why, differ;
+  const auto note = [](std::vector<std::string>& list, const std::string& why) {
+    if (!why.empty() && std::find(list.begin(), list.end(), why) == list.end()) list.push_back(why);
+  };
   try {
-    group_store.set(prefix + std::to_string(rank), call);
+    std::shared_ptr<store> own;
+    try {
+      own = group_store.bounded(window);
+    } catch (const std::exception& cut_off) {
+      const std::string where = group_store.location();
+      const auto* known = dynamic_cast<const error*>(&cut_off);
+      return "this rank is in " + call + "; cannot reach rank 0's store" + (where.empty() ? "" : " at " + where) +
+             " within " + format_duration(window) + " (" + (known ? known->detail() : cut_off.what()) +
+             "): this rank is cut off from rank 0's node, or rank 0 died";
+    }
+    store& reports = own ? *own : group_store;
+    reports.set(prefix + std::to_string(rank), call);
+    // A peer known dead now sends no more reports: nobody waits for it, but one it sent before
+    // it died still counts (it was in the call: a victim, not the culprit).
+    std::vector<std::string> keys;
+    std::vector<int> peers;
+    std::vector<bool> dead;
+    std::vector<std::string> dead_why;
     for (int peer = 0; peer < size; ++peer) {
       if (peer == rank) continue;
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-      std::string theirs;
-      try {
-        theirs = cohort::to_string(
-            group_store.get(prefix + std::to_string(peer), std::max(left, std::chrono::milliseconds(1))));
-      } catch (const timeout_error&) {
-        silent.push_back(peer);
+      const peer_status status = probe ? probe(peer, false) : peer_status{};
+      keys.push_back(prefix + std::to_string(peer));
+      peers.push_back(peer);
+      dead.push_back(status.state == peer_state::died);
+      dead_why.push_back(status.why);
+    }
+    // One wait for the reports of the living; when some never come, which did is asked key
+    // by key (so are the dead's).
+    std::vector<std::string> expected;
+    for (std::size_t k = 0; k < keys.size(); ++k)
+      if (!dead[k]) expected.push_back(keys[k]);
+    std::vector<bool> present(keys.size(), true);
+    bool all_came = true;
+    try {
+      reports.wait(std::span<const std::string>(expected), left());
+    } catch (const timeout_error&) {
+      all_came = false;
+    }
+    for (std::size_t k = 0; k < keys.size(); ++k)
+      if (dead[k] || !all_came) present[k] = reports.check(std::span<const std::string>(&keys[k], 1));
+    std::vector<std::string> readable;
+    for (std::size_t k = 0; k < keys.size(); ++k)
+      if (present[k]) readable.push_back(keys[k]);
+    const auto values = reports.multi_get(std::span<const std::string>(readable), left());
+    // Silent peers: what are they? Asked again now, after the window (dead stays dead), all
+    // at once: telling alive from unreachable may take a second each.
+    std::vector<std::future<peer_status>> asked(keys.size());
+    for (std::size_t k = 0; k < keys.size(); ++k)
+      if (!present[k] && !dead[k] && probe)
+        asked[k] = std::async(std::launch::async, [&probe, peer = peers[k]] { return probe(peer, true); });
+    for (std::size_t k = 0, v = 0; k < keys.size(); ++k) {
+      const int peer = peers[k];
+      if (present[k]) {
+        const std::string theirs = cohort::to_string(values[v++]);
+        if (theirs == call)
+          waiting.push_back(peer);
+        else
+          differ.push_back("rank " + std::to_string(peer) + " is in " + theirs);
         continue;
       }
-      if (theirs == call)
-        waiting.push_back(peer);
-      else
-        differ.push_back("rank " + std::to_string(peer) + " is in " + theirs);
+      const peer_status status = dead[k]            ? peer_status{peer_state::died, dead_why[k]}
+                                 : asked[k].valid() ? asked[k].get()
+                                                    : peer_status{};
+      switch (status.state) {
+        case peer_state::died:
+          died.push_back(peer);
+          note(died_why, status.why);
+          break;
+        case peer_state::unreachable:
+          unreachable.push_back(peer);
+          note(unreachable_why, status.why);
+          break;
+        case peer_state::alive:
+          never.push_back(peer);
+          note(never_why, status.why);
+          break;
+        case peer_state::unknown: (connection_lost ? died : never).push_back(peer); break;
+      }
     }
-  } catch (const std::exception& unreachable) {
-    return "this rank is in " + call + "; no failure reports: the group's store is unreachable (" + unreachable.what() +
+  } catch (const std::exception& unreachable_store) {
+    const std::string where = group_store.location();
+    return "this rank is in " + call + "; no failure reports: the group's store" +
+           (where.empty() ? "" : " at " + where) + " is unreachable (" + unreachable_store.what() +
            "), so the rank that serves it (rank 0 of the job) may have died";
   }
-  std::sort(waiting.begin(), waiting.end());
+  // A dead peer was not waited for: its reasons are the probe's alone.
+  const auto reasons = [&](const std::vector<std::string>& list, bool waited) {
+    std::string text = waited ? "no report within " + format_duration(window) : std::string();
+    for (const auto& why : list) text += (text.empty() ? "" : "; ") + why;
+    return text.empty() ? text : " (" + text + ")";
+  };
+  for (auto* list : {&died, &unreachable, &never, &waiting}) std::sort(list->begin(), list->end());
+  std::vector<std::string> parts;
+  if (!died.empty()) parts.push_back(format_ranks(died) + " died or exited during " + call + reasons(died_why, !probe));
+  if (!unreachable.empty())
+    parts.push_back(format_ranks(unreachable) + (unreachable.size() == 1 ? " is" : " are") + " unreachable during " +
+                    call + reasons(unreachable_why, true));
+  if (!never.empty()) parts.push_back(format_ranks(never) + " never issued " + call + reasons(never_why, true));
+  for (const auto& line : differ) parts.push_back(line);
   std::string text;
-  if (!silent.empty())
-    text = format_ranks(silent) + (connection_lost ? " died or exited during " : " never issued ") + call +
-           " (no report within " + format_duration(window) + ")";
-  for (const auto& line : differ) text += (text.empty() ? "" : "; ") + line;
+  for (const auto& part : parts) text += (text.empty() ? "" : "; ") + part;
   if (text.empty()) text = "every rank reports " + call;
+  const bool lost = connection_lost || !died.empty();
   return text + "; " + format_ranks(waiting) + (waiting.size() == 1 ? " is" : " are") +
-         (connection_lost ? " in " : " waiting in ") + call;
+         (lost ? " in " : " waiting in ") + call;
 }
 
 COHORT_DECL watchdog::watchdog(int rank, std::string group, async_error_handling policy,

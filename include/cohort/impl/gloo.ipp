@@ -8,15 +8,25 @@
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/common/error.h>
-#include <gloo/rendezvous/context.h>
-#include <gloo/rendezvous/store.h>
+#include <gloo/context.h>
+#include <gloo/transport/context.h>
+#include <gloo/transport/pair.h>
+#include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -25,10 +35,13 @@
 #include <new>
 #include <span>
 #include <string>
+#include <system_error>
+#include <thread>
 #include <vector>
 #include "cohort/detail/fifo_worker.hpp"
 #include "cohort/detail/flight_recorder.hpp"
 #include "cohort/detail/fnv1a.hpp"
+#include "cohort/detail/host_address.hpp"
 #include "cohort/detail/host_elementwise.hpp"
 #include "cohort/detail/host_math.hpp"
 #include "cohort/error.hpp"
@@ -43,28 +56,59 @@ namespace cohort::inline v0 {
 
 namespace detail {
 
-// Gloo's rendezvous talks to cohort's store, so Gloo and NCCL share one rendezvous.
-class gloo_store_adapter final : public ::gloo::rendezvous::Store {
+// A Gloo context over the pairs cohort connected itself (gloo::connect): Gloo's own
+// full-mesh rendezvous reads every peer's key one request at a time and waits inside each
+// pair's connect for up to five times the timeout, unbounded by anything cohort can set.
+class gloo_mesh_context final : public ::gloo::Context {
  public:
-  gloo_store_adapter(std::shared_ptr<cohort::store> inner, std::chrono::milliseconds timeout)
-      : inner_(std::move(inner)), timeout_(timeout) {}
-
-  void set(const std::string& key, const std::vector<char>& data) override {
-    inner_->set(key, std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(data.data()), data.size()));
+  gloo_mesh_context(int rank, int size, std::shared_ptr<::gloo::transport::Device> device,
+                    std::shared_ptr<::gloo::transport::Context> transport)
+      : ::gloo::Context(rank, size) {
+    device_ = std::move(device);
+    transportContext_ = std::move(transport);
   }
-  std::vector<char> get(const std::string& key) override {
-    const bytes value = inner_->get(key, timeout_);
-    return std::vector<char>(value.begin(), value.end());
-  }
-  void wait(const std::vector<std::string>& keys) override { inner_->wait(keys, timeout_); }
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
-    inner_->wait(keys, timeout.count() > 0 ? timeout : timeout_);
-  }
-
- private:
-  std::shared_ptr<cohort::store> inner_;
-  std::chrono::milliseconds timeout_;
 };
+
+// What a rank publishes at the rendezvous, under "gloo/<rank>": a text header (format tag,
+// host name, process id, listen address), then the bytes of its pairs' addresses, one per
+// other rank in rank order.
+inline constexpr std::string_view gloo_peer_format = "cohort-gloo-1";
+
+inline std::string this_host_name() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof name - 1) != 0) return "?";
+  return name;
+}
+
+inline bytes encode_gloo_peer(const gloo_peer& mine) {
+  const std::string header =
+      std::string(gloo_peer_format) + "\n" + mine.host + "\n" + std::to_string(mine.pid) + "\n" + mine.address + "\n";
+  bytes value(header.begin(), header.end());
+  value.insert(value.end(), mine.pairs.begin(), mine.pairs.end());
+  return value;
+}
+
+// False when `value` is not what encode_gloo_peer writes for a world of `size`.
+inline bool decode_gloo_peer(const bytes& value, int size, gloo_peer& out) {
+  std::size_t at = 0;
+  std::string fields[4];
+  for (auto& field : fields) {
+    const auto end = std::find(value.begin() + static_cast<std::ptrdiff_t>(at), value.end(), '\n');
+    if (end == value.end()) return false;
+    field.assign(value.begin() + static_cast<std::ptrdiff_t>(at), end);
+    at = static_cast<std::size_t>(end - value.begin()) + 1;
+  }
+  if (fields[0] != gloo_peer_format) return false;
+  int pid = 0;
+  if (!parse_int_fields(fields[2], ',', std::span<int>(&pid, 1))) return false;
+  const std::size_t rest = value.size() - at;
+  if (size < 2 || rest == 0 || rest % static_cast<std::size_t>(size - 1) != 0) return false;
+  out.host = fields[1];
+  out.pid = pid;
+  out.address = fields[3];
+  out.pairs.assign(value.begin() + static_cast<std::ptrdiff_t>(at), value.end());
+  return true;
+}
 
 // Gloo's TCP transport writes with writev, which raises SIGPIPE once a peer has died, and the
 // signal's default action kills this rank before cohort can name the dead one (PyTorch never
@@ -99,6 +143,33 @@ class sigpipe_blocked {
   sigset_t previous_;
 };
 
+// Whether the host of a Gloo address (its bytes) answers a TCP connection attempt within
+// `bound`: accepted or refused, it is reachable; no answer, or no route, it is not (`why`).
+inline bool host_answers(const std::vector<char>& pair_address, std::chrono::milliseconds bound, std::string& why) {
+  const ::gloo::transport::tcp::Address address(pair_address);
+  const sockaddr_storage& target = address.getSockaddr();
+  const socklen_t length = target.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+  const int fd = ::socket(target.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return true;  // cannot tell: do not call it unreachable
+  int result = ::connect(fd, reinterpret_cast<const sockaddr*>(&target), length) == 0 ? 0 : errno;
+  if (result == EINPROGRESS) {
+    pollfd wait{fd, POLLOUT, 0};
+    if (::poll(&wait, 1, static_cast<int>(bound.count())) == 1) {
+      socklen_t size = sizeof result;
+      ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &result, &size);
+    } else {
+      result = ETIMEDOUT;
+    }
+  }
+  ::close(fd);
+  if (result == 0 || result == ECONNREFUSED) return true;
+  std::string host = address.str();  // "[10.0.0.3]:40123": the host is what did not answer
+  if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.find(']') - 1);
+  why = "no answer from " + host +
+        (result == ETIMEDOUT ? " within " + format_duration(bound) : ": " + std::system_category().message(result));
+  return false;
+}
+
 COHORT_DECL gloo_p2p::gloo_p2p() = default;
 COHORT_DECL gloo_p2p::~gloo_p2p() = default;
 
@@ -115,7 +186,7 @@ COHORT_DECL void gloo_p2p::abort() {
 
 COHORT_DECL gloo::gloo(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts)
     : rank_(env.rank), size_(env.world_size), options_(opts) {
-  device_ = make_device(env, opts);
+  device_ = make_device(env, opts, address_);
   connect(std::move(store));
 }
 
@@ -151,50 +222,166 @@ COHORT_DECL auto gloo::copy(void* destination, const void* source, std::size_t b
   });
 }
 
-COHORT_DECL auto gloo::make_device(const launch_env& env, const options& opts)
+COHORT_DECL auto gloo::make_device(const launch_env& env, const options& opts, std::string& address)
     -> std::shared_ptr<::gloo::transport::Device> {
+  detail::listen_request request;
+  request.rank = env.rank;
+  request.hostname = opts.hostname;
+  request.interface = opts.interface;
+  if (const char* name = std::getenv("GLOO_SOCKET_IFNAME")) request.env_interface = name;
+  request.master_addr = env.master_addr;
+  request.world_size = env.world_size;
+  request.local_world_size = env.local_world_size;
+  const detail::listen_choice choice = detail::choose_listen_address(request);
+  if (detail::debug_from_environment())
+    std::fprintf(stderr, "cohort [rank %d] gloo: listening on %s (%s)\n", env.rank, choice.address.c_str(),
+                 choice.reason.c_str());
+  address = choice.address;
+  // Gloo gets a numeric address only: its own lookup of a name is unchecked (a name that
+  // does not resolve crashes it), and the choice above is what the errors name.
   ::gloo::transport::tcp::attr attr;
-  std::string interface = opts.interface;
-  if (interface.empty()) {
-    if (const char* name = std::getenv("GLOO_SOCKET_IFNAME")) interface = name;
-  }
-  if (!opts.hostname.empty())
-    attr.hostname = opts.hostname;
-  else if (!interface.empty())
-    attr.iface = interface;
-  else if (detail::is_loopback(env.master_addr) || env.world_size == env.local_world_size)
-    attr.hostname = "127.0.0.1";  // one node: stay on loopback, never expose a port
+  attr.hostname = choice.address;
   try {
     const detail::sigpipe_blocked loop_thread_inherits_it;
     return ::gloo::transport::tcp::CreateDevice(attr);
   } catch (const std::exception& failure) {
-    throw error(env.rank, "gloo.create_device", std::string("cannot open a TCP device: ") + failure.what(),
+    throw error(env.rank, "gloo.create_device",
+                "cannot open a TCP device on " + choice.address + " (" + choice.reason + "): " + failure.what(),
                 "set options.hostname or GLOO_SOCKET_IFNAME to an address of this host");
   }
 }
 
 COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
-  auto context = std::make_shared<::gloo::rendezvous::Context>(rank_, size_);
-  context->setTimeout(options_.timeout);
-  store_ = store;
-  detail::gloo_store_adapter adapter(std::move(store), options_.timeout);
+  const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+  store_ = std::move(store);
   const detail::sigpipe_blocked writes_fail_with_epipe;  // also for the threads started below
-  try {
-    context->connectFullMesh(adapter, device_);
-  } catch (const timeout_error& failure) {
-    throw timeout_error(
-        rank_, "gloo.rendezvous",
-        missing_at_rendezvous(*store_) + " (world of " + std::to_string(size_) + "): " + failure.detail(),
-        "a rank never arrived: is every rank started with the same WORLD_SIZE "
-        "and MASTER_ADDR/MASTER_PORT?");
-  } catch (const ::gloo::Exception& failure) {
-    throw error(rank_, "gloo.rendezvous", "world of " + std::to_string(size_) + ": " + failure.what(),
-                "a peer is unreachable: check the network interface (GLOO_SOCKET_IFNAME)");
+  // Every pair listens from its creation, so its address can be published before any peer
+  // connects: one key per rank, read with one multi_get (O(1) requests per rank).
+  std::shared_ptr<::gloo::transport::Context> transport = device_->createContext(rank_, size_);
+  transport->setTimeout(options_.timeout);
+  detail::gloo_peer mine;
+  mine.host = detail::this_host_name();
+  mine.pid = static_cast<long>(::getpid());
+  mine.address = address_;
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    const std::vector<char> pair = transport->createPair(peer)->address().bytes();
+    mine.pairs.insert(mine.pairs.end(), pair.begin(), pair.end());
   }
+  std::vector<std::string> keys;
+  for (int peer = 0; peer < size_; ++peer) keys.push_back("gloo/" + std::to_string(peer));
+  store_->set(keys[static_cast<std::size_t>(rank_)], std::span<const std::uint8_t>(detail::encode_gloo_peer(mine)));
+  std::vector<bytes> published;
+  try {
+    published = store_->multi_get(std::span<const std::string>(keys), options_.timeout);
+  } catch (const timeout_error& failure) {
+    throw timeout_error(rank_, "gloo.rendezvous",
+                        missing_at_rendezvous(*store_) + " (world of " + std::to_string(size_) +
+                            "; this rank published " + address_ + "): " + failure.detail(),
+                        "a rank never arrived: is every rank started with the same WORLD_SIZE "
+                        "and MASTER_ADDR/MASTER_PORT?");
+  }
+  peers_.assign(static_cast<std::size_t>(size_), {});
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) {
+      peers_[static_cast<std::size_t>(peer)] = mine;
+      continue;
+    }
+    const auto& value = published[static_cast<std::size_t>(peer)];
+    if (!detail::decode_gloo_peer(value, size_, peers_[static_cast<std::size_t>(peer)]) ||
+        peers_[static_cast<std::size_t>(peer)].pairs.size() != mine.pairs.size())
+      throw detail::malformed_store_value(rank_, "gloo.rendezvous", keys[static_cast<std::size_t>(peer)], value,
+                                          "a Gloo rank's addresses, as cohort of this version writes them");
+  }
+  connect_mesh(*transport, deadline);
+  auto context = std::make_shared<detail::gloo_mesh_context>(rank_, size_, device_, std::move(transport));
+  context->setTimeout(options_.timeout);
   context_ = std::move(context);
   worker_ = std::make_shared<worker_type>([this](detail::gloo_task& task) { run(task); });
   p2p_worker_ = std::make_shared<worker_type>([this](detail::gloo_task& task) { run(task); });
   start_watchdog();
+}
+
+COHORT_DECL auto gloo::peer_pair_address(int peer) const -> std::vector<char> {
+  // Rank p's list skips p itself: this rank's entry is at index rank_ - (rank_ > p).
+  const auto& theirs = peers_[static_cast<std::size_t>(peer)];
+  const std::size_t width = theirs.pairs.size() / static_cast<std::size_t>(size_ - 1);
+  const std::size_t index = static_cast<std::size_t>(rank_ > peer ? rank_ - 1 : rank_);
+  return std::vector<char>(theirs.pairs.begin() + static_cast<std::ptrdiff_t>(index * width),
+                           theirs.pairs.begin() + static_cast<std::ptrdiff_t>((index + 1) * width));
+}
+
+COHORT_DECL auto gloo::describe_peer(int peer) const -> std::string {
+  const auto& theirs = peers_[static_cast<std::size_t>(peer)];
+  std::string pair = "?";
+  try {
+    pair = ::gloo::transport::tcp::Address(peer_pair_address(peer)).str();
+  } catch (const std::exception&) {}
+  return "rank " + std::to_string(peer) + " published " + theirs.address + " (host " + theirs.host + ", pid " +
+         std::to_string(theirs.pid) + ", its pair for this rank at " + pair + ")";
+}
+
+COHORT_DECL auto gloo::connect_mesh(::gloo::transport::Context& transport,
+                                    std::chrono::steady_clock::time_point deadline) -> void {
+  // Gloo's pair connect has no retry and waits for its peer (on the side that accepts) for
+  // five times the timeout, and nothing cohort can set bounds it. An alarm closes every pair
+  // at the deadline: a closed pair ends the wait, and the loop below turns that into an error
+  // naming the peer and both addresses, within the group's timeout on every rank.
+  int local_rank = 0;
+  for (int peer = 0; peer < rank_; ++peer)
+    if (peers_[static_cast<std::size_t>(peer)].host == peers_[static_cast<std::size_t>(rank_)].host) ++local_rank;
+  std::mutex mutex;
+  std::condition_variable finished;
+  bool done = false;
+  std::atomic<bool> expired{false};
+  std::thread alarm([&] {
+    std::unique_lock lock(mutex);
+    if (finished.wait_until(lock, deadline, [&] { return done; })) return;
+    expired = true;
+    for (int peer = 0; peer < size_; ++peer)
+      if (peer != rank_) transport.getPair(peer)->close();
+  });
+  const auto stop_alarm = [&] {
+    {
+      std::lock_guard lock(mutex);
+      done = true;
+    }
+    finished.notify_all();
+    alarm.join();
+  };
+  const std::string world = " (world of " + std::to_string(size_) + "; this rank published " + address_ + ")";
+  const auto timed_out = [&](int peer) {
+    return timeout_error(rank_, "gloo.rendezvous",
+                         "no connection with rank " + std::to_string(peer) + " within " +
+                             detail::format_duration(options_.timeout) + world + ": " + describe_peer(peer),
+                         "the published addresses must be reachable between the nodes: check that no firewall "
+                         "blocks them, or name the interface the nodes share (GLOO_SOCKET_IFNAME)");
+  };
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    auto& pair = transport.getPair(peer);
+    pair->setLocalRank(local_rank);
+    try {
+      pair->connect(peer_pair_address(peer));
+    } catch (const std::exception& failure) {
+      const bool late = expired.load();
+      stop_alarm();
+      if (late) throw timed_out(peer);
+      throw error(
+          rank_, "gloo.rendezvous",
+          "cannot connect to rank " + std::to_string(peer) + world + ": " + describe_peer(peer) + ": " + failure.what(),
+          "rank " + std::to_string(peer) +
+              "'s address is not reachable from this host: a loopback address (127.x) across nodes, or "
+              "a firewall; name the interface the nodes share (GLOO_SOCKET_IFNAME) or leave it unset to "
+              "have cohort choose");
+    }
+    if (expired.load()) {
+      stop_alarm();
+      throw timed_out(peer);
+    }
+  }
+  stop_alarm();
+  if (expired.load()) throw timed_out(rank_ == 0 ? 1 : 0);
 }
 
 COHORT_DECL auto gloo::start_watchdog() -> void {
@@ -427,7 +614,45 @@ COHORT_DECL auto gloo::name_the_culprit(const detail::gloo_task& task, bool conn
   if (point_to_point && connection_lost)  // one peer: its connection is the one that closed
     return "rank " + std::to_string(task.peer) + " (the peer) closed its connection: it died or exited during " + mine;
   if (!store_ || !collective) return "this rank is in " + mine;
-  return detail::name_the_culprit(*store_, rank_, size_, options_.timeout, mine, connection_lost);
+  return detail::name_the_culprit(*store_, rank_, size_, options_.timeout, mine, connection_lost,
+                                  [this](int peer, bool thorough) { return probe_peer(peer, thorough); });
+}
+
+COHORT_DECL auto gloo::probe_peer(int peer, bool thorough) const -> detail::peer_status {
+  using detail::peer_state;
+  if (!context_ || peer < 0 || peer >= size_ || peers_.size() != static_cast<std::size_t>(size_)) return {};
+  const auto& theirs = peers_[static_cast<std::size_t>(peer)];
+  const bool same_host = theirs.host == peers_[static_cast<std::size_t>(rank_)].host;
+  // On this host the process table is the truth. (Host names are unique within a job.)
+  if (same_host && theirs.pid > 0 && ::kill(static_cast<pid_t>(theirs.pid), 0) != 0 && errno == ESRCH)
+    return {peer_state::died, "its process is gone"};
+  // Gloo's event loop watches every connected pair, busy or not: a peer whose process ended
+  // has its pair failed with the reason, which any operation on the pair rethrows before
+  // doing anything. On a healthy pair this zero-byte receive is posted on a slot nobody
+  // sends to (the group has failed; the peer only counts the notice), and dropped at once.
+  // (Debian's libgloo lacks a header that tcp::Pair needs, so its side-effect-free
+  // tryRecv is out of reach.)
+  std::string failure;
+  try {
+    auto& pair = context_->getPair(peer);
+    if (!pair) return {};
+    auto nothing = context_->createUnboundBuffer(nullptr, 0);
+    constexpr std::uint64_t unused_slot = 0x7fffffffffffffffull;  // above Gloo's and cohort's slots
+    pair->recv(nothing.get(), unused_slot, 0, 0);
+  } catch (const std::exception& closed) {
+    failure = closed.what();
+  }
+  if (failure.empty()) return {peer_state::alive, "connected"};
+  for (const char* closed_by_peer : {"closed by peer", "reset by peer", "Broken pipe", "Socket closed"})
+    if (failure.find(closed_by_peer) != std::string::npos) return {peer_state::died, "its connection closed"};
+  // The pair failed on this side (a timeout): alive but silent, or cut off?
+  if (same_host) return {peer_state::alive, "its process runs"};
+  if (!thorough) return {};
+  // A host that answers a connection attempt at all (refused counts) is reachable.
+  const auto bound = std::min<std::chrono::milliseconds>(options_.timeout, std::chrono::seconds(1));
+  std::string why;
+  if (detail::host_answers(peer_pair_address(peer), bound, why)) return {peer_state::alive, "its host answers"};
+  return {peer_state::unreachable, why};
 }
 
 COHORT_DECL auto gloo::p2p_debug_key(const detail::gloo_task& task, bool mine) const -> std::string {
@@ -468,12 +693,16 @@ COHORT_DECL auto gloo::check_p2p_pair(const detail::gloo_task& task) -> void {
 COHORT_DECL auto gloo::missing_at_rendezvous(cohort::store& store) const -> std::string {
   std::vector<int> missing;
   try {
+    // A handle of its own, bounded: the group's waits as long as the store's timeout.
+    const auto own = store.bounded(std::min<std::chrono::milliseconds>(options_.timeout, std::chrono::seconds(5)));
+    cohort::store& asked = own ? *own : store;
     for (int peer = 0; peer < size_; ++peer) {
-      const std::string key = std::to_string(peer);  // Gloo's full-mesh rendezvous key
-      if (!store.check(std::span<const std::string>(&key, 1))) missing.push_back(peer);
+      const std::string key = "gloo/" + std::to_string(peer);
+      if (!asked.check(std::span<const std::string>(&key, 1))) missing.push_back(peer);
     }
   } catch (const std::exception&) {
-    return "the store is unreachable";
+    const std::string where = store.location();
+    return "the store" + (where.empty() ? std::string() : " at " + where) + " is unreachable";
   }
   if (missing.empty()) return "every rank published its address";
   return detail::format_ranks(missing) + " never arrived at the rendezvous";

@@ -12,6 +12,7 @@
 #include "cohort/impl/file_store.ipp"
 #include "cohort/impl/flight_recorder.ipp"
 #include "cohort/impl/guards.ipp"
+#include "cohort/impl/host_address.ipp"
 #include "cohort/impl/host_elementwise.ipp"
 #include "cohort/impl/launch.ipp"
 #include "cohort/impl/metrics.ipp"

@@ -127,6 +127,15 @@ COHORT_DECL prefix_store::prefix_store(std::shared_ptr<store> inner, std::string
   set_rank(inner_->rank());
 }
 
+COHORT_DECL auto prefix_store::bounded(std::chrono::milliseconds timeout) const -> std::shared_ptr<store> {
+  auto inner = inner_->bounded(timeout);
+  if (!inner) return nullptr;
+  auto view = std::make_shared<prefix_store>(std::move(inner), prefix_);
+  view->set_timeout(timeout);
+  view->set_rank(rank());
+  return view;
+}
+
 COHORT_DECL auto prefix_store::wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) -> void {
   const auto names = full(keys);
   inner_->wait(std::span<const std::string>(names), timeout);

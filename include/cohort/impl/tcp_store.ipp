@@ -50,6 +50,17 @@ COHORT_DECL tcp_store::tcp_store(tcp_store_options options) : options_(std::move
   if (options_.num_workers && options_.wait_for_workers) join_workers(*options_.num_workers);
 }
 
+COHORT_DECL auto tcp_store::bounded(std::chrono::milliseconds timeout) const -> std::shared_ptr<store> {
+  tcp_store_options options = options_;
+  options.is_server = false;  // the server stays with this handle
+  options.num_workers.reset();
+  options.timeout = timeout;
+  options.connect_timeout = timeout;
+  options.max_backoff = std::min(options.max_backoff, std::max(timeout / 4, std::chrono::milliseconds(1)));
+  options.rank = rank();
+  return std::make_shared<tcp_store>(std::move(options));
+}
+
 COHORT_DECL auto tcp_store::set(std::string_view key, std::span<const std::uint8_t> value) -> void {
   check_value_size("set", key, value.size());
   exchange("set", [&](writer& write) {

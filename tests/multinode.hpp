@@ -1,0 +1,195 @@
+#pragma once
+// Simulated nodes for cohort's tests: network namespaces joined by a bridge, each with its
+// own address, host name and /etc/hosts, and ranks as child processes inside them with the
+// environment torchrun gives its workers. Needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN) and the
+// `ip` tool; cluster::make() says why not where they are missing, and the test skips.
+//
+// Every namespace, link and address lives in namespaces the cluster creates (the bridge in a
+// "switch" namespace of its own): no traffic reaches the host's own network. The destructor
+// deletes them all, and so does a later cluster of the same process id, should a test have
+// been killed before it could.
+
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mount.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace cohort_test {
+
+struct node {
+  std::string netns;    // the namespace's name (ip netns)
+  std::string address;  // its address on the bridge (10.231.<subnet>.<index + 1>/24)
+  std::string hostname;
+  // /etc/hosts inside the node: name -> address lines; filled by the test.
+  std::vector<std::pair<std::string, std::string>> hosts;
+  std::vector<std::string> extra_addresses;  // added to the node's loopback (a /32 each)
+};
+
+class cluster {
+ public:
+  // Null, with `why` set, where namespaces cannot be made here.
+  static std::unique_ptr<cluster> make(int nodes, std::string& why) {
+    if (::geteuid() != 0) {
+      why = "simulated nodes need root (network namespaces)";
+      return nullptr;
+    }
+    if (std::system("ip -V >/dev/null 2>&1") != 0) {
+      why = "the ip tool (iproute2) is missing";
+      return nullptr;
+    }
+    std::unique_ptr<cluster> made(new cluster(nodes));
+    if (!made->build(why)) return nullptr;
+    return made;
+  }
+  cluster(const cluster&) = delete;
+  cluster& operator=(const cluster&) = delete;
+  ~cluster() { teardown(); }
+
+  std::vector<node>& nodes() { return nodes_; }
+  // Runs `command` in the node's namespace (ip netns exec); its exit status.
+  int exec(int index, const std::string& command) const {
+    return std::system(("ip netns exec " + nodes_[static_cast<std::size_t>(index)].netns + " " + command).c_str());
+  }
+  // Takes the node's link down: a partition, as pulling its cable makes one.
+  void unplug(int index) const { run("ip -n " + switch_ + " link set " + peer_end(index) + " down"); }
+
+  // Starts one child process per entry of `ranks` (node index, environment), inside the
+  // node: its namespace, host name and hosts file. Each child runs body() and exits with its
+  // value (99 on an exception, printed).
+  struct rank_process {
+    int node = 0;
+    std::map<std::string, std::string> env;
+  };
+  std::vector<pid_t> start(const std::vector<rank_process>& ranks, const std::function<int()>& body) const {
+    std::vector<pid_t> children;
+    std::fflush(nullptr);  // or the children would print the test's buffered output again
+    for (const auto& rank : ranks) {
+      const pid_t pid = ::fork();
+      if (pid == 0) ::_exit(enter_and_run(nodes_[static_cast<std::size_t>(rank.node)], rank.env, body));
+      children.push_back(pid);
+    }
+    return children;
+  }
+
+ private:
+  explicit cluster(int nodes) : tag_("c" + std::to_string(::getpid() % 100000)) {
+    subnet_ = 1 + ::getpid() % 250;
+    switch_ = tag_ + "-sw";
+    for (int i = 0; i < nodes; ++i) {
+      node n;
+      n.netns = tag_ + "-n" + std::to_string(i);
+      n.address = "10.231." + std::to_string(subnet_) + "." + std::to_string(i + 1);
+      n.hostname = "node" + std::to_string(i);
+      nodes_.push_back(n);
+    }
+  }
+
+  std::string end(int index) const { return tag_ + "-" + std::to_string(index) + "a"; }
+  std::string peer_end(int index) const { return tag_ + "-" + std::to_string(index) + "b"; }
+
+  static bool run(const std::string& command) { return std::system((command + " >/dev/null 2>&1").c_str()) == 0; }
+
+  bool build(std::string& why) {
+    teardown();  // a killed earlier run of this process id may have left them
+    bool ok = run("ip netns add " + switch_) && run("ip -n " + switch_ + " link add br0 type bridge") &&
+              run("ip -n " + switch_ + " link set br0 up");
+    for (int i = 0; ok && i < static_cast<int>(nodes_.size()); ++i) {
+      const auto& n = nodes_[static_cast<std::size_t>(i)];
+      ok = run("ip netns add " + n.netns) && run("ip link add " + end(i) + " type veth peer name " + peer_end(i)) &&
+           run("ip link set " + end(i) + " netns " + n.netns) &&
+           run("ip link set " + peer_end(i) + " netns " + switch_) &&
+           run("ip -n " + switch_ + " link set " + peer_end(i) + " master br0") &&
+           run("ip -n " + switch_ + " link set " + peer_end(i) + " up") &&
+           run("ip -n " + n.netns + " addr add " + n.address + "/24 dev " + end(i)) &&
+           run("ip -n " + n.netns + " link set " + end(i) + " up") && run("ip -n " + n.netns + " link set lo up");
+    }
+    if (!ok) {
+      why = "could not build network namespaces and a bridge (ip netns, veth, bridge)";
+      teardown();
+    }
+    return ok;
+  }
+
+  void teardown() const {
+    for (const auto& n : nodes_) run("ip netns del " + n.netns);
+    run("ip netns del " + switch_);
+  }
+
+  static int enter_and_run(const node& n, const std::map<std::string, std::string>& env,
+                           const std::function<int()>& body) {
+    const int fd = ::open(("/var/run/netns/" + n.netns).c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0 || ::setns(fd, CLONE_NEWNET) != 0) return 98;
+    ::close(fd);
+    // Its own host name and /etc/hosts: a UTS namespace, and a mount namespace in which a
+    // file of its own is bound over /etc/hosts (private, so the host's stays as it is).
+    if (::unshare(CLONE_NEWUTS | CLONE_NEWNS) != 0) return 98;
+    if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) return 98;
+    if (::sethostname(n.hostname.c_str(), n.hostname.size()) != 0) return 98;
+    for (const auto& extra : n.extra_addresses)
+      if (std::system(("ip addr replace " + extra + "/32 dev lo").c_str()) != 0) return 98;
+    const std::string hosts = "/tmp/cohort-hosts-" + std::to_string(::getpid());
+    {
+      std::ofstream out(hosts);
+      out << "127.0.0.1 localhost\n";
+      for (const auto& [name, address] : n.hosts) out << address << " " << name << "\n";
+    }
+    if (::mount(hosts.c_str(), "/etc/hosts", nullptr, MS_BIND, nullptr) != 0) return 98;
+    ::unlink(hosts.c_str());  // the bind keeps it
+    for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                             "GLOO_SOCKET_IFNAME", "COHORT_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"})
+      ::unsetenv(name);
+    for (const auto& [name, value] : env) ::setenv(name.c_str(), value.c_str(), 1);
+    int code = 99;
+    try {
+      code = body();
+    } catch (const std::exception& failure) {
+      std::fprintf(stderr, "[%s] %s\n", n.hostname.c_str(), failure.what());
+    }
+    std::fflush(nullptr);
+    return code;
+  }
+
+  std::string tag_;
+  int subnet_ = 1;
+  std::string switch_;
+  std::vector<node> nodes_;
+};
+
+// Waits for the children; any still running after `limit` is killed and reported as -1.
+inline std::vector<int> wait_children(std::vector<pid_t> children, std::chrono::seconds limit) {
+  std::vector<int> codes(children.size(), -1);
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  std::size_t remaining = children.size();
+  while (remaining > 0 && std::chrono::steady_clock::now() < deadline) {
+    for (std::size_t i = 0; i < children.size(); ++i) {
+      int status = 0;
+      if (children[i] == 0 || ::waitpid(children[i], &status, WNOHANG) != children[i]) continue;
+      codes[i] = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      children[i] = 0;
+      --remaining;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  for (auto pid : children)
+    if (pid != 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  return codes;
+}
+
+}  // namespace cohort_test
