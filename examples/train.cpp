@@ -35,7 +35,7 @@ struct config {
   int steps = 20;
   std::size_t batch = 48;  // global batch per step
   cohort::strategy strategy = cohort::strategy::ddp;
-  std::vector<std::size_t> widths{32, 128, 128, 128, 8};
+  std::vector<std::size_t> widths{32, 128, 128, 128, 128, 128, 128, 8};
   cohort::adam_options adam{.lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01};
   double max_grad_norm = 1.0;
 };
@@ -116,9 +116,8 @@ std::vector<float> train(cohort::process_group<cohort::gloo>& pg, const config& 
       model.forward_layer(l, layer.param(2 * l), layer.param(2 * l + 1), activation[l], activation[l + 1], local);
     }
     std::vector<float> delta(activation.back().size());
-    const float loss = model.output_loss(activation.back(),
-                                         cohort_examples::rows(data.targets, first, local, model.output_width()),
-                                         local, delta);
+    const float loss = model.output_loss(
+        activation.back(), cohort_examples::rows(data.targets, first, local, model.output_width()), local, delta);
     for (std::size_t l = layers; l-- > 0;) {  // backward, last layer first
       auto layer = state.gather(l);
       std::vector<float> previous(l > 0 ? activation[l].size() : 0);
@@ -135,8 +134,7 @@ std::vector<float> train(cohort::process_group<cohort::gloo>& pg, const config& 
   }
   const auto memory = state.memory();
   std::printf("[rank %d] memory per rank: parameters %s, gradients %s, optimizer state %s\n", pg.rank(),
-              human(memory.parameters).c_str(), human(memory.gradients).c_str(),
-              human(memory.optimizer_state).c_str());
+              human(memory.parameters).c_str(), human(memory.gradients).c_str(), human(memory.optimizer_state).c_str());
   std::printf("[rank %d] wire bytes per step: %zu (%s, %zu buckets)\n", pg.rank(), state.wire_bytes_per_step(),
               human(state.wire_bytes_per_step()).c_str(), state.bucket_count());
   std::fflush(stdout);

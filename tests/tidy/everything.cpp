@@ -112,6 +112,21 @@ void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_en
     zero.mark_ready(0);
     (void)zero.step();
     zero.parameters_ready().wait();
+    // One training state: every strategy, bf16 parameters with fp32 masters, SGD too.
+    for (const auto kind : {cohort::strategy::ddp, cohort::strategy::zero3}) {
+      const std::vector<cohort::region> layers{{"w", 0, 40, 0}, {"b", 40, 24, 1, false}};
+      cohort::training_state<cohort::gloo, cohort::bfloat16, float> state{
+          pg, layers, {.strategy = kind, .sgd = cohort::sgd_options{.momentum = 0.9}, .scaler = &scaler}};
+      state.load_parameters(std::vector<cohort::bfloat16>(64, cohort::bfloat16(1.0f)));
+      for (std::size_t l = 2; l-- > 0;) {
+        auto layer = state.gather(l);
+        (void)layer.param(l);
+        (void)state.gradient(l);
+        state.mark_layer_ready(l);
+      }
+      (void)state.step();
+      (void)state.gather_parameters();
+    }
     (void)cohort::global_grad_norm(weights);
     (void)adam.step(0.5);
   }
