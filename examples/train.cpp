@@ -7,6 +7,7 @@
 //
 //   train --strategy zero3 --ranks 4            # 4 ranks as threads of this process
 //   mpirun -np 4 train --strategy zero2         # or torchrun --nproc-per-node 4 --no-python train
+//   train --ranks 3 --batches-per-rank 5,3,0    # uneven inputs: a join scope keeps them in step
 //
 // The parameters sit in one flat buffer laid out as llm.c lays out GPT-2's (tensor-major,
 // stacked over the hidden layers: examples/flat_model.hpp). Each rank prints what it holds
@@ -14,10 +15,13 @@
 // training on the whole batch with AdamW written out in double.
 #include <cohort/cohort.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -38,6 +42,15 @@ struct config {
   std::vector<std::size_t> widths{32, 128, 128, 128, 128, 128, 128, 8};
   cohort::adam_options adam{.lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01};
   double max_grad_norm = 1.0;
+  // Uneven inputs: rank k trains batches[k] steps inside a join scope (empty: every rank
+  // trains `steps`). The reference then trains on the union of the batches of each step.
+  std::vector<int> batches_per_rank;
+  int batches_of(int rank) const {
+    return batches_per_rank.empty() ? steps : batches_per_rank.at(static_cast<std::size_t>(rank));
+  }
+  int total_steps() const {
+    return batches_per_rank.empty() ? steps : *std::max_element(batches_per_rank.begin(), batches_per_rank.end());
+  }
 };
 
 // The model's tensors as regions of its flat buffer: W_l and b_l in layer l, matrices decayed.
@@ -72,17 +85,29 @@ double loss_of(const mlp& model, const flat_layout& layout, std::vector<float> p
   return model.output_loss(in, cohort_examples::rows(data.targets, first, count, model.output_width()), count, delta);
 }
 
-// One process, whole batches, the reference optimizer: what every strategy must equal.
+// One process, the reference optimizer: what every strategy must equal. Each step trains on
+// the union of the rows of the ranks that still have batches (all of them, with even inputs).
 std::vector<float> train_single(const config& cfg, const mlp& model, const flat_layout& layout,
-                                const cohort_examples::synthetic_data& data) {
+                                const cohort_examples::synthetic_data& data, int world) {
   auto params = initial_parameters(model, layout);
   std::vector<float> gradients(params.size());
   cohort_examples::adamw_reference optimizer(layout, params, cfg.adam, cfg.max_grad_norm);
-  for (int step = 0; step < cfg.steps; ++step) {
-    const std::size_t first = static_cast<std::size_t>(step) * cfg.batch;
-    model.loss_and_gradients(layout.tensors(params), layout.tensors(gradients),
-                             cohort_examples::rows(data.inputs, first, cfg.batch, model.input_width()),
-                             cohort_examples::rows(data.targets, first, cfg.batch, model.output_width()), cfg.batch);
+  const std::size_t local = cfg.batch / static_cast<std::size_t>(world);
+  std::vector<float> inputs, targets;
+  for (int step = 0; step < cfg.total_steps(); ++step) {
+    inputs.clear();
+    targets.clear();
+    std::size_t rows = 0;
+    for (int rank = 0; rank < world; ++rank) {
+      if (cfg.batches_of(rank) <= step) continue;
+      const std::size_t first = static_cast<std::size_t>(step) * cfg.batch + static_cast<std::size_t>(rank) * local;
+      const auto x = cohort_examples::rows(data.inputs, first, local, model.input_width());
+      const auto y = cohort_examples::rows(data.targets, first, local, model.output_width());
+      inputs.insert(inputs.end(), x.begin(), x.end());
+      targets.insert(targets.end(), y.begin(), y.end());
+      rows += local;
+    }
+    model.loss_and_gradients(layout.tensors(params), layout.tensors(gradients), inputs, targets, rows);
     optimizer.step(gradients, params);
   }
   return params;
@@ -106,7 +131,11 @@ std::vector<float> train(cohort::process_group<cohort::gloo>& pg, const config& 
   state.load_parameters(initial_parameters(model, layout));
   const std::size_t layers = model.layers(), local = cfg.batch / static_cast<std::size_t>(pg.size());
   std::vector<std::vector<float>> activation(layers + 1);
-  for (int step = 0; step < cfg.steps; ++step) {
+  // With uneven inputs a rank out of batches waits at this scope's end, answering the others.
+  std::optional<cohort::training_state<cohort::gloo>::join_scope> joined;
+  if (!cfg.batches_per_rank.empty()) joined.emplace(state, cohort::training_state<cohort::gloo>::join_options{});
+  const auto started = std::chrono::steady_clock::now();
+  for (int step = 0; step < cfg.batches_of(pg.rank()); ++step) {
     const std::size_t first = static_cast<std::size_t>(step) * cfg.batch + static_cast<std::size_t>(pg.rank()) * local;
     const auto inputs = cohort_examples::rows(data.inputs, first, local, model.input_width());
     activation[0].assign(inputs.begin(), inputs.end());
@@ -127,16 +156,21 @@ std::vector<float> train(cohort::process_group<cohort::gloo>& pg, const config& 
       delta = std::move(previous);
     }
     const auto result = state.step();
-    const float mean_loss = cohort::all_reduce_value(pg, loss, cohort::op::avg);
-    if (pg.rank() == 0 && (step % 5 == 0 || step + 1 == cfg.steps))
-      std::printf("step %2d  loss %.6f  grad norm %.4f%s\n", step, mean_loss, result.grad_norm,
-                  result.clip_factor < 1 ? " (clipped)" : "");
+    // Inside a join scope no collective of the trainer's own: a joined rank is waiting in the
+    // state's agreement. Rank 0's own loss is printed there instead of the mean.
+    const float shown = joined ? loss : cohort::all_reduce_value(pg, loss, cohort::op::avg);
+    if (pg.rank() == 0 && (step % 5 == 0 || step + 1 == cfg.batches_of(0)))
+      std::printf("step %2d  loss %.6f%s  grad norm %.4f%s\n", step, shown, joined ? " (rank 0's)" : "",
+                  result.grad_norm, result.clip_factor < 1 ? " (clipped)" : "");
   }
+  if (joined) joined->finish();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   const auto memory = state.memory();
   std::printf("[rank %d] memory per rank: parameters %s, gradients %s, optimizer state %s\n", pg.rank(),
               human(memory.parameters).c_str(), human(memory.gradients).c_str(), human(memory.optimizer_state).c_str());
-  std::printf("[rank %d] wire bytes per step: %zu (%s, %zu buckets)\n", pg.rank(), state.wire_bytes_per_step(),
-              human(state.wire_bytes_per_step()).c_str(), state.bucket_count());
+  std::printf("[rank %d] wire bytes per step: %zu (%s, %zu buckets); %.2f ms per step\n", pg.rank(),
+              state.wire_bytes_per_step(), human(state.wire_bytes_per_step()).c_str(), state.bucket_count(),
+              1e3 * seconds / std::max(cfg.total_steps(), 1));
   std::fflush(stdout);
   return state.gather_parameters();
 }
@@ -155,7 +189,14 @@ config parse(int argc, char** argv) {
       cfg.steps = std::stoi(value());
     else if (arg == "--batch")
       cfg.batch = std::stoul(value());
-    else if (arg == "--strategy") {
+    else if (arg == "--batches-per-rank") {
+      const std::string list = value();
+      for (std::size_t at = 0; at <= list.size();) {
+        const std::size_t comma = std::min(list.find(',', at), list.size());
+        cfg.batches_per_rank.push_back(std::stoi(list.substr(at, comma - at)));
+        at = comma + 1;
+      }
+    } else if (arg == "--strategy") {
       const std::string name = value();
       const auto parsed = cohort::parse_strategy(name);
       if (!parsed) throw std::runtime_error("--strategy " + name + ": use ddp, zero1, zero2 or zero3");
@@ -163,6 +204,7 @@ config parse(int argc, char** argv) {
     } else {
       std::printf(
           "usage: train [--strategy ddp|zero1|zero2|zero3] [--ranks N] [--steps S] [--batch B]\n"
+          "             [--batches-per-rank B0,B1,...]\n"
           "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
       std::exit(arg == "--help" || arg == "-h" ? 0 : 2);
     }
@@ -176,18 +218,21 @@ int main(int argc, char** argv) try {
   const config cfg = parse(argc, argv);
   const mlp model(cfg.widths);
   const auto layout = flat_layout::of(model);
-  const auto data = cohort_examples::synthetic_data::make(cfg.batch * static_cast<std::size_t>(cfg.steps),
+  const auto data = cohort_examples::synthetic_data::make(cfg.batch * static_cast<std::size_t>(cfg.total_steps()),
                                                           model.input_width(), model.output_width(), 2024);
   int status = 0;
   cohort::run_ranks(cfg.ranks, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
     if (cfg.batch % static_cast<std::size_t>(env.world_size) != 0)
       throw std::runtime_error("--batch must be divisible by the number of ranks");
+    if (!cfg.batches_per_rank.empty() && cfg.batches_per_rank.size() != static_cast<std::size_t>(env.world_size))
+      throw std::runtime_error("--batches-per-rank names " + std::to_string(cfg.batches_per_rank.size()) +
+                               " ranks for a world of " + std::to_string(env.world_size));
     cohort::process_group<cohort::gloo> pg{store, env};
     const auto trained = train(pg, cfg, model, layout, data);
     if (pg.rank() != 0) return;
-    const auto single = train_single(cfg, model, layout, data);
+    const auto single = train_single(cfg, model, layout, data, pg.size());
     // The final loss of each on the last step's whole batch.
-    const std::size_t last = static_cast<std::size_t>(cfg.steps - 1) * cfg.batch;
+    const std::size_t last = static_cast<std::size_t>(cfg.total_steps() - 1) * cfg.batch;
     const double distributed = loss_of(model, layout, trained, data, last, cfg.batch);
     const double reference = loss_of(model, layout, single, data, last, cfg.batch);
     double worst = 0;

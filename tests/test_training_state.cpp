@@ -9,6 +9,7 @@
 #include <cohort/parallel/training_state.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -405,4 +406,146 @@ TEST_CASE("bfloat16 parameters train from fp32 masters, close to the fp32 run", 
     CHECK(worst < 1e-2);  // bf16 keeps 8 bits of mantissa; the masters keep the steps
     CHECK(worst > 0);
   }
+}
+
+namespace {
+
+// Uneven inputs: rank k trains batches[k] steps (of `accumulation` micro-steps) inside a join
+// scope; the reference averages, at each step, the gradients of the ranks that still had data.
+struct uneven {
+  std::vector<int> batches;
+  strategy kind = strategy::ddp;
+  int accumulation = 1;
+  bool initial_world_divisor = false;
+};
+
+std::vector<double> uneven_reference(const uneven& u) {
+  const auto regions = model_regions();
+  const int world = static_cast<int>(u.batches.size());
+  const std::size_t n = regions.back().offset + regions.back().count;
+  auto params = initial_parameters(n);
+  std::vector<double> m(n), v(n), gradient(n), part(n);
+  scenario s{.world = world, .kind = u.kind};
+  const auto o = options_for(s);
+  const int steps = *std::max_element(u.batches.begin(), u.batches.end());
+  for (int t = 0; t < steps; ++t) {
+    std::fill(gradient.begin(), gradient.end(), 0.0);
+    int contributors = 0;
+    for (int rank = 0; rank < world; ++rank) {
+      if (u.batches[static_cast<std::size_t>(rank)] <= t) continue;
+      ++contributors;
+      for (int micro = 0; micro < u.accumulation; ++micro) {
+        rank_gradient(static_cast<std::size_t>(t * u.accumulation + micro), rank, world, params.data(), 0, n,
+                      part.data());
+        for (std::size_t i = 0; i < n; ++i) gradient[i] += part[i];
+      }
+    }
+    const double divisor = u.initial_world_divisor ? world : contributors;
+    double squares = 0;
+    for (double& g : gradient) {
+      g /= divisor;
+      squares += g * g;
+    }
+    const double norm = std::sqrt(squares);
+    const double clip = norm > o.max_grad_norm ? o.max_grad_norm / (norm + 1e-6) : 1.0;
+    for (const auto& r : regions)
+      for (std::size_t j = r.offset; j < r.offset + r.count; ++j) {
+        const double g = gradient[j] * clip;
+        m[j] = o.adam.beta1 * m[j] + (1 - o.adam.beta1) * g;
+        v[j] = o.adam.beta2 * v[j] + (1 - o.adam.beta2) * g * g;
+        const double mh = m[j] / (1 - std::pow(o.adam.beta1, t + 1)), vh = v[j] / (1 - std::pow(o.adam.beta2, t + 1));
+        params[j] -= o.adam.lr * r.lr_scale *
+                     (mh / (std::sqrt(vh) + o.adam.eps) + (r.decay ? o.adam.weight_decay : 0.0) * params[j]);
+      }
+  }
+  return params;
+}
+
+std::vector<double> uneven_train(const uneven& u, cohort_test::gloo_group& pg) {
+  const auto regions = model_regions();
+  const int world = pg.size(), rank = pg.rank();
+  scenario s{.world = world, .kind = u.kind};
+  cohort::training_state<cohort::gloo, double> state(pg, regions, options_for(s));
+  state.load_parameters(initial_parameters(regions.back().offset + regions.back().count));
+  std::vector<double> scratch;
+  const auto micro_step = [&](int t, int micro) {
+    for (std::size_t l = 0; l < state.layer_count(); ++l) (void)state.gather(l).param(l);  // region l is in layer l
+    for (std::size_t l = state.layer_count(); l-- > 0;) {
+      auto layer = state.gather(l);
+      for (std::size_t r = 0; r < regions.size(); ++r) {
+        if (regions[r].layer != l) continue;
+        auto gradient = state.gradient(r);
+        scratch.resize(regions[r].count);
+        rank_gradient(static_cast<std::size_t>(t * u.accumulation + micro), rank, world, layer.param(r).data(),
+                      regions[r].offset, regions[r].count, scratch.data());
+        for (std::size_t j = 0; j < gradient.size(); ++j) gradient[j] += scratch[j];
+        state.mark_ready(r);
+      }
+    }
+  };
+  {
+    auto joined = state.join({.divide_by_initial_world = u.initial_world_divisor});
+    for (int t = 0; t < u.batches[static_cast<std::size_t>(rank)]; ++t) {
+      for (int micro = 0; micro + 1 < u.accumulation; ++micro) {
+        auto quiet = state.no_sync();
+        micro_step(t, micro);
+      }
+      micro_step(t, u.accumulation - 1);
+      state.step();
+    }
+  }
+  return state.gather_parameters();
+}
+
+}  // namespace
+
+TEST_CASE("ranks with 5, 3 and 0 batches (and 7, 7, 6) never hang and equal one process on the union of the batches",
+          "[training_state][join][gloo]") {
+  std::vector<uneven> cases;
+  for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3}) {
+    cases.push_back({{5, 3, 0}, kind});
+    cases.push_back({{7, 7, 6}, kind, 2});  // two micro-steps a step
+  }
+  cases.push_back({{4, 1, 2}, strategy::ddp, 1, true});  // DDP's divide_by_initial_world_size
+  for (const auto& u : cases) {
+    const int world = static_cast<int>(u.batches.size());
+    const auto expected = uneven_reference(u);
+    std::vector<std::vector<double>> results(static_cast<std::size_t>(world));
+    auto store = std::make_shared<cohort::memory_store>();
+    cohort_test::run_ranks(world, [&](int rank) {
+      auto pg = cohort_test::make_gloo_group(store, rank, world);
+      results[static_cast<std::size_t>(rank)] = uneven_train(u, pg);
+    });
+    for (int rank = 0; rank < world; ++rank) {
+      INFO(cohort::to_string(u.kind) << " with batches " << u.batches[0] << "," << u.batches[1] << "," << u.batches[2]
+                                     << ", accumulation " << u.accumulation << ", rank " << rank);
+      CHECK(max_difference(results[static_cast<std::size_t>(rank)], expected) < 1e-9);
+    }
+  }
+}
+
+TEST_CASE("a collective of the trainer's own while a rank has joined fails on every rank, naming it",
+          "[training_state][join][gloo][faults]") {
+  auto store = std::make_shared<cohort::memory_store>();
+  std::vector<std::string> errors(2);
+  const auto started = std::chrono::steady_clock::now();
+  cohort_test::run_ranks(2, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 2);
+    cohort::training_state<cohort::gloo, double> state(pg, model_regions());
+    try {
+      auto joined = state.join();
+      if (rank == 0) {
+        (void)state.gradient(0);
+        state.step();
+        (void)cohort::all_reduce_values(pg, {1.0, 2.0, 3.0});  // its own: the joined rank is in the agreement
+      }
+      joined.finish();
+    } catch (const cohort::error& e) {
+      errors[static_cast<std::size_t>(rank)] = e.what();
+    }
+  });
+  // Within the timeout (5 s) and a report, every rank names both calls.
+  CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(15));
+  CHECK_THAT(errors[0], Catch::Contains("rank 1 is in all_reduce #4 (int64 x 3, sum)"));
+  CHECK_THAT(errors[1], Catch::Contains("rank 0 is in all_reduce #4 (double x 3, sum)"));
 }

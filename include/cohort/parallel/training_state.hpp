@@ -45,6 +45,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <functional>
 #include <optional>
 #include <span>
@@ -202,6 +203,62 @@ class training_state {
   };
   [[nodiscard]] no_sync_scope no_sync();
 
+  // --- uneven inputs -------------------------------------------------------------------------
+  // A rank that runs out of batches enters the scope's end and keeps answering the others'
+  // steps (reductions with zero gradients, the gathers zero3 needs) until every rank has run
+  // out, so ranks with different numbers of batches never hang (PyTorch's Join):
+  //
+  //   {
+  //     auto joined = state.join();
+  //     while (loader.next(batch)) { forward; backward; state.step(); }
+  //   }   // waits here, answering the others, until every rank's loader is done
+  //
+  // While the scope lives, each micro-step starts with one small agreement (an all-reduce of
+  // three integers at its first call into the state) that tells every rank how many still
+  // have data. The averaged gradients then divide by the ranks that contributed (or by the
+  // initial world, `divide_by_initial_world`), and every rank steps alike. Between the state's
+  // own calls, a trainer must issue no other collective inside the scope: a joined rank is
+  // waiting in the agreement, and every rank fails naming the mismatch within the timeout.
+  // At zero3 a joined rank answers the usual pass: every layer gathered in forward order, then
+  // in backward order, per micro-step.
+  struct join_options {
+    bool divide_by_initial_world = false;
+  };
+  class join_scope {
+   public:
+    join_scope(training_state& state, join_options options) : state_(&state) {
+      if (state_->join_) fail_nested();
+      state_->join_ = options;
+    }
+    join_scope(const join_scope&) = delete;
+    join_scope& operator=(const join_scope&) = delete;
+    // Answers the others until every rank has joined, unless an exception is unwinding.
+    ~join_scope() noexcept(false) {
+      if (state_ && std::uncaught_exceptions() == 0) finish();
+      if (state_) state_->join_.reset();
+    }
+    // The same as the scope's end, to call where an error must surface from a named call.
+    void finish() {
+      if (!state_) return;
+      training_state* state = std::exchange(state_, nullptr);
+      struct clear {
+        training_state* s;
+        ~clear() { s->join_.reset(); }
+      } cleared{state};
+      state->answer_until_all_joined();
+    }
+
+   private:
+    [[noreturn]] void fail_nested() const {
+      throw error(state_->rank(), "training_state.join", "a join scope is already open",
+                  "open one join scope around the training loop");
+    }
+    training_state* state_;
+  };
+  [[nodiscard]] join_scope join(join_options options = {}) { return join_scope(*this, options); }
+  // Ranks that contributed to the last step (the world, outside a join scope).
+  int last_contributors() const noexcept { return last_contributors_; }
+
   // --- what it is and what it holds ----------------------------------------------------------
   cohort::strategy strategy() const noexcept { return options_.strategy; }
   const training_options& options() const noexcept { return options_; }
@@ -276,6 +333,15 @@ class training_state {
   void launch_ready();
   void launch(std::size_t b);
   void reset_marks();
+  // The join scope's agreement: `active` is whether this rank has data. Returns how many do.
+  int agree(bool active);
+  // Inside a micro-step that step() does not end: under no_sync, or, for a rank that joined,
+  // when the agreement said the ranks with data are under no_sync.
+  bool accumulating() const noexcept { return no_sync_depth_ > 0 || (join_ && agreed_ && !sync_micro_step_); }
+  void begin_call() {
+    if (join_ && !agreed_) contributors_ = agree(true);
+  }
+  void answer_until_all_joined();
   void measure(step_result& result);
   void update(double grad_scale);
   void publish_parameters();
@@ -325,6 +391,13 @@ class training_state {
   std::vector<std::uint8_t> backward_view_;  // zero3: by layer, gathered by the backward
   std::size_t launched_ = 0;                 // buckets launched, from the last
   int no_sync_depth_ = 0;
+  // The join scope's options while one is open; whether this micro-step's agreement is done,
+  // and how many ranks it found with data.
+  std::optional<join_options> join_;
+  bool agreed_ = false;
+  bool sync_micro_step_ = true;
+  int contributors_ = 0;
+  int last_contributors_ = 0;
   std::uint64_t steps_ = 0;
   std::size_t wire_bytes_ = 0, last_step_wire_bytes_ = 0;
   stream_type caller_stream_{};

@@ -194,8 +194,9 @@ auto training_state<B, P, G>::gather(std::size_t layer) -> layer_view {
   if (layer >= layout_.layers)
     fail("gather", "layer " + std::to_string(layer) + " of " + std::to_string(layout_.layers),
          "layers are the regions' layer numbers, 0 .. layers - 1");
+  begin_call();
   if (!sharded_parameters()) return layer_view(this, layer);
-  if (no_sync_depth_ == 0) launch_ready();  // what the backward released so far, before this gather
+  if (!accumulating()) launch_ready();  // what the backward released so far, before this gather
   // The first gather of a step is the forward's; a gather at or below the last one is the
   // backward's, whose view's end makes the layer's buckets due. The gathers are collectives,
   // so this is the same on every rank.
@@ -305,6 +306,7 @@ G* training_state<B, P, G>::bucket_gradients(std::size_t b, bool for_caller) {
 template <backend B, element P, element G>
 std::span<G> training_state<B, P, G>::gradient(std::size_t r) {
   check_region("gradient", r);
+  begin_call();
   const auto& placed = layout_.regions[r];
   if (!sharded_gradients()) return {grads_.template as<G>() + placed.storage, placed.count};
   const std::size_t position = layout_.buckets.size() - 1 - placed.bucket;  // in launch order
@@ -318,6 +320,7 @@ std::span<G> training_state<B, P, G>::gradient(std::size_t r) {
 template <backend B, element P, element G>
 void training_state<B, P, G>::mark_ready(std::size_t r) {
   check_region("mark_ready", r);
+  begin_call();
   if (marked_[r])
     fail("mark_ready", describe(r) + " marked twice in one step", "mark each region once per backward pass");
   marked_[r] = 1;
@@ -325,8 +328,7 @@ void training_state<B, P, G>::mark_ready(std::size_t r) {
   // ddp and zero2 launch as marks complete buckets; zero1 reduces in step(); zero3 when the
   // backward releases a layer, since its gathers interleave with the reductions and marks
   // differ across ranks (a region one rank leaves unused), while releases do not.
-  if (no_sync_depth_ == 0 && (options_.strategy == strategy::ddp || options_.strategy == strategy::zero2))
-    launch_ready();
+  if (!accumulating() && (options_.strategy == strategy::ddp || options_.strategy == strategy::zero2)) launch_ready();
 }
 
 template <backend B, element P, element G>
@@ -384,6 +386,62 @@ void training_state<B, P, G>::reset_marks() {
   std::fill(due_.begin(), due_.end(), std::uint8_t{0});
   launched_ = 0;
   last_gathered_.reset();  // a micro-step's end: the next gather is a forward's
+  agreed_ = false;         // and under a join scope, the next call agrees again
+}
+
+// Every rank adds {has data, ends with step(), a mark}: how many still train, whether that
+// micro-step is synchronised, and whether every rank is in this very call (a foreign
+// collective paired with it would not add up to world x the mark, or would not pair at all).
+template <backend B, element P, element G>
+int training_state<B, P, G>::agree(bool active) {
+  constexpr std::int64_t mark = 0x636f686f72744a4e % 1000003;  // "cohortJN", kept small: sums stay exact
+  std::int64_t mine[3] = {active ? 1 : 0, active && no_sync_depth_ == 0 ? 1 : 0, mark};
+  const std::int64_t* sum = mine;
+  if constexpr (B::space == memory_space::host) {
+    group_->all_reduce(std::span<std::int64_t>(mine), op::sum).wait();
+  } else {
+    auto& engine = group_->backend();
+    auto* staged = static_cast<std::int64_t*>(group_->value_staging(sizeof mine));
+    engine.copy(staged, mine, sizeof mine);
+    group_->all_reduce(std::span<std::int64_t>(staged, 3), op::sum);
+    engine.copy(mine, staged, sizeof mine).wait();
+  }
+  agreed_ = true;
+  if (sum[2] != mark * group_->size())
+    fail("join", "the join scope's agreement was paired with another collective",
+         "inside a join scope issue no collective of your own between the state's calls: a rank that ran "
+         "out of data is waiting in the agreement");
+  if (sum[1] != 0 && sum[1] != sum[0])
+    fail("join",
+         std::to_string(sum[1]) + " of the " + std::to_string(sum[0]) +
+             " ranks with data end this micro-step with step(), the others are inside no_sync",
+         "every rank with data must accumulate the same number of micro-steps");
+  sync_micro_step_ = sum[1] != 0;
+  return static_cast<int>(sum[0]);
+}
+
+// This rank has no more data: it answers every micro-step the others take, with no
+// gradients of its own, until the agreement finds no rank with data.
+template <backend B, element P, element G>
+void training_state<B, P, G>::answer_until_all_joined() {
+  if (agreed_)
+    fail("join", "the scope ends in the middle of a step (the state was called since the last step())",
+         "end the join scope after step(), when this rank has no more batches");
+  for (;;) {
+    const int others = agree(false);
+    if (others == 0) break;
+    if (sharded_parameters()) {  // the usual pass: forward gathers, then backward ones
+      for (std::size_t l = 0; l < layout_.layers; ++l) (void)gather(l);
+      for (std::size_t l = layout_.layers; l-- > 0;) (void)gather(l);
+    }
+    if (sync_micro_step_) {
+      contributors_ = others;
+      step();
+    } else {
+      reset_marks();  // as a no_sync scope's end
+    }
+  }
+  agreed_ = false;
 }
 
 template <backend B, element P, element G>
@@ -475,6 +533,13 @@ step_result training_state<B, P, G>::step() {
   straggler_report* const report = options_.straggler && options_.straggler->enabled() ? options_.straggler : nullptr;
   const auto entered = report ? straggler_report::clock::now() : straggler_report::clock::time_point{};
   auto& engine = group_->backend();
+  begin_call();
+  // The reductions averaged over the world; under a join scope only `contributors` ranks
+  // gave gradients, and the average is theirs unless the initial world is the divisor.
+  const int contributors = join_ ? contributors_ : group_->size();
+  const double divisor_fix =
+      join_ && !join_->divide_by_initial_world ? static_cast<double>(group_->size()) / std::max(contributors, 1) : 1.0;
+  last_contributors_ = contributors;
   drop_gathered();
   for (auto& count : pending_) count = 0;  // unmarked regions contribute what they hold: zero
   std::fill(due_.begin(), due_.end(), std::uint8_t{1});
@@ -482,11 +547,12 @@ step_result training_state<B, P, G>::step() {
   step_result result;
   result.loss_scale = options_.scaler ? options_.scaler->scale() : 1.0;
   measure(result);
+  result.grad_norm *= divisor_fix;
   result.skipped = result.nonfinite > 0;
   if (options_.scaler) options_.scaler->update(result.skipped);
   if (!result.skipped) {
     result.clip_factor = detail::clip_factor(result.grad_norm, options_.max_grad_norm);
-    update(result.clip_factor / result.loss_scale);
+    update(result.clip_factor * divisor_fix / result.loss_scale);
     publish_parameters();
   }
   if (!sharded_gradients()) fill(engine, grads_.data(), layout_.storage, dtype_v<G>, 0.0);
