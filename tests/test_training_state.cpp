@@ -549,3 +549,19 @@ TEST_CASE("a collective of the trainer's own while a rank has joined fails on ev
   CHECK_THAT(errors[0], Catch::Contains("rank 1 is in all_reduce #4 (int64 x 3, sum)"));
   CHECK_THAT(errors[1], Catch::Contains("rank 0 is in all_reduce #4 (double x 3, sum)"));
 }
+
+TEST_CASE("llm.c's per-rank token shards of different lengths train in step under a join scope",
+          "[training_state][join][gloo]") {
+  // Each rank reads its own shard of tokens, batches of 64 tokens: 7, 5 and 10 batches.
+  const std::vector<std::size_t> shard_tokens{500, 350, 700};
+  uneven u{{}, strategy::zero2};
+  for (const std::size_t tokens : shard_tokens) u.batches.push_back(static_cast<int>(tokens / 64));
+  const auto expected = uneven_reference(u);
+  std::vector<std::vector<double>> results(3);
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(3, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 3);
+    results[static_cast<std::size_t>(rank)] = uneven_train(u, pg);
+  });
+  for (const auto& result : results) CHECK(max_difference(result, expected) < 1e-9);
+}
