@@ -201,6 +201,7 @@ else
       example)
         runs=("")
         [ "$name" = zero_cuda ] && runs=("" "--zero 0" "--zero 1")
+        [ "$name" = train_cuda ] && runs=("--strategy ddp" "--strategy zero1" "--strategy zero2" "--strategy zero3")
         for arguments in "${runs[@]}"; do
           label=example_$name${arguments:+_${arguments##* }}
           step "$label" 60 "'$path' $arguments > '$out/$label.out' 2>&1; rc=\$?; cat '$out/$label.out';
