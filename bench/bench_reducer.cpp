@@ -22,6 +22,7 @@
 //   bench_reducer [--ranks 2] [--iterations 8] [--compute-ms 120] [--compute-mode spin|sleep|both]
 //                 [--json FILE] [--torch-peer bench/peers/torch_ddp.py] [--python python3]
 #include <cohort/backend/gloo.hpp>
+#include <cohort/parallel/training_state.hpp>
 #include <cohort/reducer.hpp>
 #include <cohort/run_ranks.hpp>
 #include <cohort/store.hpp>
@@ -375,6 +376,30 @@ class bench {
                      }
                      zero.step();
                      zero.parameters_ready().wait();
+                   }),
+             compute);
+    }
+    // The one training state under each strategy, the same backward and AdamW: side by side
+    // with the paths above (at zero3 every tensor is a layer, gathered in the forward and the
+    // backward).
+    std::vector<cohort::region> layers;
+    for (std::size_t t = 0; t < n; ++t) layers.push_back({"t" + std::to_string(t), regions[t].offset, sizes_[t], t});
+    for (const auto kind :
+         {cohort::strategy::ddp, cohort::strategy::zero1, cohort::strategy::zero2, cohort::strategy::zero3}) {
+      cohort::training_state<cohort::gloo> state(pg, layers,
+                                                 {.strategy = kind, .bucket_bytes = bytes, .adam = {.lr = 1e-4}});
+      state.load_parameters(params);
+      record("training_state " + std::string(cohort::to_string(kind)) + ": backward + AdamW", 25, state.bucket_count(),
+             timed(pg,
+                   [&] {
+                     if (kind == cohort::strategy::zero3)
+                       for (std::size_t t = 0; t < n; ++t) (void)state.gather(t);
+                     for (std::size_t t = n; t-- > 0;) {
+                       auto layer = state.gather(t);
+                       layer_backward(t, state.gradient(t));
+                       state.mark_ready(t);
+                     }
+                     state.step();
                    }),
              compute);
     }

@@ -94,6 +94,12 @@ storage_layout plan_storage(const std::vector<region>& regions, int world, std::
 // (padding and alignment gaps skipped), at owned offsets that concatenate the shards.
 std::vector<segment> owned_segments(const storage_layout& layout, int rank, bool sharded);
 
+// The segments the optimizer and the norm walk, fewer: consecutive pieces with the same
+// weight decay and learning-rate scale joined across the padding between them (storage and
+// owned offsets advancing alike). Padding holds zeros in every buffer, and zeros stay zero
+// under every update, so one call covers what took one per region.
+std::vector<segment> merged_for_update(const std::vector<segment>& segments, const std::vector<region>& regions);
+
 // A fingerprint of what must match across ranks for the collectives to pair up.
 std::int64_t layout_fingerprint(const std::vector<region>& regions, std::size_t bucket_elements, int strategy,
                                 int parameter_type, int gradient_type);

@@ -363,8 +363,9 @@ class training_state {
   std::vector<region> regions_;
   training_options options_;
   detail::storage_layout layout_;
-  std::vector<detail::segment> segments_;
-  std::vector<std::size_t> shard_offset_;  // owned offset of each bucket's shard (sharded)
+  std::vector<detail::segment> segments_;         // this rank's pieces, one per region
+  std::vector<detail::segment> update_segments_;  // the same joined across padding: the optimizer's
+  std::vector<std::size_t> shard_offset_;         // owned offset of each bucket's shard (sharded)
   std::size_t owned_ = 0;
 
   detail::backend_buffer<B> params_;      // storage (zero3: the owned shards)

@@ -146,6 +146,26 @@ COHORT_DECL std::vector<segment> owned_segments(const storage_layout& layout, in
   return out;
 }
 
+COHORT_DECL std::vector<segment> merged_for_update(const std::vector<segment>& segments,
+                                                   const std::vector<region>& regions) {
+  std::vector<segment> out;
+  for (const auto& s : segments) {
+    if (!out.empty()) {
+      auto& last = out.back();
+      const region& a = regions[last.region];
+      const region& b = regions[s.region];
+      const std::size_t storage_end = last.storage + last.count, owned_end = last.owned + last.count;
+      if (a.decay == b.decay && a.lr_scale == b.lr_scale && s.storage >= storage_end && s.owned >= owned_end &&
+          s.storage - storage_end == s.owned - owned_end) {
+        last.count = s.storage + s.count - last.storage;
+        continue;
+      }
+    }
+    out.push_back(s);
+  }
+  return out;
+}
+
 COHORT_DECL std::int64_t layout_fingerprint(const std::vector<region>& regions, std::size_t bucket_elements,
                                             int strategy, int parameter_type, int gradient_type) {
   fnv1a hash;

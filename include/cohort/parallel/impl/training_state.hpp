@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 #include <utility>
@@ -34,6 +35,7 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::vector<reg
   layout_ = detail::plan_storage(regions_, group.size(), std::max<std::size_t>(options_.bucket_bytes / sizeof(G), 1),
                                  !sharded_parameters(), alignment);
   segments_ = detail::owned_segments(layout_, group.rank(), sharded());
+  update_segments_ = detail::merged_for_update(segments_, regions_);
   shard_offset_.assign(layout_.buckets.size(), 0);
   for (std::size_t b = 0, at = 0; b < layout_.buckets.size(); ++b) {
     shard_offset_[b] = at;
@@ -296,9 +298,16 @@ G* training_state<B, P, G>::bucket_gradients(std::size_t b, bool for_caller) {
     const std::size_t before = gradient_pool_.allocations();
     bucket_grads_[b] = gradient_pool_.take(bytes);
     if (gradient_pool_.allocations() != before) gradient_pool_bytes_ += bytes;
-    // Zeroed in the backend's order, after the reduction that last read a reused buffer.
-    const work zeroed = fill(engine, bucket_grads_[b].data, layout_.buckets[b].padded, dtype_v<G>, 0.0);
-    if (for_caller) hand_to_caller(zeroed);
+    if constexpr (B::space == memory_space::host) {
+      // Here, after only the reduction that last read a reused buffer: a fill queued on the
+      // worker would wait for every reduction in flight, and the backward with it.
+      bucket_grads_[b].last_use.wait();
+      std::memset(bucket_grads_[b].data, 0, bytes);
+    } else {
+      // In the stream's order, after the reduction that last read a reused buffer.
+      const work zeroed = fill(engine, bucket_grads_[b].data, layout_.buckets[b].padded, dtype_v<G>, 0.0);
+      if (for_caller) hand_to_caller(zeroed);
+    }
   }
   return static_cast<G*>(bucket_grads_[b].data);
 }
@@ -467,7 +476,7 @@ void training_state<B, P, G>::measure(step_result& result) {
   detail::agree_on_gradient_statistics(
       *group_, stats_.data(), sharded(),
       [&](std::int64_t* count, double* squares) {
-        for (const auto& s : segments_) {
+        for (const auto& s : update_segments_) {
           count_nonfinite(engine, reduced_gradient_at(s), s.count, dtype_v<G>, count);
           sum_of_squares(engine, reduced_gradient_at(s), s.count, dtype_v<G>, squares);
         }
@@ -481,7 +490,7 @@ void training_state<B, P, G>::update(double grad_scale) {
   ++steps_;
   master_type* first = first_.data() ? first_.template as<master_type>() : nullptr;
   master_type* second = second_.data() ? second_.template as<master_type>() : nullptr;
-  for (const auto& s : segments_) {
+  for (const auto& s : update_segments_) {
     const region& r = regions_[s.region];
     const master_type* gradient = nullptr;
     if constexpr (std::is_same_v<G, master_type>) {
@@ -511,7 +520,7 @@ void training_state<B, P, G>::publish_parameters() {
   auto& engine = group_->backend();
   P* params = params_.template as<P>();
   if (separate_master())
-    for (const auto& s : segments_)
+    for (const auto& s : update_segments_)
       cast(engine, master_.template as<master_type>() + s.owned, dtype_v<master_type>,
            sharded_parameters() ? params + s.owned : params + s.storage, dtype_v<P>, s.count);
   if (options_.strategy == strategy::zero1 || options_.strategy == strategy::zero2) {
