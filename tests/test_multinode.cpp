@@ -9,7 +9,9 @@
 #include <cohort/backend/gloo.hpp>
 #include <cohort/guards.hpp>
 #include <cohort/launch.hpp>
+#include <cohort/optim.hpp>
 #include <cohort/process_group.hpp>
+#include <cohort/sharded.hpp>
 #include <cohort/tcp_store.hpp>
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "../examples/mlp.hpp"
 #include "multinode.hpp"
 #include "support.hpp"
 
@@ -326,5 +329,106 @@ TEST_CASE("node-local groups and local-main-first hold per simulated node", "[mu
                    }),
       std::chrono::seconds(60));
   std::filesystem::remove_all(flags);
+  REQUIRE(codes == std::vector<int>(4, 0));
+}
+
+namespace {
+
+// Hybrid sharding as a multi-node job uses it: parameters sharded inside each node (a group
+// split by node, whose all-gathers and reduce-scatters stay on the node's loopback) and
+// replicated across nodes (a group of the ranks with the same local rank, one per node:
+// only the gradient shards' all-reduce crosses the link). Adam on the examples' MLP; each
+// node's first rank checks the full result against one process on the whole batch.
+const std::vector<std::size_t> hybrid_widths{16, 48, 48, 4};
+constexpr std::size_t hybrid_batch = 24;  // 6 samples per rank on 4 ranks
+constexpr int hybrid_steps = 8;
+constexpr double hybrid_lr = 1e-2;
+
+cohort_examples::synthetic_data hybrid_data(const cohort_examples::mlp& model) {
+  return cohort_examples::synthetic_data::make(hybrid_batch * hybrid_steps, model.input_width(), model.output_width(),
+                                               22);
+}
+
+int train_hybrid() {
+  const auto env = cohort::launch_env::detect();
+  auto store = cohort::connect_store(env);
+  cohort::process_group<cohort::gloo> pg{store, env, group_options(std::chrono::seconds(10))};
+  const int node = env.node_rank();
+  auto shards = pg.split(node, pg.local_rank());
+  auto replicas = pg.split(pg.local_rank(), node);
+  if (!shards || !replicas || shards->size() != env.local_world_size || replicas->size() != pg.size() / shards->size())
+    return 2;
+  // The node-local group really is this node's ranks: their global ranks, summed.
+  std::vector<int> members{pg.rank()};
+  shards->all_reduce(std::span<int>(members)).wait();
+  const int first = node * env.local_world_size;
+  if (members[0] != first + first + 1) return 2;
+
+  const cohort_examples::mlp model(hybrid_widths);
+  const auto data = hybrid_data(model);
+  const auto sizes = model.parameter_sizes();
+  std::vector<std::vector<std::size_t>> units;
+  for (std::size_t l = 0; l < model.layers(); ++l) units.push_back({sizes[2 * l], sizes[2 * l + 1]});
+  cohort::sharded_parameters<cohort::gloo, float> params(*shards, units, {.prefetch = 1}, &*replicas);
+  std::vector<std::vector<float>> initial;
+  if (shards->rank() == 0) {
+    for (auto n : sizes) initial.emplace_back(n, 0.0f);
+    model.initialize(std::vector<std::span<float>>(initial.begin(), initial.end()), 7);
+  }
+  params.scatter_from(0, initial);
+  cohort::adam opt(params, {.lr = hybrid_lr});
+  std::vector<std::vector<float>> grads;
+  for (auto n : sizes) grads.emplace_back(n);
+  const std::size_t local = hybrid_batch / static_cast<std::size_t>(pg.size());
+  for (int step = 0; step < hybrid_steps; ++step) {
+    params.set_order(cohort::prefetch_order::forward);
+    std::vector<cohort::sharded_parameters<cohort::gloo, float>::gathered> layers;
+    std::vector<std::span<float>> weights;
+    for (std::size_t l = 0; l < model.layers(); ++l) {
+      layers.push_back(params.gather(l));
+      for (auto p : layers.back().params()) weights.push_back(p);
+    }
+    const std::size_t sample =
+        static_cast<std::size_t>(step) * hybrid_batch + static_cast<std::size_t>(pg.rank()) * local;
+    model.loss_and_gradients(weights, std::vector<std::span<float>>(grads.begin(), grads.end()),
+                             std::span<const float>(data.inputs).subspan(sample * model.input_width()),
+                             std::span<const float>(data.targets).subspan(sample * model.output_width()), local);
+    layers.clear();
+    params.set_order(cohort::prefetch_order::backward);
+    std::vector<cohort::sharded_parameters<cohort::gloo, float>::work> reductions;
+    for (std::size_t l = model.layers(); l-- > 0;)
+      reductions.push_back(
+          params.reduce_scatter_grad(l, std::vector<std::span<const float>>{grads[2 * l], grads[2 * l + 1]}));
+    for (auto& w : reductions) w.wait();
+    opt.step().wait();
+  }
+  const auto full = params.gather_full_state(0);
+  int code = 0;
+  if (shards->rank() == 0) {
+    const auto single = cohort_examples::train_adam_single(model, data, hybrid_batch, hybrid_steps, hybrid_lr);
+    const double worst = cohort_examples::max_difference(full, single);
+    if (!(worst <= 1e-5)) {
+      std::fprintf(stderr, "rank %d: hybrid sharding differs from one process by %.2e\n", pg.rank(), worst);
+      code = 1;
+    }
+  }
+  pg.barrier().wait();
+  return code;
+}
+
+// Trains hybrid on 2 nodes x 2 ranks; every rank's exit code, and the seconds it took.
+std::pair<std::vector<int>, double> run_hybrid(cluster& nodes, std::chrono::seconds limit) {
+  const auto started = std::chrono::steady_clock::now();
+  auto codes = cohort_test::wait_children(nodes.start(torchrun_ranks(nodes, 2), train_hybrid), limit);
+  return {codes, seconds_since(started)};
+}
+
+}  // namespace
+
+TEST_CASE("hybrid sharding per node on 2 nodes x 2 ranks equals one process", "[multinode]") {
+  auto nodes = make_cluster(2);
+  hosts_name_every_node(*nodes);
+  const auto [codes, took] = run_hybrid(*nodes, std::chrono::seconds(60));
+  std::printf("hybrid sharding, 2 nodes x 2 ranks: %.2f s\n", took);
   REQUIRE(codes == std::vector<int>(4, 0));
 }
