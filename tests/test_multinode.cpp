@@ -196,9 +196,11 @@ bool wait_for_file(const std::string& path, std::chrono::seconds limit) {
 // Node 0's ranks must name ranks 2 and 3 unreachable (not "never issued"); node 1's ranks,
 // cut off from the store on node 0, must say so themselves. Every rank within the group's
 // timeout (3 s), the report's window (3 s) and slack.
-TEST_CASE("a partition names the unreachable ranks on one side and the store on the other", "[multinode]") {
-  auto nodes = make_cluster(2);
-  hosts_name_every_node(*nodes);
+namespace {
+
+// `cut` partitions node 1 from node 0 once every rank has made one call.
+void check_partition(cluster& nodes_ref, const std::function<void()>& cut) {
+  auto* nodes = &nodes_ref;
   const std::string flags = fresh_directory("partition");
   auto ranks = torchrun_ranks(*nodes, 2);
   for (auto& rank : ranks) rank.env["COHORT_TEST_FLAGS"] = flags;
@@ -231,12 +233,33 @@ TEST_CASE("a partition names the unreachable ranks on one side and the store on 
   bool ready = true;
   for (int r = 0; r < 4; ++r)
     ready = ready && wait_for_file(flags + "/ready" + std::to_string(r), std::chrono::seconds(30));
-  if (ready) nodes->unplug(1);
+  if (ready) cut();
   std::ofstream(flags + "/go").put('1');
   const auto codes = cohort_test::wait_children(children, std::chrono::seconds(60));
   std::filesystem::remove_all(flags);
   REQUIRE(ready);
   REQUIRE(codes == std::vector<int>(4, 0));
+}
+
+}  // namespace
+
+TEST_CASE("a partition names the unreachable ranks on one side and the store on the other", "[multinode]") {
+  auto nodes = make_cluster(2);
+  hosts_name_every_node(*nodes);
+  check_partition(*nodes, [&] { nodes->unplug(1); });
+}
+
+// The same partition with the link up and every packet to or from node 1 dropped (a
+// firewall, or a switch that lost its way): no carrier change tells either side anything.
+TEST_CASE("a partition by dropped packets names the same culprits on both sides", "[multinode]") {
+  auto nodes = make_cluster(2);
+  hosts_name_every_node(*nodes);
+  std::string why;
+  if (!nodes->can_drop(why)) cohort_test::skip(why);
+  check_partition(*nodes, [&] {
+    std::string failed;
+    if (!nodes->drop(1, 1.0, failed)) std::fprintf(stderr, "could not partition: %s\n", failed.c_str());
+  });
 }
 
 // Node 1 is killed (both its ranks, SIGKILL, mid-training): the kernel resets their
@@ -341,7 +364,7 @@ namespace {
 // node's first rank checks the full result against one process on the whole batch.
 const std::vector<std::size_t> hybrid_widths{16, 48, 48, 4};
 constexpr std::size_t hybrid_batch = 24;  // 6 samples per rank on 4 ranks
-constexpr int hybrid_steps = 8;
+constexpr int hybrid_steps = 16;
 constexpr double hybrid_lr = 1e-2;
 
 cohort_examples::synthetic_data hybrid_data(const cohort_examples::mlp& model) {
@@ -430,5 +453,42 @@ TEST_CASE("hybrid sharding per node on 2 nodes x 2 ranks equals one process", "[
   hosts_name_every_node(*nodes);
   const auto [codes, took] = run_hybrid(*nodes, std::chrono::seconds(60));
   std::printf("hybrid sharding, 2 nodes x 2 ranks: %.2f s\n", took);
+  REQUIRE(codes == std::vector<int>(4, 0));
+}
+
+// Faults on node 1's link, where the kernel has them: training must match as before, only
+// slower, within the group's timeout on every call (no spurious timeouts).
+TEST_CASE("delay of 2 ms and 50 ms on a node's link only slows hybrid training", "[multinode]") {
+  for (const auto by : {std::chrono::milliseconds(2), std::chrono::milliseconds(50)}) {
+    auto nodes = make_cluster(2);
+    hosts_name_every_node(*nodes);
+    std::string why;
+    if (!nodes->delay(1, by, why)) cohort_test::skip(why);
+    const auto [codes, took] = run_hybrid(*nodes, std::chrono::seconds(100));
+    std::printf("hybrid sharding, %lld ms delay on node 1: %.2f s\n", static_cast<long long>(by.count()), took);
+    INFO(by.count() << " ms delay, " << took << " s");
+    REQUIRE(codes == std::vector<int>(4, 0));
+  }
+}
+
+TEST_CASE("1% packet loss on a node's link only slows hybrid training", "[multinode]") {
+  auto nodes = make_cluster(2);
+  hosts_name_every_node(*nodes);
+  std::string why;
+  if (!nodes->drop(1, 0.01, why)) cohort_test::skip(why);
+  const auto [codes, took] = run_hybrid(*nodes, std::chrono::seconds(100));
+  std::printf("hybrid sharding, 1%% loss in and out of node 1: %.2f s\n", took);
+  INFO(took << " s");
+  REQUIRE(codes == std::vector<int>(4, 0));
+}
+
+TEST_CASE("a 1 Gbit/s limit on a node's link only slows hybrid training", "[multinode]") {
+  auto nodes = make_cluster(2);
+  hosts_name_every_node(*nodes);
+  std::string why;
+  if (!nodes->limit_rate(1, "1gbit", why)) cohort_test::skip(why);
+  const auto [codes, took] = run_hybrid(*nodes, std::chrono::seconds(100));
+  std::printf("hybrid sharding, 1 Gbit/s from node 1: %.2f s\n", took);
+  INFO(took << " s");
   REQUIRE(codes == std::vector<int>(4, 0));
 }
