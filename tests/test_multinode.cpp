@@ -262,6 +262,50 @@ TEST_CASE("a partition by dropped packets names the same culprits on both sides"
   });
 }
 
+// Node 1 is cut off (every packet to and from it dropped) after its ranks connected to the
+// store and before they create a group: the group's first store requests (its counter, then
+// its rendezvous key) waited as long as the store's own timeout (300 s by default), not the
+// group's. Every rank must end within the group's timeout (3 s) and slack: node 1's naming
+// the store, node 0's the ranks that never arrived.
+TEST_CASE("a store cut off before the rendezvous ends every rank within the group's timeout", "[multinode]") {
+  auto nodes = make_cluster(2);
+  hosts_name_every_node(*nodes);
+  std::string why;
+  if (!nodes->can_drop(why)) cohort_test::skip(why);
+  const std::string flags = fresh_directory("store-cut");
+  auto ranks = torchrun_ranks(*nodes, 2);
+  for (auto& rank : ranks) rank.env["COHORT_TEST_FLAGS"] = flags;
+  auto children = nodes->start(ranks, [] {
+    const auto env = cohort::launch_env::detect();
+    const std::string flags = std::getenv("COHORT_TEST_FLAGS");
+    auto store = cohort::connect_store(env);
+    std::ofstream(flags + "/ready" + std::to_string(env.rank)).put('1');
+    if (!wait_for_file(flags + "/go", std::chrono::seconds(30))) return 5;
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      cohort::process_group<cohort::gloo> pg{store, env, group_options(std::chrono::seconds(3))};
+    } catch (const cohort::error& failure) {
+      const double took = seconds_since(start);
+      std::fprintf(stderr, "rank %d after %.1f s: %s\n", env.rank, took, failure.what());
+      if (took > 3.0 + 4.0) return 4;
+      const std::string_view text = failure.what();
+      const bool named = env.rank < 2 ? text.find("ranks 2, 3 never arrived at the rendezvous") != text.npos
+                                      : text.find("store server at " + env.master_addr + ":29400") != text.npos;
+      return named ? 0 : 3;
+    }
+    return 1;
+  });
+  bool ready = true;
+  for (int r = 0; r < 4; ++r)
+    ready = ready && wait_for_file(flags + "/ready" + std::to_string(r), std::chrono::seconds(30));
+  if (ready && !nodes->drop(1, 1.0, why)) std::fprintf(stderr, "could not cut node 1 off: %s\n", why.c_str());
+  std::ofstream(flags + "/go").put('1');
+  const auto codes = cohort_test::wait_children(children, std::chrono::seconds(60));
+  std::filesystem::remove_all(flags);
+  REQUIRE(ready);
+  REQUIRE(codes == std::vector<int>(4, 0));
+}
+
 // Node 1 is killed (both its ranks, SIGKILL, mid-training): the kernel resets their
 // connections. Node 0's ranks must name exactly ranks 2 and 3 as dead, within the timeout.
 TEST_CASE("a killed node is named dead by the other node's ranks, and only it", "[multinode]") {
