@@ -37,6 +37,13 @@ std::unique_ptr<cluster> make_cluster(int nodes) {
   return made;
 }
 
+// Skips the case once the cluster is deleted: skip() leaves the process at once, past every
+// destructor, which would leave the namespaces behind.
+[[noreturn]] void skip_without(std::unique_ptr<cluster>& nodes, const std::string& why) {
+  nodes.reset();
+  cohort_test::skip(why);
+}
+
 // torchrun's variables for `per_node` ranks on each node, rank 0 on node 0.
 std::vector<cluster::rank_process> torchrun_ranks(cluster& nodes, int per_node) {
   std::vector<cluster::rank_process> ranks;
@@ -255,7 +262,7 @@ TEST_CASE("a partition by dropped packets names the same culprits on both sides"
   auto nodes = make_cluster(2);
   hosts_name_every_node(*nodes);
   std::string why;
-  if (!nodes->can_drop(why)) cohort_test::skip(why);
+  if (!nodes->can_drop(why)) skip_without(nodes, why);
   check_partition(*nodes, [&] {
     std::string failed;
     if (!nodes->drop(1, 1.0, failed)) std::fprintf(stderr, "could not partition: %s\n", failed.c_str());
@@ -271,7 +278,7 @@ TEST_CASE("a store cut off before the rendezvous ends every rank within the grou
   auto nodes = make_cluster(2);
   hosts_name_every_node(*nodes);
   std::string why;
-  if (!nodes->can_drop(why)) cohort_test::skip(why);
+  if (!nodes->can_drop(why)) skip_without(nodes, why);
   const std::string flags = fresh_directory("store-cut");
   auto ranks = torchrun_ranks(*nodes, 2);
   for (auto& rank : ranks) rank.env["COHORT_TEST_FLAGS"] = flags;
@@ -507,7 +514,7 @@ TEST_CASE("delay of 2 ms and 50 ms on a node's link only slows hybrid training",
     auto nodes = make_cluster(2);
     hosts_name_every_node(*nodes);
     std::string why;
-    if (!nodes->delay(1, by, why)) cohort_test::skip(why);
+    if (!nodes->delay(1, by, why)) skip_without(nodes, why);
     const auto [codes, took] = run_hybrid(*nodes, std::chrono::seconds(100));
     std::printf("hybrid sharding, %lld ms delay on node 1: %.2f s\n", static_cast<long long>(by.count()), took);
     INFO(by.count() << " ms delay, " << took << " s");
@@ -519,7 +526,7 @@ TEST_CASE("1% packet loss on a node's link only slows hybrid training", "[multin
   auto nodes = make_cluster(2);
   hosts_name_every_node(*nodes);
   std::string why;
-  if (!nodes->drop(1, 0.01, why)) cohort_test::skip(why);
+  if (!nodes->drop(1, 0.01, why)) skip_without(nodes, why);
   const auto [codes, took] = run_hybrid(*nodes, std::chrono::seconds(100));
   std::printf("hybrid sharding, 1%% loss in and out of node 1: %.2f s\n", took);
   INFO(took << " s");
@@ -530,7 +537,7 @@ TEST_CASE("a 1 Gbit/s limit on a node's link only slows hybrid training", "[mult
   auto nodes = make_cluster(2);
   hosts_name_every_node(*nodes);
   std::string why;
-  if (!nodes->limit_rate(1, "1gbit", why)) cohort_test::skip(why);
+  if (!nodes->limit_rate(1, "1gbit", why)) skip_without(nodes, why);
   const auto [codes, took] = run_hybrid(*nodes, std::chrono::seconds(100));
   std::printf("hybrid sharding, 1 Gbit/s from node 1: %.2f s\n", took);
   INFO(took << " s");
