@@ -67,6 +67,66 @@ class cluster {
   // Takes the node's link down: a partition, as pulling its cable makes one.
   void unplug(int index) const { run("ip -n " + switch_ + " link set " + peer_end(index) + " down"); }
 
+  // Faults on the node's own end of its link, where the kernel has the facility; each
+  // returns false with `why` naming the missing one, so the test can skip saying so.
+  // Delay of every packet the node sends (tc netem: the kernel's CONFIG_NET_SCH_NETEM).
+  bool delay(int index, std::chrono::milliseconds by, std::string& why) const {
+    if (std::system("tc -V >/dev/null 2>&1") != 0) {
+      why = "the tc tool (iproute2) is missing";
+      return false;
+    }
+    if (!run_in(index,
+                "tc qdisc replace dev " + end(index) + " root netem delay " + std::to_string(by.count()) + "ms")) {
+      why = "the kernel has no netem qdisc (CONFIG_NET_SCH_NETEM): tc cannot delay packets here";
+      return false;
+    }
+    return true;
+  }
+  // A rate limit on what the node sends (tc tbf).
+  bool limit_rate(int index, const std::string& rate, std::string& why) const {
+    if (!run_in(index,
+                "tc qdisc replace dev " + end(index) + " root tbf rate " + rate + " burst 256kb latency 100ms")) {
+      why = "tc cannot add a tbf qdisc here (the tc tool, or the kernel's CONFIG_NET_SCH_TBF, is missing)";
+      return false;
+    }
+    return true;
+  }
+  // Whether drop() can work here: a rule added and removed on node 0 (for a documentation
+  // address, TEST-NET-1, so nothing is dropped meanwhile).
+  bool can_drop(std::string& why) const {
+    if (std::system("iptables -V >/dev/null 2>&1") != 0) {
+      why = "iptables is missing (apt-get install iptables)";
+      return false;
+    }
+    if (!run_in(0, "iptables -w -A INPUT -s 192.0.2.1 -j DROP") ||
+        !run_in(0, "iptables -w -D INPUT -s 192.0.2.1 -j DROP")) {
+      why = "iptables cannot add a DROP rule here (the kernel's netfilter is missing?)";
+      return false;
+    }
+    return true;
+  }
+  // Drops each packet into or out of the node with `probability` (iptables' statistic
+  // match, the kernel's xt_statistic); 1.0 drops all: a partition that leaves the link up.
+  // Dropped where packets arrive, on the node and on every other node (from its address):
+  // a DROP in OUTPUT would fail the sender's call with EPERM, which no real loss does.
+  bool drop(int index, double probability, std::string& why) const {
+    if (std::system("iptables -V >/dev/null 2>&1") != 0) {
+      why = "iptables is missing (apt-get install iptables)";
+      return false;
+    }
+    const std::string match =
+        probability >= 1.0 ? std::string() : " -m statistic --mode random --probability " + std::to_string(probability);
+    bool ok = run_in(index, "iptables -w -A INPUT -i " + end(index) + match + " -j DROP");
+    for (int other = 0; ok && other < static_cast<int>(nodes_.size()); ++other)
+      if (other != index)
+        ok = run_in(other,
+                    "iptables -w -A INPUT -s " + nodes_[static_cast<std::size_t>(index)].address + match + " -j DROP");
+    if (!ok)
+      why = "iptables cannot add a DROP rule here" +
+            std::string(match.empty() ? "" : " with the statistic match (is the kernel's xt_statistic missing?)");
+    return ok;
+  }
+
   // Starts one child process per entry of `ranks` (node index, environment), inside the
   // node: its namespace, host name and hosts file. Each child runs body() and exits with its
   // value (99 on an exception, printed).
@@ -102,6 +162,9 @@ class cluster {
   std::string peer_end(int index) const { return tag_ + "-" + std::to_string(index) + "b"; }
 
   static bool run(const std::string& command) { return std::system((command + " >/dev/null 2>&1").c_str()) == 0; }
+  bool run_in(int index, const std::string& command) const {
+    return run("ip netns exec " + nodes_[static_cast<std::size_t>(index)].netns + " " + command);
+  }
 
   bool build(std::string& why) {
     teardown();  // a killed earlier run of this process id may have left them

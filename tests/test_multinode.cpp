@@ -9,7 +9,9 @@
 #include <cohort/backend/gloo.hpp>
 #include <cohort/guards.hpp>
 #include <cohort/launch.hpp>
+#include <cohort/optim.hpp>
 #include <cohort/process_group.hpp>
+#include <cohort/sharded.hpp>
 #include <cohort/tcp_store.hpp>
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "../examples/mlp.hpp"
 #include "multinode.hpp"
 #include "support.hpp"
 
@@ -32,6 +35,13 @@ std::unique_ptr<cluster> make_cluster(int nodes) {
   auto made = cluster::make(nodes, why);
   if (!made) cohort_test::skip(why);
   return made;
+}
+
+// Skips the case once the cluster is deleted: skip() leaves the process at once, past every
+// destructor, which would leave the namespaces behind.
+[[noreturn]] void skip_without(std::unique_ptr<cluster>& nodes, const std::string& why) {
+  nodes.reset();
+  cohort_test::skip(why);
 }
 
 // torchrun's variables for `per_node` ranks on each node, rank 0 on node 0.
@@ -193,9 +203,11 @@ bool wait_for_file(const std::string& path, std::chrono::seconds limit) {
 // Node 0's ranks must name ranks 2 and 3 unreachable (not "never issued"); node 1's ranks,
 // cut off from the store on node 0, must say so themselves. Every rank within the group's
 // timeout (3 s), the report's window (3 s) and slack.
-TEST_CASE("a partition names the unreachable ranks on one side and the store on the other", "[multinode]") {
-  auto nodes = make_cluster(2);
-  hosts_name_every_node(*nodes);
+namespace {
+
+// `cut` partitions node 1 from node 0 once every rank has made one call.
+void check_partition(cluster& nodes_ref, const std::function<void()>& cut) {
+  auto* nodes = &nodes_ref;
   const std::string flags = fresh_directory("partition");
   auto ranks = torchrun_ranks(*nodes, 2);
   for (auto& rank : ranks) rank.env["COHORT_TEST_FLAGS"] = flags;
@@ -228,7 +240,72 @@ TEST_CASE("a partition names the unreachable ranks on one side and the store on 
   bool ready = true;
   for (int r = 0; r < 4; ++r)
     ready = ready && wait_for_file(flags + "/ready" + std::to_string(r), std::chrono::seconds(30));
-  if (ready) nodes->unplug(1);
+  if (ready) cut();
+  std::ofstream(flags + "/go").put('1');
+  const auto codes = cohort_test::wait_children(children, std::chrono::seconds(60));
+  std::filesystem::remove_all(flags);
+  REQUIRE(ready);
+  REQUIRE(codes == std::vector<int>(4, 0));
+}
+
+}  // namespace
+
+TEST_CASE("a partition names the unreachable ranks on one side and the store on the other", "[multinode]") {
+  auto nodes = make_cluster(2);
+  hosts_name_every_node(*nodes);
+  check_partition(*nodes, [&] { nodes->unplug(1); });
+}
+
+// The same partition with the link up and every packet to or from node 1 dropped (a
+// firewall, or a switch that lost its way): no carrier change tells either side anything.
+TEST_CASE("a partition by dropped packets names the same culprits on both sides", "[multinode]") {
+  auto nodes = make_cluster(2);
+  hosts_name_every_node(*nodes);
+  std::string why;
+  if (!nodes->can_drop(why)) skip_without(nodes, why);
+  check_partition(*nodes, [&] {
+    std::string failed;
+    if (!nodes->drop(1, 1.0, failed)) std::fprintf(stderr, "could not partition: %s\n", failed.c_str());
+  });
+}
+
+// Node 1 is cut off (every packet to and from it dropped) after its ranks connected to the
+// store and before they create a group: the group's first store requests (its counter, then
+// its rendezvous key) waited as long as the store's own timeout (300 s by default), not the
+// group's. Every rank must end within the group's timeout (3 s) and slack: node 1's naming
+// the store, node 0's the ranks that never arrived.
+TEST_CASE("a store cut off before the rendezvous ends every rank within the group's timeout", "[multinode]") {
+  auto nodes = make_cluster(2);
+  hosts_name_every_node(*nodes);
+  std::string why;
+  if (!nodes->can_drop(why)) skip_without(nodes, why);
+  const std::string flags = fresh_directory("store-cut");
+  auto ranks = torchrun_ranks(*nodes, 2);
+  for (auto& rank : ranks) rank.env["COHORT_TEST_FLAGS"] = flags;
+  auto children = nodes->start(ranks, [] {
+    const auto env = cohort::launch_env::detect();
+    const std::string flags = std::getenv("COHORT_TEST_FLAGS");
+    auto store = cohort::connect_store(env);
+    std::ofstream(flags + "/ready" + std::to_string(env.rank)).put('1');
+    if (!wait_for_file(flags + "/go", std::chrono::seconds(30))) return 5;
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      cohort::process_group<cohort::gloo> pg{store, env, group_options(std::chrono::seconds(3))};
+    } catch (const cohort::error& failure) {
+      const double took = seconds_since(start);
+      std::fprintf(stderr, "rank %d after %.1f s: %s\n", env.rank, took, failure.what());
+      if (took > 3.0 + 4.0) return 4;
+      const std::string_view text = failure.what();
+      const bool named = env.rank < 2 ? text.find("ranks 2, 3 never arrived at the rendezvous") != text.npos
+                                      : text.find("store server at " + env.master_addr + ":29400") != text.npos;
+      return named ? 0 : 3;
+    }
+    return 1;
+  });
+  bool ready = true;
+  for (int r = 0; r < 4; ++r)
+    ready = ready && wait_for_file(flags + "/ready" + std::to_string(r), std::chrono::seconds(30));
+  if (ready && !nodes->drop(1, 1.0, why)) std::fprintf(stderr, "could not cut node 1 off: %s\n", why.c_str());
   std::ofstream(flags + "/go").put('1');
   const auto codes = cohort_test::wait_children(children, std::chrono::seconds(60));
   std::filesystem::remove_all(flags);
@@ -326,5 +403,143 @@ TEST_CASE("node-local groups and local-main-first hold per simulated node", "[mu
                    }),
       std::chrono::seconds(60));
   std::filesystem::remove_all(flags);
+  REQUIRE(codes == std::vector<int>(4, 0));
+}
+
+namespace {
+
+// Hybrid sharding as a multi-node job uses it: parameters sharded inside each node (a group
+// split by node, whose all-gathers and reduce-scatters stay on the node's loopback) and
+// replicated across nodes (a group of the ranks with the same local rank, one per node:
+// only the gradient shards' all-reduce crosses the link). Adam on the examples' MLP; each
+// node's first rank checks the full result against one process on the whole batch.
+const std::vector<std::size_t> hybrid_widths{16, 48, 48, 4};
+constexpr std::size_t hybrid_batch = 24;  // 6 samples per rank on 4 ranks
+constexpr int hybrid_steps = 16;
+constexpr double hybrid_lr = 1e-2;
+
+cohort_examples::synthetic_data hybrid_data(const cohort_examples::mlp& model) {
+  return cohort_examples::synthetic_data::make(hybrid_batch * hybrid_steps, model.input_width(), model.output_width(),
+                                               22);
+}
+
+int train_hybrid() {
+  const auto env = cohort::launch_env::detect();
+  auto store = cohort::connect_store(env);
+  cohort::process_group<cohort::gloo> pg{store, env, group_options(std::chrono::seconds(10))};
+  const int node = env.node_rank();
+  auto shards = pg.split(node, pg.local_rank());
+  auto replicas = pg.split(pg.local_rank(), node);
+  if (!shards || !replicas || shards->size() != env.local_world_size || replicas->size() != pg.size() / shards->size())
+    return 2;
+  // The node-local group really is this node's ranks: their global ranks, summed.
+  std::vector<int> members{pg.rank()};
+  shards->all_reduce(std::span<int>(members)).wait();
+  const int first = node * env.local_world_size;
+  if (members[0] != first + first + 1) return 2;
+
+  const cohort_examples::mlp model(hybrid_widths);
+  const auto data = hybrid_data(model);
+  const auto sizes = model.parameter_sizes();
+  std::vector<std::vector<std::size_t>> units;
+  for (std::size_t l = 0; l < model.layers(); ++l) units.push_back({sizes[2 * l], sizes[2 * l + 1]});
+  cohort::sharded_parameters<cohort::gloo, float> params(*shards, units, {.prefetch = 1}, &*replicas);
+  std::vector<std::vector<float>> initial;
+  if (shards->rank() == 0) {
+    for (auto n : sizes) initial.emplace_back(n, 0.0f);
+    model.initialize(std::vector<std::span<float>>(initial.begin(), initial.end()), 7);
+  }
+  params.scatter_from(0, initial);
+  cohort::adam opt(params, {.lr = hybrid_lr});
+  std::vector<std::vector<float>> grads;
+  for (auto n : sizes) grads.emplace_back(n);
+  const std::size_t local = hybrid_batch / static_cast<std::size_t>(pg.size());
+  for (int step = 0; step < hybrid_steps; ++step) {
+    params.set_order(cohort::prefetch_order::forward);
+    std::vector<cohort::sharded_parameters<cohort::gloo, float>::gathered> layers;
+    std::vector<std::span<float>> weights;
+    for (std::size_t l = 0; l < model.layers(); ++l) {
+      layers.push_back(params.gather(l));
+      for (auto p : layers.back().params()) weights.push_back(p);
+    }
+    const std::size_t sample =
+        static_cast<std::size_t>(step) * hybrid_batch + static_cast<std::size_t>(pg.rank()) * local;
+    model.loss_and_gradients(weights, std::vector<std::span<float>>(grads.begin(), grads.end()),
+                             std::span<const float>(data.inputs).subspan(sample * model.input_width()),
+                             std::span<const float>(data.targets).subspan(sample * model.output_width()), local);
+    layers.clear();
+    params.set_order(cohort::prefetch_order::backward);
+    std::vector<cohort::sharded_parameters<cohort::gloo, float>::work> reductions;
+    for (std::size_t l = model.layers(); l-- > 0;)
+      reductions.push_back(
+          params.reduce_scatter_grad(l, std::vector<std::span<const float>>{grads[2 * l], grads[2 * l + 1]}));
+    for (auto& w : reductions) w.wait();
+    opt.step().wait();
+  }
+  const auto full = params.gather_full_state(0);
+  int code = 0;
+  if (shards->rank() == 0) {
+    const auto single = cohort_examples::train_adam_single(model, data, hybrid_batch, hybrid_steps, hybrid_lr);
+    const double worst = cohort_examples::max_difference(full, single);
+    if (!(worst <= 1e-5)) {
+      std::fprintf(stderr, "rank %d: hybrid sharding differs from one process by %.2e\n", pg.rank(), worst);
+      code = 1;
+    }
+  }
+  pg.barrier().wait();
+  return code;
+}
+
+// Trains hybrid on 2 nodes x 2 ranks; every rank's exit code, and the seconds it took.
+std::pair<std::vector<int>, double> run_hybrid(cluster& nodes, std::chrono::seconds limit) {
+  const auto started = std::chrono::steady_clock::now();
+  auto codes = cohort_test::wait_children(nodes.start(torchrun_ranks(nodes, 2), train_hybrid), limit);
+  return {codes, seconds_since(started)};
+}
+
+}  // namespace
+
+TEST_CASE("hybrid sharding per node on 2 nodes x 2 ranks equals one process", "[multinode]") {
+  auto nodes = make_cluster(2);
+  hosts_name_every_node(*nodes);
+  const auto [codes, took] = run_hybrid(*nodes, std::chrono::seconds(60));
+  std::printf("hybrid sharding, 2 nodes x 2 ranks: %.2f s\n", took);
+  REQUIRE(codes == std::vector<int>(4, 0));
+}
+
+// Faults on node 1's link, where the kernel has them: training must match as before, only
+// slower, within the group's timeout on every call (no spurious timeouts).
+TEST_CASE("delay of 2 ms and 50 ms on a node's link only slows hybrid training", "[multinode]") {
+  for (const auto by : {std::chrono::milliseconds(2), std::chrono::milliseconds(50)}) {
+    auto nodes = make_cluster(2);
+    hosts_name_every_node(*nodes);
+    std::string why;
+    if (!nodes->delay(1, by, why)) skip_without(nodes, why);
+    const auto [codes, took] = run_hybrid(*nodes, std::chrono::seconds(100));
+    std::printf("hybrid sharding, %lld ms delay on node 1: %.2f s\n", static_cast<long long>(by.count()), took);
+    INFO(by.count() << " ms delay, " << took << " s");
+    REQUIRE(codes == std::vector<int>(4, 0));
+  }
+}
+
+TEST_CASE("1% packet loss on a node's link only slows hybrid training", "[multinode]") {
+  auto nodes = make_cluster(2);
+  hosts_name_every_node(*nodes);
+  std::string why;
+  if (!nodes->drop(1, 0.01, why)) skip_without(nodes, why);
+  const auto [codes, took] = run_hybrid(*nodes, std::chrono::seconds(100));
+  std::printf("hybrid sharding, 1%% loss in and out of node 1: %.2f s\n", took);
+  INFO(took << " s");
+  REQUIRE(codes == std::vector<int>(4, 0));
+}
+
+TEST_CASE("a 1 Gbit/s limit on a node's link only slows hybrid training", "[multinode]") {
+  auto nodes = make_cluster(2);
+  hosts_name_every_node(*nodes);
+  std::string why;
+  if (!nodes->limit_rate(1, "1gbit", why)) skip_without(nodes, why);
+  const auto [codes, took] = run_hybrid(*nodes, std::chrono::seconds(100));
+  std::printf("hybrid sharding, 1 Gbit/s from node 1: %.2f s\n", took);
+  INFO(took << " s");
   REQUIRE(codes == std::vector<int>(4, 0));
 }

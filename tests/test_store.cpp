@@ -402,6 +402,48 @@ TEST_CASE("store: tcp waits time out naming the key, the rank and the time") {
   setter.join();
 }
 
+// A group's store requests are bounded by the group's timeout: a server that stops answering
+// (stopped here; cut off by a partition in test_multinode) ends a set or add through the
+// group's prefix_store, or set_within/add_within, within that bound, not the store's own.
+TEST_CASE("store: set and add within a bound end then when the server stops answering") {
+  int port_pipe[2];
+  REQUIRE(::pipe(port_pipe) == 0);
+  const pid_t server = spawn([&] {
+    cohort::tcp_store_server host("127.0.0.1", 0);
+    const std::uint16_t port = host.port();
+    expect(::write(port_pipe[1], &port, sizeof(port)) == sizeof(port), "port pipe");
+    ::pause();  // serves until killed
+    return 0;
+  });
+  std::uint16_t port = 0;
+  REQUIRE(::read(port_pipe[0], &port, sizeof(port)) == sizeof(port));
+  auto options = client_of(port, 2);
+  options.timeout = 300s;  // the store's default: what a silent server held these calls for
+  auto first = std::make_shared<cohort::tcp_store>(options);
+  cohort::tcp_store second(options);
+  first->set("before", "1");
+  second.set("before", "2");
+  REQUIRE(::kill(server, SIGSTOP) == 0);
+  cohort::prefix_store group(first, "cohort/pg0/");
+  group.set_timeout(400ms);
+  // SET has no reply: it waits only while the value does not fit the sockets' buffers.
+  const std::string large(std::size_t{64} << 20, 'x');
+  auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(group.set("gloo/2", large),
+                    Catch::Contains("store.set") &&
+                        Catch::Contains("could not send to the store server at 127.0.0.1:") &&
+                        Catch::Contains("within 400 ms") && Catch::Contains("rank 2"));
+  CHECK(std::chrono::steady_clock::now() - start < 5s);
+  start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(second.add_within("cohort/groups_created/2", 1, 300ms),
+                    Catch::Contains("store.add") && Catch::Contains("within 300 ms"));
+  CHECK(std::chrono::steady_clock::now() - start < 5s);
+  ::kill(server, SIGKILL);
+  ::waitpid(server, nullptr, 0);
+  ::close(port_pipe[0]);
+  ::close(port_pipe[1]);
+}
+
 TEST_CASE("store: a tcp client started before its server connects once the server appears") {
   const std::uint16_t port = unused_port();
   const pid_t early = spawn([port] {

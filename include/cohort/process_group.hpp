@@ -165,7 +165,9 @@ class process_group {
     validate_env(env);
     // The n-th group a rank creates on a store gets prefix n, so several groups (say one
     // Gloo and one NCCL) can share one store as long as every rank creates them in order.
-    const auto index = rendezvous->add("cohort/groups_created/" + std::to_string(env.rank), 1);
+    // Bounded by the group's timeout, as the rendezvous after it: a store cut off from this
+    // host ends the group's creation then, not after the store's own (longer) timeout.
+    const auto index = rendezvous->add_within("cohort/groups_created/" + std::to_string(env.rank), 1, opts.timeout);
     store_ = std::make_shared<prefix_store>(rendezvous, "cohort/pg" + std::to_string(index) + "/");
     store_->set_rank(env.rank);
     store_->set_timeout(opts.timeout);

@@ -61,6 +61,18 @@ class store {
   // constant number of requests (tcp_store: one WAIT, one MULTI_GET), so a start of N ranks
   // costs O(N) requests in all instead of O(N^2). This default waits, then gets key by key.
   virtual std::vector<bytes> multi_get(std::span<const std::string> keys, std::chrono::milliseconds timeout);
+  // set and add that wait at most `timeout` for the server's answer (or the store's own
+  // timeout, if shorter): a group's requests are bounded by the group's timeout, so a store
+  // cut off from this host (a partition) ends them as soon as the group's waits would end,
+  // not after the store's own minutes. This default ignores it: in-process and file stores
+  // do not wait on a peer.
+  virtual void set_within(std::string_view key, std::span<const std::uint8_t> value,
+                          std::chrono::milliseconds /*timeout*/) {
+    set(key, value);
+  }
+  virtual std::int64_t add_within(std::string_view key, std::int64_t delta, std::chrono::milliseconds /*timeout*/) {
+    return add(key, delta);
+  }
 
   // A new handle to the same store whose every operation, connecting included, is bounded by
   // `timeout`, or null where this handle's operations are bounded already (in-process and
@@ -142,13 +154,25 @@ class prefix_store final : public store {
  public:
   prefix_store(std::shared_ptr<store> inner, std::string prefix);
 
-  void set(std::string_view key, std::span<const std::uint8_t> value) override { inner_->set(full(key), value); }
+  // Its set and add too wait at most its own timeout() (the group's, for a group's store).
+  void set(std::string_view key, std::span<const std::uint8_t> value) override {
+    inner_->set_within(full(key), value, timeout());
+  }
   using store::set;
+  void set_within(std::string_view key, std::span<const std::uint8_t> value,
+                  std::chrono::milliseconds timeout) override {
+    inner_->set_within(full(key), value, std::min(timeout, this->timeout()));
+  }
   bytes get(std::string_view key, std::chrono::milliseconds timeout) override {
     return inner_->get(full(key), timeout);
   }
   using store::get;
-  std::int64_t add(std::string_view key, std::int64_t delta) override { return inner_->add(full(key), delta); }
+  std::int64_t add(std::string_view key, std::int64_t delta) override {
+    return inner_->add_within(full(key), delta, timeout());
+  }
+  std::int64_t add_within(std::string_view key, std::int64_t delta, std::chrono::milliseconds timeout) override {
+    return inner_->add_within(full(key), delta, std::min(timeout, this->timeout()));
+  }
   bytes compare_set(std::string_view key, std::span<const std::uint8_t> expected,
                     std::span<const std::uint8_t> desired) override {
     return inner_->compare_set(full(key), expected, desired);

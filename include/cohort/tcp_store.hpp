@@ -95,15 +95,20 @@ class tcp_store final : public store {
   // The server this handle hosts (options.is_server), else null.
   const std::shared_ptr<tcp_store_server>& server() const noexcept { return server_; }
 
-  void set(std::string_view key, std::span<const std::uint8_t> value) override;
+  void set(std::string_view key, std::span<const std::uint8_t> value) override { set_within(key, value, timeout()); }
   using store::set;
+  void set_within(std::string_view key, std::span<const std::uint8_t> value,
+                  std::chrono::milliseconds timeout) override;
 
   // Waits for the key (c10d's client also WAITs before its GET), then reads it.
   bytes get(std::string_view key, std::chrono::milliseconds timeout) override;
   using store::get;
 
   std::int64_t add(std::string_view key, std::int64_t delta) override {
-    return add_wire(wire_key("add", key), key, delta);
+    return add_wire(wire_key("add", key), key, delta, timeout());
+  }
+  std::int64_t add_within(std::string_view key, std::int64_t delta, std::chrono::milliseconds timeout) override {
+    return add_wire(wire_key("add", key), key, delta, timeout);
   }
 
   bytes compare_set(std::string_view key, std::span<const std::uint8_t> expected,
@@ -204,9 +209,27 @@ class tcp_store final : public store {
     bytes message;
     writer out(message);
     write(out);
-    const auto deadline = clock::now() + timeout();
+    const auto deadline = clock::now() + request_timeout();
     send_message(operation, message, deadline);
     read(deadline);
+  }
+
+  // exchange, waiting at most `limit` (or timeout(), if shorter) for the reply.
+  template <class Write, class Read = decltype(&no_reply)>
+  void exchange_within(std::string_view operation, std::chrono::milliseconds limit, Write&& write,
+                       Read&& read = &no_reply) {
+    std::lock_guard lock(mutex_);
+    request_limit_ = limit;
+    struct reset {
+      std::chrono::milliseconds& limit;
+      ~reset() { limit = std::chrono::milliseconds(0); }
+    } back_to_timeout{request_limit_};
+    exchange_locked(operation, std::forward<Write>(write), std::forward<Read>(read));
+  }
+
+  // What the request in flight waits at most (under mutex_), and what its timeout error says.
+  std::chrono::milliseconds request_timeout() const noexcept {
+    return request_limit_.count() > 0 ? std::min(request_limit_, timeout()) : timeout();
   }
 
   void send_message(std::string_view operation, std::span<const std::uint8_t> data, clock::time_point deadline,
@@ -223,7 +246,8 @@ class tcp_store final : public store {
 
   bytes get_locked(const std::string& wire, std::string_view key);
 
-  std::int64_t add_wire(const std::string& wire, std::string_view key, std::int64_t delta);
+  std::int64_t add_wire(const std::string& wire, std::string_view key, std::int64_t delta,
+                        std::chrono::milliseconds limit);
 
   bool check_locked(std::span<const std::string> keys);
 
@@ -259,6 +283,9 @@ class tcp_store final : public store {
   std::size_t inbox_start_ = 0;  // inbox_[start, end) is unread
   std::size_t inbox_end_ = 0;
   std::string broken_;
+  // Under mutex_: the bound a caller set on the request in flight (set_within, add_within);
+  // zero when it is timeout().
+  std::chrono::milliseconds request_limit_{0};
   std::uint32_t ping_count_ = 0;
   std::atomic<std::uint64_t> requests_{0};
   bool authenticated_ = false;

@@ -270,7 +270,9 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
   }
   std::vector<std::string> keys;
   for (int peer = 0; peer < size_; ++peer) keys.push_back("gloo/" + std::to_string(peer));
-  store_->set(keys[static_cast<std::size_t>(rank_)], std::span<const std::uint8_t>(detail::encode_gloo_peer(mine)));
+  // Within the group's timeout, like the multi_get after it (a store gone silent ends both).
+  store_->set_within(keys[static_cast<std::size_t>(rank_)],
+                     std::span<const std::uint8_t>(detail::encode_gloo_peer(mine)), options_.timeout);
   std::vector<bytes> published;
   try {
     published = store_->multi_get(std::span<const std::string>(keys), options_.timeout);

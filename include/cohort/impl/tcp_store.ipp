@@ -61,9 +61,10 @@ COHORT_DECL auto tcp_store::bounded(std::chrono::milliseconds timeout) const -> 
   return std::make_shared<tcp_store>(std::move(options));
 }
 
-COHORT_DECL auto tcp_store::set(std::string_view key, std::span<const std::uint8_t> value) -> void {
+COHORT_DECL auto tcp_store::set_within(std::string_view key, std::span<const std::uint8_t> value,
+                                       std::chrono::milliseconds timeout) -> void {
   check_value_size("set", key, value.size());
-  exchange("set", [&](writer& write) {
+  exchange_within("set", timeout, [&](writer& write) {
     write.command(command::set);
     write.string(wire_key("set", key));
     write.data(value);
@@ -213,8 +214,8 @@ COHORT_DECL auto tcp_store::fail_timeout(std::string_view operation, const std::
   drop_connection();
   broken_ = detail;
   throw timeout_error(rank(), "store." + std::string(operation), detail,
-                      "the store server is overloaded or stalled; raise the store timeout "
-                      "or check the server host");
+                      "the store server is overloaded or stalled, or cut off from this host; check the "
+                      "server host and the network between, or raise the timeout");
 }
 
 COHORT_DECL auto tcp_store::fail_busy(std::string_view operation) -> void {
@@ -242,7 +243,7 @@ COHORT_DECL auto tcp_store::send_all(std::string_view operation, std::span<const
     if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       if (!detail::tcp::poll_until(socket_.get(), POLLOUT, deadline))
         fail_timeout(operation, "could not send to the store server at " + endpoint() + " within " +
-                                    detail::format_duration(timeout()));
+                                    detail::format_duration(request_timeout()));
       continue;
     }
     fail(operation, "sending to the store server at " + endpoint() + " failed: " + detail::tcp::errno_text(errno));
@@ -285,7 +286,7 @@ COHORT_DECL auto tcp_store::receive_exact(std::string_view operation, std::strin
            "receiving from the store server at " + endpoint() + about + " failed: " + detail::tcp::errno_text(errno));
     if (!detail::tcp::poll_until(socket_.get(), POLLIN, deadline))
       fail_timeout(operation, "no reply from the store server at " + endpoint() + about + " within " +
-                                  detail::format_duration(timeout()));
+                                  detail::format_duration(request_timeout()));
   }
 }
 
@@ -313,11 +314,11 @@ COHORT_DECL auto tcp_store::get_locked(const std::string& wire, std::string_view
   return value;
 }
 
-COHORT_DECL auto tcp_store::add_wire(const std::string& wire, std::string_view key, std::int64_t delta)
-    -> std::int64_t {
+COHORT_DECL auto tcp_store::add_wire(const std::string& wire, std::string_view key, std::int64_t delta,
+                                     std::chrono::milliseconds limit) -> std::int64_t {
   std::int64_t value = 0;
-  exchange(
-      "add",
+  exchange_within(
+      "add", limit,
       [&](writer& write) {
         write.command(command::add);
         write.string(wire);
@@ -582,7 +583,7 @@ COHORT_DECL auto tcp_store::prove_token(const detail::tcp_store_protocol::nonce&
 
 COHORT_DECL auto tcp_store::join_workers(int workers) -> void {
   const std::string init_key = "init/";  // c10d's key, without the key prefix
-  add_wire(init_key, init_key, 1);
+  add_wire(init_key, init_key, 1, timeout());
   if (!server_) return;
   const auto start = clock::now();
   auto pause = std::chrono::milliseconds(5);
