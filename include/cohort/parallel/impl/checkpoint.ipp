@@ -323,10 +323,14 @@ COHORT_DECL void commit_checkpoint(const std::string& directory, const std::stri
   sync_directory(directory, rank);
   if (replacing) std::filesystem::remove_all(aside, ec);
   if (keep_last == 0) return;
+  // The newest keep_last complete ones stay; a step-* without an index is not ours (we rename
+  // only complete ones) and is left alone.
   std::vector<std::pair<std::uint64_t, std::filesystem::path>> steps;
   for (const auto& entry : std::filesystem::directory_iterator(directory, ec)) {
     std::uint64_t step = 0;
-    if (is_step_name(entry.path().filename().string(), step)) steps.emplace_back(step, entry.path());
+    if (is_step_name(entry.path().filename().string(), step) &&
+        std::filesystem::exists(entry.path() / "manifest.json", ec))
+      steps.emplace_back(step, entry.path());
   }
   std::sort(steps.begin(), steps.end());
   for (std::size_t i = 0; i + keep_last < steps.size(); ++i) std::filesystem::remove_all(steps[i].second, ec);
