@@ -7,6 +7,8 @@
 //
 //   train --strategy zero3 --ranks 4            # 4 ranks as threads of this process
 //   mpirun -np 4 train --strategy zero2         # or torchrun --nproc-per-node 4 --no-python train
+//   train --ranks 4 --checkpoint ckpt --save-every 5 --stop-after 9   # stopped after step 9
+//   train --ranks 2 --strategy zero3 --checkpoint ckpt --resume       # continues at step 10
 //
 // The parameters sit in one flat buffer laid out as llm.c lays out GPT-2's (tensor-major,
 // stacked over the hidden layers: examples/flat_model.hpp). Each rank prints what it holds
@@ -14,7 +16,9 @@
 // training on the whole batch with AdamW written out in double.
 #include <cohort/cohort.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -38,6 +42,10 @@ struct config {
   std::vector<std::size_t> widths{32, 128, 128, 128, 128, 128, 128, 8};
   cohort::adam_options adam{.lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01};
   double max_grad_norm = 1.0;
+  std::string checkpoint;  // a directory: save there (and resume from it with `resume`)
+  int save_every = 0;      // steps between checkpoints; 0: only the last step's
+  bool resume = false;     // continue from the newest complete checkpoint, at any world and strategy
+  int stop_after = -1;     // >= 0: stop (exit 0) after this step, as a job that was stopped
 };
 
 // The model's tensors as regions of its flat buffer: W_l and b_l in layer l, matrices decayed.
@@ -97,16 +105,37 @@ std::string human(std::size_t bytes) {
   return text;
 }
 
-// One rank's training. The loop is the same whatever cfg.strategy says.
-std::vector<float> train(cohort::process_group<cohort::gloo>& pg, const config& cfg, const mlp& model,
+// One rank's training. The loop is the same whatever cfg.strategy says. `stopped` is set when
+// --stop-after ended it early.
+std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg, const config& cfg, const mlp& model,
                          const flat_layout& layout, const cohort_examples::synthetic_data& data) {
   cohort::training_state<cohort::gloo> state(
       pg, regions_of(model, layout),
       {.strategy = cfg.strategy, .bucket_bytes = 64 << 10, .adam = cfg.adam, .max_grad_norm = cfg.max_grad_norm});
   state.load_parameters(initial_parameters(model, layout));
+  // The data is indexed by step: the sampler's position is the next step, kept in the
+  // checkpoint's metadata with the data's seed.
+  int first_step = 0;
+  if (cfg.resume && !cfg.checkpoint.empty())
+    if (const auto resumed = cohort::resume_checkpoint(state, cfg.checkpoint)) {
+      first_step = std::stoi(resumed->metadata.at("next_step"));
+      if (pg.rank() == 0)
+        std::printf(
+            "resumed from %s (saved at %d ranks under %s, %llu bytes read here, %.3f s): continuing at step %d\n",
+            resumed->path.c_str(), resumed->world_size, resumed->strategy.c_str(),
+            static_cast<unsigned long long>(resumed->bytes_read), resumed->seconds, first_step);
+    }
+  const auto save = [&](int step) {
+    const auto saved = cohort::save_checkpoint(
+        state, cfg.checkpoint, static_cast<std::uint64_t>(step),
+        {.metadata = {{"next_step", std::to_string(step + 1)}, {"data_seed", "2024"}}, .keep_last = 3});
+    if (pg.rank() == 0)
+      std::printf("saved %s (%llu bytes from rank 0, %.3f s)\n", saved.path.c_str(),
+                  static_cast<unsigned long long>(saved.bytes_written), saved.seconds);
+  };
   const std::size_t layers = model.layers(), local = cfg.batch / static_cast<std::size_t>(pg.size());
   std::vector<std::vector<float>> activation(layers + 1);
-  for (int step = 0; step < cfg.steps; ++step) {
+  for (int step = first_step; step < cfg.steps; ++step) {
     const std::size_t first = static_cast<std::size_t>(step) * cfg.batch + static_cast<std::size_t>(pg.rank()) * local;
     const auto inputs = cohort_examples::rows(data.inputs, first, local, model.input_width());
     activation[0].assign(inputs.begin(), inputs.end());
@@ -131,6 +160,15 @@ std::vector<float> train(cohort::process_group<cohort::gloo>& pg, const config& 
     if (pg.rank() == 0 && (step % 5 == 0 || step + 1 == cfg.steps))
       std::printf("step %2d  loss %.6f  grad norm %.4f%s\n", step, mean_loss, result.grad_norm,
                   result.clip_factor < 1 ? " (clipped)" : "");
+    const bool stop = step == cfg.stop_after;
+    if (!cfg.checkpoint.empty() &&
+        ((cfg.save_every > 0 && (step + 1) % cfg.save_every == 0) || stop || step + 1 == cfg.steps)) {
+      save(step);
+    }
+    if (stop) {
+      stopped = true;
+      break;
+    }
   }
   const auto memory = state.memory();
   std::printf("[rank %d] memory per rank: parameters %s, gradients %s, optimizer state %s\n", pg.rank(),
@@ -149,7 +187,15 @@ config parse(int argc, char** argv) {
       if (i + 1 >= argc) throw std::runtime_error(arg + " needs a value");
       return argv[++i];
     };
-    if (arg == "--ranks")
+    if (arg == "--checkpoint")
+      cfg.checkpoint = value();
+    else if (arg == "--save-every")
+      cfg.save_every = std::stoi(value());
+    else if (arg == "--resume")
+      cfg.resume = true;
+    else if (arg == "--stop-after")
+      cfg.stop_after = std::stoi(value());
+    else if (arg == "--ranks")
       cfg.ranks = std::stoi(value());
     else if (arg == "--steps")
       cfg.steps = std::stoi(value());
@@ -163,6 +209,7 @@ config parse(int argc, char** argv) {
     } else {
       std::printf(
           "usage: train [--strategy ddp|zero1|zero2|zero3] [--ranks N] [--steps S] [--batch B]\n"
+          "             [--checkpoint DIR [--save-every K] [--resume] [--stop-after N]]\n"
           "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
       std::exit(arg == "--help" || arg == "-h" ? 0 : 2);
     }
@@ -183,8 +230,18 @@ int main(int argc, char** argv) try {
     if (cfg.batch % static_cast<std::size_t>(env.world_size) != 0)
       throw std::runtime_error("--batch must be divisible by the number of ranks");
     cohort::process_group<cohort::gloo> pg{store, env};
-    const auto trained = train(pg, cfg, model, layout, data);
+    bool stopped = false;
+    const auto trained = train(stopped, pg, cfg, model, layout, data);
     if (pg.rank() != 0) return;
+    // Summaries of the gathered parameters in double, so that two runs compare from outside.
+    double sum = 0, squares = 0, largest = 0;
+    for (const float p : trained) {
+      sum += p;
+      squares += static_cast<double>(p) * p;
+      largest = std::max(largest, std::abs(static_cast<double>(p)));
+    }
+    std::printf("final parameters: sum %.9e, sum of squares %.9e, max |param| %.9e\n", sum, squares, largest);
+    if (stopped) return;  // stopped as a job is: the comparison is for a finished run
     const auto single = train_single(cfg, model, layout, data);
     // The final loss of each on the last step's whole batch.
     const std::size_t last = static_cast<std::size_t>(cfg.steps - 1) * cfg.batch;
