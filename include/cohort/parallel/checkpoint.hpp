@@ -84,6 +84,16 @@ std::optional<checkpoint_info> resume_checkpoint(training_state<B, P, G>& state,
 // The newest complete checkpoint in `directory`: DIR/step-<N> with its index, largest N.
 std::optional<std::string> newest_checkpoint(const std::string& directory);
 
+// Reads every byte of the checkpoint at `checkpoint` and checks every block's checksum; the
+// bytes read. A damaged one is a cohort::error naming the file and the rank that wrote it.
+std::uint64_t verify_checkpoint(const std::string& checkpoint);
+
+// The checkpoint's parameters (the masters, as saved), whatever world size wrote them, as one
+// safetensors file (an 8-byte little-endian header length, a JSON header naming each tensor's
+// dtype, shape and data offsets, the raw data): one tensor per region, named as the region.
+// Written atomically. Checksums verified on the way.
+void consolidate_checkpoint(const std::string& checkpoint, const std::string& safetensors_path);
+
 namespace detail {
 
 // The index's contents (manifest.json).
@@ -162,6 +172,9 @@ std::vector<std::size_t> match_checkpoint(const checkpoint_manifest& manifest, c
 std::uint64_t read_checkpoint(const std::string& checkpoint, const checkpoint_manifest& manifest,
                               const std::vector<checkpoint_need>& needs, std::size_t element_bytes, int rank,
                               std::int64_t& failed_file);
+
+// safetensors' dtype name of a checkpoint dtype ("float" -> "F32"); empty for none.
+std::string safetensors_dtype(const std::string& dtype);
 
 }  // namespace detail
 }  // namespace cohort::inline v0

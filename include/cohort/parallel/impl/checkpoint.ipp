@@ -473,5 +473,76 @@ COHORT_DECL std::uint64_t read_checkpoint(const std::string& checkpoint, const c
   return bytes_read;
 }
 
+COHORT_DECL std::string safetensors_dtype(const std::string& dtype) {
+  if (dtype == "float") return "F32";
+  if (dtype == "double") return "F64";
+  if (dtype == "half") return "F16";
+  if (dtype == "bfloat16") return "BF16";
+  return {};
+}
+
+namespace {
+// Every element of the first `tensors` tensors of every region, tensor after tensor, region
+// after region, into one buffer: one pass, each block read once.
+std::vector<char> read_whole_tensors(const std::string& checkpoint, const checkpoint_manifest& manifest,
+                                     std::size_t tensors, std::uint64_t& bytes_read) {
+  std::uint64_t total = 0;
+  for (const auto& r : manifest.regions) total += r.count;
+  std::vector<char> data(tensors * total * manifest.element_bytes);
+  std::vector<checkpoint_need> needs;
+  std::uint64_t at = 0;
+  for (std::size_t t = 0; t < tensors; ++t)
+    for (std::size_t r = 0; r < manifest.regions.size(); ++r) {
+      needs.push_back({t, r, 0, manifest.regions[r].count, data.data() + at * manifest.element_bytes});
+      at += manifest.regions[r].count;
+    }
+  std::int64_t failed_file = -1;
+  bytes_read += read_checkpoint(checkpoint, manifest, needs, manifest.element_bytes, -1, failed_file);
+  return data;
+}
+}  // namespace
+
 }  // namespace detail
+
+COHORT_DECL std::uint64_t verify_checkpoint(const std::string& checkpoint) {
+  const auto manifest = detail::read_checkpoint_manifest(checkpoint, -1);
+  std::uint64_t bytes_read = 0;
+  detail::read_whole_tensors(checkpoint, manifest, manifest.tensors.size(), bytes_read);
+  return bytes_read;
+}
+
+COHORT_DECL void consolidate_checkpoint(const std::string& checkpoint, const std::string& safetensors_path) {
+  const auto manifest = detail::read_checkpoint_manifest(checkpoint, -1);
+  std::uint64_t bytes_read = 0;
+  const auto data = detail::read_whole_tensors(checkpoint, manifest, 1, bytes_read);
+  detail::json header = detail::json::make_object();
+  std::uint64_t offset = 0;
+  for (const auto& r : manifest.regions) {
+    const std::string dtype = detail::safetensors_dtype(r.dtype);
+    if (dtype.empty())
+      throw error(-1, "consolidate_checkpoint", "region '" + r.name + "' has dtype " + r.dtype,
+                  "safetensors names float, double, half and bfloat16");
+    detail::json entry;
+    entry.set("dtype", dtype);
+    entry.set("shape", detail::json(detail::json::array{detail::json(r.count)}));
+    const std::uint64_t bytes = r.count * manifest.element_bytes;
+    entry.set("data_offsets", detail::json(detail::json::array{detail::json(offset), detail::json(offset + bytes)}));
+    header.set(r.name, std::move(entry));
+    offset += bytes;
+  }
+  detail::json metadata;
+  metadata.set("format", "pt");
+  metadata.set("cohort_step", std::to_string(manifest.step));
+  header.set("__metadata__", std::move(metadata));
+  std::string text = header.dump();
+  // The data starts 8-byte aligned: the header is padded with spaces, as the format allows.
+  text.append((8 - (8 + text.size()) % 8) % 8, ' ');
+  std::string file(8, '\0');
+  const std::uint64_t length = text.size();
+  for (int b = 0; b < 8; ++b) file[static_cast<std::size_t>(b)] = static_cast<char>((length >> (8 * b)) & 0xffu);
+  file += text;
+  file.append(data.data(), data.size());
+  atomic_write_file(safetensors_path, file, -1);
+}
+
 }  // namespace cohort::inline v0
