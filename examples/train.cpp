@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -125,13 +126,18 @@ std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg,
             resumed->path.c_str(), resumed->world_size, resumed->strategy.c_str(),
             static_cast<unsigned long long>(resumed->bytes_read), resumed->seconds, first_step);
     }
-  const auto save = [&](int step) {
-    const auto saved = cohort::save_checkpoint(
-        state, cfg.checkpoint, static_cast<std::uint64_t>(step),
-        {.metadata = {{"next_step", std::to_string(step + 1)}, {"data_seed", "2024"}}, .keep_last = 3});
-    if (pg.rank() == 0)
-      std::printf("saved %s (%llu bytes from rank 0, %.3f s)\n", saved.path.c_str(),
-                  static_cast<unsigned long long>(saved.bytes_written), saved.seconds);
+  // Periodic saves are asynchronous (training waits for the copy into host staging only; the
+  // previous one commits at the next save); the last step's is waited for.
+  cohort::async_checkpointer saver(state);
+  const auto report = [&](const std::optional<cohort::checkpoint_info>& saved) {
+    if (saved && pg.rank() == 0)
+      std::printf("saved %s (%llu bytes from rank 0, %.3f s, training blocked %.3f s)\n", saved->path.c_str(),
+                  static_cast<unsigned long long>(saved->bytes_written), saved->seconds, saver.last_blocked_seconds());
+  };
+  const auto save = [&](int step, bool last) {
+    report(saver.save(cfg.checkpoint, static_cast<std::uint64_t>(step),
+                      {.metadata = {{"next_step", std::to_string(step + 1)}, {"data_seed", "2024"}}, .keep_last = 3}));
+    if (last) report(saver.wait());
   };
   const std::size_t layers = model.layers(), local = cfg.batch / static_cast<std::size_t>(pg.size());
   std::vector<std::vector<float>> activation(layers + 1);
@@ -163,7 +169,7 @@ std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg,
     const bool stop = step == cfg.stop_after;
     if (!cfg.checkpoint.empty() &&
         ((cfg.save_every > 0 && (step + 1) % cfg.save_every == 0) || stop || step + 1 == cfg.steps)) {
-      save(step);
+      save(step, stop || step + 1 == cfg.steps);
     }
     if (stop) {
       stopped = true;

@@ -33,8 +33,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cohort/detail/config.hpp"
@@ -50,6 +52,10 @@ struct checkpoint_options {
   // Checksum granularity: a load reads the whole blocks that hold what it needs, so smaller
   // blocks read less at another world size and cost a longer index.
   std::size_t block_bytes = std::size_t{1} << 20;
+  // async_checkpointer: host memory a save may hold while training goes on; 0: the rank's
+  // state once (what it stages). A state larger than a non-zero bound is written before
+  // save() returns.
+  std::size_t staging_bytes = 0;
 };
 
 struct checkpoint_info {
@@ -69,6 +75,48 @@ struct checkpoint_info {
 template <backend B, element P, element G>
 checkpoint_info save_checkpoint(training_state<B, P, G>& state, const std::string& directory, std::uint64_t step,
                                 const checkpoint_options& options = {});
+
+namespace detail {
+template <class Master>
+struct pending_checkpoint;
+}
+
+// Saves that block training only for the copy into host staging: the rank's file is written
+// and fsynced on a background thread, and committed (checksums gathered, the index written,
+// the rename) at the next save() or wait(), which are collective. An error of the write
+// surfaces there, naming the rank, the file and the errno. One save in flight at a time.
+//
+//   cohort::async_checkpointer saver(state);
+//   if (step % 100 == 0) saver.save("ckpt", step, {.metadata = ...});   // returns the previous one's info
+//   ...
+//   saver.wait();                                                       // before exit: commits the last
+template <backend B, element P, element G>
+class async_checkpointer {
+ public:
+  explicit async_checkpointer(training_state<B, P, G>& state) : state_(&state) {}
+  async_checkpointer(const async_checkpointer&) = delete;
+  async_checkpointer& operator=(const async_checkpointer&) = delete;
+  // Waits for the write in flight; one never committed stays a tmp-* directory, never loaded.
+  ~async_checkpointer();
+
+  // Collective. Commits the previous save (its info, or nullopt when there was none), then
+  // stages this step's state and starts writing it.
+  std::optional<checkpoint_info> save(const std::string& directory, std::uint64_t step,
+                                      const checkpoint_options& options = {});
+  // Collective. Waits for the save in flight and commits it; nullopt when there is none.
+  std::optional<checkpoint_info> wait();
+
+  double last_blocked_seconds() const noexcept { return last_blocked_seconds_; }  // the last save()
+  std::uint64_t staging_peak_bytes() const noexcept { return staging_peak_; }
+
+ private:
+  using pending_type = detail::pending_checkpoint<typename training_state<B, P, G>::master_type>;
+  training_state<B, P, G>* state_;
+  std::unique_ptr<pending_type> pending_;
+  std::thread writer_;
+  double last_blocked_seconds_ = 0;
+  std::uint64_t staging_peak_ = 0;
+};
 
 // Collective. Loads DIR/step-<N> (the path a checkpoint_info names) into `state`, whatever the
 // world size and strategy that saved it. The loss scaler's state goes to options().scaler.
