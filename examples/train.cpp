@@ -8,6 +8,8 @@
 //   train --strategy zero3 --ranks 4            # 4 ranks as threads of this process
 //   mpirun -np 4 train --strategy zero2         # or torchrun --nproc-per-node 4 --no-python train
 //   train --ranks 3 --batches-per-rank 5,3,0    # uneven inputs: a join scope keeps them in step
+//   train --ranks 4 --checkpoint ckpt --save-every 5 --stop-after 9   # stopped after step 9
+//   train --ranks 2 --strategy zero3 --checkpoint ckpt --resume       # continues at step 10
 //
 // The parameters sit in one flat buffer laid out as llm.c lays out GPT-2's (tensor-major,
 // stacked over the hidden layers: examples/flat_model.hpp). Each rank prints what it holds
@@ -18,6 +20,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -34,20 +37,46 @@ using cohort_examples::config;
 using cohort_examples::flat_layout;
 using cohort_examples::mlp;
 
-// One rank's training. The loop is the same whatever cfg.strategy says.
-std::vector<float> train(cohort::process_group<cohort::gloo>& pg, const config& cfg, const mlp& model,
+// One rank's training. The loop is the same whatever cfg.strategy says. `stopped` is set when
+// --stop-after ended it early.
+std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg, const config& cfg, const mlp& model,
                          const flat_layout& layout, const cohort_examples::synthetic_data& data) {
   cohort::training_state<cohort::gloo> state(
       pg, cohort_examples::regions_of(model, layout),
       {.strategy = cfg.strategy, .bucket_bytes = 64 << 10, .adam = cfg.adam, .max_grad_norm = cfg.max_grad_norm});
   state.load_parameters(cohort_examples::initial_parameters(model, layout));
+  // The data is indexed by step: the sampler's position is the next step, kept in the
+  // checkpoint's metadata with the data's seed.
+  int first_step = 0;
+  if (cfg.resume && !cfg.checkpoint.empty())
+    if (const auto resumed = cohort::resume_checkpoint(state, cfg.checkpoint)) {
+      first_step = std::stoi(resumed->metadata.at("next_step"));
+      if (pg.rank() == 0)
+        std::printf(
+            "resumed from %s (saved at %d ranks under %s, %llu bytes read here, %.3f s): continuing at step %d\n",
+            resumed->path.c_str(), resumed->world_size, resumed->strategy.c_str(),
+            static_cast<unsigned long long>(resumed->bytes_read), resumed->seconds, first_step);
+    }
+  // Periodic saves are asynchronous (training waits for the copy into host staging only; the
+  // previous one commits at the next save); the last step's is waited for.
+  cohort::async_checkpointer saver(state);
+  const auto report = [&](const std::optional<cohort::checkpoint_info>& saved) {
+    if (saved && pg.rank() == 0)
+      std::printf("saved %s (%llu bytes from rank 0, %.3f s, training blocked %.3f s)\n", saved->path.c_str(),
+                  static_cast<unsigned long long>(saved->bytes_written), saved->seconds, saver.last_blocked_seconds());
+  };
+  const auto save = [&](int step, bool last) {
+    report(saver.save(cfg.checkpoint, static_cast<std::uint64_t>(step),
+                      {.metadata = {{"next_step", std::to_string(step + 1)}, {"data_seed", "2024"}}, .keep_last = 3}));
+    if (last) report(saver.wait());
+  };
   const std::size_t layers = model.layers(), local = cfg.batch / static_cast<std::size_t>(pg.size());
   std::vector<std::vector<float>> activation(layers + 1);
   // With uneven inputs a rank out of batches waits at this scope's end, answering the others.
   std::optional<cohort::training_state<cohort::gloo>::join_scope> joined;
   if (!cfg.batches_per_rank.empty()) joined.emplace(state, cohort::training_state<cohort::gloo>::join_options{});
   const auto started = std::chrono::steady_clock::now();
-  for (int step = 0; step < cfg.batches_of(pg.rank()); ++step) {
+  for (int step = first_step; step < cfg.batches_of(pg.rank()); ++step) {
     const std::size_t first = static_cast<std::size_t>(step) * cfg.batch + static_cast<std::size_t>(pg.rank()) * local;
     const auto inputs = cohort_examples::rows(data.inputs, first, local, model.input_width());
     activation[0].assign(inputs.begin(), inputs.end());
@@ -74,6 +103,14 @@ std::vector<float> train(cohort::process_group<cohort::gloo>& pg, const config& 
     if (pg.rank() == 0 && (step % 5 == 0 || step + 1 == cfg.batches_of(0)))
       std::printf("step %2d  loss %.6f%s  grad norm %.4f%s\n", step, shown, joined ? " (rank 0's)" : "",
                   result.grad_norm, result.clip_factor < 1 ? " (clipped)" : "");
+    const bool stop = step == cfg.stop_after;
+    const bool last = step + 1 == cfg.batches_of(pg.rank());
+    if (!cfg.checkpoint.empty() && ((cfg.save_every > 0 && (step + 1) % cfg.save_every == 0) || stop || last))
+      save(step, stop || last);
+    if (stop) {
+      stopped = true;
+      break;
+    }
   }
   if (joined) joined->finish();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
@@ -104,9 +141,16 @@ int main(int argc, char** argv) try {
       throw std::runtime_error("--batches-per-rank names " + std::to_string(cfg.batches_per_rank.size()) +
                                " ranks for a world of " + std::to_string(env.world_size));
     cohort::process_group<cohort::gloo> pg{store, env};
-    const auto trained = train(pg, cfg, model, layout, data);
-    if (pg.rank() == 0)
-      status = cohort_examples::report_against_single_process(cfg, model, layout, data, pg.size(), trained, 1e-5);
+    if (!cfg.checkpoint.empty() && !cfg.batches_per_rank.empty())
+      throw std::runtime_error(
+          "--checkpoint with --batches-per-rank: a save is collective, and a joined rank "
+          "has no step to save at");
+    bool stopped = false;
+    const auto trained = train(stopped, pg, cfg, model, layout, data);
+    if (pg.rank() != 0) return;
+    cohort_examples::print_parameter_summary(trained);
+    if (stopped) return;  // stopped as a job is: the comparison is for a finished run
+    status = cohort_examples::report_against_single_process(cfg, model, layout, data, pg.size(), trained, 1e-5);
   });
   return status;
 } catch (const std::exception& failure) {

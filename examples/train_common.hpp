@@ -25,6 +25,10 @@ struct config {
   std::vector<std::size_t> widths{32, 128, 128, 128, 128, 128, 128, 8};
   cohort::adam_options adam{.lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01};
   double max_grad_norm = 1.0;
+  std::string checkpoint;  // a directory: save there (and resume from it with `resume`)
+  int save_every = 0;      // steps between checkpoints; 0: only the last step's
+  bool resume = false;     // continue from the newest complete checkpoint, at any world and strategy
+  int stop_after = -1;     // >= 0: stop (exit 0) after this step, as a job that was stopped
   // Uneven inputs: rank k trains batches[k] steps inside a join scope (empty: every rank
   // trains `steps`). The reference then trains on the union of the batches of each step.
   std::vector<int> batches_per_rank;
@@ -113,7 +117,15 @@ inline config parse_train_options(int argc, char** argv) {
       if (i + 1 >= argc) throw std::runtime_error(arg + " needs a value");
       return argv[++i];
     };
-    if (arg == "--ranks")
+    if (arg == "--checkpoint")
+      cfg.checkpoint = value();
+    else if (arg == "--save-every")
+      cfg.save_every = std::stoi(value());
+    else if (arg == "--resume")
+      cfg.resume = true;
+    else if (arg == "--stop-after")
+      cfg.stop_after = std::stoi(value());
+    else if (arg == "--ranks")
       cfg.ranks = std::stoi(value());
     else if (arg == "--steps")
       cfg.steps = std::stoi(value());
@@ -135,11 +147,23 @@ inline config parse_train_options(int argc, char** argv) {
       std::printf(
           "usage: train [--strategy ddp|zero1|zero2|zero3] [--ranks N] [--steps S] [--batch B]\n"
           "             [--batches-per-rank B0,B1,...]\n"
+          "             [--checkpoint DIR [--save-every K] [--resume] [--stop-after N]]\n"
           "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
       std::exit(arg == "--help" || arg == "-h" ? 0 : 2);
     }
   }
   return cfg;
+}
+
+// Summaries of the gathered parameters in double, so that two runs compare from outside.
+inline void print_parameter_summary(const std::vector<float>& parameters) {
+  double sum = 0, squares = 0, largest = 0;
+  for (const float p : parameters) {
+    sum += p;
+    squares += static_cast<double>(p) * p;
+    largest = std::max(largest, std::abs(static_cast<double>(p)));
+  }
+  std::printf("final parameters: sum %.9e, sum of squares %.9e, max |param| %.9e\n", sum, squares, largest);
 }
 
 // Rank 0's last lines: the final loss of the distributed run's parameters and of the

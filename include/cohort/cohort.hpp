@@ -16,6 +16,7 @@
 #include "cohort/metrics.hpp"
 #include "cohort/ops.hpp"
 #include "cohort/optim.hpp"
+#include "cohort/parallel/checkpoint.hpp"
 #include "cohort/parallel/layout.hpp"
 #include "cohort/parallel/optimizer_options.hpp"
 #include "cohort/parallel/training_state.hpp"

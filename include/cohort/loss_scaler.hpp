@@ -57,6 +57,19 @@ class loss_scaler {
   }
 
   std::uint64_t skipped_steps() const noexcept { return skipped_; }
+
+  // What a checkpoint keeps of the scaler: restored, it continues as if it had never stopped.
+  struct saved_state {
+    double scale = 0;
+    std::uint32_t good_steps = 0;
+    std::uint64_t skipped_steps = 0;
+  };
+  saved_state save() const noexcept { return {scale_, good_steps_, skipped_}; }
+  void restore(const saved_state& saved) noexcept {
+    scale_ = saved.scale;
+    good_steps_ = saved.good_steps;
+    skipped_ = saved.skipped_steps;
+  }
   const loss_scaler_options& settings() const noexcept { return options_; }
 
  private:

@@ -27,6 +27,7 @@
 #include "cohort/impl/tcp_store.ipp"
 #include "cohort/impl/tcp_store_protocol.ipp"
 #include "cohort/impl/tcp_store_server.ipp"
+#include "cohort/parallel/impl/checkpoint.ipp"
 #include "cohort/parallel/impl/layout.ipp"
 
 #if defined(COHORT_HAS_GLOO) && COHORT_HAS_GLOO

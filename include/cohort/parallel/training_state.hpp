@@ -283,6 +283,35 @@ class training_state {
   }
   int rank() const noexcept { return group_->rank(); }
   int world_size() const noexcept { return group_->size(); }
+  process_group<B>& group() noexcept { return *group_; }
+
+  // --- checkpoints (cohort/parallel/checkpoint.hpp) ------------------------------------------
+  // Rank `r`'s part of the regions in a checkpoint written at this world size: its shard of
+  // every bucket, cut by region, whatever the strategy. Under ddp too, where every rank holds
+  // everything: the ranks then write disjoint parts in parallel, and a load reads each element
+  // once and gathers the copies. A pure function of the layout, the same on every rank.
+  std::vector<detail::segment> checkpoint_segments(int r) const { return detail::owned_segments(layout_, r, true); }
+  // Where region r sits in the storage: segment s holds elements [s.storage - placement(r).storage,
+  // + s.count) of region r.
+  const detail::placed_region& placement(std::size_t r) const { return layout_.regions.at(r); }
+  // The optimizer's state per element, in a checkpoint's order: the masters (the parameters
+  // themselves where P is the master type), then Adam's two moments, or SGD's momentum.
+  std::vector<std::string> checkpoint_tensors() const {
+    std::vector<std::string> names{"parameters"};
+    if (!options_.sgd)
+      names.insert(names.end(), {"adam.exp_avg", "adam.exp_avg_sq"});
+    else if (options_.sgd->momentum != 0)
+      names.emplace_back("sgd.momentum");
+    return names;
+  }
+  // Checkpoint tensor t's elements for segment s of checkpoint_segments(rank()) (device memory
+  // on a device backend): what a save copies out and a load writes.
+  master_type* checkpoint_data(std::size_t t, const detail::segment& s);
+  // After a load wrote every checkpoint tensor through checkpoint_data for every segment of
+  // checkpoint_segments(rank()): the parameters cast from the masters, the copies other ranks
+  // hold gathered (ddp: everything; zero1/zero2: the parameters) and the optimizer's step
+  // count set. Collective; between steps.
+  void finish_checkpoint_load(std::uint64_t optimizer_steps);
 
  private:
   using pool_type = detail::buffer_pool<B>;
@@ -345,6 +374,9 @@ class training_state {
   void measure(step_result& result);
   void update(double grad_scale);
   void publish_parameters();
+  // Every bucket's shards of `base` (storage-sized) all-gathered in place.
+  template <class T>
+  void gather_whole(T* base);
 
   master_type* master_at(const detail::segment& s) {
     if (separate_master()) return master_.template as<master_type>() + s.owned;

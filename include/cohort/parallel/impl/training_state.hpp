@@ -524,13 +524,8 @@ void training_state<B, P, G>::publish_parameters() {
       cast(engine, master_.template as<master_type>() + s.owned, dtype_v<master_type>,
            sharded_parameters() ? params + s.owned : params + s.storage, dtype_v<P>, s.count);
   if (options_.strategy == strategy::zero1 || options_.strategy == strategy::zero2) {
-    auto together = group_->grouped();
-    for (const auto& bucket : layout_.buckets) {
-      group_->all_gather(std::span<const P>(params + bucket.begin + my_rank() * bucket.shard, bucket.shard),
-                         std::span<P>(params + bucket.begin, bucket.padded));
-      count_wire(bucket.padded * sizeof(P), false);
-    }
-    together.end();
+    gather_whole(params);
+    count_wire(layout_.storage * sizeof(P), false);
   }
 }
 
@@ -574,6 +569,63 @@ step_result training_state<B, P, G>::step() {
     report->end_step(now);
   }
   return result;
+}
+
+// --- checkpoints -----------------------------------------------------------------------------
+
+template <backend B, element P, element G>
+auto training_state<B, P, G>::checkpoint_data(std::size_t t, const detail::segment& s) -> master_type* {
+  // Checkpoint segments are this rank's shard of the storage; under ddp the owned buffers are
+  // laid out as the storage (owned == storage), sharded they concatenate the shards.
+  const std::size_t owned = sharded() ? s.owned : s.storage;
+  switch (t) {
+    case 0:
+      if (separate_master()) return master_.template as<master_type>() + owned;
+      return reinterpret_cast<master_type*>(params_.template as<P>() + (sharded_parameters() ? s.owned : s.storage));
+    case 1:
+      if (first_.data()) return first_.template as<master_type>() + owned;
+      break;
+    case 2:
+      if (second_.data()) return second_.template as<master_type>() + owned;
+      break;
+    default: break;
+  }
+  fail("checkpoint", "checkpoint tensor " + std::to_string(t) + " of " + std::to_string(checkpoint_tensors().size()),
+       "the tensors are those checkpoint_tensors() names");
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::finish_checkpoint_load(std::uint64_t optimizer_steps) {
+  auto& engine = group_->backend();
+  engine.wait_for_caller(caller_stream_);
+  drop_gathered();
+  P* params = params_.template as<P>();
+  if (separate_master())
+    for (const auto& s : checkpoint_segments(rank()))
+      cast(engine, checkpoint_data(0, s), dtype_v<master_type>, params + (sharded_parameters() ? s.owned : s.storage),
+           dtype_v<P>, s.count);
+  // Every bucket's shards gathered in place into the buffers a rank holds whole.
+  if (options_.strategy != strategy::zero3) gather_whole(params);
+  if (options_.strategy == strategy::ddp) {
+    if (separate_master()) gather_whole(master_.template as<master_type>());
+    if (first_.data()) gather_whole(first_.template as<master_type>());
+    if (second_.data()) gather_whole(second_.template as<master_type>());
+  }
+  steps_ = optimizer_steps;
+  hand_to_caller(engine.record());
+  engine.record().wait();
+}
+
+// A template member, not a generic lambda with a template head: nvcc's host pass (g++ 12)
+// refuses those inside a member of a class template.
+template <backend B, element P, element G>
+template <class T>
+void training_state<B, P, G>::gather_whole(T* base) {
+  auto together = group_->grouped();
+  for (const auto& bucket : layout_.buckets)
+    group_->all_gather(std::span<const T>(base + bucket.begin + my_rank() * bucket.shard, bucket.shard),
+                       std::span<T>(base + bucket.begin, bucket.padded));
+  together.end();
 }
 
 template <backend B, element P, element G>

@@ -1,0 +1,234 @@
+#pragma once
+// Checkpoints of a training_state (cohort/parallel/training_state.hpp) that survive a crash
+// and load at another world size and under another strategy:
+//
+//   cohort::save_checkpoint(state, "ckpt", step, {.metadata = {{"epoch", "3"}, {"position", "1200"}}});
+//   ...                                          // a later run, any world size, any strategy
+//   if (auto resumed = cohort::resume_checkpoint(state, "ckpt")) first_step = resumed->step + 1;
+//
+// What is kept: per element the parameters (the fp32/fp64 masters where the parameters are
+// narrower), Adam's two moments or SGD's momentum; the optimizer's step count, the loss
+// scaler's state, the trainer's step and its key/value metadata (sampler epoch and position,
+// seeds).
+//
+// On disk, DIR/step-<N>/ holds one file per rank of the saving run, rank-<r>.bin, and one
+// index, manifest.json. Every rank writes its own file in parallel: its shard of every bucket
+// (under ddp too, so no byte is written twice), tensor after tensor. The index names each
+// region's element count and dtype and, for each file, which byte ranges hold which elements
+// of which region and tensor, with a checksum per block of the file (verified on load) and
+// one over the blocks.
+//
+// Atomic: the files go into DIR/tmp-<N>-<random>, each fsynced; rank 0 writes the index last,
+// then renames the directory to DIR/step-<N> and fsyncs DIR. A crash at any moment leaves the
+// previous step-<M> intact; a tmp-* directory is never loaded and is removed by the next save;
+// the last `keep_last` checkpoints are kept.
+//
+// Loads anywhere: each rank reads, from whichever files hold them, only the blocks covering
+// its new shard (bytes counted); ranks that hold copies (ddp's everything, zero1/zero2's
+// parameters) gather them from the others, so each byte is read once in all. Another model's
+// regions or another dtype are refused naming the region, the sizes and the file; a block
+// whose checksum does not match is refused naming the file, the rank that wrote it and the
+// rank that read it.
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cohort/detail/config.hpp"
+#include "cohort/loss_scaler.hpp"
+#include "cohort/parallel/training_state.hpp"
+
+namespace cohort::inline v0 {
+
+struct checkpoint_options {
+  // The trainer's own state, restored with the rest: sampler epoch and position, seeds.
+  std::map<std::string, std::string> metadata = {};
+  std::size_t keep_last = 3;  // complete checkpoints kept in the directory; 0 keeps all
+  // Checksum granularity: a load reads the whole blocks that hold what it needs, so smaller
+  // blocks read less at another world size and cost a longer index.
+  std::size_t block_bytes = std::size_t{1} << 20;
+  // async_checkpointer: host memory a save may hold while training goes on; 0: the rank's
+  // state once (what it stages). A state larger than a non-zero bound is written before
+  // save() returns.
+  std::size_t staging_bytes = 0;
+};
+
+struct checkpoint_info {
+  std::string path;                   // DIR/step-<N>
+  std::uint64_t step = 0;             // the trainer's step, as save_checkpoint was given it
+  std::uint64_t optimizer_steps = 0;  // updates the optimizer made (skipped steps excluded)
+  int world_size = 0;                 // of the run that saved it
+  std::string strategy;               // of the run that saved it
+  std::map<std::string, std::string> metadata;
+  std::uint64_t bytes_written = 0;  // by this rank (save)
+  std::uint64_t bytes_read = 0;     // by this rank (load): the checksum blocks it read
+  double seconds = 0;               // this call, on this rank
+};
+
+// Collective. Saves the state after `step` (the trainer's count) as DIR/step-<step>; returns
+// once the checkpoint is committed. Between steps.
+template <backend B, element P, element G>
+checkpoint_info save_checkpoint(training_state<B, P, G>& state, const std::string& directory, std::uint64_t step,
+                                const checkpoint_options& options = {});
+
+namespace detail {
+template <class Master>
+struct pending_checkpoint;
+}
+
+// Saves that block training only for the copy into host staging: the rank's file is written
+// and fsynced on a background thread, and committed (checksums gathered, the index written,
+// the rename) at the next save() or wait(), which are collective. An error of the write
+// surfaces there, naming the rank, the file and the errno. One save in flight at a time.
+//
+//   cohort::async_checkpointer saver(state);
+//   if (step % 100 == 0) saver.save("ckpt", step, {.metadata = ...});   // returns the previous one's info
+//   ...
+//   saver.wait();                                                       // before exit: commits the last
+template <backend B, element P, element G>
+class async_checkpointer {
+ public:
+  explicit async_checkpointer(training_state<B, P, G>& state) : state_(&state) {}
+  async_checkpointer(const async_checkpointer&) = delete;
+  async_checkpointer& operator=(const async_checkpointer&) = delete;
+  // Waits for the write in flight; one never committed stays a tmp-* directory, never loaded.
+  ~async_checkpointer();
+
+  // Collective. Commits the previous save (its info, or nullopt when there was none), then
+  // stages this step's state and starts writing it.
+  std::optional<checkpoint_info> save(const std::string& directory, std::uint64_t step,
+                                      const checkpoint_options& options = {});
+  // Collective. Waits for the save in flight and commits it; nullopt when there is none.
+  std::optional<checkpoint_info> wait();
+
+  double last_blocked_seconds() const noexcept { return last_blocked_seconds_; }  // the last save()
+  std::uint64_t staging_peak_bytes() const noexcept { return staging_peak_; }
+
+ private:
+  using pending_type = detail::pending_checkpoint<typename training_state<B, P, G>::master_type>;
+  training_state<B, P, G>* state_;
+  std::unique_ptr<pending_type> pending_;
+  std::thread writer_;
+  double last_blocked_seconds_ = 0;
+  std::uint64_t staging_peak_ = 0;
+};
+
+// Collective. Loads DIR/step-<N> (the path a checkpoint_info names) into `state`, whatever the
+// world size and strategy that saved it. The loss scaler's state goes to options().scaler.
+template <backend B, element P, element G>
+checkpoint_info load_checkpoint(training_state<B, P, G>& state, const std::string& checkpoint);
+
+// Collective. Loads the newest complete checkpoint in `directory` (tmp-* ignored); nullopt
+// when there is none (a first run). The trainer continues after the returned step, with the
+// returned metadata.
+template <backend B, element P, element G>
+std::optional<checkpoint_info> resume_checkpoint(training_state<B, P, G>& state, const std::string& directory);
+
+// The newest complete checkpoint in `directory`: DIR/step-<N> with its index, largest N.
+std::optional<std::string> newest_checkpoint(const std::string& directory);
+
+// Reads every byte of the checkpoint at `checkpoint` and checks every block's checksum; the
+// bytes read. A damaged one is a cohort::error naming the file and the rank that wrote it.
+std::uint64_t verify_checkpoint(const std::string& checkpoint);
+
+// The checkpoint's parameters (the masters, as saved), whatever world size wrote them, as one
+// safetensors file (an 8-byte little-endian header length, a JSON header naming each tensor's
+// dtype, shape and data offsets, the raw data): one tensor per region, named as the region.
+// Written atomically. Checksums verified on the way.
+void consolidate_checkpoint(const std::string& checkpoint, const std::string& safetensors_path);
+
+namespace detail {
+
+// The index's contents (manifest.json).
+struct checkpoint_piece {
+  std::size_t tensor = 0;              // in checkpoint_manifest::tensors
+  std::size_t region = 0;              // in checkpoint_manifest::regions
+  std::uint64_t first = 0, count = 0;  // elements of the region
+  std::uint64_t offset = 0;            // byte offset in the file
+};
+struct checkpoint_file {
+  std::string name;  // in the checkpoint's directory
+  int rank = 0;      // that wrote it
+  std::uint64_t bytes = 0;
+  std::uint64_t checksum = 0;         // over the block checksums
+  std::vector<std::uint64_t> blocks;  // one per block_bytes of the file
+  std::vector<checkpoint_piece> pieces;
+};
+struct checkpoint_region {
+  std::string name;
+  std::uint64_t count = 0;
+  std::string dtype;
+};
+struct checkpoint_manifest {
+  std::uint64_t step = 0, optimizer_steps = 0, block_bytes = 0, element_bytes = 0;
+  int world_size = 0;
+  std::string strategy, parameter_dtype;
+  std::vector<std::string> tensors;  // "parameters", then the optimizer's
+  std::optional<loss_scaler::saved_state> scaler;
+  std::map<std::string, std::string> metadata;
+  std::vector<checkpoint_region> regions;
+  std::vector<checkpoint_file> files;  // by rank
+};
+
+std::string checkpoint_manifest_json(const checkpoint_manifest& manifest);
+// The index of the checkpoint at `checkpoint`; a missing or malformed one is a cohort::error
+// naming the path.
+checkpoint_manifest read_checkpoint_manifest(const std::string& checkpoint, int rank);
+
+// FNV-1a over 64-bit words (the tail zero-padded) and the length: one multiply per 8 bytes,
+// and any one changed word changes the result.
+std::uint64_t checkpoint_checksum(const void* data, std::size_t bytes) noexcept;
+std::uint64_t checkpoint_file_checksum(const std::vector<std::uint64_t>& blocks, std::uint64_t bytes) noexcept;
+
+std::string checkpoint_file_name(int rank);            // rank-00003.bin
+std::string checkpoint_step_name(std::uint64_t step);  // step-<N>
+std::string checkpoint_staging_path(const std::string& directory, std::uint64_t step, std::uint64_t nonce);
+
+// Rank 0, before a save: DIR created, tmp-* left by interrupted saves removed, the staging
+// directory created.
+void begin_checkpoint(const std::string& directory, const std::string& staging, int rank);
+// Writes `bytes` bytes to `path` (created; fsynced and closed before it returns); the
+// checksums of its blocks. A failure is a cohort::error naming the path and the errno, which
+// `failed_errno` keeps for the other ranks' errors.
+std::vector<std::uint64_t> write_checkpoint_file(const std::string& path, const void* data, std::size_t bytes,
+                                                 std::size_t block_bytes, int rank, int& failed_errno);
+// Rank 0, once every file is durable: the index written (fsynced) into the staging directory,
+// which is renamed to DIR/step-<N>; DIR fsynced; all but the newest keep_last removed.
+void commit_checkpoint(const std::string& directory, const std::string& staging, const checkpoint_manifest& manifest,
+                       std::size_t keep_last, int rank);
+
+// What a loading rank needs: elements [first, first + count) of a region's tensor into `into`.
+struct checkpoint_need {
+  std::size_t tensor = 0, region = 0;  // in the manifest's lists
+  std::uint64_t first = 0, count = 0;
+  void* into = nullptr;
+};
+// Refuses a checkpoint of another model (region names, counts), dtype or optimizer, naming
+// the region, the sizes and the index file; for each of `regions`, its index in the manifest.
+std::vector<std::size_t> match_checkpoint(const checkpoint_manifest& manifest, const std::string& checkpoint,
+                                          const std::vector<std::string>& region_names,
+                                          const std::vector<std::uint64_t>& region_counts, const std::string& dtype,
+                                          const std::vector<std::string>& tensors, int rank);
+// Reads what `needs` names from the files that hold it, each needed block once, verifying
+// every block's checksum. Returns the bytes read. `failed_file` is set to the file a
+// failure concerns, for the other ranks' errors.
+std::uint64_t read_checkpoint(const std::string& checkpoint, const checkpoint_manifest& manifest,
+                              const std::vector<checkpoint_need>& needs, std::size_t element_bytes, int rank,
+                              std::int64_t& failed_file);
+
+// safetensors' dtype name of a checkpoint dtype ("float" -> "F32"); empty for none.
+std::string safetensors_dtype(const std::string& dtype);
+
+}  // namespace detail
+}  // namespace cohort::inline v0
+
+#include "cohort/parallel/impl/checkpoint.hpp"
+
+#if !defined(COHORT_SEPARATE_COMPILATION)
+#include "cohort/parallel/impl/checkpoint.ipp"
+#endif
