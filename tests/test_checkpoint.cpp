@@ -292,7 +292,7 @@ TEST_CASE("a partial checkpoint (a tmp-* directory, a step without its index) is
   fs::remove_all(dir);
 }
 
-TEST_CASE("a flipped byte is refused naming the file and the rank; another model is refused naming the region",
+TEST_CASE("a flipped byte is refused naming the file and the rank, and another model naming the region",
           "[checkpoint][gloo][faults]") {
   const auto dir = scratch_dir("flipped");
   run_all({.world = 2, .to = 3, .save_to = dir});
