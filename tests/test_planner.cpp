@@ -104,7 +104,7 @@ TEST_CASE("planner: plan arithmetic for 4 GPUs, 1e9 parameters, 4 equal buckets"
   CHECK(r.data_parallel.memory_per_gpu_bytes == Approx(16e9));
   CHECK(r.sharded.memory_per_gpu_bytes == Approx(4e9 + 3 * 1e8 * 2));
   CHECK(r.fits_one_gpu);
-  CHECK(r.recommended == cohort::strategy::data_parallel);
+  CHECK(r.recommended == cohort::plan_advice::data_parallel);
 }
 
 TEST_CASE("planner: communication longer than the backward window is exposed beyond the last bucket") {
@@ -150,14 +150,14 @@ TEST_CASE("planner: recommendations flip with model size and link") {
     in.intra_node = *cohort::find_link_model("nvlink-h100");
     const auto r = cohort::plan(in);
     CHECK(r.fits_one_gpu);
-    CHECK(r.recommended == cohort::strategy::data_parallel);
+    CHECK(r.recommended == cohort::plan_advice::data_parallel);
     CHECK(any_contains(r.advice, "use data parallelism"));
   }
   SECTION("over PCIe: data parallelism, and the text says sharding would be slower") {
     in.parameters = 1e9;
     in.intra_node = *cohort::find_link_model("pcie-gen4");
     const auto r = cohort::plan(in);
-    CHECK(r.recommended == cohort::strategy::data_parallel);
+    CHECK(r.recommended == cohort::plan_advice::data_parallel);
     CHECK(r.sharded.step_seconds > r.data_parallel.step_seconds);
     CHECK(any_contains(r.advice, "sharding over PCIe would be slower"));
   }
@@ -167,27 +167,27 @@ TEST_CASE("planner: recommendations flip with model size and link") {
     const auto r = cohort::plan(in);
     CHECK_FALSE(r.fits_one_gpu);
     CHECK(r.sharded.fits);
-    CHECK(r.recommended == cohort::strategy::sharded);
+    CHECK(r.recommended == cohort::plan_advice::sharded);
     CHECK_FALSE(any_contains(r.advice, "warning: sharding"));
   }
   SECTION("a model too big for one GPU over PCIe: sharding, with a warning") {
     in.parameters = 20e9;
     in.intra_node = *cohort::find_link_model("pcie-gen4");
     const auto r = cohort::plan(in);
-    CHECK(r.recommended == cohort::strategy::sharded);
+    CHECK(r.recommended == cohort::plan_advice::sharded);
     CHECK(any_contains(r.advice, "warning: sharding"));
   }
   SECTION("a model too big even sharded: does not fit, with the GPUs it would need") {
     in.parameters = 100e9;  // 1.6 TB of states: 200 GB per GPU over 8
     const auto r = cohort::plan(in);
-    CHECK(r.recommended == cohort::strategy::does_not_fit);
+    CHECK(r.recommended == cohort::plan_advice::does_not_fit);
     CHECK(any_contains(r.advice, "does not fit even sharded"));
   }
   SECTION("one GPU: nothing to communicate") {
     in.gpus_per_node = 1;
     in.parameters = 1e9;
     const auto r = cohort::plan(in);
-    CHECK(r.recommended == cohort::strategy::single_gpu);
+    CHECK(r.recommended == cohort::plan_advice::single_gpu);
     CHECK(r.data_parallel.comm_seconds == 0);
     CHECK(r.data_parallel.speedup == Approx(1));
   }

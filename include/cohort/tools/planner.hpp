@@ -427,14 +427,14 @@ inline link_model fit_alpha_beta(const bench_result& result) {
 // ---------------------------------------------------------------------------------------
 // The plan.
 
-enum class strategy { single_gpu, data_parallel, sharded, does_not_fit };
+enum class plan_advice { single_gpu, data_parallel, sharded, does_not_fit };
 
-constexpr std::string_view to_string(strategy s) noexcept {
+constexpr std::string_view to_string(plan_advice s) noexcept {
   switch (s) {
-    case strategy::single_gpu: return "single GPU";
-    case strategy::data_parallel: return "data parallelism";
-    case strategy::sharded: return "sharding (FSDP / ZeRO-3 style)";
-    case strategy::does_not_fit: return "does not fit";
+    case plan_advice::single_gpu: return "single GPU";
+    case plan_advice::data_parallel: return "data parallelism (training_state strategy::ddp)";
+    case plan_advice::sharded: return "sharding (FSDP / ZeRO-3 style: training_state strategy::zero3)";
+    case plan_advice::does_not_fit: return "does not fit";
   }
   return "?";
 }
@@ -484,7 +484,7 @@ struct plan_result {
   strategy_estimate data_parallel;
   strategy_estimate sharded;
   bool fits_one_gpu = false;
-  strategy recommended = strategy::single_gpu;
+  plan_advice recommended = plan_advice::single_gpu;
   std::vector<std::string> advice;          // the recommendation, then warnings
   std::vector<std::string> rules_of_thumb;  // the field's rules, always shown
   std::vector<std::string> assumptions;     // constants used and their sources
@@ -658,12 +658,12 @@ inline plan_result plan(const plan_input& in) {
                              " usable (" + format_percent(in.usable_memory_fraction) + " of " +
                              format_bytes(in.gpu_memory_bytes) + ")";
   if (r.world == 1) {
-    r.recommended = dp.fits ? strategy::single_gpu : strategy::does_not_fit;
+    r.recommended = dp.fits ? plan_advice::single_gpu : plan_advice::does_not_fit;
     r.advice.push_back(dp.fits ? "one GPU: nothing to communicate; the model fits (" + states + ")"
                                : "the model does not fit one GPU (" + states +
                                      "): shard it across several GPUs, or offload optimizer state");
   } else if (dp.fits) {
-    r.recommended = strategy::data_parallel;
+    r.recommended = plan_advice::data_parallel;
     std::string text = "the model fits one GPU (" + states + "): use data parallelism";
     if (sh.step_seconds > dp.step_seconds * 1.001) {
       text += std::string("; sharding") + (in.intra_node.kind == link_kind::pcie ? " over PCIe" : "") +
@@ -672,7 +672,7 @@ inline plan_result plan(const plan_input& in) {
     }
     r.advice.push_back(text);
   } else if (sh.fits) {
-    r.recommended = strategy::sharded;
+    r.recommended = plan_advice::sharded;
     r.advice.push_back("the model does not fit one GPU (" + states + "): shard parameters, gradients and optimizer " +
                        "state over the " + std::to_string(r.world) + " GPUs, " + format_bytes(sh.memory_per_gpu_bytes) +
                        " per GPU");
@@ -684,7 +684,7 @@ inline plan_result plan(const plan_input& in) {
                          "): prefer NVLink machines, larger micro-batches, or activation checkpointing to "
                          "free memory for data parallelism");
   } else {
-    r.recommended = strategy::does_not_fit;
+    r.recommended = plan_advice::does_not_fit;
     const double needed = std::ceil(r.parameters * in.state_bytes_per_parameter /
                                     std::max(1.0, usable - 3 * r.largest_unit_parameters * in.dtype_bytes));
     r.advice.push_back("the model does not fit even sharded over " + std::to_string(r.world) + " GPUs (" +
@@ -692,11 +692,11 @@ inline plan_result plan(const plan_input& in) {
                        " usable): at least " + std::to_string(static_cast<long long>(needed)) +
                        " GPUs, CPU offload of optimizer state, or tensor/pipeline parallelism");
   }
-  const strategy_estimate* chosen = r.recommended == strategy::sharded ? &sh : &dp;
-  if (r.world > 1 && c > 0 && r.recommended != strategy::does_not_fit && chosen->efficiency < 0.5)
+  const strategy_estimate* chosen = r.recommended == plan_advice::sharded ? &sh : &dp;
+  if (r.world > 1 && c > 0 && r.recommended != plan_advice::does_not_fit && chosen->efficiency < 0.5)
     r.advice.push_back("warning: communication dominates (scaling efficiency " + format_percent(chosen->efficiency) +
                        "): " +
-                       (r.recommended == strategy::data_parallel
+                       (r.recommended == plan_advice::data_parallel
                             ? "raise accumulation (data parallelism communicates once per optimizer step) or the "
                               "per-device batch"
                             : "raise the per-device batch (sharding communicates every micro-batch)") +
@@ -704,7 +704,7 @@ inline plan_result plan(const plan_input& in) {
   if (r.world > 1 && c == 0)
     r.advice.push_back(
         "no compute time given (--compute-ms): nothing hides communication; speedups are not meaningful");
-  if (r.world > 1 && r.recommended == strategy::data_parallel)
+  if (r.world > 1 && r.recommended == plan_advice::data_parallel)
     r.advice.push_back("bucket size " + format_bytes(r.bucket_bytes) + " (" + std::to_string(r.buckets) +
                        " buckets): the ring latency stays under 10% of each bucket's transfer, and at least "
                        "four buckets let backward hide all but the last");
