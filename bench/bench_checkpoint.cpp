@@ -213,11 +213,13 @@ struct async_result {
   double committed = 0;          // save() until wait() returned
   std::size_t staging_peak = 0;  // staging_peak_bytes, summed over the ranks
   std::size_t rss_peak = 0;      // sampled resident set above the one before
+  std::vector<double> blocked_runs, committed_runs;
 };
 
 struct results {
   std::size_t checkpoint_bytes = 0;  // every rank's file
   double disk_seconds = 0, sync_seconds = 0;
+  std::vector<double> disk_runs, sync_runs;  // the medians' samples: how much the disk wanders
   std::vector<async_result> async;
   std::size_t maxrss_before = 0, maxrss_after_async = 0;
   struct load {
@@ -252,7 +254,8 @@ results run(const config& cfg) {
   // Slots per rank, shared by the rank threads; rank 0 reads them between barriers.
   std::vector<double> blocked(ranks), committed(ranks), sync_seconds(ranks);
   std::vector<std::size_t> staging(ranks);
-  std::vector<double> disk_runs, sync_runs;
+  auto& disk_runs = out.disk_runs;
+  auto& sync_runs = out.sync_runs;
   std::string saved;
   const cohort::checkpoint_options save_options{.keep_last = 0, .block_bytes = cfg.block_bytes};
   cohort::run_ranks(cfg.ranks, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
@@ -265,7 +268,8 @@ results run(const config& cfg) {
     // meets by writing before save() returns.
     for (const std::size_t bound : {std::size_t{0}, rank_bytes / 4}) {
       async_result a;
-      std::vector<double> blocked_runs, committed_runs;
+      auto& blocked_runs = a.blocked_runs;
+      auto& committed_runs = a.committed_runs;
       for (int run = 0; run < cfg.repeat; ++run) {
         std::unique_ptr<rss_sampler> sampler;
         pg.barrier().wait();
@@ -398,6 +402,13 @@ int main(int argc, char** argv) {
       doc.set("sync_save_seconds", r.sync_seconds);
       doc.set("sync_save_bytes_per_second", sync_rate);
       doc.set("sync_save_fraction_of_disk", sync_rate / disk_rate);
+      const auto samples = [](const std::vector<double>& values) {
+        json list = json::make_array();
+        for (const double v : values) list.push_back(v);
+        return list;
+      };
+      doc.set("disk_write_fsync_seconds_runs", samples(r.disk_runs));
+      doc.set("sync_save_seconds_runs", samples(r.sync_runs));
       json async = json::make_array();
       for (const auto& a : r.async) {
         json row = json::make_object();
@@ -405,6 +416,8 @@ int main(int argc, char** argv) {
         row.set("blocked_seconds", a.blocked);
         row.set("blocked_fraction_of_sync", a.blocked / r.sync_seconds);
         row.set("committed_seconds", a.committed);
+        row.set("blocked_seconds_runs", samples(a.blocked_runs));
+        row.set("committed_seconds_runs", samples(a.committed_runs));
         row.set("staging_peak_bytes_all_ranks", static_cast<unsigned long>(a.staging_peak));
         row.set("rss_peak_above_before_bytes", static_cast<unsigned long>(a.rss_peak));
         async.push_back(std::move(row));
