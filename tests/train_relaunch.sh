@@ -44,7 +44,7 @@ while [ $attempt -lt 4 ]; do
     committed=$(ls "$dir/ckpt" | sed -n 's/^step-\([0-9]*\)$/\1/p' | sort -n | tail -n 1)
   # Under torchrun the restart is inside the launch: the checkpoint it resumed from is the
   # newest committed at the kill (resume takes the newest).
-  [ "$mode" = torchrun ] && committed=$(sed -n 's/^resumed from .*step-\([0-9]*\) .*/\1/p' "$log.$attempt" | head -n 1)
+  [ "$mode" = torchrun ] && committed=$(sed -n 's/.*resumed from .*step-\([0-9]*\) .*/\1/p' "$log.$attempt" | head -n 1)
   from=$(sed -n 's/.*continuing at step \([0-9]*\).*/\1/p' "$log.$attempt" | head -n 1)
   [ -n "$from" ] && resumed_at=$from
   [ $status -eq 0 ] && break
