@@ -10,12 +10,16 @@
 //   train --ranks 3 --batches-per-rank 5,3,0    # uneven inputs: a join scope keeps them in step
 //   train --ranks 4 --checkpoint ckpt --save-every 5 --stop-after 9   # stopped after step 9
 //   train --ranks 2 --strategy zero3 --checkpoint ckpt --resume       # continues at step 10
+//   train --ranks 4 --checkpoint ckpt --save-every 4 --resume --kill-at-step 10  # a crash, then
+//                                                # the same command again resumes after it
 //
 // The parameters sit in one flat buffer laid out as llm.c lays out GPT-2's (tensor-major,
 // stacked over the hidden layers: examples/flat_model.hpp). Each rank prints what it holds
 // and what a step puts on the wire; rank 0 ends with the final loss against one process
 // training on the whole batch with AdamW written out in double.
 #include <cohort/cohort.hpp>
+
+#include <signal.h>
 
 #include <algorithm>
 #include <chrono>
@@ -110,6 +114,13 @@ std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg,
     if (stop) {
       stopped = true;
       break;
+    }
+    // A crash, not a stop: no save, no unwinding, the files as the kernel leaves them. Only in
+    // a run that started from scratch, so that the relaunch with --resume runs past it.
+    if (step == cfg.kill_at_step && first_step == 0 && pg.rank() == std::min(1, pg.size() - 1)) {
+      std::printf("[rank %d] killed (SIGKILL) after step %d\n", pg.rank(), step);
+      std::fflush(stdout);
+      ::raise(SIGKILL);
     }
   }
   if (joined) joined->finish();

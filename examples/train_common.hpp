@@ -29,6 +29,10 @@ struct config {
   int save_every = 0;      // steps between checkpoints; 0: only the last step's
   bool resume = false;     // continue from the newest complete checkpoint, at any world and strategy
   int stop_after = -1;     // >= 0: stop (exit 0) after this step, as a job that was stopped
+  // >= 0: rank 1 (rank 0 alone) raises SIGKILL after this step, as a crash does, in a run
+  // that did not resume; a relaunch with --resume continues past it, so one command line
+  // serves every launch of a relaunch loop or of torchrun --max-restarts.
+  int kill_at_step = -1;
   // Uneven inputs: rank k trains batches[k] steps inside a join scope (empty: every rank
   // trains `steps`). The reference then trains on the union of the batches of each step.
   std::vector<int> batches_per_rank;
@@ -125,6 +129,8 @@ inline config parse_train_options(int argc, char** argv) {
       cfg.resume = true;
     else if (arg == "--stop-after")
       cfg.stop_after = std::stoi(value());
+    else if (arg == "--kill-at-step")
+      cfg.kill_at_step = std::stoi(value());
     else if (arg == "--ranks")
       cfg.ranks = std::stoi(value());
     else if (arg == "--steps")
@@ -147,7 +153,7 @@ inline config parse_train_options(int argc, char** argv) {
       std::printf(
           "usage: train [--strategy ddp|zero1|zero2|zero3] [--ranks N] [--steps S] [--batch B]\n"
           "             [--batches-per-rank B0,B1,...]\n"
-          "             [--checkpoint DIR [--save-every K] [--resume] [--stop-after N]]\n"
+          "             [--checkpoint DIR [--save-every K] [--resume] [--stop-after N] [--kill-at-step K]]\n"
           "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
       std::exit(arg == "--help" || arg == "-h" ? 0 : 2);
     }

@@ -1,0 +1,448 @@
+// Checkpoints of a training state (cohort/parallel/checkpoint.hpp) against this disk, on Gloo
+// ranks as threads over loopback.
+//
+//   bench_checkpoint [--ranks 4] [--bytes 256M] [--block-bytes 1M] [--repeat 3] [--dir DIR] [--json FILE]
+//
+// The state is --bytes in total over the ranks: fp32 parameters and Adam's two moments (a
+// third each), sharded (zero3) so that each rank holds and writes a quarter. Measured in one
+// run, on the file system of --dir (default: the temporary directory):
+//   - this disk's sequential write rate: one file of the checkpoint's size written and
+//     fsynced, as `dd bs=64M conv=fsync` does; the synchronous save's throughput against it
+//     (each --repeat times, alternating, the medians: a virtual disk's rate wanders);
+//   - an asynchronous save (async_checkpointer): the time the training thread is blocked (the
+//     copy into host staging) against the synchronous save's and the time until it is
+//     committed (medians of --repeat), and the host memory it holds: staging_peak_bytes and
+//     the process's resident set above what it was before (sampled every millisecond, the
+//     largest of the runs; getrusage's ru_maxrss too), against the configured staging bound;
+//     once with the default bound and once with a quarter of it;
+//   - a load at other world sizes (saved at --ranks, loaded at 2 under ddp and 3 under zero3,
+//     the files' pages dropped from the page cache first): bytes read in all against the
+//     checkpoint's size. A rank reads whole checksum blocks (--block-bytes, the save's
+//     option), so a block that straddles two ranks' shards is read by both.
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cohort/backend/gloo.hpp"
+#include "cohort/error.hpp"
+#include "cohort/parallel/checkpoint.hpp"
+#include "cohort/process_group.hpp"
+#include "cohort/run_ranks.hpp"
+#include "cohort/store.hpp"
+#include "cohort/tools/detail/json.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using clock_type = std::chrono::steady_clock;
+using group = cohort::process_group<cohort::gloo>;
+using state_type = cohort::training_state<cohort::gloo>;
+constexpr double mib = 1 << 20;
+
+struct config {
+  int ranks = 4;
+  std::size_t bytes = std::size_t{256} << 20;
+  std::size_t block_bytes = cohort::checkpoint_options{}.block_bytes;
+  int repeat = 3;
+  std::string dir, json_path;
+};
+
+double seconds_since(clock_type::time_point start) {
+  return std::chrono::duration<double>(clock_type::now() - start).count();
+}
+
+std::size_t parse_bytes(const std::string& text) {
+  std::size_t used = 0;
+  const double value = std::stod(text, &used);
+  const std::string unit = text.substr(used);
+  const double scale = unit.empty() ? 1 : unit == "K" ? 1 << 10 : unit == "M" ? 1 << 20 : unit == "G" ? 1 << 30 : 0;
+  if (scale == 0 || value <= 0) throw std::runtime_error("--bytes " + text + ": a size such as 256M or 1G");
+  return static_cast<std::size_t>(value * scale);
+}
+
+config parse(int argc, char** argv) {
+  config cfg;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::runtime_error(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--ranks")
+      cfg.ranks = std::stoi(value());
+    else if (arg == "--bytes")
+      cfg.bytes = parse_bytes(value());
+    else if (arg == "--block-bytes")
+      cfg.block_bytes = parse_bytes(value());
+    else if (arg == "--repeat")
+      cfg.repeat = std::stoi(value());
+    else if (arg == "--dir")
+      cfg.dir = value();
+    else if (arg == "--json")
+      cfg.json_path = value();
+    else
+      throw std::runtime_error("unknown option " + arg +
+                               " (bench_checkpoint [--ranks N] [--bytes 256M] "
+                               "[--block-bytes 1M] [--repeat 3] [--dir DIR] [--json FILE])");
+  }
+  if (cfg.ranks < 1 || cfg.repeat < 1) throw std::runtime_error("--ranks and --repeat must be at least 1");
+  return cfg;
+}
+
+std::size_t resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  std::size_t pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return resident * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+}
+
+std::size_t max_resident_bytes() {
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  return static_cast<std::size_t>(usage.ru_maxrss) * 1024;  // Linux reports KiB
+}
+
+// The resident set's peak while it runs, sampled: ru_maxrss only ever grows, so it cannot
+// show the peak of a phase that follows a larger one.
+class rss_sampler {
+ public:
+  rss_sampler() : baseline_(resident_bytes()), peak_(baseline_) {
+    thread_ = std::thread([this] {
+      while (!stop_) {
+        peak_ = std::max(peak_.load(), resident_bytes());
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    });
+  }
+  rss_sampler(const rss_sampler&) = delete;
+  rss_sampler& operator=(const rss_sampler&) = delete;
+  ~rss_sampler() { finish(); }
+  std::size_t finish() {  // the peak above the resident set when it started
+    if (thread_.joinable()) {
+      stop_ = true;
+      thread_.join();
+    }
+    return std::max(peak_.load(), resident_bytes()) - baseline_;
+  }
+
+ private:
+  std::size_t baseline_;
+  std::atomic<std::size_t> peak_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// What `dd if=/dev/zero of=FILE bs=64M conv=fsync` measures, in this process: `bytes` written
+// in 64 MiB writes of non-zero data, then fsynced. Seconds.
+double sequential_write_seconds(const std::string& path, std::size_t bytes) {
+  std::vector<char> buffer(std::min<std::size_t>(bytes, std::size_t{64} << 20));
+  for (std::size_t i = 0; i < buffer.size(); ++i) buffer[i] = static_cast<char>(i * 131 + 7);
+  const auto fail = [&](const char* what) {
+    return cohort::error(-1, "bench_checkpoint", std::string(what) + " " + path + " failed: " + std::strerror(errno),
+                         "--dir must name a writable directory with room for twice --bytes");
+  };
+  const auto started = clock_type::now();
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw fail("open of");
+  for (std::size_t done = 0; done < bytes;) {
+    const ssize_t wrote = ::write(fd, buffer.data(), std::min(buffer.size(), bytes - done));
+    if (wrote < 0 && errno == EINTR) continue;
+    if (wrote <= 0) {
+      ::close(fd);
+      throw fail("write of");
+    }
+    done += static_cast<std::size_t>(wrote);
+  }
+  if (::fsync(fd) != 0) {
+    ::close(fd);
+    throw fail("fsync of");
+  }
+  ::close(fd);
+  const double seconds = seconds_since(started);
+  fs::remove(path);
+  return seconds;
+}
+
+// The checkpoint's files out of the page cache (they were just written, so clean): the load
+// below then reads from the disk, as a restarted job on another machine would.
+void drop_cached(const std::string& checkpoint) {
+  for (const auto& entry : fs::directory_iterator(checkpoint)) {
+    const int fd = ::open(entry.path().c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+  }
+}
+
+std::vector<cohort::region> regions_for(std::size_t elements) {
+  constexpr std::size_t count = 16;  // layers of equal size
+  std::vector<cohort::region> regions;
+  for (std::size_t r = 0, at = 0; r < count; ++r) {
+    const std::size_t size = elements / count + (r < elements % count ? 1 : 0);
+    regions.push_back({"layer" + std::to_string(r), at, size, r, true, 1.0});
+    at += size;
+  }
+  return regions;
+}
+
+group make_group(const std::shared_ptr<cohort::store>& store, const cohort::launch_env& env) {
+  cohort::gloo::options opts;
+  opts.timeout = std::chrono::seconds(300);  // a save of a large state on a slow disk
+  return group(store, env, opts);
+}
+
+struct async_result {
+  std::size_t bound = 0;         // staging bound per rank (configured; 0 resolved to the state)
+  double blocked = 0;            // slowest rank's save() call
+  double committed = 0;          // save() until wait() returned
+  std::size_t staging_peak = 0;  // staging_peak_bytes, summed over the ranks
+  std::size_t rss_peak = 0;      // sampled resident set above the one before
+  std::vector<double> blocked_runs, committed_runs;
+};
+
+struct results {
+  std::size_t checkpoint_bytes = 0;  // every rank's file
+  double disk_seconds = 0, sync_seconds = 0;
+  std::vector<double> disk_runs, sync_runs;  // the medians' samples: how much the disk wanders
+  std::vector<async_result> async;
+  std::size_t maxrss_before = 0, maxrss_after_async = 0;
+  struct load {
+    int world = 0;
+    std::string strategy;
+    double seconds = 0;
+    std::size_t bytes_read = 0;  // over its ranks
+  };
+  std::vector<load> loads;
+};
+
+// Every rank's largest value (threads of one process: a shared slot per rank).
+double slowest(const std::vector<double>& per_rank) { return *std::max_element(per_rank.begin(), per_rank.end()); }
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+results run(const config& cfg) {
+  results out;
+  const std::size_t elements = cfg.bytes / (3 * sizeof(float));  // parameters, Adam's m and v
+  const auto regions = regions_for(elements);
+  const std::vector<float> initial = [&] {
+    std::vector<float> values(elements);
+    for (std::size_t i = 0; i < elements; ++i) values[i] = static_cast<float>(i % 1021) * 1e-3f;
+    return values;
+  }();
+  out.checkpoint_bytes = 3 * elements * sizeof(float);
+  const std::size_t rank_bytes = out.checkpoint_bytes / static_cast<std::size_t>(cfg.ranks);
+  const auto ranks = static_cast<std::size_t>(cfg.ranks);
+  // Slots per rank, shared by the rank threads; rank 0 reads them between barriers.
+  std::vector<double> blocked(ranks), committed(ranks), sync_seconds(ranks);
+  std::vector<std::size_t> staging(ranks);
+  auto& disk_runs = out.disk_runs;
+  auto& sync_runs = out.sync_runs;
+  std::string saved;
+  const cohort::checkpoint_options save_options{.keep_last = 0, .block_bytes = cfg.block_bytes};
+  cohort::run_ranks(cfg.ranks, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+    auto pg = make_group(store, env);
+    const auto rank = static_cast<std::size_t>(env.rank);
+    state_type state(pg, regions, {.strategy = cohort::strategy::zero3});
+    state.load_parameters(initial);
+    // Asynchronous saves first, while the resident set is only the state's: with the
+    // default bound (the rank's state once) and with a quarter of it, which the checkpointer
+    // meets by writing before save() returns.
+    for (const std::size_t bound : {std::size_t{0}, rank_bytes / 4}) {
+      async_result a;
+      auto& blocked_runs = a.blocked_runs;
+      auto& committed_runs = a.committed_runs;
+      for (int run = 0; run < cfg.repeat; ++run) {
+        std::unique_ptr<rss_sampler> sampler;
+        pg.barrier().wait();
+        if (rank == 0) {
+          if (out.async.empty() && run == 0) out.maxrss_before = max_resident_bytes();
+          sampler = std::make_unique<rss_sampler>();
+        }
+        pg.barrier().wait();
+        {
+          cohort::async_checkpointer saver(state);
+          const auto started = clock_type::now();
+          auto options = save_options;
+          options.staging_bytes = bound;
+          saver.save(cfg.dir + "/ckpt", out.async.size() * 100 + static_cast<std::uint64_t>(run) + 1, options);
+          blocked[rank] = saver.last_blocked_seconds();
+          saver.wait();
+          committed[rank] = seconds_since(started);
+          staging[rank] = saver.staging_peak_bytes();
+        }
+        pg.barrier().wait();
+        if (rank == 0) {
+          a.bound = bound == 0 ? rank_bytes : bound;
+          a.rss_peak = std::max(a.rss_peak, sampler->finish());
+          blocked_runs.push_back(slowest(blocked));
+          committed_runs.push_back(slowest(committed));
+          a.staging_peak = 0;
+          for (const auto s : staging) a.staging_peak += s;
+        }
+      }
+      if (rank == 0) {
+        a.blocked = median(blocked_runs);
+        a.committed = median(committed_runs);
+        out.async.push_back(a);
+        out.maxrss_after_async = max_resident_bytes();
+      }
+      pg.barrier().wait();
+    }
+    for (int run = 0; run < cfg.repeat; ++run) {
+      if (rank == 0) disk_runs.push_back(sequential_write_seconds(cfg.dir + "/dd.bin", out.checkpoint_bytes));
+      pg.barrier().wait();
+      const auto started = clock_type::now();
+      const auto info = cohort::save_checkpoint(state, cfg.dir + "/ckpt", 1000 + static_cast<std::uint64_t>(run),
+                                                {.keep_last = 1, .block_bytes = cfg.block_bytes});
+      sync_seconds[rank] = seconds_since(started);
+      pg.barrier().wait();
+      if (rank == 0) {
+        sync_runs.push_back(slowest(sync_seconds));
+        saved = info.path;
+      }
+    }
+  });
+  out.disk_seconds = median(disk_runs);
+  out.sync_seconds = median(sync_runs);
+
+  // At other world sizes, each under another strategy than the save's.
+  for (const auto& [world, strategy] : {std::pair{2, cohort::strategy::ddp}, std::pair{3, cohort::strategy::zero3}}) {
+    drop_cached(saved);
+    std::vector<double> seconds(static_cast<std::size_t>(world));
+    std::vector<std::size_t> read(seconds.size());
+    cohort::run_ranks(world, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+      auto pg = make_group(store, env);
+      state_type state(pg, regions, {.strategy = strategy});
+      pg.barrier().wait();
+      const auto started = clock_type::now();
+      const auto info = cohort::load_checkpoint(state, saved);
+      seconds[static_cast<std::size_t>(env.rank)] = seconds_since(started);
+      read[static_cast<std::size_t>(env.rank)] = info.bytes_read;
+    });
+    results::load l{world, std::string(cohort::to_string(strategy)), slowest(seconds), 0};
+    for (const auto r : read) l.bytes_read += r;
+    out.loads.push_back(l);
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    config cfg = parse(argc, argv);
+    const bool own_dir = cfg.dir.empty();
+    if (own_dir) cfg.dir = (fs::temp_directory_path() / ("cohort-bench-checkpoint-" + std::to_string(::getpid())));
+    fs::create_directories(cfg.dir);
+    const auto r = run(cfg);
+    if (own_dir) fs::remove_all(cfg.dir);
+
+    const double size = static_cast<double>(r.checkpoint_bytes);
+    const double disk_rate = size / r.disk_seconds, sync_rate = size / r.sync_seconds;
+    std::printf(
+        "checkpoint of a %.0f MiB training state (fp32 parameters + Adam m, v), %d ranks (zero3) in %s, "
+        "%.0f KiB blocks; disk and synchronous save: medians of %d\n",
+        size / mib, cfg.ranks, cfg.dir.c_str(), static_cast<double>(cfg.block_bytes) / 1024, cfg.repeat);
+    std::printf("%-44s %10s %12s %s\n", "measurement", "seconds", "MiB/s", "against");
+    std::printf("%-44s %10.3f %12.1f\n", "disk: write + fsync, one file (dd conv=fsync)", r.disk_seconds,
+                disk_rate / mib);
+    std::printf("%-44s %10.3f %12.1f %.0f%% of the disk's rate\n", "synchronous save", r.sync_seconds, sync_rate / mib,
+                100 * sync_rate / disk_rate);
+    for (const auto& a : r.async) {
+      char name[64];
+      std::snprintf(name, sizeof name, "asynchronous save, bound %.1f MiB/rank", static_cast<double>(a.bound) / mib);
+      std::printf("%-44s %10.3f %12s %.1f%% of the synchronous save blocked\n",
+                  (std::string(name) + ": blocked").c_str(), a.blocked, "", 100 * a.blocked / r.sync_seconds);
+      std::printf("%-44s %10.3f %12.1f\n", "  until committed (wait)", a.committed, size / a.committed / mib);
+      std::printf("%-44s %10s %12s %.1f MiB staged, %.1f MiB resident above before; bound %.1f MiB (all ranks)\n",
+                  "  host memory", "", "", static_cast<double>(a.staging_peak) / mib,
+                  static_cast<double>(a.rss_peak) / mib, static_cast<double>(a.bound) * cfg.ranks / mib);
+    }
+    std::printf("%-44s %10s %12s ru_maxrss %.1f MiB before the saves, %.1f MiB after (+%.1f MiB)\n",
+                "  peak RSS (getrusage)", "", "", static_cast<double>(r.maxrss_before) / mib,
+                static_cast<double>(r.maxrss_after_async) / mib,
+                static_cast<double>(r.maxrss_after_async - r.maxrss_before) / mib);
+    for (const auto& l : r.loads)
+      std::printf("%-44s %10.3f %12.1f read %.1f MiB in all, %.3fx the checkpoint\n",
+                  ("load at " + std::to_string(l.world) + " ranks (" + l.strategy + ")").c_str(), l.seconds,
+                  size / l.seconds / mib, static_cast<double>(l.bytes_read) / mib,
+                  static_cast<double>(l.bytes_read) / size);
+
+    if (!cfg.json_path.empty()) {
+      using cohort::detail::json;
+      json doc = json::make_object();
+      doc.set("benchmark", "bench_checkpoint");
+      doc.set("backend", "gloo");
+      doc.set("ranks", cfg.ranks);
+      doc.set("strategy", "zero3");
+      doc.set("checkpoint_bytes", static_cast<unsigned long>(r.checkpoint_bytes));
+      doc.set("block_bytes", static_cast<unsigned long>(cfg.block_bytes));
+      doc.set("repeat", cfg.repeat);
+      doc.set("disk_write_fsync_seconds", r.disk_seconds);
+      doc.set("disk_bytes_per_second", disk_rate);
+      doc.set("sync_save_seconds", r.sync_seconds);
+      doc.set("sync_save_bytes_per_second", sync_rate);
+      doc.set("sync_save_fraction_of_disk", sync_rate / disk_rate);
+      const auto samples = [](const std::vector<double>& values) {
+        json list = json::make_array();
+        for (const double v : values) list.push_back(v);
+        return list;
+      };
+      doc.set("disk_write_fsync_seconds_runs", samples(r.disk_runs));
+      doc.set("sync_save_seconds_runs", samples(r.sync_runs));
+      json async = json::make_array();
+      for (const auto& a : r.async) {
+        json row = json::make_object();
+        row.set("staging_bound_bytes_per_rank", static_cast<unsigned long>(a.bound));
+        row.set("blocked_seconds", a.blocked);
+        row.set("blocked_fraction_of_sync", a.blocked / r.sync_seconds);
+        row.set("committed_seconds", a.committed);
+        row.set("blocked_seconds_runs", samples(a.blocked_runs));
+        row.set("committed_seconds_runs", samples(a.committed_runs));
+        row.set("staging_peak_bytes_all_ranks", static_cast<unsigned long>(a.staging_peak));
+        row.set("rss_peak_above_before_bytes", static_cast<unsigned long>(a.rss_peak));
+        async.push_back(std::move(row));
+      }
+      doc.set("async", std::move(async));
+      doc.set("ru_maxrss_before_bytes", static_cast<unsigned long>(r.maxrss_before));
+      doc.set("ru_maxrss_after_async_bytes", static_cast<unsigned long>(r.maxrss_after_async));
+      json loads = json::make_array();
+      for (const auto& l : r.loads) {
+        json row = json::make_object();
+        row.set("world", l.world);
+        row.set("strategy", l.strategy);
+        row.set("seconds", l.seconds);
+        row.set("bytes_read", static_cast<unsigned long>(l.bytes_read));
+        row.set("bytes_read_fraction_of_checkpoint", static_cast<double>(l.bytes_read) / size);
+        loads.push_back(std::move(row));
+      }
+      doc.set("loads", std::move(loads));
+      std::ofstream file(cfg.json_path);
+      file << doc.dump(2) << "\n";
+      if (!file) throw std::runtime_error("cannot write " + cfg.json_path);
+    }
+    return 0;
+  } catch (const std::exception& failure) {
+    std::fprintf(stderr, "bench_checkpoint: %s\n", failure.what());
+    return 1;
+  }
+}
