@@ -114,6 +114,9 @@ class async_checkpointer {
   training_state<B, P, G>* state_;
   std::unique_ptr<pending_type> pending_;
   std::thread writer_;
+  // The last save's staging memory, kept for the next: otherwise every save allocates and
+  // faults in the rank's whole state inside the copy that training waits for.
+  std::vector<typename training_state<B, P, G>::master_type> spare_;
   double last_blocked_seconds_ = 0;
   std::uint64_t staging_peak_ = 0;
 };

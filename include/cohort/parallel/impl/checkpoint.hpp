@@ -69,6 +69,7 @@ struct pending_checkpoint {
   std::size_t block_bytes = 0, keep_last = 0;
   std::size_t most_blocks = 0;   // over every rank's file: the checksum rows' length
   std::vector<Master> staged;    // this rank's file, until written
+  bool keep_staging = false;     // an async_checkpointer reuses the memory for its next save
   std::uint64_t bytes = 0;       // of this rank's file
   checkpoint_manifest manifest;  // all but the checksums (rank 0: the files' pieces too)
   std::vector<std::uint64_t> blocks;
@@ -84,14 +85,15 @@ struct pending_checkpoint {
     } catch (...) {
       failure = std::current_exception();
     }
-    staged = {};  // the staging memory goes as soon as the file is written
+    if (!keep_staging) staged = {};  // a one-off save's staging goes as soon as the file is written
     seconds += seconds_since(started);
   }
 };
 
 template <backend B, element P, element G>
 auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& directory, std::uint64_t step,
-                           const checkpoint_options& options) {
+                           const checkpoint_options& options,
+                           std::vector<typename training_state<B, P, G>::master_type> recycled = {}) {
   using master = typename training_state<B, P, G>::master_type;
   const auto started = std::chrono::steady_clock::now();
   auto& group = state.group();
@@ -99,6 +101,7 @@ auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& di
   const int rank = group.rank(), world = group.size();
   const auto tensors = state.checkpoint_tensors();
   pending_checkpoint<master> pending;
+  pending.staged = std::move(recycled);  // its pages already faulted in: copying into it is the whole cost
   pending.directory = directory;
   pending.step = step;
   pending.rank = rank;
@@ -241,6 +244,7 @@ std::optional<checkpoint_info> async_checkpointer<B, P, G>::wait() {
   if (writer_.joinable()) writer_.join();
   auto pending = std::move(pending_);
   pending_.reset();
+  spare_ = std::move(pending->staged);  // written: the next save stages into the same memory
   return detail::commit_checkpoint_save(state_->group(), *pending);
 }
 
@@ -249,7 +253,9 @@ std::optional<checkpoint_info> async_checkpointer<B, P, G>::save(const std::stri
                                                                  const checkpoint_options& options) {
   auto previous = wait();
   const auto started = std::chrono::steady_clock::now();
-  pending_ = std::make_unique<pending_type>(detail::begin_checkpoint_save(*state_, directory, step, options));
+  pending_ = std::make_unique<pending_type>(
+      detail::begin_checkpoint_save(*state_, directory, step, options, std::move(spare_)));
+  pending_->keep_staging = true;
   const std::size_t bound = options.staging_bytes;
   if (bound != 0 && pending_->bytes > bound) {
     // More than the staging bound allows to hold while training goes on: written now.
