@@ -377,14 +377,16 @@ class zero_optimizer {
     auto& engine = group_->backend();
     detail::agree_on_gradient_statistics(
         *group_, stats_, true,
-        [&](std::int64_t* count, double* squares) {
-          count_nonfinite(engine, gradient_shard_, chunk_elements_, dtype::float32, count);
+        [&](double* squares) {
           sum_of_squares(engine, gradient_shard_, chunk_elements_, dtype::float32, squares);
-          if (rank() == 0) {
-            count_nonfinite(engine, gradient_shard_ + chunk_elements_, owned_ - chunk_elements_, dtype::float32, count);
+          if (rank() == 0)
             sum_of_squares(engine, gradient_shard_ + chunk_elements_, owned_ - chunk_elements_, dtype::float32,
                            squares);
-          }
+        },
+        [&](std::int64_t* count) {
+          count_nonfinite(engine, gradient_shard_, chunk_elements_, dtype::float32, count);
+          if (rank() == 0)
+            count_nonfinite(engine, gradient_shard_ + chunk_elements_, owned_ - chunk_elements_, dtype::float32, count);
         },
         result);
   }

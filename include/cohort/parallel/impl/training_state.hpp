@@ -475,11 +475,13 @@ void training_state<B, P, G>::measure(step_result& result) {
   auto& engine = group_->backend();
   detail::agree_on_gradient_statistics(
       *group_, stats_.data(), sharded(),
-      [&](std::int64_t* count, double* squares) {
-        for (const auto& s : update_segments_) {
-          count_nonfinite(engine, reduced_gradient_at(s), s.count, dtype_v<G>, count);
+      [&](double* squares) {
+        for (const auto& s : update_segments_)
           sum_of_squares(engine, reduced_gradient_at(s), s.count, dtype_v<G>, squares);
-        }
+      },
+      [&](std::int64_t* count) {
+        for (const auto& s : update_segments_)
+          count_nonfinite(engine, reduced_gradient_at(s), s.count, dtype_v<G>, count);
       },
       result);
 }
