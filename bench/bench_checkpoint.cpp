@@ -39,6 +39,7 @@
 #include <thread>
 #include <vector>
 
+#include "../examples/command_line.hpp"
 #include "cohort/backend/gloo.hpp"
 #include "cohort/error.hpp"
 #include "cohort/parallel/checkpoint.hpp"
@@ -78,24 +79,20 @@ std::size_t parse_bytes(const std::string& text) {
 
 config parse(int argc, char** argv) {
   config cfg;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::runtime_error(arg + " needs a value");
-      return argv[++i];
-    };
+  for (cohort_examples::command_line args(argc, argv); args.next();) {
+    const std::string& arg = args.flag();
     if (arg == "--ranks")
-      cfg.ranks = std::stoi(value());
+      cfg.ranks = std::stoi(args.value());
     else if (arg == "--bytes")
-      cfg.bytes = parse_bytes(value());
+      cfg.bytes = parse_bytes(args.value());
     else if (arg == "--block-bytes")
-      cfg.block_bytes = parse_bytes(value());
+      cfg.block_bytes = parse_bytes(args.value());
     else if (arg == "--repeat")
-      cfg.repeat = std::stoi(value());
+      cfg.repeat = std::stoi(args.value());
     else if (arg == "--dir")
-      cfg.dir = value();
+      cfg.dir = args.value();
     else if (arg == "--json")
-      cfg.json_path = value();
+      cfg.json_path = args.value();
     else
       throw std::runtime_error("unknown option " + arg +
                                " (bench_checkpoint [--ranks N] [--bytes 256M] "

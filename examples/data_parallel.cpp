@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "command_line.hpp"
 #include "mlp.hpp"
 
 namespace {
@@ -126,27 +127,22 @@ int report(float distributed, const config& cfg) {
 
 config parse(int argc, char** argv) {
   config cfg;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::runtime_error(arg + " needs a value");
-      return argv[++i];
-    };
+  for (cohort_examples::command_line args(argc, argv); args.next();) {
+    const std::string& arg = args.flag();
     if (arg == "--ranks")
-      cfg.ranks = std::stoi(value());
+      cfg.ranks = std::stoi(args.value());
     else if (arg == "--steps")
-      cfg.steps = std::stoi(value());
+      cfg.steps = std::stoi(args.value());
     else if (arg == "--batch")
-      cfg.batch = std::stoul(value());
+      cfg.batch = std::stoul(args.value());
     else if (arg == "--lr")
-      cfg.lr = std::stof(value());
+      cfg.lr = std::stof(args.value());
     else if (arg == "--user-buffers")
       cfg.user_buffers = true;
     else {
-      std::printf(
+      args.usage(
           "usage: data_parallel [--ranks N] [--steps S] [--batch B] [--lr LR] [--user-buffers]\n"
           "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
-      std::exit(arg == "--help" || arg == "-h" ? 0 : 2);
     }
   }
   return cfg;

@@ -24,6 +24,8 @@
 #include <string>
 #include <vector>
 
+#include "command_line.hpp"
+
 namespace {
 
 struct config {
@@ -101,21 +103,16 @@ int run(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
 
 config parse(int argc, char** argv) {
   config cfg;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::runtime_error(arg + " needs a value");
-      return argv[++i];
-    };
+  for (cohort_examples::command_line args(argc, argv); args.next();) {
+    const std::string& arg = args.flag();
     if (arg == "--ranks")
-      cfg.ranks = std::stoi(value());
+      cfg.ranks = std::stoi(args.value());
     else if (arg == "--samples")
-      cfg.samples = std::stoull(value());
+      cfg.samples = std::stoull(args.value());
     else {
-      std::printf(
+      args.usage(
           "usage: evaluate [--ranks N] [--samples S]\n"
           "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
-      std::exit(arg == "--help" || arg == "-h" ? 0 : 2);
     }
   }
   return cfg;

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "command_line.hpp"
 #include "flat_model.hpp"
 #include "mlp.hpp"
 
@@ -97,21 +98,16 @@ float train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
 
 config parse(int argc, char** argv) {
   config cfg;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::runtime_error(arg + " needs a value");
-      return argv[++i];
-    };
+  for (cohort_examples::command_line args(argc, argv); args.next();) {
+    const std::string& arg = args.flag();
     if (arg == "--ranks") {
-      cfg.ranks = std::stoi(value());
+      cfg.ranks = std::stoi(args.value());
     } else if (arg == "--steps") {
-      cfg.steps = std::stoi(value());
+      cfg.steps = std::stoi(args.value());
     } else {
-      std::printf(
+      args.usage(
           "usage: flat_buffer [--ranks N] [--steps S]\n"
           "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
-      std::exit(arg == "--help" || arg == "-h" ? 0 : 2);
     }
   }
   return cfg;

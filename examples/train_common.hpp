@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "command_line.hpp"
 #include "flat_model.hpp"
 #include "mlp.hpp"
 
@@ -115,47 +116,42 @@ inline std::string human(std::size_t bytes) {
 
 inline config parse_train_options(int argc, char** argv) {
   config cfg;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::runtime_error(arg + " needs a value");
-      return argv[++i];
-    };
+  for (cohort_examples::command_line args(argc, argv); args.next();) {
+    const std::string& arg = args.flag();
     if (arg == "--checkpoint")
-      cfg.checkpoint = value();
+      cfg.checkpoint = args.value();
     else if (arg == "--save-every")
-      cfg.save_every = std::stoi(value());
+      cfg.save_every = std::stoi(args.value());
     else if (arg == "--resume")
       cfg.resume = true;
     else if (arg == "--stop-after")
-      cfg.stop_after = std::stoi(value());
+      cfg.stop_after = std::stoi(args.value());
     else if (arg == "--kill-at-step")
-      cfg.kill_at_step = std::stoi(value());
+      cfg.kill_at_step = std::stoi(args.value());
     else if (arg == "--ranks")
-      cfg.ranks = std::stoi(value());
+      cfg.ranks = std::stoi(args.value());
     else if (arg == "--steps")
-      cfg.steps = std::stoi(value());
+      cfg.steps = std::stoi(args.value());
     else if (arg == "--batch")
-      cfg.batch = std::stoul(value());
+      cfg.batch = std::stoul(args.value());
     else if (arg == "--batches-per-rank") {
-      const std::string list = value();
+      const std::string list = args.value();
       for (std::size_t at = 0; at <= list.size();) {
         const std::size_t comma = std::min(list.find(',', at), list.size());
         cfg.batches_per_rank.push_back(std::stoi(list.substr(at, comma - at)));
         at = comma + 1;
       }
     } else if (arg == "--strategy") {
-      const std::string name = value();
+      const std::string name = args.value();
       const auto parsed = cohort::parse_strategy(name);
       if (!parsed) throw std::runtime_error("--strategy " + name + ": use ddp, zero1, zero2 or zero3");
       cfg.strategy = *parsed;
     } else {
-      std::printf(
+      args.usage(
           "usage: train [--strategy ddp|zero1|zero2|zero3] [--ranks N] [--steps S] [--batch B]\n"
           "             [--batches-per-rank B0,B1,...]\n"
           "             [--checkpoint DIR [--save-every K] [--resume] [--stop-after N] [--kill-at-step K]]\n"
           "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
-      std::exit(arg == "--help" || arg == "-h" ? 0 : 2);
     }
   }
   return cfg;

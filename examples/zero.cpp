@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "command_line.hpp"
 #include "flat_model.hpp"
 #include "mlp.hpp"
 
@@ -112,23 +113,18 @@ float train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
 
 config parse(int argc, char** argv) {
   config cfg;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::runtime_error(arg + " needs a value");
-      return argv[++i];
-    };
+  for (cohort_examples::command_line args(argc, argv); args.next();) {
+    const std::string& arg = args.flag();
     if (arg == "--ranks") {
-      cfg.ranks = std::stoi(value());
+      cfg.ranks = std::stoi(args.value());
     } else if (arg == "--stage") {
-      cfg.stage = std::stoi(value());
+      cfg.stage = std::stoi(args.value());
     } else if (arg == "--steps") {
-      cfg.steps = std::stoi(value());
+      cfg.steps = std::stoi(args.value());
     } else {
-      std::printf(
+      args.usage(
           "usage: zero [--ranks N] [--stage 1|2] [--steps S]\n"
           "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
-      std::exit(arg == "--help" || arg == "-h" ? 0 : 2);
     }
   }
   return cfg;
