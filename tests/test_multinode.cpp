@@ -197,6 +197,36 @@ bool wait_for_file(const std::string& path, std::chrono::seconds limit) {
   return true;
 }
 
+// Two ranks per node, each told a fresh directory both sides see (COHORT_TEST_FLAGS): where
+// the ranks leave their ready flags and the test its go.
+std::vector<cluster::rank_process> ranks_with_flags(cluster& nodes, const std::string& name, std::string& flags) {
+  flags = fresh_directory(name);
+  auto ranks = torchrun_ranks(nodes, 2);
+  for (auto& rank : ranks) rank.env["COHORT_TEST_FLAGS"] = flags;
+  return ranks;
+}
+
+// In a rank: a group with a 3 s timeout whose failures surface at its next call, proven
+// connected by one all-reduce.
+cohort::process_group<cohort::gloo> connected_group(const cohort::launch_env& env) {
+  auto opts = group_options(std::chrono::seconds(3));
+  opts.on_async_error = cohort::async_error_handling::throw_on_next_call;
+  cohort::process_group<cohort::gloo> pg{cohort::connect_store(env), env, opts};
+  std::vector<float> data(1 << 10, 1.0f);
+  pg.all_reduce(std::span<float>(data)).wait();
+  return pg;
+}
+
+void flag_ready(const std::string& flags, int rank) { std::ofstream(flags + "/ready" + std::to_string(rank)).put('1'); }
+
+// In the test: whether all `world` ranks flagged themselves ready in time.
+bool all_ready(const std::string& flags, int world) {
+  bool ready = true;
+  for (int r = 0; r < world; ++r)
+    ready = ready && wait_for_file(flags + "/ready" + std::to_string(r), std::chrono::seconds(30));
+  return ready;
+}
+
 }  // namespace
 
 // Node 1's link goes down between two calls (a partition: nothing closes, nothing arrives).
@@ -208,19 +238,14 @@ namespace {
 // `cut` partitions node 1 from node 0 once every rank has made one call.
 void check_partition(cluster& nodes_ref, const std::function<void()>& cut) {
   auto* nodes = &nodes_ref;
-  const std::string flags = fresh_directory("partition");
-  auto ranks = torchrun_ranks(*nodes, 2);
-  for (auto& rank : ranks) rank.env["COHORT_TEST_FLAGS"] = flags;
+  std::string flags;
+  auto ranks = ranks_with_flags(*nodes, "partition", flags);
   auto children = nodes->start(ranks, [] {
     const auto env = cohort::launch_env::detect();
     const std::string flags = std::getenv("COHORT_TEST_FLAGS");
-    auto store = cohort::connect_store(env);
-    auto opts = group_options(std::chrono::seconds(3));
-    opts.on_async_error = cohort::async_error_handling::throw_on_next_call;
-    cohort::process_group<cohort::gloo> pg{store, env, opts};
+    auto pg = connected_group(env);
     std::vector<float> data(1 << 10, 1.0f);
-    pg.all_reduce(std::span<float>(data)).wait();
-    std::ofstream(flags + "/ready" + std::to_string(env.rank)).put('1');
+    flag_ready(flags, env.rank);
     if (!wait_for_file(flags + "/go", std::chrono::seconds(30))) return 5;
     const auto start = std::chrono::steady_clock::now();
     try {
@@ -237,9 +262,7 @@ void check_partition(cluster& nodes_ref, const std::function<void()>& cut) {
     }
     return 1;
   });
-  bool ready = true;
-  for (int r = 0; r < 4; ++r)
-    ready = ready && wait_for_file(flags + "/ready" + std::to_string(r), std::chrono::seconds(30));
+  const bool ready = all_ready(flags, 4);
   if (ready) cut();
   std::ofstream(flags + "/go").put('1');
   const auto codes = cohort_test::wait_children(children, std::chrono::seconds(60));
@@ -279,14 +302,13 @@ TEST_CASE("a store cut off before the rendezvous ends every rank within the grou
   hosts_name_every_node(*nodes);
   std::string why;
   if (!nodes->can_drop(why)) skip_without(nodes, why);
-  const std::string flags = fresh_directory("store-cut");
-  auto ranks = torchrun_ranks(*nodes, 2);
-  for (auto& rank : ranks) rank.env["COHORT_TEST_FLAGS"] = flags;
+  std::string flags;
+  auto ranks = ranks_with_flags(*nodes, "store-cut", flags);
   auto children = nodes->start(ranks, [] {
     const auto env = cohort::launch_env::detect();
     const std::string flags = std::getenv("COHORT_TEST_FLAGS");
     auto store = cohort::connect_store(env);
-    std::ofstream(flags + "/ready" + std::to_string(env.rank)).put('1');
+    flag_ready(flags, env.rank);
     if (!wait_for_file(flags + "/go", std::chrono::seconds(30))) return 5;
     const auto start = std::chrono::steady_clock::now();
     try {
@@ -302,9 +324,7 @@ TEST_CASE("a store cut off before the rendezvous ends every rank within the grou
     }
     return 1;
   });
-  bool ready = true;
-  for (int r = 0; r < 4; ++r)
-    ready = ready && wait_for_file(flags + "/ready" + std::to_string(r), std::chrono::seconds(30));
+  const bool ready = all_ready(flags, 4);
   if (ready && !nodes->drop(1, 1.0, why)) std::fprintf(stderr, "could not cut node 1 off: %s\n", why.c_str());
   std::ofstream(flags + "/go").put('1');
   const auto codes = cohort_test::wait_children(children, std::chrono::seconds(60));
@@ -318,19 +338,14 @@ TEST_CASE("a store cut off before the rendezvous ends every rank within the grou
 TEST_CASE("a killed node is named dead by the other node's ranks, and only it", "[multinode]") {
   auto nodes = make_cluster(2);
   hosts_name_every_node(*nodes);
-  const std::string flags = fresh_directory("killed");
-  auto ranks = torchrun_ranks(*nodes, 2);
-  for (auto& rank : ranks) rank.env["COHORT_TEST_FLAGS"] = flags;
+  std::string flags;
+  auto ranks = ranks_with_flags(*nodes, "killed", flags);
   auto children = nodes->start(ranks, [] {
     const auto env = cohort::launch_env::detect();
     const std::string flags = std::getenv("COHORT_TEST_FLAGS");
-    auto store = cohort::connect_store(env);
-    auto opts = group_options(std::chrono::seconds(3));
-    opts.on_async_error = cohort::async_error_handling::throw_on_next_call;
-    cohort::process_group<cohort::gloo> pg{store, env, opts};
+    auto pg = connected_group(env);
     std::vector<float> data(1 << 10, 1.0f);
-    pg.all_reduce(std::span<float>(data)).wait();
-    std::ofstream(flags + "/ready" + std::to_string(env.rank)).put('1');
+    flag_ready(flags, env.rank);
     if (env.rank >= 2) {  // node 1 waits to be killed
       std::this_thread::sleep_for(std::chrono::seconds(60));
       return 6;
@@ -352,9 +367,7 @@ TEST_CASE("a killed node is named dead by the other node's ranks, and only it", 
     }
     return 1;
   });
-  bool ready = true;
-  for (int r = 0; r < 4; ++r)
-    ready = ready && wait_for_file(flags + "/ready" + std::to_string(r), std::chrono::seconds(30));
+  const bool ready = all_ready(flags, 4);
   if (ready) {
     ::kill(children[2], SIGKILL);
     ::kill(children[3], SIGKILL);
@@ -373,9 +386,8 @@ TEST_CASE("a killed node is named dead by the other node's ranks, and only it", 
 TEST_CASE("node-local groups and local-main-first hold per simulated node", "[multinode]") {
   auto nodes = make_cluster(2);
   hosts_name_every_node(*nodes);
-  const std::string flags = fresh_directory("guards");
-  auto ranks = torchrun_ranks(*nodes, 2);
-  for (auto& rank : ranks) rank.env["COHORT_TEST_FLAGS"] = flags;
+  std::string flags;
+  auto ranks = ranks_with_flags(*nodes, "guards", flags);
   const auto codes = cohort_test::wait_children(
       nodes->start(ranks,
                    [] {
