@@ -696,7 +696,8 @@ class gradient_reducer {
 
   void check_nonfinite(reduction_summary& summary) {
     auto& engine = group_->backend();
-    auto* counter = static_cast<std::int64_t*>(engine.allocate(sizeof(std::int64_t)));
+    // The group's staging buffer: no allocation per step (nor a leak when a call throws).
+    auto* counter = static_cast<std::int64_t*>(group_->value_staging(sizeof(std::int64_t)));
     fill(engine, counter, 1, dtype::int64, 0.0);
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       if (storage_ == gradient_storage::in_place) {
@@ -708,7 +709,6 @@ class gradient_reducer {
     group_->all_reduce(std::span<std::int64_t>(counter, 1), op::sum);
     std::int64_t found = 0;
     engine.copy(&found, counter, sizeof found).wait();
-    engine.deallocate(counter, sizeof(std::int64_t));
     summary.nonfinite_count = found;
     summary.nonfinite = found > 0;
   }
