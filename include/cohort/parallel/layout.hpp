@@ -70,11 +70,12 @@ struct segment {
 };
 
 struct storage_layout {
-  std::vector<placed_region> regions;              // by region index
-  std::vector<bucket_range> buckets;               // in storage order; they launch last to first
-  std::vector<std::size_t> first_bucket_of_layer;  // by layer, and one past the last layer
-  std::size_t storage = 0;                         // elements of the padded storage
-  std::size_t logical = 0;                         // elements of the trainer's flat buffer
+  std::vector<placed_region> regions;                      // by region index
+  std::vector<bucket_range> buckets;                       // in storage order; they launch last to first
+  std::vector<std::size_t> first_bucket_of_layer;          // by layer, and one past the last layer
+  std::vector<std::vector<std::size_t>> regions_of_layer;  // region indices, declaration order
+  std::size_t storage = 0;                                 // elements of the padded storage
+  std::size_t logical = 0;                                 // elements of the trainer's flat buffer
   std::size_t layers = 0;
 };
 

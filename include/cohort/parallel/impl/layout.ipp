@@ -85,8 +85,9 @@ COHORT_DECL storage_layout plan_storage(const std::vector<region>& regions, int 
   const std::size_t n = static_cast<std::size_t>(std::max(world, 1));
   bucket_elements = std::max<std::size_t>(bucket_elements, 1);
   // Layer by layer; inside a layer, declaration order.
-  std::vector<std::vector<std::size_t>> by_layer(layout.layers);
-  for (std::size_t i = 0; i < regions.size(); ++i) by_layer[regions[i].layer].push_back(i);
+  layout.regions_of_layer.assign(layout.layers, {});
+  for (std::size_t i = 0; i < regions.size(); ++i) layout.regions_of_layer[regions[i].layer].push_back(i);
+  const auto& by_layer = layout.regions_of_layer;
 
   bucket_range open;
   std::size_t open_content = 0;  // aligned elements placed in `open`

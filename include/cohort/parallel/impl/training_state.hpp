@@ -342,8 +342,10 @@ void training_state<B, P, G>::mark_ready(std::size_t r) {
 
 template <backend B, element P, element G>
 void training_state<B, P, G>::mark_layer_ready(std::size_t layer) {
-  for (std::size_t r = 0; r < regions_.size(); ++r)
-    if (regions_[r].layer == layer) mark_ready(r);
+  if (layer >= layout_.layers)
+    fail("mark_layer_ready", "layer " + std::to_string(layer) + " of " + std::to_string(layout_.layers),
+         "layers are the regions' layer numbers, 0 .. layers - 1");
+  for (const std::size_t r : layout_.regions_of_layer[layer]) mark_ready(r);
 }
 
 template <backend B, element P, element G>
