@@ -86,7 +86,7 @@ struct pending_checkpoint {
   std::vector<std::pair<const char*, std::size_t>> sources;
   // The staging pool: chunk i of the file goes to slot i % slots, copied once chunk i - slots
   // is written.
-  std::vector<char> pool;
+  checkpoint_staging pool;
   std::size_t chunk_bytes = 0, slots = 0, chunks = 0;
   std::mutex mutex;
   std::condition_variable changed;
@@ -201,7 +201,7 @@ struct pending_checkpoint {
 
 template <backend B, element P, element G>
 auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& directory, std::uint64_t step,
-                           const checkpoint_options& options, std::vector<char> recycled = {}) {
+                           const checkpoint_options& options, bool synchronous, checkpoint_staging recycled = {}) {
   using master = typename training_state<B, P, G>::master_type;
   const auto started = std::chrono::steady_clock::now();
   auto& group = state.group();
@@ -276,18 +276,20 @@ auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& di
   }
 
   // The pool: the file at once when the bound allows it, else slots of whole blocks within the
-  // bound (at least one block), each at most 64 MiB so that the writer starts early.
+  // bound (at least one block), each at most 8 MiB so that the writer starts early. A
+  // synchronous save waits for the write anyway: four slots are all it uses.
   const std::size_t block = pending->block_bytes;
   const std::size_t file_bytes = std::max<std::uint64_t>(pending->bytes, 1);
-  const std::size_t bound = options.staging_bytes == 0 ? file_bytes : std::max(options.staging_bytes, block);
-  const std::size_t most = std::max<std::size_t>(block, (std::size_t{64} << 20) / block * block);
-  std::size_t chunk = bound >= file_bytes ? most : std::max(block, bound / 4 / block * block);
-  chunk = std::min(chunk, most);
+  const std::size_t most = std::max<std::size_t>(block, (std::size_t{8} << 20) / block * block);
+  std::size_t bound = options.staging_bytes == 0 ? file_bytes : std::max(options.staging_bytes, block);
+  if (synchronous) bound = std::min(bound, 4 * most);
+  const std::size_t chunk = bound >= file_bytes ? most : std::min(most, std::max(block, bound / 4 / block * block));
   pending->chunk_bytes = chunk;
   pending->chunks = (pending->bytes + chunk - 1) / chunk;
-  pending->slots = std::max<std::size_t>(1, std::min(pending->chunks, bound / chunk));
+  pending->slots =
+      bound >= file_bytes ? pending->chunks : std::max<std::size_t>(1, std::min(pending->chunks, bound / chunk));
   const std::size_t pool_bytes = pending->slots >= pending->chunks ? pending->bytes : pending->slots * chunk;
-  if (pending->pool.size() != pool_bytes) pending->pool.resize(pool_bytes);
+  if (pending->pool.size() != pool_bytes) pending->pool = checkpoint_staging(pool_bytes);
   pending->seconds = seconds_since(started);
   return pending;
 }
@@ -428,7 +430,7 @@ void start_checkpoint_writer(pending_checkpoint<Master>& pending) {
 template <backend B, element P, element G>
 checkpoint_info save_checkpoint(training_state<B, P, G>& state, const std::string& directory, std::uint64_t step,
                                 const checkpoint_options& options) {
-  auto pending = detail::begin_checkpoint_save(state, directory, step, options);
+  auto pending = detail::begin_checkpoint_save(state, directory, step, options, true);
   detail::start_checkpoint_writer(*pending);
   detail::stage_checkpoint(state.group().backend(), *pending);
   return detail::agree_checkpoint_save(state.group(), *pending);
@@ -461,7 +463,7 @@ std::optional<checkpoint_info> async_checkpointer<B, P, G>::save(const std::stri
                                                                  const checkpoint_options& options) {
   auto previous = wait();
   const auto started = std::chrono::steady_clock::now();
-  pending_ = detail::begin_checkpoint_save(*state_, directory, step, options, std::move(spare_));
+  pending_ = detail::begin_checkpoint_save(*state_, directory, step, options, false, std::move(spare_));
   detail::start_checkpoint_writer(*pending_);
   detail::stage_checkpoint(state_->group().backend(), *pending_);
   staging_peak_ = std::max<std::uint64_t>(staging_peak_, pending_->pool.size());

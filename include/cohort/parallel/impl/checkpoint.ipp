@@ -3,6 +3,7 @@
 // <cohort/impl/src.hpp> under COHORT_SEPARATE_COMPILATION (see cohort/detail/config.hpp).
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -273,6 +274,35 @@ COHORT_DECL void begin_checkpoint(const std::string& directory, const std::strin
   if (!std::filesystem::create_directory(staging, ec) || ec)
     throw error(rank, "save_checkpoint", "cannot create " + staging + ": " + (ec ? ec.message() : "it exists"),
                 "the checkpoint directory must be writable by the ranks that save");
+}
+
+COHORT_DECL checkpoint_staging::checkpoint_staging(std::size_t bytes) : size_(bytes) {
+  if (bytes == 0) return;
+  void* at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (at == MAP_FAILED)
+    throw error(-1, "save_checkpoint",
+                "cannot map " + std::to_string(bytes) + " bytes of host staging: " + std::strerror(errno),
+                "lower checkpoint_options::staging_bytes: the state streams through a smaller pool");
+#if defined(MADV_HUGEPAGE)
+  ::madvise(at, bytes, MADV_HUGEPAGE);  // advisory: 4 KiB pages where the kernel has none
+#endif
+  data_ = static_cast<char*>(at);
+}
+
+COHORT_DECL checkpoint_staging::checkpoint_staging(checkpoint_staging&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+
+COHORT_DECL checkpoint_staging& checkpoint_staging::operator=(checkpoint_staging&& other) noexcept {
+  if (this != &other) {
+    if (data_) ::munmap(data_, size_);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+COHORT_DECL checkpoint_staging::~checkpoint_staging() {
+  if (data_) ::munmap(data_, size_);
 }
 
 COHORT_DECL checkpoint_file_writer::checkpoint_file_writer(std::string path, std::size_t block_bytes, int rank,
