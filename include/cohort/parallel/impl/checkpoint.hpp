@@ -79,7 +79,8 @@ struct pending_checkpoint {
   std::uint64_t bytes = 0;       // of this rank's file
   checkpoint_manifest manifest;  // all but the checksums (rank 0: the files' pieces too)
   checkpoint_options::fault_injection fault;
-  double seconds = 0;  // begin and stream, on this rank
+  double seconds = 0;        // begin, on the saving thread
+  double write_seconds = 0;  // the writer's, which spans the copy
 
   // Where this rank's file comes from, in order: runs of the state's memory (device memory on a
   // device backend, copied by the engine).
@@ -107,6 +108,9 @@ struct pending_checkpoint {
   bool committed = false;         // by rank 0's writer
   std::exception_ptr commit_failure;
   std::thread writer;
+  // An asynchronous save's copy into the pool, on its own thread while training goes on.
+  std::thread copier;
+  std::exception_ptr copy_failure;
 
   std::string key(int r) const { return key_prefix + std::to_string(r); }
 
@@ -141,7 +145,7 @@ struct pending_checkpoint {
       stopped_writing = true;
     }
     changed.notify_all();
-    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    write_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     publish();
     {
       std::lock_guard lock(mutex);
@@ -299,7 +303,6 @@ auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& di
 // state may change after that.
 template <backend B, class Master>
 void stage_checkpoint(B& engine, pending_checkpoint<Master>& pending) {
-  const auto started = std::chrono::steady_clock::now();
   try {
     std::size_t source = 0, within = 0;  // the next byte to copy: sources[source] + within
     for (std::size_t i = 0; i < pending.chunks; ++i) {
@@ -338,7 +341,6 @@ void stage_checkpoint(B& engine, pending_checkpoint<Master>& pending) {
     pending.finished = true;  // nothing published: the agreement (if any) commits nothing
     throw;
   }
-  pending.seconds += seconds_since(started);
 }
 
 // Collective. Waits for this rank's writer, then agrees on the outcome: any rank's write error
@@ -359,6 +361,11 @@ checkpoint_info agree_checkpoint_save(process_group<B>& group, pending_checkpoin
   {
     std::unique_lock lock(pending.mutex);
     pending.changed.wait(lock, [&] { return pending.finished; });
+  }
+  // A copy that failed is this rank's failure (its writer stopped without publishing).
+  if (pending.copy_failure && !pending.failure) {
+    pending.failure = pending.copy_failure;
+    pending.failed_errno = EIO;
   }
   std::int64_t row[2] = {pending.failure ? 1 : 0, pending.failed_errno};
   const auto rows = all_gather_values(group, std::span<const std::int64_t>(row, 2));
@@ -416,7 +423,7 @@ checkpoint_info agree_checkpoint_save(process_group<B>& group, pending_checkpoin
   info.strategy = m.strategy;
   info.metadata = m.metadata;
   info.bytes_written = pending.bytes;
-  info.seconds = pending.seconds + seconds_since(started);
+  info.seconds = pending.seconds + pending.write_seconds + seconds_since(started);
   return info;
 }
 
@@ -442,6 +449,7 @@ async_checkpointer<B, P, G>::~async_checkpointer() {
   // key; otherwise the files stay in a tmp-* directory, never loaded.
   if (!pending_) return;
   pending_->stop = true;
+  if (pending_->copier.joinable()) pending_->copier.join();
   if (pending_->writer.joinable()) pending_->writer.join();
   if (pending_->published) try {
       pending_->keys->delete_key(pending_->key(pending_->rank));
@@ -453,6 +461,7 @@ std::optional<checkpoint_info> async_checkpointer<B, P, G>::wait() {
   if (!pending_) return std::nullopt;
   auto pending = std::move(pending_);
   pending_.reset();
+  if (pending->copier.joinable()) pending->copier.join();
   auto info = detail::agree_checkpoint_save(state_->group(), *pending);
   spare_ = std::move(pending->pool);  // written: the next save stages into the same memory
   return info;
@@ -465,7 +474,18 @@ std::optional<checkpoint_info> async_checkpointer<B, P, G>::save(const std::stri
   const auto started = std::chrono::steady_clock::now();
   pending_ = detail::begin_checkpoint_save(*state_, directory, step, options, false, std::move(spare_));
   detail::start_checkpoint_writer(*pending_);
-  detail::stage_checkpoint(state_->group().backend(), *pending_);
+  // The copy overlaps the trainer's next forward and backward: the state's step() (or a load)
+  // waits on the fence until it is done, so the snapshot is this step's.
+  auto& fence = state_->checkpoint_fence();
+  fence.arm();
+  pending_->copier = std::thread([pending = pending_.get(), state = state_, &fence] {
+    try {
+      detail::stage_checkpoint(state->group().backend(), *pending);
+    } catch (...) {
+      pending->copy_failure = std::current_exception();
+    }
+    fence.release();
+  });
   staging_peak_ = std::max<std::uint64_t>(staging_peak_, pending_->pool.size());
   last_blocked_seconds_ = detail::seconds_since(started);
   return previous;
