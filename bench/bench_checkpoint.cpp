@@ -2,7 +2,7 @@
 // ranks as threads over loopback.
 //
 //   bench_checkpoint [--ranks 4] [--bytes 256M] [--block-bytes 1M] [--repeat 5] [--between-ms 1000]
-//                    [--dir DIR] [--json FILE]
+//                    [--compute-ms 200] [--dir DIR] [--json FILE]
 //
 // The state is --bytes in total over the ranks: fp32 parameters and Adam's two moments (a
 // third each), sharded (zero3) so that each rank holds and writes a quarter. Measured in one
@@ -13,9 +13,12 @@
 //     favours neither, the medians and every pair's ratio: a virtual disk's rate wanders);
 //   - asynchronous saves (async_checkpointer), --repeat + 1 in a row by one checkpointer as a
 //     trainer makes them, --between-ms apart (the training between two saves: the ranks sleep,
-//     as a host does while its GPU computes): the time each save() call blocks the training
-//     thread (the agreement on the previous save included) against the synchronous save's,
-//     the first save (its staging faulted in) apart from the median of the others; the time
+//     as a host does while its GPU computes). save() starts the copy into staging and returns;
+//     the next step() waits for the copy to end (the state's checkpoint fence). Blocked is
+//     save()'s own time (the agreement on the previous save included) plus that wait, after a
+//     simulated forward and backward of --compute-ms (a sleep) and without one (0 ms), against
+//     the synchronous save's; the first save (its staging faulted in) apart from the median of
+//     the others; the time
 //     until rank 0's writer committed it (the directory polled every millisecond); the host
 //     memory held: staging_peak_bytes and the process's resident set above what it was before
 //     (sampled every millisecond; getrusage's ru_maxrss too), against the configured staging
@@ -67,6 +70,7 @@ struct config {
   std::size_t block_bytes = cohort::checkpoint_options{}.block_bytes;
   int repeat = 5;
   int between_ms = 1000;
+  int compute_ms = 200;
   std::string dir, json_path;
 };
 
@@ -97,14 +101,17 @@ config parse(int argc, char** argv) {
       cfg.repeat = std::stoi(args.value());
     else if (arg == "--between-ms")
       cfg.between_ms = std::stoi(args.value());
+    else if (arg == "--compute-ms")
+      cfg.compute_ms = std::stoi(args.value());
     else if (arg == "--dir")
       cfg.dir = args.value();
     else if (arg == "--json")
       cfg.json_path = args.value();
     else
-      throw std::runtime_error("unknown option " + arg +
-                               " (bench_checkpoint [--ranks N] [--bytes 256M] "
-                               "[--block-bytes 1M] [--repeat 5] [--between-ms 1000] [--dir DIR] [--json FILE])");
+      throw std::runtime_error(
+          "unknown option " + arg +
+          " (bench_checkpoint [--ranks N] [--bytes 256M] "
+          "[--block-bytes 1M] [--repeat 5] [--between-ms 1000] [--compute-ms 200] [--dir DIR] [--json FILE])");
   }
   if (cfg.ranks < 1 || cfg.repeat < 1) throw std::runtime_error("--ranks and --repeat must be at least 1");
   return cfg;
@@ -213,13 +220,16 @@ group make_group(const std::shared_ptr<cohort::store>& store, const cohort::laun
 }
 
 struct async_result {
-  std::size_t bound = 0;                             // staging bound per rank (configured; 0 resolved to the state)
-  double first_blocked = 0;                          // slowest rank's first save() call: its staging faulted in
-  double blocked = 0;                                // the median of the later save() calls, slowest rank each
-  double committed = 0;                              // the median of save() until rank 0's writer committed it
-  std::size_t staging_peak = 0;                      // staging_peak_bytes, summed over the ranks
-  std::size_t rss_peak = 0;                          // sampled resident set above the one before
+  std::size_t bound = 0;         // staging bound per rank (configured; 0 resolved to the state)
+  int compute_ms = 0;            // the simulated forward and backward before the next step()
+  double first_blocked = 0;      // slowest rank's first save: its staging faulted in
+  double blocked = 0;            // the median of the later saves' save() + the next step()'s wait, slowest rank each
+  double committed = 0;          // the median of save() until rank 0's writer committed it
+  std::size_t staging_peak = 0;  // staging_peak_bytes, summed over the ranks
+  std::size_t rss_peak = 0;      // sampled resident set above the one before
+  double save_call = 0, fence_wait = 0;              // medians of the later saves' two parts
   std::vector<double> blocked_runs, committed_runs;  // every save, the first included
+  std::vector<double> save_call_runs, fence_wait_runs;
 };
 
 struct results {
@@ -259,7 +269,7 @@ results run(const config& cfg) {
   const std::size_t rank_bytes = out.checkpoint_bytes / static_cast<std::size_t>(cfg.ranks);
   const auto ranks = static_cast<std::size_t>(cfg.ranks);
   // Slots per rank, shared by the rank threads; rank 0 reads them between barriers.
-  std::vector<double> blocked(ranks), sync_seconds(ranks);
+  std::vector<double> blocked(ranks), save_call(ranks), fence_wait(ranks), sync_seconds(ranks);
   std::vector<std::size_t> staging(ranks);
   auto& disk_runs = out.disk_runs;
   auto& sync_runs = out.sync_runs;
@@ -273,8 +283,10 @@ results run(const config& cfg) {
     // Asynchronous saves first, while the resident set is only the state's: with the
     // default bound (the rank's state once) and with a quarter of it, which the checkpointer
     // meets by streaming the state through it while save() waits.
-    for (const std::size_t bound : {std::size_t{0}, rank_bytes / 4}) {
+    for (const auto& [bound, compute_ms] : {std::pair{std::size_t{0}, 0}, std::pair{std::size_t{0}, cfg.compute_ms},
+                                            std::pair{rank_bytes / 4, cfg.compute_ms}}) {
       async_result a;
+      a.compute_ms = compute_ms;
       std::unique_ptr<rss_sampler> sampler;
       pg.barrier().wait();
       if (rank == 0) {
@@ -292,7 +304,10 @@ results run(const config& cfg) {
           pg.barrier().wait();
           const auto started = clock_type::now();
           saver.save(cfg.dir + "/ckpt", step, options);
-          blocked[rank] = seconds_since(started);
+          save_call[rank] = seconds_since(started);
+          std::this_thread::sleep_for(std::chrono::milliseconds(compute_ms));  // the next forward and backward
+          fence_wait[rank] = state.checkpoint_fence().wait();                  // what the next step() waits
+          blocked[rank] = save_call[rank] + fence_wait[rank];
           if (rank == 0) {
             // Committed by rank 0's writer with no call of the trainer's: seen in the directory.
             if (watcher.joinable()) watcher.join();
@@ -305,7 +320,11 @@ results run(const config& cfg) {
           }
           std::this_thread::sleep_for(std::chrono::milliseconds(cfg.between_ms));  // the training between saves
           pg.barrier().wait();
-          if (rank == 0) a.blocked_runs.push_back(slowest(blocked));
+          if (rank == 0) {
+            a.blocked_runs.push_back(slowest(blocked));
+            a.save_call_runs.push_back(slowest(save_call));
+            a.fence_wait_runs.push_back(slowest(fence_wait));
+          }
         }
         saver.wait();
         if (rank == 0) {
@@ -319,7 +338,12 @@ results run(const config& cfg) {
         a.rss_peak = sampler->finish();
         a.first_blocked = a.blocked_runs.front();
         a.committed = median(a.committed_runs);
-        a.blocked = median(std::vector<double>(a.blocked_runs.begin() + 1, a.blocked_runs.end()));
+        const auto later = [](const std::vector<double>& runs) {
+          return median(std::vector<double>(runs.begin() + 1, runs.end()));
+        };
+        a.blocked = later(a.blocked_runs);
+        a.save_call = later(a.save_call_runs);
+        a.fence_wait = later(a.fence_wait_runs);
         for (const auto s : staging) a.staging_peak += s;
         out.async.push_back(a);
         out.maxrss_after_async = max_resident_bytes();
@@ -412,6 +436,9 @@ int main(int argc, char** argv) {
                     static_cast<double>(a.bound) / mib);
       std::printf("%-44s %10.3f %12s %.1f%% of the synchronous save (median of saves 2..%d); runs %s s\n", name,
                   a.blocked, "", 100 * a.blocked / r.sync_seconds, cfg.repeat + 1, list(a.blocked_runs, 1).c_str());
+      std::printf("%-44s %10.3f %12s median of save() %.3f s + the next step()'s wait %.3f s; runs of the wait %s s\n",
+                  "  its parts", a.save_call + a.fence_wait, "", a.save_call, a.fence_wait,
+                  list(a.fence_wait_runs, 1).c_str());
       std::printf("%-44s %10.3f %12s %.1f%% of the synchronous save\n", "  the first save (staging faulted in)",
                   a.first_blocked, "", 100 * a.first_blocked / r.sync_seconds);
       std::printf("%-44s %10.3f %12.1f runs %s s\n", "  until committed by rank 0's writer", a.committed,
@@ -458,7 +485,12 @@ int main(int argc, char** argv) {
       for (const auto& a : r.async) {
         json row = json::make_object();
         row.set("staging_bound_bytes_per_rank", static_cast<unsigned long>(a.bound));
+        row.set("simulated_compute_ms", a.compute_ms);
         row.set("first_blocked_seconds", a.first_blocked);
+        row.set("save_call_seconds", a.save_call);
+        row.set("fence_wait_seconds", a.fence_wait);
+        row.set("save_call_seconds_runs", samples(a.save_call_runs));
+        row.set("fence_wait_seconds_runs", samples(a.fence_wait_runs));
         row.set("blocked_seconds", a.blocked);
         row.set("blocked_fraction_of_sync", a.blocked / r.sync_seconds);
         row.set("committed_seconds", a.committed);
