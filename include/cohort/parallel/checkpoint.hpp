@@ -31,8 +31,10 @@
 // Committed as soon as every file is durable: each rank's writer publishes its block checksums
 // (or its failure: the errno) under the save's key in the group's store; rank 0's writer waits
 // for every rank's key (short polls, never holding the store for long), writes the index,
-// renames and prunes. No collective of the trainer's is needed, so a crash loses at most the
-// steps since the last save began plus those trained while it was written. The next save() or
+// renames and prunes. No collective of the trainer's is needed: with a save every K steps, a
+// crash after step k resumes after the newest save whose files were all durable, so it loses
+// at most K - 1 steps, plus the steps trained while the newest save was being written when the
+// crash came during that write. The next save() or
 // wait() agrees on the outcome (a small all-gather): an error of any rank's write is raised on
 // every rank naming the rank, the file and the errno; a save rank 0 did not commit in the
 // background (it stopped early) is committed there collectively; the keys are deleted.
@@ -67,9 +69,10 @@ struct checkpoint_options {
   // Checksum granularity: a load reads the whole blocks that hold what it needs, so smaller
   // blocks read less at another world size and cost a longer index.
   std::size_t block_bytes = std::size_t{1} << 20;
-  // Host memory a save stages the rank's state through; 0: the rank's state once. Below the
-  // state (at least one block), the state streams through it: save() returns once the last
-  // chunk is copied in, so training waits for the write of all but the bound's worth.
+  // Host memory a save stages the rank's state through; 0: the rank's state once (a
+  // synchronous save uses at most four 8 MiB chunks of it). Below the state (at least one
+  // block), the state streams through it: the copy ends once the last chunk is in, so the next
+  // step() waits for the write of all but the bound's worth.
   std::size_t staging_bytes = 0;
   // Tests only: faults this one rank's writer injects, so that the agreement is tested where
   // ranks differ (a real failure of a real file, not a mock of the engine).
@@ -120,9 +123,14 @@ class checkpoint_staging {
 };
 }  // namespace detail
 
-// Saves that block training only for the copy into host staging: the rank's file is written
-// and fsynced on a background thread, and committed by rank 0's writer thread as soon as every
-// rank's file is durable (see the top of this file). The next save() or wait() (collective)
+// Saves that block training hardly at all: save() begins the save (the index as of this step)
+// and starts copying the state into host staging on a thread of its own, overlapping the
+// trainer's next forward and backward; the state's step() (and a load) first waits for that
+// copy, through the fence the state holds (training_state::checkpoint_fence()), so the
+// checkpoint is this step's. The rank's file is written and fsynced on a writer thread, and
+// committed by rank 0's writer thread as soon as every rank's file is durable (see the top of
+// this file). On a device backend the copy runs through the engine from that thread while the
+// trainer enqueues its forward and backward. The next save() or wait() (collective)
 // agrees on the outcome: an error of any rank's write surfaces there on every rank, naming the
 // rank, the file and the errno; a save not committed in the background is committed there.
 // One save in flight at a time.
@@ -148,7 +156,8 @@ class async_checkpointer {
   // Collective. Waits for the save in flight and agrees on it; nullopt when there is none.
   std::optional<checkpoint_info> wait();
 
-  double last_blocked_seconds() const noexcept { return last_blocked_seconds_; }  // the last save()
+  // The last save() call (the next step()'s wait for the copy: checkpoint_fence().waited_seconds()).
+  double last_blocked_seconds() const noexcept { return last_blocked_seconds_; }
   std::uint64_t staging_peak_bytes() const noexcept { return staging_peak_; }
 
  private:
