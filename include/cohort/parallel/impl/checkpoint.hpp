@@ -177,6 +177,7 @@ struct pending_checkpoint {
     std::vector<std::string> names;
     for (int r = 0; r < world; ++r) names.push_back(key(r));
     const auto started = std::chrono::steady_clock::now();
+    auto m = manifest;
     try {
       for (auto pause = std::chrono::microseconds(200); !keys->check(names);
            pause = std::min(2 * pause, std::chrono::microseconds(20000))) {
@@ -184,7 +185,6 @@ struct pending_checkpoint {
         std::this_thread::sleep_for(pause);
       }
       const auto values = keys->multi_get(names, std::chrono::milliseconds(10000));
-      auto m = manifest;
       for (int r = 0; r < world; ++r) {
         bool failed = false;
         int code = 0;
@@ -194,11 +194,16 @@ struct pending_checkpoint {
           return;  // the agreement raises the failing rank's error
         f.checksum = checkpoint_file_checksum(f.blocks, f.bytes);
       }
+    } catch (...) {
+      return;  // the store failed: the agreement gathers the checksums and commits
+    }
+    // Once begun, the commit's outcome is the save's: a failure after the rename (the fsync of
+    // DIR, the pruning) must not send the agreement to commit a second time.
+    try {
       commit_checkpoint(directory, staging, m, keep_last, rank);
       committed = true;
     } catch (...) {
-      // A store that failed leaves the commit to the agreement; a commit that failed is its error.
-      if (!committed && std::filesystem::exists(staging + "/manifest.json")) commit_failure = std::current_exception();
+      commit_failure = std::current_exception();
     }
   }
 };
