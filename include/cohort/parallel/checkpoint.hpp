@@ -79,7 +79,7 @@ struct checkpoint_options {
   struct fault_injection {
     int rank = -1;                // no rank
     bool cannot_create = false;   // the file is created in a directory that does not exist (ENOENT)
-    bool hold_published = false;  // after fsync, the checksums are not published until the process dies
+    bool hold_published = false;  // after fsync, the checksums are held back until the process dies
   } test_fault = {};
 };
 

@@ -119,23 +119,21 @@ struct pending_checkpoint {
     try {
       if (fault.rank == rank && fault.cannot_create) file = staging + "/missing/" + checkpoint_file_name(rank);
       checkpoint_file_writer out(file, block_bytes, rank, failed_errno);
-      {
-        for (std::size_t i = 0; i < chunks; ++i) {
-          {
-            std::unique_lock lock(mutex);
-            changed.wait(lock, [&] { return copied > i || stopped_copying; });
-            if (copied <= i) return;  // the copy failed: its error is the save's
-          }
-          const std::size_t at = i * chunk_bytes, size = std::min<std::size_t>(chunk_bytes, bytes - at);
-          out.append(pool.data() + (i % slots) * chunk_bytes, size);
-          {
-            std::lock_guard lock(mutex);
-            ++written;
-          }
-          changed.notify_all();
+      for (std::size_t i = 0; i < chunks; ++i) {
+        {
+          std::unique_lock lock(mutex);
+          changed.wait(lock, [&] { return copied > i || stopped_copying; });
+          if (copied <= i) return;  // the copy failed: its error is the save's
         }
-        blocks = out.finish();
+        const std::size_t at = i * chunk_bytes, size = std::min<std::size_t>(chunk_bytes, bytes - at);
+        out.append(pool.data() + (i % slots) * chunk_bytes, size);
+        {
+          std::lock_guard lock(mutex);
+          ++written;
+        }
+        changed.notify_all();
       }
+      blocks = out.finish();
     } catch (...) {
       failure = std::current_exception();
       if (failed_errno == 0) failed_errno = EIO;
