@@ -129,11 +129,12 @@ class checkpoint_staging {
 // copy, through the fence the state holds (training_state::checkpoint_fence()), so the
 // checkpoint is this step's. The rank's file is written and fsynced on a writer thread, and
 // committed by rank 0's writer thread as soon as every rank's file is durable (see the top of
-// this file). On a device backend the copy runs through the engine from that thread while the
-// trainer enqueues its forward and backward. The next save() or wait() (collective)
-// agrees on the outcome: an error of any rank's write surfaces there on every rank, naming the
-// rank, the file and the errno; a save not committed in the background is committed there.
-// One save in flight at a time.
+// this file). The copy goes through the engine from that thread, chunk by chunk, between the
+// trainer's own work (Gloo: its queue, so a chunk's memmove may wait behind a gather of the
+// forward; a device backend: its stream, into pageable staging). The next save() or wait()
+// (collective) agrees on the outcome: an error of any rank's write surfaces there on every
+// rank, naming the rank, the file and the errno; a save not committed in the background is
+// committed there. One save in flight at a time.
 //
 //   cohort::async_checkpointer saver(state);
 //   if (step % 100 == 0) saver.save("ckpt", step, {.metadata = ...});   // returns the previous one's info
