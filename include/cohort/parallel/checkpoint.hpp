@@ -16,19 +16,22 @@
 // (under ddp too, so no byte is written twice), tensor after tensor. The index names each
 // region's element count and dtype and, for each file, which byte ranges hold which elements
 // of which region and tensor, with a checksum per block of the file (verified on load) and
-// one over the blocks.
+// one over the blocks (the index's "version" and "checksum" say which kind; another is
+// refused).
 //
 // Atomic: the files go into DIR/tmp-<N>-<random>, each fsynced; rank 0 writes the index last,
 // then renames the directory to DIR/step-<N> and fsyncs DIR. A crash at any moment leaves the
 // previous step-<M> intact; a tmp-* directory is never loaded and is removed by the next save;
 // the last `keep_last` checkpoints are kept.
 //
-// Loads anywhere: each rank reads, from whichever files hold them, only the blocks covering
-// its new shard (bytes counted); ranks that hold copies (ddp's everything, zero1/zero2's
-// parameters) gather them from the others, so each byte is read once in all. Another model's
+// Loads anywhere: each rank reads, from whichever files hold them, exactly the bytes of its
+// new shard (counted); ranks that hold copies (ddp's everything, zero1/zero2's parameters)
+// gather them from the others, so each byte is read once in all. Every block is verified: by
+// the rank that read it whole, or, where it straddles two ranks' shards, on every rank from
+// the checksum parts each reader sent (the block checksum is linear). Another model's
 // regions or another dtype are refused naming the region, the sizes and the file; a block
-// whose checksum does not match is refused naming the file, the rank that wrote it and the
-// rank that read it.
+// whose checksum does not match is refused on every rank naming the file, the rank that wrote
+// it and the ranks that read it.
 
 #include <cstddef>
 #include <cstdint>
@@ -49,8 +52,9 @@ struct checkpoint_options {
   // The trainer's own state, restored with the rest: sampler epoch and position, seeds.
   std::map<std::string, std::string> metadata = {};
   std::size_t keep_last = 3;  // complete checkpoints kept in the directory; 0 keeps all
-  // Checksum granularity: a load reads the whole blocks that hold what it needs, so smaller
-  // blocks read less at another world size and cost a longer index.
+  // Checksum granularity: what a damaged file's error points at, and one index entry each.
+  // A load reads the same bytes whatever it is (each rank its shard's, a block shared at a
+  // shard edge checked from both parts), so smaller blocks only lengthen the index.
   std::size_t block_bytes = std::size_t{1} << 20;
   // async_checkpointer: host memory a save may hold while training goes on; 0: the rank's
   // state once (what it stages). A state larger than a non-zero bound is written before
@@ -66,7 +70,7 @@ struct checkpoint_info {
   std::string strategy;               // of the run that saved it
   std::map<std::string, std::string> metadata;
   std::uint64_t bytes_written = 0;  // by this rank (save)
-  std::uint64_t bytes_read = 0;     // by this rank (load): the checksum blocks it read
+  std::uint64_t bytes_read = 0;     // by this rank (load): its new shard; over all ranks, the checkpoint once
   double seconds = 0;               // this call, on this rank
 };
 
