@@ -463,12 +463,10 @@ COHORT_DECL std::vector<checkpoint_range> checkpoint_gaps(const checkpoint_manif
   return gaps;
 }
 
-namespace {
-
 // Reads file bytes [offset, offset + total) into `pieces` (each iovec's length adding up to
 // `total`): one preadv for neighbouring requests, however the kernel splits it.
-void read_exactly(int fd, std::vector<iovec> pieces, std::uint64_t offset, std::uint64_t total,
-                  const std::string& named, int rank) {
+inline void read_exactly(int fd, std::vector<iovec> pieces, std::uint64_t offset, std::uint64_t total,
+                         const std::string& named, int rank) {
   std::size_t first = 0;
   for (std::uint64_t done = 0; done < total;) {
     const int count = static_cast<int>(std::min<std::size_t>(pieces.size() - first, IOV_MAX));
@@ -491,12 +489,10 @@ void read_exactly(int fd, std::vector<iovec> pieces, std::uint64_t offset, std::
   }
 }
 
-std::string checkpoint_file_named(const std::string& checkpoint, const checkpoint_file& file) {
+inline std::string checkpoint_file_named(const std::string& checkpoint, const checkpoint_file& file) {
   return (std::filesystem::path(checkpoint) / file.name).string() + " (written by rank " + std::to_string(file.rank) +
          ")";
 }
-
-}  // namespace
 
 COHORT_DECL std::uint64_t read_checkpoint(const std::string& checkpoint, const checkpoint_manifest& manifest,
                                           const std::vector<checkpoint_need>& needs,
@@ -562,19 +558,23 @@ COHORT_DECL std::uint64_t read_checkpoint(const std::string& checkpoint, const c
     const auto add = [&](std::uint64_t offset, std::uint64_t bytes, const char* data) {
       for (std::uint64_t end = offset + bytes; offset < end;) {
         const std::uint64_t b = offset / block, upto = std::min(end, (b + 1) * block);
-        auto& [sum, covered] = blocks[b];
-        sum += checkpoint_checksum_part(data, offset - b * block, upto - offset);
-        covered += upto - offset;
+        std::uint64_t sum = checkpoint_checksum_part(data, offset - b * block, upto - offset);
+        std::uint64_t covered = upto - offset;
         data += upto - offset;
         offset = upto;
-        if (covered != block_size(b)) continue;
+        if (covered != block_size(b)) {  // a part: added to what this rank read of the block before
+          auto& [sum_so_far, covered_so_far] = blocks[b];
+          sum = sum_so_far += sum;
+          covered = covered_so_far += covered;
+          if (covered != block_size(b)) continue;
+          blocks.erase(b);
+        }
         if (const std::uint64_t found = checkpoint_checksum_finish(sum, covered); found != file.blocks.at(b))
           throw error(rank, "load_checkpoint",
                       named + ": block " + std::to_string(b) + " (bytes " + std::to_string(b * block) + ".." +
                           std::to_string(b * block + covered) + ") has checksum " + hex64(found) + ", its index says " +
                           hex64(file.blocks[b]),
                       "the file was altered or damaged after it was written; load an earlier checkpoint");
-        blocks.erase(b);
       }
     };
     // Neighbouring requests in one read; nothing between them is read.
