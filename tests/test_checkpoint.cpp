@@ -261,18 +261,22 @@ TEST_CASE("resumed under another strategy: zero2 as ddp, ddp as zero3, within 1e
 namespace {
 
 // Every rank's error text from loading `checkpoint` into a state of `regions` (empty: it loaded).
-std::vector<std::string> load_errors(const fs::path& checkpoint, int world, const std::vector<region>& regions) {
+// `read_in_all`, where given: the bytes the ranks read, added up.
+std::vector<std::string> load_errors(const fs::path& checkpoint, int world, const std::vector<region>& regions,
+                                     std::uint64_t* read_in_all = nullptr) {
   std::vector<std::string> errors(static_cast<std::size_t>(world));
+  std::vector<std::uint64_t> read(errors.size());
   auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(world, [&](int rank) {
     auto pg = cohort_test::make_gloo_group(store, rank, world);
     cohort::training_state<cohort::gloo, double> state(pg, regions, {.strategy = strategy::zero2});
     try {
-      cohort::load_checkpoint(state, checkpoint.string());
+      read[static_cast<std::size_t>(rank)] = cohort::load_checkpoint(state, checkpoint.string()).bytes_read;
     } catch (const cohort::error& failure) {
       errors[static_cast<std::size_t>(rank)] = failure.what();
     }
   });
+  if (read_in_all) *read_in_all = std::accumulate(read.begin(), read.end(), std::uint64_t{0});
   return errors;
 }
 
@@ -417,6 +421,54 @@ TEST_CASE("a flipped byte in a block two ranks read in parts is refused on every
     INFO(text);
     CHECK(text.find("rank-00001.bin (written by rank 1)") != std::string::npos);
   }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("bytes of a file that no piece holds are still read, by one rank, and verified",
+          "[checkpoint][gloo][faults]") {
+  const auto dir = scratch_dir("gaps");
+  run_all({.world = 2, .to = 3, .save_to = dir});
+  const auto checkpoint = dir / "step-2";
+  const auto file = checkpoint / "rank-00000.bin";
+  // 300 bytes of padding after rank 0's pieces, written into the index with their checksums,
+  // as a writer that aligns its files might leave.
+  auto manifest = cohort::detail::read_checkpoint_manifest(checkpoint.string(), -1);
+  const std::uint64_t held = fs::file_size(file);
+  {
+    std::ofstream out(file, std::ios::binary | std::ios::app);
+    out << std::string(300, '\x5a');
+  }
+  std::string bytes;
+  {
+    std::ifstream in(file, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  auto& entry = manifest.files[0];
+  entry.bytes = bytes.size();
+  entry.blocks.clear();
+  for (std::size_t at = 0; at < bytes.size(); at += manifest.block_bytes)
+    entry.blocks.push_back(cohort::detail::checkpoint_checksum(
+        bytes.data() + at, std::min<std::size_t>(manifest.block_bytes, bytes.size() - at)));
+  entry.checksum = cohort::detail::checkpoint_file_checksum(entry.blocks, entry.bytes);
+  std::ofstream(checkpoint / "manifest.json", std::ios::trunc) << cohort::detail::checkpoint_manifest_json(manifest);
+  const auto gaps = cohort::detail::checkpoint_gaps(manifest);
+  REQUIRE(gaps.size() == 1);
+  CHECK(gaps[0].file == 0);
+  CHECK(gaps[0].offset == held);
+  CHECK(gaps[0].bytes == 300);
+
+  for (const int world : {2, 3}) {
+    std::uint64_t read_in_all = 0;
+    CHECK(load_errors(checkpoint, world, model_regions(), &read_in_all) == std::vector<std::string>(world));
+    CHECK(read_in_all == bytes_in(checkpoint));  // the padding too, once
+  }
+  CHECK(cohort::verify_checkpoint(checkpoint.string()) == bytes_in(checkpoint));
+  flip_byte(file, held + 250);
+  for (const auto& text : load_errors(checkpoint, 3, model_regions())) {
+    INFO(text);
+    CHECK(text.find("rank-00000.bin (written by rank 0)") != std::string::npos);
+  }
+  CHECK_THROWS_WITH(cohort::verify_checkpoint(checkpoint.string()), Catch::Contains("rank-00000.bin"));
   fs::remove_all(dir);
 }
 
