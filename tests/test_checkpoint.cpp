@@ -500,6 +500,12 @@ TEST_CASE("the block checksum: parts at any split add up, and small damage alway
   signs[7] ^= 0x80;
   signs[8 * 300 + 7] ^= 0x80;
   CHECK(checkpoint_checksum(signs.data(), signs.size()) != whole);
+  // Within a 4 KiB chunk that holds always, as no two words' keys are equal there (nor can
+  // two add up to 2^33: each is below 2^32): a word of 1 at each position has its own sum.
+  std::set<std::uint64_t> keys;
+  const std::uint32_t one = 1;
+  for (std::uint64_t word = 0; word < 1024; ++word) keys.insert(checkpoint_checksum_part(&one, 4 * word, 4));
+  CHECK(keys.size() == 1024);
   auto longer = block;
   longer.push_back(0);
   CHECK(checkpoint_checksum(longer.data(), longer.size()) != whole);

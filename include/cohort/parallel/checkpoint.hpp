@@ -197,9 +197,10 @@ inline constexpr const char* checkpoint_checksum_kind = "linear32";
 // h_j the block's j-th 32-bit little-endian word (the tail zero-padded), K(j) =
 // lane[j % 1024] * chunk(j / 1024): 1024 odd 32-bit keys and an odd 64-bit key per 4 KiB, all
 // fixed. One changed word always changes it (h_j * lane is exact in 64 bits, the chunk key
-// odd); so do two flipped sign bits, which FNV-1a over 64-bit words (this format's version 1)
-// missed. The inner loop is a 32x32->64 multiply-add, which vectorises: faster than FNV's
-// serial chain.
+// odd). Two flipped sign bits, which FNV-1a over 64-bit words (this format's version 1) always
+// missed, change it always within a chunk and elsewhere for all but about one pair of
+// positions in 2^33. The inner loop is a 32x32->64 multiply-add, which vectorises: faster
+// than FNV's serial chain.
 std::uint64_t checkpoint_checksum(const void* data, std::size_t bytes) noexcept;
 // `bytes` bytes that lie at offset `at` of their block: their part of the sum.
 std::uint64_t checkpoint_checksum_part(const void* data, std::uint64_t at, std::size_t bytes) noexcept;
