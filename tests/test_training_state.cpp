@@ -409,6 +409,7 @@ enum class gathers {
   recomputed,  // activation recomputation: the backward gathers a layer for its recomputed
                // forward and, while that view lives, again for the backward itself
   skipping,    // layer 2 left out of both passes (LayerDrop, with a seed every rank shares)
+  reordered,   // the backward reaches layer 2 before layer 3 (a branch whose gradient comes first)
 };
 constexpr std::size_t skipped_layer = 2;
 
@@ -502,7 +503,8 @@ std::vector<double> uneven_train(const uneven& u, cohort_test::gloo_group& pg) {
     }
     for (std::size_t l = 0; l < layers; ++l)
       if (used(l)) (void)state.gather(l).param(l);  // region l is in layer l
-    for (std::size_t l = layers; l-- > 0;) {
+    for (std::size_t k = layers; k-- > 0;) {
+      const std::size_t l = u.pattern == gathers::reordered && (k == 2 || k == 3) ? 5 - k : k;
       if (!used(l)) continue;
       auto layer = state.gather(l);
       if (u.pattern == gathers::recomputed) {
@@ -556,11 +558,11 @@ TEST_CASE("ranks with 5, 3 and 0 batches (and 7, 7, 6) never hang and equal one 
 }
 
 TEST_CASE(
-    "at zero3 a trainer that keeps the forward's views, recomputes activations or skips a layer trains under "
-    "a join scope as one process on the union of the batches",
+    "at zero3 a trainer that keeps the forward's views, recomputes activations, skips a layer or reorders its "
+    "backward trains under a join scope as one process on the union of the batches",
     "[training_state][join][gloo]") {
   std::vector<uneven> cases;
-  for (const gathers pattern : {gathers::held, gathers::recomputed, gathers::skipping}) {
+  for (const gathers pattern : {gathers::held, gathers::recomputed, gathers::skipping, gathers::reordered}) {
     cases.push_back({{5, 3, 0}, strategy::zero3, 1, false, pattern});
     cases.push_back({{7, 7, 6}, strategy::zero3, 2, false, pattern});  // two micro-steps a step
   }
