@@ -379,9 +379,19 @@ class training_state {
   int agree();
   void take_agreement(const std::int64_t (&sum)[3]);
   void announce(joined_call what, std::size_t bucket);
-  // Inside a micro-step that step() does not end: under no_sync, or, for a rank that joined,
-  // when the agreement said the ranks with data are under no_sync.
-  bool accumulating() const noexcept { return no_sync_depth_ > 0 || (join_ && agreed_ && !sync_micro_step_); }
+  // `what` and `bucket` as an announcement carries them (or as a joined rank decoded them).
+  static std::string describe_call(std::int64_t what, std::int64_t bucket) {
+    const std::string b = std::to_string(bucket);
+    switch (static_cast<joined_call>(what)) {
+      case joined_call::gather: return "the gather of bucket " + b;
+      case joined_call::reduce: return "the reduction of bucket " + b;
+      case joined_call::step: return "step()";
+    }
+    return "call " + std::to_string(what) + " on bucket " + b;
+  }
+  // Inside a micro-step that step() does not end. (A joined rank calls no gather() or
+  // mark_ready(): it issues what it is told, so its own no_sync state never matters.)
+  bool accumulating() const noexcept { return no_sync_depth_ > 0; }
   void begin_call() {
     if (join_ && !agreed_) contributors_ = agree();
   }

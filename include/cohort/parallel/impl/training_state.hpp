@@ -447,17 +447,6 @@ void training_state<B, P, G>::take_agreement(const std::int64_t (&sum)[3]) {
   contributors_ = static_cast<int>(sum[0]);
 }
 
-namespace detail {
-inline std::string describe_joined_call(std::int64_t what, std::int64_t bucket) {
-  switch (what) {
-    case 1: return "the gather of bucket " + std::to_string(bucket);
-    case 2: return "the reduction of bucket " + std::to_string(bucket);
-    case 3: return "step()";
-    default: return "call " + std::to_string(what) + " on bucket " + std::to_string(bucket);
-  }
-}
-}  // namespace detail
-
 // At zero3, in a micro-step some rank sits out: before each collective of its own, every rank
 // with data says which (the same on all of them, as collectives must be), so the joined ranks
 // issue it too. Checked here as well: a rank with data that differs is named before anything
@@ -471,8 +460,8 @@ void training_state<B, P, G>::announce(joined_call what, std::size_t bucket) {
   const std::int64_t n = contributors_;
   if (sum[0] != mine[0] * n || sum[1] != mine[1] * n || sum[2] != mine[2] * n)
     fail("join",
-         "this rank's next call at zero3 is " + detail::describe_joined_call(mine[0], mine[1]) +
-             ", but not every rank with data (" + std::to_string(n) + ", this one included) announced it" +
+         "this rank's next call at zero3 is " + describe_call(mine[0], mine[1]) + ", but not every rank with data (" +
+             std::to_string(n) + ", this one included) announced it" +
              (sum[2] == mine[2] * n ? "" : ": one is in another call of the state's, or in a collective of its own"),
          "every rank with data must gather and step alike (the gathers are collectives): the same layers, in "
          "the same order, with views ended at the same points");
@@ -524,9 +513,8 @@ void training_state<B, P, G>::answer_until_all_joined() {
            "every rank with data must gather and step alike (the gathers are collectives)");
     } else {
       fail("join",
-           "the ranks with data announced " + detail::describe_joined_call(what, b) + " after " +
-               std::to_string(launched_) + " of " + std::to_string(buckets) +
-               " bucket reductions, which a joined rank cannot answer",
+           "the ranks with data announced " + describe_call(what, b) + " after " + std::to_string(launched_) + " of " +
+               std::to_string(buckets) + " bucket reductions, which a joined rank cannot answer",
            "reductions go from the last bucket to the first, each once a step");
     }
   }
