@@ -269,6 +269,26 @@ bool fits_wire(std::size_t count) {
   return count <= static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max()) / sizeof(T);
 }
 
+// The claim of a rank that passed `count` values where `expected` or `or_else` are right
+// (`wrong` names the problem otherwise), its first `real` values the real ones, `agreed` what
+// every rank must share. A claim with a problem keeps nothing: its values do not travel.
+template <class T>
+metrics_claim counted_claim(std::size_t count, std::uint64_t expected, std::uint64_t or_else, std::uint64_t real,
+                            std::uint64_t agreed, metrics_problem wrong) {
+  metrics_claim claim;
+  claim.count = fits_wire<T>(count) ? static_cast<std::int64_t>(count) : -1;
+  claim.keep = static_cast<std::int64_t>(std::min<std::uint64_t>(count, real));
+  claim.agreed = static_cast<std::int64_t>(agreed);
+  claim.expected = static_cast<std::int64_t>(expected);
+  claim.or_else = static_cast<std::int64_t>(or_else);
+  if (claim.count < 0)
+    claim.problem = static_cast<std::int64_t>(metrics_problem::too_many_values);
+  else if (count != expected && count != or_else)
+    claim.problem = static_cast<std::int64_t>(wrong);
+  if (claim.problem != 0) claim.keep = 0;
+  return claim;
+}
+
 }  // namespace detail
 
 // With cohort's sampler: `values` holds one value per index this rank's sampler yielded in
@@ -280,23 +300,16 @@ std::vector<detail::metric_value_t<Values>> gather_for_metrics(process_group<B>&
                                                                const distributed_sampler& sampler,
                                                                gather_destination to = gather_destination::every_rank) {
   using T = detail::metric_value_t<Values>;
-  const std::size_t count = std::size(values);
-  detail::metrics_claim claim;
-  claim.count = detail::fits_wire<T>(count) ? static_cast<std::int64_t>(count) : -1;
-  claim.keep = static_cast<std::int64_t>(std::min<std::uint64_t>(count, sampler.unpadded_size()));
-  claim.agreed = static_cast<std::int64_t>(sampler.dataset_size());
-  claim.expected = static_cast<std::int64_t>(sampler.size());
-  claim.or_else = static_cast<std::int64_t>(sampler.unpadded_size());
+  detail::metrics_claim claim =
+      detail::counted_claim<T>(std::size(values), sampler.size(), sampler.unpadded_size(), sampler.unpadded_size(),
+                               sampler.dataset_size(), detail::metrics_problem::count_differs_from_sampler);
   if (sampler.world_size() != group.size() || sampler.rank() != group.rank()) {
+    // Named before any count: the sampler's sizes are another group's.
     claim.problem = static_cast<std::int64_t>(detail::metrics_problem::sampler_of_another_group);
     claim.expected = sampler.world_size();
     claim.or_else = sampler.rank();
-  } else if (claim.count < 0) {
-    claim.problem = static_cast<std::int64_t>(detail::metrics_problem::too_many_values);
-  } else if (count != sampler.size() && count != sampler.unpadded_size()) {
-    claim.problem = static_cast<std::int64_t>(detail::metrics_problem::count_differs_from_sampler);
+    claim.keep = 0;
   }
-  if (claim.problem != 0) claim.keep = 0;
   return detail::gather_metrics_values<B, T>(group, std::data(values), claim, detail::metrics_layout::sampler_positions,
                                              to);
 }
@@ -308,20 +321,10 @@ std::vector<detail::metric_value_t<Values>> gather_for_metrics(process_group<B>&
                                                                const process_slice& slice,
                                                                gather_destination to = gather_destination::every_rank) {
   using T = detail::metric_value_t<Values>;
-  const std::size_t count = std::size(values);
-  detail::metrics_claim claim;
-  claim.count = detail::fits_wire<T>(count) ? static_cast<std::int64_t>(count) : -1;
-  claim.keep = static_cast<std::int64_t>(std::min<std::uint64_t>(count, slice.size()));
-  claim.agreed = static_cast<std::int64_t>(slice.range_size);
+  detail::metrics_claim claim =
+      detail::counted_claim<T>(std::size(values), slice.size(), slice.padded_size, slice.size(), slice.range_size,
+                               detail::metrics_problem::count_differs_from_slice);
   claim.start = static_cast<std::int64_t>(slice.begin);
-  claim.expected = static_cast<std::int64_t>(slice.size());
-  claim.or_else = static_cast<std::int64_t>(slice.padded_size);
-  if (claim.count < 0) {
-    claim.problem = static_cast<std::int64_t>(detail::metrics_problem::too_many_values);
-  } else if (count != slice.size() && count != slice.padded_size) {
-    claim.problem = static_cast<std::int64_t>(detail::metrics_problem::count_differs_from_slice);
-  }
-  if (claim.problem != 0) claim.keep = 0;
   return detail::gather_metrics_values<B, T>(group, std::data(values), claim, detail::metrics_layout::slices, to);
 }
 
