@@ -1,6 +1,6 @@
 #pragma once
 // The global gradient norm, and clipping by it, for data parallelism and sharded parameters
-// (zero_optimizer does both inside its step()).
+// (training_state does both inside its step()).
 //
 //   ddp.finish();
 //   const auto clipped = cohort::clip_grad_norm(ddp, 1.0);        // every rank: same norm
