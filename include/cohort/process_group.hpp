@@ -687,6 +687,23 @@ std::vector<T> all_gather_values(process_group<B>& group, std::span<const T> val
   return all;
 }
 
+// Rank `root`'s `values` into every rank's (the same count on every rank), in place: an
+// order every rank must follow. Through the group's staging buffer on a device backend.
+template <backend B, class T>
+  requires(std::same_as<T, std::int64_t> || std::same_as<T, double>)
+void broadcast_values(process_group<B>& group, std::span<T> values, int root) {
+  if constexpr (B::space == memory_space::host) {
+    group.broadcast(values, root).wait();
+  } else {
+    auto& engine = group.backend();
+    const std::size_t bytes = values.size() * sizeof(T);
+    auto* staged = static_cast<T*>(group.value_staging(bytes));
+    engine.copy(staged, values.data(), bytes);
+    group.broadcast(std::span<T>(staged, values.size()), root);
+    engine.copy(values.data(), staged, bytes).wait();
+  }
+}
+
 template <backend B, reducible_value T>
 T all_reduce_value(process_group<B>& group, T value, op reduce = op::sum) {
   return detail::all_reduce_host_values(group, &value, 1, reduce)[0];

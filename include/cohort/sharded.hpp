@@ -464,7 +464,7 @@ class sharded_parameters {
     std::size_t padded = 0;
     std::size_t shard = 0;
     bool replicated = false;
-    T* master = nullptr;
+    T* master = nullptr;  // in shard_buffers_
     T* grad = nullptr;
   };
   using buffer = typename detail::buffer_pool<B>::buffer;
@@ -758,16 +758,12 @@ class sharded_parameters {
   }
 
   void free_all() noexcept {
-    auto& engine = group_->backend();
     for (auto& [unit, entry] : live_) pool_.release(entry.buf);
     live_.clear();
     pool_.clear();
     memory_.pool = 0;
-    for (auto& u : units_) {
-      if (u.master) engine.deallocate(u.master, std::max<std::size_t>(u.shard, 1) * sizeof(T));
-      if (u.grad) engine.deallocate(u.grad, std::max<std::size_t>(u.shard, 1) * sizeof(T));
-      u.master = u.grad = nullptr;
-    }
+    for (auto& u : units_) u.master = u.grad = nullptr;
+    shard_buffers_.clear();
   }
 
   void check_checkpoint(const detail::checkpoint_header& header, sharded_optimizer_state<T>* optimizer,
@@ -811,7 +807,8 @@ class sharded_parameters {
   std::condition_variable released_;
   std::map<std::size_t, live_gather> live_;
   detail::buffer_pool<B> pool_;
-  std::vector<std::size_t> deferred_;  // a handful of units: a vector is the queue
+  std::vector<detail::backend_buffer<B>> shard_buffers_;  // own every unit's master and gradient shard
+  std::vector<std::size_t> deferred_;                     // a handful of units: a vector is the queue
   sharded_memory memory_;
   sharded_memory peak_;
   std::size_t peak_total_ = 0;
@@ -857,21 +854,17 @@ sharded_parameters<B, T>::sharded_parameters(group_type& group, std::vector<std:
   for (std::size_t i = 0; i < sizes.size() && i <= static_cast<std::size_t>(opts.prefetch); ++i) automatic += sizes[i];
   limit_ = opts.max_gathered_bytes ? opts.max_gathered_bytes : automatic;
   auto& engine = group.backend();
-  try {
-    for (auto& info : units_) {
-      const std::size_t bytes = std::max<std::size_t>(info.shard, 1) * sizeof(T);
-      info.master = static_cast<T*>(engine.allocate(bytes));
-      info.grad = static_cast<T*>(engine.allocate(bytes));
-      memory_.shards += bytes;
-      memory_.gradients += bytes;
-      fill(engine, info.master, info.shard, dtype_v<T>, 0.0);
-      fill(engine, info.grad, info.shard, dtype_v<T>, 0.0);
-    }
-    engine.record().wait();
-  } catch (...) {
-    free_all();
-    throw;
+  shard_buffers_.reserve(2 * units_.size());
+  for (auto& info : units_) {
+    const std::size_t bytes = std::max<std::size_t>(info.shard, 1) * sizeof(T);
+    info.master = shard_buffers_.emplace_back(engine, bytes).template as<T>();
+    info.grad = shard_buffers_.emplace_back(engine, bytes).template as<T>();
+    memory_.shards += bytes;
+    memory_.gradients += bytes;
+    fill(engine, info.master, info.shard, dtype_v<T>, 0.0);
+    fill(engine, info.grad, info.shard, dtype_v<T>, 0.0);
   }
+  engine.record().wait();
   note_peak();
 }
 

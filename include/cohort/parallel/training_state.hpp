@@ -339,7 +339,7 @@ class training_state {
   }
 
   void agree_on_layout(const std::string& refusal);
-  void allocate();
+  void allocate_buffers();
   template <class T>
   T* allocate_zeroed(detail::backend_buffer<B>& buffer, std::size_t count);
 

@@ -52,7 +52,7 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::vector<reg
   due_.assign(buckets, 0);
   backward_view_.assign(layout_.layers, 0);
   reset_marks();
-  allocate();
+  allocate_buffers();
   // Nothing overlaps the backward when one bucket holds everything: say so once, where it
   // costs (a model of more than a few MiB), instead of leaving bucket_count() to tell.
   const std::size_t gradient_bytes = layout_.storage * sizeof(G);
@@ -119,7 +119,7 @@ T* training_state<B, P, G>::allocate_zeroed(detail::backend_buffer<B>& buffer, s
 }
 
 template <backend B, element P, element G>
-void training_state<B, P, G>::allocate() {
+void training_state<B, P, G>::allocate_buffers() {
   allocate_zeroed<P>(params_, sharded_parameters() ? owned_ : layout_.storage);
   if (sharded_gradients())
     allocate_zeroed<G>(grad_shard_, owned_);
