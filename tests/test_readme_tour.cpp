@@ -23,6 +23,7 @@ TEST_CASE("the README tour runs on two Gloo ranks", "[readme]") {
   cohort_test::run_ranks(2, [&](int rank) {
     const auto env = cohort::launch_env::explicit_ranks(rank, 2);
     cohort::process_group<cohort::gloo> pg{store, env};
+    RANK_CHECK(pg.rank() == rank && pg.world_size() == 2);
 
     std::vector<float> grad(10, static_cast<float>(rank));
     auto work = pg.all_reduce(std::span<float>(grad), cohort::op::avg);
@@ -68,7 +69,7 @@ TEST_CASE("the README tour runs on two Gloo ranks", "[readme]") {
       flat.finish();
       RANK_CHECK(flat_grads[11] == 1.5f);
       const auto norm = cohort::clip_grad_norm(flat, 1.0);
-      RANK_CHECK(std::abs(norm.norm - 1.5 * std::sqrt(12.0)) < 1e-5);
+      RANK_CHECK(std::abs(norm.grad_norm - 1.5 * std::sqrt(12.0)) < 1e-5);
       const std::vector<cohort::region> layers{{"w", 0, 8, 0, true}, {"b", 8, 4, 1, false}};
       cohort::training_state<cohort::gloo, float> state{pg,
                                                         layers,

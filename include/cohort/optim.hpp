@@ -71,7 +71,7 @@ class sgd final : public sharded_optimizer_state<T> {
   typename B::work step(double grad_scale = 1.0);
 
   void set_lr(double lr) noexcept { options_.lr = lr; }
-  const sgd_options& settings() const noexcept { return options_; }
+  const sgd_options& options() const noexcept { return options_; }
 
   std::string kind() const override { return "sgd"; }
   std::size_t state_count() const override { return state_.count(); }
@@ -111,7 +111,7 @@ class adam final : public sharded_optimizer_state<T> {
   typename B::work step(double grad_scale = 1.0);
 
   void set_lr(double lr) noexcept { options_.lr = lr; }
-  const adam_options& settings() const noexcept { return options_; }
+  const adam_options& options() const noexcept { return options_; }
 
   std::string kind() const override { return "adam"; }
   std::size_t state_count() const override { return 2; }

@@ -136,8 +136,9 @@ struct reducer_options {
 
 struct reduction_summary {
   bool synchronized = false;  // false inside no_sync: nothing was communicated
-  bool nonfinite = false;     // check_nonfinite found a NaN or Inf on some rank
-  std::int64_t nonfinite_count = 0;
+  // check_nonfinite: the NaN and Inf elements all ranks found together (0: none), as
+  // step_result::nonfinite counts them.
+  std::int64_t nonfinite = 0;
   std::vector<std::size_t> unused;  // unused_gradients::zero: gradients no rank marked
 };
 
@@ -695,8 +696,7 @@ class gradient_reducer {
     group_->all_reduce(std::span<std::int64_t>(counter, 1), op::sum);
     std::int64_t found = 0;
     engine.copy(&found, counter, sizeof found).wait();
-    summary.nonfinite_count = found;
-    summary.nonfinite = found > 0;
+    summary.nonfinite = found;
   }
 
   // Every rank's gradients and layout must match, or the collectives would pair mismatched
@@ -714,7 +714,7 @@ class gradient_reducer {
     const auto row = check::row(refusal != nullptr, specs_, layout_, options_.compress,
                                 storage_ == gradient_storage::in_place, run_counts, buckets_.size());
     const auto all = all_gather_values(*group_, std::span<const std::int64_t>(row));
-    const int world = group_->size();
+    const int world = group_->world_size();
     const int other = check::first_mismatch(all, world, rank(), refusal);
     if (other == world) return;
     std::vector<std::int64_t> shapes;
@@ -787,9 +787,9 @@ auto gradient_reducer<B>::mark_ready(std::size_t i) -> void {
   if (!observed_order_complete_) observed_order_.push_back(i);
   if (no_sync_depth_ > 0) return;
   const std::size_t bucket = placement_[i].bucket;
-  if (group_->size() > 1 && divides_when_marked(bucket))  // dividing by 1 would be a pass for nothing
+  if (group_->world_size() > 1 && divides_when_marked(bucket))  // dividing by 1 would be a pass for nothing
     divide_in_caller_order(group_->backend(), caller_stream_, location(i), specs_[i].count, specs_[i].type,
-                           group_->size());
+                           group_->world_size());
   --pending_[bucket];
   launch_ready_buckets();
 }

@@ -232,10 +232,10 @@ class sharded_parameters {
   // --- layout ------------------------------------------------------------------------------
   int rank() const noexcept { return group_->rank(); }
   // The ranks the parameters are sharded over (the group's size).
-  int world_size() const noexcept { return group_->size(); }
+  int world_size() const noexcept { return group_->world_size(); }
   group_type& group() noexcept { return *group_; }
   group_type* replicas() noexcept { return replicas_; }
-  const sharded_options& settings() const noexcept { return options_; }
+  const sharded_options& options() const noexcept { return options_; }
   dtype gather_type() const noexcept { return gather_type_; }
   dtype reduce_type() const noexcept { return reduce_type_; }
   std::size_t unit_count() const noexcept { return units_.size(); }
@@ -731,19 +731,19 @@ class sharded_parameters {
     if (n > 1) {
       traffic_add_reduce(u.replicated ? 2 * (n - 1) * u.elements * reduce_bytes / n : (n - 1) * u.shard * reduce_bytes);
     }
-    if (replicas_ && replicas_->size() > 1) {
+    if (replicas_ && replicas_->world_size() > 1) {
       auto& other = replicas_->backend();
       order_after(other, done);
       typed(reduce_type_, [&](auto sample) {
         using R = decltype(sample);
         done = replicas_->all_reduce(std::span<R>(static_cast<R*>(output), u.shard), op::avg);
       });
-      const std::size_t m = static_cast<std::size_t>(replicas_->size());
+      const std::size_t m = static_cast<std::size_t>(replicas_->world_size());
       traffic_add_reduce(2 * (m - 1) * u.shard * reduce_bytes / m);
       order_after(engine, done);
     }
     if (!direct) done = cohort::accumulate(engine, output, reduce_type_, u.grad, dtype_v<T>, u.shard, accumulate);
-    if (!direct || (replicas_ && replicas_->size() > 1)) done = engine.record();
+    if (!direct || (replicas_ && replicas_->world_size() > 1)) done = engine.record();
     for (auto& b : scratch) {
       b.last_use = done;
       give_back(b);
@@ -831,7 +831,7 @@ sharded_parameters<B, T>::sharded_parameters(group_type& group, std::vector<std:
     if (type != dtype::float32 && type != dtype::float64 && type != dtype::float16 && type != dtype::bfloat16)
       throw error(rank(), "sharded_parameters", "gather/reduce dtype " + std::string(to_string(type)),
                   "use a floating-point dtype (float, double, half, bfloat16)");
-  const std::size_t world = static_cast<std::size_t>(group.size());
+  const std::size_t world = static_cast<std::size_t>(group.world_size());
   for (auto& sizes : units) {
     unit_layout info;
     info.sizes = std::move(sizes);
