@@ -83,14 +83,14 @@ struct process_slice {
 // min(r, n % world) and one element more than n / world when r < n % world.
 process_slice split_between_processes(std::uint64_t range_size, int world, int rank, bool pad = false);
 
-// The same for the calling rank of any group with rank() and size().
+// The same for the calling rank of any group with rank() and world_size().
 template <class Group>
   requires requires(Group& group) {
     { group.rank() } -> std::convertible_to<int>;
-    { group.size() } -> std::convertible_to<int>;
+    { group.world_size() } -> std::convertible_to<int>;
   }
 process_slice split_between_processes(std::uint64_t range_size, Group& group, bool pad = false) {
-  return split_between_processes(range_size, static_cast<int>(group.size()), static_cast<int>(group.rank()), pad);
+  return split_between_processes(range_size, static_cast<int>(group.world_size()), static_cast<int>(group.rank()), pad);
 }
 
 // ---- gather_for_metrics ---------------------------------------------------------------------
@@ -147,7 +147,7 @@ inline metrics_claim from_wire(const std::int64_t* fields) {
 // into this rank's chunk), staged through the engine's memory on a device backend.
 template <backend B>
 void all_gather_host_bytes(process_group<B>& group, const std::uint8_t* mine, std::size_t chunk, std::uint8_t* all) {
-  const auto world = static_cast<std::size_t>(group.size());
+  const auto world = static_cast<std::size_t>(group.world_size());
   const std::size_t my_offset = static_cast<std::size_t>(group.rank()) * chunk;
   if (chunk != 0) std::memcpy(all + my_offset, mine, chunk);
   if constexpr (B::space == memory_space::host) {
@@ -198,7 +198,7 @@ template <backend B, class T>
 std::vector<T> gather_metrics_values(process_group<B>& group, const T* values, metrics_claim claim,
                                      metrics_layout layout, gather_destination to,
                                      std::uint64_t limit = std::numeric_limits<std::uint64_t>::max()) {
-  const auto world = static_cast<std::size_t>(group.size());
+  const auto world = static_cast<std::size_t>(group.world_size());
   const int my_rank = group.rank();
 
   const std::vector<std::int64_t> mine = to_wire(claim);
@@ -303,7 +303,7 @@ std::vector<detail::metric_value_t<Values>> gather_for_metrics(process_group<B>&
   detail::metrics_claim claim =
       detail::counted_claim<T>(std::size(values), sampler.size(), sampler.unpadded_size(), sampler.unpadded_size(),
                                sampler.dataset_size(), detail::metrics_problem::count_differs_from_sampler);
-  if (sampler.world_size() != group.size() || sampler.rank() != group.rank()) {
+  if (sampler.world_size() != group.world_size() || sampler.rank() != group.rank()) {
     // Named before any count: the sampler's sizes are another group's.
     claim.problem = static_cast<std::int64_t>(detail::metrics_problem::sampler_of_another_group);
     claim.expected = sampler.world_size();

@@ -286,7 +286,7 @@ class training_state {
     if (options_.sgd) options_.sgd->lr = lr;
   }
   int rank() const noexcept { return group_->rank(); }
-  int world_size() const noexcept { return group_->size(); }
+  int world_size() const noexcept { return group_->world_size(); }
   process_group<B>& group() noexcept { return *group_; }
 
   // --- checkpoints (cohort/parallel/checkpoint.hpp) ------------------------------------------
@@ -327,7 +327,7 @@ class training_state {
   }
   bool sharded_parameters() const noexcept { return options_.strategy == strategy::zero3; }
   bool separate_master() const noexcept { return !std::is_same_v<P, master_type>; }
-  std::size_t world() const noexcept { return static_cast<std::size_t>(group_->size()); }
+  std::size_t world() const noexcept { return static_cast<std::size_t>(group_->world_size()); }
   std::size_t my_rank() const noexcept { return static_cast<std::size_t>(group_->rank()); }
 
   [[noreturn]] void fail(std::string_view operation, const std::string& what, const std::string& hint) const {
@@ -343,7 +343,7 @@ class training_state {
   }
 
   void agree_on_layout(const std::string& refusal);
-  void allocate();
+  void allocate_buffers();
   template <class T>
   T* allocate_zeroed(detail::backend_buffer<B>& buffer, std::size_t count);
 

@@ -32,8 +32,9 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::vector<reg
 
   // 16-byte aligned shards and regions for both dtypes: vector loads in the kernels.
   const std::size_t alignment = std::max<std::size_t>(16 / std::min(sizeof(P), sizeof(G)), 1);
-  layout_ = detail::plan_storage(regions_, group.size(), std::max<std::size_t>(options_.bucket_bytes / sizeof(G), 1),
-                                 !sharded_parameters(), alignment);
+  layout_ =
+      detail::plan_storage(regions_, group.world_size(), std::max<std::size_t>(options_.bucket_bytes / sizeof(G), 1),
+                           !sharded_parameters(), alignment);
   segments_ = detail::owned_segments(layout_, group.rank(), sharded());
   update_segments_ = detail::merged_for_update(segments_, regions_);
   shard_offset_.assign(layout_.buckets.size(), 0);
@@ -52,11 +53,11 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::vector<reg
   due_.assign(buckets, 0);
   backward_view_.assign(layout_.layers, 0);
   reset_marks();
-  allocate();
+  allocate_buffers();
   // Nothing overlaps the backward when one bucket holds everything: say so once, where it
   // costs (a model of more than a few MiB), instead of leaving bucket_count() to tell.
   const std::size_t gradient_bytes = layout_.storage * sizeof(G);
-  if (buckets == 1 && group.size() > 1 && group.rank() == 0 && gradient_bytes > (std::size_t{4} << 20) &&
+  if (buckets == 1 && group.world_size() > 1 && group.rank() == 0 && gradient_bytes > (std::size_t{4} << 20) &&
       options_.strategy != strategy::zero1)
     std::fprintf(stderr,
                  "[cohort rank 0] training_state: one bucket holds all %zu gradient bytes, so its reduction "
@@ -90,11 +91,11 @@ void training_state<B, P, G>::agree_on_layout(const std::string& refusal) {
       static_cast<std::int64_t>(regions_.size()), static_cast<std::int64_t>(logical)};
   const auto all = all_gather_values(*group_, std::span<const std::int64_t>(row, 4));
   if (!refusal.empty()) fail("layout", refusal, "describe every tensor of the flat buffer once, as a region");
-  for (int r = 0; r < group_->size(); ++r)
+  for (int r = 0; r < group_->world_size(); ++r)
     if (all[static_cast<std::size_t>(r) * 4] != 0)
       fail("layout", "rank " + std::to_string(r) + " refused its regions or options (its error says why)",
            "build the state from the same model on every rank");
-  for (int r = 1; r < group_->size(); ++r) {
+  for (int r = 1; r < group_->world_size(); ++r) {
     const auto* theirs = &all[static_cast<std::size_t>(r) * 4];
     if (theirs[1] != all[1])
       fail("layout",
@@ -119,7 +120,7 @@ T* training_state<B, P, G>::allocate_zeroed(detail::backend_buffer<B>& buffer, s
 }
 
 template <backend B, element P, element G>
-void training_state<B, P, G>::allocate() {
+void training_state<B, P, G>::allocate_buffers() {
   allocate_zeroed<P>(params_, sharded_parameters() ? owned_ : layout_.storage);
   if (sharded_gradients())
     allocate_zeroed<G>(grad_shard_, owned_);
@@ -428,7 +429,7 @@ int training_state<B, P, G>::agree() {
   agreed_ = true;
   take_agreement(sum);
   // At zero3 a joined rank cannot know which gathers this micro-step makes: it is told each.
-  announcing_ = sharded_parameters() && contributors_ < group_->size();
+  announcing_ = sharded_parameters() && contributors_ < group_->world_size();
   return contributors_;
 }
 
@@ -610,9 +611,10 @@ step_result training_state<B, P, G>::step() {
   begin_call();
   // The reductions averaged over the world; under a join scope only `contributors` ranks
   // gave gradients, and the average is theirs unless the initial world is the divisor.
-  const int contributors = join_ ? contributors_ : group_->size();
-  const double divisor_fix =
-      join_ && !join_->divide_by_initial_world ? static_cast<double>(group_->size()) / std::max(contributors, 1) : 1.0;
+  const int contributors = join_ ? contributors_ : group_->world_size();
+  const double divisor_fix = join_ && !join_->divide_by_initial_world
+                                 ? static_cast<double>(group_->world_size()) / std::max(contributors, 1)
+                                 : 1.0;
   last_contributors_ = contributors;
   drop_gathered();
   for (auto& count : pending_) count = 0;  // unmarked regions contribute what they hold: zero
