@@ -25,8 +25,8 @@
 //     bound; once with the default bound and once with a quarter of it;
 //   - a load at other world sizes (saved at --ranks, loaded at 2 under ddp and 3 under zero3,
 //     the files' pages dropped from the page cache first): bytes read in all against the
-//     checkpoint's size. A rank reads whole checksum blocks (--block-bytes, the save's
-//     option), so a block that straddles two ranks' shards is read by both.
+//     checkpoint's size, 1.00x: a rank reads exactly the bytes of its new shard, and a
+//     checksum block straddling two ranks' shards is verified from the parts each read.
 #include <fcntl.h>
 #include <sys/resource.h>
 #include <unistd.h>

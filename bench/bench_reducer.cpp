@@ -27,7 +27,6 @@
 #include <cohort/run_ranks.hpp>
 #include <cohort/store.hpp>
 #include <cohort/tools/detail/json.hpp>
-#include <cohort/zero.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -310,7 +309,8 @@ class bench {
   // The trainer's own flat buffers (tensors back to back in declaration order), at 25 MiB
   // buckets: data parallelism in place against bucket views above, and an optimizer step
   // after it, AdamW on every parameter (data parallelism: each rank updates everything)
-  // against ZeRO-1/2 (reduce-scatter, AdamW on 1/N, all-gather).
+  // against the training state's strategies (ZeRO-1/2: reduce-scatter, AdamW on 1/N,
+  // all-gather).
   template <class Record>
   void measure_flat(group& pg, Record& record, double compute) {
     const std::size_t n = sizes_.size();
@@ -362,25 +362,8 @@ class bench {
                    }),
              compute);
     }
-    for (int stage : {1, 2}) {
-      cohort::zero_optimizer<cohort::gloo, float> zero(pg, std::span<float>(params), std::span<float>(grads), regions,
-                                                       {.stage = stage, .bucket_bytes = bytes, .adam = {.lr = 1e-4}});
-      record(stage == 1 ? "ZeRO-1: reduce-scatter + AdamW on 1/N + all-gather"
-                        : "ZeRO-2: the same, buckets reduce-scattered during the backward",
-             25, zero.bucket_count(),
-             timed(pg,
-                   [&] {
-                     for (std::size_t t = n; t-- > 0;) {
-                       layer_backward(t, tensor(t));
-                       zero.mark_ready(t);
-                     }
-                     zero.step();
-                     zero.parameters_ready().wait();
-                   }),
-             compute);
-    }
     // The one training state under each strategy, the same backward and AdamW: side by side
-    // with the paths above (at zero3 every tensor is a layer, gathered in the forward and the
+    // with the data-parallel paths above (at zero3 every tensor is a layer, gathered in the forward and the
     // backward).
     std::vector<cohort::region> layers;
     for (std::size_t t = 0; t < n; ++t) layers.push_back({"t" + std::to_string(t), regions[t].offset, sizes_[t], t});

@@ -80,7 +80,7 @@ float train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
   cohort::rank_logger log(pg);
   const cohort_examples::mlp model(cfg.widths);
   const auto data = make_data(cfg, model);
-  const auto world = static_cast<std::size_t>(pg.size());
+  const auto world = static_cast<std::size_t>(pg.world_size());
   const std::size_t shard = cfg.batch / world;
 
   auto params = zeros(model.parameter_sizes());
@@ -94,7 +94,7 @@ float train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
                  ? std::make_unique<cohort::gradient_reducer<cohort::gloo>>(pg, spans(user_grads), options)
                  : std::make_unique<cohort::gradient_reducer<cohort::gloo>>(pg, model.parameter_sizes(), options);
   if (cohort::is_main_process(pg))
-    log(model.parameter_sizes().size(), " tensors in ", ddp->bucket_count(), " buckets, ", pg.size(),
+    log(model.parameter_sizes().size(), " tensors in ", ddp->bucket_count(), " buckets, ", pg.world_size(),
         " rank(s), shard ", shard, " of a batch of ", cfg.batch,
         cfg.user_buffers ? ", user buffers" : ", bucket views");
 

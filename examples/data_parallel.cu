@@ -169,7 +169,7 @@ int main(int argc, char** argv) try {
   auto store = env.world_size == 1 ? std::shared_ptr<cohort::store>(std::make_shared<cohort::memory_store>())
                                    : cohort::connect_store(env);
   cohort::process_group<cohort::nccl> pg{store, env};
-  if (cfg.batch % pg.size() != 0) throw std::runtime_error("--batch must be divisible by the world size");
+  if (cfg.batch % pg.world_size() != 0) throw std::runtime_error("--batch must be divisible by the world size");
   cohort::rank_logger log(pg);
   cudaStream_t stream;
   check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
@@ -179,12 +179,12 @@ int main(int argc, char** argv) try {
     const auto sizes = cohort_examples::mlp(cfg.widths).parameter_sizes();
     cohort::gradient_reducer<cohort::nccl> ddp(pg, sizes, {.first_bucket_bytes = 16 << 10, .bucket_bytes = 64 << 10});
     ddp.set_stream(stream);
-    log(sizes.size(), " tensors in ", ddp.bucket_count(), " buckets, ", pg.size(), " GPU(s)");
+    log(sizes.size(), " tensors in ", ddp.bucket_count(), " buckets, ", pg.world_size(), " GPU(s)");
     // Loss of the whole batch: the average of the shard losses, through NCCL.
     float* device_loss = nullptr;
     check(cudaMalloc(&device_loss, sizeof(float)), "cudaMalloc");
     train(
-        cfg, pg.rank(), pg.size(), &ddp,
+        cfg, pg.rank(), pg.world_size(), &ddp,
         [&](int step, float loss) {
           check(cudaMemcpy(device_loss, &loss, sizeof loss, cudaMemcpyHostToDevice), "upload");
           pg.all_reduce(std::span<float>(device_loss, 1), cohort::op::avg).wait();

@@ -90,7 +90,7 @@ int run(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
   const double single = cfg.samples == 0 ? 0.0 : static_cast<double>(single_right) / static_cast<double>(cfg.samples);
 
   std::printf("%d ranks read %lld samples of a dataset of %llu (%lld of them padding); gathered %zu values\n",
-              pg.size(), static_cast<long long>(read_in_all), static_cast<unsigned long long>(cfg.samples),
+              pg.world_size(), static_cast<long long>(read_in_all), static_cast<unsigned long long>(cfg.samples),
               static_cast<long long>(read_in_all) - static_cast<long long>(cfg.samples), gathered.size());
   if (read_in_all > 0)
     std::printf("counting the padding too would give %.6f over %lld samples\n",

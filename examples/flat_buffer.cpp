@@ -62,7 +62,7 @@ float train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
   const cohort_examples::mlp model(cfg.widths);
   const auto layout = cohort_examples::flat_layout::of(model);
   const auto data = make_data(cfg, model);
-  const std::size_t shard = cfg.batch / static_cast<std::size_t>(pg.size());
+  const std::size_t shard = cfg.batch / static_cast<std::size_t>(pg.world_size());
   std::vector<float> params(layout.elements), grads(layout.elements);
   model.initialize(layout.tensors(params), 7);
   const std::vector<std::span<float>> whole{params};
@@ -78,7 +78,7 @@ float train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
     std::printf(
         "%zu tensors in %zu buckets (%zu collectives per step), %d rank(s), shard %zu of %zu: "
         "gradient bytes copied per step %zu, extra gradient memory %zu bytes\n",
-        layout.regions.size(), ddp.bucket_count(), ddp.run_count(), pg.size(), shard, cfg.batch,
+        layout.regions.size(), ddp.bucket_count(), ddp.run_count(), pg.world_size(), shard, cfg.batch,
         ddp.copied_bytes_per_step(), ddp.bucket_memory_bytes());
 
   for (int step = 0; step < cfg.steps; ++step) {

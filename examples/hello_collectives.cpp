@@ -32,11 +32,11 @@ int main(int argc, char** argv) {
       cohort::process_group<cohort::gloo> pg{store, env};
       std::vector<std::int64_t> value{pg.rank() + 1};
       pg.all_reduce(std::span<std::int64_t>(value), cohort::op::sum).wait();
-      const std::int64_t expected = static_cast<std::int64_t>(pg.size()) * (pg.size() + 1) / 2;
+      const std::int64_t expected = static_cast<std::int64_t>(pg.world_size()) * (pg.world_size() + 1) / 2;
       if (cohort::is_main_process(pg)) {
         std::printf("hello from %s: sum of rank+1 over %d ranks = %lld (expected %lld)\n",
-                    std::string(cohort::to_string(env.source)).c_str(), pg.size(), static_cast<long long>(value[0]),
-                    static_cast<long long>(expected));
+                    std::string(cohort::to_string(env.source)).c_str(), pg.world_size(),
+                    static_cast<long long>(value[0]), static_cast<long long>(expected));
         correct = value[0] == expected;
       }
     });

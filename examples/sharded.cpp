@@ -70,7 +70,7 @@ tensors train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
   initial.clear();
   cohort::adam opt(params, {.lr = cfg.lr});
 
-  const std::size_t local = cfg.batch / static_cast<std::size_t>(pg.size());
+  const std::size_t local = cfg.batch / static_cast<std::size_t>(pg.world_size());
   using guard = cohort::sharded_parameters<cohort::gloo, float>::gathered;
   for (int step = 0; step < cfg.steps; ++step) {
     const std::size_t first = static_cast<std::size_t>(step) * cfg.batch + static_cast<std::size_t>(pg.rank()) * local;

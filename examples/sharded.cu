@@ -46,7 +46,7 @@ int main() try {
   cohort::rank_logger log(pg);
 
   const std::size_t batch = 48, steps = 12;
-  if (batch % static_cast<std::size_t>(pg.size()) != 0) throw std::runtime_error("the world size must divide 48");
+  if (batch % static_cast<std::size_t>(pg.world_size()) != 0) throw std::runtime_error("the world size must divide 48");
   const cohort_examples::mlp model({32, 192, 192, 8});
   const auto data =
       cohort_examples::synthetic_data::make(batch * steps, model.input_width(), model.output_width(), 2024);
@@ -77,7 +77,7 @@ int main() try {
     check(cudaMalloc(&g, n * sizeof(float)), "cudaMalloc");
     device_grads.push_back(g);
   }
-  const std::size_t local = batch / static_cast<std::size_t>(pg.size());
+  const std::size_t local = batch / static_cast<std::size_t>(pg.world_size());
   for (std::size_t step = 0; step < steps; ++step) {
     params.set_order(cohort::prefetch_order::forward);
     for (std::size_t l = 0; l < model.layers(); ++l) {
@@ -123,7 +123,7 @@ int main() try {
     const double worst = cohort_examples::max_difference(distributed, single);
     const bool match = worst <= 1e-5;
     std::printf("final parameters: sharded on %d GPU(s) vs one process on the host, max |difference| %.2e: %s\n",
-                pg.size(), worst, match ? "match" : "MISMATCH");
+                pg.world_size(), worst, match ? "match" : "MISMATCH");
     status = match ? 0 : 1;
   }
   pg.barrier().wait();  // the others wait for the reference: rank 0 hosts the store

@@ -76,7 +76,7 @@ std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg,
                       {.metadata = {{"next_step", std::to_string(step + 1)}, {"data_seed", "2024"}}, .keep_last = 3}));
     if (last) report(saver.wait());
   };
-  const std::size_t layers = model.layers(), local = cfg.batch / static_cast<std::size_t>(pg.size());
+  const std::size_t layers = model.layers(), local = cfg.batch / static_cast<std::size_t>(pg.world_size());
   std::vector<std::vector<float>> activation(layers + 1);
   // With uneven inputs a rank out of batches waits at this scope's end, answering the others.
   std::optional<cohort::training_state<cohort::gloo>::join_scope> joined;
@@ -119,7 +119,7 @@ std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg,
     }
     // A crash, not a stop: no save, no unwinding, the files as the kernel leaves them. Only in
     // a run that started from scratch, so that the relaunch with --resume runs past it.
-    if (step == cfg.kill_at_step && first_step == 0 && pg.rank() == std::min(1, pg.size() - 1)) {
+    if (step == cfg.kill_at_step && first_step == 0 && pg.rank() == std::min(1, pg.world_size() - 1)) {
       std::printf("[rank %d] killed (SIGKILL) after step %d\n", pg.rank(), step);
       std::fflush(stdout);
       ::raise(SIGKILL);
@@ -163,7 +163,7 @@ int main(int argc, char** argv) try {
     if (pg.rank() != 0) return;
     cohort_examples::print_parameter_summary(trained);
     if (stopped) return;  // stopped as a job is: the comparison is for a finished run
-    status = cohort_examples::report_against_single_process(cfg, model, layout, data, pg.size(), trained, 1e-5);
+    status = cohort_examples::report_against_single_process(cfg, model, layout, data, pg.world_size(), trained, 1e-5);
   });
   return status;
 } catch (const std::exception& failure) {

@@ -41,7 +41,7 @@ std::vector<float> train(cohort::process_group<cohort::nccl>& pg, const config& 
       {.strategy = cfg.strategy, .bucket_bytes = 64 << 10, .adam = cfg.adam, .max_grad_norm = cfg.max_grad_norm});
   state.set_stream(stream);
   state.load_parameters(cohort_examples::initial_parameters(model, layout));
-  const std::size_t layers = model.layers(), local = cfg.batch / static_cast<std::size_t>(pg.size());
+  const std::size_t layers = model.layers(), local = cfg.batch / static_cast<std::size_t>(pg.world_size());
   const auto widths = cfg.widths;
   device_tensor inputs(data.inputs.size()), targets(data.targets.size());
   check(cudaMemcpy(inputs.data, data.inputs.data(), data.inputs.size() * sizeof(float), cudaMemcpyHostToDevice),
@@ -117,14 +117,14 @@ int main(int argc, char** argv) try {
   auto store = env.world_size == 1 ? std::shared_ptr<cohort::store>(std::make_shared<cohort::memory_store>())
                                    : cohort::connect_store(env);
   cohort::process_group<cohort::nccl> pg{store, env};
-  if (cfg.batch % static_cast<std::size_t>(pg.size()) != 0)
+  if (cfg.batch % static_cast<std::size_t>(pg.world_size()) != 0)
     throw std::runtime_error("--batch must be divisible by the number of ranks");
   cudaStream_t stream;
   check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
   const auto trained = train(pg, cfg, model, layout, data, stream);
   int status = 0;
   if (pg.rank() == 0)
-    status = cohort_examples::report_against_single_process(cfg, model, layout, data, pg.size(), trained, 1e-4);
+    status = cohort_examples::report_against_single_process(cfg, model, layout, data, pg.world_size(), trained, 1e-4);
   pg.barrier().wait();  // the others wait for the reference: rank 0 hosts the store
   cudaStreamDestroy(stream);
   return status;

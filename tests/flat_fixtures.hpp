@@ -1,5 +1,5 @@
 #pragma once
-// What the flat-buffer tests share (test_flat_reducer, test_zero, test_clip): a Gloo group
+// What the flat-buffer tests share (test_flat_reducer, test_clip): a Gloo group
 // with a short timeout, and a model laid out as llm.c lays out its parameters.
 #include <cohort/backend/gloo.hpp>
 #include <cohort/process_group.hpp>

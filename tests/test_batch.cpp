@@ -22,7 +22,7 @@ namespace {
 struct fake_group {
   int my_rank, my_size;
   int rank() const { return my_rank; }
-  int size() const { return my_size; }
+  int world_size() const { return my_size; }
 };
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }

@@ -28,8 +28,10 @@
 #include <memory>
 #include <numeric>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "flat_fixtures.hpp"
@@ -226,23 +228,31 @@ TEST_CASE("resumed at the same world and strategy, training continues bit-exactl
     const auto c = compare({.world = 2, .kind = kind}, {.world = 2, .kind = kind}, "same");
     CHECK(c.difference == 0.0);  // bit-exact: the same reductions in the same order
     CHECK(c.whole.skipped == 1);
+    CHECK(c.read_in_all == c.checkpoint_bytes);  // each byte read once, by the rank that wrote it
   }
 }
 
-TEST_CASE("resumed at another world size, each byte read about once, within 1e-9 in double", "[checkpoint][gloo]") {
-  for (const auto& [from, to] : {std::pair{4, 2}, std::pair{2, 3}}) {
-    INFO(from << " -> " << to << " ranks");
-    // A larger model, so that a shard's pieces span several 256-byte checksum blocks.
-    const auto c = compare({.world = from, .kind = strategy::zero1, .scale = 20},
-                           {.world = to, .kind = strategy::zero1, .scale = 20}, "world");
+TEST_CASE("resumed at another world size, each byte read once in all, within 1e-9 in double", "[checkpoint][gloo]") {
+  // A larger model, so that a shard's pieces span several 256-byte checksum blocks, and the
+  // new shards' edges fall inside blocks: each such block is read in parts by two ranks, and
+  // verified from them (a wrong sum would refuse the load).
+  const std::vector<std::pair<run, run>> cases = {
+      {{.world = 4, .kind = strategy::zero1, .scale = 20}, {.world = 2, .kind = strategy::ddp, .scale = 20}},
+      {{.world = 4, .kind = strategy::zero1, .scale = 20}, {.world = 3, .kind = strategy::zero3, .scale = 20}},
+      // Blocks of 250 bytes: their edges fall inside elements, and the parts inside words.
+      {{.world = 2, .kind = strategy::zero1, .scale = 20, .block_bytes = 250},
+       {.world = 3, .kind = strategy::zero1, .scale = 20}},
+  };
+  for (const auto& [before, after] : cases) {
+    INFO(before.world << " ranks (" << cohort::to_string(before.kind) << ") -> " << after.world << " ("
+                      << cohort::to_string(after.kind) << ")");
+    const auto c = compare(before, after, "world");
     // Another world reduces the gradients in another order: equal within rounding, not bits.
     CHECK(c.difference < 1e-9);
-    // Each rank reads only the blocks around its new shard: the ranks together read the
-    // checkpoint about once (256-byte blocks shared at shard edges are read by both sides).
-    std::printf("world %d -> %d: %llu bytes read in all, checkpoint %llu bytes\n", from, to,
-                static_cast<unsigned long long>(c.read_in_all), static_cast<unsigned long long>(c.checkpoint_bytes));
-    CHECK(c.read_in_all >= c.checkpoint_bytes);
-    CHECK(c.read_in_all < c.checkpoint_bytes * 3 / 2);
+    std::printf("world %d -> %d (%s): %llu bytes read in all, checkpoint %llu bytes\n", before.world, after.world,
+                cohort::to_string(after.kind).data(), static_cast<unsigned long long>(c.read_in_all),
+                static_cast<unsigned long long>(c.checkpoint_bytes));
+    CHECK(c.read_in_all == c.checkpoint_bytes);  // counted: no byte read twice, none left out
   }
 }
 
@@ -256,18 +266,22 @@ TEST_CASE("resumed under another strategy: zero2 as ddp, ddp as zero3, within 1e
 namespace {
 
 // Every rank's error text from loading `checkpoint` into a state of `regions` (empty: it loaded).
-std::vector<std::string> load_errors(const fs::path& checkpoint, int world, const std::vector<region>& regions) {
+// `read_in_all`, where given: the bytes the ranks read, added up.
+std::vector<std::string> load_errors(const fs::path& checkpoint, int world, const std::vector<region>& regions,
+                                     std::uint64_t* read_in_all = nullptr) {
   std::vector<std::string> errors(static_cast<std::size_t>(world));
+  std::vector<std::uint64_t> read(errors.size());
   auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(world, [&](int rank) {
     auto pg = cohort_test::make_gloo_group(store, rank, world);
     cohort::training_state<cohort::gloo, double> state(pg, regions, {.strategy = strategy::zero2});
     try {
-      cohort::load_checkpoint(state, checkpoint.string());
+      read[static_cast<std::size_t>(rank)] = cohort::load_checkpoint(state, checkpoint.string()).bytes_read;
     } catch (const cohort::error& failure) {
       errors[static_cast<std::size_t>(rank)] = failure.what();
     }
   });
+  if (read_in_all) *read_in_all = std::accumulate(read.begin(), read.end(), std::uint64_t{0});
   return errors;
 }
 
@@ -331,6 +345,203 @@ TEST_CASE("a flipped byte is refused naming the file and the rank, and another m
       named_block |= text.find("block 0 (bytes 0..256) has checksum") != std::string::npos;
     CHECK(named_block);
   }
+  fs::remove_all(dir);
+}
+
+namespace {
+
+// Which ranks of a `world`-rank zero2 state read which bytes of the checkpoint's files: their
+// new shards (checkpoint_segments) against the index's pieces. Per file, block: the readers.
+std::map<std::pair<std::size_t, std::uint64_t>, std::set<int>> block_readers(const fs::path& checkpoint, int world) {
+  const auto manifest = cohort::detail::read_checkpoint_manifest(checkpoint.string(), -1);
+  struct shard {
+    std::size_t region;
+    std::uint64_t first, count;
+    int rank;
+  };
+  std::vector<shard> shards;
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(world, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
+    cohort::training_state<cohort::gloo, double> state(pg, model_regions(), {.strategy = strategy::zero2});
+    if (rank == 0)
+      for (int r = 0; r < world; ++r)
+        for (const auto& s : state.checkpoint_segments(r))
+          shards.push_back({s.region, s.storage - state.placement(s.region).storage, s.count, r});
+  });
+  std::map<std::pair<std::size_t, std::uint64_t>, std::set<int>> readers;
+  for (std::size_t f = 0; f < manifest.files.size(); ++f)
+    for (const auto& p : manifest.files[f].pieces)
+      for (const auto& s : shards) {
+        if (s.region != p.region) continue;  // the same regions in the same order: the same model
+        const std::uint64_t low = std::max(p.first, s.first), high = std::min(p.first + p.count, s.first + s.count);
+        if (low >= high) continue;
+        const std::uint64_t begin = p.offset + (low - p.first) * manifest.element_bytes;
+        const std::uint64_t end = p.offset + (high - p.first) * manifest.element_bytes;
+        for (std::uint64_t b = begin / manifest.block_bytes; b * manifest.block_bytes < end; ++b)
+          readers[{f, b}].insert(s.rank);
+      }
+  return readers;
+}
+
+void flip_byte(const fs::path& file, std::uint64_t offset) {
+  std::fstream stream(file, std::ios::in | std::ios::out | std::ios::binary);
+  stream.seekg(static_cast<std::streamoff>(offset));
+  char byte = 0;
+  stream.read(&byte, 1);
+  byte = static_cast<char>(byte ^ 0x10);
+  stream.seekp(static_cast<std::streamoff>(offset));
+  stream.write(&byte, 1);
+}
+
+}  // namespace
+
+TEST_CASE("a flipped byte in a block two ranks read in parts is refused on every rank", "[checkpoint][gloo][faults]") {
+  const auto dir = scratch_dir("straddle");
+  run_all({.world = 2, .to = 3, .save_to = dir});
+  const auto checkpoint = dir / "step-2";
+  const auto manifest = cohort::detail::read_checkpoint_manifest(checkpoint.string(), -1);
+  // A block of rank 1's file that two of the 3 new ranks read parts of.
+  std::optional<std::uint64_t> straddling;
+  std::set<int> readers;
+  for (const auto& [at, who] : block_readers(checkpoint, 3))
+    if (at.first == 1 && who.size() == 2 && !straddling) {
+      straddling = at.second;
+      readers = who;
+    }
+  REQUIRE(straddling.has_value());
+  const std::uint64_t begin = *straddling * manifest.block_bytes;
+  flip_byte(checkpoint / "rank-00001.bin", begin + 13);  // inside a word: the parts are split by bytes
+  const std::string readers_text = std::to_string(*readers.begin()) + ", " + std::to_string(*readers.rbegin());
+  const auto errors = load_errors(checkpoint, 3, model_regions());
+  for (const auto& text : errors) {
+    INFO(text);
+    CHECK(text.find("rank-00001.bin (written by rank 1): block " + std::to_string(*straddling) + " (bytes " +
+                    std::to_string(begin) + "..") != std::string::npos);
+    CHECK(text.find("has checksum") != std::string::npos);
+    CHECK(text.find("read in parts by ranks " + readers_text) != std::string::npos);
+  }
+  // The same world reads each file whole, by the rank that wrote it: refused there too.
+  for (const auto& text : load_errors(checkpoint, 2, model_regions())) {
+    INFO(text);
+    CHECK(text.find("rank-00001.bin (written by rank 1)") != std::string::npos);
+  }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("bytes of a file that no piece holds are still read, by one rank, and verified",
+          "[checkpoint][gloo][faults]") {
+  const auto dir = scratch_dir("gaps");
+  run_all({.world = 2, .to = 3, .save_to = dir});
+  const auto checkpoint = dir / "step-2";
+  const auto file = checkpoint / "rank-00000.bin";
+  // 300 bytes of padding after rank 0's pieces, written into the index with their checksums,
+  // as a writer that aligns its files might leave.
+  auto manifest = cohort::detail::read_checkpoint_manifest(checkpoint.string(), -1);
+  const std::uint64_t held = fs::file_size(file);
+  {
+    std::ofstream out(file, std::ios::binary | std::ios::app);
+    out << std::string(300, '\x5a');
+  }
+  std::string bytes;
+  {
+    std::ifstream in(file, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  auto& entry = manifest.files[0];
+  entry.bytes = bytes.size();
+  entry.blocks.clear();
+  for (std::size_t at = 0; at < bytes.size(); at += manifest.block_bytes)
+    entry.blocks.push_back(cohort::detail::checkpoint_checksum(
+        bytes.data() + at, std::min<std::size_t>(manifest.block_bytes, bytes.size() - at)));
+  entry.checksum = cohort::detail::checkpoint_file_checksum(entry.blocks, entry.bytes);
+  std::ofstream(checkpoint / "manifest.json", std::ios::trunc) << cohort::detail::checkpoint_manifest_json(manifest);
+  const auto gaps = cohort::detail::checkpoint_gaps(manifest);
+  REQUIRE(gaps.size() == 1);
+  CHECK(gaps[0].file == 0);
+  CHECK(gaps[0].offset == held);
+  CHECK(gaps[0].bytes == 300);
+
+  for (const int world : {2, 3}) {
+    std::uint64_t read_in_all = 0;
+    CHECK(load_errors(checkpoint, world, model_regions(), &read_in_all) == std::vector<std::string>(world));
+    CHECK(read_in_all == bytes_in(checkpoint));  // the padding too, once
+  }
+  CHECK(cohort::verify_checkpoint(checkpoint.string()) == bytes_in(checkpoint));
+  flip_byte(file, held + 250);
+  for (const auto& text : load_errors(checkpoint, 3, model_regions())) {
+    INFO(text);
+    CHECK(text.find("rank-00000.bin (written by rank 0)") != std::string::npos);
+  }
+  CHECK_THROWS_WITH(cohort::verify_checkpoint(checkpoint.string()), Catch::Contains("rank-00000.bin"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("the block checksum: parts at any split add up, and small damage always changes it", "[checkpoint]") {
+  std::vector<unsigned char> block(1000 + 4096 * 2 + 3);  // several 4 KiB key chunks, an odd tail
+  for (std::size_t i = 0; i < block.size(); ++i) block[i] = static_cast<unsigned char>(i * 131 + 7);
+  using cohort::detail::checkpoint_checksum;
+  using cohort::detail::checkpoint_checksum_finish;
+  using cohort::detail::checkpoint_checksum_part;
+  const std::uint64_t whole = checkpoint_checksum(block.data(), block.size());
+  for (const std::size_t a : {std::size_t{0}, std::size_t{1}, std::size_t{5}, std::size_t{4095}, std::size_t{4099}})
+    for (const std::size_t b : {std::size_t{6}, std::size_t{4097}, std::size_t{8000}, block.size()}) {
+      if (a > b) continue;
+      INFO("parts [0, " << a << "), [" << a << ", " << b << "), [" << b << ", end)");
+      const std::uint64_t sum = checkpoint_checksum_part(block.data(), 0, a) +
+                                checkpoint_checksum_part(block.data() + a, a, b - a) +
+                                checkpoint_checksum_part(block.data() + b, b, block.size() - b);
+      CHECK(checkpoint_checksum_finish(sum, block.size()) == whole);
+    }
+  // Any one flipped bit, anywhere (a sample); two flipped sign bits of doubles, which FNV-1a
+  // over 64-bit words never saw; a zero byte appended.
+  for (std::size_t at = 0; at < block.size(); at += 97)
+    for (int bit = 0; bit < 8; ++bit) {
+      auto damaged = block;
+      damaged[at] = static_cast<unsigned char>(damaged[at] ^ (1u << bit));
+      CHECK(checkpoint_checksum(damaged.data(), damaged.size()) != whole);
+    }
+  auto signs = block;
+  signs[7] ^= 0x80;
+  signs[8 * 300 + 7] ^= 0x80;
+  CHECK(checkpoint_checksum(signs.data(), signs.size()) != whole);
+  // Within a 4 KiB chunk that holds always, as no two words' keys are equal there (nor can
+  // two add up to 2^33: each is below 2^32): a word of 1 at each position has its own sum.
+  std::set<std::uint64_t> keys;
+  const std::uint32_t one = 1;
+  for (std::uint64_t word = 0; word < 1024; ++word) keys.insert(checkpoint_checksum_part(&one, 4 * word, 4));
+  CHECK(keys.size() == 1024);
+  auto longer = block;
+  longer.push_back(0);
+  CHECK(checkpoint_checksum(longer.data(), longer.size()) != whole);
+}
+
+TEST_CASE("an index of another version or checksum kind is refused, saying which", "[checkpoint][gloo][faults]") {
+  const auto dir = scratch_dir("version");
+  run_all({.world = 2, .to = 3, .save_to = dir});
+  const auto index = dir / "step-2" / "manifest.json";
+  std::string text;
+  {
+    std::ifstream in(index);
+    text.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const auto rewrite = [&](const std::string& from, const std::string& to) {
+    std::string changed = text;
+    const auto at = changed.find(from);
+    REQUIRE(at != std::string::npos);
+    changed.replace(at, from.size(), to);
+    std::ofstream(index, std::ios::trunc) << changed;
+  };
+  rewrite("\"version\": 2", "\"version\": 1");
+  for (const auto& error : load_errors(dir / "step-2", 2, model_regions())) {
+    INFO(error);
+    CHECK(error.find("index version 1, this build reads version 2 (version 1 kept FNV-1a block checksums)") !=
+          std::string::npos);
+  }
+  rewrite("\"checksum\": \"linear32\"", "\"checksum\": \"crc64\"");
+  CHECK_THROWS_WITH(cohort::verify_checkpoint((dir / "step-2").string()),
+                    Catch::Contains("block checksums of kind 'crc64', this build knows 'linear32'") &&
+                        Catch::Contains("manifest.json"));
   fs::remove_all(dir);
 }
 

@@ -82,14 +82,14 @@ TEST_CASE("clip_grad_norm on a reducer: every rank gets the norm of the average 
     ddp.finish();
     const double max_norm = norm / 4;
     const auto clipped = cohort::clip_grad_norm(ddp, max_norm);
-    RANK_CHECK(std::abs(clipped.norm - norm) <= 1e-5 * norm, "norm " << clipped.norm << " vs " << norm);
-    RANK_CHECK(std::abs(clipped.factor - max_norm / (clipped.norm + 1e-6)) <= 1e-12);
+    RANK_CHECK(std::abs(clipped.grad_norm - norm) <= 1e-5 * norm, "norm " << clipped.grad_norm << " vs " << norm);
+    RANK_CHECK(std::abs(clipped.clip_factor - max_norm / (clipped.grad_norm + 1e-6)) <= 1e-12);
     // After clipping the norm is max_norm (to float precision).
     const double after = cohort::global_grad_norm(ddp);
     RANK_CHECK(std::abs(after - max_norm) <= 1e-5 * max_norm, "after " << after);
     // A bound above the norm leaves the gradients alone.
     const auto untouched = cohort::clip_grad_norm(ddp, 10 * norm);
-    RANK_CHECK(untouched.factor == 1.0);
+    RANK_CHECK(untouched.clip_factor == 1.0);
   });
 }
 
@@ -112,8 +112,8 @@ TEST_CASE("global_grad_norm over sharded parameters sums the shards and counts r
       params.reduce_scatter_grad(u, gradient).wait();
     }
     const auto clipped = cohort::clip_grad_norm(params, norm / 2);
-    RANK_CHECK(std::abs(clipped.norm - norm) <= 1e-5 * norm, "norm " << clipped.norm << " vs " << norm);
-    RANK_CHECK(std::abs(clipped.factor - 0.5) <= 1e-5);
+    RANK_CHECK(std::abs(clipped.grad_norm - norm) <= 1e-5 * norm, "norm " << clipped.grad_norm << " vs " << norm);
+    RANK_CHECK(std::abs(clipped.clip_factor - 0.5) <= 1e-5);
 
     // Per-unit weight decay: with zero gradients only the decaying unit moves.
     cohort::sharded_parameters<cohort::gloo, float> weights{pg, {{16}, {16}}};

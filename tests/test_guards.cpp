@@ -41,7 +41,7 @@ namespace {
 struct plain_group {
   int my_rank = 0, my_size = 1, my_local_rank = 0, my_local_size = 1;
   int rank() const { return my_rank; }
-  int size() const { return my_size; }
+  int world_size() const { return my_size; }
   int local_rank() const { return my_local_rank; }
   int local_size() const { return my_local_size; }
 };

@@ -36,7 +36,7 @@ std::uint64_t single_process_correct(std::uint64_t n) {
 struct fake_group {
   int my_rank, my_size;
   int rank() const { return my_rank; }
-  int size() const { return my_size; }
+  int world_size() const { return my_size; }
 };
 
 // A per-sample value that is not a cohort element: gathered as bytes.

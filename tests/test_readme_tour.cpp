@@ -7,6 +7,7 @@
 #include <cohort/reducer.hpp>
 #include <cohort/sharded.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -22,6 +23,7 @@ TEST_CASE("the README tour runs on two Gloo ranks", "[readme]") {
   cohort_test::run_ranks(2, [&](int rank) {
     const auto env = cohort::launch_env::explicit_ranks(rank, 2);
     cohort::process_group<cohort::gloo> pg{store, env};
+    RANK_CHECK(pg.rank() == rank && pg.world_size() == 2);
 
     std::vector<float> grad(10, static_cast<float>(rank));
     auto work = pg.all_reduce(std::span<float>(grad), cohort::op::avg);
@@ -56,7 +58,7 @@ TEST_CASE("the README tour runs on two Gloo ranks", "[readme]") {
       ddp.finish();  // nothing communicated inside the scope
     }
 
-    // A flat gradient buffer reduced in place, clipped; ZeRO-2 over resident flat buffers.
+    // A flat gradient buffer reduced in place, clipped; ZeRO-2 through the training state.
     {
       std::vector<float> flat_params(12, 1.0f), flat_grads(12, static_cast<float>(rank + 1));
       const std::vector<cohort::gradient_region> regions{{0, 8}, {8, 4}};
@@ -67,21 +69,23 @@ TEST_CASE("the README tour runs on two Gloo ranks", "[readme]") {
       flat.finish();
       RANK_CHECK(flat_grads[11] == 1.5f);
       const auto norm = cohort::clip_grad_norm(flat, 1.0);
-      RANK_CHECK(std::abs(norm.norm - 1.5 * std::sqrt(12.0)) < 1e-5);
-      const std::vector<std::uint8_t> is_matrix{1, 0};
-      cohort::zero_optimizer<cohort::gloo, float> zero{pg,
-                                                       std::span<float>(flat_params),
-                                                       std::span<float>(flat_grads),
-                                                       regions,
-                                                       {.stage = 2,
-                                                        .adam = {.lr = 3e-4, .weight_decay = 0.1},
-                                                        .max_grad_norm = 0.5,
-                                                        .decay = is_matrix}};  // below the clipped 1.0
-      zero.mark_ready(1);
-      zero.mark_ready(0);
-      const auto result = zero.step();
-      zero.parameters_ready().wait();
+      RANK_CHECK(std::abs(norm.grad_norm - 1.5 * std::sqrt(12.0)) < 1e-5);
+      const std::vector<cohort::region> layers{{"w", 0, 8, 0, true}, {"b", 8, 4, 1, false}};
+      cohort::training_state<cohort::gloo, float> state{pg,
+                                                        layers,
+                                                        {.strategy = cohort::strategy::zero2,
+                                                         .adam = {.lr = 3e-4, .weight_decay = 0.1},
+                                                         .max_grad_norm = 0.5}};  // below the clipped 1.0
+      state.load_parameters(flat_params);
+      for (std::size_t r = layers.size(); r-- > 0;) {
+        const auto gradient = state.gradient(r);
+        std::copy_n(flat_grads.begin() + static_cast<std::ptrdiff_t>(layers[r].offset), gradient.size(),
+                    gradient.begin());
+        state.mark_ready(r);
+      }
+      const auto result = state.step();
       RANK_CHECK(!result.skipped && result.clip_factor < 1.0);
+      flat_params = state.gather_parameters();
       RANK_CHECK(flat_params[0] < 1.0f);  // one AdamW step, the same on both ranks
     }
 

@@ -751,7 +751,7 @@ TEST_CASE("a non-finite gradient on one rank makes every rank skip the step", "[
         ddp.mark_ready(t);
       }
       const auto summary = ddp.finish();
-      RANK_CHECK(summary.nonfinite == (iteration == 1), "iteration " << iteration);
+      RANK_CHECK((summary.nonfinite > 0) == (iteration == 1), "iteration " << iteration);
     }
   });
 }

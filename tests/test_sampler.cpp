@@ -74,7 +74,7 @@ std::vector<index_list> all_ranks(std::uint64_t n, int world, cohort::sampler_op
 struct fake_group {
   int my_rank, my_size;
   int rank() const { return my_rank; }
-  int size() const { return my_size; }
+  int world_size() const { return my_size; }
 };
 
 }  // namespace

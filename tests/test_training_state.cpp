@@ -387,7 +387,7 @@ TEST_CASE("bfloat16 parameters train from fp32 masters, close to the fp32 run", 
     });
     return result;
   };
-  for (const strategy kind : {strategy::ddp, strategy::zero2, strategy::zero3}) {
+  for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3}) {
     const auto wide = run(float{}, kind);
     const auto narrow = run(cohort::bfloat16{}, kind);
     REQUIRE(wide.size() == narrow.size());
@@ -401,6 +401,18 @@ TEST_CASE("bfloat16 parameters train from fp32 masters, close to the fp32 run", 
 
 namespace {
 
+// How a trainer walks the layers at zero3. The gathers are collectives, so a joined rank must
+// answer exactly the ones the ranks with data issue, whichever of these they follow.
+enum class gathers {
+  usual,       // every layer forward, then backward, each view ended before the next gather
+  held,        // the forward's views kept for the backward: one gather per layer and micro-step
+  recomputed,  // activation recomputation: the backward gathers a layer for its recomputed
+               // forward and, while that view lives, again for the backward itself
+  skipping,    // layer 2 left out of both passes (LayerDrop, with a seed every rank shares)
+  reordered,   // the backward reaches layer 2 before layer 3 (a branch whose gradient comes first)
+};
+constexpr std::size_t skipped_layer = 2;
+
 // Uneven inputs: rank k trains batches[k] steps (of `accumulation` micro-steps) inside a join
 // scope; the reference averages, at each step, the gradients of the ranks that still had data.
 struct uneven {
@@ -408,6 +420,8 @@ struct uneven {
   strategy kind = strategy::ddp;
   int accumulation = 1;
   bool initial_world_divisor = false;
+  gathers pattern = gathers::usual;
+  int keeps_views = -1;  // this rank keeps the forward's views while the others gather again
 };
 
 std::vector<double> uneven_reference(const uneven& u) {
@@ -428,6 +442,10 @@ std::vector<double> uneven_reference(const uneven& u) {
       for (int micro = 0; micro < u.accumulation; ++micro) {
         rank_gradient(static_cast<std::size_t>(t * u.accumulation + micro), rank, world, params.data(), 0, n,
                       part.data());
+        if (u.pattern == gathers::skipping)
+          for (const auto& r : regions)
+            if (r.layer == skipped_layer)
+              std::fill_n(part.begin() + static_cast<std::ptrdiff_t>(r.offset), r.count, 0.0);
         for (std::size_t i = 0; i < n; ++i) gradient[i] += part[i];
       }
     }
@@ -459,18 +477,42 @@ std::vector<double> uneven_train(const uneven& u, cohort_test::gloo_group& pg) {
   cohort::training_state<cohort::gloo, double> state(pg, regions, options_for(s));
   state.load_parameters(initial_parameters(regions.back().offset + regions.back().count));
   std::vector<double> scratch;
+  using layer_view = cohort::training_state<cohort::gloo, double>::layer_view;
+  const auto backward = [&](int t, int micro, const layer_view& layer) {
+    for (std::size_t r = 0; r < regions.size(); ++r) {
+      if (regions[r].layer != layer.layer()) continue;
+      auto gradient = state.gradient(r);
+      scratch.resize(regions[r].count);
+      rank_gradient(static_cast<std::size_t>(t * u.accumulation + micro), rank, world, layer.param(r).data(),
+                    regions[r].offset, regions[r].count, scratch.data());
+      for (std::size_t j = 0; j < gradient.size(); ++j) gradient[j] += scratch[j];
+      state.mark_ready(r);
+    }
+  };
+  const std::size_t layers = state.layer_count();
+  const auto used = [&](std::size_t l) { return u.pattern != gathers::skipping || l != skipped_layer; };
   const auto micro_step = [&](int t, int micro) {
-    for (std::size_t l = 0; l < state.layer_count(); ++l) (void)state.gather(l).param(l);  // region l is in layer l
-    for (std::size_t l = state.layer_count(); l-- > 0;) {
+    if (u.pattern == gathers::held || rank == u.keeps_views) {
+      std::vector<layer_view> views;
+      for (std::size_t l = 0; l < layers; ++l) views.push_back(state.gather(l));
+      for (std::size_t l = layers; l-- > 0;) {
+        backward(t, micro, views[l]);
+        views[l].reset();
+      }
+      return;
+    }
+    for (std::size_t l = 0; l < layers; ++l)
+      if (used(l)) (void)state.gather(l).param(l);  // region l is in layer l
+    for (std::size_t k = layers; k-- > 0;) {
+      const std::size_t l = u.pattern == gathers::reordered && (k == 2 || k == 3) ? 5 - k : k;
+      if (!used(l)) continue;
       auto layer = state.gather(l);
-      for (std::size_t r = 0; r < regions.size(); ++r) {
-        if (regions[r].layer != l) continue;
-        auto gradient = state.gradient(r);
-        scratch.resize(regions[r].count);
-        rank_gradient(static_cast<std::size_t>(t * u.accumulation + micro), rank, world, layer.param(r).data(),
-                      regions[r].offset, regions[r].count, scratch.data());
-        for (std::size_t j = 0; j < gradient.size(); ++j) gradient[j] += scratch[j];
-        state.mark_ready(r);
+      if (u.pattern == gathers::recomputed) {
+        (void)layer.param(l);                // the recomputed forward
+        const auto again = state.gather(l);  // the backward's own view, while the first lives
+        backward(t, micro, again);
+      } else {
+        backward(t, micro, layer);
       }
     }
   };
@@ -513,6 +555,60 @@ TEST_CASE("ranks with 5, 3 and 0 batches (and 7, 7, 6) never hang and equal one 
       CHECK(max_difference(results[static_cast<std::size_t>(rank)], expected) < 1e-9);
     }
   }
+}
+
+TEST_CASE(
+    "at zero3 a trainer that keeps the forward's views, recomputes activations, skips a layer or reorders its "
+    "backward trains under a join scope as one process on the union of the batches",
+    "[training_state][join][gloo]") {
+  std::vector<uneven> cases;
+  for (const gathers pattern : {gathers::held, gathers::recomputed, gathers::skipping, gathers::reordered}) {
+    cases.push_back({{5, 3, 0}, strategy::zero3, 1, false, pattern});
+    cases.push_back({{7, 7, 6}, strategy::zero3, 2, false, pattern});  // two micro-steps a step
+  }
+  for (const auto& u : cases) {
+    const int world = static_cast<int>(u.batches.size());
+    const auto expected = uneven_reference(u);
+    std::vector<std::vector<double>> results(static_cast<std::size_t>(world));
+    auto store = std::make_shared<cohort::memory_store>();
+    const auto started = std::chrono::steady_clock::now();
+    cohort_test::run_ranks(world, [&](int rank) {
+      auto pg = cohort_test::make_gloo_group(store, rank, world);
+      results[static_cast<std::size_t>(rank)] = uneven_train(u, pg);
+    });
+    // Far below the group's timeout (5 s): nobody waited on a call another rank never made.
+    CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(4));
+    for (int rank = 0; rank < world; ++rank) {
+      INFO("pattern " << static_cast<int>(u.pattern) << " with batches " << u.batches[0] << "," << u.batches[1] << ","
+                      << u.batches[2] << ", accumulation " << u.accumulation << ", rank " << rank);
+      CHECK(max_difference(results[static_cast<std::size_t>(rank)], expected) < 1e-9);
+    }
+  }
+}
+
+TEST_CASE("at zero3 ranks with data that gather differently while a rank sits out fail together, naming the calls",
+          "[training_state][join][gloo][faults]") {
+  // Rank 1 reduces layer 4 where rank 0 gathers it again: announced, neither call is issued.
+  const uneven u{{2, 2, 0}, strategy::zero3, 1, false, gathers::usual, 1};
+  std::vector<std::string> errors(3);
+  auto store = std::make_shared<cohort::memory_store>();
+  const auto started = std::chrono::steady_clock::now();
+  cohort_test::run_ranks(3, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 3);
+    try {
+      (void)uneven_train(u, pg);
+    } catch (const cohort::error& e) {
+      errors[static_cast<std::size_t>(rank)] = e.what();
+    }
+  });
+  // At the announcement, not at the group's timeout (5 s).
+  CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(4));
+  CHECK_THAT(errors[0], Catch::Contains("[rank 0] training_state.join") &&
+                            Catch::Contains("this rank's next call at zero3 is the gather of bucket 4, but not every "
+                                            "rank with data (2, this one included) announced it"));
+  CHECK_THAT(errors[1], Catch::Contains("this rank's next call at zero3 is the reduction of bucket 4"));
+  CHECK_THAT(errors[2], Catch::Contains("[rank 2] training_state.join") &&
+                            Catch::Contains("the 2 ranks with data announced different calls"));
 }
 
 TEST_CASE("a collective of the trainer's own while a rank has joined fails on every rank, naming it",

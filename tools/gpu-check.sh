@@ -4,8 +4,8 @@
 # elsewhere:
 #   - every CUDA test program, all its cases in one process (a case that skips fails here),
 #   - consumer_nvcc,
-#   - the .cu examples, each of which must end with a line saying "match" (zero_cuda at
-#     --zero 2, 0 and 1),
+#   - the .cu examples, each of which must end with a line saying "match" (train_cuda under
+#     each --strategy),
 #   - cohort-bench over NCCL at world size 1: the five collectives 8 B .. 1 GiB with the raw
 #     engine beside them, then all_reduce again with the flight recorder off,
 # and writes OUT/gpu-check.json after every step, so a run cut short still says what ran.
@@ -200,7 +200,6 @@ else
       consumer) step "$name" 30 "'$path'" ;;
       example)
         runs=("")
-        [ "$name" = zero_cuda ] && runs=("" "--zero 0" "--zero 1")
         [ "$name" = train_cuda ] && runs=("--strategy ddp" "--strategy zero1" "--strategy zero2" "--strategy zero3")
         for arguments in "${runs[@]}"; do
           label=example_$name${arguments:+_${arguments##* }}

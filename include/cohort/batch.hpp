@@ -4,12 +4,13 @@
 //   batch_plan{.per_device = 2, .accumulation = 8, .world = 1}.effective()  == 16
 //   ... .rescaled_for(4)                        -> {2, 2, 4}: same effective batch
 //   ... .rescaled_for(4, keep::accumulation)    -> {2, 8, 4}, learning rate x4 (linear rule)
-//   launch_plan(plan, pg)                       -> throws unless pg.size() == plan.world or the
-//                                                  change is acknowledged; rank 0 prints a summary
+//   launch_plan(plan, pg)                       -> throws unless pg.world_size() == plan.world or
+//                                                  the change is acknowledged; rank 0 prints a summary
 //   global_batch{.size = 512, .accumulation = 2}.plan_for(4)
 //                                               -> {64, 2, 4}: per_device = size / (world x accumulation)
-//   launch_plan(global_batch{...}, pg)          -> the same on pg.size() ranks, checked to be the same
-//                                                  configuration on every rank; rank 0 prints a summary
+//   launch_plan(global_batch{...}, pg)          -> the same on pg.world_size() ranks, checked to be
+//                                                  the same configuration on every rank; rank 0
+//                                                  prints a summary
 //   batch_sequence{sampler, plan}               -> this rank's micro-batches, each saying which
 //                                                  optimizer step it belongs to and whether it syncs
 //   suggest_loader_workers(cores, local_ranks)  -> data-loader workers per rank
@@ -100,12 +101,12 @@ enum class world_change {
 template <class Group>
   requires requires(Group& group) {
     { group.rank() } -> std::convertible_to<int>;
-    { group.size() } -> std::convertible_to<int>;
+    { group.world_size() } -> std::convertible_to<int>;
   }
 batch_plan launch_plan(const batch_plan& configured, Group& group, world_change on_change = world_change::refuse,
                        std::ostream& summary_out = std::clog) {
   const int rank = static_cast<int>(group.rank());
-  const int size = static_cast<int>(group.size());
+  const int size = static_cast<int>(group.world_size());
   configured.validate("launch_plan");
   batch_plan plan = configured;
   if (size != configured.world) {
@@ -138,11 +139,11 @@ batch_plan launch_plan(const batch_plan& configured, Group& group, world_change 
 template <class Group>
   requires requires(Group& group) {
     { group.rank() } -> std::convertible_to<int>;
-    { group.size() } -> std::convertible_to<int>;
+    { group.world_size() } -> std::convertible_to<int>;
   }
 batch_plan launch_plan(const global_batch& configured, Group& group, std::ostream& summary_out = std::clog) {
   const int rank = static_cast<int>(group.rank());
-  const int size = static_cast<int>(group.size());
+  const int size = static_cast<int>(group.world_size());
   if constexpr (detail::value_reducing_group<Group>) {
     // Before any local check, so a rank that would refuse its own numbers does not leave
     // the others waiting here: max of each number and of its negation (its minimum).

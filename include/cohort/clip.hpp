@@ -1,6 +1,6 @@
 #pragma once
 // The global gradient norm, and clipping by it, for data parallelism and sharded parameters
-// (zero_optimizer does both inside its step()).
+// (training_state does both inside its step()).
 //
 //   ddp.finish();
 //   const auto clipped = cohort::clip_grad_norm(ddp, 1.0);        // every rank: same norm
@@ -28,9 +28,10 @@
 
 namespace cohort::inline v0 {
 
+// The same names as step_result's (cohort/parallel/optimizer_options.hpp).
 struct clip_result {
-  double norm = 0;    // before clipping
-  double factor = 1;  // what the gradients were multiplied by (1: not clipped)
+  double grad_norm = 0;    // before clipping
+  double clip_factor = 1;  // what the gradients were multiplied by (1: not clipped)
 };
 
 namespace detail {
@@ -72,13 +73,13 @@ double global_grad_norm(gradient_reducer<B>& reducer) {
 template <backend B>
 clip_result clip_grad_norm(gradient_reducer<B>& reducer, double max_norm) {
   clip_result result;
-  result.norm = global_grad_norm(reducer);
-  result.factor = detail::clip_factor(result.norm, max_norm);
-  if (result.factor != 1.0) {
+  result.grad_norm = global_grad_norm(reducer);
+  result.clip_factor = detail::clip_factor(result.grad_norm, max_norm);
+  if (result.clip_factor != 1.0) {
     auto& engine = reducer.group().backend();
     for (std::size_t i = 0; i < reducer.gradient_count(); ++i) {
       const auto gradient = reducer.view(i);
-      if (is_floating(gradient.type)) scale(engine, gradient.data, gradient.count, gradient.type, result.factor);
+      if (is_floating(gradient.type)) scale(engine, gradient.data, gradient.count, gradient.type, result.clip_factor);
     }
     engine.record().wait();
   }
@@ -104,14 +105,14 @@ double global_grad_norm(sharded_parameters<B, T>& params) {
   return detail::square_root(squares);
 }
 
-// Collective. The norm, and the factor to clip by: pass result.factor to the optimizer's
+// Collective. The norm, and the factor to clip by: pass result.clip_factor to the optimizer's
 // step(grad_scale) (times a loss scaler's inverse, when there is one), so the gradient
 // shards are not rewritten.
 template <backend B, class T>
 clip_result clip_grad_norm(sharded_parameters<B, T>& params, double max_norm) {
   clip_result result;
-  result.norm = global_grad_norm(params);
-  result.factor = detail::clip_factor(result.norm, max_norm);
+  result.grad_norm = global_grad_norm(params);
+  result.clip_factor = detail::clip_factor(result.grad_norm, max_norm);
   return result;
 }
 

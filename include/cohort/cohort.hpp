@@ -30,7 +30,6 @@
 #include "cohort/tcp_store.hpp"
 #include "cohort/types.hpp"
 #include "cohort/version.hpp"
-#include "cohort/zero.hpp"
 
 #if defined(COHORT_HAS_GLOO) && COHORT_HAS_GLOO
 #include "cohort/backend/gloo.hpp"

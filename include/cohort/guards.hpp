@@ -50,7 +50,7 @@ namespace cohort::inline v0 {
 template <class G>
 concept rank_group = requires(G& group) {
   { group.rank() } -> std::convertible_to<int>;
-  { group.size() } -> std::convertible_to<int>;
+  { group.world_size() } -> std::convertible_to<int>;
 };
 
 template <class G>
@@ -220,7 +220,7 @@ class rank_logger {
 
   template <rank_group G>
   explicit rank_logger(const G& group, log_options options = {})
-      : rank_logger(static_cast<int>(group.rank()), static_cast<int>(group.size()), std::move(options)) {}
+      : rank_logger(static_cast<int>(group.rank()), static_cast<int>(group.world_size()), std::move(options)) {}
 
   rank_logger(const rank_logger&) = delete;
   rank_logger& operator=(const rank_logger&) = delete;

@@ -5,7 +5,7 @@
 // the scale backs off; after `growth_interval` good steps in a row it grows.
 //
 // The skip decision must be the same on every rank, or the replicas diverge: update() takes
-// a flag that cohort computes across ranks (zero_optimizer, or reduction_summary::nonfinite
+// a flag that cohort computes across ranks (training_state, or reduction_summary::nonfinite > 0
 // of a gradient_reducer with check_nonfinite), never a rank's own view.
 
 #include <cstdint>
@@ -70,7 +70,7 @@ class loss_scaler {
     good_steps_ = saved.good_steps;
     skipped_ = saved.skipped_steps;
   }
-  const loss_scaler_options& settings() const noexcept { return options_; }
+  const loss_scaler_options& options() const noexcept { return options_; }
 
  private:
   loss_scaler_options options_;

@@ -83,14 +83,14 @@ struct process_slice {
 // min(r, n % world) and one element more than n / world when r < n % world.
 process_slice split_between_processes(std::uint64_t range_size, int world, int rank, bool pad = false);
 
-// The same for the calling rank of any group with rank() and size().
+// The same for the calling rank of any group with rank() and world_size().
 template <class Group>
   requires requires(Group& group) {
     { group.rank() } -> std::convertible_to<int>;
-    { group.size() } -> std::convertible_to<int>;
+    { group.world_size() } -> std::convertible_to<int>;
   }
 process_slice split_between_processes(std::uint64_t range_size, Group& group, bool pad = false) {
-  return split_between_processes(range_size, static_cast<int>(group.size()), static_cast<int>(group.rank()), pad);
+  return split_between_processes(range_size, static_cast<int>(group.world_size()), static_cast<int>(group.rank()), pad);
 }
 
 // ---- gather_for_metrics ---------------------------------------------------------------------
@@ -147,7 +147,7 @@ inline metrics_claim from_wire(const std::int64_t* fields) {
 // into this rank's chunk), staged through the engine's memory on a device backend.
 template <backend B>
 void all_gather_host_bytes(process_group<B>& group, const std::uint8_t* mine, std::size_t chunk, std::uint8_t* all) {
-  const auto world = static_cast<std::size_t>(group.size());
+  const auto world = static_cast<std::size_t>(group.world_size());
   const std::size_t my_offset = static_cast<std::size_t>(group.rank()) * chunk;
   if (chunk != 0) std::memcpy(all + my_offset, mine, chunk);
   if constexpr (B::space == memory_space::host) {
@@ -198,7 +198,7 @@ template <backend B, class T>
 std::vector<T> gather_metrics_values(process_group<B>& group, const T* values, metrics_claim claim,
                                      metrics_layout layout, gather_destination to,
                                      std::uint64_t limit = std::numeric_limits<std::uint64_t>::max()) {
-  const auto world = static_cast<std::size_t>(group.size());
+  const auto world = static_cast<std::size_t>(group.world_size());
   const int my_rank = group.rank();
 
   const std::vector<std::int64_t> mine = to_wire(claim);
@@ -269,6 +269,26 @@ bool fits_wire(std::size_t count) {
   return count <= static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max()) / sizeof(T);
 }
 
+// The claim of a rank that passed `count` values where `expected` or `or_else` are right
+// (`wrong` names the problem otherwise), its first `real` values the real ones, `agreed` what
+// every rank must share. A claim with a problem keeps nothing: its values do not travel.
+template <class T>
+metrics_claim counted_claim(std::size_t count, std::uint64_t expected, std::uint64_t or_else, std::uint64_t real,
+                            std::uint64_t agreed, metrics_problem wrong) {
+  metrics_claim claim;
+  claim.count = fits_wire<T>(count) ? static_cast<std::int64_t>(count) : -1;
+  claim.keep = static_cast<std::int64_t>(std::min<std::uint64_t>(count, real));
+  claim.agreed = static_cast<std::int64_t>(agreed);
+  claim.expected = static_cast<std::int64_t>(expected);
+  claim.or_else = static_cast<std::int64_t>(or_else);
+  if (claim.count < 0)
+    claim.problem = static_cast<std::int64_t>(metrics_problem::too_many_values);
+  else if (count != expected && count != or_else)
+    claim.problem = static_cast<std::int64_t>(wrong);
+  if (claim.problem != 0) claim.keep = 0;
+  return claim;
+}
+
 }  // namespace detail
 
 // With cohort's sampler: `values` holds one value per index this rank's sampler yielded in
@@ -280,23 +300,16 @@ std::vector<detail::metric_value_t<Values>> gather_for_metrics(process_group<B>&
                                                                const distributed_sampler& sampler,
                                                                gather_destination to = gather_destination::every_rank) {
   using T = detail::metric_value_t<Values>;
-  const std::size_t count = std::size(values);
-  detail::metrics_claim claim;
-  claim.count = detail::fits_wire<T>(count) ? static_cast<std::int64_t>(count) : -1;
-  claim.keep = static_cast<std::int64_t>(std::min<std::uint64_t>(count, sampler.unpadded_size()));
-  claim.agreed = static_cast<std::int64_t>(sampler.dataset_size());
-  claim.expected = static_cast<std::int64_t>(sampler.size());
-  claim.or_else = static_cast<std::int64_t>(sampler.unpadded_size());
-  if (sampler.world_size() != group.size() || sampler.rank() != group.rank()) {
+  detail::metrics_claim claim =
+      detail::counted_claim<T>(std::size(values), sampler.size(), sampler.unpadded_size(), sampler.unpadded_size(),
+                               sampler.dataset_size(), detail::metrics_problem::count_differs_from_sampler);
+  if (sampler.world_size() != group.world_size() || sampler.rank() != group.rank()) {
+    // Named before any count: the sampler's sizes are another group's.
     claim.problem = static_cast<std::int64_t>(detail::metrics_problem::sampler_of_another_group);
     claim.expected = sampler.world_size();
     claim.or_else = sampler.rank();
-  } else if (claim.count < 0) {
-    claim.problem = static_cast<std::int64_t>(detail::metrics_problem::too_many_values);
-  } else if (count != sampler.size() && count != sampler.unpadded_size()) {
-    claim.problem = static_cast<std::int64_t>(detail::metrics_problem::count_differs_from_sampler);
+    claim.keep = 0;
   }
-  if (claim.problem != 0) claim.keep = 0;
   return detail::gather_metrics_values<B, T>(group, std::data(values), claim, detail::metrics_layout::sampler_positions,
                                              to);
 }
@@ -308,20 +321,10 @@ std::vector<detail::metric_value_t<Values>> gather_for_metrics(process_group<B>&
                                                                const process_slice& slice,
                                                                gather_destination to = gather_destination::every_rank) {
   using T = detail::metric_value_t<Values>;
-  const std::size_t count = std::size(values);
-  detail::metrics_claim claim;
-  claim.count = detail::fits_wire<T>(count) ? static_cast<std::int64_t>(count) : -1;
-  claim.keep = static_cast<std::int64_t>(std::min<std::uint64_t>(count, slice.size()));
-  claim.agreed = static_cast<std::int64_t>(slice.range_size);
+  detail::metrics_claim claim =
+      detail::counted_claim<T>(std::size(values), slice.size(), slice.padded_size, slice.size(), slice.range_size,
+                               detail::metrics_problem::count_differs_from_slice);
   claim.start = static_cast<std::int64_t>(slice.begin);
-  claim.expected = static_cast<std::int64_t>(slice.size());
-  claim.or_else = static_cast<std::int64_t>(slice.padded_size);
-  if (claim.count < 0) {
-    claim.problem = static_cast<std::int64_t>(detail::metrics_problem::too_many_values);
-  } else if (count != slice.size() && count != slice.padded_size) {
-    claim.problem = static_cast<std::int64_t>(detail::metrics_problem::count_differs_from_slice);
-  }
-  if (claim.problem != 0) claim.keep = 0;
   return detail::gather_metrics_values<B, T>(group, std::data(values), claim, detail::metrics_layout::slices, to);
 }
 

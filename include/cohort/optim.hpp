@@ -24,7 +24,8 @@ namespace cohort::inline v0 {
 
 namespace detail {
 
-// State shards (state_count per unit) allocated in the backend's memory and zeroed.
+// State shards (state_count per unit) in the backend's memory, zeroed, each owned by a
+// backend_buffer; the sharded parameters' optimizer bytes account for them while they live.
 template <backend B, class T>
 class sharded_state {
  public:
@@ -32,35 +33,29 @@ class sharded_state {
     auto& engine = params.group().backend();
     for (std::size_t u = 0; u < params.unit_count(); ++u)
       for (std::size_t k = 0; k < count; ++k) {
-        const std::size_t bytes = std::max<std::size_t>(params.shard_elements(u), 1) * sizeof(T);
-        T* data = static_cast<T*>(engine.allocate(bytes));
-        tensors_.push_back({data, bytes});
-        fill(engine, data, params.shard_elements(u), dtype_v<T>, 0.0);
-        params.account_optimizer(static_cast<std::ptrdiff_t>(bytes));
+        auto& tensor = tensors_.emplace_back(engine, std::max<std::size_t>(params.shard_elements(u), 1) * sizeof(T));
+        fill(engine, tensor.data(), params.shard_elements(u), dtype_v<T>, 0.0);
+        params.account_optimizer(static_cast<std::ptrdiff_t>(tensor.bytes()));
       }
     engine.record().wait();
   }
   sharded_state(const sharded_state&) = delete;
   sharded_state& operator=(const sharded_state&) = delete;
   ~sharded_state() {
-    auto& engine = params_->group().backend();
     try {
-      engine.record().wait();
+      params_->group().backend().record().wait();  // no queued update may still use them
     } catch (...) {
-      // A failed group: free regardless.
+      // A failed group: the buffers are freed regardless.
     }
-    for (auto& [data, bytes] : tensors_) {
-      engine.deallocate(data, bytes);
-      params_->account_optimizer(-static_cast<std::ptrdiff_t>(bytes));
-    }
+    for (const auto& tensor : tensors_) params_->account_optimizer(-static_cast<std::ptrdiff_t>(tensor.bytes()));
   }
-  T* get(std::size_t unit, std::size_t index) const { return tensors_[unit * count_ + index].first; }
+  T* get(std::size_t unit, std::size_t index) const { return tensors_[unit * count_ + index].template as<T>(); }
   std::size_t count() const noexcept { return count_; }
 
  private:
   sharded_parameters<B, T>* params_;
   std::size_t count_;
-  std::vector<std::pair<T*, std::size_t>> tensors_;
+  std::vector<backend_buffer<B>> tensors_;
 };
 
 }  // namespace detail
@@ -76,7 +71,7 @@ class sgd final : public sharded_optimizer_state<T> {
   typename B::work step(double grad_scale = 1.0);
 
   void set_lr(double lr) noexcept { options_.lr = lr; }
-  const sgd_options& settings() const noexcept { return options_; }
+  const sgd_options& options() const noexcept { return options_; }
 
   std::string kind() const override { return "sgd"; }
   std::size_t state_count() const override { return state_.count(); }
@@ -116,7 +111,7 @@ class adam final : public sharded_optimizer_state<T> {
   typename B::work step(double grad_scale = 1.0);
 
   void set_lr(double lr) noexcept { options_.lr = lr; }
-  const adam_options& settings() const noexcept { return options_; }
+  const adam_options& options() const noexcept { return options_; }
 
   std::string kind() const override { return "adam"; }
   std::size_t state_count() const override { return 2; }

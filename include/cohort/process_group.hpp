@@ -194,7 +194,8 @@ class process_group {
   }
 
   int rank() const noexcept { return env_.rank; }
-  int size() const noexcept { return env_.world_size; }
+  int world_size() const noexcept { return env_.world_size; }
+  int size() const noexcept { return env_.world_size; }  // world_size(), by its older name
   int local_rank() const noexcept { return env_.local_rank; }
   int local_size() const noexcept { return env_.local_world_size; }
   const launch_env& env() const noexcept { return env_; }
@@ -239,7 +240,7 @@ class process_group {
     if (in.size() != out.size() * static_cast<std::size_t>(size()))
       fail("reduce_scatter", in.size(),
            "input has " + std::to_string(in.size()) + " elements, expected output size " + std::to_string(out.size()) +
-               " x world " + std::to_string(size()),
+               " x world " + std::to_string(world_size()),
            "pad the input to a multiple of the world size (sharded_parameters does this)");
     return backend_->reduce_scatter(in.data(), out.data(), out.size(), dtype_v<T>, reduce);
   }
@@ -252,7 +253,7 @@ class process_group {
     if (out.size() != in.size() * static_cast<std::size_t>(size()))
       fail("all_gather", in.size(),
            "output has " + std::to_string(out.size()) + " elements, expected input size " + std::to_string(in.size()) +
-               " x world " + std::to_string(size()),
+               " x world " + std::to_string(world_size()),
            "the output holds one input-sized chunk per rank");
     return backend_->all_gather(in.data(), out.data(), in.size(), dtype_v<T>);
   }
@@ -264,16 +265,16 @@ class process_group {
     return backend_->broadcast(data.data(), data.size(), dtype_v<T>, root);
   }
 
-  // in and out: size() chunks of equal length; chunk r of my input goes to rank r, chunk r
+  // in and out: world_size() chunks of equal length; chunk r of my input goes to rank r, chunk r
   // of my output comes from rank r.
   template <element T>
   work all_to_all(std::span<const std::type_identity_t<T>> in, std::span<T> out) {
     enter("all_to_all", dtype_v<T>, in.size(), op::sum);
-    const auto world = static_cast<std::size_t>(size());
+    const auto world = static_cast<std::size_t>(world_size());
     if (in.size() != out.size() || in.size() % world != 0)
       fail("all_to_all", in.size(),
            "input " + std::to_string(in.size()) + " and output " + std::to_string(out.size()) +
-               " elements must be equal and divisible by world " + std::to_string(size()),
+               " elements must be equal and divisible by world " + std::to_string(world_size()),
            "pad to a multiple of the world size");
     return backend_->all_to_all(in.data(), out.data(), in.size() / world, dtype_v<T>);
   }
@@ -429,7 +430,7 @@ class process_group {
     }
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     std::vector<int> absent;
-    for (int r = 1; r < size(); ++r) {
+    for (int r = 1; r < world_size(); ++r) {
       const auto left =
           std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
       try {
@@ -490,10 +491,10 @@ class process_group {
     };
     // One batched read of every rank's entry (O(1) requests per rank on a tcp_store).
     std::vector<std::string> keys;
-    for (int r = 0; r < size(); ++r) keys.push_back(base + std::to_string(r));
+    for (int r = 0; r < world_size(); ++r) keys.push_back(base + std::to_string(r));
     const auto entries = store_->multi_get(keys);
     std::vector<member> mine;
-    for (int r = 0; r < size(); ++r) {
+    for (int r = 0; r < world_size(); ++r) {
       const std::string text = to_string(entries[static_cast<std::size_t>(r)]);
       int fields[3] = {};
       if (!detail::parse_int_fields(text, ',', fields))
@@ -673,7 +674,7 @@ std::vector<T> all_reduce_host_values(process_group<B>& group, const T* values, 
 template <backend B, class T>
   requires(std::same_as<T, std::int64_t> || std::same_as<T, double>)
 std::vector<T> all_gather_values(process_group<B>& group, std::span<const T> values) {
-  const std::size_t count = values.size(), world = static_cast<std::size_t>(group.size());
+  const std::size_t count = values.size(), world = static_cast<std::size_t>(group.world_size());
   std::vector<T> all(count * world);
   if constexpr (B::space == memory_space::host) {
     group.all_gather(values, std::span<T>(all)).wait();
@@ -685,6 +686,23 @@ std::vector<T> all_gather_values(process_group<B>& group, std::span<const T> val
     engine.copy(all.data(), staged, world * count * sizeof(T)).wait();
   }
   return all;
+}
+
+// Rank `root`'s `values` into every rank's (the same count on every rank), in place: an
+// order every rank must follow. Through the group's staging buffer on a device backend.
+template <backend B, class T>
+  requires(std::same_as<T, std::int64_t> || std::same_as<T, double>)
+void broadcast_values(process_group<B>& group, std::span<T> values, int root) {
+  if constexpr (B::space == memory_space::host) {
+    group.broadcast(values, root).wait();
+  } else {
+    auto& engine = group.backend();
+    const std::size_t bytes = values.size() * sizeof(T);
+    auto* staged = static_cast<T*>(group.value_staging(bytes));
+    engine.copy(staged, values.data(), bytes);
+    group.broadcast(std::span<T>(staged, values.size()), root);
+    engine.copy(values.data(), staged, bytes).wait();
+  }
 }
 
 template <backend B, reducible_value T>

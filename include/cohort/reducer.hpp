@@ -136,8 +136,9 @@ struct reducer_options {
 
 struct reduction_summary {
   bool synchronized = false;  // false inside no_sync: nothing was communicated
-  bool nonfinite = false;     // check_nonfinite found a NaN or Inf on some rank
-  std::int64_t nonfinite_count = 0;
+  // check_nonfinite: the NaN and Inf elements all ranks found together (0: none), as
+  // step_result::nonfinite counts them.
+  std::int64_t nonfinite = 0;
   std::vector<std::size_t> unused;  // unused_gradients::zero: gradients no rank marked
 };
 
@@ -282,7 +283,7 @@ class gradient_reducer {
   }
   std::size_t bucket_memory_bytes() const noexcept {
     std::size_t bytes = 0;
-    for (const auto& bucket : buckets_) bytes += bucket.bytes + bucket.compressed_bytes;
+    for (const auto& bucket : buckets_) bytes += bucket.memory.bytes() + bucket.compression.bytes();
     return bytes;
   }
   // In place: the number of collectives a synchronised step issues (one per run).
@@ -403,12 +404,10 @@ class gradient_reducer {
     std::size_t offset_bytes = 0;
   };
   struct bucket_storage {
-    void* data = nullptr;
-    std::size_t bytes = 0;
-    void* compressed = nullptr;  // compression scratch, or nullptr
-    std::size_t compressed_bytes = 0;
-    std::vector<copy_region> copy_in;   // user buffers -> bucket
-    std::vector<copy_region> copy_out;  // bucket -> user buffers
+    detail::backend_buffer<B> memory;       // the bucket's gradients (empty in place)
+    detail::backend_buffer<B> compression;  // compression scratch, or empty
+    std::vector<copy_region> copy_in;       // user buffers -> bucket
+    std::vector<copy_region> copy_out;      // bucket -> user buffers
     struct run {
       void* data;
       std::size_t count;
@@ -499,7 +498,7 @@ class gradient_reducer {
   void* location(std::size_t i) const {
     if (storage_ != gradient_storage::bucket_views) return specs_[i].data;
     const auto& where = placement_[i];
-    return static_cast<char*>(buckets_[where.bucket].data) + where.offset_bytes;
+    return static_cast<char*>(buckets_[where.bucket].memory.data()) + where.offset_bytes;
   }
 
   static bool compressible(dtype type) { return type == dtype::float32 || type == dtype::float64; }
@@ -525,19 +524,16 @@ class gradient_reducer {
         bucket.runs = runs_of(shape);
         continue;
       }
-      bucket.bytes = shape.bytes();
-      bucket.data = engine.allocate(bucket.bytes);
-      fill(engine, bucket.data, shape.elements, shape.type, 0.0);
-      if (options_.compress != compression::none && compressible(shape.type)) {
-        bucket.compressed_bytes = shape.elements * size_of(compressed_type());
-        bucket.compressed = engine.allocate(bucket.compressed_bytes);
-      }
+      bucket.memory = detail::backend_buffer<B>(engine, shape.bytes());
+      fill(engine, bucket.memory.data(), shape.elements, shape.type, 0.0);
+      if (options_.compress != compression::none && compressible(shape.type))
+        bucket.compression = detail::backend_buffer<B>(engine, shape.elements * size_of(compressed_type()));
     }
     by_address_.clear();
     for (std::size_t i = 0; i < gradient_count(); ++i) {
       if (storage_ == gradient_storage::user_buffers) {
         auto& bucket = buckets_[placement_[i].bucket];
-        void* inside = static_cast<char*>(bucket.data) + placement_[i].offset_bytes;
+        void* inside = static_cast<char*>(bucket.memory.data()) + placement_[i].offset_bytes;
         const std::size_t bytes = specs_[i].count * size_of(specs_[i].type);
         bucket.copy_in.push_back({inside, specs_[i].data, bytes});
         bucket.copy_out.push_back({specs_[i].data, inside, bytes});
@@ -567,15 +563,6 @@ class gradient_reducer {
     return runs;
   }
 
-  void release(std::vector<bucket_storage>& buckets) {
-    auto& engine = group_->backend();
-    for (auto& bucket : buckets) {
-      if (bucket.data) engine.deallocate(bucket.data, bucket.bytes);
-      if (bucket.compressed) engine.deallocate(bucket.compressed, bucket.compressed_bytes);
-      bucket.data = bucket.compressed = nullptr;
-    }
-  }
-
   void reset_iteration() {
     std::fill(marked_.begin(), marked_.end(), std::uint8_t{0});
     marked_count_ = 0;
@@ -588,7 +575,7 @@ class gradient_reducer {
 
   // Plain floating buckets: mark_ready averages each gradient (see the top).
   bool divides_when_marked(std::size_t b) const {
-    return is_floating(layout_[b].type) && !hook_ && !buckets_[b].compressed;
+    return is_floating(layout_[b].type) && !hook_ && !buckets_[b].compression.data();
   }
 
   void launch_ready_buckets() {
@@ -612,16 +599,16 @@ class gradient_reducer {
         together.end();
       }
     } else if (hook_) {
-      bucket.done = hook_(*group_, bucket_ref{b, bucket.data, shape.elements, shape.type});
-    } else if (bucket.compressed) {
+      bucket.done = hook_(*group_, bucket_ref{b, bucket.memory.data(), shape.elements, shape.type});
+    } else if (bucket.compression.data()) {
       const dtype small = compressed_type();
-      cast(engine, bucket.data, shape.type, bucket.compressed, small, shape.elements);
-      all_reduce_bucket(bucket.compressed, shape.elements, small, op::avg);
-      bucket.done = cast(engine, bucket.compressed, small, bucket.data, shape.type, shape.elements);
+      cast(engine, bucket.memory.data(), shape.type, bucket.compression.data(), small, shape.elements);
+      all_reduce_bucket(bucket.compression.data(), shape.elements, small, op::avg);
+      bucket.done = cast(engine, bucket.compression.data(), small, bucket.memory.data(), shape.type, shape.elements);
     } else {
       // Divided as each gradient was marked: sum. Integers: sum, then divide once.
-      bucket.done =
-          all_reduce_bucket(bucket.data, shape.elements, shape.type, divides_when_marked(b) ? op::sum : op::avg);
+      bucket.done = all_reduce_bucket(bucket.memory.data(), shape.elements, shape.type,
+                                      divides_when_marked(b) ? op::sum : op::avg);
     }
     if (options_.on_launch) options_.on_launch(b);
   }
@@ -661,7 +648,7 @@ class gradient_reducer {
       // In place the gradient itself is zeroed (the buffer is what gets reduced).
       void* zeroed = storage_ == gradient_storage::in_place
                          ? location(i)
-                         : static_cast<char*>(buckets_[where.bucket].data) + where.offset_bytes;
+                         : static_cast<char*>(buckets_[where.bucket].memory.data()) + where.offset_bytes;
       fill(engine, zeroed, specs_[i].count, specs_[i].type, 0.0);
       if (storage_ == gradient_storage::user_buffers) drop_copy_in(i);
       marked_[i] = 1;
@@ -675,7 +662,7 @@ class gradient_reducer {
 
   // Which gradients did any rank produce? Every rank learns the same answer.
   void find_unused_everywhere(std::vector<std::uint8_t> used, reduction_summary& summary) {
-    used = all_reduce_host(std::move(used), op::max);
+    used = all_reduce_values(*group_, used, op::max);
     for (std::size_t i = 0; i < gradient_count(); ++i)
       if (!used[i]) summary.unused.push_back(i);
   }
@@ -703,64 +690,13 @@ class gradient_reducer {
       if (storage_ == gradient_storage::in_place) {
         for (const auto& run : buckets_[b].runs) count_nonfinite(engine, run.data, run.count, layout_[b].type, counter);
       } else {
-        count_nonfinite(engine, buckets_[b].data, layout_[b].elements, layout_[b].type, counter);
+        count_nonfinite(engine, buckets_[b].memory.data(), layout_[b].elements, layout_[b].type, counter);
       }
     }
     group_->all_reduce(std::span<std::int64_t>(counter, 1), op::sum);
     std::int64_t found = 0;
     engine.copy(&found, counter, sizeof found).wait();
-    summary.nonfinite_count = found;
-    summary.nonfinite = found > 0;
-  }
-
-  // Small host vectors through a collective, staged through backend memory where needed.
-  template <class T>
-  std::vector<T> all_reduce_host(std::vector<T> values, op reduce) {
-    const std::size_t count = values.size();  // before the move: argument order is unspecified
-    return stage(std::move(values), count, [&](T* in, T* out, std::size_t n) {
-      return group_->all_reduce(std::span<const T>(in, n), std::span<T>(out, n), reduce);
-    });
-  }
-  template <class T>
-  std::vector<T> all_gather_host(std::vector<T> values) {
-    const std::size_t out_count = values.size() * static_cast<std::size_t>(group_->size());
-    return stage(std::move(values), out_count, [&](T* in, T* out, std::size_t n) {
-      return group_->all_gather(std::span<const T>(in, n), std::span<T>(out, out_count));
-    });
-  }
-  template <class T>
-  std::vector<T> broadcast_host(std::vector<T> values, int root) {
-    const std::size_t n = values.size();
-    return stage(std::move(values), n, [&](T* in, T* out, std::size_t count) {
-      group_->backend().copy(out, in, count * sizeof(T));
-      return group_->broadcast(std::span<T>(out, count), root);
-    });
-  }
-  // Through the backend's memory (device memory on a device backend) and back.
-  template <class T, class Collective>
-  std::vector<T> stage(std::vector<T> values, std::size_t out_count, Collective&& collective) {
-    std::vector<T> result(out_count);
-    auto& engine = group_->backend();
-    const std::size_t in_bytes = values.size() * sizeof(T), out_bytes = out_count * sizeof(T);
-    auto* in = static_cast<T*>(engine.allocate(in_bytes));
-    auto* out = static_cast<T*>(engine.allocate(out_bytes));
-    const auto release = [&] {
-      engine.deallocate(in, in_bytes);
-      engine.deallocate(out, out_bytes);
-    };
-    try {
-      engine.copy(in, values.data(), in_bytes);
-      collective(in, out, values.size());
-      engine.copy(result.data(), out, out_bytes).wait();
-    } catch (...) {
-      try {
-        engine.record().wait();  // nothing queued may still write into what is freed below
-      } catch (...) {}
-      release();
-      throw;
-    }
-    release();
-    return result;
+    summary.nonfinite = found;
   }
 
   // Every rank's gradients and layout must match, or the collectives would pair mismatched
@@ -775,13 +711,15 @@ class gradient_reducer {
     std::vector<std::size_t> run_counts;
     for (const auto& bucket : buckets_)
       for (const auto& run : bucket.runs) run_counts.push_back(run.count);
-    const auto all = all_gather_host(check::row(refusal != nullptr, specs_, layout_, options_.compress,
-                                                storage_ == gradient_storage::in_place, run_counts, buckets_.size()));
-    const int world = group_->size();
+    const auto row = check::row(refusal != nullptr, specs_, layout_, options_.compress,
+                                storage_ == gradient_storage::in_place, run_counts, buckets_.size());
+    const auto all = all_gather_values(*group_, std::span<const std::int64_t>(row));
+    const int world = group_->world_size();
     const int other = check::first_mismatch(all, world, rank(), refusal);
     if (other == world) return;
     std::vector<std::int64_t> shapes;
-    if (check::same_gradient_count(all, world)) shapes = all_gather_host(check::shapes(specs_));
+    if (check::same_gradient_count(all, world))
+      shapes = all_gather_values(*group_, std::span<const std::int64_t>(check::shapes(specs_)));
     check::fail(rank(), all, world, other, gradient_count(), shapes);
   }
 
@@ -823,21 +761,17 @@ gradient_reducer<B>::gradient_reducer(process_group<B>& group, std::vector<gradi
   } catch (...) {
     refusal = std::current_exception();
   }
-  try {
-    check_layout_across_ranks(refusal);
-  } catch (...) {
-    release(buckets_);  // no destructor runs for a constructor that throws
-    throw;
-  }
+  check_layout_across_ranks(refusal);  // on a throw, the members free the buckets
 }
 
 template <backend B>
 gradient_reducer<B>::~gradient_reducer() {
-  // Queued reductions write into the buckets: let them finish before freeing.
+  // Queued reductions write into the buckets: let them finish before the members free them.
   try {
     group_->backend().record().wait();
-  } catch (...) {}
-  release(buckets_);
+  } catch (...) {
+    // A failed group: the buckets are freed regardless.
+  }
 }
 
 template <backend B>
@@ -853,9 +787,9 @@ auto gradient_reducer<B>::mark_ready(std::size_t i) -> void {
   if (!observed_order_complete_) observed_order_.push_back(i);
   if (no_sync_depth_ > 0) return;
   const std::size_t bucket = placement_[i].bucket;
-  if (group_->size() > 1 && divides_when_marked(bucket))  // dividing by 1 would be a pass for nothing
+  if (group_->world_size() > 1 && divides_when_marked(bucket))  // dividing by 1 would be a pass for nothing
     divide_in_caller_order(group_->backend(), caller_stream_, location(i), specs_[i].count, specs_[i].type,
-                           group_->size());
+                           group_->world_size());
   --pending_[bucket];
   launch_ready_buckets();
 }
@@ -912,7 +846,7 @@ auto gradient_reducer<B>::rebuild_buckets() -> void {
     }
   for (std::size_t i = gradient_count(); i-- > 0;)
     if (!listed[i]) order[fill++] = static_cast<std::int64_t>(i);
-  order = broadcast_host(std::move(order), 0);
+  broadcast_values(*group_, std::span<std::int64_t>(order), 0);
   std::vector<std::size_t> agreed(order.begin(), order.end());
   std::vector<std::size_t> sizes;
   std::vector<dtype> types;
@@ -930,7 +864,8 @@ auto gradient_reducer<B>::rebuild_buckets() -> void {
     for (std::size_t i = 0; i < gradient_count(); ++i) {
       const auto& from = old_placement[i];
       const std::size_t bytes = specs_[i].count * size_of(specs_[i].type);
-      moves.push_back({location(i), static_cast<char*>(old_buckets[from.bucket].data) + from.offset_bytes, bytes});
+      moves.push_back(
+          {location(i), static_cast<char*>(old_buckets[from.bucket].memory.data()) + from.offset_bytes, bytes});
     }
     auto& engine = group_->backend();
     batched_copy(engine, std::span<const copy_region>(moves));
@@ -940,7 +875,7 @@ auto gradient_reducer<B>::rebuild_buckets() -> void {
   } else {
     group_->backend().record().wait();
   }
-  release(old_buckets);
+  old_buckets.clear();  // after the copies out of them
   ++generation_;
 }
 

@@ -72,14 +72,14 @@ class distributed_sampler {
  public:
   distributed_sampler(std::uint64_t dataset_size, int world, int rank, sampler_options options = {});
 
-  // From any group with rank() and size() (cohort::process_group<gloo> or <nccl>, ...).
+  // From any group with rank() and world_size() (cohort::process_group<gloo> or <nccl>, ...).
   template <class Group>
     requires requires(Group& group) {
       { group.rank() } -> std::convertible_to<int>;
-      { group.size() } -> std::convertible_to<int>;
+      { group.world_size() } -> std::convertible_to<int>;
     }
   distributed_sampler(std::uint64_t dataset_size, Group& group, sampler_options options = {})
-      : distributed_sampler(dataset_size, static_cast<int>(group.size()), static_cast<int>(group.rank()),
+      : distributed_sampler(dataset_size, static_cast<int>(group.world_size()), static_cast<int>(group.rank()),
                             std::move(options)) {}
 
   // Starts a new epoch: a different (deterministic) order when shuffling.

@@ -232,10 +232,10 @@ class sharded_parameters {
   // --- layout ------------------------------------------------------------------------------
   int rank() const noexcept { return group_->rank(); }
   // The ranks the parameters are sharded over (the group's size).
-  int world_size() const noexcept { return group_->size(); }
+  int world_size() const noexcept { return group_->world_size(); }
   group_type& group() noexcept { return *group_; }
   group_type* replicas() noexcept { return replicas_; }
-  const sharded_options& settings() const noexcept { return options_; }
+  const sharded_options& options() const noexcept { return options_; }
   dtype gather_type() const noexcept { return gather_type_; }
   dtype reduce_type() const noexcept { return reduce_type_; }
   std::size_t unit_count() const noexcept { return units_.size(); }
@@ -464,7 +464,7 @@ class sharded_parameters {
     std::size_t padded = 0;
     std::size_t shard = 0;
     bool replicated = false;
-    T* master = nullptr;
+    T* master = nullptr;  // in shard_buffers_
     T* grad = nullptr;
   };
   using buffer = typename detail::buffer_pool<B>::buffer;
@@ -731,19 +731,19 @@ class sharded_parameters {
     if (n > 1) {
       traffic_add_reduce(u.replicated ? 2 * (n - 1) * u.elements * reduce_bytes / n : (n - 1) * u.shard * reduce_bytes);
     }
-    if (replicas_ && replicas_->size() > 1) {
+    if (replicas_ && replicas_->world_size() > 1) {
       auto& other = replicas_->backend();
       order_after(other, done);
       typed(reduce_type_, [&](auto sample) {
         using R = decltype(sample);
         done = replicas_->all_reduce(std::span<R>(static_cast<R*>(output), u.shard), op::avg);
       });
-      const std::size_t m = static_cast<std::size_t>(replicas_->size());
+      const std::size_t m = static_cast<std::size_t>(replicas_->world_size());
       traffic_add_reduce(2 * (m - 1) * u.shard * reduce_bytes / m);
       order_after(engine, done);
     }
     if (!direct) done = cohort::accumulate(engine, output, reduce_type_, u.grad, dtype_v<T>, u.shard, accumulate);
-    if (!direct || (replicas_ && replicas_->size() > 1)) done = engine.record();
+    if (!direct || (replicas_ && replicas_->world_size() > 1)) done = engine.record();
     for (auto& b : scratch) {
       b.last_use = done;
       give_back(b);
@@ -758,16 +758,12 @@ class sharded_parameters {
   }
 
   void free_all() noexcept {
-    auto& engine = group_->backend();
     for (auto& [unit, entry] : live_) pool_.release(entry.buf);
     live_.clear();
     pool_.clear();
     memory_.pool = 0;
-    for (auto& u : units_) {
-      if (u.master) engine.deallocate(u.master, std::max<std::size_t>(u.shard, 1) * sizeof(T));
-      if (u.grad) engine.deallocate(u.grad, std::max<std::size_t>(u.shard, 1) * sizeof(T));
-      u.master = u.grad = nullptr;
-    }
+    for (auto& u : units_) u.master = u.grad = nullptr;
+    shard_buffers_.clear();
   }
 
   void check_checkpoint(const detail::checkpoint_header& header, sharded_optimizer_state<T>* optimizer,
@@ -811,7 +807,8 @@ class sharded_parameters {
   std::condition_variable released_;
   std::map<std::size_t, live_gather> live_;
   detail::buffer_pool<B> pool_;
-  std::vector<std::size_t> deferred_;  // a handful of units: a vector is the queue
+  std::vector<detail::backend_buffer<B>> shard_buffers_;  // own every unit's master and gradient shard
+  std::vector<std::size_t> deferred_;                     // a handful of units: a vector is the queue
   sharded_memory memory_;
   sharded_memory peak_;
   std::size_t peak_total_ = 0;
@@ -834,7 +831,7 @@ sharded_parameters<B, T>::sharded_parameters(group_type& group, std::vector<std:
     if (type != dtype::float32 && type != dtype::float64 && type != dtype::float16 && type != dtype::bfloat16)
       throw error(rank(), "sharded_parameters", "gather/reduce dtype " + std::string(to_string(type)),
                   "use a floating-point dtype (float, double, half, bfloat16)");
-  const std::size_t world = static_cast<std::size_t>(group.size());
+  const std::size_t world = static_cast<std::size_t>(group.world_size());
   for (auto& sizes : units) {
     unit_layout info;
     info.sizes = std::move(sizes);
@@ -857,21 +854,17 @@ sharded_parameters<B, T>::sharded_parameters(group_type& group, std::vector<std:
   for (std::size_t i = 0; i < sizes.size() && i <= static_cast<std::size_t>(opts.prefetch); ++i) automatic += sizes[i];
   limit_ = opts.max_gathered_bytes ? opts.max_gathered_bytes : automatic;
   auto& engine = group.backend();
-  try {
-    for (auto& info : units_) {
-      const std::size_t bytes = std::max<std::size_t>(info.shard, 1) * sizeof(T);
-      info.master = static_cast<T*>(engine.allocate(bytes));
-      info.grad = static_cast<T*>(engine.allocate(bytes));
-      memory_.shards += bytes;
-      memory_.gradients += bytes;
-      fill(engine, info.master, info.shard, dtype_v<T>, 0.0);
-      fill(engine, info.grad, info.shard, dtype_v<T>, 0.0);
-    }
-    engine.record().wait();
-  } catch (...) {
-    free_all();
-    throw;
+  shard_buffers_.reserve(2 * units_.size());
+  for (auto& info : units_) {
+    const std::size_t bytes = std::max<std::size_t>(info.shard, 1) * sizeof(T);
+    info.master = shard_buffers_.emplace_back(engine, bytes).template as<T>();
+    info.grad = shard_buffers_.emplace_back(engine, bytes).template as<T>();
+    memory_.shards += bytes;
+    memory_.gradients += bytes;
+    fill(engine, info.master, info.shard, dtype_v<T>, 0.0);
+    fill(engine, info.grad, info.shard, dtype_v<T>, 0.0);
   }
+  engine.record().wait();
   note_peak();
 }
 

@@ -158,7 +158,7 @@ class straggler_report {
   // with the n-th of every other rank.
   template <class Group>
   explicit straggler_report(Group& group, straggler_options options = {})
-      : straggler_report(group.group_store(), static_cast<int>(group.rank()), static_cast<int>(group.size()),
+      : straggler_report(group.group_store(), static_cast<int>(group.rank()), static_cast<int>(group.world_size()),
                          std::move(options)) {
     if constexpr (requires { Group::space; }) host_clock_only_ = Group::space == memory_space::device;
   }

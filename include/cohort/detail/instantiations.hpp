@@ -9,11 +9,11 @@
 // where they would inline them, so only part of the work moves; the rest is cheap to parse.
 
 #include "cohort/optim.hpp"
+#include "cohort/parallel/training_state.hpp"
 #include "cohort/process_group.hpp"
 #include "cohort/reducer.hpp"
 #include "cohort/sharded.hpp"
 #include "cohort/types.hpp"
-#include "cohort/zero.hpp"
 
 #if defined(COHORT_HAS_GLOO) && COHORT_HAS_GLOO
 #include "cohort/backend/gloo.hpp"
@@ -29,8 +29,8 @@
   KEYWORD template class sharded_parameters<B, float>; \
   KEYWORD template class sgd<B, float>;                \
   KEYWORD template class adam<B, float>;               \
-  KEYWORD template class zero_optimizer<B, float>;     \
-  KEYWORD template class zero_optimizer<B, bfloat16>;
+  KEYWORD template class training_state<B, float>;     \
+  KEYWORD template class training_state<B, bfloat16>;
 
 #if defined(COHORT_HAS_GLOO) && COHORT_HAS_GLOO
 #define COHORT_INSTANTIATES_GLOO 1

@@ -16,7 +16,8 @@
 // (under ddp too, so no byte is written twice), tensor after tensor. The index names each
 // region's element count and dtype and, for each file, which byte ranges hold which elements
 // of which region and tensor, with a checksum per block of the file (verified on load) and
-// one over the blocks.
+// one over the blocks (the index's "version" and "checksum" say which kind; another is
+// refused).
 //
 // Atomic: the files go into DIR/tmp-<N>-<random>, each fsynced; rank 0 writes the index last,
 // then renames the directory to DIR/step-<N> and fsyncs DIR. A crash at any moment leaves the
@@ -39,12 +40,14 @@
 // every rank naming the rank, the file and the errno; a save rank 0 did not commit in the
 // background (it stopped early) is committed there collectively; the keys are deleted.
 //
-// Loads anywhere: each rank reads, from whichever files hold them, only the blocks covering
-// its new shard (bytes counted); ranks that hold copies (ddp's everything, zero1/zero2's
-// parameters) gather them from the others, so each byte is read once in all. Another model's
+// Loads anywhere: each rank reads, from whichever files hold them, exactly the bytes of its
+// new shard (counted); ranks that hold copies (ddp's everything, zero1/zero2's parameters)
+// gather them from the others, so each byte is read once in all. Every block is verified: by
+// the rank that read it whole, or, where it straddles two ranks' shards, on every rank from
+// the checksum parts each reader sent (the block checksum is linear). Another model's
 // regions or another dtype are refused naming the region, the sizes and the file; a block
-// whose checksum does not match is refused naming the file, the rank that wrote it and the
-// rank that read it.
+// whose checksum does not match is refused on every rank naming the file, the rank that wrote
+// it and the ranks that read it.
 
 #include <cstddef>
 #include <cstdint>
@@ -66,8 +69,9 @@ struct checkpoint_options {
   // The trainer's own state, restored with the rest: sampler epoch and position, seeds.
   std::map<std::string, std::string> metadata = {};
   std::size_t keep_last = 3;  // complete checkpoints kept in the directory; 0 keeps all
-  // Checksum granularity: a load reads the whole blocks that hold what it needs, so smaller
-  // blocks read less at another world size and cost a longer index.
+  // Checksum granularity: what a damaged file's error points at, and one index entry each.
+  // A load reads the same bytes whatever it is (each rank its shard's, a block shared at a
+  // shard edge checked from both parts), so smaller blocks only lengthen the index.
   std::size_t block_bytes = std::size_t{1} << 20;
   // Host memory a save stages the rank's state through; 0: the rank's state once (a
   // synchronous save uses at most four 8 MiB chunks of it). Below the state (at least one
@@ -91,7 +95,7 @@ struct checkpoint_info {
   std::string strategy;               // of the run that saved it
   std::map<std::string, std::string> metadata;
   std::uint64_t bytes_written = 0;  // by this rank (save)
-  std::uint64_t bytes_read = 0;     // by this rank (load): the checksum blocks it read
+  std::uint64_t bytes_read = 0;     // by this rank (load): its new shard; over all ranks, the checkpoint once
   double seconds = 0;               // this call, on this rank
 };
 
@@ -234,9 +238,25 @@ std::string checkpoint_manifest_json(const checkpoint_manifest& manifest);
 // naming the path.
 checkpoint_manifest read_checkpoint_manifest(const std::string& checkpoint, int rank);
 
-// FNV-1a over 64-bit words (the tail zero-padded) and the length: one multiply per 8 bytes,
-// and any one changed word changes the result.
+// The manifest's version and its block checksums' kind: an index of another is refused.
+inline constexpr int checkpoint_format_version = 2;
+inline constexpr const char* checkpoint_checksum_kind = "linear32";
+
+// A block's checksum, linear so that a block read in parts by several ranks is verified
+// without any of them reading it whole: the parts' sums add up (wrapping) to the block's.
+//   H(block) = mix(bytes) + sum over j of h_j * K(j)   (mod 2^64)
+// h_j the block's j-th 32-bit little-endian word (the tail zero-padded), K(j) =
+// lane[j % 1024] * chunk(j / 1024): 1024 odd 32-bit keys and an odd 64-bit key per 4 KiB, all
+// fixed. One changed word always changes it (h_j * lane is exact in 64 bits, the chunk key
+// odd). Two flipped sign bits, which FNV-1a over 64-bit words (this format's version 1) always
+// missed, change it always within a chunk and elsewhere for all but about one pair of
+// positions in 2^33. The inner loop is a 32x32->64 multiply-add, which vectorises: faster
+// than FNV's serial chain.
 std::uint64_t checkpoint_checksum(const void* data, std::size_t bytes) noexcept;
+// `bytes` bytes that lie at offset `at` of their block: their part of the sum.
+std::uint64_t checkpoint_checksum_part(const void* data, std::uint64_t at, std::size_t bytes) noexcept;
+// The block's checksum from its parts' sum and its length.
+std::uint64_t checkpoint_checksum_finish(std::uint64_t parts, std::uint64_t bytes) noexcept;
 std::uint64_t checkpoint_file_checksum(const std::vector<std::uint64_t>& blocks, std::uint64_t bytes) noexcept;
 
 std::string checkpoint_file_name(int rank);            // rank-00003.bin
@@ -294,12 +314,35 @@ std::vector<std::size_t> match_checkpoint(const checkpoint_manifest& manifest, c
                                           const std::vector<std::string>& region_names,
                                           const std::vector<std::uint64_t>& region_counts, const std::string& dtype,
                                           const std::vector<std::string>& tensors, int rank);
-// Reads what `needs` names from the files that hold it, each needed block once, verifying
-// every block's checksum. Returns the bytes read. `failed_file` is set to the file a
-// failure concerns, for the other ranks' errors.
+// Bytes [offset, offset + bytes) of manifest.files[file].
+struct checkpoint_range {
+  std::size_t file = 0;
+  std::uint64_t offset = 0, bytes = 0;
+};
+// What a rank read of a block it did not read whole: its part of the block's checksum.
+struct checkpoint_part {
+  std::size_t file = 0;
+  std::uint64_t block = 0, sum = 0, bytes = 0;
+  int reader = 0;  // the rank
+};
+// The bytes of the files that no piece holds (none in a checkpoint this code wrote), which
+// must still be read by someone for their blocks to be verified.
+std::vector<checkpoint_range> checkpoint_gaps(const checkpoint_manifest& manifest);
+// Reads exactly what `needs` names, and the `also_verify` ranges, from the files that hold
+// them: neighbouring ranges in one read, nothing between them. Every block read whole is
+// verified here; for each block read only in part, its part is appended to `parts`, for
+// check_checkpoint_parts once every rank's parts are together. Returns the bytes read.
+// `failed_file` is set to the file a failure concerns, for the other ranks' errors.
 std::uint64_t read_checkpoint(const std::string& checkpoint, const checkpoint_manifest& manifest,
-                              const std::vector<checkpoint_need>& needs, std::size_t element_bytes, int rank,
-                              std::int64_t& failed_file);
+                              const std::vector<checkpoint_need>& needs,
+                              const std::vector<checkpoint_range>& also_verify, std::size_t element_bytes, int rank,
+                              std::int64_t& failed_file, std::vector<checkpoint_part>& parts);
+// Every rank's parts of the blocks read in parts: each block's sum must be its checksum and
+// its parts must cover it exactly. A mismatch is a cohort::error naming the file, the rank
+// that wrote it, the block and the ranks that read it; the same on every rank given the same
+// parts.
+void check_checkpoint_parts(const std::string& checkpoint, const checkpoint_manifest& manifest,
+                            std::vector<checkpoint_part> parts, int rank);
 
 // safetensors' dtype name of a checkpoint dtype ("float" -> "F32"); empty for none.
 std::string safetensors_dtype(const std::string& dtype);

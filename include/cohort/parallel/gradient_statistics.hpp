@@ -1,7 +1,7 @@
 #pragma once
 // The global gradient statistics a step decides by, the same on every rank: how many
 // gradients are inf or NaN, and their L2 norm, each element counted once. Every strategy that
-// updates from averaged gradients (training_state, zero_optimizer) agrees on them this way.
+// updates from averaged gradients (training_state) agrees on them this way.
 
 #include <cstdint>
 #include <span>

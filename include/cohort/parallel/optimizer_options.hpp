@@ -1,7 +1,7 @@
 #pragma once
-// The optimizers' settings, shared by every strategy (training_state, zero_optimizer, and
-// the optimizers over sharded_parameters), and the step's coefficients they all compute the
-// same way. Light on purpose: a trainer includes it wherever it configures training.
+// The optimizers' settings, shared by every strategy (training_state, and the optimizers
+// over sharded_parameters), and the step's coefficients they all compute the same way.
+// Light on purpose: a trainer includes it wherever it configures training.
 
 #include <cstdint>
 

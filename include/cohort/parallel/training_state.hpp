@@ -265,8 +265,12 @@ class training_state {
   // initial world, `divide_by_initial_world`), and every rank steps alike. Between the state's
   // own calls, a trainer must issue no other collective inside the scope: a joined rank is
   // waiting in the agreement, and every rank fails naming the mismatch within the timeout.
-  // At zero3 a joined rank answers the usual pass: every layer gathered in forward order, then
-  // in backward order, per micro-step.
+  // At zero3 a joined rank answers whatever gathers the ranks with data make (forward then
+  // backward, views kept from the forward, a layer gathered again for recomputation, layers
+  // skipped): while a rank sits out, the ranks with data announce each gather, reduction and
+  // step() in one more such all-reduce, and the joined ranks issue the same. The ranks with
+  // data must still gather alike, as without a join; one that differs is named at the
+  // announcement, before a gather pairs with the wrong one.
   struct join_options {
     bool divide_by_initial_world = false;
   };
@@ -328,7 +332,7 @@ class training_state {
     if (options_.sgd) options_.sgd->lr = lr;
   }
   int rank() const noexcept { return group_->rank(); }
-  int world_size() const noexcept { return group_->size(); }
+  int world_size() const noexcept { return group_->world_size(); }
   process_group<B>& group() noexcept { return *group_; }
 
   // --- checkpoints (cohort/parallel/checkpoint.hpp) ------------------------------------------
@@ -374,7 +378,7 @@ class training_state {
   }
   bool sharded_parameters() const noexcept { return options_.strategy == strategy::zero3; }
   bool separate_master() const noexcept { return !std::is_same_v<P, master_type>; }
-  std::size_t world() const noexcept { return static_cast<std::size_t>(group_->size()); }
+  std::size_t world() const noexcept { return static_cast<std::size_t>(group_->world_size()); }
   std::size_t my_rank() const noexcept { return static_cast<std::size_t>(group_->rank()); }
 
   [[noreturn]] void fail(std::string_view operation, const std::string& what, const std::string& hint) const {
@@ -390,7 +394,7 @@ class training_state {
   }
 
   void agree_on_layout(const std::string& refusal);
-  void allocate();
+  void allocate_buffers();
   template <class T>
   T* allocate_zeroed(detail::backend_buffer<B>& buffer, std::size_t count);
 
@@ -413,13 +417,34 @@ class training_state {
   void launch_ready();
   void launch(std::size_t b);
   void reset_marks();
-  // The join scope's agreement: `active` is whether this rank has data. Returns how many do.
-  int agree(bool active);
-  // Inside a micro-step that step() does not end: under no_sync, or, for a rank that joined,
-  // when the agreement said the ranks with data are under no_sync.
-  bool accumulating() const noexcept { return no_sync_depth_ > 0 || (join_ && agreed_ && !sync_micro_step_); }
+  // The join scope's talk, all-reduces of three integers that a joined rank joins with zeros:
+  // each micro-step's agreement {1, ends with step(), agreement_mark} from every rank with
+  // data, and at zero3, while a rank sits out, an announcement {what, bucket,
+  // announcement_mark} before each gather, reduction and step(). The announcement's mark is a
+  // prime that divides no agreement's sum (n x 36090, n below it), so the two never read alike.
+  enum class joined_call : std::int64_t { gather = 1, reduce = 2, step = 3 };
+  static constexpr std::int64_t agreement_mark = 36090;  // "cohortJN" % 1000003
+  static constexpr std::int64_t announcement_mark = 999983;
+  void exchange(std::int64_t (&values)[3]);
+  // The agreement, as a rank with data. Returns how many ranks have data.
+  int agree();
+  void take_agreement(const std::int64_t (&sum)[3]);
+  void announce(joined_call what, std::size_t bucket);
+  // `what` and `bucket` as an announcement carries them (or as a joined rank decoded them).
+  static std::string describe_call(std::int64_t what, std::int64_t bucket) {
+    const std::string b = std::to_string(bucket);
+    switch (static_cast<joined_call>(what)) {
+      case joined_call::gather: return "the gather of bucket " + b;
+      case joined_call::reduce: return "the reduction of bucket " + b;
+      case joined_call::step: return "step()";
+    }
+    return "call " + std::to_string(what) + " on bucket " + b;
+  }
+  // Inside a micro-step that step() does not end. (A joined rank calls no gather() or
+  // mark_ready(): it issues what it is told, so its own no_sync state never matters.)
+  bool accumulating() const noexcept { return no_sync_depth_ > 0; }
   void begin_call() {
-    if (join_ && !agreed_) contributors_ = agree(true);
+    if (join_ && !agreed_) contributors_ = agree();
   }
   void answer_until_all_joined();
   void measure(step_result& result);
@@ -480,6 +505,7 @@ class training_state {
   std::optional<join_options> join_;
   bool agreed_ = false;
   bool sync_micro_step_ = true;
+  bool announcing_ = false;  // zero3, with data, while a rank sits out: announce each collective
   int contributors_ = 0;
   int last_contributors_ = 0;
   std::uint64_t steps_ = 0;

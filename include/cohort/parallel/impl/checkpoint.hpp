@@ -1,6 +1,7 @@
 #pragma once
 // cohort/parallel/checkpoint.hpp's templates, always included.
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -50,6 +51,32 @@ void checkpoint_together(process_group<B>& group, const std::string& operation,
   for (int r = 0; r < group.size(); ++r)
     if (all[2 * static_cast<std::size_t>(r)] != 0)
       throw error(group.rank(), operation, describe(r, all[2 * static_cast<std::size_t>(r) + 1]), hint);
+}
+
+// Every rank's parts of the blocks it read in part, on every rank: a count, then rows padded
+// to the longest (file, block, sum, bytes each).
+template <backend B>
+std::vector<checkpoint_part> gather_checkpoint_parts(process_group<B>& group,
+                                                     const std::vector<checkpoint_part>& parts) {
+  const auto count = static_cast<std::int64_t>(parts.size());
+  const auto counts = all_gather_values(group, std::span<const std::int64_t>(&count, 1));
+  const auto most = static_cast<std::size_t>(*std::max_element(counts.begin(), counts.end()));
+  std::vector<checkpoint_part> all;
+  if (most == 0) return all;  // every block read whole by one rank (the same world)
+  constexpr std::size_t width = 4;
+  std::vector<std::int64_t> row(most * width, 0);
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    const std::uint64_t values[width] = {parts[i].file, parts[i].block, parts[i].sum, parts[i].bytes};
+    std::memcpy(row.data() + i * width, values, sizeof values);
+  }
+  const auto rows = all_gather_values(group, std::span<const std::int64_t>(row));
+  for (int r = 0; r < group.size(); ++r)
+    for (std::size_t i = 0; i < static_cast<std::size_t>(counts[static_cast<std::size_t>(r)]); ++i) {
+      std::uint64_t values[width];
+      std::memcpy(values, rows.data() + (static_cast<std::size_t>(r) * most + i) * width, sizeof values);
+      all.push_back({static_cast<std::size_t>(values[0]), values[1], values[2], values[3], r});
+    }
+  return all;
 }
 
 inline double seconds_since(std::chrono::steady_clock::time_point start) {
@@ -212,7 +239,7 @@ auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& di
   using master = typename training_state<B, P, G>::master_type;
   const auto started = std::chrono::steady_clock::now();
   auto& group = state.group();
-  const int rank = group.rank(), world = group.size();
+  const int rank = group.rank(), world = group.world_size();
   const auto tensors = state.checkpoint_tensors();
   auto pending = std::make_unique<pending_checkpoint<master>>();
   pending->pool = std::move(recycled);  // its pages already faulted in: copying into it is the whole cost
@@ -351,7 +378,7 @@ void stage_checkpoint(B& engine, pending_checkpoint<Master>& pending) {
 template <backend B, class Master>
 checkpoint_info agree_checkpoint_save(process_group<B>& group, pending_checkpoint<Master>& pending) {
   const auto started = std::chrono::steady_clock::now();
-  const int rank = group.rank(), world = group.size();
+  const int rank = group.rank(), world = group.world_size();
   const std::string operation = "save_checkpoint";
   const auto forget_key = [&] {
     // Every rank has agreed, so rank 0's writer has read every key: the store does not grow.
@@ -534,11 +561,19 @@ checkpoint_info load_checkpoint(training_state<B, P, G>& state, const std::strin
           {t, in_manifest[s.region], s.storage - state.placement(s.region).storage, s.count, staged.data() + at});
       at += s.count;
     }
+  // Bytes no piece holds (none where this code saved) still have to be verified: each range
+  // read by one rank.
+  std::vector<detail::checkpoint_range> also_verify;
+  const auto gaps = detail::checkpoint_gaps(manifest);
+  for (std::size_t g = static_cast<std::size_t>(rank); g < gaps.size(); g += static_cast<std::size_t>(group.size()))
+    also_verify.push_back(gaps[g]);
   std::uint64_t bytes_read = 0;
+  std::vector<detail::checkpoint_part> parts;
   detail::checkpoint_together(
       group, operation,
       [&](std::int64_t& failed_file) {
-        bytes_read = detail::read_checkpoint(checkpoint, manifest, needs, sizeof(master), rank, failed_file);
+        bytes_read =
+            detail::read_checkpoint(checkpoint, manifest, needs, also_verify, sizeof(master), rank, failed_file, parts);
       },
       [&](int r, std::int64_t file) {
         return "rank " + std::to_string(r) + " refused " + checkpoint +
@@ -549,6 +584,9 @@ checkpoint_info load_checkpoint(training_state<B, P, G>& state, const std::strin
                " (its error says why)";
       },
       "load an earlier checkpoint of the directory, or fix the file system");
+  // The blocks that straddle two ranks' reads: verified from every reader's part, on every
+  // rank alike, before any of it reaches the state.
+  detail::check_checkpoint_parts(checkpoint, manifest, detail::gather_checkpoint_parts(group, parts), rank);
 
   for (std::size_t t = 0, at = 0; t < tensors.size(); ++t)
     for (const auto& s : segments) {

@@ -3,11 +3,14 @@
 // <cohort/impl/src.hpp> under COHORT_SEPARATE_COMPILATION (see cohort/detail/config.hpp).
 
 #include <fcntl.h>
+#include <limits.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -19,6 +22,7 @@
 #include <sstream>
 #include <string>
 #include <system_error>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -90,22 +94,69 @@ COHORT_DECL std::optional<std::string> newest_checkpoint(const std::string& dire
 
 namespace detail {
 
+// The block checksum's keys (see checkpoint_checksum in checkpoint.hpp).
+inline constexpr std::uint64_t checksum_mix(std::uint64_t x) noexcept {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// A word's key is lane_keys[word % lanes] times chunk_key(word / lanes): the lanes' table
+// stays in L1 and the inner loop is a widening 32x32->64 multiply-add, which vectorises
+// (pmuludq, umlal); one 64-bit multiply per chunk spreads the keys over the whole block.
+inline constexpr std::size_t checksum_lanes = 1024;
+inline constexpr std::array<std::uint32_t, checksum_lanes> checksum_lane_keys = [] {
+  std::array<std::uint32_t, checksum_lanes> keys{};
+  for (std::size_t l = 0; l < checksum_lanes; ++l) keys[l] = static_cast<std::uint32_t>(checksum_mix(l)) | 1u;
+  return keys;
+}();
+inline constexpr std::uint64_t checksum_chunk_key(std::uint64_t chunk) noexcept {
+  return checksum_mix(chunk ^ 0x636f686f72742d63ull) | 1u;
+}
+inline constexpr std::uint64_t checksum_key(std::uint64_t word) noexcept {
+  return checksum_lane_keys[word % checksum_lanes] * checksum_chunk_key(word / checksum_lanes);
+}
+// Bytes [at, at + bytes) of their 4-byte word (at % 4 + bytes <= 4), in place, the rest zero.
+inline std::uint64_t checksum_partial_word(const unsigned char* data, std::uint64_t at, std::size_t bytes) noexcept {
+  std::uint64_t word = 0;
+  for (std::size_t k = 0; k < bytes; ++k) word |= std::uint64_t{data[k]} << (8 * ((at + k) % 4));
+  return word * checksum_key(at / 4);
+}
+
+COHORT_DECL std::uint64_t checkpoint_checksum_part(const void* data, std::uint64_t at, std::size_t bytes) noexcept {
+  const auto* p = static_cast<const unsigned char*>(data);
+  std::uint64_t sum = 0;
+  if (const std::size_t head = std::min<std::size_t>(bytes, (4 - at % 4) % 4); head != 0) {
+    sum += checksum_partial_word(p, at, head);
+    p += head;
+    at += head;
+    bytes -= head;
+  }
+  // Whole words, chunk by chunk: each chunk's products added in 64 bits, then keyed.
+  for (std::uint64_t word = at / 4, end = word + bytes / 4; word < end;) {
+    const std::size_t lane = word % checksum_lanes;
+    const std::size_t count = std::min<std::uint64_t>(checksum_lanes - lane, end - word);
+    std::uint64_t chunk = 0;
+    for (std::size_t l = 0; l < count; ++l) {
+      std::uint32_t value;
+      std::memcpy(&value, p + 4 * l, 4);
+      chunk += std::uint64_t{value} * checksum_lane_keys[lane + l];
+    }
+    sum += chunk * checksum_chunk_key(word / checksum_lanes);
+    p += 4 * count;
+    word += count;
+  }
+  if (const std::size_t tail = bytes % 4; tail != 0) sum += checksum_partial_word(p, at + bytes - tail, tail);
+  return sum;
+}
+
+COHORT_DECL std::uint64_t checkpoint_checksum_finish(std::uint64_t parts, std::uint64_t bytes) noexcept {
+  return parts + checksum_mix(bytes);
+}
+
 COHORT_DECL std::uint64_t checkpoint_checksum(const void* data, std::size_t bytes) noexcept {
-  const auto* at = static_cast<const unsigned char*>(data);
-  std::uint64_t hash = 14695981039346656037ull;
-  constexpr std::uint64_t prime = 1099511628211ull;
-  std::size_t i = 0;
-  for (; i + 8 <= bytes; i += 8) {
-    std::uint64_t word;
-    std::memcpy(&word, at + i, 8);
-    hash = (hash ^ word) * prime;
-  }
-  if (i < bytes) {
-    std::uint64_t word = 0;
-    std::memcpy(&word, at + i, bytes - i);
-    hash = (hash ^ word) * prime;
-  }
-  return (hash ^ bytes) * prime;
+  return checkpoint_checksum_finish(checkpoint_checksum_part(data, 0, bytes), bytes);
 }
 
 COHORT_DECL std::uint64_t checkpoint_file_checksum(const std::vector<std::uint64_t>& blocks,
@@ -130,7 +181,8 @@ COHORT_DECL std::string checkpoint_staging_path(const std::string& directory, st
 COHORT_DECL std::string checkpoint_manifest_json(const checkpoint_manifest& m) {
   json root;
   root.set("format", "cohort-checkpoint");
-  root.set("version", 1);
+  root.set("version", checkpoint_format_version);
+  root.set("checksum", checkpoint_checksum_kind);
   root.set("step", m.step);
   root.set("optimizer_steps", m.optimizer_steps);
   root.set("world_size", m.world_size);
@@ -199,8 +251,20 @@ COHORT_DECL checkpoint_manifest read_checkpoint_manifest(const std::string& chec
   checkpoint_manifest m;
   try {
     const json root = parse_json(text.str());
-    if (root.at("format").as_string() != "cohort-checkpoint" || root.at("version").as_int64() != 1)
-      throw error(rank, "load_checkpoint", "not a cohort checkpoint index, or another version");
+    if (root.at("format").as_string() != "cohort-checkpoint")
+      throw error(rank, "load_checkpoint", "not a cohort checkpoint index");
+    // Version 1 kept FNV-1a block checksums, which a block read in parts cannot be checked
+    // against; a later version may change more than this build knows to read.
+    if (const auto version = root.at("version").as_int64(); version != checkpoint_format_version)
+      throw error(rank, "load_checkpoint",
+                  "index version " + std::to_string(version) + ", this build reads version " +
+                      std::to_string(checkpoint_format_version) +
+                      (version < checkpoint_format_version ? " (version 1 kept FNV-1a block checksums)" : ""),
+                  "read it with the cohort version that wrote it");
+    if (const auto kind = root.at("checksum").as_string(); kind != checkpoint_checksum_kind)
+      throw error(rank, "load_checkpoint",
+                  "block checksums of kind '" + kind + "', this build knows '" + checkpoint_checksum_kind + "'",
+                  "read it with the cohort version that wrote it");
     m.step = static_cast<std::uint64_t>(root.at("step").as_int64());
     m.optimizer_steps = static_cast<std::uint64_t>(root.at("optimizer_steps").as_int64());
     m.world_size = static_cast<int>(root.at("world_size").as_int64());
@@ -253,7 +317,8 @@ COHORT_DECL checkpoint_manifest read_checkpoint_manifest(const std::string& chec
     }
   } catch (const error& failure) {
     throw error(rank, "load_checkpoint", path + ": " + failure.detail(),
-                "the index is damaged or from another version; load an earlier checkpoint");
+                failure.hint().empty() ? "the index is damaged or from another version; load an earlier checkpoint"
+                                       : failure.hint());
   } catch (const std::exception& failure) {
     throw error(rank, "load_checkpoint", path + ": " + failure.what(),
                 "the index is damaged or from another version; load an earlier checkpoint");
@@ -447,12 +512,61 @@ COHORT_DECL std::vector<std::size_t> match_checkpoint(const checkpoint_manifest&
   return out;
 }
 
+COHORT_DECL std::vector<checkpoint_range> checkpoint_gaps(const checkpoint_manifest& manifest) {
+  std::vector<checkpoint_range> gaps;
+  for (std::size_t f = 0; f < manifest.files.size(); ++f) {
+    const auto& file = manifest.files[f];
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> held;
+    for (const auto& p : file.pieces) held.emplace_back(p.offset, p.offset + p.count * manifest.element_bytes);
+    std::sort(held.begin(), held.end());
+    std::uint64_t at = 0;
+    for (const auto& [begin, end] : held) {
+      if (begin > at) gaps.push_back({f, at, std::min(begin, file.bytes) - at});
+      at = std::max(at, end);
+    }
+    if (at < file.bytes) gaps.push_back({f, at, file.bytes - at});
+  }
+  return gaps;
+}
+
+// Reads file bytes [offset, offset + total) into `pieces` (each iovec's length adding up to
+// `total`): one preadv for neighbouring requests, however the kernel splits it.
+inline void read_exactly(int fd, std::vector<iovec> pieces, std::uint64_t offset, std::uint64_t total,
+                         const std::string& named, int rank) {
+  std::size_t first = 0;
+  for (std::uint64_t done = 0; done < total;) {
+    const int count = static_cast<int>(std::min<std::size_t>(pieces.size() - first, IOV_MAX));
+    const ssize_t got = ::preadv(fd, pieces.data() + first, count, static_cast<off_t>(offset + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0)
+      throw error(rank, "load_checkpoint",
+                  "reading bytes " + std::to_string(offset + done) + ".." + std::to_string(offset + total) + " of " +
+                      named + " failed: " + (got == 0 ? "end of file" : std::strerror(errno)),
+                  "the file system failed or the file was truncated; load an earlier checkpoint");
+    done += static_cast<std::uint64_t>(got);
+    for (auto left = static_cast<std::size_t>(got); left > 0;) {
+      auto& piece = pieces[first];
+      const std::size_t used = std::min(left, piece.iov_len);
+      piece.iov_base = static_cast<char*>(piece.iov_base) + used;
+      piece.iov_len -= used;
+      left -= used;
+      if (piece.iov_len == 0) ++first;
+    }
+  }
+}
+
+inline std::string checkpoint_file_named(const std::string& checkpoint, const checkpoint_file& file) {
+  return (std::filesystem::path(checkpoint) / file.name).string() + " (written by rank " + std::to_string(file.rank) +
+         ")";
+}
+
 COHORT_DECL std::uint64_t read_checkpoint(const std::string& checkpoint, const checkpoint_manifest& manifest,
-                                          const std::vector<checkpoint_need>& needs, std::size_t element_bytes,
-                                          int rank, std::int64_t& failed_file) {
+                                          const std::vector<checkpoint_need>& needs,
+                                          const std::vector<checkpoint_range>& also_verify, std::size_t element_bytes,
+                                          int rank, std::int64_t& failed_file, std::vector<checkpoint_part>& parts) {
   struct request {
     std::uint64_t offset, bytes;
-    char* into;
+    char* into;  // null: read only to be verified
   };
   // Which pieces of which files hold each (tensor, region).
   std::map<std::pair<std::size_t, std::size_t>, std::vector<std::pair<std::size_t, const checkpoint_piece*>>> holders;
@@ -478,16 +592,20 @@ COHORT_DECL std::uint64_t read_checkpoint(const std::string& checkpoint, const c
                       " times over, not once",
                   "the index is damaged; load an earlier checkpoint");
   }
+  for (const auto& range : also_verify) requests.at(range.file).push_back({range.offset, range.bytes, nullptr});
+
+  // Reads of at most this many bytes, each checksummed while it is still in the cache.
+  constexpr std::uint64_t most = std::uint64_t{8} << 20;
   const std::uint64_t block = manifest.block_bytes;
   std::uint64_t bytes_read = 0;
-  std::vector<char> buffer;
+  std::vector<char> scratch;
   for (std::size_t f = 0; f < requests.size(); ++f) {
     auto& mine = requests[f];
     if (mine.empty()) continue;
     failed_file = static_cast<std::int64_t>(f);
     const auto& file = manifest.files[f];
     const std::string path = (std::filesystem::path(checkpoint) / file.name).string();
-    const std::string named = path + " (written by rank " + std::to_string(file.rank) + ")";
+    const std::string named = checkpoint_file_named(checkpoint, file);
     checkpoint_fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
     struct stat status {};
     if (fd.get() < 0 || ::fstat(fd.get(), &status) != 0)
@@ -499,44 +617,100 @@ COHORT_DECL std::uint64_t read_checkpoint(const std::string& checkpoint, const c
           named + " has " + std::to_string(status.st_size) + " bytes, its index says " + std::to_string(file.bytes),
           "the file was truncated or replaced after the checkpoint was committed; load an earlier one");
     std::sort(mine.begin(), mine.end(), [](const request& a, const request& b) { return a.offset < b.offset; });
-    // Runs of whole blocks, each needed block read once and verified before use.
-    for (std::size_t i = 0; i < mine.size();) {
-      const std::uint64_t first_block = mine[i].offset / block;
-      std::uint64_t last_block = (mine[i].offset + mine[i].bytes - 1) / block;
-      std::size_t j = i + 1;
-      for (; j < mine.size() && mine[j].offset / block <= last_block + 1; ++j)
-        last_block = std::max(last_block, (mine[j].offset + mine[j].bytes - 1) / block);
-      const std::uint64_t start = first_block * block;
-      const std::uint64_t length = std::min((last_block + 1) * block, file.bytes) - start;
-      buffer.resize(length);
-      for (std::uint64_t done = 0; done < length;) {
-        const ssize_t got = ::pread(fd.get(), buffer.data() + done, length - done, static_cast<off_t>(start + done));
-        if (got < 0 && errno == EINTR) continue;
-        if (got <= 0)
+    // Each block's checksum added up over the parts of it this rank read: a block read whole
+    // is verified here, one read in part is left to the ranks' exchange (parts).
+    std::map<std::uint64_t, std::pair<std::uint64_t, std::uint64_t>> blocks;  // block: sum, bytes
+    const auto block_size = [&](std::uint64_t b) { return std::min(block, file.bytes - b * block); };
+    const auto add = [&](std::uint64_t offset, std::uint64_t bytes, const char* data) {
+      for (std::uint64_t end = offset + bytes; offset < end;) {
+        const std::uint64_t b = offset / block, upto = std::min(end, (b + 1) * block);
+        std::uint64_t sum = checkpoint_checksum_part(data, offset - b * block, upto - offset);
+        std::uint64_t covered = upto - offset;
+        data += upto - offset;
+        offset = upto;
+        if (covered != block_size(b)) {  // a part: added to what this rank read of the block before
+          auto& [sum_so_far, covered_so_far] = blocks[b];
+          sum = sum_so_far += sum;
+          covered = covered_so_far += covered;
+          if (covered != block_size(b)) continue;
+          blocks.erase(b);
+        }
+        if (const std::uint64_t found = checkpoint_checksum_finish(sum, covered); found != file.blocks.at(b))
           throw error(rank, "load_checkpoint",
-                      "reading bytes " + std::to_string(start + done) + ".." + std::to_string(start + length) + " of " +
-                          named + " failed: " + (got == 0 ? "end of file" : std::strerror(errno)),
-                      "the file system failed or the file was truncated; load an earlier checkpoint");
-        done += static_cast<std::uint64_t>(got);
-      }
-      bytes_read += length;
-      for (std::uint64_t b = first_block; b <= last_block; ++b) {
-        const std::uint64_t at = (b - first_block) * block, size = std::min(block, length - at);
-        const std::uint64_t found = checkpoint_checksum(buffer.data() + at, size);
-        if (found != file.blocks.at(b))
-          throw error(rank, "load_checkpoint",
-                      named + ": block " + std::to_string(b) + " (bytes " + std::to_string(start + at) + ".." +
-                          std::to_string(start + at + size) + ") has checksum " + hex64(found) + ", its index says " +
+                      named + ": block " + std::to_string(b) + " (bytes " + std::to_string(b * block) + ".." +
+                          std::to_string(b * block + covered) + ") has checksum " + hex64(found) + ", its index says " +
                           hex64(file.blocks[b]),
                       "the file was altered or damaged after it was written; load an earlier checkpoint");
       }
-      for (std::size_t k = i; k < j; ++k)
-        std::memcpy(mine[k].into, buffer.data() + (mine[k].offset - start), mine[k].bytes);
-      i = j;
+    };
+    // Neighbouring requests in one read; nothing between them is read.
+    for (std::size_t i = 0; i < mine.size();) {
+      std::vector<iovec> pieces;
+      std::vector<request> run;
+      const std::uint64_t start = mine[i].offset;
+      std::uint64_t end = start;
+      std::size_t unwanted = 0;  // bytes of the run read only to be verified
+      for (; i < mine.size() && mine[i].offset == end && end - start < most; ++i) {
+        // A large request goes in parts, so that each is checksummed while in the cache.
+        auto& r = mine[i];
+        const std::uint64_t take = std::min(r.bytes, most - (end - start));
+        run.push_back({r.offset, take, r.into});
+        if (r.into == nullptr) unwanted += take;
+        end += take;
+        if (take < r.bytes) {
+          r = {r.offset + take, r.bytes - take, r.into == nullptr ? nullptr : r.into + take};
+          break;
+        }
+      }
+      scratch.resize(unwanted);
+      for (std::size_t k = 0, used = 0; k < run.size(); ++k) {
+        if (run[k].into == nullptr) {
+          run[k].into = scratch.data() + used;
+          used += run[k].bytes;
+        }
+        pieces.push_back({run[k].into, run[k].bytes});
+      }
+      read_exactly(fd.get(), std::move(pieces), start, end - start, named, rank);
+      bytes_read += end - start;
+      for (const auto& r : run) add(r.offset, r.bytes, r.into);
     }
+    for (const auto& [b, sum_covered] : blocks) parts.push_back({f, b, sum_covered.first, sum_covered.second, rank});
   }
   failed_file = -1;
   return bytes_read;
+}
+
+COHORT_DECL void check_checkpoint_parts(const std::string& checkpoint, const checkpoint_manifest& manifest,
+                                        std::vector<checkpoint_part> parts, int rank) {
+  std::sort(parts.begin(), parts.end(), [](const checkpoint_part& a, const checkpoint_part& b) {
+    return std::tie(a.file, a.block, a.reader) < std::tie(b.file, b.block, b.reader);
+  });
+  for (std::size_t i = 0; i < parts.size();) {
+    const auto& file = manifest.files.at(parts[i].file);
+    const std::uint64_t b = parts[i].block, begin = b * manifest.block_bytes;
+    const std::uint64_t size = std::min(manifest.block_bytes, file.bytes - std::min(file.bytes, begin));
+    std::uint64_t sum = 0, covered = 0;
+    std::string readers;
+    std::size_t j = i;
+    for (; j < parts.size() && parts[j].file == parts[i].file && parts[j].block == b; ++j) {
+      sum += parts[j].sum;
+      covered += parts[j].bytes;
+      readers += (readers.empty() ? "" : ", ") + std::to_string(parts[j].reader);
+    }
+    const std::string block = checkpoint_file_named(checkpoint, file) + ": block " + std::to_string(b) + " (bytes " +
+                              std::to_string(begin) + ".." + std::to_string(begin + size) + ")";
+    if (b >= file.blocks.size() || covered != size)
+      throw error(rank, "load_checkpoint",
+                  block + " was read in parts by ranks " + readers + ", " + std::to_string(covered) + " of its " +
+                      std::to_string(size) + " bytes in all",
+                  "the index is damaged (its pieces overlap or leave bytes out); load an earlier checkpoint");
+    if (const std::uint64_t found = checkpoint_checksum_finish(sum, size); found != file.blocks[b])
+      throw error(rank, "load_checkpoint",
+                  block + " has checksum " + hex64(found) + ", its index says " + hex64(file.blocks[b]) +
+                      " (read in parts by ranks " + readers + ")",
+                  "the file was altered or damaged after it was written; load an earlier checkpoint");
+    i = j;
+  }
 }
 
 COHORT_DECL std::string safetensors_dtype(const std::string& dtype) {
@@ -549,7 +723,7 @@ COHORT_DECL std::string safetensors_dtype(const std::string& dtype) {
 
 namespace {
 // Every element of the first `tensors` tensors of every region, tensor after tensor, region
-// after region, into one buffer: one pass, each block read once.
+// after region, into one buffer, and every block those lie in verified.
 std::vector<char> read_whole_tensors(const std::string& checkpoint, const checkpoint_manifest& manifest,
                                      std::size_t tensors, std::uint64_t& bytes_read) {
   std::uint64_t total = 0;
@@ -563,7 +737,21 @@ std::vector<char> read_whole_tensors(const std::string& checkpoint, const checkp
       at += manifest.regions[r].count;
     }
   std::int64_t failed_file = -1;
-  bytes_read += read_checkpoint(checkpoint, manifest, needs, manifest.element_bytes, -1, failed_file);
+  std::vector<checkpoint_part> parts;
+  bytes_read += read_checkpoint(checkpoint, manifest, needs, checkpoint_gaps(manifest), manifest.element_bytes, -1,
+                                failed_file, parts);
+  // Blocks only partly read (another tensor's bytes in them, when not every tensor is wanted):
+  // read whole once more and verified, as no other rank holds the rest.
+  std::vector<checkpoint_range> rest;
+  for (const auto& p : parts) {
+    const auto& file = manifest.files.at(p.file);
+    const std::uint64_t begin = p.block * manifest.block_bytes;
+    rest.push_back({p.file, begin, std::min(manifest.block_bytes, file.bytes - begin)});
+  }
+  if (!rest.empty()) {
+    std::vector<checkpoint_part> none;
+    bytes_read += read_checkpoint(checkpoint, manifest, {}, rest, manifest.element_bytes, -1, failed_file, none);
+  }
   return data;
 }
 }  // namespace

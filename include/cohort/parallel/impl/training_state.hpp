@@ -32,8 +32,9 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::vector<reg
 
   // 16-byte aligned shards and regions for both dtypes: vector loads in the kernels.
   const std::size_t alignment = std::max<std::size_t>(16 / std::min(sizeof(P), sizeof(G)), 1);
-  layout_ = detail::plan_storage(regions_, group.size(), std::max<std::size_t>(options_.bucket_bytes / sizeof(G), 1),
-                                 !sharded_parameters(), alignment);
+  layout_ =
+      detail::plan_storage(regions_, group.world_size(), std::max<std::size_t>(options_.bucket_bytes / sizeof(G), 1),
+                           !sharded_parameters(), alignment);
   segments_ = detail::owned_segments(layout_, group.rank(), sharded());
   update_segments_ = detail::merged_for_update(segments_, regions_);
   shard_offset_.assign(layout_.buckets.size(), 0);
@@ -52,11 +53,11 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::vector<reg
   due_.assign(buckets, 0);
   backward_view_.assign(layout_.layers, 0);
   reset_marks();
-  allocate();
+  allocate_buffers();
   // Nothing overlaps the backward when one bucket holds everything: say so once, where it
   // costs (a model of more than a few MiB), instead of leaving bucket_count() to tell.
   const std::size_t gradient_bytes = layout_.storage * sizeof(G);
-  if (buckets == 1 && group.size() > 1 && group.rank() == 0 && gradient_bytes > (std::size_t{4} << 20) &&
+  if (buckets == 1 && group.world_size() > 1 && group.rank() == 0 && gradient_bytes > (std::size_t{4} << 20) &&
       options_.strategy != strategy::zero1)
     std::fprintf(stderr,
                  "[cohort rank 0] training_state: one bucket holds all %zu gradient bytes, so its reduction "
@@ -90,11 +91,11 @@ void training_state<B, P, G>::agree_on_layout(const std::string& refusal) {
       static_cast<std::int64_t>(regions_.size()), static_cast<std::int64_t>(logical)};
   const auto all = all_gather_values(*group_, std::span<const std::int64_t>(row, 4));
   if (!refusal.empty()) fail("layout", refusal, "describe every tensor of the flat buffer once, as a region");
-  for (int r = 0; r < group_->size(); ++r)
+  for (int r = 0; r < group_->world_size(); ++r)
     if (all[static_cast<std::size_t>(r) * 4] != 0)
       fail("layout", "rank " + std::to_string(r) + " refused its regions or options (its error says why)",
            "build the state from the same model on every rank");
-  for (int r = 1; r < group_->size(); ++r) {
+  for (int r = 1; r < group_->world_size(); ++r) {
     const auto* theirs = &all[static_cast<std::size_t>(r) * 4];
     if (theirs[1] != all[1])
       fail("layout",
@@ -119,7 +120,7 @@ T* training_state<B, P, G>::allocate_zeroed(detail::backend_buffer<B>& buffer, s
 }
 
 template <backend B, element P, element G>
-void training_state<B, P, G>::allocate() {
+void training_state<B, P, G>::allocate_buffers() {
   allocate_zeroed<P>(params_, sharded_parameters() ? owned_ : layout_.storage);
   if (sharded_gradients())
     allocate_zeroed<G>(grad_shard_, owned_);
@@ -230,6 +231,7 @@ std::span<P> training_state<B, P, G>::parameter_span(std::size_t layer, std::siz
 template <backend B, element P, element G>
 void training_state<B, P, G>::gather_bucket(std::size_t b) {
   if (bucket_params_[b].data) return;  // held, or prefetched
+  announce(joined_call::gather, b);
   auto& engine = group_->backend();
   const auto& bucket = layout_.buckets[b];
   const std::size_t bytes = bucket.padded * sizeof(P);
@@ -358,6 +360,7 @@ void training_state<B, P, G>::launch_ready() {
 
 template <backend B, element P, element G>
 void training_state<B, P, G>::launch(std::size_t b) {
+  announce(joined_call::reduce, b);
   auto& engine = group_->backend();
   const auto& bucket = layout_.buckets[b];
   engine.wait_for_caller(caller_stream_);
@@ -399,27 +402,41 @@ void training_state<B, P, G>::reset_marks() {
   launched_ = 0;
   last_gathered_.reset();  // a micro-step's end: the next gather is a forward's
   agreed_ = false;         // and under a join scope, the next call agrees again
+  announcing_ = false;
 }
 
-// Every rank adds {has data, ends with step(), a mark}: how many still train, whether that
-// micro-step is synchronised, and whether every rank is in this very call (a foreign
-// collective paired with it would not add up to world x the mark, or would not pair at all).
+// Every rank adds its three integers; a joined rank listens with zeros.
 template <backend B, element P, element G>
-int training_state<B, P, G>::agree(bool active) {
-  constexpr std::int64_t mark = 0x636f686f72744a4e % 1000003;  // "cohortJN", kept small: sums stay exact
-  std::int64_t mine[3] = {active ? 1 : 0, active && no_sync_depth_ == 0 ? 1 : 0, mark};
-  const std::int64_t* sum = mine;
+void training_state<B, P, G>::exchange(std::int64_t (&values)[3]) {
   if constexpr (B::space == memory_space::host) {
-    group_->all_reduce(std::span<std::int64_t>(mine), op::sum).wait();
+    group_->all_reduce(std::span<std::int64_t>(values), op::sum).wait();
   } else {
     auto& engine = group_->backend();
-    auto* staged = static_cast<std::int64_t*>(group_->value_staging(sizeof mine));
-    engine.copy(staged, mine, sizeof mine);
+    auto* staged = static_cast<std::int64_t*>(group_->value_staging(sizeof values));
+    engine.copy(staged, values, sizeof values);
     group_->all_reduce(std::span<std::int64_t>(staged, 3), op::sum);
-    engine.copy(mine, staged, sizeof mine).wait();
+    engine.copy(values, staged, sizeof values).wait();
   }
+}
+
+// The micro-step's agreement, as a rank with data: every such rank adds {1, ends with step(),
+// the agreement's mark}, a joined rank zeros. The sums say how many still train and whether
+// the micro-step is synchronised; a mark that is not `ranks with data` x the mark means a
+// foreign collective was paired with it.
+template <backend B, element P, element G>
+int training_state<B, P, G>::agree() {
+  std::int64_t sum[3] = {1, no_sync_depth_ == 0 ? 1 : 0, agreement_mark};
+  exchange(sum);
   agreed_ = true;
-  if (sum[2] != mark * group_->size())
+  take_agreement(sum);
+  // At zero3 a joined rank cannot know which gathers this micro-step makes: it is told each.
+  announcing_ = sharded_parameters() && contributors_ < group_->world_size();
+  return contributors_;
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::take_agreement(const std::int64_t (&sum)[3]) {
+  if (sum[0] < 1 || sum[2] != agreement_mark * sum[0])
     fail("join", "the join scope's agreement was paired with another collective",
          "inside a join scope issue no collective of your own between the state's calls: a rank that ran "
          "out of data is waiting in the agreement");
@@ -429,28 +446,78 @@ int training_state<B, P, G>::agree(bool active) {
              " ranks with data end this micro-step with step(), the others are inside no_sync",
          "every rank with data must accumulate the same number of micro-steps");
   sync_micro_step_ = sum[1] != 0;
-  return static_cast<int>(sum[0]);
+  contributors_ = static_cast<int>(sum[0]);
+}
+
+// At zero3, in a micro-step some rank sits out: before each collective of its own, every rank
+// with data says which (the same on all of them, as collectives must be), so the joined ranks
+// issue it too. Checked here as well: a rank with data that differs is named before anything
+// pairs with the wrong call.
+template <backend B, element P, element G>
+void training_state<B, P, G>::announce(joined_call what, std::size_t bucket) {
+  if (!announcing_) return;
+  const std::int64_t mine[3] = {static_cast<std::int64_t>(what), static_cast<std::int64_t>(bucket), announcement_mark};
+  std::int64_t sum[3] = {mine[0], mine[1], mine[2]};
+  exchange(sum);
+  const std::int64_t n = contributors_;
+  if (sum[0] != mine[0] * n || sum[1] != mine[1] * n || sum[2] != mine[2] * n)
+    fail("join",
+         "this rank's next call at zero3 is " + describe_call(mine[0], mine[1]) + ", but not every rank with data (" +
+             std::to_string(n) + ", this one included) announced it" +
+             (sum[2] == mine[2] * n ? "" : ": one is in another call of the state's, or in a collective of its own"),
+         "every rank with data must gather and step alike (the gathers are collectives): the same layers, in "
+         "the same order, with views ended at the same points");
 }
 
 // This rank has no more data: it answers every micro-step the others take, with no
-// gradients of its own, until the agreement finds no rank with data.
+// gradients of its own, until the agreement finds no rank with data. Under ddp, zero1 and
+// zero2 a micro-step's collectives follow from the agreement alone (every bucket once, in
+// order, then step()); at zero3 they follow the trainer's gathers, which the ranks with data
+// announce one by one.
 template <backend B, element P, element G>
 void training_state<B, P, G>::answer_until_all_joined() {
   if (agreed_)
     fail("join", "the scope ends in the middle of a step (the state was called since the last step())",
          "end the join scope after step(), when this rank has no more batches");
+  const std::size_t buckets = layout_.buckets.size();
   for (;;) {
-    const int others = agree(false);
-    if (others == 0) break;
-    if (sharded_parameters()) {  // the usual pass: forward gathers, then backward ones
-      for (std::size_t l = 0; l < layout_.layers; ++l) (void)gather(l);
-      for (std::size_t l = layout_.layers; l-- > 0;) (void)gather(l);
+    std::int64_t sum[3] = {0, 0, 0};
+    exchange(sum);
+    if (sum[0] == 0 && sum[1] == 0 && sum[2] == 0) break;  // every rank is here: no one has data
+    const std::int64_t n = contributors_;
+    if (sum[2] != announcement_mark * n || n < 1 || !sharded_parameters()) {
+      take_agreement(sum);  // a micro-step begins (or a foreign collective, named)
+      agreed_ = true;
+      if (!sharded_parameters()) {
+        if (sync_micro_step_)
+          step();
+        else
+          reset_marks();  // as a no_sync scope's end
+      }
+      continue;
     }
-    if (sync_micro_step_) {
-      contributors_ = others;
+    const std::int64_t what = sum[0] / n, b = sum[1] / n;
+    const bool whole = sum[0] % n == 0 && sum[1] % n == 0 && b >= 0 && static_cast<std::size_t>(b) < buckets;
+    const auto bucket = static_cast<std::size_t>(b);
+    if (whole && what == static_cast<std::int64_t>(joined_call::gather)) {
+      gather_bucket(bucket);  // this rank's shard for the others; nothing here reads it
+      bucket_params_[bucket].last_use = bucket_gathered_[bucket];
+      parameter_pool_.put(std::exchange(bucket_params_[bucket], pooled{}));
+    } else if (whole && what == static_cast<std::int64_t>(joined_call::reduce) && launched_ < buckets &&
+               bucket == buckets - 1 - launched_) {
+      launch(buckets - 1 - launched_++);  // zeros
+    } else if (whole && what == static_cast<std::int64_t>(joined_call::step)) {
       step();
+    } else if (!whole) {
+      fail("join",
+           "the " + std::to_string(n) + " ranks with data announced different calls (sums " + std::to_string(sum[0]) +
+               ", " + std::to_string(sum[1]) + ": not " + std::to_string(n) + " times one call)",
+           "every rank with data must gather and step alike (the gathers are collectives)");
     } else {
-      reset_marks();  // as a no_sync scope's end
+      fail("join",
+           "the ranks with data announced " + describe_call(what, b) + " after " + std::to_string(launched_) + " of " +
+               std::to_string(buckets) + " bucket reductions, which a joined rank cannot answer",
+           "reductions go from the last bucket to the first, each once a step");
     }
   }
   agreed_ = false;
@@ -546,14 +613,16 @@ step_result training_state<B, P, G>::step() {
   begin_call();
   // The reductions averaged over the world; under a join scope only `contributors` ranks
   // gave gradients, and the average is theirs unless the initial world is the divisor.
-  const int contributors = join_ ? contributors_ : group_->size();
-  const double divisor_fix =
-      join_ && !join_->divide_by_initial_world ? static_cast<double>(group_->size()) / std::max(contributors, 1) : 1.0;
+  const int contributors = join_ ? contributors_ : group_->world_size();
+  const double divisor_fix = join_ && !join_->divide_by_initial_world
+                                 ? static_cast<double>(group_->world_size()) / std::max(contributors, 1)
+                                 : 1.0;
   last_contributors_ = contributors;
   drop_gathered();
   for (auto& count : pending_) count = 0;  // unmarked regions contribute what they hold: zero
   std::fill(due_.begin(), due_.end(), std::uint8_t{1});
   launch_ready();
+  announce(joined_call::step, 0);
   step_result result;
   result.loss_scale = options_.scaler ? options_.scaler->scale() : 1.0;
   measure(result);

@@ -1,0 +1,217 @@
+// ZeRO-1 and ZeRO-2 through training_state, with what zero_optimizer's tests pinned before it
+// was removed (training_state's zero1 and zero2 are the one design now): float parameters in
+// llm.c's stacked layout against a single-process AdamW in double, with clipping, per-tensor
+// weight decay and an inf on one rank only that every rank skips; a bucket launched as soon as
+// its last region is marked; a rank with another bucket size refused on every rank; overlapping
+// regions and a parameter buffer of the wrong size refused, naming them.
+#include <catch2/catch.hpp>
+
+#include <cohort/parallel/training_state.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "flat_fixtures.hpp"
+#include "support.hpp"
+
+namespace {
+
+using cohort::region;
+using cohort::strategy;
+
+// [embedding | a_0 .. a_3 | b_0 .. b_3], as flat_fixtures' stacked_model: the a tensors (the
+// "matrices") decay, the embedding and the b tensors do not. Region 1 + l is a_l, 5 + l is b_l.
+constexpr std::size_t embedding = 7, layers = 4;
+std::vector<region> stacked_model() {
+  std::vector<region> regions{{"embedding", 0, embedding, 0, false}};
+  const auto stacked = cohort::stacked_regions({{"a", 5, true}, {"b", 3, false}}, layers, 1, embedding);
+  regions.insert(regions.end(), stacked.begin(), stacked.end());
+  return regions;
+}
+std::size_t elements(const std::vector<region>& regions) { return regions.back().offset + regions.back().count; }
+
+float initial_parameter(std::size_t e) { return 0.1f * static_cast<float>(e % 11) - 0.5f; }
+// Rank r's unscaled gradient at step s: varied signs and sizes, so clipping bites.
+float gradient(int rank, int step, std::size_t e) {
+  return std::sin(0.37f * static_cast<float>(e) + 0.9f * static_cast<float>(step) + static_cast<float>(rank)) *
+         (1.0f + static_cast<float>(rank));
+}
+constexpr int inf_step = 2;  // rank 1 alone produces an inf at this step: every rank must skip it
+constexpr int inf_rank = 1;
+constexpr int steps = 5;
+
+// eps large next to the gradients: Adam is otherwise blind to their scale, and the test must
+// see clipping and unscaling.
+constexpr cohort::adam_options adam{.lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 0.05, .weight_decay = 0.1};
+constexpr double max_norm = 0.5;
+
+// The same training on one process, in double: the reference.
+std::vector<double> reference(int world) {
+  const auto regions = stacked_model();
+  const std::size_t n = elements(regions);
+  std::vector<double> p(n), m(n, 0.0), v(n, 0.0);
+  for (std::size_t e = 0; e < n; ++e) p[e] = initial_parameter(e);
+  int t = 0;
+  for (int step = 0; step < steps; ++step) {
+    if (step == inf_step) continue;  // skipped on every rank (the gradients' scale cancels out)
+    std::vector<double> g(n, 0.0);
+    double squares = 0;
+    for (std::size_t e = 0; e < n; ++e) {
+      for (int r = 0; r < world; ++r) g[e] += gradient(r, step, e);
+      g[e] /= world;
+      squares += g[e] * g[e];
+    }
+    const double norm = std::sqrt(squares);
+    const double clip = norm > max_norm ? max_norm / (norm + 1e-6) : 1.0;
+    ++t;
+    for (const auto& r : regions)
+      for (std::size_t e = r.offset; e < r.offset + r.count; ++e) {
+        const double grad = g[e] * clip;
+        m[e] = adam.beta1 * m[e] + (1 - adam.beta1) * grad;
+        v[e] = adam.beta2 * v[e] + (1 - adam.beta2) * grad * grad;
+        const double mh = m[e] / (1 - std::pow(adam.beta1, t)), vh = v[e] / (1 - std::pow(adam.beta2, t));
+        p[e] -= adam.lr * (mh / (std::sqrt(vh) + adam.eps) + (r.decay ? adam.weight_decay : 0.0) * p[e]);
+      }
+  }
+  return p;
+}
+
+void train(int world, strategy kind) {
+  const auto regions = stacked_model();
+  const std::size_t n = elements(regions);
+  const auto expected = reference(world);
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(world, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
+    cohort::loss_scaler scaler({.initial_scale = 1024, .growth_interval = 1000});
+    // 24-byte buckets (6 floats): many buckets, each padded to the world.
+    cohort::training_state<cohort::gloo, float> state{
+        pg,
+        regions,
+        {.strategy = kind, .bucket_bytes = 24, .adam = adam, .max_grad_norm = max_norm, .scaler = &scaler}};
+    std::vector<float> initial(n);
+    for (std::size_t e = 0; e < n; ++e) initial[e] = initial_parameter(e);
+    state.load_parameters(initial);
+    RANK_CHECK(state.bucket_count() > layers, "buckets " << state.bucket_count());
+    // Each rank owns 1/N of every padded bucket; float parameters are their own masters, so
+    // the optimizer state is Adam's two moments of the shard.
+    RANK_CHECK(state.owned_elements() * static_cast<std::size_t>(world) >= n);
+    RANK_CHECK(state.owned_elements() * static_cast<std::size_t>(world) < 2 * n + 8 * state.bucket_count() * world);
+    RANK_CHECK(state.memory().optimizer_state == 2 * state.owned_elements() * sizeof(float));
+    for (int step = 0; step < steps; ++step) {
+      const double loss_scale = scaler.scale();
+      // Backward: last layer first; rank 2 marks each layer's two tensors the other way round.
+      for (std::size_t l = layers + 1; l-- > 0;) {
+        auto layer = state.gather(l);
+        std::vector<std::size_t> mine = l == 0 ? std::vector<std::size_t>{0} : std::vector<std::size_t>{l + layers, l};
+        if (rank == 2) std::reverse(mine.begin(), mine.end());
+        for (const std::size_t r : mine) {
+          auto g = state.gradient(r);
+          for (std::size_t j = 0; j < g.size(); ++j)
+            g[j] = static_cast<float>(gradient(rank, step, regions[r].offset + j) * loss_scale);
+          if (step == inf_step && rank == inf_rank && r == 0) g[3] = std::numeric_limits<float>::infinity();
+          state.mark_ready(r);
+        }
+      }
+      const auto result = state.step();
+      RANK_CHECK(result.skipped == (step == inf_step), "step " << step);
+      RANK_CHECK(result.loss_scale == loss_scale);
+      if (!result.skipped) RANK_CHECK(result.clip_factor < 1.0, "the norm " << result.grad_norm << " is not clipped");
+    }
+    RANK_CHECK(scaler.skipped_steps() == 1);
+    RANK_CHECK(state.steps() == steps - 1);
+    const auto params = state.gather_parameters();
+    for (std::size_t e = 0; e < n; ++e)
+      RANK_CHECK(std::abs(params[e] - expected[e]) <= 1e-5 * std::max(1.0, std::abs(expected[e])),
+                 "element " << e << ": " << params[e] << " vs " << expected[e]);
+  });
+}
+
+}  // namespace
+
+TEST_CASE(
+    "ZeRO-1 over float parameters equals single-process AdamW with clipping, decay and a step one rank's inf "
+    "skips, at 2, 3 and 4 ranks",
+    "[training_state][zero][gloo]") {
+  for (int world : {2, 3, 4}) {
+    INFO("world " << world);
+    train(world, strategy::zero1);
+  }
+}
+
+TEST_CASE("ZeRO-2 (buckets reduce-scattered during the backward) equals the same, at 2, 3 and 4 ranks",
+          "[training_state][zero][gloo]") {
+  for (int world : {2, 3, 4}) {
+    INFO("world " << world);
+    train(world, strategy::zero2);
+  }
+}
+
+TEST_CASE(
+    "ZeRO-2 launches a bucket as soon as it and every bucket after it are marked, and unmarked regions reduce as zeros",
+    "[training_state][zero][gloo]") {
+  auto store = std::make_shared<cohort::memory_store>();
+  auto pg = cohort_test::make_gloo_group(store, 0, 1);
+  std::vector<std::size_t> launches;
+  // Two layers of 6 floats, one 24-byte bucket each; buckets launch last to first.
+  cohort::training_state<cohort::gloo, float> state{
+      pg,
+      {{"a", 0, 6, 0}, {"b", 6, 6, 1}},
+      {.strategy = strategy::zero2, .bucket_bytes = 24, .on_launch = [&launches](std::size_t b) {
+         launches.push_back(b);
+       }}};
+  state.load_parameters(std::vector<float>(12, 1.0f));
+  REQUIRE(state.bucket_count() == 2);
+  std::fill_n(state.gradient(0).begin(), 6, 0.5f);
+  state.mark_ready(0);  // bucket 0 waits for bucket 1, which the backward completes first
+  CHECK(state.launched_buckets() == 0);
+  std::fill_n(state.gradient(1).begin(), 6, 0.5f);
+  state.mark_ready(1);
+  CHECK(state.launched_buckets() == 2);
+  CHECK(launches == std::vector<std::size_t>{1, 0});
+  auto result = state.step();
+  CHECK_FALSE(result.skipped);
+  CHECK(result.grad_norm > 0);
+  CHECK(state.wire_bytes_per_step() == 0);  // one rank moves nothing
+  // zero_optimizer refused a step with regions never marked; training_state reduces what an
+  // unmarked region holds, zeros (a rank may leave a region unused), on every rank alike.
+  launches.clear();
+  result = state.step();
+  CHECK_FALSE(result.skipped);
+  CHECK(result.grad_norm == 0);
+  CHECK(launches == std::vector<std::size_t>{1, 0});
+}
+
+TEST_CASE(
+    "ZeRO: a rank with another bucket size is refused on every rank, and overlapping regions and a parameter "
+    "buffer of the wrong size are named",
+    "[training_state][zero][gloo][faults]") {
+  const int world = 2;
+  auto store = std::make_shared<cohort::memory_store>();
+  std::vector<std::string> messages(world);
+  cohort_test::run_ranks(world, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
+    try {
+      cohort::training_state<cohort::gloo, float> state{
+          pg, {{"w", 0, 16}}, {.strategy = strategy::zero1, .bucket_bytes = rank == 1 ? 32u : 64u}};
+      throw cohort_test::rank_failure("mismatched layouts accepted");
+    } catch (const cohort::error& failure) {
+      messages[static_cast<std::size_t>(rank)] = failure.what();
+    }
+  });
+  for (const auto& text : messages)
+    CHECK_THAT(text, Catch::Contains("rank 1 has 1 regions over 16 elements, rank 0 1 over 16 (the same sizes: "
+                                     "their offsets, layers, strategy, bucket_bytes or dtypes differ)"));
+
+  auto single = cohort_test::make_gloo_group(store, 0, 1);
+  REQUIRE_THROWS_WITH(
+      (cohort::training_state<cohort::gloo, float>{single, {{"a", 0, 6}, {"b", 4, 6}}, {.strategy = strategy::zero2}}),
+      Catch::Contains("region 1 'b' (elements 4..10) overlaps region 0 'a' (elements 0..6)"));
+  cohort::training_state<cohort::gloo, float> state{single, {{"a", 0, 6}, {"b", 6, 4}}, {.strategy = strategy::zero2}};
+  REQUIRE_THROWS_WITH(state.load_parameters(std::vector<float>(9)),
+                      Catch::Contains("9 elements for regions covering 10"));
+}
