@@ -1,20 +1,28 @@
 // Checkpoints of a training state (cohort/parallel/checkpoint.hpp) against this disk, on Gloo
 // ranks as threads over loopback.
 //
-//   bench_checkpoint [--ranks 4] [--bytes 256M] [--block-bytes 1M] [--repeat 3] [--dir DIR] [--json FILE]
+//   bench_checkpoint [--ranks 4] [--bytes 256M] [--block-bytes 1M] [--repeat 5] [--between-ms 1000]
+//                    [--compute-ms 200] [--dir DIR] [--json FILE]
 //
 // The state is --bytes in total over the ranks: fp32 parameters and Adam's two moments (a
 // third each), sharded (zero3) so that each rank holds and writes a quarter. Measured in one
 // run, on the file system of --dir (default: the temporary directory):
 //   - this disk's sequential write rate: one file of the checkpoint's size written and
 //     fsynced, as `dd bs=64M conv=fsync` does; the synchronous save's throughput against it
-//     (each --repeat times, alternating, the medians: a virtual disk's rate wanders);
-//   - an asynchronous save (async_checkpointer): the time the training thread is blocked (the
-//     copy into host staging) against the synchronous save's and the time until it is
-//     committed (medians of --repeat), and the host memory it holds: staging_peak_bytes and
-//     the process's resident set above what it was before (sampled every millisecond, the
-//     largest of the runs; getrusage's ru_maxrss too), against the configured staging bound;
-//     once with the default bound and once with a quarter of it;
+//     (--repeat times each, alternating and in ABBA order so that a drift of the disk's rate
+//     favours neither, the medians and every pair's ratio: a virtual disk's rate wanders);
+//   - asynchronous saves (async_checkpointer), --repeat + 1 in a row by one checkpointer as a
+//     trainer makes them, --between-ms apart (the training between two saves: the ranks sleep,
+//     as a host does while its GPU computes). save() starts the copy into staging and returns;
+//     the next step() waits for the copy to end (the state's checkpoint fence). Blocked is
+//     save()'s own time (the agreement on the previous save included) plus that wait, after a
+//     simulated forward and backward of --compute-ms (a sleep) and without one (0 ms), against
+//     the synchronous save's; the first save (its staging faulted in) apart from the median of
+//     the others; the time
+//     until rank 0's writer committed it (the directory polled every millisecond); the host
+//     memory held: staging_peak_bytes and the process's resident set above what it was before
+//     (sampled every millisecond; getrusage's ru_maxrss too), against the configured staging
+//     bound; once with the default bound and once with a quarter of it;
 //   - a load at other world sizes (saved at --ranks, loaded at 2 under ddp and 3 under zero3,
 //     the files' pages dropped from the page cache first): bytes read in all against the
 //     checkpoint's size, 1.00x: a rank reads exactly the bytes of its new shard, and a
@@ -60,7 +68,9 @@ struct config {
   int ranks = 4;
   std::size_t bytes = std::size_t{256} << 20;
   std::size_t block_bytes = cohort::checkpoint_options{}.block_bytes;
-  int repeat = 3;
+  int repeat = 5;
+  int between_ms = 1000;
+  int compute_ms = 200;
   std::string dir, json_path;
 };
 
@@ -89,14 +99,19 @@ config parse(int argc, char** argv) {
       cfg.block_bytes = parse_bytes(args.value());
     else if (arg == "--repeat")
       cfg.repeat = std::stoi(args.value());
+    else if (arg == "--between-ms")
+      cfg.between_ms = std::stoi(args.value());
+    else if (arg == "--compute-ms")
+      cfg.compute_ms = std::stoi(args.value());
     else if (arg == "--dir")
       cfg.dir = args.value();
     else if (arg == "--json")
       cfg.json_path = args.value();
     else
-      throw std::runtime_error("unknown option " + arg +
-                               " (bench_checkpoint [--ranks N] [--bytes 256M] "
-                               "[--block-bytes 1M] [--repeat 3] [--dir DIR] [--json FILE])");
+      throw std::runtime_error(
+          "unknown option " + arg +
+          " (bench_checkpoint [--ranks N] [--bytes 256M] "
+          "[--block-bytes 1M] [--repeat 5] [--between-ms 1000] [--compute-ms 200] [--dir DIR] [--json FILE])");
   }
   if (cfg.ranks < 1 || cfg.repeat < 1) throw std::runtime_error("--ranks and --repeat must be at least 1");
   return cfg;
@@ -206,17 +221,22 @@ group make_group(const std::shared_ptr<cohort::store>& store, const cohort::laun
 
 struct async_result {
   std::size_t bound = 0;         // staging bound per rank (configured; 0 resolved to the state)
-  double blocked = 0;            // slowest rank's save() call
-  double committed = 0;          // save() until wait() returned
+  int compute_ms = 0;            // the simulated forward and backward before the next step()
+  double first_blocked = 0;      // slowest rank's first save: its staging faulted in
+  double blocked = 0;            // the median of the later saves' save() + the next step()'s wait, slowest rank each
+  double committed = 0;          // the median of save() until rank 0's writer committed it
   std::size_t staging_peak = 0;  // staging_peak_bytes, summed over the ranks
   std::size_t rss_peak = 0;      // sampled resident set above the one before
-  std::vector<double> blocked_runs, committed_runs;
+  double save_call = 0, fence_wait = 0;              // medians of the later saves' two parts
+  std::vector<double> blocked_runs, committed_runs;  // every save, the first included
+  std::vector<double> save_call_runs, fence_wait_runs;
 };
 
 struct results {
   std::size_t checkpoint_bytes = 0;  // every rank's file
   double disk_seconds = 0, sync_seconds = 0;
   std::vector<double> disk_runs, sync_runs;  // the medians' samples: how much the disk wanders
+  std::vector<double> ratio_runs;            // each alternation's save rate / disk rate
   std::vector<async_result> async;
   std::size_t maxrss_before = 0, maxrss_after_async = 0;
   struct load {
@@ -249,7 +269,7 @@ results run(const config& cfg) {
   const std::size_t rank_bytes = out.checkpoint_bytes / static_cast<std::size_t>(cfg.ranks);
   const auto ranks = static_cast<std::size_t>(cfg.ranks);
   // Slots per rank, shared by the rank threads; rank 0 reads them between barriers.
-  std::vector<double> blocked(ranks), committed(ranks), sync_seconds(ranks);
+  std::vector<double> blocked(ranks), save_call(ranks), fence_wait(ranks), sync_seconds(ranks);
   std::vector<std::size_t> staging(ranks);
   auto& disk_runs = out.disk_runs;
   auto& sync_runs = out.sync_runs;
@@ -262,50 +282,83 @@ results run(const config& cfg) {
     state.load_parameters(initial);
     // Asynchronous saves first, while the resident set is only the state's: with the
     // default bound (the rank's state once) and with a quarter of it, which the checkpointer
-    // meets by writing before save() returns.
-    for (const std::size_t bound : {std::size_t{0}, rank_bytes / 4}) {
+    // meets by streaming the state through it while save() waits.
+    for (const auto& [bound, compute_ms] : {std::pair{std::size_t{0}, 0}, std::pair{std::size_t{0}, cfg.compute_ms},
+                                            std::pair{rank_bytes / 4, cfg.compute_ms}}) {
       async_result a;
-      auto& blocked_runs = a.blocked_runs;
-      auto& committed_runs = a.committed_runs;
-      for (int run = 0; run < cfg.repeat; ++run) {
-        std::unique_ptr<rss_sampler> sampler;
-        pg.barrier().wait();
-        if (rank == 0) {
-          if (out.async.empty() && run == 0) out.maxrss_before = max_resident_bytes();
-          sampler = std::make_unique<rss_sampler>();
-        }
-        pg.barrier().wait();
-        {
-          cohort::async_checkpointer saver(state);
-          const auto started = clock_type::now();
-          auto options = save_options;
-          options.staging_bytes = bound;
-          saver.save(cfg.dir + "/ckpt", out.async.size() * 100 + static_cast<std::uint64_t>(run) + 1, options);
-          blocked[rank] = saver.last_blocked_seconds();
-          saver.wait();
-          committed[rank] = seconds_since(started);
-          staging[rank] = saver.staging_peak_bytes();
-        }
-        pg.barrier().wait();
-        if (rank == 0) {
-          a.bound = bound == 0 ? rank_bytes : bound;
-          a.rss_peak = std::max(a.rss_peak, sampler->finish());
-          blocked_runs.push_back(slowest(blocked));
-          committed_runs.push_back(slowest(committed));
-          a.staging_peak = 0;
-          for (const auto s : staging) a.staging_peak += s;
-        }
-      }
+      a.compute_ms = compute_ms;
+      std::unique_ptr<rss_sampler> sampler;
+      pg.barrier().wait();
       if (rank == 0) {
-        a.blocked = median(blocked_runs);
-        a.committed = median(committed_runs);
+        if (out.async.empty()) out.maxrss_before = max_resident_bytes();
+        sampler = std::make_unique<rss_sampler>();
+      }
+      pg.barrier().wait();
+      {
+        cohort::async_checkpointer saver(state);
+        auto options = save_options;
+        options.staging_bytes = bound;
+        std::thread watcher;
+        for (int run = 0; run <= cfg.repeat; ++run) {
+          const std::uint64_t step = out.async.size() * 100 + static_cast<std::uint64_t>(run) + 1;
+          pg.barrier().wait();
+          const auto started = clock_type::now();
+          saver.save(cfg.dir + "/ckpt", step, options);
+          save_call[rank] = seconds_since(started);
+          std::this_thread::sleep_for(std::chrono::milliseconds(compute_ms));  // the next forward and backward
+          fence_wait[rank] = state.checkpoint_fence().wait();                  // what the next step() waits
+          blocked[rank] = save_call[rank] + fence_wait[rank];
+          if (rank == 0) {
+            // Committed by rank 0's writer with no call of the trainer's: seen in the directory.
+            if (watcher.joinable()) watcher.join();
+            watcher = std::thread([&, started, step] {
+              const std::string path = cfg.dir + "/ckpt/step-" + std::to_string(step);
+              while (cohort::newest_checkpoint(cfg.dir + "/ckpt") != path && seconds_since(started) < 600)
+                std::this_thread::sleep_for(std::chrono::milliseconds(1));
+              a.committed_runs.push_back(seconds_since(started));
+            });
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(cfg.between_ms));  // the training between saves
+          pg.barrier().wait();
+          if (rank == 0) {
+            a.blocked_runs.push_back(slowest(blocked));
+            a.save_call_runs.push_back(slowest(save_call));
+            a.fence_wait_runs.push_back(slowest(fence_wait));
+          }
+        }
+        saver.wait();
+        if (rank == 0) {
+          watcher.join();  // the last save's commit, at the latest by wait()
+        }
+        staging[rank] = saver.staging_peak_bytes();
+      }
+      pg.barrier().wait();
+      if (rank == 0) {
+        a.bound = bound == 0 ? rank_bytes : bound;
+        a.rss_peak = sampler->finish();
+        a.first_blocked = a.blocked_runs.front();
+        a.committed = median(a.committed_runs);
+        const auto later = [](const std::vector<double>& runs) {
+          return median(std::vector<double>(runs.begin() + 1, runs.end()));
+        };
+        a.blocked = later(a.blocked_runs);
+        a.save_call = later(a.save_call_runs);
+        a.fence_wait = later(a.fence_wait_runs);
+        for (const auto s : staging) a.staging_peak += s;
         out.async.push_back(a);
         out.maxrss_after_async = max_resident_bytes();
       }
       pg.barrier().wait();
     }
+    // The asynchronous series' checkpoints (kept: keep_last 0) removed first: otherwise the
+    // first synchronous save's pruning deletes them all inside the time measured.
+    if (rank == 0) fs::remove_all(cfg.dir + "/ckpt");
+    pg.barrier().wait();
+    // The disk and the synchronous save alternately, in ABBA order.
     for (int run = 0; run < cfg.repeat; ++run) {
-      if (rank == 0) disk_runs.push_back(sequential_write_seconds(cfg.dir + "/dd.bin", out.checkpoint_bytes));
+      const bool disk_first = run % 4 == 0 || run % 4 == 3;
+      double disk = 0;
+      if (rank == 0 && disk_first) disk = sequential_write_seconds(cfg.dir + "/dd.bin", out.checkpoint_bytes);
       pg.barrier().wait();
       const auto started = clock_type::now();
       const auto info = cohort::save_checkpoint(state, cfg.dir + "/ckpt", 1000 + static_cast<std::uint64_t>(run),
@@ -313,9 +366,13 @@ results run(const config& cfg) {
       sync_seconds[rank] = seconds_since(started);
       pg.barrier().wait();
       if (rank == 0) {
+        if (!disk_first) disk = sequential_write_seconds(cfg.dir + "/dd.bin", out.checkpoint_bytes);
+        disk_runs.push_back(disk);
         sync_runs.push_back(slowest(sync_seconds));
+        out.ratio_runs.push_back(disk / sync_runs.back());
         saved = info.path;
       }
+      pg.barrier().wait();
     }
   });
   out.disk_seconds = median(disk_runs);
@@ -355,21 +412,41 @@ int main(int argc, char** argv) {
 
     const double size = static_cast<double>(r.checkpoint_bytes);
     const double disk_rate = size / r.disk_seconds, sync_rate = size / r.sync_seconds;
+    const auto list = [](const std::vector<double>& values, double scale) {
+      std::string text;
+      for (const double v : values) {
+        char one[32];
+        std::snprintf(one, sizeof one, "%s%.3f", text.empty() ? "" : ", ", v * scale);
+        text += one;
+      }
+      return text;
+    };
     std::printf(
         "checkpoint of a %.0f MiB training state (fp32 parameters + Adam m, v), %d ranks (zero3) in %s, "
-        "%.0f KiB blocks; disk and synchronous save: medians of %d\n",
-        size / mib, cfg.ranks, cfg.dir.c_str(), static_cast<double>(cfg.block_bytes) / 1024, cfg.repeat);
+        "%.0f KiB blocks; disk and synchronous save: medians of %d, alternating (ABBA); asynchronous saves: "
+        "%d in a row, %d ms apart\n",
+        size / mib, cfg.ranks, cfg.dir.c_str(), static_cast<double>(cfg.block_bytes) / 1024, cfg.repeat, cfg.repeat + 1,
+        cfg.between_ms);
     std::printf("%-44s %10s %12s %s\n", "measurement", "seconds", "MiB/s", "against");
-    std::printf("%-44s %10.3f %12.1f\n", "disk: write + fsync, one file (dd conv=fsync)", r.disk_seconds,
-                disk_rate / mib);
-    std::printf("%-44s %10.3f %12.1f %.0f%% of the disk's rate\n", "synchronous save", r.sync_seconds, sync_rate / mib,
-                100 * sync_rate / disk_rate);
+    std::printf("%-44s %10.3f %12.1f runs %s s\n", "disk: write + fsync, one file (dd conv=fsync)", r.disk_seconds,
+                disk_rate / mib, list(r.disk_runs, 1).c_str());
+    std::printf("%-44s %10.3f %12.1f %.0f%% of the disk's rate (medians); runs %s s\n", "synchronous save",
+                r.sync_seconds, sync_rate / mib, 100 * sync_rate / disk_rate, list(r.sync_runs, 1).c_str());
+    std::printf("%-44s %10s %12s each alternation's save/disk: %s%%, median %.0f%%\n", "", "", "",
+                list(r.ratio_runs, 100).c_str(), 100 * median(r.ratio_runs));
     for (const auto& a : r.async) {
       char name[64];
-      std::snprintf(name, sizeof name, "asynchronous save, bound %.1f MiB/rank", static_cast<double>(a.bound) / mib);
-      std::printf("%-44s %10.3f %12s %.1f%% of the synchronous save blocked\n",
-                  (std::string(name) + ": blocked").c_str(), a.blocked, "", 100 * a.blocked / r.sync_seconds);
-      std::printf("%-44s %10.3f %12.1f\n", "  until committed (wait)", a.committed, size / a.committed / mib);
+      std::snprintf(name, sizeof name, "asynchronous save, bound %.1f MiB/rank: blocked",
+                    static_cast<double>(a.bound) / mib);
+      std::printf("%-44s %10.3f %12s %.1f%% of the synchronous save (median of saves 2..%d); runs %s s\n", name,
+                  a.blocked, "", 100 * a.blocked / r.sync_seconds, cfg.repeat + 1, list(a.blocked_runs, 1).c_str());
+      std::printf("%-44s %10.3f %12s median of save() %.3f s + the next step()'s wait %.3f s; runs of the wait %s s\n",
+                  "  its parts", a.save_call + a.fence_wait, "", a.save_call, a.fence_wait,
+                  list(a.fence_wait_runs, 1).c_str());
+      std::printf("%-44s %10.3f %12s %.1f%% of the synchronous save\n", "  the first save (staging faulted in)",
+                  a.first_blocked, "", 100 * a.first_blocked / r.sync_seconds);
+      std::printf("%-44s %10.3f %12.1f runs %s s\n", "  until committed by rank 0's writer", a.committed,
+                  size / a.committed / mib, list(a.committed_runs, 1).c_str());
       std::printf("%-44s %10s %12s %.1f MiB staged, %.1f MiB resident above before; bound %.1f MiB (all ranks)\n",
                   "  host memory", "", "", static_cast<double>(a.staging_peak) / mib,
                   static_cast<double>(a.rss_peak) / mib, static_cast<double>(a.bound) * cfg.ranks / mib);
@@ -406,10 +483,18 @@ int main(int argc, char** argv) {
       };
       doc.set("disk_write_fsync_seconds_runs", samples(r.disk_runs));
       doc.set("sync_save_seconds_runs", samples(r.sync_runs));
+      doc.set("sync_save_fraction_of_disk_runs", samples(r.ratio_runs));
+      doc.set("between_saves_ms", cfg.between_ms);
       json async = json::make_array();
       for (const auto& a : r.async) {
         json row = json::make_object();
         row.set("staging_bound_bytes_per_rank", static_cast<unsigned long>(a.bound));
+        row.set("simulated_compute_ms", a.compute_ms);
+        row.set("first_blocked_seconds", a.first_blocked);
+        row.set("save_call_seconds", a.save_call);
+        row.set("fence_wait_seconds", a.fence_wait);
+        row.set("save_call_seconds_runs", samples(a.save_call_runs));
+        row.set("fence_wait_seconds_runs", samples(a.fence_wait_runs));
         row.set("blocked_seconds", a.blocked);
         row.set("blocked_fraction_of_sync", a.blocked / r.sync_seconds);
         row.set("committed_seconds", a.committed);

@@ -61,8 +61,10 @@ std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg,
             resumed->path.c_str(), resumed->world_size, resumed->strategy.c_str(),
             static_cast<unsigned long long>(resumed->bytes_read), resumed->seconds, first_step);
     }
-  // Periodic saves are asynchronous (training waits for the copy into host staging only; the
-  // previous one commits at the next save); the last step's is waited for.
+  // Periodic saves are asynchronous: the copy into host staging overlaps the next step's
+  // forward and backward (its step() waits for it), and each commits as soon as every rank's
+  // file is durable, so a SIGKILL resumes from the newest save written before it; the last
+  // step's is waited for.
   cohort::async_checkpointer saver(state);
   const auto report = [&](const std::optional<cohort::checkpoint_info>& saved) {
     if (saved && pg.rank() == 0)

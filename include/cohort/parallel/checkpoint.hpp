@@ -24,6 +24,22 @@
 // previous step-<M> intact; a tmp-* directory is never loaded and is removed by the next save;
 // the last `keep_last` checkpoints are kept.
 //
+// Streamed: a rank's state goes to its file through a staging pool of at most
+// checkpoint_options::staging_bytes (the state once by default) in chunks of whole checksum
+// blocks, copied in as one writer thread drains them (write, start of the write-back, the
+// blocks' checksums; fsync at the end). The synchronous and the asynchronous save share it.
+//
+// Committed as soon as every file is durable: each rank's writer publishes its block checksums
+// (or its failure: the errno) under the save's key in the group's store; rank 0's writer waits
+// for every rank's key (short polls, never holding the store for long), writes the index,
+// renames and prunes. No collective of the trainer's is needed: with a save every K steps, a
+// crash after step k resumes after the newest save whose files were all durable, so it loses
+// at most K - 1 steps, plus the steps trained while the newest save was being written when the
+// crash came during that write. The next save() or
+// wait() agrees on the outcome (a small all-gather): an error of any rank's write is raised on
+// every rank naming the rank, the file and the errno; a save rank 0 did not commit in the
+// background (it stopped early) is committed there collectively; the keys are deleted.
+//
 // Loads anywhere: each rank reads, from whichever files hold them, exactly the bytes of its
 // new shard (counted); ranks that hold copies (ddp's everything, zero1/zero2's parameters)
 // gather them from the others, so each byte is read once in all. Every block is verified: by
@@ -38,6 +54,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -56,10 +73,18 @@ struct checkpoint_options {
   // A load reads the same bytes whatever it is (each rank its shard's, a block shared at a
   // shard edge checked from both parts), so smaller blocks only lengthen the index.
   std::size_t block_bytes = std::size_t{1} << 20;
-  // async_checkpointer: host memory a save may hold while training goes on; 0: the rank's
-  // state once (what it stages). A state larger than a non-zero bound is written before
-  // save() returns.
+  // Host memory a save stages the rank's state through; 0: the rank's state once (a
+  // synchronous save uses at most four 8 MiB chunks of it). Below the state (at least one
+  // block), the state streams through it: the copy ends once the last chunk is in, so the next
+  // step() waits for the write of all but the bound's worth.
   std::size_t staging_bytes = 0;
+  // Tests only: faults this one rank's writer injects, so that the agreement is tested where
+  // ranks differ (a real failure of a real file, not a mock of the engine).
+  struct fault_injection {
+    int rank = -1;                // no rank
+    bool cannot_create = false;   // the file is created in a directory that does not exist (ENOENT)
+    bool hold_published = false;  // after fsync, the checksums are held back until the process dies
+  } test_fault = {};
 };
 
 struct checkpoint_info {
@@ -83,12 +108,37 @@ checkpoint_info save_checkpoint(training_state<B, P, G>& state, const std::strin
 namespace detail {
 template <class Master>
 struct pending_checkpoint;
-}
 
-// Saves that block training only for the copy into host staging: the rank's file is written
-// and fsynced on a background thread, and committed (checksums gathered, the index written,
-// the rename) at the next save() or wait(), which are collective. An error of the write
-// surfaces there, naming the rank, the file and the errno. One save in flight at a time.
+// Host memory a save stages through: mapped, never zero-filled, huge pages asked for, so that
+// faulting it in (the first save's copy) costs one fault per 2 MiB rather than per 4 KiB.
+class checkpoint_staging {
+ public:
+  checkpoint_staging() = default;
+  explicit checkpoint_staging(std::size_t bytes);
+  checkpoint_staging(checkpoint_staging&& other) noexcept;
+  checkpoint_staging& operator=(checkpoint_staging&& other) noexcept;
+  ~checkpoint_staging();
+  char* data() const noexcept { return data_; }
+  std::size_t size() const noexcept { return size_; }
+
+ private:
+  char* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+}  // namespace detail
+
+// Saves that block training hardly at all: save() begins the save (the index as of this step)
+// and starts copying the state into host staging on a thread of its own, overlapping the
+// trainer's next forward and backward; the state's step() (and a load) first waits for that
+// copy, through the fence the state holds (training_state::checkpoint_fence()), so the
+// checkpoint is this step's. The rank's file is written and fsynced on a writer thread, and
+// committed by rank 0's writer thread as soon as every rank's file is durable (see the top of
+// this file). The copy goes through the engine from that thread, chunk by chunk, between the
+// trainer's own work (Gloo: its queue, so a chunk's memmove may wait behind a gather of the
+// forward; a device backend: its stream, into pageable staging). The next save() or wait()
+// (collective) agrees on the outcome: an error of any rank's write surfaces there on every
+// rank, naming the rank, the file and the errno; a save not committed in the background is
+// committed there. One save in flight at a time.
 //
 //   cohort::async_checkpointer saver(state);
 //   if (step % 100 == 0) saver.save("ckpt", step, {.metadata = ...});   // returns the previous one's info
@@ -100,27 +150,28 @@ class async_checkpointer {
   explicit async_checkpointer(training_state<B, P, G>& state) : state_(&state) {}
   async_checkpointer(const async_checkpointer&) = delete;
   async_checkpointer& operator=(const async_checkpointer&) = delete;
-  // Waits for the write in flight; one never committed stays a tmp-* directory, never loaded.
+  // Waits for the write in flight; rank 0 stops waiting for the other ranks' keys. One never
+  // committed stays a tmp-* directory, never loaded.
   ~async_checkpointer();
 
-  // Collective. Commits the previous save (its info, or nullopt when there was none), then
+  // Collective. Agrees on the previous save (its info, or nullopt when there was none), then
   // stages this step's state and starts writing it.
   std::optional<checkpoint_info> save(const std::string& directory, std::uint64_t step,
                                       const checkpoint_options& options = {});
-  // Collective. Waits for the save in flight and commits it; nullopt when there is none.
+  // Collective. Waits for the save in flight and agrees on it; nullopt when there is none.
   std::optional<checkpoint_info> wait();
 
-  double last_blocked_seconds() const noexcept { return last_blocked_seconds_; }  // the last save()
+  // The last save() call (the next step()'s wait for the copy: checkpoint_fence().waited_seconds()).
+  double last_blocked_seconds() const noexcept { return last_blocked_seconds_; }
   std::uint64_t staging_peak_bytes() const noexcept { return staging_peak_; }
 
  private:
   using pending_type = detail::pending_checkpoint<typename training_state<B, P, G>::master_type>;
   training_state<B, P, G>* state_;
   std::unique_ptr<pending_type> pending_;
-  std::thread writer_;
-  // The last save's staging memory, kept for the next: otherwise every save allocates and
-  // faults in the rank's whole state inside the copy that training waits for.
-  std::vector<typename training_state<B, P, G>::master_type> spare_;
+  // The last save's staging pool, kept for the next: otherwise every save allocates and
+  // faults in its staging inside the copy that training waits for.
+  detail::checkpoint_staging spare_;
   double last_blocked_seconds_ = 0;
   std::uint64_t staging_peak_ = 0;
 };
@@ -215,11 +266,37 @@ std::string checkpoint_staging_path(const std::string& directory, std::uint64_t 
 // Rank 0, before a save: DIR created, tmp-* left by interrupted saves removed, the staging
 // directory created.
 void begin_checkpoint(const std::string& directory, const std::string& staging, int rank);
-// Writes `bytes` bytes to `path` (created; fsynced and closed before it returns); the
-// checksums of its blocks. A failure is a cohort::error naming the path and the errno, which
-// `failed_errno` keeps for the other ranks' errors.
-std::vector<std::uint64_t> write_checkpoint_file(const std::string& path, const void* data, std::size_t bytes,
-                                                 std::size_t block_bytes, int rank, int& failed_errno);
+// One rank's file, written as it streams in: created by the constructor, appended chunk by
+// chunk (each a whole number of blocks but the last; its write-back started at once, so the
+// final fsync finds little left), finished by fsync and close. A failure is a cohort::error
+// naming the path and the errno.
+class checkpoint_file_writer {
+ public:
+  // `failed_errno` receives the errno of a failure, for the other ranks' errors.
+  checkpoint_file_writer(std::string path, std::size_t block_bytes, int rank, int& failed_errno);
+  checkpoint_file_writer(const checkpoint_file_writer&) = delete;
+  checkpoint_file_writer& operator=(const checkpoint_file_writer&) = delete;
+  ~checkpoint_file_writer();
+  void append(const char* data, std::size_t bytes);
+  // fsync and close; the checksums of the file's blocks.
+  std::vector<std::uint64_t> finish();
+
+ private:
+  error failure(const std::string& what);
+  std::string path_;
+  std::size_t block_bytes_;
+  int rank_;
+  int fd_ = -1;
+  std::uint64_t written_ = 0;
+  std::vector<std::uint64_t> blocks_;
+  int& failed_errno_;
+};
+// A rank's published outcome (its key in the group's store): failed or not, the errno, the
+// block checksums.
+std::vector<std::uint8_t> checkpoint_outcome_bytes(bool failed, int failed_errno,
+                                                   const std::vector<std::uint64_t>& blocks);
+bool parse_checkpoint_outcome(std::span<const std::uint8_t> value, bool& failed, int& failed_errno,
+                              std::vector<std::uint64_t>& blocks);
 // Rank 0, once every file is durable: the index written (fsynced) into the staging directory,
 // which is renamed to DIR/step-<N>; DIR fsynced; all but the newest keep_last removed.
 void commit_checkpoint(const std::string& directory, const std::string& staging, const checkpoint_manifest& manifest,

@@ -43,10 +43,13 @@
 // and it waits for the gathers and the step. Not thread-safe: one training thread drives it.
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
 #include <functional>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -112,6 +115,49 @@ struct training_memory {
   std::size_t optimizer_state = 0;  // masters (where apart from the parameters), moments, scratch
   std::size_t total() const noexcept { return parameters + gradients + optimizer_state; }
 };
+
+namespace detail {
+
+// A copy of the saved state in flight on another thread (an async_checkpointer's snapshot):
+// whatever changes that state (step, a load) waits for it first. Held by the state; armed and
+// released by the copy's owner.
+class snapshot_fence {
+ public:
+  void arm() {
+    std::lock_guard lock(mutex_);
+    ++copies_;
+  }
+  void release() {
+    {
+      std::lock_guard lock(mutex_);
+      --copies_;
+    }
+    done_.notify_all();
+  }
+  // Until no copy is in flight; the seconds it waited (0 when none was).
+  double wait() {
+    std::unique_lock lock(mutex_);
+    if (copies_ == 0) return 0;
+    const auto started = std::chrono::steady_clock::now();
+    done_.wait(lock, [&] { return copies_ == 0; });
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    waited_ += waited;
+    return waited;
+  }
+  // Every wait so far, in seconds: the training time a checkpoint's copy cost.
+  double waited_seconds() const {
+    std::lock_guard lock(mutex_);
+    return waited_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::condition_variable done_;
+  int copies_ = 0;
+  double waited_ = 0;
+};
+
+}  // namespace detail
 
 template <backend B, element P = float, element G = P>
 class training_state {
@@ -316,10 +362,15 @@ class training_state {
   // hold gathered (ddp: everything; zero1/zero2: the parameters) and the optimizer's step
   // count set. Collective; between steps.
   void finish_checkpoint_load(std::uint64_t optimizer_steps);
+  // An asynchronous save's copy of the state still in flight: step(), load_parameters() and a
+  // load (checkpoint_data, finish_checkpoint_load) wait for it before they change the state.
+  detail::snapshot_fence& checkpoint_fence() noexcept { return snapshot_; }
 
  private:
   using pool_type = detail::buffer_pool<B>;
   using pooled = typename pool_type::buffer;
+
+  detail::snapshot_fence snapshot_;  // see checkpoint_fence()
 
   bool sharded() const noexcept { return options_.strategy != strategy::ddp; }
   bool sharded_gradients() const noexcept {

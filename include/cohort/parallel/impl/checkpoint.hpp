@@ -2,22 +2,29 @@
 // cohort/parallel/checkpoint.hpp's templates, always included.
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <span>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "cohort/error.hpp"
 #include "cohort/parallel/checkpoint.hpp"
 #include "cohort/process_group.hpp"
+#include "cohort/store.hpp"
 
 namespace cohort::inline v0 {
 namespace detail {
@@ -84,56 +91,165 @@ inline std::string checkpoint_region_name(const std::vector<region>& regions, st
 
 namespace detail {
 
-// One save in three phases, so that the middle one can run on a writer thread: begin
-// (collective: the staging directory; the state copied to the host and described in the
-// index while it is still this step's), write (this rank's file, no communication) and commit
-// (collective: checksums gathered, the index written last, the rename).
+// One save, one design for the synchronous and the asynchronous: begin (collective: the
+// staging directory, the index as of this step), stream (the state copied chunk by chunk into
+// a staging pool while a writer thread drains it into this rank's file, publishes the outcome
+// and, on rank 0, commits once every rank's is in) and agree (collective: the outcome, and the
+// commit where the writer did not make it).
 template <class Master>
 struct pending_checkpoint {
   std::string directory, staging, file;
   std::uint64_t step = 0;
-  int rank = 0;
+  int rank = 0, world = 0;
   std::size_t block_bytes = 0, keep_last = 0;
   std::size_t most_blocks = 0;   // over every rank's file: the checksum rows' length
-  std::vector<Master> staged;    // this rank's file, until written
-  bool keep_staging = false;     // an async_checkpointer reuses the memory for its next save
   std::uint64_t bytes = 0;       // of this rank's file
   checkpoint_manifest manifest;  // all but the checksums (rank 0: the files' pieces too)
+  checkpoint_options::fault_injection fault;
+  double seconds = 0;        // begin, on the saving thread
+  double write_seconds = 0;  // the writer's, which spans the copy
+
+  // Where this rank's file comes from, in order: runs of the state's memory (device memory on a
+  // device backend, copied by the engine).
+  std::vector<std::pair<const char*, std::size_t>> sources;
+  // The staging pool: chunk i of the file goes to slot i % slots, copied once chunk i - slots
+  // is written.
+  checkpoint_staging pool;
+  std::size_t chunk_bytes = 0, slots = 0, chunks = 0;
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::size_t copied = 0, written = 0;  // chunks, under mutex
+  bool stopped_copying = false;         // the copy failed: the writer stops (under mutex)
+  bool stopped_writing = false;         // the write failed: the copy stops (under mutex)
+  bool finished = false;                // written (or failed) and published (under mutex)
+
+  // The writer's outcome, read once the writer is joined.
   std::vector<std::uint64_t> blocks;
-  std::exception_ptr failure;  // of the write
+  std::exception_ptr failure;
   int failed_errno = 0;
-  double seconds = 0;  // begin and write, on this rank
+  // The background commit (rank 0), through the group's store.
+  std::shared_ptr<store> keys;  // null: no background commit, the agreement commits
+  std::string key_prefix;       // the save's own: its nonce
+  bool published = false;
+  std::atomic<bool> stop{false};  // rank 0's writer stops waiting for the other ranks' keys
+  bool committed = false;         // by rank 0's writer
+  std::exception_ptr commit_failure;
+  std::thread writer;
+  // An asynchronous save's copy into the pool, on its own thread while training goes on.
+  std::thread copier;
+  std::exception_ptr copy_failure;
+
+  std::string key(int r) const { return key_prefix + std::to_string(r); }
 
   void write() {
     const auto started = std::chrono::steady_clock::now();
     try {
-      blocks =
-          write_checkpoint_file(file, staged.data(), staged.size() * sizeof(Master), block_bytes, rank, failed_errno);
+      if (fault.rank == rank && fault.cannot_create) file = staging + "/missing/" + checkpoint_file_name(rank);
+      checkpoint_file_writer out(file, block_bytes, rank, failed_errno);
+      for (std::size_t i = 0; i < chunks; ++i) {
+        {
+          std::unique_lock lock(mutex);
+          changed.wait(lock, [&] { return copied > i || stopped_copying; });
+          if (copied <= i) return;  // the copy failed: its error is the save's
+        }
+        const std::size_t at = i * chunk_bytes, size = std::min<std::size_t>(chunk_bytes, bytes - at);
+        out.append(pool.data() + (i % slots) * chunk_bytes, size);
+        {
+          std::lock_guard lock(mutex);
+          ++written;
+        }
+        changed.notify_all();
+      }
+      blocks = out.finish();
     } catch (...) {
       failure = std::current_exception();
+      if (failed_errno == 0) failed_errno = EIO;
     }
-    if (!keep_staging) staged = {};  // a one-off save's staging goes as soon as the file is written
-    seconds += seconds_since(started);
+    if (failure) {
+      std::lock_guard lock(mutex);
+      stopped_writing = true;
+    }
+    changed.notify_all();
+    write_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    publish();
+    {
+      std::lock_guard lock(mutex);
+      finished = true;
+    }
+    changed.notify_all();
+    if (rank == 0) commit_when_every_rank_is_in();
+  }
+
+  void publish() {
+    if (!keys) return;
+    if (fault.rank == rank && fault.hold_published && !failure)
+      while (!stop) std::this_thread::sleep_for(std::chrono::milliseconds(10));  // dies here, in the test
+    try {
+      const auto value = checkpoint_outcome_bytes(failure != nullptr, failed_errno, blocks);
+      keys->set(key(rank), std::span<const std::uint8_t>(value));
+      published = true;
+    } catch (...) {
+      // The agreement commits it instead, or raises the write's error.
+    }
+  }
+
+  // Rank 0's writer: once every rank's key is in, the index, the rename and the pruning. Polls
+  // (a short request each time) so that the trainer's own requests on a shared store handle
+  // are never held for long; stops on `stop` or after the store's timeout, leaving the commit to
+  // the agreement.
+  void commit_when_every_rank_is_in() {
+    if (!keys || failure) return;
+    std::vector<std::string> names;
+    for (int r = 0; r < world; ++r) names.push_back(key(r));
+    const auto started = std::chrono::steady_clock::now();
+    auto m = manifest;
+    try {
+      for (auto pause = std::chrono::microseconds(200); !keys->check(names);
+           pause = std::min(2 * pause, std::chrono::microseconds(20000))) {
+        if (stop || std::chrono::steady_clock::now() - started > keys->timeout()) return;
+        std::this_thread::sleep_for(pause);
+      }
+      const auto values = keys->multi_get(names, std::chrono::milliseconds(10000));
+      for (int r = 0; r < world; ++r) {
+        bool failed = false;
+        int code = 0;
+        auto& f = m.files[static_cast<std::size_t>(r)];
+        if (!parse_checkpoint_outcome(values[static_cast<std::size_t>(r)], failed, code, f.blocks) || failed ||
+            f.blocks.size() != (f.bytes + block_bytes - 1) / block_bytes)
+          return;  // the agreement raises the failing rank's error
+        f.checksum = checkpoint_file_checksum(f.blocks, f.bytes);
+      }
+    } catch (...) {
+      return;  // the store failed: the agreement gathers the checksums and commits
+    }
+    // Once begun, the commit's outcome is the save's: a failure after the rename (the fsync of
+    // DIR, the pruning) must not send the agreement to commit a second time.
+    try {
+      commit_checkpoint(directory, staging, m, keep_last, rank);
+      committed = true;
+    } catch (...) {
+      commit_failure = std::current_exception();
+    }
   }
 };
 
 template <backend B, element P, element G>
 auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& directory, std::uint64_t step,
-                           const checkpoint_options& options,
-                           std::vector<typename training_state<B, P, G>::master_type> recycled = {}) {
+                           const checkpoint_options& options, bool synchronous, checkpoint_staging recycled = {}) {
   using master = typename training_state<B, P, G>::master_type;
   const auto started = std::chrono::steady_clock::now();
   auto& group = state.group();
-  auto& engine = group.backend();
-  const int rank = group.rank(), world = group.size();
+  const int rank = group.rank(), world = group.world_size();
   const auto tensors = state.checkpoint_tensors();
-  pending_checkpoint<master> pending;
-  pending.staged = std::move(recycled);  // its pages already faulted in: copying into it is the whole cost
-  pending.directory = directory;
-  pending.step = step;
-  pending.rank = rank;
-  pending.block_bytes = std::max<std::size_t>(options.block_bytes, 64);
-  pending.keep_last = options.keep_last;
+  auto pending = std::make_unique<pending_checkpoint<master>>();
+  pending->pool = std::move(recycled);  // its pages already faulted in: copying into it is the whole cost
+  pending->directory = directory;
+  pending->step = step;
+  pending->rank = rank;
+  pending->world = world;
+  pending->block_bytes = std::max<std::size_t>(options.block_bytes, 64);
+  pending->keep_last = options.keep_last;
+  pending->fault = options.test_fault;
 
   // Rank 0 clears what interrupted saves left and makes the staging directory; its name
   // (random, so two jobs or a restarted one never share it) reaches every rank.
@@ -142,36 +258,32 @@ auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& di
     nonce = static_cast<std::int64_t>(std::random_device{}() & 0x7fffffffu) << 20 |
             static_cast<std::int64_t>(step & 0xfffff);
   nonce = all_gather_values(group, std::span<const std::int64_t>(&nonce, 1))[0];
-  pending.staging = checkpoint_staging_path(directory, step, static_cast<std::uint64_t>(nonce));
-  pending.file = pending.staging + "/" + checkpoint_file_name(rank);
+  pending->staging = checkpoint_staging_path(directory, step, static_cast<std::uint64_t>(nonce));
+  pending->file = pending->staging + "/" + checkpoint_file_name(rank);
+  pending->keys = group.group_store();
+  pending->key_prefix = "checkpoint/" + std::to_string(nonce) + "/";
   checkpoint_together(
       group, "save_checkpoint",
       [&](std::int64_t&) {
-        if (rank == 0) begin_checkpoint(directory, pending.staging, rank);
+        if (rank == 0) begin_checkpoint(directory, pending->staging, rank);
       },
-      [&](int, std::int64_t) { return "rank 0 could not prepare " + pending.staging; },
+      [&](int, std::int64_t) { return "rank 0 could not prepare " + pending->staging; },
       "the checkpoint directory must be writable by every rank (a shared file system)");
 
-  // This rank's file: each tensor's elements of its segments, staged on the host (device
-  // memory comes through the backend's copy).
-  const auto segments = state.checkpoint_segments(rank);
-  std::size_t owned = 0;
-  for (const auto& s : segments) owned += s.count;
-  pending.staged.resize(owned * tensors.size());
-  for (std::size_t t = 0, at = 0; t < tensors.size(); ++t)
-    for (const auto& s : segments) {
-      engine.copy(pending.staged.data() + at, state.checkpoint_data(t, s), s.count * sizeof(master));
-      at += s.count;
+  // This rank's file: each tensor's elements of its segments.
+  for (std::size_t t = 0; t < tensors.size(); ++t)
+    for (const auto& s : state.checkpoint_segments(rank)) {
+      pending->sources.emplace_back(reinterpret_cast<const char*>(state.checkpoint_data(t, s)),
+                                    s.count * sizeof(master));
+      pending->bytes += s.count * sizeof(master);
     }
-  engine.record().wait();
-  pending.bytes = pending.staged.size() * sizeof(master);
 
   // The index as of this step. Every rank's file is a function of the layout, so rank 0 names
   // every file's pieces and the checksums travel in rows of one length.
-  auto& m = pending.manifest;
+  auto& m = pending->manifest;
   m.step = step;
   m.optimizer_steps = state.steps();
-  m.block_bytes = pending.block_bytes;
+  m.block_bytes = pending->block_bytes;
   m.element_bytes = sizeof(master);
   m.world_size = world;
   m.strategy = std::string(to_string(state.strategy()));
@@ -193,50 +305,146 @@ auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& di
           f.pieces.push_back({t, s.region, s.storage - state.placement(s.region).storage, s.count, f.bytes});
         f.bytes += s.count * sizeof(master);
       }
-    pending.most_blocks = std::max(pending.most_blocks, (f.bytes + pending.block_bytes - 1) / pending.block_bytes);
+    pending->most_blocks = std::max(pending->most_blocks, (f.bytes + pending->block_bytes - 1) / pending->block_bytes);
     m.files.push_back(std::move(f));
   }
-  pending.seconds = seconds_since(started);
+
+  // The pool: the file at once when the bound allows it, else slots of whole blocks within the
+  // bound (at least one block), each at most 8 MiB so that the writer starts early. A
+  // synchronous save waits for the write anyway: four slots are all it uses.
+  const std::size_t block = pending->block_bytes;
+  const std::size_t file_bytes = std::max<std::uint64_t>(pending->bytes, 1);
+  const std::size_t most = std::max<std::size_t>(block, (std::size_t{8} << 20) / block * block);
+  std::size_t bound = options.staging_bytes == 0 ? file_bytes : std::max(options.staging_bytes, block);
+  if (synchronous) bound = std::min(bound, 4 * most);
+  const std::size_t chunk = bound >= file_bytes ? most : std::min(most, std::max(block, bound / 4 / block * block));
+  pending->chunk_bytes = chunk;
+  pending->chunks = (pending->bytes + chunk - 1) / chunk;
+  pending->slots =
+      bound >= file_bytes ? pending->chunks : std::max<std::size_t>(1, std::min(pending->chunks, bound / chunk));
+  const std::size_t pool_bytes = pending->slots >= pending->chunks ? pending->bytes : pending->slots * chunk;
+  if (pending->pool.size() != pool_bytes) pending->pool = checkpoint_staging(pool_bytes);
+  pending->seconds = seconds_since(started);
   return pending;
 }
 
+// The producer's half of the stream, on the training thread: each chunk copied into its slot
+// once the writer has drained the chunk that held it. Returns once the last chunk is in; the
+// state may change after that.
 template <backend B, class Master>
-checkpoint_info commit_checkpoint_save(process_group<B>& group, pending_checkpoint<Master>& pending) {
-  const auto started = std::chrono::steady_clock::now();
-  const int rank = group.rank(), world = group.size();
-  const std::string operation = "save_checkpoint";
-  std::vector<std::int64_t> row(2 + pending.most_blocks, 0);
-  if (pending.failure) {
-    row[0] = 1;
-    row[1] = pending.failed_errno;
-  } else {
-    std::memcpy(row.data() + 2, pending.blocks.data(), pending.blocks.size() * sizeof(std::int64_t));
+void stage_checkpoint(B& engine, pending_checkpoint<Master>& pending) {
+  try {
+    std::size_t source = 0, within = 0;  // the next byte to copy: sources[source] + within
+    for (std::size_t i = 0; i < pending.chunks; ++i) {
+      {
+        std::unique_lock lock(pending.mutex);
+        pending.changed.wait(lock, [&] { return pending.written + pending.slots > i || pending.stopped_writing; });
+        if (pending.stopped_writing) break;  // the writer's error is the save's
+      }
+      char* into = pending.pool.data() + (i % pending.slots) * pending.chunk_bytes;
+      std::size_t left = std::min<std::size_t>(pending.chunk_bytes, pending.bytes - i * pending.chunk_bytes);
+      while (left > 0) {
+        const auto& [from, size] = pending.sources[source];
+        const std::size_t take = std::min(left, size - within);
+        engine.copy(into, from + within, take);
+        into += take;
+        left -= take;
+        within += take;
+        if (within == size) ++source, within = 0;
+      }
+      engine.record().wait();
+      {
+        std::lock_guard lock(pending.mutex);
+        ++pending.copied;
+      }
+      pending.changed.notify_all();
+    }
+  } catch (...) {
+    {
+      std::lock_guard lock(pending.mutex);
+      pending.stopped_copying = true;
+    }
+    pending.changed.notify_all();
+    pending.stop = true;
+    if (pending.writer.joinable()) pending.writer.join();
+    std::lock_guard lock(pending.mutex);
+    pending.finished = true;  // nothing published: the agreement (if any) commits nothing
+    throw;
   }
-  const auto rows = all_gather_values(group, std::span<const std::int64_t>(row));
-  if (pending.failure) std::rethrow_exception(pending.failure);
+}
+
+// Collective. Waits for this rank's writer, then agrees on the outcome: any rank's write error
+// raised on every rank, rank 0's background commit taken, or the commit made here.
+template <backend B, class Master>
+checkpoint_info agree_checkpoint_save(process_group<B>& group, pending_checkpoint<Master>& pending) {
+  const auto started = std::chrono::steady_clock::now();
+  const int rank = group.rank(), world = group.world_size();
+  const std::string operation = "save_checkpoint";
+  const auto forget_key = [&] {
+    // Every rank has agreed, so rank 0's writer has read every key: the store does not grow.
+    if (pending.published) try {
+        pending.keys->delete_key(pending.key(rank));
+      } catch (...) {}
+  };
+  // The writes first: once every rank's is finished, every key that will ever be published
+  // is, so rank 0's writer either has them all or never will; it is stopped and joined.
+  {
+    std::unique_lock lock(pending.mutex);
+    pending.changed.wait(lock, [&] { return pending.finished; });
+  }
+  // A copy that failed is this rank's failure (its writer stopped without publishing).
+  if (pending.copy_failure && !pending.failure) {
+    pending.failure = pending.copy_failure;
+    pending.failed_errno = EIO;
+  }
+  std::int64_t row[2] = {pending.failure ? 1 : 0, pending.failed_errno};
+  const auto rows = all_gather_values(group, std::span<const std::int64_t>(row, 2));
+  pending.stop = true;
+  if (pending.writer.joinable()) pending.writer.join();
+  if (pending.failure) {
+    forget_key();
+    std::rethrow_exception(pending.failure);
+  }
   for (int r = 0; r < world; ++r)
-    if (rows[static_cast<std::size_t>(r) * row.size()] != 0) {
-      const int code = static_cast<int>(rows[static_cast<std::size_t>(r) * row.size() + 1]);
+    if (rows[2 * static_cast<std::size_t>(r)] != 0) {
+      forget_key();
+      const int code = static_cast<int>(rows[2 * static_cast<std::size_t>(r) + 1]);
       throw error(rank, operation,
                   "rank " + std::to_string(r) + " could not write " + pending.staging + "/" + checkpoint_file_name(r) +
                       " (errno " + std::to_string(code) + ": " + std::strerror(code) + ")",
                   "free space or fix permissions; the previous checkpoint is intact");
     }
+  // Rank 0's commit: 1 made in the background, 2 failed there, 0 left to this agreement.
+  std::int64_t commit = pending.committed ? 1 : pending.commit_failure ? 2 : 0;
+  commit = all_gather_values(group, std::span<const std::int64_t>(&commit, 1))[0];
+  forget_key();
   auto& m = pending.manifest;
-  for (int r = 0; r < world; ++r) {
-    auto& f = m.files[static_cast<std::size_t>(r)];
-    f.blocks.resize((f.bytes + pending.block_bytes - 1) / pending.block_bytes);
-    std::memcpy(f.blocks.data(), &rows[static_cast<std::size_t>(r) * row.size() + 2],
-                f.blocks.size() * sizeof(std::uint64_t));
-    f.checksum = checkpoint_file_checksum(f.blocks, f.bytes);
+  if (commit == 2) {
+    if (pending.commit_failure) std::rethrow_exception(pending.commit_failure);
+    throw error(rank, operation, "rank 0 could not commit " + pending.staging,
+                "the previous checkpoint is intact; the partial one is removed by the next save");
   }
-  checkpoint_together(
-      group, operation,
-      [&](std::int64_t&) {
-        if (rank == 0) commit_checkpoint(pending.directory, pending.staging, m, pending.keep_last, rank);
-      },
-      [&](int, std::int64_t) { return "rank 0 could not commit " + pending.staging; },
-      "the previous checkpoint is intact; the partial one is removed by the next save");
+  if (commit == 0) {
+    // Not committed in the background (rank 0 stopped waiting, or the store failed): the
+    // checksums gathered here, the index written by rank 0.
+    std::vector<std::int64_t> blocks(pending.most_blocks, 0);
+    std::memcpy(blocks.data(), pending.blocks.data(), pending.blocks.size() * sizeof(std::int64_t));
+    const auto all = all_gather_values(group, std::span<const std::int64_t>(blocks));
+    for (int r = 0; r < world; ++r) {
+      auto& f = m.files[static_cast<std::size_t>(r)];
+      f.blocks.resize((f.bytes + pending.block_bytes - 1) / pending.block_bytes);
+      std::memcpy(f.blocks.data(), &all[static_cast<std::size_t>(r) * blocks.size()],
+                  f.blocks.size() * sizeof(std::uint64_t));
+      f.checksum = checkpoint_file_checksum(f.blocks, f.bytes);
+    }
+    checkpoint_together(
+        group, operation,
+        [&](std::int64_t&) {
+          if (rank == 0) commit_checkpoint(pending.directory, pending.staging, m, pending.keep_last, rank);
+        },
+        [&](int, std::int64_t) { return "rank 0 could not commit " + pending.staging; },
+        "the previous checkpoint is intact; the partial one is removed by the next save");
+  }
   checkpoint_info info;
   info.path = pending.directory + "/" + checkpoint_step_name(pending.step);
   info.step = pending.step;
@@ -245,8 +453,13 @@ checkpoint_info commit_checkpoint_save(process_group<B>& group, pending_checkpoi
   info.strategy = m.strategy;
   info.metadata = m.metadata;
   info.bytes_written = pending.bytes;
-  info.seconds = pending.seconds + seconds_since(started);
+  info.seconds = pending.seconds + pending.write_seconds + seconds_since(started);
   return info;
+}
+
+template <class Master>
+void start_checkpoint_writer(pending_checkpoint<Master>& pending) {
+  pending.writer = std::thread([&pending] { pending.write(); });
 }
 
 }  // namespace detail
@@ -254,25 +467,34 @@ checkpoint_info commit_checkpoint_save(process_group<B>& group, pending_checkpoi
 template <backend B, element P, element G>
 checkpoint_info save_checkpoint(training_state<B, P, G>& state, const std::string& directory, std::uint64_t step,
                                 const checkpoint_options& options) {
-  auto pending = detail::begin_checkpoint_save(state, directory, step, options);
-  pending.write();
-  return detail::commit_checkpoint_save(state.group(), pending);
+  auto pending = detail::begin_checkpoint_save(state, directory, step, options, true);
+  detail::start_checkpoint_writer(*pending);
+  detail::stage_checkpoint(state.group().backend(), *pending);
+  return detail::agree_checkpoint_save(state.group(), *pending);
 }
 
 template <backend B, element P, element G>
 async_checkpointer<B, P, G>::~async_checkpointer() {
-  // Not committed (that takes every rank): the files stay in a tmp-* directory, never loaded.
-  if (writer_.joinable()) writer_.join();
+  // Not agreed on (that takes every rank): committed only if rank 0's writer already had every
+  // key; otherwise the files stay in a tmp-* directory, never loaded.
+  if (!pending_) return;
+  pending_->stop = true;
+  if (pending_->copier.joinable()) pending_->copier.join();
+  if (pending_->writer.joinable()) pending_->writer.join();
+  if (pending_->published) try {
+      pending_->keys->delete_key(pending_->key(pending_->rank));
+    } catch (...) {}
 }
 
 template <backend B, element P, element G>
 std::optional<checkpoint_info> async_checkpointer<B, P, G>::wait() {
   if (!pending_) return std::nullopt;
-  if (writer_.joinable()) writer_.join();
   auto pending = std::move(pending_);
   pending_.reset();
-  spare_ = std::move(pending->staged);  // written: the next save stages into the same memory
-  return detail::commit_checkpoint_save(state_->group(), *pending);
+  if (pending->copier.joinable()) pending->copier.join();
+  auto info = detail::agree_checkpoint_save(state_->group(), *pending);
+  spare_ = std::move(pending->pool);  // written: the next save stages into the same memory
+  return info;
 }
 
 template <backend B, element P, element G>
@@ -280,17 +502,21 @@ std::optional<checkpoint_info> async_checkpointer<B, P, G>::save(const std::stri
                                                                  const checkpoint_options& options) {
   auto previous = wait();
   const auto started = std::chrono::steady_clock::now();
-  pending_ = std::make_unique<pending_type>(
-      detail::begin_checkpoint_save(*state_, directory, step, options, std::move(spare_)));
-  pending_->keep_staging = true;
-  const std::size_t bound = options.staging_bytes;
-  if (bound != 0 && pending_->bytes > bound) {
-    // More than the staging bound allows to hold while training goes on: written now.
-    pending_->write();
-  } else {
-    writer_ = std::thread([pending = pending_.get()] { pending->write(); });
-  }
-  staging_peak_ = std::max<std::uint64_t>(staging_peak_, pending_->bytes);
+  pending_ = detail::begin_checkpoint_save(*state_, directory, step, options, false, std::move(spare_));
+  detail::start_checkpoint_writer(*pending_);
+  // The copy overlaps the trainer's next forward and backward: the state's step() (or a load)
+  // waits on the fence until it is done, so the snapshot is this step's.
+  auto& fence = state_->checkpoint_fence();
+  fence.arm();
+  pending_->copier = std::thread([pending = pending_.get(), state = state_, &fence] {
+    try {
+      detail::stage_checkpoint(state->group().backend(), *pending);
+    } catch (...) {
+      pending->copy_failure = std::current_exception();
+    }
+    fence.release();
+  });
+  staging_peak_ = std::max<std::uint64_t>(staging_peak_, pending_->pool.size());
   last_blocked_seconds_ = detail::seconds_since(started);
   return previous;
 }

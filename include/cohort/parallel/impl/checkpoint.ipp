@@ -4,6 +4,7 @@
 
 #include <fcntl.h>
 #include <limits.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -340,32 +341,97 @@ COHORT_DECL void begin_checkpoint(const std::string& directory, const std::strin
                 "the checkpoint directory must be writable by the ranks that save");
 }
 
-COHORT_DECL std::vector<std::uint64_t> write_checkpoint_file(const std::string& path, const void* data,
-                                                             std::size_t bytes, std::size_t block_bytes, int rank,
-                                                             int& failed_errno) {
-  const auto fail = [&](const std::string& what) {
-    failed_errno = errno;
-    return error(rank, "save_checkpoint", what + " " + path + ": " + std::strerror(failed_errno),
-                 "free space or fix permissions; the previous checkpoint is intact");
-  };
-  checkpoint_fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (fd.get() < 0) throw fail("cannot create");
-  const auto* at = static_cast<const char*>(data);
-  std::vector<std::uint64_t> blocks;
-  for (std::size_t done = 0; done < bytes; done += block_bytes)
-    blocks.push_back(checkpoint_checksum(at + done, std::min(block_bytes, bytes - done)));
+COHORT_DECL checkpoint_staging::checkpoint_staging(std::size_t bytes) : size_(bytes) {
+  if (bytes == 0) return;
+  void* at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (at == MAP_FAILED)
+    throw error(-1, "save_checkpoint",
+                "cannot map " + std::to_string(bytes) + " bytes of host staging: " + std::strerror(errno),
+                "lower checkpoint_options::staging_bytes: the state streams through a smaller pool");
+#if defined(MADV_HUGEPAGE)
+  ::madvise(at, bytes, MADV_HUGEPAGE);  // advisory: 4 KiB pages where the kernel has none
+#endif
+  data_ = static_cast<char*>(at);
+}
+
+COHORT_DECL checkpoint_staging::checkpoint_staging(checkpoint_staging&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+
+COHORT_DECL checkpoint_staging& checkpoint_staging::operator=(checkpoint_staging&& other) noexcept {
+  if (this != &other) {
+    if (data_) ::munmap(data_, size_);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+COHORT_DECL checkpoint_staging::~checkpoint_staging() {
+  if (data_) ::munmap(data_, size_);
+}
+
+COHORT_DECL checkpoint_file_writer::checkpoint_file_writer(std::string path, std::size_t block_bytes, int rank,
+                                                           int& failed_errno)
+    : path_(std::move(path)), block_bytes_(block_bytes), rank_(rank), failed_errno_(failed_errno) {
+  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw failure("cannot create");
+}
+
+COHORT_DECL checkpoint_file_writer::~checkpoint_file_writer() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+COHORT_DECL error checkpoint_file_writer::failure(const std::string& what) {
+  failed_errno_ = errno;
+  return error(rank_, "save_checkpoint", what + " " + path_ + ": " + std::strerror(failed_errno_),
+               "free space or fix permissions; the previous checkpoint is intact");
+}
+
+COHORT_DECL void checkpoint_file_writer::append(const char* data, std::size_t bytes) {
+  // Checksums first, while the previous chunk's write-back runs in the kernel: the disk, not
+  // this thread, is then what a save waits for.
+  for (std::size_t done = 0; done < bytes; done += block_bytes_)
+    blocks_.push_back(checkpoint_checksum(data + done, std::min(block_bytes_, bytes - done)));
   for (std::size_t done = 0; done < bytes;) {
-    const ssize_t wrote = ::write(fd.get(), at + done, std::min<std::size_t>(bytes - done, std::size_t{1} << 30));
+    const ssize_t wrote = ::write(fd_, data + done, std::min<std::size_t>(bytes - done, std::size_t{1} << 30));
     if (wrote < 0 && errno == EINTR) continue;
-    if (wrote <= 0) throw fail("writing");
+    if (wrote <= 0) throw failure("writing");
     done += static_cast<std::size_t>(wrote);
   }
-  if (::fsync(fd.get()) != 0) throw fail("fsync of");
-  if (const int closed = fd.close(); closed != 0) {
-    errno = closed;
-    throw fail("closing");
-  }
-  return blocks;
+#if defined(__linux__)
+  // Start writing these pages to the disk now rather than at the dirty threshold or the fsync:
+  // the disk works while the next chunk is copied and checksummed. Advisory; an error shows at
+  // the fsync.
+  ::sync_file_range(fd_, static_cast<off_t>(written_), static_cast<off_t>(bytes), SYNC_FILE_RANGE_WRITE);
+#endif
+  written_ += bytes;
+}
+
+COHORT_DECL std::vector<std::uint64_t> checkpoint_file_writer::finish() {
+  if (::fsync(fd_) != 0) throw failure("fsync of");
+  const int result = ::close(std::exchange(fd_, -1));
+  if (result != 0) throw failure("closing");
+  return std::move(blocks_);
+}
+
+COHORT_DECL std::vector<std::uint8_t> checkpoint_outcome_bytes(bool failed, int failed_errno,
+                                                               const std::vector<std::uint64_t>& blocks) {
+  std::vector<std::uint64_t> words{failed ? 1u : 0u, static_cast<std::uint64_t>(failed_errno)};
+  words.insert(words.end(), blocks.begin(), blocks.end());
+  std::vector<std::uint8_t> out(words.size() * sizeof(std::uint64_t));
+  std::memcpy(out.data(), words.data(), out.size());
+  return out;
+}
+
+COHORT_DECL bool parse_checkpoint_outcome(std::span<const std::uint8_t> value, bool& failed, int& failed_errno,
+                                          std::vector<std::uint64_t>& blocks) {
+  if (value.size() < 2 * sizeof(std::uint64_t) || value.size() % sizeof(std::uint64_t) != 0) return false;
+  std::vector<std::uint64_t> words(value.size() / sizeof(std::uint64_t));
+  std::memcpy(words.data(), value.data(), value.size());
+  failed = words[0] != 0;
+  failed_errno = static_cast<int>(words[1]);
+  blocks.assign(words.begin() + 2, words.end());
+  return true;
 }
 
 COHORT_DECL void commit_checkpoint(const std::string& directory, const std::string& staging,

@@ -139,6 +139,7 @@ void training_state<B, P, G>::allocate_buffers() {
 
 template <backend B, element P, element G>
 void training_state<B, P, G>::load_parameters(std::span<const P> logical) {
+  snapshot_.wait();
   if (logical.size() != layout_.logical)
     fail("load_parameters",
          std::to_string(logical.size()) + " elements for regions covering " + std::to_string(layout_.logical),
@@ -602,6 +603,7 @@ void training_state<B, P, G>::publish_parameters() {
 
 template <backend B, element P, element G>
 step_result training_state<B, P, G>::step() {
+  snapshot_.wait();  // a checkpoint's copy of the masters and moments in flight
   if (no_sync_depth_ > 0)
     fail("step", "step() inside no_sync: this micro-step's gradients were not reduced",
          "end the no_sync scope before the last micro-step's backward, then step()");
@@ -648,6 +650,7 @@ step_result training_state<B, P, G>::step() {
 
 template <backend B, element P, element G>
 auto training_state<B, P, G>::checkpoint_data(std::size_t t, const detail::segment& s) -> master_type* {
+  snapshot_.wait();  // a load writes through it
   // Checkpoint segments are this rank's shard of the storage; under ddp the owned buffers are
   // laid out as the storage (owned == storage), sharded they concatenate the shards.
   const std::size_t owned = sharded() ? s.owned : s.storage;
@@ -669,6 +672,7 @@ auto training_state<B, P, G>::checkpoint_data(std::size_t t, const detail::segme
 
 template <backend B, element P, element G>
 void training_state<B, P, G>::finish_checkpoint_load(std::uint64_t optimizer_steps) {
+  snapshot_.wait();
   auto& engine = group_->backend();
   engine.wait_for_caller(caller_stream_);
   drop_gathered();
