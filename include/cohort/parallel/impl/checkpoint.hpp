@@ -328,9 +328,10 @@ auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& di
   return pending;
 }
 
-// The producer's half of the stream, on the training thread: each chunk copied into its slot
-// once the writer has drained the chunk that held it. Returns once the last chunk is in; the
-// state may change after that.
+// The producer's half of the stream (on the training thread for a synchronous save, on the
+// copier thread for an asynchronous one): each chunk copied into its slot once the writer has
+// drained the chunk that held it. Returns once the last chunk is in; the state may change
+// after that.
 template <backend B, class Master>
 void stage_checkpoint(B& engine, pending_checkpoint<Master>& pending) {
   try {
