@@ -181,8 +181,10 @@ class training_state {
 
   // --- parameters ----------------------------------------------------------------------------
   // The trainer's flat buffer (its logical layout), the same on every rank: each rank keeps
-  // what its strategy holds. Host memory on a host backend; any memory cudaMemcpy reaches on
-  // a device one.
+  // what its strategy holds. Under ddp, zero1 and zero2, where ranks hold the parameters
+  // whole, rank 0's buffer is broadcast (collective), so replicas start equal whatever each
+  // rank passed; at zero3 each element comes from the one rank that holds it. Host memory on a
+  // host backend; any memory cudaMemcpy reaches on a device one.
   void load_parameters(std::span<const P> logical);
   // Collective: the parameters in the trainer's flat layout, on every rank (host memory).
   std::vector<P> gather_parameters();

@@ -157,6 +157,9 @@ void training_state<B, P, G>::load_parameters(std::span<const P> logical) {
     for (std::size_t r = 0; r < regions_.size(); ++r)
       engine.copy(params + layout_.regions[r].storage, logical.data() + regions_[r].offset,
                   regions_[r].count * sizeof(P));
+    // Where every rank holds the parameters whole, rank 0's are everyone's (as DDP broadcasts
+    // at construction): ranks initialised with different seeds still start as one model.
+    if (world() > 1) group_->broadcast(std::span<P>(params, layout_.storage), 0);
   }
   if (separate_master())
     for (const auto& s : segments_)
