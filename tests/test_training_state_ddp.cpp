@@ -1,0 +1,276 @@
+// training_state under ddp, as a DDP user pins it: buckets launched during the backward in
+// the one order every rank shares, whatever order each marks in; no_sync micro-steps that
+// communicate nothing; regions a rank leaves unmarked; the global norm and its clipping as
+// clip_grad_norm_; gradients communicated in bfloat16; replicas that start equal; and the
+// errors that name what went wrong. Gloo ranks as threads. Plain SGD at lr 1 from zero makes
+// the parameters minus the averaged gradients, so what was reduced can be read back exactly.
+#include <catch2/catch.hpp>
+
+#include <cohort/parallel/training_state.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "flat_fixtures.hpp"
+#include "support.hpp"
+
+namespace {
+
+using cohort::region;
+using cohort::strategy;
+
+// `count` regions of `per_region` floats, region r alone in layer r.
+std::vector<region> one_per_layer(std::size_t count, std::size_t per_region) {
+  std::vector<region> regions;
+  for (std::size_t r = 0; r < count; ++r) regions.push_back({"t" + std::to_string(r), r * per_region, per_region, r});
+  return regions;
+}
+
+cohort::training_options sgd_at_lr_one(std::size_t bucket_bytes) {
+  return {.bucket_bytes = bucket_bytes, .sgd = cohort::sgd_options{.lr = 1}};
+}
+
+}  // namespace
+
+TEST_CASE("ddp launches each bucket during the backward, last to first on every rank whatever order it marks in",
+          "[training_state][ddp][gloo]") {
+  const int world = 2;
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(world, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
+    std::vector<std::size_t> launched;
+    auto options = sgd_at_lr_one(256);  // one 64-float region per bucket
+    options.on_launch = [&](std::size_t b) { launched.push_back(b); };
+    const auto regions = one_per_layer(4, 64);
+    cohort::training_state<cohort::gloo> state{pg, regions, options};
+    RANK_CHECK(state.bucket_count() == 4);
+    state.load_parameters(std::vector<float>(256, 0.0f));
+    // Rank 0 marks as a backward does, last layer first; rank 1 the other way round, so
+    // nothing may launch on rank 1 until it marks region 3, whose bucket goes first.
+    const std::vector<std::size_t> order =
+        rank == 0 ? std::vector<std::size_t>{3, 2, 1, 0} : std::vector<std::size_t>{0, 1, 2, 3};
+    for (const std::size_t r : order) {
+      for (auto& g : state.gradient(r)) g = static_cast<float>(rank + 1);
+      state.mark_ready(r);
+      if (rank == 0 && r == 3) RANK_CHECK(state.launched_buckets() == 1);  // before the backward's end
+      if (rank == 1 && r != 3) RANK_CHECK(state.launched_buckets() == 0);
+    }
+    RANK_CHECK(state.launched_buckets() == 4);
+    RANK_CHECK(launched == std::vector<std::size_t>({3, 2, 1, 0}));
+    state.step();
+    for (const float p : state.gather_parameters()) RANK_CHECK(p == -1.5f, p);  // -(1 + 2) / 2, exactly
+  });
+}
+
+TEST_CASE("ddp: no_sync micro-steps communicate nothing, and the synchronised one reduces their sum",
+          "[training_state][ddp][gloo]") {
+  const int world = 2, micro = 3;
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(world, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
+    int launches = 0;
+    auto options = sgd_at_lr_one(256);
+    options.on_launch = [&](std::size_t) { ++launches; };
+    const auto regions = one_per_layer(3, 64);
+    cohort::training_state<cohort::gloo> state{pg, regions, options};
+    state.load_parameters(std::vector<float>(192, 0.0f));
+    const auto micro_step = [&](int m) {
+      for (std::size_t r = regions.size(); r-- > 0;) {
+        for (auto& g : state.gradient(r)) g += static_cast<float>((rank + 1) * (m + 1));  // added: accumulated
+        state.mark_ready(r);
+      }
+    };
+    for (int m = 0; m + 1 < micro; ++m) {
+      auto quiet = state.no_sync();
+      micro_step(m);
+      RANK_CHECK(state.launched_buckets() == 0);
+    }
+    RANK_CHECK(launches == 0, "communication inside no_sync");
+    micro_step(micro - 1);
+    RANK_CHECK(launches == static_cast<int>(state.bucket_count()));
+    state.step();
+    // The average over ranks of (rank + 1) x (1 + 2 + 3): 1.5 x 6.
+    for (const float p : state.gather_parameters()) RANK_CHECK(p == -9.0f, p);
+  });
+}
+
+TEST_CASE("ddp: a region a rank leaves unmarked contributes zeros, whichever rank skips it, step by step",
+          "[training_state][ddp][gloo]") {
+  const int world = 2;
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(world, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
+    const auto regions = one_per_layer(4, 8);
+    cohort::training_state<cohort::gloo> state{pg, regions, sgd_at_lr_one(32)};
+    state.load_parameters(std::vector<float>(32, 0.0f));
+    std::vector<float> before(32, 0.0f);
+    // Step 0: rank 1 skips region 1. Step 1: rank 0 skips region 2. Step 2: both mark everything.
+    for (int step = 0; step < 3; ++step) {
+      const std::size_t skipped = step == 0 ? 1 : 2;
+      const bool skips = (step == 0 && rank == 1) || (step == 1 && rank == 0);
+      for (std::size_t r = regions.size(); r-- > 0;) {
+        if (skips && r == skipped) continue;  // neither written nor marked
+        for (auto& g : state.gradient(r)) g = 4.0f * static_cast<float>(rank + 1);
+        state.mark_ready(r);
+      }
+      state.step();
+      const auto after = state.gather_parameters();
+      for (std::size_t r = 0; r < regions.size(); ++r) {
+        // Only the other rank's gradient, halved, where one rank skipped; else (4 + 8) / 2.
+        const float other = 4.0f * static_cast<float>(step == 0 ? 1 : 2);
+        const float want = step < 2 && r == skipped ? other / 2 : 6.0f;
+        const float got = before[regions[r].offset] - after[regions[r].offset];
+        RANK_CHECK(got == want, "step " << step << " region " << r << ": " << got << " != " << want);
+      }
+      before = after;
+    }
+  });
+}
+
+TEST_CASE("ddp: every rank gets the norm of the averaged gradients and clips as clip_grad_norm_",
+          "[training_state][ddp][gloo]") {
+  const int world = 3;
+  const std::vector<std::size_t> sizes{33, 5, 200};
+  const auto value = [](int rank, std::size_t tensor, std::size_t i) {
+    return std::cos(0.3f * static_cast<float>(i + 7 * tensor)) * static_cast<float>(rank + 1);
+  };
+  double squares = 0;  // the norm of the average, in double
+  for (std::size_t t = 0; t < sizes.size(); ++t)
+    for (std::size_t i = 0; i < sizes[t]; ++i) {
+      double mean = 0;
+      for (int r = 0; r < world; ++r) mean += value(r, t, i);
+      mean /= world;
+      squares += mean * mean;
+    }
+  const double norm = std::sqrt(squares);
+  std::vector<region> regions;
+  for (std::size_t t = 0, at = 0; t < sizes.size(); at += sizes[t++])
+    regions.push_back({"t" + std::to_string(t), at, sizes[t], t});
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(world, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
+    for (const double max_norm : {norm / 4, 10 * norm}) {
+      auto options = sgd_at_lr_one(std::size_t{25} << 20);
+      options.max_grad_norm = max_norm;
+      cohort::training_state<cohort::gloo> state{pg, regions, options};
+      state.load_parameters(std::vector<float>(238, 0.0f));
+      for (std::size_t t = sizes.size(); t-- > 0;) {
+        auto g = state.gradient(t);
+        for (std::size_t i = 0; i < g.size(); ++i) g[i] = value(rank, t, i);
+        state.mark_ready(t);
+      }
+      const auto result = state.step();
+      RANK_CHECK(std::abs(result.grad_norm - norm) <= 1e-5 * norm, "norm " << result.grad_norm << " vs " << norm);
+      if (max_norm < norm) {
+        // PyTorch's factor: max / (norm + 1e-6); after it the gradients' norm is the max.
+        RANK_CHECK(std::abs(result.clip_factor - max_norm / (result.grad_norm + 1e-6)) <= 1e-12);
+        double applied = 0;
+        for (const float p : state.gather_parameters()) applied += static_cast<double>(p) * p;
+        RANK_CHECK(std::abs(std::sqrt(applied) - max_norm) <= 1e-5 * max_norm, "after " << std::sqrt(applied));
+      } else {
+        RANK_CHECK(result.clip_factor == 1.0);  // a bound above the norm leaves the gradients alone
+      }
+    }
+  });
+}
+
+TEST_CASE("ddp: bfloat16 gradients are communicated in bfloat16, exact where bfloat16 is",
+          "[training_state][ddp][gloo]") {
+  const int world = 2;
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(world, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
+    const auto regions = one_per_layer(2, 100);
+    cohort::training_state<cohort::gloo, float, cohort::bfloat16> state{pg, regions, sgd_at_lr_one(256)};
+    state.load_parameters(std::vector<float>(200, 0.0f));
+    for (std::size_t r = 2; r-- > 0;) {
+      auto g = state.gradient(r);
+      // Small integers and halves: exact in bfloat16, as their averages are.
+      for (std::size_t i = 0; i < g.size(); ++i)
+        g[i] = cohort::bfloat16(0.5f * static_cast<float>(i % 13) * static_cast<float>(rank + 1));
+      state.mark_ready(r);
+    }
+    state.step();
+    const auto params = state.gather_parameters();
+    for (std::size_t e = 0; e < params.size(); ++e)
+      RANK_CHECK(params[e] == -0.75f * static_cast<float>(e % 100 % 13), "element " << e << ": " << params[e]);
+  });
+}
+
+TEST_CASE("ranks that pass different initial parameters start from rank 0's where they hold them whole",
+          "[training_state][ddp][gloo]") {
+  const int world = 3;
+  for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2}) {
+    auto store = std::make_shared<cohort::memory_store>();
+    cohort_test::run_ranks(world, [&](int rank) {
+      auto pg = cohort_test::make_gloo_group(store, rank, world);
+      const auto regions = one_per_layer(3, 10);
+      cohort::training_state<cohort::gloo> state{pg, regions, {.strategy = kind}};
+      state.load_parameters(std::vector<float>(30, static_cast<float>(rank + 1)));  // another seed per rank
+      for (std::size_t l = 0; l < regions.size(); ++l) {
+        const auto layer = state.gather(l);
+        for (const float p : layer.param(l)) RANK_CHECK(p == 1.0f, cohort::to_string(kind) << ": " << p);
+      }
+    });
+  }
+}
+
+TEST_CASE("ddp misuse names the rank and the region: marked twice in one step, or dtypes that differ across ranks",
+          "[training_state][ddp][gloo][faults]") {
+  const int world = 2;
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(world, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
+    const auto regions = one_per_layer(3, 16);
+    cohort::training_state<cohort::gloo> state{pg, regions, sgd_at_lr_one(64)};
+    state.load_parameters(std::vector<float>(48, 0.0f));
+    state.mark_ready(2);
+    RANK_CHECK_THROWS(cohort::error, state.mark_ready(2),
+                      "[rank " + std::to_string(rank) + "] training_state.mark_ready: region 2 't2' marked twice");
+    // The step goes on: nothing was launched twice.
+    state.mark_ready(1);
+    state.mark_ready(0);
+    state.step();
+  });
+
+  std::vector<std::string> errors(world);
+  store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(world, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
+    const auto regions = one_per_layer(3, 16);
+    try {
+      if (rank == 1) {
+        cohort::training_state<cohort::gloo, double> doubles{pg, regions};
+      } else {
+        cohort::training_state<cohort::gloo, float> floats{pg, regions};
+      }
+    } catch (const cohort::error& e) {
+      errors[static_cast<std::size_t>(rank)] = e.what();
+    }
+  });
+  for (const auto& text : errors)
+    CHECK_THAT(text, Catch::Contains("rank 1 has 3 regions over 48 elements, rank 0 3 over 48 (the same sizes: their "
+                                     "offsets, layers, strategy, bucket_bytes or dtypes differ)"));
+}
+
+TEST_CASE("the bucketing rule: regions fill a bucket up to bucket_bytes, and a larger region has one of its own",
+          "[training_state][ddp]") {
+  // Floats in six layers; a cap of 500 elements (2000 bytes), one rank, 4-element alignment.
+  const std::vector<std::size_t> sizes{100, 4, 300, 8, 2000, 4};
+  std::vector<region> regions;
+  for (std::size_t t = 0, at = 0; t < sizes.size(); at += sizes[t++])
+    regions.push_back({"t" + std::to_string(t), at, sizes[t], t});
+  const auto layout = cohort::detail::plan_storage(regions, 1, 500, true, 4);
+  REQUIRE(layout.buckets.size() == 3);
+  CHECK(layout.buckets[0].regions == std::vector<std::size_t>({0, 1, 2, 3}));  // 100 + 4 + 300 + 8 <= 500
+  CHECK(layout.buckets[1].regions == std::vector<std::size_t>({4}));           // over the cap: alone
+  CHECK(layout.buckets[2].regions == std::vector<std::size_t>({5}));
+  CHECK(layout.buckets[0].padded == 412);
+  // Each rank's shard: at 4 ranks every bucket pads to a multiple of 16 elements.
+  for (const auto& bucket : cohort::detail::plan_storage(regions, 4, 500, true, 4).buckets)
+    CHECK(bucket.padded % 16 == 0);
+}
