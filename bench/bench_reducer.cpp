@@ -1,10 +1,11 @@
 // Bucketed, overlapped gradient all-reduce on Gloo ranks (threads of this process) with a
 // ResNet-50-shaped gradient set (161 tensors, 25.6 M parameters):
 //  1. communication alone: one raw all-reduce of everything, one all-reduce per tensor, and
-//     the reducer at bucket caps 1 .. 100 MiB;
+//     training_state under ddp at bucket caps 1 .. 100 MiB (its step a plain SGD pass at lr 0:
+//     the one pass over the gradients a step needs, nothing else);
 //  2. a simulated backward (per-layer compute proportional to the layer's size, plus
 //     writing its gradient), without and with overlap: step time, compute time and exposed
-//     communication (step - compute).
+//     communication (step - compute); then the training state under every strategy with AdamW.
 // --compute-ms is what the whole backward takes alone, gradient writes included: each side
 // (this program and the PyTorch peer) calibrates its per-layer busy time until its own
 // "compute alone" meets it, since the framework around the compute costs each side a
@@ -23,7 +24,6 @@
 //                 [--json FILE] [--torch-peer bench/peers/torch_ddp.py] [--python python3]
 #include <cohort/backend/gloo.hpp>
 #include <cohort/parallel/training_state.hpp>
-#include <cohort/reducer.hpp>
 #include <cohort/run_ranks.hpp>
 #include <cohort/store.hpp>
 #include <cohort/tools/detail/json.hpp>
@@ -254,124 +254,73 @@ class bench {
              0);
     }
     const double caps[] = {1, 5, 10, 25, 50, 100};
+    // Every tensor its own layer, back to back in declaration order: under ddp the buckets fill
+    // to the cap across layers and launch as the backward marks them, last to first.
+    std::vector<cohort::region> layers;
+    for (std::size_t t = 0, offset = 0; t < n; offset += sizes_[t++])
+      layers.push_back({"t" + std::to_string(t), offset, sizes_[t], t});
+    const std::vector<float> initial(total_, 0.01f);
+    const auto ddp_options = [](std::size_t bytes) {
+      return cohort::training_options{.bucket_bytes = bytes, .sgd = cohort::sgd_options{.lr = 0}};
+    };
     for (double cap : caps) {
       const auto bytes = static_cast<std::size_t>(cap * (1 << 20));
-      cohort::gradient_reducer<cohort::gloo> ddp(pg, sizes_, {.first_bucket_bytes = bytes, .bucket_bytes = bytes});
-      record("bucketed all-reduce, no compute", cap, ddp.bucket_count(),
+      cohort::training_state<cohort::gloo> ddp(pg, layers, ddp_options(bytes));
+      ddp.load_parameters(initial);
+      record("ddp all-reduce + step, no compute", cap, ddp.bucket_count(),
              timed(pg,
                    [&] {
                      for (std::size_t t = n; t-- > 0;) ddp.mark_ready(t);
-                     ddp.finish();
+                     ddp.step();
                    }),
              0);
     }
     // Simulated backward.
+    std::vector<float> scratch(total_);
+    const timing compute_alone = calibrate(pg, [&] {
+      std::size_t offset = total_;
+      for (std::size_t t = n; t-- > 0;) {
+        offset -= sizes_[t];
+        layer_backward(t, std::span<float>(scratch.data() + offset, sizes_[t]));
+      }
+    });
+    const double compute = compute_alone.wall_ms;
+    record("backward compute alone", 0, 0, compute_alone, compute);
+    if (rows) rows->back().budget_ms = budget_ms_;
     {
-      std::vector<float> scratch(total_);
-      const timing compute_alone = calibrate(pg, [&] {
-        std::size_t offset = total_;
-        for (std::size_t t = n; t-- > 0;) {
-          offset -= sizes_[t];
-          layer_backward(t, std::span<float>(scratch.data() + offset, sizes_[t]));
-        }
-      });
-      const double compute = compute_alone.wall_ms;
-      record("backward compute alone", 0, 0, compute_alone, compute);
-      if (rows) rows->back().budget_ms = budget_ms_;
-      cohort::gradient_reducer<cohort::gloo> ddp(pg, sizes_);
+      cohort::training_state<cohort::gloo> ddp(pg, layers, ddp_options(std::size_t{25} << 20));
+      ddp.load_parameters(initial);
       record("backward, then all-reduce (no overlap)", 25, ddp.bucket_count(),
              timed(pg,
                    [&] {
                      for (std::size_t t = n; t-- > 0;) layer_backward(t, ddp.gradient(t));
                      for (std::size_t t = n; t-- > 0;) ddp.mark_ready(t);
-                     ddp.finish();
+                     ddp.step();
                    }),
              compute);
-      for (double cap : caps) {
-        const auto bytes = static_cast<std::size_t>(cap * (1 << 20));
-        cohort::gradient_reducer<cohort::gloo> overlapped(
-            pg, sizes_, {.first_bucket_bytes = std::min<std::size_t>(bytes, 1 << 20), .bucket_bytes = bytes});
-        record("backward overlapped with bucketed all-reduce", cap, overlapped.bucket_count(),
-               timed(pg,
-                     [&] {
-                       for (std::size_t t = n; t-- > 0;) {
-                         layer_backward(t, overlapped.gradient(t));
-                         overlapped.mark_ready(t);
-                       }
-                       overlapped.finish();
-                     }),
-               compute);
-      }
-      measure_flat(pg, record, compute);
     }
-  }
-
-  // The trainer's own flat buffers (tensors back to back in declaration order), at 25 MiB
-  // buckets: data parallelism in place against bucket views above, and an optimizer step
-  // after it, AdamW on every parameter (data parallelism: each rank updates everything)
-  // against the training state's strategies (ZeRO-1/2: reduce-scatter, AdamW on 1/N,
-  // all-gather).
-  template <class Record>
-  void measure_flat(group& pg, Record& record, double compute) {
-    const std::size_t n = sizes_.size();
-    std::vector<float> params(total_, 0.01f), grads(total_);
-    std::vector<cohort::gradient_region> regions;
-    std::size_t offset = 0;
-    for (auto count : sizes_) {
-      regions.push_back({offset, count});
-      offset += count;
-    }
-    const auto tensor = [&](std::size_t t) { return std::span<float>(grads).subspan(regions[t].offset, sizes_[t]); };
-    const std::size_t bytes = std::size_t{25} << 20;
-    {
-      cohort::gradient_reducer<cohort::gloo> flat(
-          pg, cohort::flat_gradients(std::span<float>(grads), regions),
-          {.first_bucket_bytes = 1 << 20, .bucket_bytes = bytes, .in_place = true});
-      record("backward overlapped, flat buffer reduced in place", 25, flat.bucket_count(),
+    for (double cap : caps) {
+      const auto bytes = static_cast<std::size_t>(cap * (1 << 20));
+      cohort::training_state<cohort::gloo> overlapped(pg, layers, ddp_options(bytes));
+      overlapped.load_parameters(initial);
+      record("backward overlapped with ddp's bucketed all-reduce", cap, overlapped.bucket_count(),
              timed(pg,
                    [&] {
                      for (std::size_t t = n; t-- > 0;) {
-                       layer_backward(t, tensor(t));
-                       flat.mark_ready(t);
+                       layer_backward(t, overlapped.gradient(t));
+                       overlapped.mark_ready(t);
                      }
-                     flat.finish();
-                   }),
-             compute);
-      std::vector<float> first(total_), second(total_);
-      const cohort::adam_options adam{.lr = 1e-4, .weight_decay = 0.01};
-      std::uint64_t step = 0;
-      record("data parallel in place + AdamW on every parameter", 25, flat.bucket_count(),
-             timed(pg,
-                   [&] {
-                     for (std::size_t t = n; t-- > 0;) {
-                       layer_backward(t, tensor(t));
-                       flat.mark_ready(t);
-                     }
-                     flat.finish();
-                     const double k = static_cast<double>(++step);
-                     const cohort::detail::adam_coefficients c{adam.lr,
-                                                               adam.beta1,
-                                                               adam.beta2,
-                                                               adam.eps,
-                                                               adam.weight_decay,
-                                                               1 - std::pow(adam.beta1, k),
-                                                               1 - std::pow(adam.beta2, k)};
-                     cohort::adam_step(pg.backend(), params.data(), grads.data(), first.data(), second.data(), total_,
-                                       c)
-                         .wait();
+                     overlapped.step();
                    }),
              compute);
     }
-    // The one training state under each strategy, the same backward and AdamW: side by side
-    // with the data-parallel paths above (at zero3 every tensor is a layer, gathered in the forward and the
-    // backward).
-    std::vector<cohort::region> layers;
-    for (std::size_t t = 0; t < n; ++t) layers.push_back({"t" + std::to_string(t), regions[t].offset, sizes_[t], t});
+    // The one training state under each strategy, the same backward and AdamW (at zero3 every
+    // tensor is a layer, gathered in the forward and the backward).
     for (const auto kind :
          {cohort::strategy::ddp, cohort::strategy::zero1, cohort::strategy::zero2, cohort::strategy::zero3}) {
-      cohort::training_state<cohort::gloo> state(pg, layers,
-                                                 {.strategy = kind, .bucket_bytes = bytes, .adam = {.lr = 1e-4}});
-      state.load_parameters(params);
+      cohort::training_state<cohort::gloo> state(
+          pg, layers, {.strategy = kind, .bucket_bytes = std::size_t{25} << 20, .adam = {.lr = 1e-4}});
+      state.load_parameters(initial);
       record("training_state " + std::string(cohort::to_string(kind)) + ": backward + AdamW", 25, state.bucket_count(),
              timed(pg,
                    [&] {
@@ -481,8 +430,9 @@ json run_mode(const settings& s) {
       s.compute_ms);
   const json torch = run_torch_peer(s);
   if (!torch.is_null()) {
-    // cohort's bucket views against DDP's gradient_as_bucket_view (the same memory layout:
-    // gradients live in the buckets), and DDP's default (copied into its buckets) beside it.
+    // cohort's ddp against DDP's gradient_as_bucket_view (the same memory layout: the backward
+    // writes into the buckets), and DDP's default (copied into its buckets) beside it. cohort's
+    // step also makes one SGD pass (lr 0) over the gradients, which the peer's does not.
     const double views_step = torch.at("ddp_bucket_view_step_ms").as_number();
     const double views_compute = torch.at("bucket_view_compute_ms").as_number();
     const double default_step = torch.at("ddp_step_ms").as_number();
@@ -492,7 +442,7 @@ json run_mode(const settings& s) {
     std::printf("\nside by side, compute %s, %d ranks, 25 MiB buckets (PyTorch %s DDP over Gloo):\n", mode, s.ranks,
                 torch.at("torch_version").as_string().c_str());
     std::printf("  %-50s %9s %14s %12s\n", "", "cohort", "DDP bucket", "DDP default");
-    std::printf("  %-50s %9s %14s %12s\n", "", "views", "views", "");
+    std::printf("  %-50s %9s %14s %12s\n", "", "ddp", "views", "");
     const auto line = [](const char* what, double a, double b, double c) {
       std::printf("  %-50s %9.1f %14.1f %12.1f\n", what, a, b, c);
     };

@@ -1,13 +1,13 @@
 // bench_scaling: will N ranks beat one? Trains the data-parallel example's MLP for K steps on
-// 1 rank and on N ranks (threads, Gloo, cohort's gradient reducer), each rank with the same
+// 1 rank and on N ranks (threads, Gloo, training_state under ddp), each rank with the same
 // per-device batch, and reports throughput, the ratio N-rank / 1-rank, and the scaling
 // efficiency (ratio / N). Below 0.75 x N it says so: the communication is eating the gain.
 //
 //   bench_scaling [--ranks N] [--steps K] [--per-device-batch B] [--widths 256,512,512,16] [--json FILE]
 #include <chrono>
 #include <cohort/backend/gloo.hpp>
+#include <cohort/parallel/training_state.hpp>
 #include <cohort/process_group.hpp>
-#include <cohort/reducer.hpp>
 #include <cohort/run_ranks.hpp>
 #include <cohort/tools/detail/json.hpp>
 #include <cstdio>
@@ -35,18 +35,30 @@ double train(cohort::process_group<cohort::gloo>& pg, const config& cfg) {
   const cohort_examples::mlp model(cfg.widths);
   const auto data = cohort_examples::synthetic_data::make(
       cfg.per_device_batch, model.input_width(), model.output_width(), 100 + static_cast<std::uint64_t>(pg.rank()));
-  std::vector<std::vector<float>> storage;
-  for (auto n : model.parameter_sizes()) storage.emplace_back(n, 0.0f);
-  std::vector<std::span<float>> params(storage.begin(), storage.end());
-  model.initialize(params, 7);
-  cohort::gradient_reducer<cohort::gloo> ddp{pg, model.parameter_sizes()};
+  // The MLP's tensors back to back in one flat buffer, W_l and b_l in layer l; plain SGD.
+  std::vector<cohort::region> regions;
+  std::size_t elements = 0;
+  for (const auto n : model.parameter_sizes()) {
+    regions.push_back({"t" + std::to_string(regions.size()), elements, n, regions.size() / 2});
+    elements += n;
+  }
+  std::vector<float> initial(elements);
+  std::vector<std::span<float>> tensors;
+  for (const auto& r : regions) tensors.push_back(std::span<float>(initial).subspan(r.offset, r.count));
+  model.initialize(tensors, 7);
+  cohort::training_state<cohort::gloo> ddp{pg, regions, {.sgd = cohort::sgd_options{.lr = 0.01}}};
+  ddp.load_parameters(initial);
+  // Under ddp the parameters stay where the views point; gradients where gradient() says.
+  std::vector<cohort::training_state<cohort::gloo>::layer_view> views;
+  for (std::size_t l = 0; l < ddp.layer_count(); ++l) views.push_back(ddp.gather(l));
+  std::vector<std::span<float>> params, grads;
+  for (std::size_t r = 0; r < regions.size(); ++r) params.push_back(views[regions[r].layer].param(r));
   auto step = [&] {
-    auto grads = ddp.gradients();
+    grads.clear();
+    for (std::size_t r = 0; r < regions.size(); ++r) grads.push_back(ddp.gradient(r));
     model.loss_and_gradients(params, grads, data.inputs, data.targets, cfg.per_device_batch,
                              [&](std::size_t t) { ddp.mark_ready(t); });
-    ddp.finish();
-    for (std::size_t t = 0; t < params.size(); ++t)
-      for (std::size_t i = 0; i < params[t].size(); ++i) params[t][i] -= 0.01f * grads[t][i];
+    ddp.step();
   };
   step();  // warm-up: first buckets, page faults
   pg.barrier().wait();

@@ -1,7 +1,7 @@
 // Host-side costs of cohort's building blocks (Google Benchmark):
 //   sampler   indices per second, sequential and shuffled (Feistel permutation)
 //   store     operations per second: memory_store (thread ranks) and tcp_store over loopback
-//   reducer   gradient_reducer::mark_ready, alone (inside no_sync) and with bucket launches
+//   ddp       training_state::mark_ready under ddp, alone (inside no_sync) and with bucket launches
 //   checksum  a checkpoint's block checksum, bytes per second, against the FNV-1a it replaced
 //
 //   ./micro_host --benchmark_min_time=0.2
@@ -19,11 +19,11 @@
 #include "cohort/store.hpp"
 #include "cohort/tcp_store.hpp"
 
-#if __has_include("cohort/reducer.hpp") && defined(COHORT_HAS_GLOO)
+#if defined(COHORT_HAS_GLOO)
 #include "cohort/backend/gloo.hpp"
+#include "cohort/parallel/training_state.hpp"
 #include "cohort/process_group.hpp"
-#include "cohort/reducer.hpp"
-#define COHORT_MICRO_REDUCER 1
+#define COHORT_MICRO_DDP 1
 #endif
 
 namespace {
@@ -112,44 +112,49 @@ void tcp_store_add(benchmark::State& state) {
 }
 BENCHMARK(tcp_store_add)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
-#if defined(COHORT_MICRO_REDUCER)
+#if defined(COHORT_MICRO_DDP)
 // One rank (no peer to wait for): what mark_ready itself costs on the training thread.
-// range(0): gradients; each of 1024 floats (4 KiB), so the 64 KiB buckets hold 16 of them.
-struct one_rank_reducer {
+// range(0): regions, each of 1024 floats (4 KiB) in a layer of its own, so the 64 KiB buckets
+// hold 16 of them.
+struct one_rank_ddp {
   std::shared_ptr<cohort::memory_store> store = std::make_shared<cohort::memory_store>();
   cohort::process_group<cohort::gloo> pg{store, cohort::launch_env::explicit_ranks(0, 1)};
-  cohort::gradient_reducer<cohort::gloo> ddp;
-  explicit one_rank_reducer(std::size_t gradients)
-      : ddp(pg, std::vector<std::size_t>(gradients, 1024),
-            cohort::reducer_options{.first_bucket_bytes = 64 << 10, .bucket_bytes = 64 << 10}) {}
+  cohort::training_state<cohort::gloo> ddp;
+  static std::vector<cohort::region> regions(std::size_t count) {
+    std::vector<cohort::region> list;
+    for (std::size_t r = 0; r < count; ++r) list.push_back({"r" + std::to_string(r), r * 1024, 1024, r});
+    return list;
+  }
+  explicit one_rank_ddp(std::size_t count)
+      : ddp(pg, regions(count), {.bucket_bytes = 64 << 10, .sgd = cohort::sgd_options{.lr = 0}}) {}
 };
 
 // Inside no_sync: bookkeeping only, no bucket launches (gradient accumulation micro-steps).
-void reducer_mark_ready_no_sync(benchmark::State& state) {
+void ddp_mark_ready_no_sync(benchmark::State& state) {
   const auto n = static_cast<std::size_t>(state.range(0));
-  one_rank_reducer r(n);
+  one_rank_ddp r(n);
   for (auto _ : state) {
     auto scope = r.ddp.no_sync();
     for (std::size_t i = n; i-- > 0;) r.ddp.mark_ready(i);
-    r.ddp.finish();
   }
   state.SetItemsProcessed(state.iterations() * state.range(0));
   state.SetLabel("items = mark_ready calls");
 }
-BENCHMARK(reducer_mark_ready_no_sync)->Arg(256)->Unit(benchmark::kMicrosecond);
+BENCHMARK(ddp_mark_ready_no_sync)->Arg(256)->Unit(benchmark::kMicrosecond);
 
-// A synchronised step: mark_ready launches each bucket as it fills; finish waits.
-void reducer_mark_ready_step(benchmark::State& state) {
+// A synchronised step: mark_ready launches each bucket as it fills; step() waits, then makes
+// one SGD pass (lr 0) over the gradients.
+void ddp_mark_ready_step(benchmark::State& state) {
   const auto n = static_cast<std::size_t>(state.range(0));
-  one_rank_reducer r(n);
+  one_rank_ddp r(n);
   for (auto _ : state) {
     for (std::size_t i = n; i-- > 0;) r.ddp.mark_ready(i);
-    r.ddp.finish();
+    r.ddp.step();
   }
   state.SetItemsProcessed(state.iterations() * state.range(0));
-  state.SetLabel("items = mark_ready calls, 16 per bucket, incl. finish");
+  state.SetLabel("items = mark_ready calls, 16 per bucket, incl. step");
 }
-BENCHMARK(reducer_mark_ready_step)->Arg(256)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(ddp_mark_ready_step)->Arg(256)->Unit(benchmark::kMicrosecond)->UseRealTime();
 #endif
 
 // --- checkpoint block checksum -----------------------------------------------------------------

@@ -10,16 +10,20 @@
 #include <span>
 #include <vector>
 
-#include <cohort/optim.hpp>
-#include <cohort/reducer.hpp>
+#include <cohort/parallel/optimizer_options.hpp>
 
 #include "mlp.hpp"
 
 namespace cohort_examples {
 
 struct flat_layout {
+  // Elements [offset, offset + count) of the flat buffer.
+  struct tensor_range {
+    std::size_t offset = 0;
+    std::size_t count = 0;
+  };
   // One region per mlp tensor (W0, b0, W1, b1, ...), into the flat buffer.
-  std::vector<cohort::gradient_region> regions;
+  std::vector<tensor_range> regions;
   std::size_t elements = 0;
   // Weight decay for matrices only, as trainers do.
   std::vector<std::uint8_t> decay;

@@ -3,7 +3,7 @@
 // the tests and the benchmarks: the kind of model a hand-written trainer has. Parameters
 // are separate tensors (W0, b0, W1, b1, ...) in declaration order, and the backward pass
 // finishes them back to front, reporting each as soon as it is final, which is what a
-// gradient reducer needs to overlap communication with the rest of the backward pass.
+// training state needs (mark_ready) to overlap communication with the rest of the backward pass.
 
 #include <algorithm>
 #include <cmath>

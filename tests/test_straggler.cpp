@@ -4,7 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <cohort/backend/gloo.hpp>
-#include <cohort/reducer.hpp>
+#include <cohort/parallel/training_state.hpp>
 #include <cohort/sharded.hpp>
 #include <cohort/store.hpp>
 #include <cohort/straggler.hpp>
@@ -96,8 +96,7 @@ TEST_CASE("summarize_stragglers: min, median, max, exposed share and the slowest
   INFO(line);
   CHECK(line.find("cohort straggler report, steps 101-200, 4 ranks: step 40.0 ms") == 0);
   CHECK(line.find("compute min 10.0 (rank 0), median 10.3, max 34.0 (rank 2) ms") != std::string::npos);
-  CHECK(line.find("waiting in finish/gathers min 6.0 (rank 2), median 29.7, max 30.0 (rank 0) ms") !=
-        std::string::npos);
+  CHECK(line.find("waiting in step/gathers min 6.0 (rank 2), median 29.7, max 30.0 (rank 0) ms") != std::string::npos);
   CHECK(line.find("exposed communication 15%..75% of the step (median 74%)") != std::string::npos);
   CHECK(line.find("slowest: rank 2, +23.7 ms/step of compute over the median") != std::string::npos);
   CHECK(line.find('\n') == std::string::npos);
@@ -206,20 +205,25 @@ TEST_CASE("the straggler report names the rank slowed in its backward (3 Gloo ra
                                            collected_at.push_back(self->steps());
                                          }});
     self = &report;
-    const std::vector<std::size_t> sizes{4096, 256, 64};
-    cohort::gradient_reducer<cohort::gloo> ddp{
-        pg, sizes, {.first_bucket_bytes = 1024, .bucket_bytes = 4096, .straggler = &report}};
-    RANK_CHECK(ddp.bucket_count() >= 2);
+    // Three layers of 4096, 256 and 64 floats: two buckets of at most 4 KiB under ddp, and
+    // plain SGD at lr 1 from zero, so the parameters are minus the sum of the averaged gradients.
+    const std::vector<cohort::region> regions{{"a", 0, 4096, 0}, {"b", 4096, 256, 1}, {"c", 4352, 64, 2}};
+    cohort::training_state<cohort::gloo> state{
+        pg, regions, {.bucket_bytes = 4096, .sgd = cohort::sgd_options{.lr = 1}, .straggler = &report}};
+    RANK_CHECK(state.bucket_count() >= 2);
+    state.load_parameters(std::vector<float>(4416, 0.0f));
+    float expected = 0;
     for (int step = 1; step <= steps; ++step) {
       // The backward: the slow rank takes 30 ms longer before its gradients are ready.
       if (rank == slow) std::this_thread::sleep_for(30ms);
-      for (std::size_t i = sizes.size(); i-- > 0;) {
-        for (auto& g : ddp.gradient(i)) g = static_cast<float>(rank + step);
-        ddp.mark_ready(i);
+      for (std::size_t i = regions.size(); i-- > 0;) {
+        for (auto& g : state.gradient(i)) g = static_cast<float>(rank + step);
+        state.mark_ready(i);
       }
-      ddp.finish();
-      const float expected = static_cast<float>(1 + step);  // (0 + 1 + 2) / 3 + step
-      RANK_CHECK(std::abs(ddp.gradient(0)[0] - expected) < 1e-5f * expected);
+      state.step();
+      expected -= static_cast<float>(1 + step);  // (0 + 1 + 2) / 3 + step
+      const auto layer = state.gather(0);
+      RANK_CHECK(std::abs(layer.param(0)[0] - expected) < 1e-5f * std::abs(expected));
     }
     report.flush();
     RANK_CHECK(report.failure().empty(), report.failure());
@@ -252,7 +256,7 @@ TEST_CASE("the straggler report names the rank slowed in its backward (3 Gloo ra
     for (int r = 0; r < world; ++r) {
       if (r == slow) continue;
       const auto& other = *s.find(r);
-      // The others wait in finish() for the slowed rank's buckets.
+      // The others wait in step() for the slowed rank's buckets.
       CHECK(other.reduce_wait_ms >= 20);
       CHECK(other.wait_ms() > slowed.wait_ms() + 15);
       CHECK(slowed.compute_ms() > other.compute_ms() + 15);
@@ -297,7 +301,7 @@ TEST_CASE("the straggler report counts waits in sharded gathers (2 Gloo ranks)",
         auto layer = weights.gather(1);
         sink += layer.param(0)[0];
       }
-      report.end_step();  // no reducer here: the optimizer step ends the step
+      report.end_step();  // no training state here: the optimizer step ends the step
     }
     report.flush();
     RANK_CHECK(sink == 0);

@@ -1,5 +1,6 @@
-// A trainer's translation unit on Gloo: run_ranks, a process group, the reducer, sharded
-// parameters with Adam, the sampler and the guards, each instantiated as a trainer does.
+// A trainer's translation unit on Gloo: run_ranks, a process group, the training state at
+// zero3 (the strategy whose every path a trainer instantiates: gathers, reductions, the
+// optimizer), the sampler and the guards, each instantiated as a trainer does.
 #include <cohort/cohort.hpp>
 
 #include <cstdio>
@@ -11,19 +12,16 @@ namespace {
 
 void train(std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
   cohort::process_group<cohort::gloo> pg{store, env};
-  const std::vector<std::size_t> sizes{300, 20};
-  cohort::gradient_reducer<cohort::gloo> ddp{pg, sizes};
-  for (std::size_t i = ddp.gradient_count(); i-- > 0;) ddp.mark_ready(i);
-  (void)ddp.finish();
-  const std::vector<std::vector<std::size_t>> units{{5, 3}, {4}};
-  cohort::sharded_parameters<cohort::gloo, float> weights{pg, units, {.prefetch = 1}};
-  cohort::adam opt{weights, {.lr = 3e-4}};
-  {
-    auto layer = weights.gather(0);
-    (void)layer.param(0);
+  const std::vector<cohort::region> regions{{"w", 0, 300, 0}, {"b", 300, 20, 1, false}};
+  cohort::training_state<cohort::gloo> state{pg, regions, {.strategy = cohort::strategy::zero3, .max_grad_norm = 1}};
+  state.load_parameters(std::vector<float>(320, 0.5f));
+  for (std::size_t r = regions.size(); r-- > 0;) {
+    auto layer = state.gather(regions[r].layer);
+    (void)layer.param(r);
+    (void)state.gradient(r);
+    state.mark_ready(r);
   }
-  weights.reduce_scatter_grad(0, std::vector<float>(8)).wait();
-  opt.step().wait();
+  (void)state.step();
   cohort::distributed_sampler sampler{100, pg, {.shuffle = true}};
   sampler.set_epoch(1);
   for (auto index : sampler) (void)index;

@@ -1,5 +1,5 @@
-// A CUDA trainer's translation unit on NCCL: the reducer, sharded parameters and Adam, whose
-// element-wise work nvcc compiles into kernels.
+// A CUDA trainer's translation unit on NCCL: the training state at zero3 over bfloat16
+// parameters (fp32 masters, AdamW), whose element-wise work nvcc compiles into kernels.
 #include <cohort/cohort.hpp>
 
 #include <memory>
@@ -9,18 +9,17 @@ namespace {
 
 void train(std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
   cohort::process_group<cohort::nccl> pg{store, env};
-  const std::vector<std::size_t> sizes{300, 20};
-  cohort::gradient_reducer<cohort::nccl> ddp{pg, sizes, {.compress = cohort::compression::bfloat16}};
-  for (std::size_t i = ddp.gradient_count(); i-- > 0;) ddp.mark_ready(i);
-  (void)ddp.finish();
-  const std::vector<std::vector<std::size_t>> units{{5, 3}, {4}};
-  cohort::sharded_parameters<cohort::nccl, float> weights{pg, units, {.prefetch = 1}};
-  cohort::adam opt{weights, {.lr = 3e-4}};
-  {
-    auto layer = weights.gather(0);
-    (void)layer.param(0);
+  const std::vector<cohort::region> regions{{"w", 0, 300, 0}, {"b", 300, 20, 1, false}};
+  cohort::training_state<cohort::nccl, cohort::bfloat16> state{
+      pg, regions, {.strategy = cohort::strategy::zero3, .adam = {.lr = 3e-4}, .max_grad_norm = 1}};
+  state.load_parameters(std::vector<cohort::bfloat16>(320));
+  for (std::size_t r = regions.size(); r-- > 0;) {
+    auto layer = state.gather(regions[r].layer);
+    (void)layer.param(r);
+    (void)state.gradient(r);
+    state.mark_ready(r);
   }
-  opt.step().wait();
+  (void)state.step();
 }
 
 }  // namespace

@@ -3,31 +3,30 @@
 // communication.
 //
 //   cohort::straggler_report stragglers{pg, {.every = 100}};
-//   cohort::gradient_reducer<cohort::gloo> ddp{pg, sizes, {.straggler = &stragglers}};
-//   for (...) { backward(...); ddp.finish(); sgd_step(...); }   // finish() ends each step
-//   stragglers.flush();                                         // the last, partial window
+//   cohort::training_state<cohort::gloo> state{pg, regions, {.straggler = &stragglers}};
+//   for (...) { backward(...); state.step(); }   // step() ends each step
+//   stragglers.flush();                          // the last, partial window
 //
 // every 100 steps rank 0 prints one line (stderr by default), here 3 Gloo ranks, rank 2 30 ms slower:
 //
 //   cohort straggler report, steps 11-20, 3 ranks: step 49.1 ms; compute min 5.8 (rank 1),
-//   median 6.0, max 36.7 (rank 2) ms; waiting in finish/gathers min 12.4 (rank 2), median 43.1,
+//   median 6.0, max 36.7 (rank 2) ms; waiting in step/gathers min 12.4 (rank 2), median 43.1,
 //   max 43.3 (rank 1) ms; exposed communication 25%..88% of the step (median 88%); slowest:
 //   rank 2, +30.7 ms/step of compute over the median
 //
 // What is measured, per rank and step, on the host's steady clock only:
-//   step     from one step boundary to the next. gradient_reducer::finish() is the boundary
-//            when the reducer has the report (its synchronised finish() only: no_sync
-//            micro-steps belong to the step they accumulate for); without a reducer, call
-//            end_step() once per optimizer step.
+//   step     from one step boundary to the next. training_state::step() is the boundary
+//            when the state has the report (no_sync micro-steps belong to the step they
+//            accumulate for); without one, call end_step() once per optimizer step.
 //   wait     time the calling thread was blocked waiting for communication: inside the
-//            reducer's finish(), in a sharded_parameters gather guard's wait() (the first
+//            training_state's step(), in a sharded_parameters gather guard's wait() (the first
 //            param()/flat() call), and in report.wait(work) / add_wait() for any other wait.
 //   compute  step - wait: everything else (forward, backward, optimizer, data loading).
 //   exposed  wait / step: the share of the step spent waiting for communication.
 // A slow rank computes longer; the others wait for it in their next blocking collective, so
 // the rank with the largest compute time (and the smallest wait) is the one named slowest.
 //
-// On a device backend (NCCL) finish() and a gather's wait() make the caller's stream wait and
+// On a device backend (NCCL) step() and a gather's wait() make the caller's stream wait and
 // return at once: the waits measured there are the host's time in those calls (queueing
 // work, and check_nonfinite's one blocking read), not the time the GPU's stream stood still,
 // so compute reads as the whole step. The report says so in its line (host_clock_only).
@@ -47,10 +46,10 @@
 // the report prints one line saying why on that rank and stops (the training's own next
 // collective names the cause better than a store error would).
 //
-// Cost when attached: two clock reads per finish() and per gather wait, an atomic add per
+// Cost when attached: two clock reads per step() and per gather wait, an atomic add per
 // wait; nothing else between window ends. Detached (the default) or every = 0: one pointer
 // test. Not thread-safe except add_wait() and wait(), which gather guards on other threads
-// may call; the report must outlive the reducer and sharded parameters it is given to.
+// may call; the report must outlive the training state and sharded parameters it is given to.
 
 #include <atomic>
 #include <chrono>
@@ -78,7 +77,7 @@ struct straggler_rank_stats {
   int rank = -1;
   std::uint64_t steps = 0;    // steps measured in the window
   double step_ms = 0;         // mean step time
-  double reduce_wait_ms = 0;  // blocked in gradient_reducer::finish()
+  double reduce_wait_ms = 0;  // blocked in training_state::step()
   double gather_wait_ms = 0;  // blocked in sharded_parameters gather waits
   double other_wait_ms = 0;   // report.wait(work) and add_wait(wait_kind::other, ...)
   double max_step_ms = 0;     // the window's longest step
@@ -142,7 +141,7 @@ struct straggler_options {
   // report (only a line if their store fails).
   std::FILE* output = stderr;
   // Called on rank 0 with each window's summary, after printing (on the training thread,
-  // inside the finish() or end_step() that collected it; exceptions propagate from there).
+  // inside the step() or end_step() that collected it; exceptions propagate from there).
   std::function<void(const straggler_summary&)> on_report = {};
   // How long rank 0 waits for a window's reports before naming the missing ranks;
   // 0: the store's own timeout (a group's store: the group's timeout).
@@ -195,7 +194,7 @@ class straggler_report {
     add_wait(kind, clock::now() - start);
   }
 
-  // A step ends (gradient_reducer::finish() calls this when it has the report). At the last
+  // A step ends (training_state::step() calls this when it has the report). At the last
   // step of a window the rank publishes its numbers; rank 0 collects whatever has arrived.
   void end_step() {
     if (enabled()) end_step(clock::now());

@@ -50,28 +50,21 @@ void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_en
   cohort::process_group<cohort::gloo> pg{store, env};
   collectives(pg);
 
-  // Data parallelism: bucket views and user buffers.
-  std::vector<std::vector<float>> storage{std::vector<float>(300), std::vector<float>(20)};
-  std::vector<std::span<float>> params(storage.begin(), storage.end());
-  cohort::broadcast_parameters(pg, params, 0).wait();
-  cohort::broadcast_parameters(pg, storage).wait();
-  cohort::gradient_reducer<cohort::gloo> by_sizes{pg, {300, 20}};
-  cohort::gradient_reducer<cohort::gloo> ddp{
-      pg, std::vector<std::size_t>{300, 20}, {.unused = cohort::unused_gradients::zero, .check_nonfinite = true}};
-  for (std::size_t i = ddp.gradient_count(); i-- > 0;) ddp.mark_ready(i);
-  (void)ddp.finish();
+  // Data parallelism: the training state under ddp, accumulation, a join scope.
   {
-    auto scope = ddp.no_sync();
-    for (auto gradient : ddp.gradients()) ddp.mark_ready(gradient);
-    (void)ddp.finish();
+    const std::vector<cohort::region> regions{{"w", 0, 300, 0}, {"b", 300, 20, 1, false}};
+    cohort::training_state<cohort::gloo> ddp{pg, regions, {.max_grad_norm = 1.0}};
+    ddp.load_parameters(std::vector<float>(320));
+    {
+      auto scope = ddp.no_sync();
+      for (std::size_t r = regions.size(); r-- > 0;) ddp.mark_ready(r);
+    }
+    {
+      auto joined = ddp.join();
+      for (std::size_t r = regions.size(); r-- > 0;) ddp.mark_ready(r);
+      (void)ddp.step();
+    }
   }
-  ddp.rebuild_buckets();
-  std::vector<std::vector<float>> user(2, std::vector<float>(16));
-  std::vector<std::span<float>> user_spans(user.begin(), user.end());
-  cohort::gradient_reducer<cohort::gloo> buffers{pg, user_spans, {.compress = cohort::compression::bfloat16}};
-  buffers.register_comm_hook([](cohort::process_group<cohort::gloo>& group, const cohort::bucket_ref& bucket) {
-    return group.all_reduce(std::span<float>(static_cast<float*>(bucket.data), bucket.count), cohort::op::avg);
-  });
 
   // Sharding, optimizers, checkpoints.
   const std::vector<std::vector<std::size_t>> units{{5, 3}, {4}};
@@ -91,16 +84,8 @@ void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_en
   weights.save_sharded(directory, &adam);
   weights.load_sharded(directory, &adam);
 
-  // Flat buffers: the reducer in place, clipping; a training state with a loss scaler; norms.
+  // Flat buffers: a training state with a loss scaler.
   {
-    std::vector<float> flat_grads(64, 0.5f);
-    const std::vector<cohort::gradient_region> regions{{0, 40}, {40, 24}};
-    cohort::gradient_reducer<cohort::gloo> flat{
-        pg, cohort::flat_gradients(std::span<float>(flat_grads), regions), {.in_place = true}};
-    flat.mark_ready(1);
-    flat.mark_ready(0);
-    (void)flat.finish();
-    (void)cohort::clip_grad_norm(flat, 1.0);
     cohort::loss_scaler scaler;
     // One training state: every strategy, bf16 parameters with fp32 masters, SGD too.
     for (const auto kind : {cohort::strategy::ddp, cohort::strategy::zero2, cohort::strategy::zero3}) {
@@ -117,18 +102,17 @@ void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_en
       (void)state.step();
       (void)state.gather_parameters();
     }
-    (void)cohort::global_grad_norm(weights);
     (void)adam.step(0.5);
   }
 
-  // Straggler report: on a reducer and on sharded gathers, a counted wait, the last window.
+  // Straggler report: on a training state and on sharded gathers, a counted wait, the last window.
   cohort::straggler_report stragglers{pg, {.every = 2, .output = nullptr}};
   {
-    cohort::gradient_reducer<cohort::gloo> timed{pg, std::vector<std::size_t>{8}, {.straggler = &stragglers}};
+    cohort::training_state<cohort::gloo> timed{pg, {{"w", 0, 8}}, {.straggler = &stragglers}};
     cohort::sharded_parameters<cohort::gloo, float> timed_weights{pg, units, {.straggler = &stragglers}};
     for (int step = 0; step < 3; ++step) {
       timed.mark_ready(0);
-      (void)timed.finish();
+      (void)timed.step();
       (void)timed_weights.gather(0).param(0);
     }
     stragglers.wait(pg.barrier());

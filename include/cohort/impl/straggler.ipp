@@ -152,7 +152,7 @@ COHORT_DECL std::string format_straggler_report(const straggler_summary& s) {
     line += "step " + format_ms(s.step.median) + " ms";
     line += "; compute min " + format_ms(s.compute.min) + rank_of(s.compute.min_rank) + ", median " +
             format_ms(s.compute.median) + ", max " + format_ms(s.compute.max) + rank_of(s.compute.max_rank) + " ms";
-    line += "; waiting in finish/gathers min " + format_ms(s.wait.min) + rank_of(s.wait.min_rank) + ", median " +
+    line += "; waiting in step/gathers min " + format_ms(s.wait.min) + rank_of(s.wait.min_rank) + ", median " +
             format_ms(s.wait.median) + ", max " + format_ms(s.wait.max) + rank_of(s.wait.max_rank) + " ms";
     line += "; exposed communication " + format_percent(s.exposed.min) + ".." + format_percent(s.exposed.max) +
             " of the step (median " + format_percent(s.exposed.median) + ")";
@@ -169,7 +169,7 @@ COHORT_DECL std::string format_straggler_report(const straggler_summary& s) {
     line += "; no report from " + detail::format_ranks(s.missing) + " within " + detail::format_duration(s.timeout);
   if (s.host_clock_only)
     line +=
-        "; host clock only: on a device backend finish() and gathers do not block the host, so waits read near 0 "
+        "; host clock only: on a device backend step() and gathers do not block the host, so waits read near 0 "
         "and compute is the whole step";
   return line;
 }
