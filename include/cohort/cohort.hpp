@@ -6,7 +6,6 @@
 // included: a trainer does not pay for them; cohort-bench and cohort-plan include them.
 
 #include "cohort/batch.hpp"
-#include "cohort/clip.hpp"
 #include "cohort/detail/config.hpp"
 #include "cohort/error.hpp"
 #include "cohort/file_store.hpp"
@@ -21,7 +20,6 @@
 #include "cohort/parallel/optimizer_options.hpp"
 #include "cohort/parallel/training_state.hpp"
 #include "cohort/process_group.hpp"
-#include "cohort/reducer.hpp"
 #include "cohort/run_ranks.hpp"
 #include "cohort/sampler.hpp"
 #include "cohort/sharded.hpp"

@@ -5,8 +5,8 @@
 // the scale backs off; after `growth_interval` good steps in a row it grows.
 //
 // The skip decision must be the same on every rank, or the replicas diverge: update() takes
-// a flag that cohort computes across ranks (training_state, or reduction_summary::nonfinite > 0
-// of a gradient_reducer with check_nonfinite), never a rank's own view.
+// a flag that cohort computes across ranks (training_state's step() does), never a rank's
+// own view.
 
 #include <cstdint>
 #include <string>

@@ -1,5 +1,5 @@
 #pragma once
-// Element-wise work over any backend: what algorithms (reducer, sharded parameters,
+// Element-wise work over any backend: what algorithms (training_state, sharded parameters,
 // optimizers) call, so each is written once and reads the same on every engine.
 //
 // Each call runs in the backend's own order, after everything queued on the group before

@@ -11,7 +11,6 @@
 #include "cohort/optim.hpp"
 #include "cohort/parallel/training_state.hpp"
 #include "cohort/process_group.hpp"
-#include "cohort/reducer.hpp"
 #include "cohort/sharded.hpp"
 #include "cohort/types.hpp"
 
@@ -25,7 +24,6 @@
 // KEYWORD: `extern` for the declarations, empty for the one definition.
 #define COHORT_ALGORITHM_INSTANTIATIONS(KEYWORD, B)    \
   KEYWORD template class process_group<B>;             \
-  KEYWORD template class gradient_reducer<B>;          \
   KEYWORD template class sharded_parameters<B, float>; \
   KEYWORD template class sgd<B, float>;                \
   KEYWORD template class adam<B, float>;               \

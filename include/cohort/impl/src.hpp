@@ -16,7 +16,6 @@
 #include "cohort/impl/host_elementwise.ipp"
 #include "cohort/impl/launch.ipp"
 #include "cohort/impl/metrics.ipp"
-#include "cohort/impl/reducer.ipp"
 #include "cohort/impl/run_ranks.ipp"
 #include "cohort/impl/sampler.ipp"
 #include "cohort/impl/sha256.ipp"
