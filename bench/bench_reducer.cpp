@@ -209,17 +209,21 @@ class bench {
   // Sets the per-layer budget so that the whole backward alone takes --compute-ms (rank 0's
   // median; every rank uses rank 0's budget). Returns the measured time.
   timing calibrate(group& pg, const std::function<void()>& backward) {
-    budget_ms_ = settings_.compute_ms;
+    // The ranks are threads sharing budget_ms_ (every one writes the same value): each decides
+    // by its own copy, which another rank's write for the next round cannot change under it.
+    double budget = settings_.compute_ms;
+    budget_ms_ = budget;
     timing measured{};
     constexpr int rounds = 6;
     for (int round = 0;; ++round) {
       measured = timed(pg, backward);
       // Rank 0's measurement decides, for every rank: {measured, next budget}.
-      std::vector<double> state{measured.wall_ms, std::max(0.0, budget_ms_ + settings_.compute_ms - measured.wall_ms)};
+      std::vector<double> state{measured.wall_ms, std::max(0.0, budget + settings_.compute_ms - measured.wall_ms)};
       pg.broadcast(std::span<double>(state), 0).wait();
       const bool met = std::abs(state[0] - settings_.compute_ms) <= 0.01 * settings_.compute_ms;
-      if (met || round + 1 == rounds || (budget_ms_ == 0 && state[1] == 0)) break;
-      budget_ms_ = state[1];
+      if (met || round + 1 == rounds || (budget == 0 && state[1] == 0)) break;
+      budget = state[1];
+      budget_ms_ = budget;
     }
     return measured;
   }
@@ -303,7 +307,7 @@ class bench {
       const auto bytes = static_cast<std::size_t>(cap * (1 << 20));
       cohort::training_state<cohort::gloo> overlapped(pg, layers, ddp_options(bytes));
       overlapped.load_parameters(initial);
-      record("backward overlapped with ddp's bucketed all-reduce", cap, overlapped.bucket_count(),
+      record("backward overlapped with ddp's all-reduce", cap, overlapped.bucket_count(),
              timed(pg,
                    [&] {
                      for (std::size_t t = n; t-- > 0;) {
