@@ -50,7 +50,7 @@ void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_en
   cohort::process_group<cohort::gloo> pg{store, env};
   collectives(pg);
 
-  // Data parallelism: the training state under ddp, accumulation, a join scope.
+  // Data parallelism: the training state under ddp, accumulation.
   {
     const std::vector<cohort::region> regions{{"w", 0, 300, 0}, {"b", 300, 20, 1, false}};
     cohort::training_state<cohort::gloo> ddp{pg, regions, {.max_grad_norm = 1.0}};
@@ -59,11 +59,8 @@ void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_en
       auto scope = ddp.no_sync();
       for (std::size_t r = regions.size(); r-- > 0;) ddp.mark_ready(r);
     }
-    {
-      auto joined = ddp.join();
-      for (std::size_t r = regions.size(); r-- > 0;) ddp.mark_ready(r);
-      (void)ddp.step();
-    }
+    for (std::size_t r = regions.size(); r-- > 0;) ddp.mark_ready(r);
+    (void)ddp.step();
   }
 
   // Sharding, optimizers, checkpoints.
