@@ -123,7 +123,7 @@ struct training_options {
   // Called as each bucket's reduction is queued (bucket index): to see the overlap.
   std::function<void(std::size_t bucket)> on_launch = {};
   // Straggler report (cohort/straggler.hpp; it must outlive the state): each step() ends a
-  // step, and its time counts as waiting for communication.
+  // step, and its time counts as waiting for communication; so does a zero3 gather()'s wait.
   straggler_report* straggler = nullptr;
 };
 

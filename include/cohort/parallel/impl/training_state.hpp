@@ -249,10 +249,14 @@ auto training_state<B, P, G>::gather(std::size_t layer) -> layer_view {
   // backward's, whose view's end makes the layer's buckets due. The gathers are collectives,
   // so this is the same on every rank.
   backward_view_[layer] = last_gathered_ && layer <= *last_gathered_;
+  // The straggler report counts the time the caller waits here for the gathers.
+  straggler_report* const report = options_.straggler && options_.straggler->enabled() ? options_.straggler : nullptr;
+  const auto entered = report ? straggler_report::clock::now() : straggler_report::clock::time_point{};
   for (std::size_t b = layout_.first_bucket_of_layer[layer]; b < layout_.first_bucket_of_layer[layer + 1]; ++b) {
     gather_bucket(b);
     hand_to_caller(bucket_gathered_[b]);
   }
+  if (report) report->add_wait(wait_kind::gather, straggler_report::clock::now() - entered);
   ++layer_users_[layer];
   prefetch_after(layer);
   last_gathered_ = layer;
