@@ -359,6 +359,16 @@ TEST_CASE("a flipped byte is refused naming the file and the rank, and another m
     CHECK(text.find("46 of double") != std::string::npos);
     CHECK(text.find("step-2/manifest.json") != std::string::npos);
   }
+  // Another optimizer: SGD with momentum cannot continue from AdamW's moments.
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(2, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 2);
+    cohort::training_state<cohort::gloo, double> sgd(
+        pg, model_regions(), {.strategy = strategy::zero2, .sgd = cohort::sgd_options{.momentum = 0.9}});
+    RANK_CHECK_THROWS(cohort::error, cohort::load_checkpoint(sgd, checkpoint.string()),
+                      "holds the optimizer state [parameters, adam.exp_avg, adam.exp_avg_sq], this training state "
+                      "keeps [parameters, sgd.momentum]");
+  });
 
   {
     std::fstream file(checkpoint / "rank-00001.bin", std::ios::in | std::ios::out | std::ios::binary);

@@ -71,6 +71,7 @@ struct scenario {
   std::size_t unused_region = 4;  // rank 1 never writes or marks it
   std::size_t bucket_bytes = 600;
   int accumulation = 1;  // micro-steps per step, all but the last under no_sync
+  bool sgd = false;      // SGD with momentum and weight decay instead of AdamW
 };
 
 cohort::training_options options_for(const scenario& s) {
@@ -79,6 +80,7 @@ cohort::training_options options_for(const scenario& s) {
   o.bucket_bytes = s.bucket_bytes;
   o.adam = {.lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.1};
   o.max_grad_norm = 0.4;  // active: the gradients' norm is well above it
+  if (s.sgd) o.sgd = cohort::sgd_options{.lr = 0.05, .momentum = 0.9, .weight_decay = 0.1};
   return o;
 }
 
@@ -110,6 +112,12 @@ std::vector<double> reference(const scenario& s) {
     for (const auto& r : regions)
       for (std::size_t j = r.offset; j < r.offset + r.count; ++j) {
         const double g = gradient[j] * clip;
+        if (s.sgd) {  // PyTorch's SGD: decay added to the gradient, then momentum
+          const auto& sgd = *o.sgd;
+          m[j] = sgd.momentum * m[j] + g + (r.decay ? sgd.weight_decay : 0.0) * params[j];
+          params[j] -= sgd.lr * r.lr_scale * m[j];
+          continue;
+        }
         m[j] = o.adam.beta1 * m[j] + (1 - o.adam.beta1) * g;
         v[j] = o.adam.beta2 * v[j] + (1 - o.adam.beta2) * g * g;
         const double mh = m[j] / (1 - std::pow(o.adam.beta1, t)), vh = v[j] / (1 - std::pow(o.adam.beta2, t));
@@ -219,6 +227,24 @@ TEST_CASE("one trainer source under ddp, zero1, zero2 and zero3 equals one proce
         CHECK(max_difference(results[static_cast<std::size_t>(rank)], expected) < 1e-9);
       }
     }
+}
+
+TEST_CASE("SGD with momentum and weight decay under ddp, zero1, zero2 and zero3 equals one process, at 3 ranks",
+          "[training_state][gloo]") {
+  for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3}) {
+    const scenario s{.world = 3, .kind = kind, .sgd = true};
+    const auto expected = reference(s);
+    std::vector<std::vector<double>> results(3);
+    auto store = std::make_shared<cohort::memory_store>();
+    cohort_test::run_ranks(3, [&](int rank) {
+      auto pg = cohort_test::make_gloo_group(store, rank, 3);
+      results[static_cast<std::size_t>(rank)] = train(s, pg, nullptr);
+    });
+    for (std::size_t rank = 0; rank < 3; ++rank) {
+      INFO(std::string(cohort::to_string(kind)) << ", rank " << rank);
+      CHECK(max_difference(results[rank], expected) < 1e-9);
+    }
+  }
 }
 
 // Hybrid sharding (HSDP) as 2 nodes x 2 ranks in threads: the state sharded inside each pair
