@@ -10,7 +10,7 @@
 #include <span>
 #include <vector>
 
-#include <cohort/optim.hpp>
+#include <cohort/parallel/optimizer_options.hpp>
 #include <cohort/reducer.hpp>
 
 #include "mlp.hpp"

@@ -3,9 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <cohort/cohort.hpp>
-#include <cohort/optim.hpp>
 #include <cohort/reducer.hpp>
-#include <cohort/sharded.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -88,20 +86,6 @@ TEST_CASE("the README tour runs on two Gloo ranks", "[readme]") {
       flat_params = state.gather_parameters();
       RANK_CHECK(flat_params[0] < 1.0f);  // one AdamW step, the same on both ranks
     }
-
-    // Sharding.
-    const std::vector<std::vector<std::size_t>> units{{5, 3}, {4}};
-    cohort::sharded_parameters<cohort::gloo, float> weights{pg, units, {.prefetch = 1}};
-    weights.init_from_full(std::vector<std::vector<float>>{{1, 2, 3, 4, 5}, {6, 7, 8}, {9, 10, 11, 12}});
-    cohort::adam opt{weights, {.lr = 3e-4}};
-    {
-      auto layer = weights.gather(0);
-      RANK_CHECK(layer.param(0)[4] == 5.0f && layer.param(1)[2] == 8.0f);
-    }
-    const std::vector<float> full_grad(8, static_cast<float>(rank));
-    weights.reduce_scatter_grad(0, full_grad).wait();
-    weights.reduce_scatter_grad(1, std::vector<float>(4, 0.0f)).wait();
-    opt.step();
 
     // Sampler.
     cohort::distributed_sampler sampler{100, pg, {.shuffle = true, .seed = 0}};

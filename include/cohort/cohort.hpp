@@ -6,7 +6,6 @@
 // included: a trainer does not pay for them; cohort-bench and cohort-plan include them.
 
 #include "cohort/batch.hpp"
-#include "cohort/clip.hpp"
 #include "cohort/detail/config.hpp"
 #include "cohort/error.hpp"
 #include "cohort/file_store.hpp"
@@ -15,7 +14,6 @@
 #include "cohort/loss_scaler.hpp"
 #include "cohort/metrics.hpp"
 #include "cohort/ops.hpp"
-#include "cohort/optim.hpp"
 #include "cohort/parallel/checkpoint.hpp"
 #include "cohort/parallel/layout.hpp"
 #include "cohort/parallel/optimizer_options.hpp"
@@ -24,7 +22,6 @@
 #include "cohort/reducer.hpp"
 #include "cohort/run_ranks.hpp"
 #include "cohort/sampler.hpp"
-#include "cohort/sharded.hpp"
 #include "cohort/store.hpp"
 #include "cohort/straggler.hpp"
 #include "cohort/tcp_store.hpp"
