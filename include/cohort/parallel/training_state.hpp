@@ -42,8 +42,8 @@
 // exchanging parameters. Only the gradients cross between copies: R copies add 2(R-1)/R x the
 // kept gradients to each rank's wire bytes (P/N sharded, P under ddp). Every copy must have
 // the same group size, and each replica group one rank per place; the constructor checks both.
-// Checkpoints: the first copy writes (load_checkpoint reads into every copy); join() with
-// replicas is refused.
+// Checkpoints: save_checkpoint has the first copy write, every copy loads; join() and an
+// async_checkpointer refuse replicas.
 //
 // One layout serves them all (cohort/parallel/layout.hpp): regions placed in cohort's
 // storage layer by layer, buckets of whole regions of one layer padded to a multiple of the
