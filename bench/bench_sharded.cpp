@@ -1,15 +1,20 @@
-// Sharded parameters against data parallelism, on Gloo ranks as threads over loopback.
+// Sharded parameters against data parallelism, both through training_state, on Gloo ranks
+// as threads over loopback.
 //
 //   bench_sharded [--ranks 4] [--units 16] [--unit-mib 4] [--steps 3] [--compute-us 2000] [--json FILE]
 //
-// A stack of equal units is trained for a few steps: forward gathers every unit, backward
-// gathers it again and reduce-scatters its gradient (the FSDP / ZeRO-3 pattern), with
-// prefetch depth 0, 1 and 2; each unit's compute is a sleep of --compute-us (an accelerator
-// working while the host waits), which prefetch can overlap. Data parallelism keeps full
-// replicas and all-reduces every unit's gradient. Reported per step: time, bytes each rank
-// put on the wire as counted by the container (bus bytes, nccl-tests convention) next to
-// the formulas 3(n-1)/n x P (sharded) and 2(n-1)/n x P (data parallel), and peak memory per
-// rank next to the unsharded footprint (full parameters + full gradients).
+// A stack of equal layers is trained for a few steps (plain SGD: the optimizer costs next to
+// nothing) with the same loop under zero3 and ddp: the forward gathers every layer, the
+// backward gathers it again, writes its gradient and marks it ready, then step(). Under
+// zero3 (FSDP / ZeRO-3) the gathers are all-gathers, with prefetch depth 0, 1 and 2, and the
+// gradients are reduce-scattered; under ddp the parameters stay resident and the gradients
+// are all-reduced bucket by bucket. Each layer's compute is a sleep of --compute-us (an
+// accelerator working while the host waits), which prefetch and the bucketed reductions can
+// overlap. Reported per step: time, the bytes each rank put on the wire as the state counts
+// them (bus bytes, nccl-tests convention) next to the formulas 3(n-1)/n x P (zero3) and
+// 2(n-1)/n x P (ddp), and each rank's memory next to the unsharded footprint (full
+// parameters + full gradients).
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -21,9 +26,9 @@
 #include <vector>
 
 #include "cohort/backend/gloo.hpp"
+#include "cohort/parallel/training_state.hpp"
 #include "cohort/process_group.hpp"
 #include "cohort/run_ranks.hpp"
-#include "cohort/sharded.hpp"
 #include "cohort/store.hpp"
 #include "cohort/tools/detail/json.hpp"
 
@@ -47,8 +52,7 @@ struct result {
   double step_ms = 0;
   double counted_bytes = 0;  // per rank per step
   double formula_bytes = 0;
-  double peak_bytes = 0;  // per rank
-  double allocations = 0;
+  double peak_bytes = 0;  // per rank: parameters and gradients, pooled buffers at their peak
 };
 
 group make_group(const std::shared_ptr<cohort::store>& store, const cohort::launch_env& env) {
@@ -59,86 +63,60 @@ group make_group(const std::shared_ptr<cohort::store>& store, const cohort::laun
 
 void compute(const config& cfg) { std::this_thread::sleep_for(std::chrono::microseconds(cfg.compute_us)); }
 
-result run_sharded(const config& cfg, int prefetch) {
+// One layer per unit, a bucket per layer.
+result run_state(const config& cfg, cohort::strategy kind, int prefetch) {
   const std::size_t elements = static_cast<std::size_t>(cfg.unit_mib * (1 << 20)) / sizeof(float);
   const double total_bytes = static_cast<double>(elements * sizeof(float) * cfg.units);
   const double n = cfg.ranks;
+  const bool sharded = kind == cohort::strategy::zero3;
   result out;
-  out.mode = "sharded";
+  out.mode = std::string(cohort::to_string(kind));
   out.prefetch = prefetch;
-  out.formula_bytes = 3 * (n - 1) / n * total_bytes;
+  out.formula_bytes = (sharded ? 3 : 2) * (n - 1) / n * total_bytes;
+  std::vector<cohort::region> regions;
+  for (std::size_t u = 0; u < cfg.units; ++u)
+    regions.push_back({"unit." + std::to_string(u), u * elements, elements, u});
   cohort::run_ranks(cfg.ranks, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
     const int rank = env.rank;
     auto pg = make_group(store, env);
-    cohort::sharded_parameters<cohort::gloo, float> params(
-        pg, std::vector<std::vector<std::size_t>>(cfg.units, std::vector<std::size_t>{elements}),
-        {.prefetch = prefetch});
-    params.init_with([](std::size_t, std::size_t, std::size_t first, std::span<float> values) {
-      for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>((first + i) % 7);
-    });
-    std::vector<float> gradient(elements, 0.5f);
+    cohort::training_state<cohort::gloo> state(pg, regions,
+                                               {.strategy = kind,
+                                                .bucket_bytes = elements * sizeof(float),
+                                                .sgd = cohort::sgd_options{.lr = 1e-3},
+                                                .prefetch = prefetch});
+    std::vector<float> initial(elements * cfg.units);
+    for (std::size_t i = 0; i < initial.size(); ++i) initial[i] = static_cast<float>(i % 7);
+    state.load_parameters(initial);
     auto step = [&] {
-      params.set_order(cohort::prefetch_order::forward);
       for (std::size_t u = 0; u < cfg.units; ++u) {
-        auto unit = params.gather(u);
-        unit.wait();
+        auto layer = state.gather(u);
         compute(cfg);
       }
-      params.set_order(cohort::prefetch_order::backward);
       for (std::size_t u = cfg.units; u-- > 0;) {
-        auto unit = params.gather(u);
-        unit.wait();
+        auto layer = state.gather(u);
         compute(cfg);
-        unit.reset();
-        params.reduce_scatter_grad(u, gradient).wait();
+        const auto gradient = state.gradient(u);
+        std::fill(gradient.begin(), gradient.end(), 0.5f);
+        state.mark_ready(u);
       }
-      params.record().wait();
+      (void)state.step();
     };
     step();  // warm-up: connections, first allocations
     pg.barrier().wait();
-    params.reset_traffic();
     const auto start = clock_type::now();
-    for (int s = 0; s < cfg.steps; ++s) step();
+    std::size_t moved = 0;
+    for (int s = 0; s < cfg.steps; ++s) {
+      step();
+      moved += state.wire_bytes_per_step();
+    }
     pg.barrier().wait();
     const double seconds = std::chrono::duration<double>(clock_type::now() - start).count();
     if (rank == 0) {
       out.step_ms = seconds * 1e3 / cfg.steps;
-      out.counted_bytes = static_cast<double>(params.traffic().total()) / cfg.steps;
-      out.peak_bytes = static_cast<double>(params.peak_total());
-      out.allocations = static_cast<double>(params.allocations());
+      out.counted_bytes = static_cast<double>(moved) / cfg.steps;
+      const auto memory = state.memory();
+      out.peak_bytes = static_cast<double>(memory.parameters + memory.gradients);
     }
-  });
-  return out;
-}
-
-result run_data_parallel(const config& cfg) {
-  const std::size_t elements = static_cast<std::size_t>(cfg.unit_mib * (1 << 20)) / sizeof(float);
-  const double total_bytes = static_cast<double>(elements * sizeof(float) * cfg.units);
-  const double n = cfg.ranks;
-  result out;
-  out.mode = "data_parallel";
-  out.formula_bytes = 2 * (n - 1) / n * total_bytes;
-  out.counted_bytes = out.formula_bytes;  // one all-reduce of every gradient
-  out.peak_bytes = 2 * total_bytes;       // full parameters + full gradients
-  cohort::run_ranks(cfg.ranks, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
-    const int rank = env.rank;
-    auto pg = make_group(store, env);
-    std::vector<std::vector<float>> gradients(cfg.units, std::vector<float>(elements, 0.5f));
-    auto step = [&] {
-      for (std::size_t u = 0; u < cfg.units; ++u) compute(cfg);
-      std::vector<group::work> pending;
-      for (std::size_t u = cfg.units; u-- > 0;) {
-        compute(cfg);
-        pending.push_back(pg.all_reduce(std::span<float>(gradients[u]), cohort::op::avg));
-      }
-      for (auto& w : pending) w.wait();
-    };
-    step();
-    pg.barrier().wait();
-    const auto start = clock_type::now();
-    for (int s = 0; s < cfg.steps; ++s) step();
-    pg.barrier().wait();
-    if (rank == 0) out.step_ms = std::chrono::duration<double>(clock_type::now() - start).count() * 1e3 / cfg.steps;
   });
   return out;
 }
@@ -179,8 +157,8 @@ int main(int argc, char** argv) {
   try {
     const config cfg = parse(argc, argv);
     std::vector<result> results;
-    for (int prefetch : {0, 1, 2}) results.push_back(run_sharded(cfg, prefetch));
-    results.push_back(run_data_parallel(cfg));
+    for (int prefetch : {0, 1, 2}) results.push_back(run_state(cfg, cohort::strategy::zero3, prefetch));
+    results.push_back(run_state(cfg, cohort::strategy::ddp, 0));
     const double mib = 1 << 20;
     const double total =
         static_cast<double>(static_cast<std::size_t>(cfg.unit_mib * mib) / sizeof(float) * sizeof(float) * cfg.units);
@@ -188,13 +166,12 @@ int main(int argc, char** argv) {
         "bench_sharded: %d Gloo ranks (threads, loopback), %zu units x %.2f MiB = %.1f MiB of fp32 parameters, "
         "%d steps, %d us compute per unit and pass\n",
         cfg.ranks, cfg.units, cfg.unit_mib, total / mib, cfg.steps, cfg.compute_us);
-    std::printf("%-14s %8s %10s %16s %16s %14s %12s\n", "mode", "prefetch", "step ms", "moved MiB/rank", "formula MiB",
-                "peak MiB/rank", "allocations");
+    std::printf("%-14s %8s %10s %16s %16s %14s\n", "strategy", "prefetch", "step ms", "moved MiB/rank", "formula MiB",
+                "peak MiB/rank");
     for (const auto& r : results)
-      std::printf("%-14s %8s %10.1f %16.2f %16.2f %14.2f %12s\n", r.mode.c_str(),
-                  r.mode == "sharded" ? std::to_string(r.prefetch).c_str() : "-", r.step_ms, r.counted_bytes / mib,
-                  r.formula_bytes / mib, r.peak_bytes / mib,
-                  r.mode == "sharded" ? std::to_string(static_cast<long>(r.allocations)).c_str() : "-");
+      std::printf("%-14s %8s %10.1f %16.2f %16.2f %14.2f\n", r.mode.c_str(),
+                  r.mode == "zero3" ? std::to_string(r.prefetch).c_str() : "-", r.step_ms, r.counted_bytes / mib,
+                  r.formula_bytes / mib, r.peak_bytes / mib);
     std::printf("unsharded footprint (parameters + gradients): %.2f MiB per rank\n", 2 * total / mib);
     if (!cfg.json_path.empty()) {
       using cohort::detail::json;
@@ -211,13 +188,12 @@ int main(int argc, char** argv) {
       json rows = json::make_array();
       for (const auto& r : results) {
         json row = json::make_object();
-        row.set("mode", r.mode);
-        if (r.mode == "sharded") row.set("prefetch", r.prefetch);
+        row.set("strategy", r.mode);
+        if (r.mode == "zero3") row.set("prefetch", r.prefetch);
         row.set("step_ms", r.step_ms);
         row.set("moved_bytes_per_rank", r.counted_bytes);
         row.set("formula_bytes_per_rank", r.formula_bytes);
         row.set("peak_bytes_per_rank", r.peak_bytes);
-        if (r.mode == "sharded") row.set("allocations", r.allocations);
         rows.push_back(std::move(row));
       }
       doc.set("results", std::move(rows));

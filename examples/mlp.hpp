@@ -53,8 +53,8 @@ class mlp {
     }
   }
 
-  // One layer at a time, for callers that hold only one layer's weights at once (sharded
-  // parameters gather a layer, run it, and release it).
+  // One layer at a time, for callers that hold only one layer's weights at once (at zero3,
+  // training_state gathers a layer for the trainer to run, and releases it after).
   //
   // out = act(W in + b) for `batch` rows; act is tanh except on the last layer.
   void forward_layer(std::size_t l, std::span<const float> w, std::span<const float> b, std::span<const float> in,
@@ -172,7 +172,7 @@ struct synthetic_data {
 };
 
 // One process on whole batches of `data`, Adam (beta 0.9, 0.999, eps 1e-8, no weight decay)
-// written out in float: the sharded examples' reference, on the CPU and on GPUs alike.
+// written out in float: the hybrid-sharding test's reference (test_multinode).
 inline std::vector<std::vector<float>> train_adam_single(const mlp& model, const synthetic_data& data,
                                                          std::size_t batch, int steps, double lr) {
   std::vector<std::vector<float>> params, grads, m, v;

@@ -77,6 +77,7 @@ struct run {
   std::size_t scale = 1;                     // model size
   std::size_t block_bytes = 256;
   int async_every = 0;  // > 0: async_checkpointer saves to save_to after every this many steps
+  int replicas = 1;     // > 1: hybrid sharding, groups of world / replicas ranks
 };
 
 struct outcome {
@@ -88,7 +89,9 @@ struct outcome {
   std::uint64_t staging_peak = 0;
 };
 
-outcome train(const run& spec, cohort_test::gloo_group& pg) {
+// `shards` and `replicas`: hybrid sharding's groups (the state's group is `pg` without them).
+outcome train(const run& spec, cohort_test::gloo_group& pg, cohort_test::gloo_group* shards = nullptr,
+              cohort_test::gloo_group* replicas = nullptr) {
   const auto regions = model_regions(spec.scale);
   const std::size_t n = regions.back().offset + regions.back().count;
   cohort::loss_scaler scaler({.initial_scale = 1024, .growth_factor = 2, .backoff_factor = 0.5, .growth_interval = 3});
@@ -98,7 +101,7 @@ outcome train(const run& spec, cohort_test::gloo_group& pg) {
   options.adam = {.lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.1};
   options.max_grad_norm = 0.4;
   options.scaler = &scaler;
-  cohort::training_state<cohort::gloo, double> state(pg, regions, options);
+  cohort::training_state<cohort::gloo, double> state(shards ? *shards : pg, regions, options, replicas);
   std::vector<double> initial(n);
   for (std::size_t i = 0; i < n; ++i) initial[i] = 0.5 * std::cos(0.7 * static_cast<double>(i));
   state.load_parameters(initial);
@@ -112,7 +115,8 @@ outcome train(const run& spec, cohort_test::gloo_group& pg) {
     first = std::stoi(out.loaded.metadata.at("next_step"));
   }
   const int rank = pg.rank();
-  cohort::async_checkpointer saver(state);
+  std::optional<cohort::async_checkpointer<cohort::gloo, double, double>> saver;
+  if (spec.async_every > 0) saver.emplace(state);
   const std::size_t mine = global_batch / static_cast<std::size_t>(spec.world);
   for (int step = first; step < spec.to; ++step) {
     for (std::size_t l = 0; l < state.layer_count(); ++l) auto layer = state.gather(l);  // the forward
@@ -139,14 +143,14 @@ outcome train(const run& spec, cohort_test::gloo_group& pg) {
     const auto result = state.step();
     RANK_CHECK(result.skipped == (step == inf_step));
     if (spec.async_every > 0 && (step + 1) % spec.async_every == 0) {
-      saver.save(spec.save_to->string(), static_cast<std::uint64_t>(step),
-                 {.metadata = {{"next_step", std::to_string(step + 1)}, {"seed", "1234"}}, .keep_last = 0});
-      out.async_blocked = std::max(out.async_blocked, saver.last_blocked_seconds());
+      saver->save(spec.save_to->string(), static_cast<std::uint64_t>(step),
+                  {.metadata = {{"next_step", std::to_string(step + 1)}, {"seed", "1234"}}, .keep_last = 0});
+      out.async_blocked = std::max(out.async_blocked, saver->last_blocked_seconds());
     }
   }
   if (spec.async_every > 0) {
-    saver.wait();
-    out.staging_peak = saver.staging_peak_bytes();
+    saver->wait();
+    out.staging_peak = saver->staging_peak_bytes();
   } else if (spec.save_to)
     out.saved = cohort::save_checkpoint(state, spec.save_to->string(), static_cast<std::uint64_t>(spec.to - 1),
                                         {.metadata = {{"next_step", std::to_string(spec.to)}, {"seed", "1234"}},
@@ -164,7 +168,14 @@ std::vector<outcome> run_all(const run& spec) {
   auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(spec.world, [&](int rank) {
     auto pg = cohort_test::make_gloo_group(store, rank, spec.world);
-    results[static_cast<std::size_t>(rank)] = train(spec, pg);
+    if (spec.replicas == 1) {
+      results[static_cast<std::size_t>(rank)] = train(spec, pg);
+      return;
+    }
+    const int group = spec.world / spec.replicas;
+    auto shards = pg.split(rank / group, rank);
+    auto replicas = pg.split(rank % group, rank);
+    results[static_cast<std::size_t>(rank)] = train(spec, pg, &*shards, &*replicas);
   });
   return results;
 }
@@ -209,7 +220,7 @@ comparison compare(run before, run after, const std::string& name) {
   }
   c.checkpoint_bytes = bytes_in(dir / "step-9");
   CHECK(second_half[0].loaded.step == 9);
-  CHECK(second_half[0].loaded.world_size == before.world);
+  CHECK(second_half[0].loaded.world_size == before.world / before.replicas);
   CHECK(second_half[0].loaded.strategy == std::string(cohort::to_string(before.kind)));
   CHECK(second_half[0].loaded.metadata.at("seed") == "1234");
   CHECK(c.resumed.loss_scale == c.whole.loss_scale);
@@ -287,6 +298,31 @@ std::vector<std::string> load_errors(const fs::path& checkpoint, int world, cons
 
 }  // namespace
 
+// Hybrid sharding: every copy of the group holds the same state, so the first copy writes one
+// checkpoint at the group's size, which a plain world resumes; and a hybrid state resumes from
+// a plain checkpoint, every copy reading the same files.
+TEST_CASE("a hybrid 2 x 2 state saves once at its group's size, resumed plain and resuming from plain",
+          "[checkpoint][gloo][hybrid]") {
+  const auto a = compare({.world = 4, .kind = strategy::zero3, .replicas = 2}, {.world = 3, .kind = strategy::zero1},
+                         "hybrid-plain");
+  CHECK(a.difference < 1e-9);
+  CHECK(a.checkpoint_bytes == a.read_in_all);  // one copy's files: 2 ranks' shards, read once by 3
+  const auto b = compare({.world = 2, .kind = strategy::zero2}, {.world = 4, .kind = strategy::ddp, .replicas = 2},
+                         "plain-hybrid");
+  CHECK(b.difference < 1e-9);
+  CHECK(b.read_in_all == 2 * b.checkpoint_bytes);  // every copy reads the whole checkpoint
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(4, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 4);
+    auto shards = pg.split(rank / 2, rank);
+    auto replicas = pg.split(rank % 2, rank);
+    cohort::training_state<cohort::gloo, double> state(*shards, model_regions(), {.strategy = strategy::zero2},
+                                                       &*replicas);
+    RANK_CHECK_THROWS(cohort::error, (cohort::async_checkpointer<cohort::gloo, double, double>(state)),
+                      "an asynchronous save of a state with replicas is not supported");
+  });
+}
+
 TEST_CASE("a partial checkpoint (a tmp-* directory, a step without its index) is ignored, the previous loads",
           "[checkpoint][gloo][faults]") {
   const auto dir = scratch_dir("partial");
@@ -323,6 +359,16 @@ TEST_CASE("a flipped byte is refused naming the file and the rank, and another m
     CHECK(text.find("46 of double") != std::string::npos);
     CHECK(text.find("step-2/manifest.json") != std::string::npos);
   }
+  // Another optimizer: SGD with momentum cannot continue from AdamW's moments.
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(2, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 2);
+    cohort::training_state<cohort::gloo, double> sgd(
+        pg, model_regions(), {.strategy = strategy::zero2, .sgd = cohort::sgd_options{.momentum = 0.9}});
+    RANK_CHECK_THROWS(cohort::error, cohort::load_checkpoint(sgd, checkpoint.string()),
+                      "holds the optimizer state [parameters, adam.exp_avg, adam.exp_avg_sq], this training state "
+                      "keeps [parameters, sgd.momentum]");
+  });
 
   {
     std::fstream file(checkpoint / "rank-00001.bin", std::ios::in | std::ios::out | std::ios::binary);

@@ -4,14 +4,14 @@
 // cannot be made (not root).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cohort/backend/gloo.hpp>
 #include <cohort/guards.hpp>
 #include <cohort/launch.hpp>
-#include <cohort/optim.hpp>
+#include <cohort/parallel/training_state.hpp>
 #include <cohort/process_group.hpp>
-#include <cohort/sharded.hpp>
 #include <cohort/tcp_store.hpp>
 #include <cstdio>
 #include <cstdlib>
@@ -423,7 +423,8 @@ namespace {
 // Hybrid sharding as a multi-node job uses it: parameters sharded inside each node (a group
 // split by node, whose all-gathers and reduce-scatters stay on the node's loopback) and
 // replicated across nodes (a group of the ranks with the same local rank, one per node:
-// only the gradient shards' all-reduce crosses the link). Adam on the examples' MLP; each
+// only the gradient shards' all-reduce crosses the link): training_state at zero3 with
+// replicas. Adam on the examples' MLP; each
 // node's first rank checks the full result against one process on the whole batch.
 const std::vector<std::size_t> hybrid_widths{16, 48, 48, 4};
 constexpr std::size_t hybrid_batch = 24;  // 6 samples per rank on 4 ranks
@@ -453,26 +454,30 @@ int train_hybrid() {
   const cohort_examples::mlp model(hybrid_widths);
   const auto data = hybrid_data(model);
   const auto sizes = model.parameter_sizes();
-  std::vector<std::vector<std::size_t>> units;
-  for (std::size_t l = 0; l < model.layers(); ++l) units.push_back({sizes[2 * l], sizes[2 * l + 1]});
-  cohort::sharded_parameters<cohort::gloo, float> params(*shards, units, {.prefetch = 1}, &*replicas);
-  std::vector<std::vector<float>> initial;
-  if (shards->rank() == 0) {
-    for (auto n : sizes) initial.emplace_back(n, 0.0f);
-    model.initialize(std::vector<std::span<float>>(initial.begin(), initial.end()), 7);
+  std::vector<cohort::region> regions;  // W_l and b_l in layer l, one after the other
+  std::size_t elements = 0;
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    regions.push_back({(t % 2 == 0 ? "W" : "b") + std::to_string(t / 2), elements, sizes[t], t / 2});
+    elements += sizes[t];
   }
-  params.scatter_from(0, initial);
-  cohort::adam opt(params, {.lr = hybrid_lr});
+  cohort::training_state<cohort::gloo, float> state(
+      *shards, regions, {.strategy = cohort::strategy::zero3, .adam = {.lr = hybrid_lr}, .prefetch = 1}, &*replicas);
+  std::vector<std::vector<float>> tensors;
+  for (auto n : sizes) tensors.emplace_back(n, 0.0f);
+  model.initialize(std::vector<std::span<float>>(tensors.begin(), tensors.end()), 7);
+  std::vector<float> initial;
+  for (const auto& t : tensors) initial.insert(initial.end(), t.begin(), t.end());
+  state.load_parameters(initial);
   std::vector<std::vector<float>> grads;
   for (auto n : sizes) grads.emplace_back(n);
   const std::size_t local = hybrid_batch / static_cast<std::size_t>(pg.size());
   for (int step = 0; step < hybrid_steps; ++step) {
-    params.set_order(cohort::prefetch_order::forward);
-    std::vector<cohort::sharded_parameters<cohort::gloo, float>::gathered> layers;
+    std::vector<cohort::training_state<cohort::gloo, float>::layer_view> layers;
     std::vector<std::span<float>> weights;
     for (std::size_t l = 0; l < model.layers(); ++l) {
-      layers.push_back(params.gather(l));
-      for (auto p : layers.back().params()) weights.push_back(p);
+      layers.push_back(state.gather(l));
+      weights.push_back(layers.back().param(2 * l));
+      weights.push_back(layers.back().param(2 * l + 1));
     }
     const std::size_t sample =
         static_cast<std::size_t>(step) * hybrid_batch + static_cast<std::size_t>(pg.rank()) * local;
@@ -480,15 +485,16 @@ int train_hybrid() {
                              std::span<const float>(data.inputs).subspan(sample * model.input_width()),
                              std::span<const float>(data.targets).subspan(sample * model.output_width()), local);
     layers.clear();
-    params.set_order(cohort::prefetch_order::backward);
-    std::vector<cohort::sharded_parameters<cohort::gloo, float>::work> reductions;
-    for (std::size_t l = model.layers(); l-- > 0;)
-      reductions.push_back(
-          params.reduce_scatter_grad(l, std::vector<std::span<const float>>{grads[2 * l], grads[2 * l + 1]}));
-    for (auto& w : reductions) w.wait();
-    opt.step().wait();
+    for (std::size_t t = sizes.size(); t-- > 0;) {
+      const auto gradient = state.gradient(t);
+      std::copy(grads[t].begin(), grads[t].end(), gradient.begin());
+      state.mark_ready(t);
+    }
+    state.step();
   }
-  const auto full = params.gather_full_state(0);
+  const auto flat = state.gather_parameters();
+  std::vector<std::vector<float>> full;
+  for (const auto& r : regions) full.emplace_back(flat.begin() + r.offset, flat.begin() + r.offset + r.count);
   int code = 0;
   if (shards->rank() == 0) {
     const auto single = cohort_examples::train_adam_single(model, data, hybrid_batch, hybrid_steps, hybrid_lr);

@@ -3,8 +3,6 @@
 #include <catch2/catch.hpp>
 
 #include <cohort/cohort.hpp>
-#include <cohort/optim.hpp>
-#include <cohort/sharded.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -62,20 +60,6 @@ TEST_CASE("the README tour runs on two Gloo ranks", "[readme]") {
         RANK_CHECK(state.launched_buckets() == 0);  // nothing communicated inside the scope
       }
     }
-
-    // Sharding.
-    const std::vector<std::vector<std::size_t>> units{{5, 3}, {4}};
-    cohort::sharded_parameters<cohort::gloo, float> weights{pg, units, {.prefetch = 1}};
-    weights.init_from_full(std::vector<std::vector<float>>{{1, 2, 3, 4, 5}, {6, 7, 8}, {9, 10, 11, 12}});
-    cohort::adam opt{weights, {.lr = 3e-4}};
-    {
-      auto layer = weights.gather(0);
-      RANK_CHECK(layer.param(0)[4] == 5.0f && layer.param(1)[2] == 8.0f);
-    }
-    const std::vector<float> full_grad(8, static_cast<float>(rank));
-    weights.reduce_scatter_grad(0, full_grad).wait();
-    weights.reduce_scatter_grad(1, std::vector<float>(4, 0.0f)).wait();
-    opt.step();
 
     // Sampler.
     cohort::distributed_sampler sampler{100, pg, {.shuffle = true, .seed = 0}};

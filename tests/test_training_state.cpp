@@ -71,6 +71,7 @@ struct scenario {
   std::size_t unused_region = 4;  // rank 1 never writes or marks it
   std::size_t bucket_bytes = 600;
   int accumulation = 1;  // micro-steps per step, all but the last under no_sync
+  bool sgd = false;      // SGD with momentum and weight decay instead of AdamW
 };
 
 cohort::training_options options_for(const scenario& s) {
@@ -79,6 +80,7 @@ cohort::training_options options_for(const scenario& s) {
   o.bucket_bytes = s.bucket_bytes;
   o.adam = {.lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.1};
   o.max_grad_norm = 0.4;  // active: the gradients' norm is well above it
+  if (s.sgd) o.sgd = cohort::sgd_options{.lr = 0.05, .momentum = 0.9, .weight_decay = 0.1};
   return o;
 }
 
@@ -110,6 +112,12 @@ std::vector<double> reference(const scenario& s) {
     for (const auto& r : regions)
       for (std::size_t j = r.offset; j < r.offset + r.count; ++j) {
         const double g = gradient[j] * clip;
+        if (s.sgd) {  // PyTorch's SGD: decay added to the gradient, then momentum
+          const auto& sgd = *o.sgd;
+          m[j] = sgd.momentum * m[j] + g + (r.decay ? sgd.weight_decay : 0.0) * params[j];
+          params[j] -= sgd.lr * r.lr_scale * m[j];
+          continue;
+        }
         m[j] = o.adam.beta1 * m[j] + (1 - o.adam.beta1) * g;
         v[j] = o.adam.beta2 * v[j] + (1 - o.adam.beta2) * g * g;
         const double mh = m[j] / (1 - std::pow(o.adam.beta1, t)), vh = v[j] / (1 - std::pow(o.adam.beta2, t));
@@ -122,14 +130,24 @@ std::vector<double> reference(const scenario& s) {
 
 // The trainer: the same source for every strategy. Ranks walk the layers and their regions in
 // different orders; rank 1 leaves one region unused; rank 0 sends an inf at one step.
-std::vector<double> train(const scenario& s, cohort_test::gloo_group& pg, std::vector<std::size_t>* launches) {
+// Hybrid sharding: the state lives on `shards` and averages across `replicas`; `pg` is the
+// whole world, whose rank picks the batch. `wire`: the last step's wire bytes.
+struct hybrid_groups {
+  cohort_test::gloo_group* shards = nullptr;
+  cohort_test::gloo_group* replicas = nullptr;
+  std::size_t* wire = nullptr;
+};
+
+std::vector<double> train(const scenario& s, cohort_test::gloo_group& pg, std::vector<std::size_t>* launches,
+                          hybrid_groups hybrid = {}) {
   auto regions = model_regions();
   const std::size_t n = regions.back().offset + regions.back().count;
   cohort::loss_scaler scaler({.initial_scale = 1024, .growth_factor = 2, .backoff_factor = 0.5, .growth_interval = 3});
   auto options = options_for(s);
   options.scaler = &scaler;
   if (launches) options.on_launch = [launches](std::size_t b) { launches->push_back(b); };
-  cohort::training_state<cohort::gloo, double> state(pg, regions, options);
+  cohort::training_state<cohort::gloo, double> state(hybrid.shards ? *hybrid.shards : pg, regions, options,
+                                                     hybrid.replicas);
   state.load_parameters(initial_parameters(n));
   const int rank = pg.rank();
   std::vector<std::size_t> layers(state.layer_count());
@@ -179,6 +197,7 @@ std::vector<double> train(const scenario& s, cohort_test::gloo_group& pg, std::v
     RANK_CHECK(result.clip_factor <= 1.0);
     if (launches) launches->push_back(~std::size_t{0});  // a step's end
   }
+  if (hybrid.wire) *hybrid.wire = state.wire_bytes_per_step();
   return state.gather_parameters();
 }
 
@@ -208,6 +227,86 @@ TEST_CASE("one trainer source under ddp, zero1, zero2 and zero3 equals one proce
         CHECK(max_difference(results[static_cast<std::size_t>(rank)], expected) < 1e-9);
       }
     }
+}
+
+TEST_CASE("SGD with momentum and weight decay under ddp, zero1, zero2 and zero3 equals one process, at 3 ranks",
+          "[training_state][gloo]") {
+  for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3}) {
+    const scenario s{.world = 3, .kind = kind, .sgd = true};
+    const auto expected = reference(s);
+    std::vector<std::vector<double>> results(3);
+    auto store = std::make_shared<cohort::memory_store>();
+    cohort_test::run_ranks(3, [&](int rank) {
+      auto pg = cohort_test::make_gloo_group(store, rank, 3);
+      results[static_cast<std::size_t>(rank)] = train(s, pg, nullptr);
+    });
+    for (std::size_t rank = 0; rank < 3; ++rank) {
+      INFO(std::string(cohort::to_string(kind)) << ", rank " << rank);
+      CHECK(max_difference(results[rank], expected) < 1e-9);
+    }
+  }
+}
+
+// Hybrid sharding (HSDP) as 2 nodes x 2 ranks in threads: the state sharded inside each pair
+// ({0, 1}, {2, 3}) and averaged across the ranks at the same place ({0, 2}, {1, 3}). The same
+// trainer equals one process on the 4 ranks' batches, every rank skips the step where rank 0
+// alone sends an inf (ranks 2 and 3 hold none of it before the average across replicas),
+// and the replicas add only their average of what each rank keeps to the wire bytes.
+TEST_CASE("hybrid sharding 2 x 2 under every strategy equals one process on 4 ranks, and skips together",
+          "[training_state][gloo][hybrid]") {
+  for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3}) {
+    const scenario s{.world = 4, .kind = kind, .accumulation = kind == strategy::zero1 ? 2 : 1};
+    const auto expected = reference(s);
+    std::vector<std::vector<double>> results(4);
+    std::vector<std::size_t> wire(4), kept(4);
+    auto store = std::make_shared<cohort::memory_store>();
+    cohort_test::run_ranks(4, [&](int rank) {
+      auto pg = cohort_test::make_gloo_group(store, rank, 4);
+      auto shards = pg.split(rank / 2, rank);
+      auto replicas = pg.split(rank % 2, rank);
+      const auto r = static_cast<std::size_t>(rank);
+      results[r] = train(s, pg, nullptr, {&*shards, &*replicas, &wire[r]});
+      cohort::training_state<cohort::gloo, double> probe(*shards, model_regions(), options_for(s), &*replicas);
+      RANK_CHECK(probe.replica_count() == 2);
+      kept[r] = probe.owned_elements();
+      RANK_CHECK_THROWS(cohort::error, probe.join(), "a join scope with replicas (hybrid sharding) is not supported");
+    });
+    for (std::size_t rank = 0; rank < 4; ++rank) {
+      INFO(std::string(cohort::to_string(kind)) << ", rank " << rank);
+      CHECK(max_difference(results[rank], expected) < 1e-9);
+      // Each rank's group traffic at 2 ranks (storage = 2 x kept sharded, kept under ddp), then
+      // the average of its kept gradients across 2 replicas: 2 (R - 1) / R x kept.
+      const std::size_t storage = (kind == strategy::ddp ? 1 : 2) * kept[rank] * sizeof(double);
+      const std::size_t group = kind == strategy::zero3 ? 3 * storage / 2 : storage;
+      CHECK(wire[rank] == group + kept[rank] * sizeof(double));
+    }
+  }
+}
+
+TEST_CASE("replicas that do not pair the same places of equal groups fail every rank, naming them",
+          "[training_state][gloo][hybrid][faults]") {
+  // Groups {0, 1, 2} and {3}: rank 3's replica group {0, 3} pairs rank 0 of 3 with rank 0 of 1.
+  auto store = std::make_shared<cohort::memory_store>();
+  std::vector<std::string> errors(4);
+  cohort_test::run_ranks(4, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 4);
+    auto shards = pg.split(rank < 3 ? 0 : 1, rank);
+    auto replicas = pg.split(rank == 3 ? 0 : rank, rank);
+    try {
+      cohort::training_state<cohort::gloo, double> state(*shards, model_regions(), {.strategy = strategy::zero3},
+                                                         &*replicas);
+    } catch (const cohort::error& e) {
+      errors[static_cast<std::size_t>(rank)] = e.what();
+    }
+    std::vector<double> one{1.0};
+    pg.all_reduce(std::span<double>(one)).wait();  // agreed on, not timed out
+  });
+  CHECK_THAT(errors[0], Catch::Contains("replica rank 1 is rank 0 of a group of 1, replica rank 0 (this rank) rank 0 "
+                                        "of a group of 3"));
+  CHECK_THAT(errors[3], Catch::Contains("replica rank 0 is rank 0 of a group of 3, replica rank 1 (this rank) rank 0 "
+                                        "of a group of 1"));
+  CHECK_THAT(errors[1], Catch::Contains("rank 0 of the group refused its replicas"));
+  CHECK_THAT(errors[2], Catch::Contains("rank 0 of the group refused its replicas"));
 }
 
 TEST_CASE("the layout: buckets of one layer padded to the world, shards that cover every element once",

@@ -219,6 +219,37 @@ TEST_CASE("ranks that pass different initial parameters start from rank 0's wher
   }
 }
 
+TEST_CASE("hybrid copies given different initial parameters all start from the first copy's",
+          "[training_state][gloo][hybrid]") {
+  // 2 x 2: groups {0, 1} and {2, 3}, replicas {0, 2} and {1, 3}; each rank another seed. Every
+  // strategy, zero3 included: each shard comes from the first copy's holder of that shard.
+  for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3}) {
+    auto store = std::make_shared<cohort::memory_store>();
+    cohort_test::run_ranks(4, [&](int rank) {
+      auto pg = cohort_test::make_gloo_group(store, rank, 4);
+      auto shards = pg.split(rank / 2, rank);
+      auto replicas = pg.split(rank % 2, rank);
+      const auto regions = one_per_layer(3, 10);
+      cohort::training_state<cohort::gloo> state{*shards, regions, {.strategy = kind}, &*replicas};
+      std::vector<float> mine(30);
+      for (std::size_t e = 0; e < mine.size(); ++e) mine[e] = static_cast<float>(100 * rank) + static_cast<float>(e);
+      state.load_parameters(mine);
+      for (std::size_t l = 0; l < regions.size(); ++l) {
+        const auto layer = state.gather(l);
+        const auto p = layer.param(l);
+        for (std::size_t e = 0; e < p.size(); ++e) {
+          // ddp/zero1/zero2: rank 0's everywhere; zero3: each element from the first copy's
+          // holder of its shard (rank 0 or 1), never from the second copy (ranks 2, 3).
+          const float seed0 = static_cast<float>(10 * l + e);
+          const bool first_copy = p[e] == seed0 || p[e] == seed0 + 100.0f;
+          RANK_CHECK(kind == strategy::zero3 ? first_copy : p[e] == seed0,
+                     cohort::to_string(kind) << ": layer " << l << " element " << e << " = " << p[e]);
+        }
+      }
+    });
+  }
+}
+
 TEST_CASE("ddp misuse names the rank and the region: marked twice in one step, or dtypes that differ across ranks",
           "[training_state][ddp][gloo][faults]") {
   const int world = 2;

@@ -241,7 +241,7 @@ class process_group {
       fail("reduce_scatter", in.size(),
            "input has " + std::to_string(in.size()) + " elements, expected output size " + std::to_string(out.size()) +
                " x world " + std::to_string(world_size()),
-           "pad the input to a multiple of the world size (sharded_parameters does this)");
+           "pad the input to a multiple of the world size (training_state's layout does this)");
     return backend_->reduce_scatter(in.data(), out.data(), out.size(), dtype_v<T>, reduce);
   }
 

@@ -19,8 +19,8 @@
 //            when the state has the report (no_sync micro-steps belong to the step they
 //            accumulate for); without one, call end_step() once per optimizer step.
 //   wait     time the calling thread was blocked waiting for communication: inside the
-//            training_state's step(), in a sharded_parameters gather guard's wait() (the first
-//            param()/flat() call), and in report.wait(work) / add_wait() for any other wait.
+//            training_state's step(), in its zero3 gather() (its wait for the layer's
+//            all-gathers), and in report.wait(work) / add_wait() for any other wait.
 //   compute  step - wait: everything else (forward, backward, optimizer, data loading).
 //   exposed  wait / step: the share of the step spent waiting for communication.
 // A slow rank computes longer; the others wait for it in their next blocking collective, so
@@ -49,7 +49,7 @@
 // Cost when attached: two clock reads per step() and per gather wait, an atomic add per
 // wait; nothing else between window ends. Detached (the default) or every = 0: one pointer
 // test. Not thread-safe except add_wait() and wait(), which gather guards on other threads
-// may call; the report must outlive the training state and sharded parameters it is given to.
+// may call; the report must outlive the training state it is given to.
 
 #include <atomic>
 #include <chrono>
@@ -78,7 +78,7 @@ struct straggler_rank_stats {
   std::uint64_t steps = 0;    // steps measured in the window
   double step_ms = 0;         // mean step time
   double reduce_wait_ms = 0;  // blocked in training_state::step()
-  double gather_wait_ms = 0;  // blocked in sharded_parameters gather waits
+  double gather_wait_ms = 0;  // blocked in training_state's zero3 gathers
   double other_wait_ms = 0;   // report.wait(work) and add_wait(wait_kind::other, ...)
   double max_step_ms = 0;     // the window's longest step
 

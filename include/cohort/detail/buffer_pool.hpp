@@ -1,6 +1,6 @@
 #pragma once
-// Buffers in a backend's memory reused across operations (sharded_parameters' gathers and
-// reduction scratch): take() hands out the smallest pooled buffer that fits, or allocates;
+// Buffers in a backend's memory reused across operations (training_state's gathered layers
+// and bucket gradients): take() hands out the smallest pooled buffer that fits, or allocates;
 // trim_while() frees pooled buffers oldest first. Each buffer remembers the work that last
 // used it and is freed only after that work completes; reuse needs no wait, since every
 // later use is queued in the same backend order. Not thread-safe: the owner locks.

@@ -8,10 +8,8 @@
 // GCC and Clang still instantiate the inline member functions of an extern specialization
 // where they would inline them, so only part of the work moves; the rest is cheap to parse.
 
-#include "cohort/optim.hpp"
 #include "cohort/parallel/training_state.hpp"
 #include "cohort/process_group.hpp"
-#include "cohort/sharded.hpp"
 #include "cohort/types.hpp"
 
 #if defined(COHORT_HAS_GLOO) && COHORT_HAS_GLOO
@@ -22,12 +20,9 @@
 #endif
 
 // KEYWORD: `extern` for the declarations, empty for the one definition.
-#define COHORT_ALGORITHM_INSTANTIATIONS(KEYWORD, B)    \
-  KEYWORD template class process_group<B>;             \
-  KEYWORD template class sharded_parameters<B, float>; \
-  KEYWORD template class sgd<B, float>;                \
-  KEYWORD template class adam<B, float>;               \
-  KEYWORD template class training_state<B, float>;     \
+#define COHORT_ALGORITHM_INSTANTIATIONS(KEYWORD, B) \
+  KEYWORD template class process_group<B>;          \
+  KEYWORD template class training_state<B, float>;  \
   KEYWORD template class training_state<B, bfloat16>;
 
 #if defined(COHORT_HAS_GLOO) && COHORT_HAS_GLOO

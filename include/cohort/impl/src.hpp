@@ -19,7 +19,6 @@
 #include "cohort/impl/run_ranks.ipp"
 #include "cohort/impl/sampler.ipp"
 #include "cohort/impl/sha256.ipp"
-#include "cohort/impl/sharded_checkpoint.ipp"
 #include "cohort/impl/store.ipp"
 #include "cohort/impl/straggler.ipp"
 #include "cohort/impl/tcp_socket.ipp"

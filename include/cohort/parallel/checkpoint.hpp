@@ -100,7 +100,9 @@ struct checkpoint_info {
 };
 
 // Collective. Saves the state after `step` (the trainer's count) as DIR/step-<step>; returns
-// once the checkpoint is committed. Between steps.
+// once the checkpoint is committed. Between steps. With replicas (hybrid sharding) every copy
+// of the group holds the same state: the first copy (replica rank 0) writes it, at the
+// group's size, and the others return once it is committed (their bytes_written 0).
 template <backend B, element P, element G>
 checkpoint_info save_checkpoint(training_state<B, P, G>& state, const std::string& directory, std::uint64_t step,
                                 const checkpoint_options& options = {});
@@ -147,7 +149,12 @@ class checkpoint_staging {
 template <backend B, element P, element G>
 class async_checkpointer {
  public:
-  explicit async_checkpointer(training_state<B, P, G>& state) : state_(&state) {}
+  // Not with replicas (hybrid sharding): save_checkpoint saves such a state.
+  explicit async_checkpointer(training_state<B, P, G>& state) : state_(&state) {
+    if (state.replica_count() > 1)
+      throw error(state.rank(), "async_checkpointer", "an asynchronous save of a state with replicas is not supported",
+                  "save a hybrid-sharded state with save_checkpoint");
+  }
   async_checkpointer(const async_checkpointer&) = delete;
   async_checkpointer& operator=(const async_checkpointer&) = delete;
   // Waits for the write in flight; rank 0 stops waiting for the other ranks' keys. One never

@@ -1,6 +1,6 @@
 #pragma once
-// The optimizers' settings, shared by every strategy (training_state, and the optimizers
-// over sharded_parameters), and the step's coefficients they all compute the same way.
+// The optimizers' settings, shared by every strategy of training_state, and the step's
+// coefficients they all compute the same way.
 // Light on purpose: a trainer includes it wherever it configures training.
 
 #include <cstdint>

@@ -26,6 +26,25 @@
 // Wire bytes per step (nccl-tests bus bytes): 2(N-1)/N x P for ddp, zero1 and zero2,
 // 3(N-1)/N x P for zero3 (the gathers of the forward and of the backward, the reduce-scatter).
 //
+// Hybrid sharding (HSDP): pass `replicas`, the ranks that hold this rank's place in copies of
+// the state's group (one rank per copy, e.g. a node-local group with the ranks of the same
+// local rank on the other nodes beside it):
+//
+//   auto node  = pg.split(env.node_rank(), pg.local_rank());   // shards: N ranks per node
+//   auto peers = pg.split(pg.local_rank(), env.node_rank());   // replicas: R nodes
+//   cohort::training_state<cohort::nccl> state{*node, regions, options, &*peers};
+//
+// The state shards inside its group as above, and every reduction in the group (a bucket's
+// reduce-scatter, or its all-reduce under ddp) is followed by an average of the part this
+// rank keeps across the replicas: every copy of the group then holds bit-for-bit the same
+// gradients, so the norm counts each element once, an inf or a NaN on any rank of any copy
+// reaches every copy (every rank skips alike), and the copies' updates stay identical without
+// exchanging parameters. Only the gradients cross between copies: R copies add 2(R-1)/R x the
+// kept gradients to each rank's wire bytes (P/N sharded, P under ddp). Every copy must have
+// the same group size, and each replica group one rank per place; the constructor checks both.
+// Checkpoints: save_checkpoint has the first copy write, every copy loads; join() and an
+// async_checkpointer refuse replicas.
+//
 // One layout serves them all (cohort/parallel/layout.hpp): regions placed in cohort's
 // storage layer by layer, buckets of whole regions of one layer padded to a multiple of the
 // world, each rank's shard one equal slice of every bucket. Buckets launch last to first
@@ -104,7 +123,7 @@ struct training_options {
   // Called as each bucket's reduction is queued (bucket index): to see the overlap.
   std::function<void(std::size_t bucket)> on_launch = {};
   // Straggler report (cohort/straggler.hpp; it must outlive the state): each step() ends a
-  // step, and its time counts as waiting for communication.
+  // step, and its time counts as waiting for communication; so does a zero3 gather()'s wait.
   straggler_report* straggler = nullptr;
 };
 
@@ -171,7 +190,9 @@ class training_state {
   // Collective: every rank passes the same regions and options. A rank whose own input is
   // unusable does not throw alone (the others would wait for it until the timeout): every
   // rank learns in one exchange whether any refused, and all throw together.
-  training_state(process_group<B>& group, std::vector<region> regions, training_options options = {});
+  // `replicas` (hybrid sharding, above; it must outlive the state): this rank's replica group.
+  training_state(process_group<B>& group, std::vector<region> regions, training_options options = {},
+                 process_group<B>* replicas = nullptr);
   training_state(const training_state&) = delete;
   training_state& operator=(const training_state&) = delete;
   ~training_state();
@@ -307,7 +328,12 @@ class training_state {
     }
     training_state* state_;
   };
-  [[nodiscard]] join_scope join(join_options options = {}) { return join_scope(*this, options); }
+  [[nodiscard]] join_scope join(join_options options = {}) {
+    if (replicated())
+      fail("join", "a join scope with replicas (hybrid sharding) is not supported",
+           "give every rank the same number of batches (e.g. the sampler's even_batches), or train without replicas");
+    return join_scope(*this, options);
+  }
   // Ranks that contributed to the last step (the world, outside a join scope).
   int last_contributors() const noexcept { return last_contributors_; }
 
@@ -336,6 +362,10 @@ class training_state {
   int rank() const noexcept { return group_->rank(); }
   int world_size() const noexcept { return group_->world_size(); }
   process_group<B>& group() noexcept { return *group_; }
+  // Hybrid sharding's replica group (nullptr when none was given).
+  process_group<B>* replicas() noexcept { return replicas_; }
+  // Copies of the state's group that average their gradients (1 without replicas).
+  int replica_count() const noexcept { return replicas_ ? replicas_->world_size() : 1; }
 
   // --- checkpoints (cohort/parallel/checkpoint.hpp) ------------------------------------------
   // Rank `r`'s part of the regions in a checkpoint written at this world size: its shard of
@@ -396,6 +426,11 @@ class training_state {
   }
 
   void agree_on_layout(const std::string& refusal);
+  void agree_on_replicas();
+  bool replicated() const noexcept { return replicas_ && replicas_->world_size() > 1; }
+  // After the group's reduction `reduced` of `count` gradients at `data`: their average across
+  // the replicas, which the group's later work waits for.
+  void average_across_replicas(work& reduced, G* data, std::size_t count);
   void allocate_buffers();
   template <class T>
   T* allocate_zeroed(detail::backend_buffer<B>& buffer, std::size_t count);
@@ -470,6 +505,7 @@ class training_state {
   }
 
   process_group<B>* group_;
+  process_group<B>* replicas_;
   std::vector<region> regions_;
   training_options options_;
   detail::storage_layout layout_;

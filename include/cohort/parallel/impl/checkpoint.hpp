@@ -468,10 +468,39 @@ void start_checkpoint_writer(pending_checkpoint<Master>& pending) {
 template <backend B, element P, element G>
 checkpoint_info save_checkpoint(training_state<B, P, G>& state, const std::string& directory, std::uint64_t step,
                                 const checkpoint_options& options) {
-  auto pending = detail::begin_checkpoint_save(state, directory, step, options, true);
-  detail::start_checkpoint_writer(*pending);
-  detail::stage_checkpoint(state.group().backend(), *pending);
-  return detail::agree_checkpoint_save(state.group(), *pending);
+  const auto save = [&] {
+    auto pending = detail::begin_checkpoint_save(state, directory, step, options, true);
+    detail::start_checkpoint_writer(*pending);
+    detail::stage_checkpoint(state.group().backend(), *pending);
+    return detail::agree_checkpoint_save(state.group(), *pending);
+  };
+  process_group<B>* replicas = state.replicas();
+  if (state.replica_count() == 1) return save();
+  // Hybrid sharding: the first copy of the group writes, every copy learns its outcome.
+  checkpoint_info info;
+  std::exception_ptr failure;
+  if (replicas->rank() == 0) try {
+      info = save();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  std::int64_t failed = failure ? 1 : 0;
+  failed = all_gather_values(*replicas, std::span<const std::int64_t>(&failed, 1))[0];
+  if (failure) std::rethrow_exception(failure);
+  if (failed != 0)
+    throw error(state.rank(), "save_checkpoint",
+                "the copy of the group that writes (replica rank 0) could not save step " + std::to_string(step) +
+                    " in " + directory + " (its error says why)",
+                "the previous checkpoint is intact");
+  if (replicas->rank() != 0) {
+    info.path = directory + "/" + detail::checkpoint_step_name(step);
+    info.step = step;
+    info.optimizer_steps = state.steps();
+    info.world_size = state.world_size();
+    info.strategy = std::string(to_string(state.strategy()));
+    info.metadata = options.metadata;
+  }
+  return info;
 }
 
 template <backend B, element P, element G>
@@ -621,7 +650,10 @@ std::optional<checkpoint_info> resume_checkpoint(training_state<B, P, G>& state,
       row[0] = 1;
       row[1] = static_cast<std::int64_t>(std::stoull(newest->substr(newest->rfind("step-") + 5)));
     }
-  const auto chosen = all_gather_values(group, std::span<const std::int64_t>(row, 2));
+  auto chosen = all_gather_values(group, std::span<const std::int64_t>(row, 2));
+  // With replicas, the first copy's choice: every copy loads the same.
+  if (state.replica_count() > 1)
+    chosen = all_gather_values(*state.replicas(), std::span<const std::int64_t>(chosen.data(), 2));
   if (chosen[0] == 0) return std::nullopt;
   return load_checkpoint(state, directory + "/" + detail::checkpoint_step_name(static_cast<std::uint64_t>(chosen[1])));
 }

@@ -15,8 +15,10 @@
 namespace cohort::inline v0 {
 
 template <backend B, element P, element G>
-training_state<B, P, G>::training_state(process_group<B>& group, std::vector<region> regions, training_options options)
+training_state<B, P, G>::training_state(process_group<B>& group, std::vector<region> regions, training_options options,
+                                        process_group<B>* replicas)
     : group_(&group),
+      replicas_(replicas),
       regions_(std::move(regions)),
       options_(std::move(options)),
       gradient_pool_(group.backend()),
@@ -29,6 +31,7 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::vector<reg
     refusal = "bucket_bytes " + std::to_string(options_.bucket_bytes) + " is below one gradient element";
   if (refusal.empty() && options_.prefetch < 0) refusal = "prefetch " + std::to_string(options_.prefetch) + " < 0";
   agree_on_layout(refusal);
+  if (replicas_) agree_on_replicas();
 
   // 16-byte aligned shards and regions for both dtypes: vector loads in the kernels.
   const std::size_t alignment = std::max<std::size_t>(16 / std::min(sizeof(P), sizeof(G)), 1);
@@ -110,6 +113,47 @@ void training_state<B, P, G>::agree_on_layout(const std::string& refusal) {
   }
 }
 
+// Hybrid sharding: every member of this rank's replica group must hold the same place in a
+// group of the same size with the same layout (checked over the replicas), and every rank of
+// the group must have as many replicas (checked over the group, which also carries a refusal
+// to the whole group: each refused replica group has a member in every group, so every rank
+// of the job throws).
+template <backend B, element P, element G>
+void training_state<B, P, G>::agree_on_replicas() {
+  const std::int64_t mine[3] = {
+      group_->rank(), group_->world_size(),
+      detail::layout_fingerprint(regions_, options_.bucket_bytes / sizeof(G), static_cast<int>(options_.strategy),
+                                 static_cast<int>(dtype_v<P>), static_cast<int>(dtype_v<G>))};
+  const auto rows = all_gather_values(*replicas_, std::span<const std::int64_t>(mine, 3));
+  const std::string me = "replica rank " + std::to_string(replicas_->rank()) + " (this rank)";
+  std::string refusal;
+  for (int r = 0; r < replicas_->world_size() && refusal.empty(); ++r) {
+    const auto* theirs = &rows[static_cast<std::size_t>(r) * 3];
+    if (theirs[0] != mine[0] || theirs[1] != mine[1])
+      refusal = "replica rank " + std::to_string(r) + " is rank " + std::to_string(theirs[0]) + " of a group of " +
+                std::to_string(theirs[1]) + ", " + me + " rank " + std::to_string(mine[0]) + " of a group of " +
+                std::to_string(mine[1]);
+    else if (theirs[2] != mine[2])
+      refusal = "replica rank " + std::to_string(r) + " has other regions, strategy, bucket size or dtypes than " + me;
+  }
+  const std::int64_t row[2] = {refusal.empty() ? 0 : 1, replicas_->world_size()};
+  const auto all = all_gather_values(*group_, std::span<const std::int64_t>(row, 2));
+  const std::string hint =
+      "replicas are one rank per copy of the group, each at the same place in an equal group: split by local "
+      "rank beside the split by node";
+  if (!refusal.empty()) fail("replicas", refusal, hint);
+  for (int r = 0; r < group_->world_size(); ++r)
+    if (all[static_cast<std::size_t>(r) * 2] != 0)
+      fail("replicas", "rank " + std::to_string(r) + " of the group refused its replicas (its error says why)", hint);
+  for (int r = 1; r < group_->world_size(); ++r)
+    if (all[static_cast<std::size_t>(r) * 2 + 1] != all[1])
+      fail("replicas",
+           "rank " + std::to_string(r) + " of the group has " +
+               std::to_string(all[static_cast<std::size_t>(r) * 2 + 1]) + " replicas, rank 0 has " +
+               std::to_string(all[1]),
+           hint);
+}
+
 template <backend B, element P, element G>
 template <class T>
 T* training_state<B, P, G>::allocate_zeroed(detail::backend_buffer<B>& buffer, std::size_t count) {
@@ -161,6 +205,14 @@ void training_state<B, P, G>::load_parameters(std::span<const P> logical) {
     // at construction): ranks initialised with different seeds still start as one model.
     if (world() > 1) group_->broadcast(std::span<P>(params, layout_.storage), 0);
   }
+  // Hybrid: the first copy's parameters are every copy's, whatever each copy was given.
+  if (replicated()) {
+    const std::size_t held = sharded_parameters() ? owned_ : layout_.storage;
+    work copied = group_->backend().record();
+    copied.make_stream_wait(replicas_->backend().stream());
+    copied = replicas_->broadcast(std::span<P>(params, held), 0);
+    copied.make_stream_wait(engine.stream());
+  }
   if (separate_master())
     for (const auto& s : segments_)
       cast(engine, sharded_parameters() ? params + s.owned : params + s.storage, dtype_v<P>,
@@ -208,10 +260,14 @@ auto training_state<B, P, G>::gather(std::size_t layer) -> layer_view {
   // backward's, whose view's end makes the layer's buckets due. The gathers are collectives,
   // so this is the same on every rank.
   backward_view_[layer] = last_gathered_ && layer <= *last_gathered_;
+  // The straggler report counts the time the caller waits here for the gathers.
+  straggler_report* const report = options_.straggler && options_.straggler->enabled() ? options_.straggler : nullptr;
+  const auto entered = report ? straggler_report::clock::now() : straggler_report::clock::time_point{};
   for (std::size_t b = layout_.first_bucket_of_layer[layer]; b < layout_.first_bucket_of_layer[layer + 1]; ++b) {
     gather_bucket(b);
     hand_to_caller(bucket_gathered_[b]);
   }
+  if (report) report->add_wait(wait_kind::gather, straggler_report::clock::now() - entered);
   ++layer_users_[layer];
   prefetch_after(layer);
   last_gathered_ = layer;
@@ -370,30 +426,52 @@ void training_state<B, P, G>::launch(std::size_t b) {
   if (options_.on_launch) options_.on_launch(b);
   const std::size_t bytes = bucket.padded * sizeof(G);
   switch (options_.strategy) {
-    case strategy::ddp:
-      group_->all_reduce(std::span<G>(grads_.template as<G>() + bucket.begin, bucket.padded), op::avg);
+    case strategy::ddp: {
+      G* base = grads_.template as<G>() + bucket.begin;
+      work reduced = group_->all_reduce(std::span<G>(base, bucket.padded), op::avg);
       count_wire(bytes, true);
+      average_across_replicas(reduced, base, bucket.padded);
       break;
+    }
     case strategy::zero1: {
       G* base = grads_.template as<G>() + bucket.begin;
-      group_->reduce_scatter(std::span<const G>(base, bucket.padded),
-                             std::span<G>(base + my_rank() * bucket.shard, bucket.shard), op::avg);
+      G* shard = base + my_rank() * bucket.shard;
+      work reduced =
+          group_->reduce_scatter(std::span<const G>(base, bucket.padded), std::span<G>(shard, bucket.shard), op::avg);
       count_wire(bytes, false);
+      average_across_replicas(reduced, shard, bucket.shard);
       break;
     }
     case strategy::zero2:
     case strategy::zero3: {
       // A bucket this rank never wrote contributes zeros.
       G* full = bucket_gradients(b, false);
+      G* shard = grad_shard_.template as<G>() + shard_offset_[b];
       work reduced =
-          group_->reduce_scatter(std::span<const G>(full, bucket.padded),
-                                 std::span<G>(grad_shard_.template as<G>() + shard_offset_[b], bucket.shard), op::avg);
+          group_->reduce_scatter(std::span<const G>(full, bucket.padded), std::span<G>(shard, bucket.shard), op::avg);
       count_wire(bytes, false);
+      // The bucket buffer's last reader is the group's reduce-scatter, whatever follows.
+      work scattered = reduced;
+      average_across_replicas(reduced, shard, bucket.shard);
+      reduced = std::move(scattered);
       bucket_grads_[b].last_use = std::move(reduced);
       gradient_pool_.put(std::exchange(bucket_grads_[b], pooled{}));
       break;
     }
   }
+}
+
+// The replicas' queue waits for the group's reduction, and the group's later work (the next
+// reductions, the step's norm and update) for the average. On a host backend both waits block
+// the caller: the average is synchronous there, while NCCL orders it on the streams.
+template <backend B, element P, element G>
+void training_state<B, P, G>::average_across_replicas(work& reduced, G* data, std::size_t count) {
+  if (!replicated()) return;
+  reduced.make_stream_wait(replicas_->backend().stream());
+  reduced = replicas_->all_reduce(std::span<G>(data, count), op::avg);
+  reduced.make_stream_wait(group_->backend().stream());
+  const auto copies = static_cast<std::size_t>(replicas_->world_size());
+  wire_bytes_ += 2 * (copies - 1) * count * sizeof(G) / copies;
 }
 
 template <backend B, element P, element G>
@@ -542,7 +620,9 @@ std::size_t training_state<B, P, G>::region_index(std::string_view name) const {
 }
 
 // Sharded, each rank measures its shard and the ranks' parts are summed (every element counted
-// once); under ddp every rank holds the same averaged gradients and measures them whole.
+// once); under ddp every rank holds the same averaged gradients and measures them whole. With
+// replicas every copy of the group holds the same averaged gradients (an inf anywhere made its
+// average inf or NaN in every copy): the group's sum is the global one, the same everywhere.
 template <backend B, element P, element G>
 void training_state<B, P, G>::measure(step_result& result) {
   auto& engine = group_->backend();

@@ -1,0 +1,162 @@
+// training_state on NCCL with one rank on one GPU: the device path of the same template
+// (gathers into cudaMalloc'd pooled buffers ordered with a caller stream, the gradient and
+// optimizer kernels, a checkpoint of device state). Skipped without a GPU. A plain C++ file:
+// the kernels come compiled from cohort_self_impl (COHORT_SEPARATE_DEVICE_CODE), as a
+// trainer's .cpp would use them.
+#include <catch2/catch.hpp>
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <cohort/backend/nccl.hpp>
+#include <cohort/parallel/checkpoint.hpp>
+#include <cohort/parallel/training_state.hpp>
+#include <cohort/store.hpp>
+
+#include "support.hpp"
+
+#if !defined(COHORT_SEPARATE_DEVICE_CODE) || defined(__CUDACC__)
+#error "test_training_state_nccl.cpp is the plain C++ test of the kernels cohort_self_impl compiled"
+#endif
+
+namespace {
+
+using group = cohort::process_group<cohort::nccl>;
+using cohort::strategy;
+
+void require_gpu() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
+    cohort_test::skip("no CUDA device on this machine: the device training_state tests need a GPU");
+}
+
+group make_group() {
+  cohort::nccl::options opts;
+  opts.timeout = std::chrono::seconds(20);
+  return group(std::make_shared<cohort::memory_store>(), cohort::launch_env::explicit_ranks(0, 1), opts);
+}
+
+template <class E>
+std::vector<E> download(std::span<E> device) {
+  std::vector<E> host(device.size());
+  REQUIRE(cudaMemcpy(host.data(), device.data(), device.size() * sizeof(E), cudaMemcpyDeviceToHost) == cudaSuccess);
+  return host;
+}
+
+// Sizes that pad (5, 3, 1), a larger layer, and a bias left undecayed.
+const std::vector<cohort::region> regions{
+    {"a.w", 0, 5, 0}, {"a.b", 5, 3, 0, false}, {"one", 8, 1, 1}, {"c.w", 9, 300, 2}, {"c.b", 309, 20, 2, false}};
+constexpr std::size_t elements = 329;
+
+float original(std::size_t i) { return static_cast<float>(i % 50) * 0.25f - 3.0f; }
+
+}  // namespace
+
+TEST_CASE("device gathers return the original parameters, in fp32 and bfloat16, under ddp and zero3",
+          "[training_state][nccl]") {
+  require_gpu();
+  auto pg = make_group();
+  cudaStream_t stream;
+  REQUIRE(cudaStreamCreate(&stream) == cudaSuccess);
+  std::vector<float> full(elements);
+  std::vector<cohort::bfloat16> rounded(elements);
+  for (std::size_t i = 0; i < elements; ++i) {
+    full[i] = original(i);
+    rounded[i] = cohort::bfloat16(full[i]);
+  }
+  for (const strategy kind : {strategy::ddp, strategy::zero3}) {
+    INFO(cohort::to_string(kind));
+    cohort::training_state<cohort::nccl> fp32(pg, regions, {.strategy = kind, .bucket_bytes = 64});
+    cohort::training_state<cohort::nccl, cohort::bfloat16, float> bf16(pg, regions, {.strategy = kind});
+    fp32.set_stream(stream);
+    bf16.set_stream(stream);
+    fp32.load_parameters(full);  // host sources: the backend's copy reads any memory
+    bf16.load_parameters(rounded);
+    for (std::size_t l = 0; l < fp32.layer_count(); ++l) {
+      auto a = fp32.gather(l);
+      auto b = bf16.gather(l);
+      for (std::size_t r = 0; r < regions.size(); ++r) {
+        if (regions[r].layer != l) continue;
+        REQUIRE(cudaStreamSynchronize(stream) == cudaSuccess);
+        const auto got = download(a.param(r));
+        const auto got16 = download(b.param(r));
+        for (std::size_t i = 0; i < got.size(); ++i) {
+          REQUIRE(got[i] == full[regions[r].offset + i]);
+          REQUIRE(got16[i] == rounded[regions[r].offset + i]);
+        }
+      }
+    }
+    CHECK(fp32.gather_parameters() == full);
+  }
+  cudaStreamDestroy(stream);
+}
+
+TEST_CASE("device gradients, SGD and AdamW match the formulas computed on the host, and a checkpoint round-trips",
+          "[training_state][nccl]") {
+  require_gpu();
+  auto pg = make_group();
+  std::vector<float> full(elements);
+  for (std::size_t i = 0; i < elements; ++i) full[i] = original(i);
+  for (const strategy kind : {strategy::ddp, strategy::zero3})
+    for (const bool sgd : {true, false}) {
+      INFO(cohort::to_string(kind) << (sgd ? ", sgd" : ", adamw"));
+      cohort::training_options options{.strategy = kind, .bucket_bytes = 256};
+      if (sgd)
+        options.sgd = cohort::sgd_options{.lr = 0.1, .momentum = 0.9, .weight_decay = 0.01};
+      else
+        options.adam = {.lr = 0.01, .weight_decay = 0.01};
+      cohort::training_state<cohort::nccl> state(pg, regions, options);
+      state.load_parameters(full);
+      std::vector<double> expected(full.begin(), full.end()), m(elements), v(elements);
+      for (int step = 1; step <= 2; ++step) {
+        cohort::training_state<cohort::nccl>::layer_view view;
+        for (std::size_t r = regions.size(); r-- > 0;) {
+          // The layer's view lives while its regions' gradients are written (both of them).
+          if (r + 1 == regions.size() || regions[r + 1].layer != regions[r].layer)
+            view = state.gather(regions[r].layer);
+          std::vector<float> host(regions[r].count);
+          for (std::size_t i = 0; i < host.size(); ++i)
+            host[i] = std::sin(0.1f * static_cast<float>(regions[r].offset + i) + static_cast<float>(step));
+          const auto gradient = state.gradient(r);
+          REQUIRE(cudaMemcpy(gradient.data(), host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice) ==
+                  cudaSuccess);
+          state.mark_ready(r);
+          const double decay = regions[r].decay ? 0.01 : 0.0;
+          for (std::size_t i = 0; i < host.size(); ++i) {
+            const std::size_t j = regions[r].offset + i;
+            const double g = host[i];
+            if (sgd) {
+              m[j] = 0.9 * m[j] + g + decay * expected[j];
+              expected[j] -= 0.1 * m[j];
+            } else {
+              m[j] = 0.9 * m[j] + 0.1 * g;
+              v[j] = 0.999 * v[j] + 0.001 * g * g;
+              const double mh = m[j] / (1 - std::pow(0.9, step)), vh = v[j] / (1 - std::pow(0.999, step));
+              expected[j] -= 0.01 * (mh / (std::sqrt(vh) + 1e-8) + decay * expected[j]);
+            }
+          }
+        }
+        view.reset();
+        const auto result = state.step();
+        REQUIRE_FALSE(result.skipped);
+      }
+      const auto got = state.gather_parameters();
+      double worst = 0;
+      for (std::size_t i = 0; i < elements; ++i) worst = std::max(worst, std::abs(double(got[i]) - expected[i]));
+      CHECK(worst <= 1e-4);
+      const auto directory = std::filesystem::temp_directory_path() /
+                             ("cohort-test-training-state-nccl-" + std::string(cohort::to_string(kind)));
+      std::filesystem::remove_all(directory);
+      const auto saved = cohort::save_checkpoint(state, directory.string(), 2);
+      cohort::training_state<cohort::nccl> loaded(pg, regions, options);
+      cohort::load_checkpoint(loaded, saved.path);
+      CHECK(loaded.gather_parameters() == got);
+      CHECK(loaded.steps() == state.steps());
+      std::filesystem::remove_all(directory);
+    }
+}
