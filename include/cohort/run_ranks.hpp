@@ -47,7 +47,7 @@ namespace detail {
 
 // Launched ranks report "done" (and "failed" with the reason) to the store; rank 0 serves
 // the store until all are done, or a grace period after a failure.
-void finish_launched_rank(store& rendezvous, const launch_env& env, const std::exception_ptr& failure);
+COHORT_DECL void finish_launched_rank(store& rendezvous, const launch_env& env, const std::exception_ptr& failure);
 
 }  // namespace detail
 
