@@ -94,8 +94,8 @@ class file_store final : public store {
 
   bool exists(std::string_view key) const { return ::access(file_of(key).c_str(), F_OK) == 0; }
 
-  [[noreturn]] COHORT_DECL void fail(std::string_view operation, std::string_view key, const std::string& what,
-                                     int code) const;
+  COHORT_COLD [[noreturn]] COHORT_DECL void fail(std::string_view operation, std::string_view key,
+                                                 const std::string& what, int code) const;
 
   // The whole value, or nothing when the key is absent.
   COHORT_DECL std::optional<bytes> read(std::string_view operation, std::string_view key) const;

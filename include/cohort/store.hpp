@@ -112,8 +112,8 @@ class store {
   void set_rank(int rank) noexcept { rank_.store(rank, std::memory_order_relaxed); }
 
  protected:
-  [[noreturn]] void throw_timeout(std::string_view operation, std::span<const std::string> keys,
-                                  std::chrono::milliseconds waited) const {
+  COHORT_COLD [[noreturn]] void throw_timeout(std::string_view operation, std::span<const std::string> keys,
+                                              std::chrono::milliseconds waited) const {
     std::string names;
     for (const auto& key : keys) names += (names.empty() ? "'" : ", '") + key + "'";
     throw timeout_error(rank(), std::string("store.") + std::string(operation),
@@ -133,8 +133,8 @@ namespace detail {
 // color) holds something cohort never writes: another program, a stray or hostile client, or
 // a rank of another job sharing the store wrote it. Names the key, shows the start of the
 // value (escaped) and what was expected, and points at the store token (SECURITY.md).
-COHORT_DECL error malformed_store_value(int rank, std::string_view operation, std::string_view key,
-                                        std::span<const std::uint8_t> value, std::string_view expected);
+COHORT_COLD COHORT_DECL error malformed_store_value(int rank, std::string_view operation, std::string_view key,
+                                                    std::span<const std::uint8_t> value, std::string_view expected);
 inline error malformed_store_value(int rank, std::string_view operation, std::string_view key, std::string_view value,
                                    std::string_view expected) {
   return malformed_store_value(

@@ -134,7 +134,7 @@ COHORT_DECL straggler_summary summarize_stragglers(std::uint64_t first_step, std
                                                    std::vector<int> missing = {});
 
 // The one line rank 0 prints (no newline).
-COHORT_DECL std::string format_straggler_report(const straggler_summary& summary);
+COHORT_COLD COHORT_DECL std::string format_straggler_report(const straggler_summary& summary);
 
 struct straggler_options {
   // Steps per window; 0 turns the report off (no clock is read, nothing is exchanged).

@@ -170,12 +170,12 @@ class tcp_store final : public store {
 
   // --- failure reporting: the connection is closed, and the reason kept for later calls.
 
-  [[noreturn]] COHORT_DECL void fail(std::string_view operation, const std::string& detail);
+  COHORT_COLD [[noreturn]] COHORT_DECL void fail(std::string_view operation, const std::string& detail);
 
-  [[noreturn]] COHORT_DECL void fail_timeout(std::string_view operation, const std::string& detail);
+  COHORT_COLD [[noreturn]] COHORT_DECL void fail_timeout(std::string_view operation, const std::string& detail);
 
   // The server wrote its busy marker (detail/tcp_store_protocol.hpp): retried by connect().
-  [[noreturn]] COHORT_DECL void fail_busy(std::string_view operation);
+  COHORT_COLD [[noreturn]] COHORT_DECL void fail_busy(std::string_view operation);
 
   COHORT_DECL void usable(std::string_view operation) const;
 

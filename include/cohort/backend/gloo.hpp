@@ -210,7 +210,7 @@ class gloo {
   const detail::flight_recorder& recorder() const noexcept { return recorder_; }
   // Writes the flight recorder to `directory` now (as a failure does when trace_dir is set);
   // returns the file's path, empty when it could not be written.
-  COHORT_DECL std::string write_trace(const std::string& directory, std::string_view reason) const;
+  COHORT_COLD COHORT_DECL std::string write_trace(const std::string& directory, std::string_view reason) const;
   // Cross-rank checks of point-to-point pairs (process_group::set_debug_checks sets this).
   void set_debug_checks(bool on) noexcept { debug_checks_.store(on, std::memory_order_relaxed); }
   const std::shared_ptr<::gloo::Context>& context() const noexcept { return context_; }
@@ -278,7 +278,7 @@ class gloo {
   // The address `peer` published for its pair with this rank (Gloo's bytes).
   COHORT_DECL std::vector<char> peer_pair_address(int peer) const;
   // "rank 3 published 10.0.0.4 (host node1, pid 812, its pair for this rank at [10.0.0.4]:40123)".
-  COHORT_DECL std::string describe_peer(int peer) const;
+  COHORT_COLD COHORT_DECL std::string describe_peer(int peer) const;
   COHORT_DECL void start_watchdog();
   // The failure the watchdog acts on: a failed call no wait or test reported within `timeout`.
   COHORT_DECL std::exception_ptr unreported_failure() const;
@@ -296,9 +296,9 @@ class gloo {
 
   COHORT_DECL void run(detail::gloo_task& task);
   // The cohort error a failed engine call becomes, naming the call and the rank at fault.
-  COHORT_DECL std::exception_ptr explain(const detail::gloo_task& task, std::exception_ptr raised);
+  COHORT_COLD COHORT_DECL std::exception_ptr explain(const detail::gloo_task& task, std::exception_ptr raised);
   // The first failure of the group writes its flight recorder (when trace_dir is set).
-  COHORT_DECL void keep_trace(const std::exception_ptr& failure);
+  COHORT_COLD COHORT_DECL void keep_trace(const std::exception_ptr& failure);
   // COHORT_DEBUG: both sides of a point-to-point pair publish what they move; the
   // completion (never the caller: a ring of sends would deadlock) compares them.
   COHORT_DECL std::string p2p_debug_key(const detail::gloo_task& task, bool mine) const;
@@ -320,16 +320,16 @@ class gloo {
     return static_cast<std::uint32_t>(signature(task) & 0x7fffffffu);
   }
 
-  [[noreturn]] COHORT_DECL void throw_timeout(const detail::gloo_task& task);
+  COHORT_COLD [[noreturn]] COHORT_DECL void throw_timeout(const detail::gloo_task& task);
 
   // After a call failed: who is at fault (detail::name_the_culprit for collectives; a
   // point-to-point call whose connection closed names its peer).
-  COHORT_DECL std::string name_the_culprit(const detail::gloo_task& task, bool connection_lost);
+  COHORT_COLD COHORT_DECL std::string name_the_culprit(const detail::gloo_task& task, bool connection_lost);
   // What `peer` is, without its help (for a rank that sent no failure report): its process
   // on this host, the state of its pair, and (thorough) whether its host answers.
   COHORT_DECL detail::peer_status probe_peer(int peer, bool thorough) const;
   // Which ranks never published their rendezvous address (a rendezvous that timed out).
-  COHORT_DECL std::string missing_at_rendezvous(cohort::store& store) const;
+  COHORT_COLD COHORT_DECL std::string missing_at_rendezvous(cohort::store& store) const;
 
   // Point-to-point slots carry the user tag and the message size (see signature), in a
   // range of their own, away from the slots Gloo's collectives use.

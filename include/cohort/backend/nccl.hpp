@@ -92,7 +92,8 @@ struct nccl_state {
   COHORT_DECL cudaEvent_t take_event();
   COHORT_DECL void give_event(cudaEvent_t event);
 
-  [[noreturn]] COHORT_DECL void fail(const std::string& operation, ncclResult_t status, const std::string& hint);
+  COHORT_COLD [[noreturn]] COHORT_DECL void fail(const std::string& operation, ncclResult_t status,
+                                                 const std::string& hint);
 
   // Publishes the failure (aborted, abort_reason) and takes the communicator under the lock,
   // then aborts it outside every lock on a thread of its own (detail/background_abort.hpp),
@@ -135,8 +136,8 @@ struct nccl_state {
   COHORT_DECL std::exception_ptr watch();
   // "rank 2 never issued all_reduce #7 (...); ranks 0, 1 are waiting in it" for the oldest
   // call not complete (or `operation` when none is known), asking the other ranks.
-  COHORT_DECL std::string name_the_culprit(const std::string& operation);
-  COHORT_DECL void keep_trace(std::string_view failure);
+  COHORT_COLD COHORT_DECL std::string name_the_culprit(const std::string& operation);
+  COHORT_COLD COHORT_DECL void keep_trace(std::string_view failure);
 };
 
 // A pooled event that returns to its pool when the last work handle holding it goes.
@@ -264,7 +265,7 @@ class nccl {
   ncclComm_t communicator() const noexcept { return state_->comm; }
   const options& settings() const noexcept { return options_; }
   const detail::flight_recorder& recorder() const noexcept { return *state_->recorder; }
-  COHORT_DECL std::string write_trace(const std::string& directory, std::string_view reason) const;
+  COHORT_COLD COHORT_DECL std::string write_trace(const std::string& directory, std::string_view reason) const;
 
   COHORT_DECL work all_reduce(const void* in, void* out, std::size_t count, dtype type, op reduce);
   COHORT_DECL work reduce_scatter(const void* in, void* out, std::size_t count_per_rank, dtype type, op reduce);

@@ -148,8 +148,8 @@ COHORT_DECL std::string trace_directory(const std::string& configured);
 // Writes DIR/rank<R>.<group>.json (format: docs/design.md, "Flight recorder"); returns its
 // path, or an empty string when it could not be written. Never throws: it runs while an
 // error is on its way.
-COHORT_DECL std::string write_trace(const std::string& directory, const trace_identity& who,
-                                    const flight_recorder& recorder, std::string_view failure);
+COHORT_COLD COHORT_DECL std::string write_trace(const std::string& directory, const trace_identity& who,
+                                                const flight_recorder& recorder, std::string_view failure);
 
 // What a backend can tell of a peer that sent no failure report, without its help.
 enum class peer_state : std::uint8_t {
@@ -172,8 +172,9 @@ using peer_probe = std::function<peer_status(int peer, bool thorough)>;
 // rank that sent no report is named as `probe` finds it: died, unreachable, or (alive) never
 // issued the call. Without a probe, `connection_lost` (the engine reported a closed connection
 // rather than a timeout) names the silent ranks dead, else as never having issued the call.
-COHORT_DECL std::string name_the_culprit(store& group_store, int rank, int size, std::chrono::milliseconds timeout,
-                                         const std::string& call, bool connection_lost, const peer_probe& probe = {});
+COHORT_COLD COHORT_DECL std::string name_the_culprit(store& group_store, int rank, int size,
+                                                     std::chrono::milliseconds timeout, const std::string& call,
+                                                     bool connection_lost, const peer_probe& probe = {});
 
 // A thread that calls check() every `interval` until it returns a failure (or the watchdog
 // is destroyed), then hands the failure to the policy: abort_process ends the process,
