@@ -201,7 +201,7 @@ class straggler_report {
   void end_step() {
     if (enabled()) end_step(clock::now());
   }
-  COHORT_DECL void end_step(clock::time_point now);
+  void end_step(clock::time_point now) { (this->*step_boundary_)(now); }
 
   // At the end of training, on every rank: publishes the steps since the last window, then
   // rank 0 waits (each window at most the timeout after it was published) for every window
@@ -224,6 +224,7 @@ class straggler_report {
     straggler_rank_stats own;
   };
 
+  COHORT_DECL void step_boundary(clock::time_point now);
   COHORT_DECL void publish(clock::time_point now);
   COHORT_DECL void collect(bool blocking);
   COHORT_DECL void report(const pending_window& window, std::vector<straggler_rank_stats> ranks,
@@ -232,6 +233,11 @@ class straggler_report {
   COHORT_DECL std::string key(std::uint64_t window, int rank) const;
   COHORT_DECL std::chrono::milliseconds exchange_timeout() const;
 
+  // &straggler_report::step_boundary, set by the constructor. end_step reaches the window's
+  // work (publishing, rank 0's collecting and report) through it, so that header-only a
+  // translation unit that only ends steps (gradient_reducer::finish) compiles none of that
+  // work: the one that constructs the report does.
+  void (straggler_report::*step_boundary_)(clock::time_point) = nullptr;
   std::shared_ptr<store> store_;
   int rank_ = 0;
   int world_ = 1;
