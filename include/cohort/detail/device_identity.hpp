@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include "cohort/detail/config.hpp"
+
 namespace cohort::inline v0::detail {
 
 // identity: "<host>|<PCI bus id>" per rank, indexed by rank.
@@ -50,6 +52,5 @@ COHORT_DECL std::string describe_device_counts(int local_rank, int local_world_s
 }  // namespace cohort::inline v0::detail
 
 #if !defined(COHORT_SEPARATE_COMPILATION)
-#include "cohort/detail/config.hpp"
 #include "cohort/impl/device_identity.ipp"
 #endif

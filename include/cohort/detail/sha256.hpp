@@ -12,6 +12,8 @@
 #include <span>
 #include <string_view>
 
+#include "cohort/detail/config.hpp"
+
 namespace cohort::inline v0::detail {
 
 using sha256_digest = std::array<std::uint8_t, 32>;
@@ -56,6 +58,5 @@ COHORT_DECL bool random_bytes(std::span<std::uint8_t> out) noexcept;
 }  // namespace cohort::inline v0::detail
 
 #if !defined(COHORT_SEPARATE_COMPILATION)
-#include "cohort/detail/config.hpp"
 #include "cohort/impl/sha256.ipp"
 #endif

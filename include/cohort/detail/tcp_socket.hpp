@@ -15,6 +15,8 @@
 #include <system_error>
 #include <utility>
 
+#include "cohort/detail/config.hpp"
+
 struct addrinfo;  // <netdb.h>: the socket headers are for the definitions (tcp_socket.ipp)
 
 namespace cohort::inline v0::detail::tcp {
@@ -84,6 +86,5 @@ COHORT_DECL void set_no_delay(int fd);
 }  // namespace cohort::inline v0::detail::tcp
 
 #if !defined(COHORT_SEPARATE_COMPILATION)
-#include "cohort/detail/config.hpp"
 #include "cohort/impl/tcp_socket.ipp"
 #endif

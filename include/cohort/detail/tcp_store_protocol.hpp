@@ -66,6 +66,7 @@
 #include <string_view>
 #include <vector>
 
+#include "cohort/detail/config.hpp"
 #include "cohort/detail/sha256.hpp"
 
 namespace cohort::inline v0::detail::tcp_store_protocol {
@@ -279,6 +280,5 @@ COHORT_DECL parse_result parse_request(std::span<const std::uint8_t> input, requ
 }  // namespace cohort::inline v0::detail::tcp_store_protocol
 
 #if !defined(COHORT_SEPARATE_COMPILATION)
-#include "cohort/detail/config.hpp"
 #include "cohort/impl/tcp_store_protocol.ipp"
 #endif
