@@ -40,7 +40,7 @@ TEST_CASE("run_thread_ranks rethrows the lowest failing rank's exception after a
   CHECK(returned == 4);
 }
 
-TEST_CASE("run_thread_ranks refuses a count that is not positive; run_ranks a negative one", "[run_ranks]") {
+TEST_CASE("run_thread_ranks refuses a count that is not positive, run_ranks a negative one", "[run_ranks]") {
   const auto nothing = [](std::shared_ptr<cohort::store>, const cohort::launch_env&) {};
   CHECK_THROWS_AS(cohort::run_thread_ranks(0, nothing), cohort::error);
   CHECK_THROWS_AS(cohort::run_thread_ranks(-2, nothing), cohort::error);
