@@ -51,15 +51,15 @@ struct batch_plan {
 
   // The plan for `new_world` ranks. keep::effective_batch throws when accumulation * world is
   // not a multiple of new_world, naming the nearest world sizes that would work.
-  batch_plan rescaled_for(int new_world, keep what = keep::effective_batch) const;
+  COHORT_DECL batch_plan rescaled_for(int new_world, keep what = keep::effective_batch) const;
 
   // "per-device batch 2 x accumulation 8 x world 4 = effective batch 64, learning rate 0.1"
-  std::string summary() const;
+  COHORT_DECL std::string summary() const;
 
-  void validate(const char* operation) const;
+  COHORT_DECL void validate(const char* operation) const;
 
  private:
-  static std::string nearest_worlds_hint(std::int64_t micro_batches, int new_world);
+  COHORT_DECL static std::string nearest_worlds_hint(std::int64_t micro_batches, int new_world);
 };
 
 // A run configured by its global batch: the samples of one optimizer step over all ranks
@@ -73,7 +73,7 @@ struct global_batch {
   // The plan on `world` ranks (effective() == size). Throws when size is not a multiple of
   // world x accumulation, naming the numbers, the nearest global batches that split and, when
   // the world divides the global batch, the nearest accumulations that would.
-  batch_plan plan_for(int world) const;
+  COHORT_DECL batch_plan plan_for(int world) const;
 };
 
 namespace detail {
@@ -85,7 +85,7 @@ concept value_reducing_group = requires(G& group, const std::vector<double>& val
 };
 // Throws on every rank when the ranks' configurations differ: `extremes` holds the maxima of
 // size, accumulation, learning rate and of their negations.
-void check_same_global_batch(const global_batch& mine, const std::vector<double>& extremes, int rank);
+COHORT_DECL void check_same_global_batch(const global_batch& mine, const std::vector<double>& extremes, int rank);
 }  // namespace detail
 
 // How launch_plan treats a world size different from the configured one.
@@ -173,11 +173,11 @@ struct loader_workers {
   std::string warning;  // non-empty when workers + training processes exceed the cores
 };
 
-loader_workers suggest_loader_workers(int cores, int local_ranks, int requested_per_rank = -1,
-                                      const warning_sink& warn = {});
+COHORT_DECL loader_workers suggest_loader_workers(int cores, int local_ranks, int requested_per_rank = -1,
+                                                  const warning_sink& warn = {});
 
-loader_workers suggest_loader_workers_for_this_machine(int local_ranks, int requested_per_rank = -1,
-                                                       const warning_sink& warn = {});
+COHORT_DECL loader_workers suggest_loader_workers_for_this_machine(int local_ranks, int requested_per_rank = -1,
+                                                                   const warning_sink& warn = {});
 
 // ---- per-device batches, aware of gradient accumulation -----------------------------------
 
@@ -208,16 +208,17 @@ struct micro_batch {
 // and syncs at the same micro-batches (a rank that synced alone would hang the others).
 class batch_sequence {
  public:
-  batch_sequence(distributed_sampler& sampler, int per_device, int accumulation = 1,
-                 partial_batch partial = partial_batch::keep);
-  batch_sequence(distributed_sampler& sampler, const batch_plan& plan, partial_batch partial = partial_batch::keep);
+  COHORT_DECL batch_sequence(distributed_sampler& sampler, int per_device, int accumulation = 1,
+                             partial_batch partial = partial_batch::keep);
+  COHORT_DECL batch_sequence(distributed_sampler& sampler, const batch_plan& plan,
+                             partial_batch partial = partial_batch::keep);
 
   // Micro-batches this rank yields in the epoch.
-  std::size_t size() const noexcept;
+  COHORT_DECL std::size_t size() const noexcept;
   // Optimizer steps in the epoch (the last may be short).
-  std::size_t steps() const noexcept;
+  COHORT_DECL std::size_t steps() const noexcept;
 
-  micro_batch operator[](std::size_t b) const;
+  COHORT_DECL micro_batch operator[](std::size_t b) const;
 
   class iterator {
    public:
@@ -247,7 +248,7 @@ class batch_sequence {
   };
 
   // Starting the iteration counts as a pass over the sampler's epoch (see set_epoch warning).
-  iterator begin();
+  COHORT_DECL iterator begin();
   iterator end() const { return iterator(this, size()); }
 
  private:

@@ -42,14 +42,14 @@ namespace detail::file_store_names {
 inline constexpr std::size_t max_name_bytes = 200;
 inline constexpr std::size_t kept_name_bytes = 160;
 
-std::string encode(std::string_view key);
+COHORT_DECL std::string encode(std::string_view key);
 
 }  // namespace detail::file_store_names
 
 class file_store final : public store {
  public:
   // directory may be a std::filesystem::path (it converts).
-  file_store(std::string directory, std::string run_id, int rank = -1);
+  COHORT_DECL file_store(std::string directory, std::string run_id, int rank = -1);
 
   file_store(const file_store&) = delete;
   file_store& operator=(const file_store&) = delete;
@@ -61,45 +61,47 @@ class file_store final : public store {
   const std::string& path() const noexcept { return root_; }
   const std::string& run_id() const noexcept { return run_id_; }
 
-  void set(std::string_view key, std::span<const std::uint8_t> value) override;
+  COHORT_DECL void set(std::string_view key, std::span<const std::uint8_t> value) override;
   using store::set;
 
-  bytes get(std::string_view key, std::chrono::milliseconds timeout) override;
+  COHORT_DECL bytes get(std::string_view key, std::chrono::milliseconds timeout) override;
   using store::get;
 
-  std::int64_t add(std::string_view key, std::int64_t delta) override;
+  COHORT_DECL std::int64_t add(std::string_view key, std::int64_t delta) override;
 
-  bytes compare_set(std::string_view key, std::span<const std::uint8_t> expected,
-                    std::span<const std::uint8_t> desired) override;
+  COHORT_DECL bytes compare_set(std::string_view key, std::span<const std::uint8_t> expected,
+                                std::span<const std::uint8_t> desired) override;
 
   bool check(std::span<const std::string> keys) override {
     return std::all_of(keys.begin(), keys.end(), [&](const std::string& key) { return exists(key); });
   }
 
-  void wait(std::span<const std::string> keys, std::chrono::milliseconds limit) override;
+  COHORT_DECL void wait(std::span<const std::string> keys, std::chrono::milliseconds limit) override;
   using store::wait;
 
-  bool delete_key(std::string_view key) override;
+  COHORT_DECL bool delete_key(std::string_view key) override;
 
-  std::int64_t num_keys() override;
+  COHORT_DECL std::int64_t num_keys() override;
 
  private:
   using clock = std::chrono::steady_clock;
   static constexpr std::chrono::milliseconds first_pause{1};
   static constexpr std::chrono::milliseconds longest_pause{50};
 
-  static void sleep_before_retry(std::chrono::milliseconds& pause, clock::time_point deadline);
+  COHORT_DECL static void sleep_before_retry(std::chrono::milliseconds& pause, clock::time_point deadline);
 
   std::string file_of(std::string_view key) const { return root_ + '/' + detail::file_store_names::encode(key); }
 
   bool exists(std::string_view key) const { return ::access(file_of(key).c_str(), F_OK) == 0; }
 
-  [[noreturn]] void fail(std::string_view operation, std::string_view key, const std::string& what, int code) const;
+  COHORT_COLD [[noreturn]] COHORT_DECL void fail(std::string_view operation, std::string_view key,
+                                                 const std::string& what, int code) const;
 
   // The whole value, or nothing when the key is absent.
-  std::optional<bytes> read(std::string_view operation, std::string_view key) const;
+  COHORT_DECL std::optional<bytes> read(std::string_view operation, std::string_view key) const;
 
-  void write_atomically(std::string_view operation, std::string_view key, std::span<const std::uint8_t> value);
+  COHORT_DECL void write_atomically(std::string_view operation, std::string_view key,
+                                    std::span<const std::uint8_t> value);
 
   // Held while one read-modify-write runs: the mutex orders this handle's threads (flock
   // belongs to the open file, which they share), flock orders processes and other handles.
@@ -115,7 +117,7 @@ class file_store final : public store {
     int fd_;
   };
 
-  exclusive_lock exclusive(std::string_view operation, std::string_view key);
+  COHORT_DECL exclusive_lock exclusive(std::string_view operation, std::string_view key);
 
   std::string root_;
   std::string run_id_;

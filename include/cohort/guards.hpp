@@ -216,7 +216,7 @@ struct log_options {
 // own a file).
 class rank_logger {
  public:
-  rank_logger(int rank, int world, log_options options = {});
+  COHORT_DECL rank_logger(int rank, int world, log_options options = {});
 
   template <rank_group G>
   explicit rank_logger(const G& group, log_options options = {})
@@ -224,14 +224,14 @@ class rank_logger {
 
   rank_logger(const rank_logger&) = delete;
   rank_logger& operator=(const rank_logger&) = delete;
-  ~rank_logger();
+  COHORT_DECL ~rank_logger();
 
   const std::string& prefix() const noexcept { return prefix_; }
   // directory/rank-<r>.log, or empty without a directory.
   const std::string& file() const noexcept { return file_path_; }
   bool prints_to_console() const noexcept { return options_.all_ranks || rank_ == 0; }
 
-  void log(std::string_view message);
+  COHORT_DECL void log(std::string_view message);
 
   // log("step ", step, " loss ", loss): the pieces streamed into one line.
   template <class... Parts>
@@ -286,8 +286,8 @@ int rank_of(const G& who) {
 }
 // Formats, prefixes each line with `prefix`, ends the text with a newline and writes it
 // with one fwrite, then fflush. Never throws (printing must not end a training run).
-void print_lines(std::FILE* out, std::string_view prefix, const char* format, std::va_list args) noexcept;
-std::string rank_prefix(int rank);
+COHORT_DECL void print_lines(std::FILE* out, std::string_view prefix, const char* format, std::va_list args) noexcept;
+COHORT_DECL std::string rank_prefix(int rank);
 }  // namespace detail
 
 template <rank_source G>
@@ -324,9 +324,10 @@ template <rank_source G>
 // fsync'ed and renamed over target; then the directory is fsync'ed so the rename survives a
 // crash. `write` fills the stream; if it throws, target is untouched and the temporary removed.
 // target may be a std::filesystem::path (it converts).
-void atomic_write_file(const std::string& target, const std::function<void(std::ostream&)>& write, int rank = -1);
+COHORT_DECL void atomic_write_file(const std::string& target, const std::function<void(std::ostream&)>& write,
+                                   int rank = -1);
 
-void atomic_write_file(const std::string& target, std::string_view contents, int rank = -1);
+COHORT_DECL void atomic_write_file(const std::string& target, std::string_view contents, int rank = -1);
 
 // Collective: rank 0 writes target atomically, the others wait until it is in place, so no
 // rank reads a half-written checkpoint. If rank 0 fails, it rethrows, and on host groups

@@ -66,8 +66,8 @@ inline std::string_view to_string(launcher source) {
   return "unknown launcher";
 }
 
-std::vector<std::string> expand_slurm_nodelist(std::string_view nodelist);
-std::vector<int> expand_slurm_tasks_per_node(std::string_view tasks_per_node);
+COHORT_DECL std::vector<std::string> expand_slurm_nodelist(std::string_view nodelist);
+COHORT_DECL std::vector<int> expand_slurm_tasks_per_node(std::string_view tasks_per_node);
 
 struct launch_env {
   int rank = 0;
@@ -114,15 +114,16 @@ struct launch_env {
 
   using getenv_fn = std::function<std::optional<std::string>(std::string_view)>;
 
-  static launch_env detect();
-  static launch_env detect(const getenv_fn& getenv);
+  COHORT_DECL static launch_env detect();
+  COHORT_DECL static launch_env detect(const getenv_fn& getenv);
 
   // One node: local rank == rank, local world size == world size.
   static launch_env explicit_ranks(int rank, int world_size) {
     return explicit_values(rank, world_size, rank, world_size);
   }
-  static launch_env explicit_values(int rank, int world_size, int local_rank, int local_world_size,
-                                    std::string master_addr = "127.0.0.1", std::uint16_t master_port = 29500);
+  COHORT_DECL static launch_env explicit_values(int rank, int world_size, int local_rank, int local_world_size,
+                                                std::string master_addr = "127.0.0.1",
+                                                std::uint16_t master_port = 29500);
 };
 
 // Under torchrun, which names a file per worker in TORCHELASTIC_ERROR_FILE, writes `failure`
@@ -131,12 +132,12 @@ struct launch_env {
 // there is kept. Returns true when the file was written; false without the variable, when
 // the file exists, or when it cannot be written. run_ranks calls it for a launched rank
 // whose function threw; a trainer with its own main calls it from its catch.
-bool record_error_for_launcher(const std::exception& failure);
-bool record_error_for_launcher(std::string_view type_name, std::string_view message);
+COHORT_DECL bool record_error_for_launcher(const std::exception& failure);
+COHORT_DECL bool record_error_for_launcher(std::string_view type_name, std::string_view message);
 
 namespace detail {
 // `text` as the contents of a JSON string (quotes, backslashes and control characters escaped).
-std::string json_escape(std::string_view text);
+COHORT_DECL std::string json_escape(std::string_view text);
 }  // namespace detail
 
 }  // namespace cohort::inline v0

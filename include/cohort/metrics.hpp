@@ -81,7 +81,7 @@ struct process_slice {
 
 // A pure function of its arguments: rank r of world gets begin = r * (n / world) +
 // min(r, n % world) and one element more than n / world when r < n % world.
-process_slice split_between_processes(std::uint64_t range_size, int world, int rank, bool pad = false);
+COHORT_DECL process_slice split_between_processes(std::uint64_t range_size, int world, int rank, bool pad = false);
 
 // The same for the calling rank of any group with rank() and world_size().
 template <class Group>
@@ -133,8 +133,8 @@ enum class metrics_layout {
 // Turns the claims every rank now holds into the same decision on every rank: throws the same
 // cohort::error (apart from the "[rank r]" that raises it) if any rank's input is wrong.
 // In rank_order, it also sets each claim's start (the sum of the counts before it).
-void check_metrics_claims(int my_rank, std::vector<metrics_claim>& claims, std::size_t value_bytes,
-                          metrics_layout layout);
+COHORT_DECL void check_metrics_claims(int my_rank, std::vector<metrics_claim>& claims, std::size_t value_bytes,
+                                      metrics_layout layout);
 
 inline std::vector<std::int64_t> to_wire(const metrics_claim& claim) {
   return {claim.count, claim.keep, claim.problem, claim.expected, claim.or_else, claim.agreed, claim.start};

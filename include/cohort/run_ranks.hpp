@@ -19,6 +19,12 @@
 // (without any failure it is bounded by the store's timeout, and names the ranks it waits
 // for after a few seconds). When ranks fail, the exception of the lowest failing rank is
 // rethrown after every thread has ended.
+//
+// run_thread_ranks(threads, fn) is the threads > 0 half alone (threads must be positive). A
+// program whose ranks are always threads (tests, one-box tools) calls it instead: run_ranks
+// compiles the launched half too (launch detection, the TCP store and its server) wherever
+// it is used, since which half runs is known only when it runs; header-only, that is a few
+// seconds of compile time in the translation unit that calls it.
 
 #include <algorithm>
 #include <chrono>
@@ -47,9 +53,32 @@ namespace detail {
 
 // Launched ranks report "done" (and "failed" with the reason) to the store; rank 0 serves
 // the store until all are done, or a grace period after a failure.
-void finish_launched_rank(store& rendezvous, const launch_env& env, const std::exception_ptr& failure);
+COHORT_DECL void finish_launched_rank(store& rendezvous, const launch_env& env, const std::exception_ptr& failure);
 
 }  // namespace detail
+
+// Ranks as `threads` threads of this process, meeting in one memory_store; returns when every
+// thread has returned, then rethrows the exception of the lowest failing rank.
+template <class Fn>
+void run_thread_ranks(int threads, Fn&& fn) {
+  if (threads <= 0)
+    throw error(-1, "run_thread_ranks", "threads = " + std::to_string(threads), "pass a positive count");
+  auto shared = std::make_shared<memory_store>();
+  std::vector<std::exception_ptr> failures(static_cast<std::size_t>(threads));
+  std::vector<std::thread> ranks;
+  ranks.reserve(static_cast<std::size_t>(threads));
+  for (int rank = 0; rank < threads; ++rank)
+    ranks.emplace_back([&, rank] {
+      try {
+        fn(std::shared_ptr<store>(shared), launch_env::explicit_ranks(rank, threads));
+      } catch (...) {
+        failures[static_cast<std::size_t>(rank)] = std::current_exception();
+      }
+    });
+  for (auto& rank : ranks) rank.join();
+  for (auto& failure : failures)
+    if (failure) std::rethrow_exception(failure);
+}
 
 template <class Fn>
 void run_ranks(int threads, Fn&& fn) {
@@ -72,21 +101,7 @@ void run_ranks(int threads, Fn&& fn) {
     if (failure) std::rethrow_exception(failure);
     return;
   }
-  auto shared = std::make_shared<memory_store>();
-  std::vector<std::exception_ptr> failures(static_cast<std::size_t>(threads));
-  std::vector<std::thread> ranks;
-  ranks.reserve(static_cast<std::size_t>(threads));
-  for (int rank = 0; rank < threads; ++rank)
-    ranks.emplace_back([&, rank] {
-      try {
-        fn(std::shared_ptr<store>(shared), launch_env::explicit_ranks(rank, threads));
-      } catch (...) {
-        failures[static_cast<std::size_t>(rank)] = std::current_exception();
-      }
-    });
-  for (auto& rank : ranks) rank.join();
-  for (auto& failure : failures)
-    if (failure) std::rethrow_exception(failure);
+  run_thread_ranks(threads, std::forward<Fn>(fn));
 }
 
 }  // namespace cohort::inline v0

@@ -55,7 +55,7 @@ namespace cohort::inline v0 {
 using warning_sink = std::function<void(std::string_view message)>;
 
 namespace detail {
-void emit_warning(const warning_sink& sink, int rank, std::string_view message);
+COHORT_DECL void emit_warning(const warning_sink& sink, int rank, std::string_view message);
 }  // namespace detail
 
 struct sampler_options {
@@ -70,7 +70,7 @@ struct sampler_options {
 
 class distributed_sampler {
  public:
-  distributed_sampler(std::uint64_t dataset_size, int world, int rank, sampler_options options = {});
+  COHORT_DECL distributed_sampler(std::uint64_t dataset_size, int world, int rank, sampler_options options = {});
 
   // From any group with rank() and world_size() (cohort::process_group<gloo> or <nccl>, ...).
   template <class Group>
@@ -83,7 +83,7 @@ class distributed_sampler {
                             std::move(options)) {}
 
   // Starts a new epoch: a different (deterministic) order when shuffling.
-  void set_epoch(std::uint64_t epoch) noexcept;
+  COHORT_DECL void set_epoch(std::uint64_t epoch) noexcept;
   std::uint64_t epoch() const noexcept { return epoch_; }
 
   int rank() const noexcept { return rank_; }
@@ -109,17 +109,17 @@ class distributed_sampler {
   // The j-th index this rank reads in the current epoch (random access; does not count as a
   // pass for the missing-set_epoch warning).
   std::uint64_t operator[](std::uint64_t j) const noexcept { return index_map()(j); }
-  std::uint64_t at(std::uint64_t j) const;
+  COHORT_DECL std::uint64_t at(std::uint64_t j) const;
 
   // The plain, trivially copyable rule behind operator[], usable in device code.
-  detail::rank_index_map index_map() const noexcept;
+  COHORT_DECL detail::rank_index_map index_map() const noexcept;
 
   // Records the start of a pass over this epoch (begin(), indices() and batch sequences call
   // it); the second pass of a shuffled epoch without set_epoch warns, once per sampler.
-  void begin_pass();
+  COHORT_DECL void begin_pass();
 
   // This rank's indices for the current epoch, materialized. Counts as a pass.
-  std::vector<std::uint64_t> indices();
+  COHORT_DECL std::vector<std::uint64_t> indices();
 
   class iterator {
    public:
@@ -150,7 +150,7 @@ class distributed_sampler {
   };
 
   // for (auto index : sampler) -- counts as a pass.
-  iterator begin();
+  COHORT_DECL iterator begin();
   iterator end() const { return iterator(index_map(), samples_per_rank_); }
 
  private:

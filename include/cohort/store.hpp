@@ -60,7 +60,8 @@ class store {
   // What a rank calls to read every other rank's key: a store that batches does it in a
   // constant number of requests (tcp_store: one WAIT, one MULTI_GET), so a start of N ranks
   // costs O(N) requests in all instead of O(N^2). This default waits, then gets key by key.
-  virtual std::vector<bytes> multi_get(std::span<const std::string> keys, std::chrono::milliseconds timeout);
+  COHORT_DECL virtual std::vector<bytes> multi_get(std::span<const std::string> keys,
+                                                   std::chrono::milliseconds timeout);
   // set and add that wait at most `timeout` for the server's answer (or the store's own
   // timeout, if shorter): a group's requests are bounded by the group's timeout, so a store
   // cut off from this host (a partition) ends them as soon as the group's waits would end,
@@ -111,8 +112,8 @@ class store {
   void set_rank(int rank) noexcept { rank_.store(rank, std::memory_order_relaxed); }
 
  protected:
-  [[noreturn]] void throw_timeout(std::string_view operation, std::span<const std::string> keys,
-                                  std::chrono::milliseconds waited) const {
+  COHORT_COLD [[noreturn]] void throw_timeout(std::string_view operation, std::span<const std::string> keys,
+                                              std::chrono::milliseconds waited) const {
     std::string names;
     for (const auto& key : keys) names += (names.empty() ? "'" : ", '") + key + "'";
     throw timeout_error(rank(), std::string("store.") + std::string(operation),
@@ -132,8 +133,8 @@ namespace detail {
 // color) holds something cohort never writes: another program, a stray or hostile client, or
 // a rank of another job sharing the store wrote it. Names the key, shows the start of the
 // value (escaped) and what was expected, and points at the store token (SECURITY.md).
-error malformed_store_value(int rank, std::string_view operation, std::string_view key,
-                            std::span<const std::uint8_t> value, std::string_view expected);
+COHORT_COLD COHORT_DECL error malformed_store_value(int rank, std::string_view operation, std::string_view key,
+                                                    std::span<const std::uint8_t> value, std::string_view expected);
 inline error malformed_store_value(int rank, std::string_view operation, std::string_view key, std::string_view value,
                                    std::string_view expected) {
   return malformed_store_value(
@@ -143,7 +144,7 @@ inline error malformed_store_value(int rank, std::string_view operation, std::st
 
 // Parses exactly `count` decimal integers separated by `separator` (no spaces, no signs other
 // than a leading '-'); false when the text is anything else.
-bool parse_int_fields(std::string_view text, char separator, std::span<int> out);
+COHORT_DECL bool parse_int_fields(std::string_view text, char separator, std::span<int> out);
 
 }  // namespace detail
 
@@ -152,7 +153,7 @@ bool parse_int_fields(std::string_view text, char separator, std::span<int> out)
 // never changed (several groups share one store, each with its own timeout).
 class prefix_store final : public store {
  public:
-  prefix_store(std::shared_ptr<store> inner, std::string prefix);
+  COHORT_DECL prefix_store(std::shared_ptr<store> inner, std::string prefix);
 
   // Its set and add too wait at most its own timeout() (the group's, for a group's store).
   void set(std::string_view key, std::span<const std::uint8_t> value) override {
@@ -178,7 +179,7 @@ class prefix_store final : public store {
     return inner_->compare_set(full(key), expected, desired);
   }
   bool check(std::span<const std::string> keys) override { return inner_->check(full(keys)); }
-  void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) override;
+  COHORT_DECL void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) override;
   using store::wait;
   bool delete_key(std::string_view key) override { return inner_->delete_key(full(key)); }
   // Counts the inner store's keys: c10d has no per-prefix count either.
@@ -188,7 +189,7 @@ class prefix_store final : public store {
   }
   using store::multi_get;
   // The inner store's bounded handle under the same prefix (null when the inner has none).
-  std::shared_ptr<store> bounded(std::chrono::milliseconds timeout) const override;
+  COHORT_DECL std::shared_ptr<store> bounded(std::chrono::milliseconds timeout) const override;
   std::string location() const override { return inner_->location(); }
 
   const std::string& prefix() const noexcept { return prefix_; }
@@ -196,7 +197,7 @@ class prefix_store final : public store {
 
  private:
   std::string full(std::string_view key) const { return prefix_ + std::string(key); }
-  std::vector<std::string> full(std::span<const std::string> keys) const;
+  COHORT_DECL std::vector<std::string> full(std::span<const std::string> keys) const;
   std::shared_ptr<store> inner_;
   std::string prefix_;
 };
@@ -204,35 +205,36 @@ class prefix_store final : public store {
 // All ranks in one process: threads share one memory_store (hold it by shared_ptr).
 class memory_store final : public store {
  public:
-  void set(std::string_view key, std::span<const std::uint8_t> value) override;
+  COHORT_DECL void set(std::string_view key, std::span<const std::uint8_t> value) override;
   using store::set;
 
-  bytes get(std::string_view key, std::chrono::milliseconds timeout) override;
+  COHORT_DECL bytes get(std::string_view key, std::chrono::milliseconds timeout) override;
   using store::get;
 
-  std::int64_t add(std::string_view key, std::int64_t delta) override;
+  COHORT_DECL std::int64_t add(std::string_view key, std::int64_t delta) override;
 
-  bytes compare_set(std::string_view key, std::span<const std::uint8_t> expected,
-                    std::span<const std::uint8_t> desired) override;
+  COHORT_DECL bytes compare_set(std::string_view key, std::span<const std::uint8_t> expected,
+                                std::span<const std::uint8_t> desired) override;
 
-  bool check(std::span<const std::string> keys) override;
+  COHORT_DECL bool check(std::span<const std::string> keys) override;
 
-  void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) override;
+  COHORT_DECL void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) override;
   using store::wait;
 
-  bool delete_key(std::string_view key) override;
+  COHORT_DECL bool delete_key(std::string_view key) override;
 
-  std::int64_t num_keys() override;
+  COHORT_DECL std::int64_t num_keys() override;
 
-  std::vector<bytes> multi_get(std::span<const std::string> keys, std::chrono::milliseconds timeout) override;
+  COHORT_DECL std::vector<bytes> multi_get(std::span<const std::string> keys,
+                                           std::chrono::milliseconds timeout) override;
   using store::multi_get;
 
  private:
   bool all_present(std::span<const std::string> keys) const {
     return std::all_of(keys.begin(), keys.end(), [&](const std::string& key) { return data_.count(key) > 0; });
   }
-  void wait_locked(std::unique_lock<std::mutex>& lock, std::span<const std::string> keys,
-                   std::chrono::milliseconds timeout, std::string_view operation);
+  COHORT_DECL void wait_locked(std::unique_lock<std::mutex>& lock, std::span<const std::string> keys,
+                               std::chrono::milliseconds timeout, std::string_view operation);
 
   std::mutex mutex_;
   std::condition_variable changed_;

@@ -124,15 +124,16 @@ struct straggler_summary {
   bool host_clock_only = false;             // device backend: waits are host time (see the top)
 
   // The stats of `rank`, or nullptr when it did not report.
-  const straggler_rank_stats* find(int rank) const noexcept;
+  COHORT_DECL const straggler_rank_stats* find(int rank) const noexcept;
 };
 
 // Pure: the spreads, the slowest rank and its margin, from the ranks' stats (any order).
-straggler_summary summarize_stragglers(std::uint64_t first_step, std::uint64_t last_step, int world,
-                                       std::vector<straggler_rank_stats> ranks, std::vector<int> missing = {});
+COHORT_DECL straggler_summary summarize_stragglers(std::uint64_t first_step, std::uint64_t last_step, int world,
+                                                   std::vector<straggler_rank_stats> ranks,
+                                                   std::vector<int> missing = {});
 
 // The one line rank 0 prints (no newline).
-std::string format_straggler_report(const straggler_summary& summary);
+COHORT_COLD COHORT_DECL std::string format_straggler_report(const straggler_summary& summary);
 
 struct straggler_options {
   // Steps per window; 0 turns the report off (no clock is read, nothing is exchanged).
@@ -162,7 +163,7 @@ class straggler_report {
     if constexpr (requires { Group::space; }) host_clock_only_ = Group::space == memory_space::device;
   }
   // Over any store shared by `world` ranks.
-  straggler_report(std::shared_ptr<store> exchange, int rank, int world, straggler_options options = {});
+  COHORT_DECL straggler_report(std::shared_ptr<store> exchange, int rank, int world, straggler_options options = {});
 
   straggler_report(const straggler_report&) = delete;
   straggler_report& operator=(const straggler_report&) = delete;
@@ -199,12 +200,12 @@ class straggler_report {
   void end_step() {
     if (enabled()) end_step(clock::now());
   }
-  void end_step(clock::time_point now);
+  void end_step(clock::time_point now) { (this->*step_boundary_)(now); }
 
   // At the end of training, on every rank: publishes the steps since the last window, then
   // rank 0 waits (each window at most the timeout after it was published) for every window
   // still pending and reports it, naming ranks that never reported. Other ranks return at once.
-  void flush();
+  COHORT_DECL void flush();
 
   // Rank 0: the latest window's summary (empty before the first, and on other ranks).
   const std::optional<straggler_summary>& latest() const noexcept { return latest_; }
@@ -222,13 +223,20 @@ class straggler_report {
     straggler_rank_stats own;
   };
 
-  void publish(clock::time_point now);
-  void collect(bool blocking);
-  void report(const pending_window& window, std::vector<straggler_rank_stats> ranks, std::vector<int> missing);
-  void stop(const std::string& what);
-  std::string key(std::uint64_t window, int rank) const;
-  std::chrono::milliseconds exchange_timeout() const;
+  COHORT_DECL void step_boundary(clock::time_point now);
+  COHORT_DECL void publish(clock::time_point now);
+  COHORT_DECL void collect(bool blocking);
+  COHORT_DECL void report(const pending_window& window, std::vector<straggler_rank_stats> ranks,
+                          std::vector<int> missing);
+  COHORT_DECL void stop(const std::string& what);
+  COHORT_DECL std::string key(std::uint64_t window, int rank) const;
+  COHORT_DECL std::chrono::milliseconds exchange_timeout() const;
 
+  // &straggler_report::step_boundary, set by the constructor. end_step reaches the window's
+  // work (publishing, rank 0's collecting and report) through it, so that header-only a
+  // translation unit that only ends steps (gradient_reducer::finish) compiles none of that
+  // work: the one that constructs the report does.
+  void (straggler_report::*step_boundary_)(clock::time_point) = nullptr;
   std::shared_ptr<store> store_;
   int rank_ = 0;
   int world_ = 1;

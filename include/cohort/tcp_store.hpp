@@ -77,11 +77,11 @@ struct tcp_store_options {
 // The token of SECURITY.md from the environment: COHORT_STORE_TOKEN, or the contents of the
 // file COHORT_STORE_TOKEN_FILE names (one trailing newline dropped); empty when neither is
 // set. Throws when both are set, or the file cannot be read or is empty.
-std::string store_token_from_environment(int rank = -1);
+COHORT_DECL std::string store_token_from_environment(int rank = -1);
 
 class tcp_store final : public store {
  public:
-  explicit tcp_store(tcp_store_options options);
+  COHORT_DECL explicit tcp_store(tcp_store_options options);
 
   tcp_store(const tcp_store&) = delete;
   tcp_store& operator=(const tcp_store&) = delete;
@@ -97,11 +97,11 @@ class tcp_store final : public store {
 
   void set(std::string_view key, std::span<const std::uint8_t> value) override { set_within(key, value, timeout()); }
   using store::set;
-  void set_within(std::string_view key, std::span<const std::uint8_t> value,
-                  std::chrono::milliseconds timeout) override;
+  COHORT_DECL void set_within(std::string_view key, std::span<const std::uint8_t> value,
+                              std::chrono::milliseconds timeout) override;
 
   // Waits for the key (c10d's client also WAITs before its GET), then reads it.
-  bytes get(std::string_view key, std::chrono::milliseconds timeout) override;
+  COHORT_DECL bytes get(std::string_view key, std::chrono::milliseconds timeout) override;
   using store::get;
 
   std::int64_t add(std::string_view key, std::int64_t delta) override {
@@ -111,36 +111,37 @@ class tcp_store final : public store {
     return add_wire(wire_key("add", key), key, delta, timeout);
   }
 
-  bytes compare_set(std::string_view key, std::span<const std::uint8_t> expected,
-                    std::span<const std::uint8_t> desired) override;
+  COHORT_DECL bytes compare_set(std::string_view key, std::span<const std::uint8_t> expected,
+                                std::span<const std::uint8_t> desired) override;
 
-  bool check(std::span<const std::string> keys) override;
+  COHORT_DECL bool check(std::span<const std::string> keys) override;
 
-  void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) override;
+  COHORT_DECL void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) override;
   using store::wait;
 
-  bool delete_key(std::string_view key) override;
+  COHORT_DECL bool delete_key(std::string_view key) override;
 
   // Counts every key on the server (c10d counts its "init/" key too).
-  std::int64_t num_keys() override;
+  COHORT_DECL std::int64_t num_keys() override;
 
   // One WAIT for every key, then one MULTI_GET (c10d has had it since PyTorch 2.0, before
   // VALIDATE, so every server that passes cohort's handshake has it): two requests in all.
-  std::vector<bytes> multi_get(std::span<const std::string> keys, std::chrono::milliseconds timeout) override;
+  COHORT_DECL std::vector<bytes> multi_get(std::span<const std::string> keys,
+                                           std::chrono::milliseconds timeout) override;
   using store::multi_get;
 
   // c10d's extensions beyond `store` (Gloo's v2 store interface has the same ones).
-  void append(std::string_view key, std::span<const std::uint8_t> value);
+  COHORT_DECL void append(std::string_view key, std::span<const std::uint8_t> value);
 
-  void multi_set(std::span<const std::string> keys, std::span<const bytes> values);
+  COHORT_DECL void multi_set(std::span<const std::string> keys, std::span<const bytes> values);
 
   // A second connection to the same server (never hosting one), with `timeout` as its
   // timeout() and its connect timeout: see store::bounded.
-  std::shared_ptr<store> bounded(std::chrono::milliseconds timeout) const override;
+  COHORT_DECL std::shared_ptr<store> bounded(std::chrono::milliseconds timeout) const override;
   std::string location() const override { return endpoint(); }
 
   // One round trip; throws when the server does not answer within timeout().
-  void ping();
+  COHORT_DECL void ping();
 
   // Messages this handle has sent (the handshake's included): what bench_rendezvous counts.
   std::uint64_t requests_sent() const noexcept { return requests_.load(std::memory_order_relaxed); }
@@ -160,30 +161,30 @@ class tcp_store final : public store {
 
   static std::string quoted(std::string_view key) { return "'" + std::string(key) + "'"; }
 
-  std::string wire_key(std::string_view operation, std::string_view key) const;
+  COHORT_DECL std::string wire_key(std::string_view operation, std::string_view key) const;
 
-  void check_value_size(std::string_view operation, std::string_view key, std::size_t size) const;
+  COHORT_DECL void check_value_size(std::string_view operation, std::string_view key, std::size_t size) const;
 
-  void write_key_list(writer& write, command which, std::span<const std::string> keys,
-                      std::string_view operation) const;
+  COHORT_DECL void write_key_list(writer& write, command which, std::span<const std::string> keys,
+                                  std::string_view operation) const;
 
   // --- failure reporting: the connection is closed, and the reason kept for later calls.
 
-  [[noreturn]] void fail(std::string_view operation, const std::string& detail);
+  COHORT_COLD [[noreturn]] COHORT_DECL void fail(std::string_view operation, const std::string& detail);
 
-  [[noreturn]] void fail_timeout(std::string_view operation, const std::string& detail);
+  COHORT_COLD [[noreturn]] COHORT_DECL void fail_timeout(std::string_view operation, const std::string& detail);
 
   // The server wrote its busy marker (detail/tcp_store_protocol.hpp): retried by connect().
-  [[noreturn]] void fail_busy(std::string_view operation);
+  COHORT_COLD [[noreturn]] COHORT_DECL void fail_busy(std::string_view operation);
 
-  void usable(std::string_view operation) const;
+  COHORT_DECL void usable(std::string_view operation) const;
 
   // --- raw I/O with a deadline.
 
-  void send_all(std::string_view operation, std::span<const std::uint8_t> data, clock::time_point deadline);
+  COHORT_DECL void send_all(std::string_view operation, std::span<const std::uint8_t> data, clock::time_point deadline);
 
-  void receive_exact(std::string_view operation, std::string_view key, void* destination, std::size_t size,
-                     clock::time_point deadline);
+  COHORT_DECL void receive_exact(std::string_view operation, std::string_view key, void* destination, std::size_t size,
+                                 clock::time_point deadline);
 
   template <class T>
   T receive_value(std::string_view operation, std::string_view key, clock::time_point deadline) {
@@ -192,7 +193,7 @@ class tcp_store final : public store {
     return value;
   }
 
-  bytes receive_data(std::string_view operation, std::string_view key, clock::time_point deadline);
+  COHORT_DECL bytes receive_data(std::string_view operation, std::string_view key, clock::time_point deadline);
 
   void drop_connection() noexcept {
     socket_.reset();
@@ -244,34 +245,35 @@ class tcp_store final : public store {
     exchange_locked(operation, std::forward<Write>(write), std::forward<Read>(read));
   }
 
-  bytes get_locked(const std::string& wire, std::string_view key);
+  COHORT_DECL bytes get_locked(const std::string& wire, std::string_view key);
 
-  std::int64_t add_wire(const std::string& wire, std::string_view key, std::int64_t delta,
-                        std::chrono::milliseconds limit);
+  COHORT_DECL std::int64_t add_wire(const std::string& wire, std::string_view key, std::int64_t delta,
+                                    std::chrono::milliseconds limit);
 
-  bool check_locked(std::span<const std::string> keys);
+  COHORT_DECL bool check_locked(std::span<const std::string> keys);
 
   // The server parks a WAIT until every key exists. When our time runs out we CANCEL_WAIT;
   // the server then confirms with WAIT_CANCELED, possibly after a STOP_WAITING that crossed
   // our cancel on the wire (then the keys did arrive, and the wait succeeded).
-  void wait_locked(std::span<const std::string> keys, std::chrono::milliseconds limit, std::string_view operation);
+  COHORT_DECL void wait_locked(std::span<const std::string> keys, std::chrono::milliseconds limit,
+                               std::string_view operation);
 
-  void ping_locked(clock::time_point deadline, std::string_view operation);
-  std::uint32_t append_ping(writer& out);  // returns the nonce to expect back
-  void read_ping_echo(std::uint32_t nonce, clock::time_point deadline, std::string_view operation);
+  COHORT_DECL void ping_locked(clock::time_point deadline, std::string_view operation);
+  COHORT_DECL std::uint32_t append_ping(writer& out);  // returns the nonce to expect back
+  COHORT_DECL void read_ping_echo(std::uint32_t nonce, clock::time_point deadline, std::string_view operation);
 
   // --- connecting.
 
-  void connect();
+  COHORT_DECL void connect();
 
   // One attempt; returns why it failed, or an empty string once connected and validated.
-  std::string try_connect(clock::time_point deadline);
+  COHORT_DECL std::string try_connect(clock::time_point deadline);
 
   // VALIDATE, the token exchange (options.token), PING.
-  void handshake_locked(clock::time_point deadline);
-  void prove_token(const detail::tcp_store_protocol::nonce& client, clock::time_point deadline);
+  COHORT_DECL void handshake_locked(clock::time_point deadline);
+  COHORT_DECL void prove_token(const detail::tcp_store_protocol::nonce& client, clock::time_point deadline);
 
-  void join_workers(int workers);
+  COHORT_DECL void join_workers(int workers);
 
   tcp_store_options options_;
   std::shared_ptr<tcp_store_server> server_;  // declared first: outlives the connection
@@ -310,7 +312,7 @@ class tcp_store final : public store {
 //    (options.server.reserved_connections, unless set).
 // host, port, is_server and rank come from env; the token from options.token or else the
 // environment (store_token_from_environment); timeouts, limits and num_workers from options.
-std::shared_ptr<store> connect_store(const launch_env& env, tcp_store_options options = {});
+COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_store_options options = {});
 
 inline std::shared_ptr<store> tcp_store::connect(const launch_env& env, tcp_store_options options) {
   return connect_store(env, std::move(options));

@@ -43,13 +43,13 @@ class tcp_store_server {
  public:
   // Listens on host:port (port 0: a free port, see port()). host "" listens on every
   // interface; any other host listens only on the address it resolves to.
-  explicit tcp_store_server(std::string host, std::uint16_t port = 0, int rank = -1,
-                            tcp_store_server_options options = {});
+  COHORT_DECL explicit tcp_store_server(std::string host, std::uint16_t port = 0, int rank = -1,
+                                        tcp_store_server_options options = {});
 
   tcp_store_server(const tcp_store_server&) = delete;
   tcp_store_server& operator=(const tcp_store_server&) = delete;
 
-  ~tcp_store_server();
+  COHORT_DECL ~tcp_store_server();
 
   const std::string& host() const noexcept { return host_; }
   std::uint16_t port() const noexcept { return port_; }
@@ -63,7 +63,7 @@ class tcp_store_server {
   // timeouts, capacity), and the last reason why. The first few are also printed on stderr
   // (a refused rank would otherwise only see a reset).
   std::size_t rejected_connections() const noexcept { return rejected_.load(); }
-  std::string last_rejection() const;
+  COHORT_DECL std::string last_rejection() const;
   // Bytes the server holds now (what max_memory_bytes bounds) and connections open now.
   std::uint64_t held_bytes() const noexcept { return held_published_.load(std::memory_order_relaxed); }
   std::size_t open_connections() const noexcept { return open_published_.load(std::memory_order_relaxed); }
@@ -126,56 +126,56 @@ class tcp_store_server {
     std::vector<std::string> waiting_on;
   };
 
-  void listen_on(std::uint16_t port);
-  void size_connection_limit();
+  COHORT_DECL void listen_on(std::uint16_t port);
+  COHORT_DECL void size_connection_limit();
 
-  void serve();
-  void accept_all();
-  void place(int fd);
-  bool evict_untrusted(const char* why);
-  void refuse_busy(int fd);
-  void drain_and_close(int fd);
+  COHORT_DECL void serve();
+  COHORT_DECL void accept_all();
+  COHORT_DECL void place(int fd);
+  COHORT_DECL bool evict_untrusted(const char* why);
+  COHORT_DECL void refuse_busy(int fd);
+  COHORT_DECL void drain_and_close(int fd);
   bool trusted(const connection& conn) const noexcept {
     return conn.step == stage::ready && (!options_.token.empty() || conn.productive);
   }
 
-  void receive(connection& conn);
-  bool take_input(connection& conn, const std::uint8_t* data, std::size_t size);
-  void process(connection& conn);
-  bool gatekeep(connection& conn, std::uint8_t code);
-  void handle(connection& conn, detail::tcp_store_protocol::request& request);
-  void authenticate(connection& conn, detail::tcp_store_protocol::request& request);
+  COHORT_DECL void receive(connection& conn);
+  COHORT_DECL bool take_input(connection& conn, const std::uint8_t* data, std::size_t size);
+  COHORT_DECL void process(connection& conn);
+  COHORT_DECL bool gatekeep(connection& conn, std::uint8_t code);
+  COHORT_DECL void handle(connection& conn, detail::tcp_store_protocol::request& request);
+  COHORT_DECL void authenticate(connection& conn, detail::tcp_store_protocol::request& request);
 
-  bool admit(std::uint64_t more, std::uint64_t request_size) const noexcept;
-  bool store_value(connection& conn, const std::string& key, bytes_t value);
+  COHORT_DECL bool admit(std::uint64_t more, std::uint64_t request_size) const noexcept;
+  COHORT_DECL bool store_value(connection& conn, const std::string& key, bytes_t value);
   value_ptr make_value(bytes_t data) { return std::make_shared<const value_block>(std::move(data), &held_); }
   bool all_present(const std::vector<std::string>& keys) const {
     return std::all_of(keys.begin(), keys.end(), [&](const std::string& key) { return data_.count(key) > 0; });
   }
 
-  void wake_waiters(const std::string& key);
-  void clear_wait_state(connection& conn);
+  COHORT_DECL void wake_waiters(const std::string& key);
+  COHORT_DECL void clear_wait_state(connection& conn);
 
   // Queues a reply (its own bytes, then a stored value sent without copying); send also
   // writes what the socket takes now.
-  void queue(connection& conn, bytes_t reply, value_ptr shared = nullptr);
-  void send(connection& conn, bytes_t reply, value_ptr shared = nullptr);
-  void flush(connection& conn);
+  COHORT_DECL void queue(connection& conn, bytes_t reply, value_ptr shared = nullptr);
+  COHORT_DECL void send(connection& conn, bytes_t reply, value_ptr shared = nullptr);
+  COHORT_DECL void flush(connection& conn);
   bool backpressured(const connection& conn) const noexcept {
     return conn.output_queued > options_.max_queued_reply_bytes;
   }
-  void update_interest(connection& conn);
-  void sweep(clock::time_point now);
+  COHORT_DECL void update_interest(connection& conn);
+  COHORT_DECL void sweep(clock::time_point now);
 
   // Logs why, writes the farewell bytes (a last reply, or a marker: busy_marker,
   // token_required_marker, when not 0) and closes.
-  void reject(connection& conn, const std::string& reason, std::span<const std::uint8_t> farewell);
-  void reject(connection& conn, const std::string& reason, std::uint32_t marker = 0);
-  void close_now(connection& conn);
-  void log_refusal(const std::string& peer, const std::string& reason);
+  COHORT_DECL void reject(connection& conn, const std::string& reason, std::span<const std::uint8_t> farewell);
+  COHORT_DECL void reject(connection& conn, const std::string& reason, std::uint32_t marker = 0);
+  COHORT_DECL void close_now(connection& conn);
+  COHORT_DECL void log_refusal(const std::string& peer, const std::string& reason);
   static constexpr std::size_t logged_rejections = 8;
 
-  void remove_closed();
+  COHORT_DECL void remove_closed();
   void publish_stats() noexcept {
     held_published_.store(held_, std::memory_order_relaxed);
     open_published_.store(connections_.size(), std::memory_order_relaxed);

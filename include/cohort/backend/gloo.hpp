@@ -62,10 +62,10 @@ struct gloo_p2p {
   bool sending = false;
   bool debug = false;  // COHORT_DEBUG: the completion compares both sides first
 
-  gloo_p2p();
-  ~gloo_p2p();
+  COHORT_DECL gloo_p2p();
+  COHORT_DECL ~gloo_p2p();
   // Ends a wait that no peer will ever match (the group is going away).
-  void abort();
+  COHORT_DECL void abort();
 };
 
 // What a rank published at the rendezvous (gloo::connect): where it runs and listens, for
@@ -183,7 +183,7 @@ class gloo {
   };
 
   // Rendezvous through `store` (keys under the store's own prefix) and connect a full mesh.
-  gloo(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts);
+  COHORT_DECL gloo(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts);
 
   // A new context over an existing device (subgroups).
   gloo(const gloo& parent, std::shared_ptr<cohort::store> store, int rank, int size)
@@ -194,12 +194,12 @@ class gloo {
   gloo(const gloo&) = delete;
   gloo& operator=(const gloo&) = delete;
   // Finishes queued work first: the worker's tasks refer to this context.
-  ~gloo();
+  COHORT_DECL ~gloo();
 
   // Subgroup of a split (process_group::split did the bookkeeping): a new Gloo context over
   // the same device, rendezvousing under the subgroup's store prefix.
-  static std::unique_ptr<gloo> split(gloo& parent, std::shared_ptr<cohort::store> sub_store, int color, int /*key*/,
-                                     int new_rank, int new_size);
+  COHORT_DECL static std::unique_ptr<gloo> split(gloo& parent, std::shared_ptr<cohort::store> sub_store, int color,
+                                                 int /*key*/, int new_rank, int new_size);
 
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return size_; }
@@ -210,7 +210,7 @@ class gloo {
   const detail::flight_recorder& recorder() const noexcept { return recorder_; }
   // Writes the flight recorder to `directory` now (as a failure does when trace_dir is set);
   // returns the file's path, empty when it could not be written.
-  std::string write_trace(const std::string& directory, std::string_view reason) const;
+  COHORT_COLD COHORT_DECL std::string write_trace(const std::string& directory, std::string_view reason) const;
   // Cross-rank checks of point-to-point pairs (process_group::set_debug_checks sets this).
   void set_debug_checks(bool on) noexcept { debug_checks_.store(on, std::memory_order_relaxed); }
   const std::shared_ptr<::gloo::Context>& context() const noexcept { return context_; }
@@ -249,7 +249,7 @@ class gloo {
 
   // --- ordering and memory: what algorithms written once over any backend need ----------
   // Runs fn on the worker after everything queued before it (host "kernels").
-  work enqueue(std::function<void()> fn);
+  COHORT_DECL work enqueue(std::function<void()> fn);
   // Completes when everything queued so far has completed.
   work record() { return submit(task(task_kind::function)); }
   // The group's own order, as a stream: the worker (make_stream_wait on it blocks).
@@ -262,49 +262,49 @@ class gloo {
   static void deallocate(void* pointer, std::size_t /*bytes*/) noexcept {
     ::operator delete (pointer, std::align_val_t{64});
   }
-  work copy(void* destination, const void* source, std::size_t bytes);
+  COHORT_DECL work copy(void* destination, const void* source, std::size_t bytes);
 
  private:
   using task_kind = detail::gloo_task::kind;
 
   // Chooses the address to listen on (detail::choose_listen_address) into `address`.
-  static std::shared_ptr<::gloo::transport::Device> make_device(const launch_env& env, const options& opts,
-                                                                std::string& address);
+  COHORT_DECL static std::shared_ptr<::gloo::transport::Device> make_device(const launch_env& env, const options& opts,
+                                                                            std::string& address);
 
   // The rendezvous: publishes this rank's pair addresses, reads every rank's with one
   // multi_get, and connects the full mesh (connect_mesh), all within options.timeout.
-  void connect(std::shared_ptr<cohort::store> store);
-  void connect_mesh(::gloo::transport::Context& transport, std::chrono::steady_clock::time_point deadline);
+  COHORT_DECL void connect(std::shared_ptr<cohort::store> store);
+  COHORT_DECL void connect_mesh(::gloo::transport::Context& transport, std::chrono::steady_clock::time_point deadline);
   // The address `peer` published for its pair with this rank (Gloo's bytes).
-  std::vector<char> peer_pair_address(int peer) const;
+  COHORT_DECL std::vector<char> peer_pair_address(int peer) const;
   // "rank 3 published 10.0.0.4 (host node1, pid 812, its pair for this rank at [10.0.0.4]:40123)".
-  std::string describe_peer(int peer) const;
-  void start_watchdog();
+  COHORT_COLD COHORT_DECL std::string describe_peer(int peer) const;
+  COHORT_DECL void start_watchdog();
   // The failure the watchdog acts on: a failed call no wait or test reported within `timeout`.
-  std::exception_ptr unreported_failure() const;
+  COHORT_DECL std::exception_ptr unreported_failure() const;
 
-  static detail::gloo_task task(task_kind what, dtype type = dtype::uint8, op reduce = op::sum,
-                                const void* in = nullptr, void* out = nullptr, std::size_t count = 0, int peer = 0,
-                                std::uint64_t tag = 0);
+  COHORT_DECL static detail::gloo_task task(task_kind what, dtype type = dtype::uint8, op reduce = op::sum,
+                                            const void* in = nullptr, void* out = nullptr, std::size_t count = 0,
+                                            int peer = 0, std::uint64_t tag = 0);
 
-  work submit(detail::gloo_task queued);
+  COHORT_DECL work submit(detail::gloo_task queued);
 
-  work post(detail::gloo_task operation);
+  COHORT_DECL work post(detail::gloo_task operation);
 
-  static detail::call_record as_call(const detail::gloo_task& task);
-  static std::string describe(const detail::gloo_task& task);
+  COHORT_DECL static detail::call_record as_call(const detail::gloo_task& task);
+  COHORT_DECL static std::string describe(const detail::gloo_task& task);
 
-  void run(detail::gloo_task& task);
+  COHORT_DECL void run(detail::gloo_task& task);
   // The cohort error a failed engine call becomes, naming the call and the rank at fault.
-  std::exception_ptr explain(const detail::gloo_task& task, std::exception_ptr raised);
+  COHORT_COLD COHORT_DECL std::exception_ptr explain(const detail::gloo_task& task, std::exception_ptr raised);
   // The first failure of the group writes its flight recorder (when trace_dir is set).
-  void keep_trace(const std::exception_ptr& failure);
+  COHORT_COLD COHORT_DECL void keep_trace(const std::exception_ptr& failure);
   // COHORT_DEBUG: both sides of a point-to-point pair publish what they move; the
   // completion (never the caller: a ring of sends would deadlock) compares them.
-  std::string p2p_debug_key(const detail::gloo_task& task, bool mine) const;
-  void check_p2p_pair(const detail::gloo_task& task);
+  COHORT_DECL std::string p2p_debug_key(const detail::gloo_task& task, bool mine) const;
+  COHORT_DECL void check_p2p_pair(const detail::gloo_task& task);
 
-  void execute(detail::gloo_task& task);
+  COHORT_DECL void execute(detail::gloo_task& task);
 
   // The collectives for elements of sizeof(T) bytes (T: detail::element_bytes<N>).
   template <class T>
@@ -315,21 +315,21 @@ class gloo {
   // dtype, count, op, root) and from its sequence number makes mismatched calls use
   // different slots: they never match, and the mismatch surfaces as an error on every rank
   // instead of a crash, or of call n on one rank meeting call n+1 of another.
-  static std::uint64_t signature(const detail::gloo_task& task);
+  COHORT_DECL static std::uint64_t signature(const detail::gloo_task& task);
   static std::uint32_t collective_tag(const detail::gloo_task& task) {
     return static_cast<std::uint32_t>(signature(task) & 0x7fffffffu);
   }
 
-  [[noreturn]] void throw_timeout(const detail::gloo_task& task);
+  COHORT_COLD [[noreturn]] COHORT_DECL void throw_timeout(const detail::gloo_task& task);
 
   // After a call failed: who is at fault (detail::name_the_culprit for collectives; a
   // point-to-point call whose connection closed names its peer).
-  std::string name_the_culprit(const detail::gloo_task& task, bool connection_lost);
+  COHORT_COLD COHORT_DECL std::string name_the_culprit(const detail::gloo_task& task, bool connection_lost);
   // What `peer` is, without its help (for a rank that sent no failure report): its process
   // on this host, the state of its pair, and (thorough) whether its host answers.
-  detail::peer_status probe_peer(int peer, bool thorough) const;
+  COHORT_DECL detail::peer_status probe_peer(int peer, bool thorough) const;
   // Which ranks never published their rendezvous address (a rendezvous that timed out).
-  std::string missing_at_rendezvous(cohort::store& store) const;
+  COHORT_COLD COHORT_DECL std::string missing_at_rendezvous(cohort::store& store) const;
 
   // Point-to-point slots carry the user tag and the message size (see signature), in a
   // range of their own, away from the slots Gloo's collectives use.
@@ -337,7 +337,7 @@ class gloo {
     return (1ull << 63) | (signature(task) >> 1);
   }
 
-  std::vector<std::byte>& scratch_bytes(std::size_t bytes);
+  COHORT_DECL std::vector<std::byte>& scratch_bytes(std::size_t bytes);
 
   int rank_;
   int size_;

@@ -87,24 +87,26 @@ struct nccl_state {
   bool aborted = false;
   std::string abort_reason;
 
-  ~nccl_state();
+  COHORT_DECL ~nccl_state();
 
-  cudaEvent_t take_event();
-  void give_event(cudaEvent_t event);
+  COHORT_DECL cudaEvent_t take_event();
+  COHORT_DECL void give_event(cudaEvent_t event);
 
-  [[noreturn]] void fail(const std::string& operation, ncclResult_t status, const std::string& hint);
+  COHORT_COLD [[noreturn]] COHORT_DECL void fail(const std::string& operation, ncclResult_t status,
+                                                 const std::string& hint);
 
   // Publishes the failure (aborted, abort_reason) and takes the communicator under the lock,
   // then aborts it outside every lock on a thread of its own (detail/background_abort.hpp),
   // waiting for that at most `wait_at_most`: a negative wait means min(timeout, 10 s). The
   // watchdog waits not at all, so its policy acts (or the process ends) even when the
   // abort hangs behind a kernel that never ends.
-  void abort(const std::string& reason, std::chrono::milliseconds wait_at_most = std::chrono::milliseconds(-1));
+  COHORT_DECL void abort(const std::string& reason,
+                         std::chrono::milliseconds wait_at_most = std::chrono::milliseconds(-1));
 
-  void check_usable(const std::string& operation);
+  COHORT_DECL void check_usable(const std::string& operation);
 
   // Non-blocking communicators may answer ncclInProgress; wait until the call is enqueued.
-  void settle(const std::string& operation, ncclResult_t status);
+  COHORT_DECL void settle(const std::string& operation, ncclResult_t status);
 
   // --- failure reporting (cohort/detail/flight_recorder.hpp) ----------------------------
   // A call on the stream that the watchdog polls until its event completes. The stream runs
@@ -127,15 +129,15 @@ struct nccl_state {
   std::map<std::pair<int, bool>, std::uint64_t> p2p_issued;  // (peer, sending): NCCL has no tags
 
   // Numbers the call, records it and, when watched, queues it for the watchdog.
-  void issued(call_record call, const std::shared_ptr<nccl_event>& done);
+  COHORT_DECL void issued(call_record call, const std::shared_ptr<nccl_event>& done);
   // The watchdog's check: completes finished calls in the recorder; past the timeout (or on
   // an asynchronous NCCL error) aborts the communicator and returns the error naming the
   // rank at fault. Nothing once the group was aborted by a call that reported it.
-  std::exception_ptr watch();
+  COHORT_DECL std::exception_ptr watch();
   // "rank 2 never issued all_reduce #7 (...); ranks 0, 1 are waiting in it" for the oldest
   // call not complete (or `operation` when none is known), asking the other ranks.
-  std::string name_the_culprit(const std::string& operation);
-  void keep_trace(std::string_view failure);
+  COHORT_COLD COHORT_DECL std::string name_the_culprit(const std::string& operation);
+  COHORT_COLD COHORT_DECL void keep_trace(std::string_view failure);
 };
 
 // A pooled event that returns to its pool when the last work handle holding it goes.
@@ -245,16 +247,16 @@ class nccl {
     std::string operation_;
   };
 
-  nccl(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts);
+  COHORT_DECL nccl(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts);
 
   // Subgroup: ncclCommSplit; every rank of the parent calls it, excluded ones with a
   // negative color (no communicator, nullptr returned).
-  static std::unique_ptr<nccl> split(nccl& parent, std::shared_ptr<cohort::store> /*sub_store*/, int color, int key,
-                                     int new_rank, int new_size);
+  COHORT_DECL static std::unique_ptr<nccl> split(nccl& parent, std::shared_ptr<cohort::store> /*sub_store*/, int color,
+                                                 int key, int new_rank, int new_size);
 
   nccl(const nccl&) = delete;
   nccl& operator=(const nccl&) = delete;
-  ~nccl();
+  COHORT_DECL ~nccl();
 
   int rank() const noexcept { return state_->rank; }
   int size() const noexcept { return state_->size; }
@@ -263,46 +265,46 @@ class nccl {
   ncclComm_t communicator() const noexcept { return state_->comm; }
   const options& settings() const noexcept { return options_; }
   const detail::flight_recorder& recorder() const noexcept { return *state_->recorder; }
-  std::string write_trace(const std::string& directory, std::string_view reason) const;
+  COHORT_COLD COHORT_DECL std::string write_trace(const std::string& directory, std::string_view reason) const;
 
-  work all_reduce(const void* in, void* out, std::size_t count, dtype type, op reduce);
-  work reduce_scatter(const void* in, void* out, std::size_t count_per_rank, dtype type, op reduce);
-  work all_gather(const void* in, void* out, std::size_t count_per_rank, dtype type);
-  work broadcast(void* data, std::size_t count, dtype type, int root);
-  work all_to_all(const void* in, void* out, std::size_t count_per_rank, dtype type);
+  COHORT_DECL work all_reduce(const void* in, void* out, std::size_t count, dtype type, op reduce);
+  COHORT_DECL work reduce_scatter(const void* in, void* out, std::size_t count_per_rank, dtype type, op reduce);
+  COHORT_DECL work all_gather(const void* in, void* out, std::size_t count_per_rank, dtype type);
+  COHORT_DECL work broadcast(void* data, std::size_t count, dtype type, int root);
+  COHORT_DECL work all_to_all(const void* in, void* out, std::size_t count_per_rank, dtype type);
   // NCCL has no tags: point-to-point messages between two ranks match in issue order.
-  work send(const void* data, std::size_t count, dtype type, int peer, std::uint64_t /*tag*/);
-  work recv(void* data, std::size_t count, dtype type, int peer, std::uint64_t /*tag*/);
+  COHORT_DECL work send(const void* data, std::size_t count, dtype type, int peer, std::uint64_t /*tag*/);
+  COHORT_DECL work recv(void* data, std::size_t count, dtype type, int peer, std::uint64_t /*tag*/);
   // NCCL has no barrier: a one-element all-reduce every rank must join.
-  work barrier();
+  COHORT_DECL work barrier();
 
   // Grouped calls (process_group::grouped): between group_start and the matching group_end
   // NCCL only collects the calls (ncclGroupStart/End), and launches them together at the
   // end, as one kernel where it can. Their work handles complete from then on: waiting on
   // one before the group ends is an error of the caller's (it would wait for nothing).
-  void group_start();
-  void group_end();
+  COHORT_DECL void group_start();
+  COHORT_DECL void group_end();
 
   // --- ordering and memory --------------------------------------------------------------
   work record() { return record_event("record"); }
   // Later work on the communication stream waits for what the caller queued on `caller`.
-  void wait_for_caller(cudaStream_t caller);
-  void* allocate(std::size_t bytes);
-  void deallocate(void* pointer, std::size_t /*bytes*/) noexcept;
-  work copy(void* destination, const void* source, std::size_t bytes);
+  COHORT_DECL void wait_for_caller(cudaStream_t caller);
+  COHORT_DECL void* allocate(std::size_t bytes);
+  COHORT_DECL void deallocate(void* pointer, std::size_t /*bytes*/) noexcept;
+  COHORT_DECL work copy(void* destination, const void* source, std::size_t bytes);
 
  private:
   nccl() : state_(std::make_shared<detail::nccl_state>()) {}
 
-  void check_nccl(ncclResult_t status, const std::string& operation);
+  COHORT_DECL void check_nccl(ncclResult_t status, const std::string& operation);
 
-  void select_device(cohort::store& store, const launch_env& env, const options& opts);
+  COHORT_DECL void select_device(cohort::store& store, const launch_env& env, const options& opts);
 
-  void finish_init(const std::string& operation, ncclResult_t status);
+  COHORT_DECL void finish_init(const std::string& operation, ncclResult_t status);
 
-  void create_stream_and_scratch();
+  COHORT_DECL void create_stream_and_scratch();
   // The recorder, the group's name and the watchdog (after the communicator exists).
-  void start_failure_reporting(std::shared_ptr<cohort::store> group_store);
+  COHORT_DECL void start_failure_reporting(std::shared_ptr<cohort::store> group_store);
 
   template <class Call>
   work issue(const char* operation, const detail::call_record& recorded, Call&& call) {
@@ -317,9 +319,9 @@ class nccl {
     return done;
   }
   // Inside a group: an event recorded at group_end, once NCCL has launched the calls.
-  work deferred(const char* operation, const detail::call_record& recorded);
+  COHORT_DECL work deferred(const char* operation, const detail::call_record& recorded);
 
-  work record_event(const char* operation);
+  COHORT_DECL work record_event(const char* operation);
 
   std::shared_ptr<detail::nccl_state> state_;
   options options_;

@@ -29,6 +29,16 @@
 #define COHORT_DECL inline
 #endif
 
+// COHORT_COLD marks what runs only once something has failed (error reports, flight-recorder
+// traces, naming the culprit): the compiler optimises it for size and lays it out of the hot
+// paths' way. Header-only, every translation unit that reaches it compiles it, so that also
+// saves compile time.
+#if defined(__GNUC__) || defined(__clang__)
+#define COHORT_COLD [[gnu::cold]]
+#else
+#define COHORT_COLD
+#endif
+
 #if defined(COHORT_SEPARATE_DEVICE_CODE)
 #if !defined(COHORT_SEPARATE_COMPILATION)
 #error "COHORT_SEPARATE_DEVICE_CODE is a kind of separate compilation: define COHORT_SEPARATE_COMPILATION too"

@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include "cohort/detail/config.hpp"
+
 namespace cohort::inline v0::detail {
 
 // identity: "<host>|<PCI bus id>" per rank, indexed by rank.
@@ -18,16 +20,16 @@ struct duplicate_device {
   std::string identity;
 };
 
-std::optional<duplicate_device> find_duplicate_device(const std::vector<std::string>& identities);
+COHORT_DECL std::optional<duplicate_device> find_duplicate_device(const std::vector<std::string>& identities);
 
-std::string describe_duplicate(const duplicate_device& duplicate);
+COHORT_DECL std::string describe_duplicate(const duplicate_device& duplicate);
 
-const char* duplicate_device_hint();
+COHORT_DECL const char* duplicate_device_hint();
 
 // Whether an identity read from the store is one cohort writes: a host name (printable, no
 // '|'), '|', and a PCI bus id as cudaDeviceGetPCIBusId prints it (domain:bus:device.function,
 // in hex). Anything else was written by someone else and is refused before it is compared.
-bool well_formed_device_identity(std::string_view identity);
+COHORT_DECL bool well_formed_device_identity(std::string_view identity);
 
 // The device index a rank drives among the `visible` devices its process sees. `requested`
 // (options.device) wins when set (>= 0); otherwise local_rank % visible: all GPUs visible, local
@@ -40,15 +42,15 @@ struct device_choice {
   std::string error;
   std::string hint;
 };
-device_choice choose_device(int requested, int local_rank, int visible, const char* cuda_visible_devices);
+COHORT_DECL device_choice choose_device(int requested, int local_rank, int visible, const char* cuda_visible_devices);
 
 // "local rank 3 of 4 sees 2 GPU(s) (CUDA_VISIBLE_DEVICES=0,1)": what a duplicate or a bad
 // choice is explained by.
-std::string describe_device_counts(int local_rank, int local_world_size, int visible, const char* cuda_visible_devices);
+COHORT_DECL std::string describe_device_counts(int local_rank, int local_world_size, int visible,
+                                               const char* cuda_visible_devices);
 
 }  // namespace cohort::inline v0::detail
 
 #if !defined(COHORT_SEPARATE_COMPILATION)
-#include "cohort/detail/config.hpp"
 #include "cohort/impl/device_identity.ipp"
 #endif

@@ -61,8 +61,8 @@ enum class call_kind : std::uint8_t {
 };
 enum class call_state : std::uint8_t { issued, started, completed, failed };
 
-std::string_view to_string(call_kind kind);
-std::string_view to_string(call_state state);
+COHORT_DECL std::string_view to_string(call_kind kind);
+COHORT_DECL std::string_view to_string(call_state state);
 
 inline bool is_point_to_point(call_kind kind) { return kind == call_kind::send || kind == call_kind::recv; }
 
@@ -86,19 +86,19 @@ struct call_record {
 
 // "all_reduce #7 (float x 8, sum)", "broadcast #2 (int32 x 4, root 1)", "send #1 (float x 3,
 // peer 2, tag 5)", "barrier #9": how errors, reports and trace analysis name a call.
-std::string describe(const call_record& call);
+COHORT_DECL std::string describe(const call_record& call);
 
 class flight_recorder {
  public:
-  explicit flight_recorder(std::size_t capacity);
+  COHORT_DECL explicit flight_recorder(std::size_t capacity);
 
   bool enabled() const noexcept { return !ring_.empty(); }
   std::size_t capacity() const noexcept { return ring_.size(); }
 
   // Records a call as issued at `when` and returns its id for the updates below (0 when
   // disabled). A caller that has read the clock already passes its reading: one read a call.
-  std::uint64_t issued(const call_record& call,
-                       std::chrono::steady_clock::time_point when = std::chrono::steady_clock::now());
+  COHORT_DECL std::uint64_t issued(const call_record& call,
+                                   std::chrono::steady_clock::time_point when = std::chrono::steady_clock::now());
   void started(std::uint64_t id) { update(id, call_state::started, 0); }
   // `collective_sequence`: the call's sequence when it is a collective (0 otherwise), so the
   // last-completed mark advances even when the ring has already recycled the call's slot.
@@ -108,13 +108,13 @@ class flight_recorder {
   void failed(std::uint64_t id) { update(id, call_state::failed, 0); }
 
   // The calls still in the ring, oldest first.
-  std::vector<call_record> snapshot() const;
+  COHORT_DECL std::vector<call_record> snapshot() const;
   // Highest collective sequence issued / completed (0: none).
-  std::uint64_t last_issued() const;
-  std::uint64_t last_completed() const;
+  COHORT_DECL std::uint64_t last_issued() const;
+  COHORT_DECL std::uint64_t last_completed() const;
 
  private:
-  void update(std::uint64_t id, call_state state, std::uint64_t collective_sequence);
+  COHORT_DECL void update(std::uint64_t id, call_state state, std::uint64_t collective_sequence);
   // Microseconds since the epoch for a steady-clock reading: the system clock's offset is
   // read once, so each state change costs one clock read and the times never go backwards.
   std::int64_t epoch_us(std::chrono::steady_clock::time_point when) const noexcept {
@@ -129,7 +129,7 @@ class flight_recorder {
   std::uint64_t last_completed_ = 0;
 };
 
-std::int64_t now_us();
+COHORT_DECL std::int64_t now_us();
 
 // Who wrote a trace file.
 struct trace_identity {
@@ -140,16 +140,16 @@ struct trace_identity {
 };
 
 // The group's name in trace files and reports, from its store's prefix ("cohort/pg1/" -> "pg1").
-std::string group_name(const store& group_store);
+COHORT_DECL std::string group_name(const store& group_store);
 
 // `configured`, else COHORT_TRACE_DIR, else empty (no trace files).
-std::string trace_directory(const std::string& configured);
+COHORT_DECL std::string trace_directory(const std::string& configured);
 
 // Writes DIR/rank<R>.<group>.json (format: docs/design.md, "Flight recorder"); returns its
 // path, or an empty string when it could not be written. Never throws: it runs while an
 // error is on its way.
-std::string write_trace(const std::string& directory, const trace_identity& who, const flight_recorder& recorder,
-                        std::string_view failure);
+COHORT_COLD COHORT_DECL std::string write_trace(const std::string& directory, const trace_identity& who,
+                                                const flight_recorder& recorder, std::string_view failure);
 
 // What a backend can tell of a peer that sent no failure report, without its help.
 enum class peer_state : std::uint8_t {
@@ -172,8 +172,9 @@ using peer_probe = std::function<peer_status(int peer, bool thorough)>;
 // rank that sent no report is named as `probe` finds it: died, unreachable, or (alive) never
 // issued the call. Without a probe, `connection_lost` (the engine reported a closed connection
 // rather than a timeout) names the silent ranks dead, else as never having issued the call.
-std::string name_the_culprit(store& group_store, int rank, int size, std::chrono::milliseconds timeout,
-                             const std::string& call, bool connection_lost, const peer_probe& probe = {});
+COHORT_COLD COHORT_DECL std::string name_the_culprit(store& group_store, int rank, int size,
+                                                     std::chrono::milliseconds timeout, const std::string& call,
+                                                     bool connection_lost, const peer_probe& probe = {});
 
 // A thread that calls check() every `interval` until it returns a failure (or the watchdog
 // is destroyed), then hands the failure to the policy: abort_process ends the process,
@@ -182,11 +183,11 @@ class watchdog {
  public:
   using check_fn = std::function<std::exception_ptr()>;
 
-  watchdog(int rank, std::string group, async_error_handling policy, std::chrono::milliseconds interval,
-           check_fn check);
+  COHORT_DECL watchdog(int rank, std::string group, async_error_handling policy, std::chrono::milliseconds interval,
+                       check_fn check);
   watchdog(const watchdog&) = delete;
   watchdog& operator=(const watchdog&) = delete;
-  ~watchdog();
+  COHORT_DECL ~watchdog();
 
   // Throws the failure the watchdog found, if any (throw_on_next_call): every call of the
   // group starts with it, so a broken group is reported at the next call, not later.
@@ -198,8 +199,8 @@ class watchdog {
   }
 
  private:
-  void loop();
-  void act(std::exception_ptr failure);
+  COHORT_DECL void loop();
+  COHORT_DECL void act(std::exception_ptr failure);
 
   int rank_;
   std::string group_;

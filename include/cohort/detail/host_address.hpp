@@ -41,27 +41,27 @@ struct listen_choice {
 // Whether ranks live on more than one host: fewer ranks on this node than in the world, and
 // MASTER_ADDR is not written as a loopback address (tests and single-host jobs simulate nodes
 // on loopback, and say so by giving MASTER_ADDR as 127.0.0.1 or localhost).
-bool world_spans_nodes(const listen_request& request);
+COHORT_DECL bool world_spans_nodes(const listen_request& request);
 
 // True for 127.0.0.0/8, ::1, ::ffff:127.x.y.z and "localhost".
-bool is_loopback_address(std::string_view address);
+COHORT_DECL bool is_loopback_address(std::string_view address);
 
 // The numeric address `name` resolves to (IPv4 first), with getaddrinfo's result checked:
 // an unresolvable name is a cohort::error naming it, for rank `rank`, in `operation`.
-std::string resolve_numeric(const std::string& name, int rank, std::string_view operation);
+COHORT_DECL std::string resolve_numeric(const std::string& name, int rank, std::string_view operation);
 
 // The local address the kernel would send from to reach `numeric` (no packet is sent);
 // empty when there is no route (with the reason in `why`).
-std::string route_source_address(const std::string& numeric, std::string& why);
+COHORT_DECL std::string route_source_address(const std::string& numeric, std::string& why);
 
 // The first IPv4 (else IPv6, not link-local) address of `interface`; empty if none. With an
 // empty `interface`, the first such address of any interface that is up and not loopback.
 // `seen` lists the interfaces looked at, for errors.
-std::string interface_address(const std::string& interface, std::string& seen);
+COHORT_DECL std::string interface_address(const std::string& interface, std::string& seen);
 
 // The address this rank listens on and publishes (see the top of this file). Throws
 // cohort::error naming the name, interface or address at fault.
-listen_choice choose_listen_address(const listen_request& request);
+COHORT_DECL listen_choice choose_listen_address(const listen_request& request);
 
 }  // namespace cohort::inline v0::detail
 

@@ -12,6 +12,8 @@
 #include <span>
 #include <string_view>
 
+#include "cohort/detail/config.hpp"
+
 namespace cohort::inline v0::detail {
 
 using sha256_digest = std::array<std::uint8_t, 32>;
@@ -20,12 +22,12 @@ class sha256 {
  public:
   sha256() noexcept { reset(); }
 
-  void reset() noexcept;
-  void update(std::span<const std::uint8_t> data) noexcept;
+  COHORT_DECL void reset() noexcept;
+  COHORT_DECL void update(std::span<const std::uint8_t> data) noexcept;
   void update(std::string_view text) noexcept {
     update(std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(text.data()), text.size()));
   }
-  sha256_digest finish() noexcept;
+  COHORT_DECL sha256_digest finish() noexcept;
 
   static sha256_digest of(std::span<const std::uint8_t> data) noexcept {
     sha256 hash;
@@ -34,7 +36,7 @@ class sha256 {
   }
 
  private:
-  void block(const std::uint8_t* data) noexcept;
+  COHORT_DECL void block(const std::uint8_t* data) noexcept;
 
   std::array<std::uint32_t, 8> state_{};
   std::array<std::uint8_t, 64> pending_{};
@@ -43,19 +45,18 @@ class sha256 {
 };
 
 // HMAC-SHA256(key, the concatenation of parts).
-sha256_digest hmac_sha256(std::span<const std::uint8_t> key,
-                          std::initializer_list<std::span<const std::uint8_t>> parts) noexcept;
+COHORT_DECL sha256_digest hmac_sha256(std::span<const std::uint8_t> key,
+                                      std::initializer_list<std::span<const std::uint8_t>> parts) noexcept;
 
 // Compares without an early exit, so the time taken does not tell how many bytes matched.
-bool equal_in_constant_time(std::span<const std::uint8_t> a, std::span<const std::uint8_t> b) noexcept;
+COHORT_DECL bool equal_in_constant_time(std::span<const std::uint8_t> a, std::span<const std::uint8_t> b) noexcept;
 
 // Fills out with bytes from the kernel's random source (getrandom, else /dev/urandom); false
 // when neither is available.
-bool random_bytes(std::span<std::uint8_t> out) noexcept;
+COHORT_DECL bool random_bytes(std::span<std::uint8_t> out) noexcept;
 
 }  // namespace cohort::inline v0::detail
 
 #if !defined(COHORT_SEPARATE_COMPILATION)
-#include "cohort/detail/config.hpp"
 #include "cohort/impl/sha256.ipp"
 #endif

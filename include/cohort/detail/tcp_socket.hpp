@@ -15,6 +15,8 @@
 #include <system_error>
 #include <utility>
 
+#include "cohort/detail/config.hpp"
+
 struct addrinfo;  // <netdb.h>: the socket headers are for the definitions (tcp_socket.ipp)
 
 namespace cohort::inline v0::detail::tcp {
@@ -50,28 +52,28 @@ class file_descriptor {
   int fd_ = -1;
 };
 
-std::string endpoint(const std::string& host, std::uint16_t port);
+COHORT_DECL std::string endpoint(const std::string& host, std::uint16_t port);
 
 inline std::chrono::milliseconds elapsed_since(clock::time_point start) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(clock::now() - start);
 }
 
 // Waits until fd is ready for events or the deadline passes; false on timeout.
-bool poll_until(int fd, short events, clock::time_point deadline);
+COHORT_DECL bool poll_until(int fd, short events, clock::time_point deadline);
 
 struct address_list {
   addrinfo* head = nullptr;
   address_list() = default;
   address_list(const address_list&) = delete;
   address_list& operator=(const address_list&) = delete;
-  ~address_list();
+  COHORT_DECL ~address_list();
 };
 
 // Resolves host:port for a stream socket; returns getaddrinfo's error text, or empty on success.
-std::string resolve(const std::string& host, std::uint16_t port, bool passive, address_list& out);
+COHORT_DECL std::string resolve(const std::string& host, std::uint16_t port, bool passive, address_list& out);
 
 // "address:port" of a connected socket's peer, for the server's log.
-std::string peer_of(int fd);
+COHORT_DECL std::string peer_of(int fd);
 
 // What the handshake's failure most likely means, said on both sides of it.
 inline constexpr std::string_view other_protocol =
@@ -79,11 +81,10 @@ inline constexpr std::string_view other_protocol =
     "one, numbers its commands from SET = 0 and sends no VALIDATE) or is not a TCPStore at all; "
     "cohort speaks the TCPStore protocol of PyTorch 2.x (classic and libuv servers)";
 
-void set_no_delay(int fd);
+COHORT_DECL void set_no_delay(int fd);
 
 }  // namespace cohort::inline v0::detail::tcp
 
 #if !defined(COHORT_SEPARATE_COMPILATION)
-#include "cohort/detail/config.hpp"
 #include "cohort/impl/tcp_socket.ipp"
 #endif

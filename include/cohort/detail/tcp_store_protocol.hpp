@@ -66,6 +66,7 @@
 #include <string_view>
 #include <vector>
 
+#include "cohort/detail/config.hpp"
 #include "cohort/detail/sha256.hpp"
 
 namespace cohort::inline v0::detail::tcp_store_protocol {
@@ -105,8 +106,8 @@ inline constexpr std::uint32_t token_required_marker = 0xB07B07B0u;
 
 using nonce = std::array<std::uint8_t, auth_nonce_bytes>;
 // The proofs of the token handshake (see above).
-sha256_digest server_proof(std::string_view token, const nonce& client, const nonce& server) noexcept;
-sha256_digest client_proof(std::string_view token, const nonce& client, const nonce& server) noexcept;
+COHORT_DECL sha256_digest server_proof(std::string_view token, const nonce& client, const nonce& server) noexcept;
+COHORT_DECL sha256_digest client_proof(std::string_view token, const nonce& client, const nonce& server) noexcept;
 
 inline constexpr std::uint64_t max_key_bytes = std::uint64_t{64} << 10;
 inline constexpr std::uint64_t max_value_bytes = std::uint64_t{256} << 20;
@@ -123,7 +124,7 @@ struct limits {
 static_assert(std::endian::native == std::endian::little,
               "c10d's TCPStore sends integers in host order; cohort supports little-endian hosts");
 
-const char* command_name(command c) noexcept;
+COHORT_DECL const char* command_name(command c) noexcept;
 constexpr bool known_command(std::uint8_t code) noexcept {
   return code <= last_command || code == static_cast<std::uint8_t>(command::auth_hello) ||
          code == static_cast<std::uint8_t>(command::auth_proof);
@@ -269,16 +270,15 @@ class cursor {
   std::string error_;
 };
 
-bool key_list(cursor& in, request& out);
+COHORT_DECL bool key_list(cursor& in, request& out);
 
 }  // namespace parsing
 
 // Decodes the request at the front of input, if it is all there.
-parse_result parse_request(std::span<const std::uint8_t> input, request& out, const limits& bounds = {});
+COHORT_DECL parse_result parse_request(std::span<const std::uint8_t> input, request& out, const limits& bounds = {});
 
 }  // namespace cohort::inline v0::detail::tcp_store_protocol
 
 #if !defined(COHORT_SEPARATE_COMPILATION)
-#include "cohort/detail/config.hpp"
 #include "cohort/impl/tcp_store_protocol.ipp"
 #endif

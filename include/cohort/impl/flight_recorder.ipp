@@ -7,9 +7,11 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <future>
+#include <exception>
+#include <optional>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cohort/detail/config.hpp"
@@ -251,10 +253,22 @@ COHORT_DECL std::string name_the_culprit(store& group_store, int rank, int size,
     const auto values = reports.multi_get(std::span<const std::string>(readable), left());
     // Silent peers: what are they? Asked again now, after the window (dead stays dead), all
     // at once: telling alive from unreachable may take a second each.
-    std::vector<std::future<peer_status>> asked(keys.size());
-    for (std::size_t k = 0; k < keys.size(); ++k)
-      if (!present[k] && !dead[k] && probe)
-        asked[k] = std::async(std::launch::async, [&probe, peer = peers[k]] { return probe(peer, true); });
+    // (Threads of its own, not std::async: this cold path should not cost every translation
+    // unit of a header-only program the futures' machinery.)
+    std::vector<std::optional<peer_status>> asked(keys.size());
+    std::vector<std::exception_ptr> asking_failed(keys.size());
+    {
+      std::vector<std::jthread> askers;
+      for (std::size_t k = 0; k < keys.size(); ++k)
+        if (!present[k] && !dead[k] && probe)
+          askers.emplace_back([&, k] {
+            try {
+              asked[k] = probe(peers[k], true);
+            } catch (...) {
+              asking_failed[k] = std::current_exception();
+            }
+          });
+    }  // joins every asker
     for (std::size_t k = 0, v = 0; k < keys.size(); ++k) {
       const int peer = peers[k];
       if (present[k]) {
@@ -265,9 +279,9 @@ COHORT_DECL std::string name_the_culprit(store& group_store, int rank, int size,
           differ.push_back("rank " + std::to_string(peer) + " is in " + theirs);
         continue;
       }
-      const peer_status status = dead[k]            ? peer_status{peer_state::died, dead_why[k]}
-                                 : asked[k].valid() ? asked[k].get()
-                                                    : peer_status{};
+      if (asking_failed[k]) std::rethrow_exception(asking_failed[k]);
+      const peer_status status =
+          dead[k] ? peer_status{peer_state::died, dead_why[k]} : asked[k].value_or(peer_status{});
       switch (status.state) {
         case peer_state::died:
           died.push_back(peer);

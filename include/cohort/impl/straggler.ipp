@@ -178,7 +178,12 @@ COHORT_DECL std::string format_straggler_report(const straggler_summary& s) {
 
 COHORT_DECL straggler_report::straggler_report(std::shared_ptr<store> exchange, int rank, int world,
                                                straggler_options options)
-    : store_(std::move(exchange)), rank_(rank), world_(world), options_(std::move(options)), every_(options_.every) {
+    : step_boundary_(&straggler_report::step_boundary),
+      store_(std::move(exchange)),
+      rank_(rank),
+      world_(world),
+      options_(std::move(options)),
+      every_(options_.every) {
   if (!store_) throw error(rank, "straggler_report", "no store", "pass the group (or a store every rank shares)");
   if (world < 1 || rank < 0 || rank >= world)
     throw error(rank, "straggler_report",
@@ -196,7 +201,7 @@ COHORT_DECL std::chrono::milliseconds straggler_report::exchange_timeout() const
   return options_.timeout.count() > 0 ? options_.timeout : store_->timeout();
 }
 
-COHORT_DECL void straggler_report::end_step(clock::time_point now) {
+COHORT_DECL void straggler_report::step_boundary(clock::time_point now) {
   if (!enabled() || stopped_) return;
   ++boundaries_;
   if (boundaries_ == 1) {  // step 1 is not measured: the clock starts here
