@@ -48,12 +48,12 @@
 #include <vector>
 
 #include "../examples/command_line.hpp"
-#include "cohort/backend/gloo.hpp"
+#include "cohort/comm/gloo.hpp"
+#include "cohort/comm/process_group.hpp"
 #include "cohort/error.hpp"
 #include "cohort/parallel/checkpoint.hpp"
-#include "cohort/process_group.hpp"
-#include "cohort/run_ranks.hpp"
-#include "cohort/store.hpp"
+#include "cohort/rendezvous/store.hpp"
+#include "cohort/run/run_ranks.hpp"
 #include "cohort/tools/detail/json.hpp"
 
 namespace {

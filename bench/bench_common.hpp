@@ -45,10 +45,10 @@
 
 #include <unistd.h>
 
-#include "cohort/backend/gloo.hpp"
+#include "cohort/comm/gloo.hpp"
+#include "cohort/comm/process_group.hpp"
 #include "cohort/detail/host_math.hpp"
 #include "cohort/error.hpp"
-#include "cohort/process_group.hpp"
 #include "cohort/tools/detail/json.hpp"
 #include "cohort/tools/planner.hpp"
 #include "cohort/types.hpp"
@@ -60,7 +60,7 @@
 #include <gloo/broadcast.h>
 
 #if defined(COHORT_HAS_NCCL)
-#include "cohort/backend/nccl.hpp"
+#include "cohort/comm/nccl.hpp"
 #endif
 
 namespace cohort_bench {

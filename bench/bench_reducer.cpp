@@ -22,10 +22,10 @@
 //
 //   bench_reducer [--ranks 2] [--iterations 8] [--compute-ms 120] [--compute-mode spin|sleep|both]
 //                 [--json FILE] [--torch-peer bench/peers/torch_ddp.py] [--python python3]
-#include <cohort/backend/gloo.hpp>
+#include <cohort/comm/gloo.hpp>
 #include <cohort/parallel/training_state.hpp>
-#include <cohort/run_ranks.hpp>
-#include <cohort/store.hpp>
+#include <cohort/rendezvous/store.hpp>
+#include <cohort/run/run_ranks.hpp>
 #include <cohort/tools/detail/json.hpp>
 
 #include <algorithm>

@@ -28,10 +28,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cohort/detail/device_identity.hpp>
-#include <cohort/store.hpp>
-#include <cohort/tcp_store.hpp>
-#include <cohort/tcp_store_server.hpp>
+#include <cohort/comm/detail/device_identity.hpp>
+#include <cohort/rendezvous/store.hpp>
+#include <cohort/rendezvous/tcp_store.hpp>
+#include <cohort/rendezvous/tcp_store_server.hpp>
 #include <cohort/tools/detail/json.hpp>
 #include <cstdio>
 #include <cstdlib>

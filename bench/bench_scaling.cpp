@@ -5,10 +5,10 @@
 //
 //   bench_scaling [--ranks N] [--steps K] [--per-device-batch B] [--widths 256,512,512,16] [--json FILE]
 #include <chrono>
-#include <cohort/backend/gloo.hpp>
+#include <cohort/comm/gloo.hpp>
+#include <cohort/comm/process_group.hpp>
 #include <cohort/parallel/training_state.hpp>
-#include <cohort/process_group.hpp>
-#include <cohort/run_ranks.hpp>
+#include <cohort/run/run_ranks.hpp>
 #include <cohort/tools/detail/json.hpp>
 #include <cstdio>
 #include <cstdlib>

@@ -25,11 +25,11 @@
 #include <thread>
 #include <vector>
 
-#include "cohort/backend/gloo.hpp"
+#include "cohort/comm/gloo.hpp"
+#include "cohort/comm/process_group.hpp"
 #include "cohort/parallel/training_state.hpp"
-#include "cohort/process_group.hpp"
-#include "cohort/run_ranks.hpp"
-#include "cohort/store.hpp"
+#include "cohort/rendezvous/store.hpp"
+#include "cohort/run/run_ranks.hpp"
 #include "cohort/tools/detail/json.hpp"
 
 namespace {

@@ -24,9 +24,9 @@
 #include <unistd.h>
 
 #include "bench_common.hpp"
-#include "cohort/launch.hpp"
-#include "cohort/store.hpp"
-#include "cohort/tcp_store.hpp"
+#include "cohort/rendezvous/launch.hpp"
+#include "cohort/rendezvous/store.hpp"
+#include "cohort/rendezvous/tcp_store.hpp"
 #include "cohort/tools/topology.hpp"
 
 namespace {

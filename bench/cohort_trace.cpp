@@ -10,7 +10,7 @@
 // without their recv and size mismatches; what could not be judged because the rings had
 // overwritten it; and each rank's recorded error. --json prints the same as JSON.
 // Exit status: 0 nothing wrong found, 1 a finding (see --help), 2 usage or I/O error.
-// See include/cohort/tools/trace.hpp.
+// See include/cohort/diagnostics/trace.hpp.
 
 #include <cstdlib>
 #include <exception>
@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "cohort/tools/trace.hpp"
+#include "cohort/diagnostics/trace.hpp"
 
 namespace {
 

@@ -12,9 +12,9 @@ Rows:
   - a CUDA trainer TU on NCCL (bench/compile/trainer.cu) with nvcc, and how many kernels
     it instantiates (ptxas -v names each);
   - the umbrella header and both trainer TUs again with COHORT_SEPARATE_COMPILATION (the
-    CUDA one also with COHORT_SEPARATE_DEVICE_CODE, as a library built with CUDA gives it),
-    and the translation units such a program adds (cohort/impl/src.hpp, -O2, and
-    cohort/impl/device_src.cuh with nvcc), compiled once however many TUs the program has.
+    CUDA one as a library with NCCL gives it: kernels compiled once, in cohort/src.cu),
+    and the translation units such a program adds (cohort/src.hpp, -O2, and
+    cohort/src.cu with nvcc), compiled once however many TUs the program has.
 Times are CPU seconds (user + system) of the compiler: on a shared VM the wall clock also
 counts time other guests held the core. The yardstick runs right before every run of every
 row, each run is divided by that yardstick run, and the median ratio of --runs is printed
@@ -62,13 +62,16 @@ def cpu_seconds(command, output=None):
 
 
 def public_headers(include):
+    """Public headers: under cohort/ and its subsystem folders, not detail/ or impl/ (nor the
+    compiled-once entry src.hpp), in either layout (cohort/backend/ before the folders)."""
     headers = []
-    for folder in ("cohort", "cohort/backend"):
-        directory = os.path.join(include, folder)
-        for name in sorted(os.listdir(directory)):
-            if name.endswith(".hpp"):
-                headers.append(f"{folder}/{name}")
-    return headers
+    root = os.path.join(include, "cohort")
+    for directory, folders, names in os.walk(root):
+        folders[:] = sorted(f for f in folders if f not in ("detail", "impl"))
+        for name in sorted(names):
+            if name.endswith(".hpp") and name != "src.hpp":
+                headers.append(os.path.relpath(os.path.join(directory, name), include))
+    return sorted(headers)
 
 
 def header_flags(header):
@@ -112,29 +115,34 @@ class Tree:
         nvcc = not self.args.no_nvcc and os.path.exists(self.args.nvcc)
         if nvcc:
             rows.append(("CUDA trainer TU on NCCL, nvcc -O2 -c", self.nvcc_command([]), True))
-        if os.path.exists(os.path.join(self.include, "cohort", "impl", "src.hpp")):
+        # The compiled-once entry files: cohort/src.hpp and src.cu now; cohort/impl/src.hpp and
+        # impl/device_src.cuh (with COHORT_SEPARATE_DEVICE_CODE) in trees before the folders.
+        old_layout = os.path.exists(os.path.join(self.include, "cohort", "impl", "src.hpp"))
+        src_hpp = "cohort/impl/src.hpp" if old_layout else "cohort/src.hpp"
+        src_cu = "cohort/impl/device_src.cuh" if old_layout else "cohort/src.cu"
+        if os.path.exists(os.path.join(self.include, src_hpp)):
             separate = ["-DCOHORT_SEPARATE_COMPILATION=1"]
             rows.append(("separate compilation: <cohort/cohort.hpp>, -fsyntax-only",
                          self.base() + separate + ["-fsyntax-only", os.path.join(self.sources, "umbrella.cpp")], False))
             rows.append(("separate compilation: trainer TU on Gloo, -O2 -c", self.base() + separate + [
                 "-O2", "-c", os.path.join(self.sources, "trainer.cpp"), "-o", os.path.join(self.work, "trainer.o")], False))
-            # A library built with CUDA compiles the kernels too (cohort/impl/device_src.cuh), and
-            # the trainer's TUs see their launchers' declarations only.
-            device_src = os.path.exists(os.path.join(self.include, "cohort", "impl", "device_src.cuh"))
-            device = ["-DCOHORT_SEPARATE_DEVICE_CODE=1"] if device_src else []
+            # A library with NCCL compiles the kernels too (src.cu), and the trainer's TUs see
+            # their launchers' declarations only.
+            device_src = os.path.exists(os.path.join(self.include, src_cu))
+            device = ["-DCOHORT_SEPARATE_DEVICE_CODE=1"] if device_src and old_layout else []
             if nvcc:
                 rows.append(("separate compilation: CUDA trainer TU, nvcc -O2 -c",
                              self.nvcc_command(separate + device), True))
             source = os.path.join(self.work, "src.cpp")
             with open(source, "w") as f:
-                f.write("#include <cohort/impl/src.hpp>\n")
-            rows.append(("separate compilation: impl/src.hpp, -O2 -c (once per program)",
+                f.write(f"#include <{src_hpp}>\n")
+            rows.append(("separate compilation: src.hpp, -O2 -c (once per program)",
                          self.base() + separate + ["-O2", "-c", source, "-o", os.path.join(self.work, "src.o")], False))
             if nvcc and device_src:
                 source = os.path.join(self.work, "device_src.cu")
                 with open(source, "w") as f:
-                    f.write("#include <cohort/impl/device_src.cuh>\n")
-                rows.append(("separate compilation: impl/device_src.cuh, nvcc -O2 -c (once per program)",
+                    f.write(f"#include <{src_cu}>\n")
+                rows.append(("separate compilation: src.cu, nvcc -O2 -c (once per program)",
                              self.nvcc_command(separate + device, source), True))
         return rows
 

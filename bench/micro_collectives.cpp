@@ -26,10 +26,10 @@
 
 #include <gloo/allreduce.h>
 
-#include "cohort/backend/gloo.hpp"
+#include "cohort/comm/gloo.hpp"
+#include "cohort/comm/process_group.hpp"
 #include "cohort/detail/host_math.hpp"
-#include "cohort/process_group.hpp"
-#include "cohort/store.hpp"
+#include "cohort/rendezvous/store.hpp"
 
 namespace {
 

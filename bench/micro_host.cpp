@@ -14,15 +14,15 @@
 #include <string>
 #include <vector>
 
+#include "cohort/data/sampler.hpp"
 #include "cohort/parallel/checkpoint.hpp"
-#include "cohort/sampler.hpp"
-#include "cohort/store.hpp"
-#include "cohort/tcp_store.hpp"
+#include "cohort/rendezvous/store.hpp"
+#include "cohort/rendezvous/tcp_store.hpp"
 
-#if defined(COHORT_HAS_GLOO)
-#include "cohort/backend/gloo.hpp"
+#if __has_include(<gloo/context.h>)
+#include "cohort/comm/gloo.hpp"
+#include "cohort/comm/process_group.hpp"
 #include "cohort/parallel/training_state.hpp"
-#include "cohort/process_group.hpp"
 #define COHORT_MICRO_DDP 1
 #endif
 

@@ -1,5 +1,5 @@
 # cohort_add_compiled_library(<name>): cohort's non-template code compiled once, for a program
-# whose translation units would otherwise each compile it (see cohort/detail/config.hpp).
+# whose translation units would otherwise each compile it (see cohort/config.hpp).
 #
 #   cohort_add_compiled_library(cohort_impl)
 #   target_link_libraries(trainer PRIVATE cohort_impl)   # instead of cohort::gloo / cohort::nccl
@@ -9,13 +9,13 @@
 # (cohort::gloo, cohort::nccl) and compiles their code too. Every translation unit of the
 # program that includes cohort must link it (mixing modes breaks the one-definition rule).
 #
-# With cohort::nccl and the CUDA language enabled, the library also compiles the device
-# backend's kernels, once, in a .cu of its own, and defines COHORT_SEPARATE_DEVICE_CODE: the
-# program's translation units then launch them through declarations, need not be .cu files
-# to use the algorithms on NCCL, and instantiate no cohort kernel.
+# With cohort::nccl the library also compiles the device backend's kernels, once, in a .cu of
+# its own (cohort/src.cu; the project must enable CUDA): the program's translation units then
+# launch them through declarations, need not be .cu files to use the algorithms on NCCL, and
+# instantiate no cohort kernel.
 function(cohort_add_compiled_library name)
   set(source "${CMAKE_CURRENT_BINARY_DIR}/${name}_cohort_src.cpp")
-  file(CONFIGURE OUTPUT "${source}" CONTENT "#include <cohort/impl/src.hpp>\n" @ONLY)
+  file(CONFIGURE OUTPUT "${source}" CONTENT "#include <cohort/src.hpp>\n" @ONLY)
   add_library(${name} STATIC "${source}")
   target_compile_definitions(${name} PUBLIC COHORT_SEPARATE_COMPILATION=1)
   set_target_properties(${name} PROPERTIES POSITION_INDEPENDENT_CODE ON)
@@ -25,12 +25,14 @@ function(cohort_add_compiled_library name)
   if(TARGET cohort::nccl)
     target_link_libraries(${name} PUBLIC cohort::nccl)
     get_property(languages GLOBAL PROPERTY ENABLED_LANGUAGES)
-    if("CUDA" IN_LIST languages)
-      set(device_source "${CMAKE_CURRENT_BINARY_DIR}/${name}_cohort_device.cu")
-      file(CONFIGURE OUTPUT "${device_source}" CONTENT "#include <cohort/impl/device_src.cuh>\n" @ONLY)
-      target_sources(${name} PRIVATE "${device_source}")
-      target_compile_definitions(${name} PUBLIC COHORT_SEPARATE_DEVICE_CODE=1)
+    if(NOT "CUDA" IN_LIST languages)
+      message(FATAL_ERROR "cohort_add_compiled_library(${name}): with cohort::nccl the library compiles "
+                          "cohort's kernels once, with nvcc (cohort/src.cu); enable CUDA first: "
+                          "project(... LANGUAGES CXX CUDA) or enable_language(CUDA)")
     endif()
+    set(device_source "${CMAKE_CURRENT_BINARY_DIR}/${name}_cohort_device.cu")
+    file(CONFIGURE OUTPUT "${device_source}" CONTENT "#include <cohort/src.cu>\n" @ONLY)
+    target_sources(${name} PRIVATE "${device_source}")
   endif()
   if(NOT TARGET cohort::gloo AND NOT TARGET cohort::nccl)
     target_link_libraries(${name} PUBLIC cohort::cohort)

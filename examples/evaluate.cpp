@@ -12,7 +12,7 @@
 // program checks: its last line is
 //   accuracy: distributed X, single process Y: match          (or MISMATCH, exit status 1)
 #include <cohort/cohort.hpp>
-#include <cohort/metrics.hpp>
+#include <cohort/data/metrics.hpp>
 
 #include <cstdint>
 #include <cstdio>

@@ -9,12 +9,12 @@
 // Rank 0 ends with the final loss against one process training on the host with AdamW
 // written out in double. The kernels sum in another order than the host code, so the match
 // allows 1e-4 on the loss (1e-2 on any parameter) where train.cpp allows 1e-5.
-#include <cohort/backend/nccl.hpp>
-#include <cohort/guards.hpp>
-#include <cohort/launch.hpp>
+#include <cohort/comm/nccl.hpp>
 #include <cohort/parallel/training_state.hpp>
-#include <cohort/store.hpp>
-#include <cohort/tcp_store.hpp>
+#include <cohort/rendezvous/launch.hpp>
+#include <cohort/rendezvous/store.hpp>
+#include <cohort/rendezvous/tcp_store.hpp>
+#include <cohort/run/guards.hpp>
 
 #include <algorithm>
 #include <cstdio>

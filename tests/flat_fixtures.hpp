@@ -1,8 +1,8 @@
 #pragma once
 // What the training-state and checkpoint tests share: a Gloo group with a short timeout.
-#include <cohort/backend/gloo.hpp>
-#include <cohort/process_group.hpp>
-#include <cohort/store.hpp>
+#include <cohort/comm/gloo.hpp>
+#include <cohort/comm/process_group.hpp>
+#include <cohort/rendezvous/store.hpp>
 
 #include <chrono>
 #include <memory>

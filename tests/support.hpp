@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include <cohort/run_ranks.hpp>
+#include <cohort/run/run_ranks.hpp>
 
 namespace cohort_test {
 

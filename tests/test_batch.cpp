@@ -9,12 +9,12 @@
 #include <string>
 #include <vector>
 
-#include "cohort/batch.hpp"
+#include "cohort/data/batch.hpp"
 #include "support.hpp"
 
-#if COHORT_HAS_GLOO
-#include "cohort/backend/gloo.hpp"
-#include "cohort/process_group.hpp"
+#if __has_include(<gloo/context.h>)
+#include "cohort/comm/gloo.hpp"
+#include "cohort/comm/process_group.hpp"
 #endif
 
 namespace {
@@ -232,7 +232,7 @@ TEST_CASE("batch: launch_plan from a global batch plans for the group and prints
   CHECK_THROWS_WITH(cohort::launch_plan(configured, five, out), Catch::Contains("does not split over world 5"));
 }
 
-#if COHORT_HAS_GLOO
+#if __has_include(<gloo/context.h>)
 TEST_CASE("batch: a rank configured with another global batch is refused on every rank", "[batch][gloo]") {
   constexpr int world = 3;
   auto store = std::make_shared<cohort::memory_store>();

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "../bench/bench_common.hpp"
-#include "cohort/process_group.hpp"
-#include "cohort/store.hpp"
+#include "cohort/comm/process_group.hpp"
+#include "cohort/rendezvous/store.hpp"
 #include "cohort/tools/planner.hpp"
 #include "support.hpp"
 

@@ -7,12 +7,12 @@
 
 #include <atomic>
 #include <chrono>
-#include <cohort/backend/gloo.hpp>
-#include <cohort/detail/background_abort.hpp>
-#include <cohort/detail/flight_recorder.hpp>
-#include <cohort/process_group.hpp>
+#include <cohort/comm/detail/background_abort.hpp>
+#include <cohort/comm/detail/flight_recorder.hpp>
+#include <cohort/comm/gloo.hpp>
+#include <cohort/comm/process_group.hpp>
+#include <cohort/diagnostics/trace.hpp>
 #include <cohort/tools/detail/json.hpp>
-#include <cohort/tools/trace.hpp>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>

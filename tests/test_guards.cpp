@@ -23,13 +23,13 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-#include "cohort/guards.hpp"
-#include "cohort/launch.hpp"
+#include "cohort/rendezvous/launch.hpp"
+#include "cohort/run/guards.hpp"
 #include "support.hpp"
 
-#if COHORT_HAS_GLOO
-#include "cohort/backend/gloo.hpp"
-#include "cohort/process_group.hpp"
+#if __has_include(<gloo/context.h>)
+#include "cohort/comm/gloo.hpp"
+#include "cohort/comm/process_group.hpp"
 #endif
 
 using namespace std::chrono_literals;
@@ -77,7 +77,7 @@ std::string pattern(std::size_t bytes, char seed) {
   return text;
 }
 
-#if COHORT_HAS_GLOO
+#if __has_include(<gloo/context.h>)
 using group = cohort::process_group<cohort::gloo>;
 
 group make_group(const std::shared_ptr<cohort::memory_store>& store, const cohort::launch_env& env,
@@ -119,7 +119,7 @@ TEST_CASE("guards: on_main runs on rank 0 only and returns its result there", "[
 
 TEST_CASE("guards: main_process_first lets rank 0 finish before the others start", "[guards][gloo]") {
   COHORT_REQUIRE_GLOO();
-#if COHORT_HAS_GLOO
+#if __has_include(<gloo/context.h>)
   auto store = std::make_shared<cohort::memory_store>();
   sequence_log log;
   const auto dir = scratch_dir("main-first");
@@ -155,7 +155,7 @@ TEST_CASE("guards: main_process_first lets rank 0 finish before the others start
 
 TEST_CASE("guards: local_main_process_first runs each node's local rank 0 first", "[guards][gloo]") {
   COHORT_REQUIRE_GLOO();
-#if COHORT_HAS_GLOO
+#if __has_include(<gloo/context.h>)
   auto store = std::make_shared<cohort::memory_store>();
   sequence_log log;
   // Two "nodes" of two ranks: ranks 0 and 1 on node 0, ranks 2 and 3 on node 1.
@@ -180,7 +180,7 @@ TEST_CASE("guards: local_main_process_first runs each node's local rank 0 first"
 
 TEST_CASE("guards: a failure on rank 0 in main_process_first reaches every rank", "[guards][gloo]") {
   COHORT_REQUIRE_GLOO();
-#if COHORT_HAS_GLOO
+#if __has_include(<gloo/context.h>)
   auto store = std::make_shared<cohort::memory_store>();
   std::atomic<int> followers_ran{0};
   std::vector<std::string> errors(3);
@@ -206,7 +206,7 @@ TEST_CASE("guards: a failure on rank 0 in main_process_first reaches every rank"
 
 TEST_CASE("guards: a collective inside on_main is caught instead of deadlocking", "[guards][gloo]") {
   COHORT_REQUIRE_GLOO();
-#if COHORT_HAS_GLOO
+#if __has_include(<gloo/context.h>)
   auto store = std::make_shared<cohort::memory_store>();
   std::vector<std::string> errors(3);
   std::atomic<int> after{0};
@@ -356,7 +356,7 @@ TEST_CASE("guards: rank_printf prefixes every line and keeps lines whole across 
 
 TEST_CASE("guards: a reader concurrent with the atomic write never sees a partial file", "[guards][gloo]") {
   COHORT_REQUIRE_GLOO();
-#if COHORT_HAS_GLOO
+#if __has_include(<gloo/context.h>)
   const auto dir = scratch_dir("atomic");
   const auto target = dir / "checkpoint.bin";
   const std::string old_contents = pattern(1 << 20, 'o');
@@ -438,7 +438,7 @@ TEST_CASE("guards: a reader concurrent with the atomic write never sees a partia
 
 TEST_CASE("guards: a failing atomic write leaves the old file and tells every rank", "[guards][gloo]") {
   COHORT_REQUIRE_GLOO();
-#if COHORT_HAS_GLOO
+#if __has_include(<gloo/context.h>)
   const auto dir = scratch_dir("atomic-fail");
   const auto target = dir / "results.json";
   cohort::atomic_write_file(target, "{\"old\": true}");

@@ -1,4 +1,4 @@
-// Which address a Gloo rank listens on and publishes (cohort/detail/host_address.hpp): the
+// Which address a Gloo rank listens on and publishes (cohort/comm/detail/host_address.hpp): the
 // choice as a plain function (one node, nodes on loopback, MASTER_ADDR on this host, names
 // that do not resolve, loopback interfaces across nodes), then groups that use it.
 #include <catch2/catch.hpp>
@@ -8,9 +8,9 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <cohort/backend/gloo.hpp>
-#include <cohort/detail/host_address.hpp>
-#include <cohort/process_group.hpp>
+#include <cohort/comm/detail/host_address.hpp>
+#include <cohort/comm/gloo.hpp>
+#include <cohort/comm/process_group.hpp>
 #include <cstdio>
 #include <memory>
 #include <string>

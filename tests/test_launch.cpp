@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "cohort/launch.hpp"
+#include "cohort/rendezvous/launch.hpp"
 
 using Catch::Matchers::Contains;
 using cohort::launch_env;

@@ -10,13 +10,13 @@
 #include <string>
 #include <vector>
 
-#include "cohort/metrics.hpp"
-#include "cohort/sampler.hpp"
+#include "cohort/data/metrics.hpp"
+#include "cohort/data/sampler.hpp"
 #include "support.hpp"
 
-#if COHORT_HAS_GLOO
-#include "cohort/backend/gloo.hpp"
-#include "cohort/process_group.hpp"
+#if __has_include(<gloo/context.h>)
+#include "cohort/comm/gloo.hpp"
+#include "cohort/comm/process_group.hpp"
 #endif
 
 namespace {
@@ -46,7 +46,7 @@ struct scored_sample {
   bool operator==(const scored_sample&) const = default;
 };
 
-#if COHORT_HAS_GLOO
+#if __has_include(<gloo/context.h>)
 using gloo_group = cohort::process_group<cohort::gloo>;
 
 // fn(pg) on `world` Gloo ranks of a fresh store, with a timeout short enough that a hang
@@ -156,7 +156,7 @@ TEST_CASE("gather_for_metrics: counts too large for the wire are refused the sam
 
 TEST_CASE("gather_for_metrics: sampler accuracy over 101 samples equals the single-process accuracy",
           "[metrics][gloo]") {
-#if COHORT_HAS_GLOO
+#if __has_include(<gloo/context.h>)
   const std::uint64_t n = 101;
   const std::uint64_t expected_right = single_process_correct(n);
   REQUIRE(expected_right > 0);
@@ -216,7 +216,7 @@ TEST_CASE("gather_for_metrics: sampler accuracy over 101 samples equals the sing
 
 TEST_CASE("gather_for_metrics: spans of different lengths per rank, in rank order, cut at the true count",
           "[metrics][gloo]") {
-#if COHORT_HAS_GLOO
+#if __has_include(<gloo/context.h>)
   struct scenario {
     std::vector<std::uint64_t> lengths;
     std::uint64_t total;
@@ -256,7 +256,7 @@ TEST_CASE("gather_for_metrics: spans of different lengths per rank, in rank orde
 
 TEST_CASE("gather_for_metrics: split_between_processes slices, padded or not, come back in range order",
           "[metrics][gloo]") {
-#if COHORT_HAS_GLOO
+#if __has_include(<gloo/context.h>)
   for (int world : {2, 3, 4}) {
     const auto w = static_cast<std::uint64_t>(world);
     for (std::uint64_t n : {std::uint64_t{0}, std::uint64_t{1}, w - 1, std::uint64_t{101}}) {
@@ -281,7 +281,7 @@ TEST_CASE("gather_for_metrics: split_between_processes slices, padded or not, co
 }
 
 TEST_CASE("gather_for_metrics: a wrong length on one rank fails on every rank, naming it", "[metrics][gloo]") {
-#if COHORT_HAS_GLOO
+#if __has_include(<gloo/context.h>)
   const int world = 3;
   auto expect_every_rank_fails = [&](const std::string& needle, auto&& call) {
     std::vector<std::string> messages(world);

@@ -7,12 +7,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cohort/backend/gloo.hpp>
-#include <cohort/guards.hpp>
-#include <cohort/launch.hpp>
+#include <cohort/comm/gloo.hpp>
+#include <cohort/comm/process_group.hpp>
 #include <cohort/parallel/training_state.hpp>
-#include <cohort/process_group.hpp>
-#include <cohort/tcp_store.hpp>
+#include <cohort/rendezvous/launch.hpp>
+#include <cohort/rendezvous/tcp_store.hpp>
+#include <cohort/run/guards.hpp>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>

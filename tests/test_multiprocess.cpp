@@ -12,12 +12,12 @@
 
 #include <cerrno>
 #include <chrono>
-#include <cohort/backend/gloo.hpp>
-#include <cohort/launch.hpp>
-#include <cohort/process_group.hpp>
-#include <cohort/run_ranks.hpp>
-#include <cohort/tcp_store.hpp>
-#include <cohort/tools/trace.hpp>
+#include <cohort/comm/gloo.hpp>
+#include <cohort/comm/process_group.hpp>
+#include <cohort/diagnostics/trace.hpp>
+#include <cohort/rendezvous/launch.hpp>
+#include <cohort/rendezvous/tcp_store.hpp>
+#include <cohort/run/run_ranks.hpp>
 #include <cstdlib>
 #include <filesystem>
 #include <functional>

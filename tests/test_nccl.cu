@@ -4,11 +4,11 @@
 // Without a GPU each case reports itself skipped.
 #include <catch2/catch.hpp>
 
-#include <cohort/backend/nccl.hpp>
-#include <cohort/batch.hpp>
-#include <cohort/guards.hpp>
-#include <cohort/ops.hpp>
-#include <cohort/process_group.hpp>
+#include <cohort/comm/nccl.hpp>
+#include <cohort/comm/ops.hpp>
+#include <cohort/comm/process_group.hpp>
+#include <cohort/data/batch.hpp>
+#include <cohort/run/guards.hpp>
 
 #include <algorithm>
 #include <chrono>

@@ -3,7 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <cohort/detail/scalar_math.hpp>
-#include <cohort/loss_scaler.hpp>
+#include <cohort/parallel/loss_scaler.hpp>
 
 #include <cmath>
 #include <limits>

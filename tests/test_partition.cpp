@@ -11,9 +11,9 @@
 
 #include <atomic>
 #include <chrono>
-#include <cohort/backend/gloo.hpp>
-#include <cohort/process_group.hpp>
-#include <cohort/tcp_store.hpp>
+#include <cohort/comm/gloo.hpp>
+#include <cohort/comm/process_group.hpp>
+#include <cohort/rendezvous/tcp_store.hpp>
 #include <condition_variable>
 #include <memory>
 #include <mutex>

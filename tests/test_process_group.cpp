@@ -8,9 +8,9 @@
 #include <array>
 #include <chrono>
 #include <cmath>
-#include <cohort/backend/gloo.hpp>
-#include <cohort/ops.hpp>
-#include <cohort/process_group.hpp>
+#include <cohort/comm/gloo.hpp>
+#include <cohort/comm/ops.hpp>
+#include <cohort/comm/process_group.hpp>
 #include <cstdint>
 #include <memory>
 #include <string>

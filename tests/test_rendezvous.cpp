@@ -5,9 +5,9 @@
 #include <catch2/catch.hpp>
 
 #include <chrono>
-#include <cohort/backend/gloo.hpp>
-#include <cohort/process_group.hpp>
-#include <cohort/tcp_store.hpp>
+#include <cohort/comm/gloo.hpp>
+#include <cohort/comm/process_group.hpp>
+#include <cohort/rendezvous/tcp_store.hpp>
 #include <cstdio>
 #include <memory>
 #include <numeric>

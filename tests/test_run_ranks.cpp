@@ -9,7 +9,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "cohort/run_ranks.hpp"
+#include "cohort/run/run_ranks.hpp"
 
 TEST_CASE("run_thread_ranks runs every rank as a thread over one shared store", "[run_ranks]") {
   std::mutex mutex;

@@ -21,7 +21,7 @@
 #include <thrust/device_vector.h>
 #include <thrust/host_vector.h>
 
-#include "cohort/sampler_thrust.hpp"
+#include "cohort/data/sampler_thrust.hpp"
 #define COHORT_TEST_HAS_THRUST 1
 #else
 #define COHORT_TEST_HAS_THRUST 0

@@ -12,7 +12,7 @@
 #include <thrust/sequence.h>
 #include <thrust/sort.h>
 
-#include "cohort/sampler_thrust.hpp"
+#include "cohort/data/sampler_thrust.hpp"
 #include "support.hpp"
 
 namespace {

@@ -27,15 +27,15 @@
 #include <thread>
 #include <vector>
 
-#include "cohort/detail/device_identity.hpp"
-#include "cohort/detail/sha256.hpp"
-#include "cohort/file_store.hpp"
-#include "cohort/tcp_store.hpp"
-#include "cohort/tcp_store_server.hpp"
+#include "cohort/comm/detail/device_identity.hpp"
+#include "cohort/rendezvous/detail/sha256.hpp"
+#include "cohort/rendezvous/file_store.hpp"
+#include "cohort/rendezvous/tcp_store.hpp"
+#include "cohort/rendezvous/tcp_store_server.hpp"
 #include "support.hpp"
-#if defined(COHORT_HAS_GLOO) && COHORT_HAS_GLOO
-#include "cohort/backend/gloo.hpp"
-#include "cohort/process_group.hpp"
+#if __has_include(<gloo/context.h>)
+#include "cohort/comm/gloo.hpp"
+#include "cohort/comm/process_group.hpp"
 #endif
 
 namespace {
@@ -1431,7 +1431,7 @@ TEST_CASE("store: values cohort reads back are checked before use") {
   CHECK_THAT(failure.what(), Catch::Contains("\\x01garbage\\xff"));
   CHECK_THAT(failure.what(), Catch::Contains("COHORT_STORE_TOKEN"));
 
-#if defined(COHORT_HAS_GLOO) && COHORT_HAS_GLOO
+#if __has_include(<gloo/context.h>)
   SECTION("garbage under a rank's split entry is named, on the rank that reads it") {
     auto shared = std::make_shared<cohort::memory_store>();
     cohort_test::run_ranks(2, [&](int rank) {

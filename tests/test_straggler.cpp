@@ -3,10 +3,10 @@
 // and absent ranks handled within the timeout.
 #include <catch2/catch.hpp>
 
-#include <cohort/backend/gloo.hpp>
+#include <cohort/comm/gloo.hpp>
+#include <cohort/diagnostics/straggler.hpp>
 #include <cohort/parallel/training_state.hpp>
-#include <cohort/store.hpp>
-#include <cohort/straggler.hpp>
+#include <cohort/rendezvous/store.hpp>
 
 #include <chrono>
 #include <cmath>

@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "cohort/diagnostics/trace.hpp"
 #include "cohort/tools/detail/json.hpp"
-#include "cohort/tools/trace.hpp"
 
 namespace fs = std::filesystem;
 using cohort::trace_finding_kind;

@@ -5,7 +5,7 @@
 // reduced gradients. Without a GPU each case reports itself skipped.
 #include <catch2/catch.hpp>
 
-#include <cohort/backend/nccl.hpp>
+#include <cohort/comm/nccl.hpp>
 #include <cohort/parallel/training_state.hpp>
 
 #include <cmath>

@@ -1,7 +1,7 @@
 // training_state on NCCL with one rank on one GPU: the device path of the same template
 // (gathers into cudaMalloc'd pooled buffers ordered with a caller stream, the gradient and
 // optimizer kernels, a checkpoint of device state). Skipped without a GPU. A plain C++ file:
-// the kernels come compiled from cohort_self_impl (COHORT_SEPARATE_DEVICE_CODE), as a
+// the kernels come compiled from cohort_self_impl (COHORT_SEPARATE_COMPILATION), as a
 // trainer's .cpp would use them.
 #include <catch2/catch.hpp>
 
@@ -13,14 +13,14 @@
 #include <string>
 #include <vector>
 
-#include <cohort/backend/nccl.hpp>
+#include <cohort/comm/nccl.hpp>
 #include <cohort/parallel/checkpoint.hpp>
 #include <cohort/parallel/training_state.hpp>
-#include <cohort/store.hpp>
+#include <cohort/rendezvous/store.hpp>
 
 #include "support.hpp"
 
-#if !defined(COHORT_SEPARATE_DEVICE_CODE) || defined(__CUDACC__)
+#if !defined(COHORT_SEPARATE_COMPILATION) || defined(__CUDACC__)
 #error "test_training_state_nccl.cpp is the plain C++ test of the kernels cohort_self_impl compiled"
 #endif
 

@@ -1,37 +1,37 @@
 #pragma once
 // The umbrella header: everything a trainer uses. Backends come in when their engine is
-// available: Gloo when its headers are found (or COHORT_HAS_GLOO=1), NCCL when the
-// cohort::nccl target defines COHORT_HAS_NCCL=1 (it needs CUDA and NCCL to link).
+// available: Gloo when its headers are found, NCCL when the cohort::nccl target defines
+// COHORT_HAS_NCCL=1 (it needs CUDA and NCCL to link). cohort/config.hpp says how it is built.
 // The tools' headers (cohort/tools/: the planner, the topology probe, their JSON) are not
 // included: a trainer does not pay for them; cohort-bench and cohort-plan include them.
 
-#include "cohort/batch.hpp"
-#include "cohort/detail/config.hpp"
+#include "cohort/comm/ops.hpp"
+#include "cohort/comm/process_group.hpp"
+#include "cohort/config.hpp"
+#include "cohort/data/batch.hpp"
+#include "cohort/data/metrics.hpp"
+#include "cohort/data/sampler.hpp"
+#include "cohort/diagnostics/straggler.hpp"
 #include "cohort/error.hpp"
-#include "cohort/file_store.hpp"
-#include "cohort/guards.hpp"
-#include "cohort/launch.hpp"
-#include "cohort/loss_scaler.hpp"
-#include "cohort/metrics.hpp"
-#include "cohort/ops.hpp"
 #include "cohort/parallel/checkpoint.hpp"
 #include "cohort/parallel/layout.hpp"
+#include "cohort/parallel/loss_scaler.hpp"
 #include "cohort/parallel/optimizer_options.hpp"
 #include "cohort/parallel/training_state.hpp"
-#include "cohort/process_group.hpp"
-#include "cohort/run_ranks.hpp"
-#include "cohort/sampler.hpp"
-#include "cohort/store.hpp"
-#include "cohort/straggler.hpp"
-#include "cohort/tcp_store.hpp"
+#include "cohort/rendezvous/file_store.hpp"
+#include "cohort/rendezvous/launch.hpp"
+#include "cohort/rendezvous/store.hpp"
+#include "cohort/rendezvous/tcp_store.hpp"
+#include "cohort/run/guards.hpp"
+#include "cohort/run/run_ranks.hpp"
 #include "cohort/types.hpp"
 #include "cohort/version.hpp"
 
-#if defined(COHORT_HAS_GLOO) && COHORT_HAS_GLOO
-#include "cohort/backend/gloo.hpp"
+#if __has_include(<gloo/context.h>)
+#include "cohort/comm/gloo.hpp"
 #endif
 #if defined(COHORT_HAS_NCCL) && COHORT_HAS_NCCL
-#include "cohort/backend/nccl.hpp"
+#include "cohort/comm/nccl.hpp"
 #endif
 
 // Separately compiled, the library has instantiated the algorithms on each engine once.

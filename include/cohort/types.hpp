@@ -16,7 +16,6 @@
 #if defined(__CUDACC__) || defined(COHORT_HAS_NCCL)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#define COHORT_HAS_CUDA_TYPES 1
 #endif
 
 #include "cohort/detail/host_device.hpp"
@@ -163,7 +162,7 @@ struct dtype_of;
   };
 COHORT_DTYPES(COHORT_DTYPE_OF)
 #undef COHORT_DTYPE_OF
-#if defined(COHORT_HAS_CUDA_TYPES)
+#if defined(__CUDACC__) || defined(COHORT_HAS_NCCL)
 // CUDA's own 16-bit types name the same dtypes (same bits).
 template <>
 struct dtype_of<__half> {
@@ -239,7 +238,7 @@ void visit_floating(dtype value, Fn&& fn) {
 
 enum class memory_space { host, device };
 
-// One copy of a batched copy (cohort/ops.hpp).
+// One copy of a batched copy (cohort/comm/ops.hpp).
 struct copy_region {
   void* destination;
   const void* source;

@@ -7,10 +7,10 @@
 #define THRUST_DEVICE_SYSTEM THRUST_DEVICE_SYSTEM_CPP
 #endif
 #include <cohort/cohort.hpp>
-#include <cohort/sampler_thrust.hpp>
+#include <cohort/data/sampler_thrust.hpp>
+#include <cohort/diagnostics/trace.hpp>
 #include <cohort/tools/planner.hpp>
 #include <cohort/tools/topology.hpp>
-#include <cohort/tools/trace.hpp>
 
 #include <cstdio>
 #include <exception>

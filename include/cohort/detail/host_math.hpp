@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cstddef>
 
-#include "cohort/detail/elementwise.hpp"
+#include "cohort/comm/detail/elementwise.hpp"
 #include "cohort/types.hpp"
 
 namespace cohort::inline v0::detail {

@@ -59,8 +59,8 @@
 #include <thread>
 #include <vector>
 
-#include "cohort/detail/config.hpp"
-#include "cohort/loss_scaler.hpp"
+#include "cohort/config.hpp"
+#include "cohort/parallel/loss_scaler.hpp"
 #include "cohort/parallel/training_state.hpp"
 
 namespace cohort::inline v0 {

@@ -6,10 +6,10 @@
 #include <cstdint>
 #include <span>
 
+#include "cohort/comm/ops.hpp"
+#include "cohort/comm/process_group.hpp"
 #include "cohort/detail/scalar_math.hpp"
-#include "cohort/ops.hpp"
 #include "cohort/parallel/optimizer_options.hpp"
-#include "cohort/process_group.hpp"
 
 namespace cohort::inline v0::detail {
 

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "cohort/detail/config.hpp"
+#include "cohort/config.hpp"
 
 namespace cohort::inline v0 {
 

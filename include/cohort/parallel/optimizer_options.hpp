@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "cohort/detail/elementwise.hpp"
+#include "cohort/comm/detail/elementwise.hpp"
 #include "cohort/detail/scalar_math.hpp"
 
 namespace cohort::inline v0 {

@@ -77,16 +77,16 @@
 #include <utility>
 #include <vector>
 
-#include "cohort/detail/buffer_pool.hpp"
+#include "cohort/comm/detail/buffer_pool.hpp"
+#include "cohort/comm/ops.hpp"
+#include "cohort/comm/process_group.hpp"
 #include "cohort/detail/scalar_math.hpp"
+#include "cohort/diagnostics/straggler.hpp"
 #include "cohort/error.hpp"
-#include "cohort/loss_scaler.hpp"
-#include "cohort/ops.hpp"
 #include "cohort/parallel/gradient_statistics.hpp"
 #include "cohort/parallel/layout.hpp"
+#include "cohort/parallel/loss_scaler.hpp"
 #include "cohort/parallel/optimizer_options.hpp"
-#include "cohort/process_group.hpp"
-#include "cohort/straggler.hpp"
 #include "cohort/types.hpp"
 
 namespace cohort::inline v0 {
@@ -122,7 +122,7 @@ struct training_options {
   int prefetch = 1;  // zero3: layers gathered ahead, in the direction of travel
   // Called as each bucket's reduction is queued (bucket index): to see the overlap.
   std::function<void(std::size_t bucket)> on_launch = {};
-  // Straggler report (cohort/straggler.hpp; it must outlive the state): each step() ends a
+  // Straggler report (cohort/diagnostics/straggler.hpp; it must outlive the state): each step() ends a
   // step, and its time counts as waiting for communication; so does a zero3 gather()'s wait.
   straggler_report* straggler = nullptr;
 };

@@ -21,10 +21,10 @@
 #include <utility>
 #include <vector>
 
+#include "cohort/comm/process_group.hpp"
 #include "cohort/error.hpp"
 #include "cohort/parallel/checkpoint.hpp"
-#include "cohort/process_group.hpp"
-#include "cohort/store.hpp"
+#include "cohort/rendezvous/store.hpp"
 
 namespace cohort::inline v0 {
 namespace detail {

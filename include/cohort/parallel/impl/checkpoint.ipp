@@ -1,6 +1,6 @@
 #pragma once
 // cohort/parallel/checkpoint.hpp's definitions: inline there when header-only, compiled once by
-// <cohort/impl/src.hpp> under COHORT_SEPARATE_COMPILATION (see cohort/detail/config.hpp).
+// <cohort/src.hpp> under COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
 
 #include <fcntl.h>
 #include <limits.h>
@@ -26,10 +26,10 @@
 #include <utility>
 #include <vector>
 
-#include "cohort/detail/config.hpp"
+#include "cohort/config.hpp"
 #include "cohort/error.hpp"
-#include "cohort/guards.hpp"
 #include "cohort/parallel/checkpoint.hpp"
+#include "cohort/run/guards.hpp"
 #include "cohort/tools/detail/json.hpp"
 
 namespace cohort::inline v0 {

@@ -1,6 +1,6 @@
 #pragma once
 // cohort/parallel/layout.hpp's definitions: inline there when header-only, compiled once by
-// <cohort/impl/src.hpp> under COHORT_SEPARATE_COMPILATION (see cohort/detail/config.hpp).
+// <cohort/src.hpp> under COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
 
 #include <algorithm>
 #include <cstddef>
@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "cohort/detail/config.hpp"
+#include "cohort/config.hpp"
 #include "cohort/detail/fnv1a.hpp"
 #include "cohort/parallel/layout.hpp"
 

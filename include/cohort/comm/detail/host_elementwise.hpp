@@ -1,0 +1,108 @@
+#pragma once
+// The host system's element-wise work (cohort/comm/ops.hpp): plain loops over the formulas of
+// comm/detail/elementwise.hpp, queued as one task on the backend's FIFO worker (enqueue), so
+// they run after everything queued on the group before them.
+//
+// The loops take the dtype at run time and are plain functions (cohort/comm/impl/host_elementwise.ipp),
+// as the device system's kernels are: compiled once by a separately compiled program, and
+// never instantiated per dtype (pair) in a translation unit that only includes this header.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "cohort/comm/detail/elementwise.hpp"
+#include "cohort/config.hpp"
+#include "cohort/types.hpp"
+
+namespace cohort::inline v0::detail {
+
+namespace host {
+
+COHORT_DECL void divide(void* data, std::size_t count, dtype type, int divisor);
+COHORT_DECL void scale(void* data, std::size_t count, dtype type, double factor);
+// y = (to) x, or y += (to) x with `add`; floating dtypes.
+COHORT_DECL void convert(const void* in, dtype from, void* out, dtype to, std::size_t count, bool add);
+COHORT_DECL void fill(void* data, std::size_t count, dtype type, double value);
+COHORT_DECL void copy_regions(const copy_region* regions, std::size_t count);
+// 0 / 0.0 for a dtype that is not floating.
+COHORT_DECL std::int64_t count_nonfinite(const void* data, std::size_t count, dtype type);
+COHORT_DECL double sum_of_squares(const void* data, std::size_t count, dtype type);
+
+}  // namespace host
+
+template <memory_space Space>
+struct elementwise;
+
+template <>
+struct elementwise<memory_space::host> {
+  template <class B>
+  static typename B::work divide(B& engine, void* data, std::size_t count, dtype type, int divisor) {
+    return engine.enqueue([=] { host::divide(data, count, type, divisor); });
+  }
+
+  // The caller's order on the host is the calling thread: now.
+  template <class B>
+  static void divide_in_caller_order(B&, typename B::stream_type, void* data, std::size_t count, dtype type,
+                                     int divisor) {
+    host::divide(data, count, type, divisor);
+  }
+
+  template <class B>
+  static typename B::work scale(B& engine, void* data, std::size_t count, dtype type, double factor) {
+    return engine.enqueue([=] { host::scale(data, count, type, factor); });
+  }
+
+  template <class B>
+  static typename B::work convert(B& engine, const void* in, dtype from, void* out, dtype to, std::size_t count,
+                                  bool add) {
+    return engine.enqueue([=] { host::convert(in, from, out, to, count, add); });
+  }
+
+  template <class B>
+  static typename B::work fill(B& engine, void* data, std::size_t count, dtype type, double value) {
+    return engine.enqueue([=] { host::fill(data, count, type, value); });
+  }
+
+  template <class B>
+  static typename B::work batched_copy(B& engine, std::span<const copy_region> regions) {
+    return engine.enqueue([list = std::vector<copy_region>(regions.begin(), regions.end())] {
+      host::copy_regions(list.data(), list.size());
+    });
+  }
+
+  template <class B>
+  static typename B::work count_nonfinite(B& engine, const void* data, std::size_t count, dtype type,
+                                          std::int64_t* result) {
+    return engine.enqueue([=] { *result += host::count_nonfinite(data, count, type); });
+  }
+
+  template <class B>
+  static typename B::work sum_of_squares(B& engine, const void* data, std::size_t count, dtype type, double* result) {
+    return engine.enqueue([=] { *result += host::sum_of_squares(data, count, type); });
+  }
+
+  template <class B, class T>
+  static typename B::work sgd_step(B& engine, T* parameters, const T* gradients, T* momentum, std::size_t count,
+                                   const sgd_coefficients& c) {
+    return engine.enqueue([=] {
+      for (std::size_t i = 0; i < count; ++i)
+        sgd_update(parameters[i], gradients[i], momentum ? momentum + i : nullptr, c);
+    });
+  }
+
+  template <class B, class T>
+  static typename B::work adam_step(B& engine, T* parameters, const T* gradients, T* first, T* second,
+                                    std::size_t count, const adam_coefficients& c) {
+    return engine.enqueue([=] {
+      for (std::size_t i = 0; i < count; ++i) adam_update(parameters[i], gradients[i], first[i], second[i], c);
+    });
+  }
+};
+
+}  // namespace cohort::inline v0::detail
+
+#if !defined(COHORT_SEPARATE_COMPILATION)
+#include "cohort/comm/impl/host_elementwise.ipp"
+#endif

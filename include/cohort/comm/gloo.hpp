@@ -1,0 +1,367 @@
+#pragma once
+// Host backend on Gloo (Debian libgloo-dev): collectives over TCP on host memory.
+//
+// Each backend instance owns one Gloo context and one FIFO worker thread; every call is
+// queued on the worker and returns a work handle at once, so collectives run
+// asynchronously and complete in issue order. Gloo has no half/bfloat16 arithmetic and
+// no averaging; cohort supplies both. reduce_scatter is an all-to-all followed by a local
+// reduction, which puts (n-1)/n of the data on the wire, as a bandwidth-optimal
+// reduce-scatter does, instead of all-reducing everything and keeping a slice.
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cohort/comm/detail/fifo_worker.hpp"
+#include "cohort/comm/detail/flight_recorder.hpp"
+#include "cohort/comm/detail/host_elementwise.hpp"
+#include "cohort/config.hpp"
+#include "cohort/detail/fnv1a.hpp"
+#include "cohort/error.hpp"
+#include "cohort/rendezvous/launch.hpp"
+#include "cohort/rendezvous/store.hpp"
+#include "cohort/types.hpp"
+
+// Gloo's own types appear here only by name, so that a program built with
+// COHORT_SEPARATE_COMPILATION does not parse Gloo's headers in every translation unit
+// (they cost as much as twenty standard headers); cohort/comm/impl/gloo.ipp includes them.
+namespace gloo {
+class Context;
+namespace transport {
+class Context;
+class Device;
+class UnboundBuffer;
+}  // namespace transport
+}  // namespace gloo
+
+namespace cohort::inline v0 {
+
+namespace detail {
+
+// An element of N bytes: what Gloo's buffer setters need to know of a dtype.
+template <std::size_t N>
+struct element_bytes {
+  unsigned char bytes[N];
+};
+
+// A posted point-to-point operation, waited for separately (see gloo::send).
+struct gloo_p2p {
+  std::mutex mutex;  // guards buffer against abort() from the group's destructor
+  std::unique_ptr<::gloo::transport::UnboundBuffer> buffer;
+  std::uint64_t post_sequence = 0;
+  bool sending = false;
+  bool debug = false;  // COHORT_DEBUG: the completion compares both sides first
+
+  COHORT_DECL gloo_p2p();
+  COHORT_DECL ~gloo_p2p();
+  // Ends a wait that no peer will ever match (the group is going away).
+  COHORT_DECL void abort();
+};
+
+// What a rank published at the rendezvous (gloo::connect): where it runs and listens, for
+// connecting and for errors and failure reports that name it.
+struct gloo_peer {
+  std::string host;         // its gethostname()
+  long pid = 0;             // its process id
+  std::string address;      // the numeric address it listens on
+  std::vector<char> pairs;  // its pairs' addresses (Gloo's bytes), one per other rank in order
+};
+
+struct gloo_task {
+  enum class kind : std::uint8_t {
+    all_reduce,
+    reduce_scatter,
+    all_gather,
+    broadcast,
+    all_to_all,
+    send,
+    recv,
+    barrier,
+    function,
+    p2p_wait
+  };
+  kind what = kind::function;
+  dtype type = dtype::float32;
+  op reduce = op::sum;
+  const void* in = nullptr;
+  void* out = nullptr;
+  std::size_t count = 0;  // elements (per rank for reduce_scatter, all_gather, all_to_all)
+  int peer = 0;           // root for broadcast, peer for send/recv
+  std::uint64_t tag = 0;
+  // The call's number in its group: collectives (and barriers) count 1, 2, ... in issue
+  // order; point-to-point calls count per (peer, tag, direction). 0 for host tasks.
+  std::uint64_t sequence = 0;
+  std::uint64_t record = 0;  // the call's id in the group's flight recorder (0: not recorded)
+  std::function<void()> fn;
+  std::shared_ptr<gloo_p2p> p2p;
+};
+
+}  // namespace detail
+
+class gloo {
+ public:
+  static constexpr memory_space space = memory_space::host;
+  static constexpr std::string_view name = "gloo";
+  // Host memory has no streams: the caller's order is its own thread. Where a device backend
+  // orders work on streams, this one blocks or does nothing (see wait_for_caller, work's
+  // make_stream_wait), so algorithms read the same on both.
+  using stream_type = std::nullptr_t;
+
+  struct options {
+    // Bounds every collective and the rendezvous: a peer that never arrives or dies turns
+    // into a timeout_error on every other rank after at most this long.
+    std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+    // Cross-rank checks of every call's signature, and of collectives inside on_main.
+    // Also turned on by the environment variable COHORT_DEBUG=1.
+    bool debug_checks = false;
+    // Address this rank listens on (a name or a numeric address), else the address of
+    // `interface`, else of GLOO_SOCKET_IFNAME's interface. All empty: 127.0.0.1 on one node;
+    // across nodes the local address that routes to MASTER_ADDR (cohort/comm/detail/host_address.hpp).
+    std::string hostname;
+    std::string interface;
+    // The flight recorder's ring: the last this many calls, written to
+    // `trace_dir`/rank<R>.<group>.json when a call fails. 0 turns recording off.
+    std::size_t flight_recorder_entries = 2048;
+    // Empty: the environment variable COHORT_TRACE_DIR; unset: no trace files.
+    std::string trace_dir;
+    // How often the watchdog looks for failures no cohort call has reported; 0: no watchdog.
+    // Every Gloo call is bounded by `timeout` on its own, so here the watchdog acts on a
+    // failed call nobody waits for within `timeout` (see async_error_handling).
+    std::chrono::milliseconds watchdog_interval{std::chrono::seconds(1)};
+    async_error_handling on_async_error = async_error_handling::abort_process;
+  };
+
+  using worker_type = detail::fifo_worker<detail::gloo_task>;
+
+  // A completion handle: (worker, sequence number). Copyable; an empty handle is complete.
+  class work {
+   public:
+    work() = default;
+    work(std::shared_ptr<worker_type> worker, std::uint64_t seq) : worker_(std::move(worker)), seq_(seq) {}
+
+    // True when complete; rethrows the failure of a failed operation.
+    bool test() const {
+      if (!worker_) return true;
+      if (!worker_->done(seq_)) return false;
+      rethrow_failure();
+      return true;
+    }
+    // Blocks until complete. Engine operations are bounded by the group's timeout, so this
+    // returns or throws within it.
+    void wait() const {
+      if (!worker_) return;
+      worker_->wait_until_done(seq_, std::chrono::steady_clock::time_point::max());
+      rethrow_failure();
+    }
+    // False when still running after `timeout`.
+    bool wait_for(std::chrono::milliseconds timeout) const {
+      if (!worker_) return true;
+      if (!worker_->wait_until_done(seq_, std::chrono::steady_clock::now() + timeout)) return false;
+      rethrow_failure();
+      return true;
+    }
+    std::uint64_t sequence() const noexcept { return seq_; }
+    // The caller's order waits for this work: on the host, the calling thread blocks.
+    void make_stream_wait(stream_type) const { wait(); }
+
+   private:
+    void rethrow_failure() const {
+      if (auto failure = worker_->failure(seq_)) std::rethrow_exception(failure);
+    }
+    std::shared_ptr<worker_type> worker_;
+    std::uint64_t seq_ = 0;
+  };
+
+  // Rendezvous through `store` (keys under the store's own prefix) and connect a full mesh.
+  COHORT_DECL gloo(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts);
+
+  // A new context over an existing device (subgroups).
+  gloo(const gloo& parent, std::shared_ptr<cohort::store> store, int rank, int size)
+      : rank_(rank), size_(size), options_(parent.options_), address_(parent.address_), device_(parent.device_) {
+    connect(std::move(store));
+  }
+
+  gloo(const gloo&) = delete;
+  gloo& operator=(const gloo&) = delete;
+  // Finishes queued work first: the worker's tasks refer to this context.
+  COHORT_DECL ~gloo();
+
+  // Subgroup of a split (process_group::split did the bookkeeping): a new Gloo context over
+  // the same device, rendezvousing under the subgroup's store prefix.
+  COHORT_DECL static std::unique_ptr<gloo> split(gloo& parent, std::shared_ptr<cohort::store> sub_store, int color,
+                                                 int /*key*/, int new_rank, int new_size);
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  // The address this rank listens on and published at the rendezvous (numeric).
+  const std::string& address() const noexcept { return address_; }
+  const options& settings() const noexcept { return options_; }
+  // The group's last calls (see options::flight_recorder_entries).
+  const detail::flight_recorder& recorder() const noexcept { return recorder_; }
+  // Writes the flight recorder to `directory` now (as a failure does when trace_dir is set);
+  // returns the file's path, empty when it could not be written.
+  [[gnu::cold]] COHORT_DECL std::string write_trace(const std::string& directory, std::string_view reason) const;
+  // Cross-rank checks of point-to-point pairs (process_group::set_debug_checks sets this).
+  void set_debug_checks(bool on) noexcept { debug_checks_.store(on, std::memory_order_relaxed); }
+  const std::shared_ptr<::gloo::Context>& context() const noexcept { return context_; }
+
+  // --- collectives (type-erased; process_group<gloo> adds the typed, checked surface) -----
+  work all_reduce(const void* in, void* out, std::size_t count, dtype type, op reduce) {
+    return submit(task(task_kind::all_reduce, type, reduce, in, out, count));
+  }
+  work reduce_scatter(const void* in, void* out, std::size_t count_per_rank, dtype type, op reduce) {
+    return submit(task(task_kind::reduce_scatter, type, reduce, in, out, count_per_rank));
+  }
+  work all_gather(const void* in, void* out, std::size_t count_per_rank, dtype type) {
+    return submit(task(task_kind::all_gather, type, op::sum, in, out, count_per_rank));
+  }
+  work broadcast(void* data, std::size_t count, dtype type, int root) {
+    return submit(task(task_kind::broadcast, type, op::sum, nullptr, data, count, root));
+  }
+  work all_to_all(const void* in, void* out, std::size_t count_per_rank, dtype type) {
+    return submit(task(task_kind::all_to_all, type, op::sum, in, out, count_per_rank));
+  }
+  // Point-to-point operations are posted in issue order on the group's worker, after every
+  // earlier call, and never block it: a blocking send in the queue would deadlock a ring of
+  // ranks that all send before they receive. A second worker waits for their completion, in
+  // posting order; the returned work completes when the peer has matched the operation.
+  work send(const void* data, std::size_t count, dtype type, int peer, std::uint64_t tag) {
+    return post(task(task_kind::send, type, op::sum, data, nullptr, count, peer, tag));
+  }
+  work recv(void* data, std::size_t count, dtype type, int peer, std::uint64_t tag) {
+    return post(task(task_kind::recv, type, op::sum, nullptr, data, count, peer, tag));
+  }
+  work barrier() { return submit(task(task_kind::barrier)); }
+  // Grouped calls (process_group::grouped): the worker runs calls one after another in
+  // issue order anyway, so a group changes nothing on Gloo.
+  void group_start() noexcept {}
+  void group_end() noexcept {}
+
+  // --- ordering and memory: what algorithms written once over any backend need ----------
+  // Runs fn on the worker after everything queued before it (host "kernels").
+  COHORT_DECL work enqueue(std::function<void()> fn);
+  // Completes when everything queued so far has completed.
+  work record() { return submit(task(task_kind::function)); }
+  // The group's own order, as a stream: the worker (make_stream_wait on it blocks).
+  stream_type stream() const noexcept { return nullptr; }
+  // Later work waits for what the caller queued: on the host the caller's work is done
+  // when it calls, so there is nothing to wait for.
+  void wait_for_caller(stream_type) noexcept {}
+
+  static void* allocate(std::size_t bytes) { return ::operator new (bytes == 0 ? 1 : bytes, std::align_val_t{64}); }
+  static void deallocate(void* pointer, std::size_t /*bytes*/) noexcept {
+    ::operator delete (pointer, std::align_val_t{64});
+  }
+  COHORT_DECL work copy(void* destination, const void* source, std::size_t bytes);
+
+ private:
+  using task_kind = detail::gloo_task::kind;
+
+  // Chooses the address to listen on (detail::choose_listen_address) into `address`.
+  COHORT_DECL static std::shared_ptr<::gloo::transport::Device> make_device(const launch_env& env, const options& opts,
+                                                                            std::string& address);
+
+  // The rendezvous: publishes this rank's pair addresses, reads every rank's with one
+  // multi_get, and connects the full mesh (connect_mesh), all within options.timeout.
+  COHORT_DECL void connect(std::shared_ptr<cohort::store> store);
+  COHORT_DECL void connect_mesh(::gloo::transport::Context& transport, std::chrono::steady_clock::time_point deadline);
+  // The address `peer` published for its pair with this rank (Gloo's bytes).
+  COHORT_DECL std::vector<char> peer_pair_address(int peer) const;
+  // "rank 3 published 10.0.0.4 (host node1, pid 812, its pair for this rank at [10.0.0.4]:40123)".
+  [[gnu::cold]] COHORT_DECL std::string describe_peer(int peer) const;
+  COHORT_DECL void start_watchdog();
+  // The failure the watchdog acts on: a failed call no wait or test reported within `timeout`.
+  COHORT_DECL std::exception_ptr unreported_failure() const;
+
+  COHORT_DECL static detail::gloo_task task(task_kind what, dtype type = dtype::uint8, op reduce = op::sum,
+                                            const void* in = nullptr, void* out = nullptr, std::size_t count = 0,
+                                            int peer = 0, std::uint64_t tag = 0);
+
+  COHORT_DECL work submit(detail::gloo_task queued);
+
+  COHORT_DECL work post(detail::gloo_task operation);
+
+  COHORT_DECL static detail::call_record as_call(const detail::gloo_task& task);
+  COHORT_DECL static std::string describe(const detail::gloo_task& task);
+
+  COHORT_DECL void run(detail::gloo_task& task);
+  // The cohort error a failed engine call becomes, naming the call and the rank at fault.
+  [[gnu::cold]] COHORT_DECL std::exception_ptr explain(const detail::gloo_task& task, std::exception_ptr raised);
+  // The first failure of the group writes its flight recorder (when trace_dir is set).
+  [[gnu::cold]] COHORT_DECL void keep_trace(const std::exception_ptr& failure);
+  // COHORT_DEBUG: both sides of a point-to-point pair publish what they move; the
+  // completion (never the caller: a ring of sends would deadlock) compares them.
+  COHORT_DECL std::string p2p_debug_key(const detail::gloo_task& task, bool mine) const;
+  COHORT_DECL void check_p2p_pair(const detail::gloo_task& task);
+
+  COHORT_DECL void execute(detail::gloo_task& task);
+
+  // The collectives for elements of sizeof(T) bytes (T: detail::element_bytes<N>).
+  template <class T>
+  void execute_sized(detail::gloo_task& task);
+
+  // Gloo matches messages by slot, and a message larger than the receiver expects aborts
+  // the process from Gloo's I/O thread. Deriving the tag from what the call moves (kind,
+  // dtype, count, op, root) and from its sequence number makes mismatched calls use
+  // different slots: they never match, and the mismatch surfaces as an error on every rank
+  // instead of a crash, or of call n on one rank meeting call n+1 of another.
+  COHORT_DECL static std::uint64_t signature(const detail::gloo_task& task);
+  static std::uint32_t collective_tag(const detail::gloo_task& task) {
+    return static_cast<std::uint32_t>(signature(task) & 0x7fffffffu);
+  }
+
+  [[gnu::cold]] [[noreturn]] COHORT_DECL void throw_timeout(const detail::gloo_task& task);
+
+  // After a call failed: who is at fault (detail::name_the_culprit for collectives; a
+  // point-to-point call whose connection closed names its peer).
+  [[gnu::cold]] COHORT_DECL std::string name_the_culprit(const detail::gloo_task& task, bool connection_lost);
+  // What `peer` is, without its help (for a rank that sent no failure report): its process
+  // on this host, the state of its pair, and (thorough) whether its host answers.
+  COHORT_DECL detail::peer_status probe_peer(int peer, bool thorough) const;
+  // Which ranks never published their rendezvous address (a rendezvous that timed out).
+  [[gnu::cold]] COHORT_DECL std::string missing_at_rendezvous(cohort::store& store) const;
+
+  // Point-to-point slots carry the user tag and the message size (see signature), in a
+  // range of their own, away from the slots Gloo's collectives use.
+  static std::uint64_t point_to_point_slot(const detail::gloo_task& task) {
+    return (1ull << 63) | (signature(task) >> 1);
+  }
+
+  COHORT_DECL std::vector<std::byte>& scratch_bytes(std::size_t bytes);
+
+  int rank_;
+  int size_;
+  options options_;
+  std::string address_;  // what this rank listens on and publishes (see make_device)
+  std::shared_ptr<::gloo::transport::Device> device_;
+  std::shared_ptr<::gloo::Context> context_;
+  std::shared_ptr<cohort::store> store_;  // the group's namespace, for failure reports
+  std::vector<detail::gloo_peer> peers_;  // what every rank published (connect)
+  std::atomic<std::uint64_t> collectives_issued_{0};
+  detail::flight_recorder recorder_{options_.flight_recorder_entries};
+  std::atomic<bool> trace_written_{false};
+  std::atomic<bool> debug_checks_{false};
+  std::map<std::tuple<int, std::uint64_t, bool>, std::uint64_t> p2p_issued_;  // guarded by p2p_mutex_
+  std::vector<std::byte> scratch_;                                            // used by the worker thread only
+  std::shared_ptr<worker_type> worker_;  // last: their threads run run(), which uses the above
+  std::shared_ptr<worker_type> p2p_worker_;
+  std::mutex p2p_mutex_;
+  std::vector<std::weak_ptr<detail::gloo_p2p>> live_p2p_;
+  std::unique_ptr<detail::watchdog> watchdog_;  // destroyed first: it reads the workers
+};
+
+}  // namespace cohort::inline v0
+
+#if !defined(COHORT_SEPARATE_COMPILATION)
+#include "cohort/comm/impl/gloo.ipp"
+#endif

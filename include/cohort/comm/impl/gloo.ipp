@@ -1,0 +1,809 @@
+#pragma once
+// cohort/comm/gloo.hpp's definitions: inline there when header-only, compiled once by <cohort/src.hpp>
+// under COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
+
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/alltoall.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/context.h>
+#include <gloo/transport/context.h>
+#include <gloo/transport/pair.h>
+#include <gloo/transport/tcp/address.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <span>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
+#include "cohort/comm/detail/fifo_worker.hpp"
+#include "cohort/comm/detail/flight_recorder.hpp"
+#include "cohort/comm/detail/host_address.hpp"
+#include "cohort/comm/detail/host_elementwise.hpp"
+#include "cohort/detail/fnv1a.hpp"
+#include "cohort/detail/host_math.hpp"
+#include "cohort/error.hpp"
+#include "cohort/rendezvous/launch.hpp"
+#include "cohort/rendezvous/store.hpp"
+#include "cohort/types.hpp"
+
+#include "cohort/comm/gloo.hpp"
+#include "cohort/config.hpp"
+
+namespace cohort::inline v0 {
+
+namespace detail {
+
+// A Gloo context over the pairs cohort connected itself (gloo::connect): Gloo's own
+// full-mesh rendezvous reads every peer's key one request at a time and waits inside each
+// pair's connect for up to five times the timeout, unbounded by anything cohort can set.
+class gloo_mesh_context final : public ::gloo::Context {
+ public:
+  gloo_mesh_context(int rank, int size, std::shared_ptr<::gloo::transport::Device> device,
+                    std::shared_ptr<::gloo::transport::Context> transport)
+      : ::gloo::Context(rank, size) {
+    device_ = std::move(device);
+    transportContext_ = std::move(transport);
+  }
+};
+
+// What a rank publishes at the rendezvous, under "gloo/<rank>": a text header (format tag,
+// host name, process id, listen address), then the bytes of its pairs' addresses, one per
+// other rank in rank order.
+inline constexpr std::string_view gloo_peer_format = "cohort-gloo-1";
+
+inline std::string this_host_name() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof name - 1) != 0) return "?";
+  return name;
+}
+
+inline bytes encode_gloo_peer(const gloo_peer& mine) {
+  const std::string header =
+      std::string(gloo_peer_format) + "\n" + mine.host + "\n" + std::to_string(mine.pid) + "\n" + mine.address + "\n";
+  bytes value(header.begin(), header.end());
+  value.insert(value.end(), mine.pairs.begin(), mine.pairs.end());
+  return value;
+}
+
+// False when `value` is not what encode_gloo_peer writes for a world of `size`.
+inline bool decode_gloo_peer(const bytes& value, int size, gloo_peer& out) {
+  std::size_t at = 0;
+  std::string fields[4];
+  for (auto& field : fields) {
+    const auto end = std::find(value.begin() + static_cast<std::ptrdiff_t>(at), value.end(), '\n');
+    if (end == value.end()) return false;
+    field.assign(value.begin() + static_cast<std::ptrdiff_t>(at), end);
+    at = static_cast<std::size_t>(end - value.begin()) + 1;
+  }
+  if (fields[0] != gloo_peer_format) return false;
+  int pid = 0;
+  if (!parse_int_fields(fields[2], ',', std::span<int>(&pid, 1))) return false;
+  const std::size_t rest = value.size() - at;
+  if (size < 2 || rest == 0 || rest % static_cast<std::size_t>(size - 1) != 0) return false;
+  out.host = fields[1];
+  out.pid = pid;
+  out.address = fields[3];
+  out.pairs.assign(value.begin() + static_cast<std::ptrdiff_t>(at), value.end());
+  return true;
+}
+
+// Gloo's TCP transport writes with writev, which raises SIGPIPE once a peer has died, and the
+// signal's default action kills this rank before cohort can name the dead one (PyTorch never
+// meets this: Python ignores SIGPIPE). So whatever writes to Gloo's sockets runs with SIGPIPE
+// blocked: the device's event loop and cohort's workers, which inherit the mask of the thread
+// that starts them inside this scope and keep it; the caller during the rendezvous; and the
+// caller while it runs a queued call itself (gloo::run). The write then fails with EPIPE,
+// Gloo reports it, and the trainer's threads and the process's disposition stay as they were.
+// On a thread that already blocks SIGPIPE this is one system call.
+class sigpipe_blocked {
+ public:
+  sigpipe_blocked() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_, &previous_);
+  }
+  sigpipe_blocked(const sigpipe_blocked&) = delete;
+  sigpipe_blocked& operator=(const sigpipe_blocked&) = delete;
+  ~sigpipe_blocked() {
+    if (sigismember(&previous_, SIGPIPE)) return;  // the caller had it blocked already
+    // A SIGPIPE raised meanwhile waits on this thread: take it before unblocking.
+    sigset_t pending;
+    if (sigpending(&pending) == 0 && sigismember(&pending, SIGPIPE)) {
+      const timespec now{0, 0};
+      (void)sigtimedwait(&pipe_, nullptr, &now);
+    }
+    pthread_sigmask(SIG_SETMASK, &previous_, nullptr);
+  }
+
+ private:
+  sigset_t pipe_;
+  sigset_t previous_;
+};
+
+// Whether the host of a Gloo address (its bytes) answers a TCP connection attempt within
+// `bound`: accepted or refused, it is reachable; no answer, or no route, it is not (`why`).
+inline bool host_answers(const std::vector<char>& pair_address, std::chrono::milliseconds bound, std::string& why) {
+  const ::gloo::transport::tcp::Address address(pair_address);
+  const sockaddr_storage& target = address.getSockaddr();
+  const socklen_t length = target.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+  const int fd = ::socket(target.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return true;  // cannot tell: do not call it unreachable
+  int result = ::connect(fd, reinterpret_cast<const sockaddr*>(&target), length) == 0 ? 0 : errno;
+  if (result == EINPROGRESS) {
+    pollfd wait{fd, POLLOUT, 0};
+    if (::poll(&wait, 1, static_cast<int>(bound.count())) == 1) {
+      socklen_t size = sizeof result;
+      ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &result, &size);
+    } else {
+      result = ETIMEDOUT;
+    }
+  }
+  ::close(fd);
+  if (result == 0 || result == ECONNREFUSED) return true;
+  std::string host = address.str();  // "[10.0.0.3]:40123": the host is what did not answer
+  if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.find(']') - 1);
+  why = "no answer from " + host +
+        (result == ETIMEDOUT ? " within " + format_duration(bound) : ": " + std::system_category().message(result));
+  return false;
+}
+
+COHORT_DECL gloo_p2p::gloo_p2p() = default;
+COHORT_DECL gloo_p2p::~gloo_p2p() = default;
+
+COHORT_DECL void gloo_p2p::abort() {
+  std::lock_guard lock(mutex);
+  if (!buffer) return;
+  if (sending)
+    buffer->abortWaitSend();
+  else
+    buffer->abortWaitRecv();
+}
+
+}  // namespace detail
+
+COHORT_DECL gloo::gloo(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts)
+    : rank_(env.rank), size_(env.world_size), options_(opts) {
+  device_ = make_device(env, opts, address_);
+  connect(std::move(store));
+}
+
+COHORT_DECL gloo::~gloo() {
+  watchdog_.reset();  // the group is going away: what is left to fail is the destructor's
+  if (worker_) worker_->shutdown();
+  // Point-to-point operations still unmatched would keep the completion worker waiting
+  // for up to the timeout: end them, the group is going away.
+  {
+    std::lock_guard lock(p2p_mutex_);
+    for (auto& weak : live_p2p_)
+      if (auto pending = weak.lock()) pending->abort();
+  }
+  if (p2p_worker_) p2p_worker_->shutdown();
+}
+
+COHORT_DECL auto gloo::split(gloo& parent, std::shared_ptr<cohort::store> sub_store, int color, int /*key*/,
+                             int new_rank, int new_size) -> std::unique_ptr<gloo> {
+  if (color < 0) return nullptr;
+  return std::make_unique<gloo>(parent, std::move(sub_store), new_rank, new_size);
+}
+
+COHORT_DECL auto gloo::enqueue(std::function<void()> fn) -> work {
+  auto queued = task(task_kind::function);
+  queued.fn = std::move(fn);
+  return submit(std::move(queued));
+}
+
+COHORT_DECL auto gloo::copy(void* destination, const void* source, std::size_t bytes) -> work {
+  // Still queued when empty: the returned work orders after everything before it.
+  return enqueue([=] {
+    if (bytes != 0) std::memmove(destination, source, bytes);  // null is allowed when empty
+  });
+}
+
+COHORT_DECL auto gloo::make_device(const launch_env& env, const options& opts, std::string& address)
+    -> std::shared_ptr<::gloo::transport::Device> {
+  detail::listen_request request;
+  request.rank = env.rank;
+  request.hostname = opts.hostname;
+  request.interface = opts.interface;
+  if (const char* name = std::getenv("GLOO_SOCKET_IFNAME")) request.env_interface = name;
+  request.master_addr = env.master_addr;
+  request.world_size = env.world_size;
+  request.local_world_size = env.local_world_size;
+  const detail::listen_choice choice = detail::choose_listen_address(request);
+  if (detail::debug_from_environment())
+    std::fprintf(stderr, "cohort [rank %d] gloo: listening on %s (%s)\n", env.rank, choice.address.c_str(),
+                 choice.reason.c_str());
+  address = choice.address;
+  // Gloo gets a numeric address only: its own lookup of a name is unchecked (a name that
+  // does not resolve crashes it), and the choice above is what the errors name.
+  ::gloo::transport::tcp::attr attr;
+  attr.hostname = choice.address;
+  try {
+    const detail::sigpipe_blocked loop_thread_inherits_it;
+    return ::gloo::transport::tcp::CreateDevice(attr);
+  } catch (const std::exception& failure) {
+    throw error(env.rank, "gloo.create_device",
+                "cannot open a TCP device on " + choice.address + " (" + choice.reason + "): " + failure.what(),
+                "set options.hostname or GLOO_SOCKET_IFNAME to an address of this host");
+  }
+}
+
+COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
+  const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+  store_ = std::move(store);
+  const detail::sigpipe_blocked writes_fail_with_epipe;  // also for the threads started below
+  // Every pair listens from its creation, so its address can be published before any peer
+  // connects: one key per rank, read with one multi_get (O(1) requests per rank).
+  std::shared_ptr<::gloo::transport::Context> transport = device_->createContext(rank_, size_);
+  transport->setTimeout(options_.timeout);
+  detail::gloo_peer mine;
+  mine.host = detail::this_host_name();
+  mine.pid = static_cast<long>(::getpid());
+  mine.address = address_;
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    const std::vector<char> pair = transport->createPair(peer)->address().bytes();
+    mine.pairs.insert(mine.pairs.end(), pair.begin(), pair.end());
+  }
+  std::vector<std::string> keys;
+  for (int peer = 0; peer < size_; ++peer) keys.push_back("gloo/" + std::to_string(peer));
+  // Within the group's timeout, like the multi_get after it (a store gone silent ends both).
+  store_->set_within(keys[static_cast<std::size_t>(rank_)],
+                     std::span<const std::uint8_t>(detail::encode_gloo_peer(mine)), options_.timeout);
+  std::vector<bytes> published;
+  try {
+    published = store_->multi_get(std::span<const std::string>(keys), options_.timeout);
+  } catch (const timeout_error& failure) {
+    throw timeout_error(rank_, "gloo.rendezvous",
+                        missing_at_rendezvous(*store_) + " (world of " + std::to_string(size_) +
+                            "; this rank published " + address_ + "): " + failure.detail(),
+                        "a rank never arrived: is every rank started with the same WORLD_SIZE "
+                        "and MASTER_ADDR/MASTER_PORT?");
+  }
+  peers_.assign(static_cast<std::size_t>(size_), {});
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) {
+      peers_[static_cast<std::size_t>(peer)] = mine;
+      continue;
+    }
+    const auto& value = published[static_cast<std::size_t>(peer)];
+    if (!detail::decode_gloo_peer(value, size_, peers_[static_cast<std::size_t>(peer)]) ||
+        peers_[static_cast<std::size_t>(peer)].pairs.size() != mine.pairs.size())
+      throw detail::malformed_store_value(rank_, "gloo.rendezvous", keys[static_cast<std::size_t>(peer)], value,
+                                          "a Gloo rank's addresses, as cohort of this version writes them");
+  }
+  connect_mesh(*transport, deadline);
+  auto context = std::make_shared<detail::gloo_mesh_context>(rank_, size_, device_, std::move(transport));
+  context->setTimeout(options_.timeout);
+  context_ = std::move(context);
+  worker_ = std::make_shared<worker_type>([this](detail::gloo_task& task) { run(task); });
+  p2p_worker_ = std::make_shared<worker_type>([this](detail::gloo_task& task) { run(task); });
+  start_watchdog();
+}
+
+COHORT_DECL auto gloo::peer_pair_address(int peer) const -> std::vector<char> {
+  // Rank p's list skips p itself: this rank's entry is at index rank_ - (rank_ > p).
+  const auto& theirs = peers_[static_cast<std::size_t>(peer)];
+  const std::size_t width = theirs.pairs.size() / static_cast<std::size_t>(size_ - 1);
+  const std::size_t index = static_cast<std::size_t>(rank_ > peer ? rank_ - 1 : rank_);
+  return std::vector<char>(theirs.pairs.begin() + static_cast<std::ptrdiff_t>(index * width),
+                           theirs.pairs.begin() + static_cast<std::ptrdiff_t>((index + 1) * width));
+}
+
+COHORT_DECL auto gloo::describe_peer(int peer) const -> std::string {
+  const auto& theirs = peers_[static_cast<std::size_t>(peer)];
+  std::string pair = "?";
+  try {
+    pair = ::gloo::transport::tcp::Address(peer_pair_address(peer)).str();
+  } catch (const std::exception&) {}
+  return "rank " + std::to_string(peer) + " published " + theirs.address + " (host " + theirs.host + ", pid " +
+         std::to_string(theirs.pid) + ", its pair for this rank at " + pair + ")";
+}
+
+COHORT_DECL auto gloo::connect_mesh(::gloo::transport::Context& transport,
+                                    std::chrono::steady_clock::time_point deadline) -> void {
+  // Gloo's pair connect has no retry and waits for its peer (on the side that accepts) for
+  // five times the timeout, and nothing cohort can set bounds it. An alarm closes every pair
+  // at the deadline: a closed pair ends the wait, and the loop below turns that into an error
+  // naming the peer and both addresses, within the group's timeout on every rank.
+  int local_rank = 0;
+  for (int peer = 0; peer < rank_; ++peer)
+    if (peers_[static_cast<std::size_t>(peer)].host == peers_[static_cast<std::size_t>(rank_)].host) ++local_rank;
+  std::mutex mutex;
+  std::condition_variable finished;
+  bool done = false;
+  std::atomic<bool> expired{false};
+  std::thread alarm([&] {
+    std::unique_lock lock(mutex);
+    if (finished.wait_until(lock, deadline, [&] { return done; })) return;
+    expired = true;
+    for (int peer = 0; peer < size_; ++peer)
+      if (peer != rank_) transport.getPair(peer)->close();
+  });
+  const auto stop_alarm = [&] {
+    {
+      std::lock_guard lock(mutex);
+      done = true;
+    }
+    finished.notify_all();
+    alarm.join();
+  };
+  const std::string world = " (world of " + std::to_string(size_) + "; this rank published " + address_ + ")";
+  const auto timed_out = [&](int peer) {
+    return timeout_error(rank_, "gloo.rendezvous",
+                         "no connection with rank " + std::to_string(peer) + " within " +
+                             detail::format_duration(options_.timeout) + world + ": " + describe_peer(peer),
+                         "the published addresses must be reachable between the nodes: check that no firewall "
+                         "blocks them, or name the interface the nodes share (GLOO_SOCKET_IFNAME)");
+  };
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    auto& pair = transport.getPair(peer);
+    pair->setLocalRank(local_rank);
+    try {
+      pair->connect(peer_pair_address(peer));
+    } catch (const std::exception& failure) {
+      const bool late = expired.load();
+      stop_alarm();
+      if (late) throw timed_out(peer);
+      throw error(
+          rank_, "gloo.rendezvous",
+          "cannot connect to rank " + std::to_string(peer) + world + ": " + describe_peer(peer) + ": " + failure.what(),
+          "rank " + std::to_string(peer) +
+              "'s address is not reachable from this host: a loopback address (127.x) across nodes, or "
+              "a firewall; name the interface the nodes share (GLOO_SOCKET_IFNAME) or leave it unset to "
+              "have cohort choose");
+    }
+    if (expired.load()) {
+      stop_alarm();
+      throw timed_out(peer);
+    }
+  }
+  stop_alarm();
+  if (expired.load()) throw timed_out(rank_ == 0 ? 1 : 0);
+}
+
+COHORT_DECL auto gloo::start_watchdog() -> void {
+  if (options_.watchdog_interval.count() <= 0) return;
+  watchdog_ = std::make_unique<detail::watchdog>(rank_, detail::group_name(*store_), options_.on_async_error,
+                                                 options_.watchdog_interval, [this] { return unreported_failure(); });
+}
+
+COHORT_DECL auto gloo::unreported_failure() const -> std::exception_ptr {
+  if (auto failure = worker_->unreported_failure(options_.timeout)) return failure;
+  return p2p_worker_->unreported_failure(options_.timeout);
+}
+
+COHORT_DECL auto gloo::write_trace(const std::string& directory, std::string_view reason) const -> std::string {
+  return detail::write_trace(directory, {detail::group_name(*store_), name, rank_, size_}, recorder_, reason);
+}
+
+COHORT_DECL auto gloo::keep_trace(const std::exception_ptr& failure) -> void {
+  const std::string directory = detail::trace_directory(options_.trace_dir);
+  if (directory.empty() || trace_written_.exchange(true)) return;
+  std::string reason = "unknown failure";
+  try {
+    std::rethrow_exception(failure);
+  } catch (const std::exception& known) {
+    reason = known.what();
+  } catch (...) {}
+  write_trace(directory, reason);
+}
+
+COHORT_DECL auto gloo::task(task_kind what, dtype type, op reduce, const void* in, void* out, std::size_t count,
+                            int peer, std::uint64_t tag) -> detail::gloo_task {
+  detail::gloo_task queued;
+  queued.what = what;
+  queued.type = type;
+  queued.reduce = reduce;
+  queued.in = in;
+  queued.out = out;
+  queued.count = count;
+  queued.peer = peer;
+  queued.tag = tag;
+  return queued;
+}
+
+COHORT_DECL auto gloo::submit(detail::gloo_task queued) -> work {
+  if (watchdog_) watchdog_->rethrow_if_failed();
+  if (queued.what != task_kind::function) {
+    queued.sequence = collectives_issued_.fetch_add(1) + 1;
+    queued.record = recorder_.issued(as_call(queued));
+  }
+  const std::uint64_t seq = worker_->submit(std::move(queued));
+  return work(worker_, seq);
+}
+
+COHORT_DECL auto gloo::post(detail::gloo_task operation) -> work {
+  if (watchdog_) watchdog_->rethrow_if_failed();
+  auto pending = std::make_shared<detail::gloo_p2p>();
+  {
+    std::lock_guard lock(p2p_mutex_);
+    std::erase_if(live_p2p_, [](const std::weak_ptr<detail::gloo_p2p>& weak) { return weak.expired(); });
+    live_p2p_.push_back(pending);
+    // A send to B with tag t is matched by B's recv from this rank with tag t, in order.
+    operation.sequence = ++p2p_issued_[{operation.peer, operation.tag, operation.what == task_kind::send}];
+  }
+  operation.record = recorder_.issued(as_call(operation));
+  if (debug_checks_.load(std::memory_order_relaxed))
+    store_->set(p2p_debug_key(operation, true),
+                std::string(to_string(operation.type)) + " x " + std::to_string(operation.count));
+  auto completion = task(task_kind::p2p_wait, operation.type, op::sum, operation.in, operation.out, operation.count,
+                         operation.peer, operation.tag);
+  completion.sequence = operation.sequence;
+  completion.record = operation.record;
+  completion.p2p = pending;
+  operation.p2p = pending;
+  pending->sending = operation.what == task_kind::send;
+  pending->debug = debug_checks_.load(std::memory_order_relaxed);
+  pending->post_sequence = worker_->submit(std::move(operation));
+  return work(p2p_worker_, p2p_worker_->submit(std::move(completion)));
+}
+
+COHORT_DECL auto gloo::as_call(const detail::gloo_task& task) -> detail::call_record {
+  using detail::call_kind;
+  detail::call_record call;
+  switch (task.what) {
+    case task_kind::all_reduce: call.kind = call_kind::all_reduce; break;
+    case task_kind::reduce_scatter: call.kind = call_kind::reduce_scatter; break;
+    case task_kind::all_gather: call.kind = call_kind::all_gather; break;
+    case task_kind::broadcast: call.kind = call_kind::broadcast; break;
+    case task_kind::all_to_all: call.kind = call_kind::all_to_all; break;
+    case task_kind::barrier: call.kind = call_kind::barrier; break;
+    case task_kind::send: call.kind = call_kind::send; break;
+    case task_kind::recv: call.kind = call_kind::recv; break;
+    case task_kind::p2p_wait: call.kind = task.p2p && task.p2p->sending ? call_kind::send : call_kind::recv; break;
+    case task_kind::function: break;  // host work: never recorded
+  }
+  call.sequence = task.sequence;
+  call.type = task.type;
+  call.reduce = task.reduce;
+  call.count = task.count;
+  call.tag = task.tag;
+  call.peer = call.kind == call_kind::broadcast || detail::is_point_to_point(call.kind) ? task.peer : -1;
+  return call;
+}
+
+COHORT_DECL auto gloo::describe(const detail::gloo_task& task) -> std::string {
+  if (task.what == task_kind::function) return "host_task";
+  return detail::describe(as_call(task));
+}
+
+COHORT_DECL auto gloo::run(detail::gloo_task& task) -> void {
+  // A point-to-point call starts when posted and completes when its wait does.
+  if (task.what != task_kind::p2p_wait) recorder_.started(task.record);
+  try {
+    if (task.what == task_kind::function || size_ == 1) {
+      execute(task);
+    } else {
+      // The caller's thread runs queued calls when it waits (fifo_worker): Gloo writes from
+      // it too. A no-op on cohort's own threads, which block SIGPIPE for good.
+      const detail::sigpipe_blocked writes_fail_with_epipe;
+      execute(task);
+    }
+  } catch (...) {
+    recorder_.failed(task.record);
+    const std::exception_ptr failure = explain(task, std::current_exception());
+    keep_trace(failure);
+    std::rethrow_exception(failure);
+  }
+  if (task.what == task_kind::p2p_wait)
+    recorder_.completed(task.record, 0);
+  else if (task.what != task_kind::send && task.what != task_kind::recv)
+    recorder_.completed(task.record, task.sequence);
+}
+
+COHORT_DECL auto gloo::explain(const detail::gloo_task& task, std::exception_ptr raised) -> std::exception_ptr {
+  try {
+    std::rethrow_exception(std::move(raised));
+  } catch (const error&) {
+    return std::current_exception();
+  } catch (const ::gloo::IoException& failure) {
+    const std::string what = failure.what();
+    if (what.find("Timed out") != std::string::npos || what.find("timed out") != std::string::npos)
+      return std::make_exception_ptr(
+          timeout_error(rank_, "gloo." + describe(task), name_the_culprit(task, false) + " [" + what + "]",
+                        "a peer did not enter the same call within " + detail::format_duration(options_.timeout) +
+                            ": it hangs, crashed, issued calls in another order, or "
+                            "passed another size or dtype (COHORT_DEBUG=1 names the calls)"));
+    return std::make_exception_ptr(error(rank_, "gloo." + describe(task),
+                                         name_the_culprit(task, true) + " [" + what + "]",
+                                         "a peer closed its connection: it crashed or exited early, or sizes differ "
+                                         "across ranks"));
+  } catch (const std::exception& failure) {
+    return std::make_exception_ptr(error(rank_, "gloo." + describe(task), failure.what(),
+                                         "sizes or dtypes may differ across ranks (set COHORT_DEBUG=1 to check)"));
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+COHORT_DECL auto gloo::execute(detail::gloo_task& task) -> void {
+  switch (task.what) {
+    case task_kind::function:
+      if (task.fn) task.fn();
+      return;
+    case task_kind::p2p_wait: {
+      worker_->wait_until_done(task.p2p->post_sequence, std::chrono::steady_clock::time_point::max());
+      if (auto failure = worker_->failure(task.p2p->post_sequence)) std::rethrow_exception(failure);
+      if (task.p2p->debug) check_p2p_pair(task);
+      ::gloo::transport::UnboundBuffer* buffer = nullptr;
+      {
+        std::lock_guard lock(task.p2p->mutex);
+        buffer = task.p2p->buffer.get();
+      }
+      if (!buffer) return;  // zero elements: nothing was posted
+      const bool completed =
+          task.p2p->sending ? buffer->waitSend(options_.timeout) : buffer->waitRecv(options_.timeout);
+      {
+        std::lock_guard lock(task.p2p->mutex);
+        task.p2p->buffer.reset();
+      }
+      if (!completed) throw_timeout(task);
+      return;
+    }
+    case task_kind::barrier: {
+      ::gloo::BarrierOptions opts(context_);
+      opts.setTag(collective_tag(task));
+      opts.setTimeout(options_.timeout);
+      ::gloo::barrier(opts);
+      return;
+    }
+    default: break;
+  }
+  if (task.count == 0) return;  // nothing moves; every rank agrees on that without talking
+  // Gloo's buffers care about the element's width only; the arithmetic is the reduce
+  // function's. Four widths, not seven dtypes, of the code below.
+  switch (size_of(task.type)) {
+    case 1: return execute_sized<detail::element_bytes<1>>(task);
+    case 2: return execute_sized<detail::element_bytes<2>>(task);
+    case 4: return execute_sized<detail::element_bytes<4>>(task);
+    default: return execute_sized<detail::element_bytes<8>>(task);
+  }
+}
+
+COHORT_DECL auto gloo::signature(const detail::gloo_task& task) -> std::uint64_t {
+  detail::fnv1a hash;
+  const auto mix = [&](std::uint64_t value) { hash.mix(value); };
+  // A send and its recv must share a slot: both count as "point to point".
+  const bool point_to_point =
+      task.what == task_kind::send || task.what == task_kind::recv || task.what == task_kind::p2p_wait;
+  mix(point_to_point ? 0xffu : static_cast<std::uint64_t>(task.what));
+  mix(static_cast<std::uint64_t>(task.type));
+  mix(task.count);
+  mix(static_cast<std::uint64_t>(task.reduce));
+  if (task.what == task_kind::broadcast) mix(static_cast<std::uint64_t>(task.peer));
+  if (point_to_point) mix(task.tag);
+  mix(task.sequence);
+  return hash.value();
+}
+
+COHORT_DECL auto gloo::throw_timeout(const detail::gloo_task& task) -> void {
+  throw timeout_error(rank_, "gloo." + describe(task),
+                      "no matching peer operation within " + detail::format_duration(options_.timeout),
+                      "the peer never posted the matching send/recv with the same tag, size and dtype");
+}
+
+COHORT_DECL auto gloo::name_the_culprit(const detail::gloo_task& task, bool connection_lost) -> std::string {
+  const std::string mine = describe(task);
+  const bool collective = task.what != task_kind::send && task.what != task_kind::recv &&
+                          task.what != task_kind::p2p_wait && task.what != task_kind::function;
+  const bool point_to_point =
+      task.what == task_kind::send || task.what == task_kind::recv || task.what == task_kind::p2p_wait;
+  if (point_to_point && connection_lost)  // one peer: its connection is the one that closed
+    return "rank " + std::to_string(task.peer) + " (the peer) closed its connection: it died or exited during " + mine;
+  if (!store_ || !collective) return "this rank is in " + mine;
+  return detail::name_the_culprit(*store_, rank_, size_, options_.timeout, mine, connection_lost,
+                                  [this](int peer, bool thorough) { return probe_peer(peer, thorough); });
+}
+
+COHORT_DECL auto gloo::probe_peer(int peer, bool thorough) const -> detail::peer_status {
+  using detail::peer_state;
+  if (!context_ || peer < 0 || peer >= size_ || peers_.size() != static_cast<std::size_t>(size_)) return {};
+  const auto& theirs = peers_[static_cast<std::size_t>(peer)];
+  const bool same_host = theirs.host == peers_[static_cast<std::size_t>(rank_)].host;
+  // On this host the process table is the truth. (Host names are unique within a job.)
+  if (same_host && theirs.pid > 0 && ::kill(static_cast<pid_t>(theirs.pid), 0) != 0 && errno == ESRCH)
+    return {peer_state::died, "its process is gone"};
+  // Gloo's event loop watches every connected pair, busy or not: a peer whose process ended
+  // has its pair failed with the reason, which any operation on the pair rethrows before
+  // doing anything. On a healthy pair this zero-byte receive is posted on a slot nobody
+  // sends to (the group has failed; the peer only counts the notice), and dropped at once.
+  // (Debian's libgloo lacks a header that tcp::Pair needs, so its side-effect-free
+  // tryRecv is out of reach.)
+  std::string failure;
+  try {
+    auto& pair = context_->getPair(peer);
+    if (!pair) return {};
+    auto nothing = context_->createUnboundBuffer(nullptr, 0);
+    constexpr std::uint64_t unused_slot = 0x7fffffffffffffffull;  // above Gloo's and cohort's slots
+    pair->recv(nothing.get(), unused_slot, 0, 0);
+  } catch (const std::exception& closed) {
+    failure = closed.what();
+  }
+  if (failure.empty()) return {peer_state::alive, "connected"};
+  for (const char* closed_by_peer : {"closed by peer", "reset by peer", "Broken pipe", "Socket closed"})
+    if (failure.find(closed_by_peer) != std::string::npos) return {peer_state::died, "its connection closed"};
+  // The pair failed on this side (a timeout): alive but silent, or cut off?
+  if (same_host) return {peer_state::alive, "its process runs"};
+  if (!thorough) return {};
+  // A host that answers a connection attempt at all (refused counts) is reachable.
+  const auto bound = std::min<std::chrono::milliseconds>(options_.timeout, std::chrono::seconds(1));
+  std::string why;
+  if (detail::host_answers(peer_pair_address(peer), bound, why)) return {peer_state::alive, "its host answers"};
+  return {peer_state::unreachable, why};
+}
+
+COHORT_DECL auto gloo::p2p_debug_key(const detail::gloo_task& task, bool mine) const -> std::string {
+  // Both sides name the pair the same way: sender, receiver, tag, the pair's sequence number.
+  const bool sending = task.what == task_kind::send || (task.p2p && task.p2p->sending);
+  const int from = sending ? rank_ : task.peer;
+  const int to = sending ? task.peer : rank_;
+  const bool send_side = mine ? sending : !sending;
+  return "p2p/" + std::to_string(from) + "-" + std::to_string(to) + "/" + std::to_string(task.tag) + "/" +
+         std::to_string(task.sequence) + (send_side ? "/send" : "/recv");
+}
+
+COHORT_DECL auto gloo::check_p2p_pair(const detail::gloo_task& task) -> void {
+  const bool sending = task.p2p->sending;
+  const std::string mine = std::string(to_string(task.type)) + " x " + std::to_string(task.count);
+  const std::string pair = (sending ? "send #" : "recv #") + std::to_string(task.sequence) +
+                           (sending ? " to rank " : " from rank ") + std::to_string(task.peer) + " (tag " +
+                           std::to_string(task.tag) + ")";
+  std::string theirs;
+  try {
+    theirs = to_string(store_->get(p2p_debug_key(task, false), options_.timeout));
+  } catch (const timeout_error&) {
+    throw timeout_error(rank_, "gloo." + describe(task),
+                        "rank " + std::to_string(task.peer) + " never posted the " + (sending ? "recv" : "send") +
+                            " matching this rank's " + pair + " within " + detail::format_duration(options_.timeout),
+                        "every send needs a recv on the peer with the same tag, in the same order");
+  }
+  if (theirs == mine) return;
+  const std::string sender = std::to_string(sending ? rank_ : task.peer);
+  const std::string receiver = std::to_string(sending ? task.peer : rank_);
+  throw error(rank_, "gloo." + describe(task),
+              "rank " + sender + " sends " + (sending ? mine : theirs) + " to rank " + receiver + " (tag " +
+                  std::to_string(task.tag) + ", #" + std::to_string(task.sequence) + ") but rank " + receiver +
+                  "'s matching recv expects " + (sending ? theirs : mine),
+              "a send and its recv must move the same dtype and number of elements");
+}
+
+COHORT_DECL auto gloo::missing_at_rendezvous(cohort::store& store) const -> std::string {
+  std::vector<int> missing;
+  try {
+    // A handle of its own, bounded: the group's waits as long as the store's timeout.
+    const auto own = store.bounded(std::min<std::chrono::milliseconds>(options_.timeout, std::chrono::seconds(5)));
+    cohort::store& asked = own ? *own : store;
+    for (int peer = 0; peer < size_; ++peer) {
+      const std::string key = "gloo/" + std::to_string(peer);
+      if (!asked.check(std::span<const std::string>(&key, 1))) missing.push_back(peer);
+    }
+  } catch (const std::exception&) {
+    const std::string where = store.location();
+    return "the store" + (where.empty() ? std::string() : " at " + where) + " is unreachable";
+  }
+  if (missing.empty()) return "every rank published its address";
+  return detail::format_ranks(missing) + " never arrived at the rendezvous";
+}
+
+COHORT_DECL auto gloo::scratch_bytes(std::size_t bytes) -> std::vector<std::byte>& {
+  if (scratch_.size() < bytes) scratch_.resize(bytes);
+  return scratch_;
+}
+
+template <class T>
+COHORT_DECL auto gloo::execute_sized(detail::gloo_task& task) -> void {
+  T* out = static_cast<T*>(task.out);
+  const T* in = static_cast<const T*>(task.in);
+  const std::size_t n = task.count;
+  const std::size_t world = static_cast<std::size_t>(size_);
+  switch (task.what) {
+    case task_kind::all_reduce: {
+      ::gloo::AllreduceOptions opts(context_);
+      opts.setTag(collective_tag(task));
+      // Out of place, Gloo copies each input segment just before it sends or reduces it,
+      // while it is hot; a copy of the whole input first would be a cold pass of its own.
+      if (in != out) opts.setInput(const_cast<T*>(in), n);
+      opts.setOutput(out, n);
+      opts.setReduceFunction(detail::reduce_function(task.type, task.reduce));
+      opts.setTimeout(options_.timeout);
+      ::gloo::allreduce(opts);
+      if (task.reduce == op::avg) detail::host::divide(out, n, task.type, size_);
+      return;
+    }
+    case task_kind::reduce_scatter: {
+      // All-to-all puts every rank's contribution to my chunk side by side, then one
+      // local pass reduces them: (n-1)/n of the input crosses the wire.
+      auto& scratch = scratch_bytes(world * n * sizeof(T));
+      T* gathered = reinterpret_cast<T*>(scratch.data());
+      if (world > 1) {
+        ::gloo::AlltoallOptions opts(context_);
+        opts.setTag(collective_tag(task));
+        opts.setInput(const_cast<T*>(in), world * n);
+        opts.setOutput(gathered, world * n);
+        opts.setTimeout(options_.timeout);
+        ::gloo::alltoall(opts);
+      } else {
+        std::memcpy(gathered, in, n * sizeof(T));
+      }
+      std::memmove(out, gathered, n * sizeof(T));
+      const auto reduce = detail::reduce_function(task.type, task.reduce);
+      for (std::size_t r = 1; r < world; ++r) reduce(out, out, gathered + r * n, n);
+      if (task.reduce == op::avg) detail::host::divide(out, n, task.type, size_);
+      return;
+    }
+    case task_kind::all_gather: {
+      ::gloo::AllgatherOptions opts(context_);
+      opts.setTag(collective_tag(task));
+      T* own_slot = out + static_cast<std::size_t>(rank_) * n;
+      if (in != own_slot) std::memcpy(own_slot, in, n * sizeof(T));
+      opts.setOutput(out, world * n);
+      opts.setTimeout(options_.timeout);
+      ::gloo::allgather(opts);
+      return;
+    }
+    case task_kind::broadcast: {
+      ::gloo::BroadcastOptions opts(context_);
+      opts.setTag(collective_tag(task));
+      opts.setOutput(out, n);
+      opts.setRoot(task.peer);
+      opts.setTimeout(options_.timeout);
+      ::gloo::broadcast(opts);
+      return;
+    }
+    case task_kind::all_to_all: {
+      if (world == 1) {
+        if (in != out) std::memcpy(out, in, n * sizeof(T));
+        return;
+      }
+      ::gloo::AlltoallOptions opts(context_);
+      opts.setTag(collective_tag(task));
+      opts.setInput(const_cast<T*>(in), world * n);
+      opts.setOutput(out, world * n);
+      opts.setTimeout(options_.timeout);
+      ::gloo::alltoall(opts);
+      return;
+    }
+    case task_kind::send: {
+      auto buffer = context_->createUnboundBuffer(const_cast<T*>(in), n * sizeof(T));
+      buffer->send(task.peer, point_to_point_slot(task));
+      std::lock_guard lock(task.p2p->mutex);
+      task.p2p->buffer = std::move(buffer);
+      return;
+    }
+    case task_kind::recv: {
+      auto buffer = context_->createUnboundBuffer(out, n * sizeof(T));
+      buffer->recv(task.peer, point_to_point_slot(task));
+      std::lock_guard lock(task.p2p->mutex);
+      task.p2p->buffer = std::move(buffer);
+      return;
+    }
+    default: return;
+  }
+}
+
+}  // namespace cohort::inline v0

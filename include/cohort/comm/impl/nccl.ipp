@@ -1,0 +1,510 @@
+#pragma once
+// cohort/comm/nccl.hpp's definitions: inline there when header-only, compiled once by <cohort/src.hpp>
+// under COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <unistd.h>
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+#include "cohort/comm/detail/background_abort.hpp"
+#include "cohort/comm/detail/device_identity.hpp"
+#include "cohort/comm/detail/device_scope.hpp"
+#include "cohort/comm/detail/flight_recorder.hpp"
+#include "cohort/error.hpp"
+#include "cohort/rendezvous/launch.hpp"
+#include "cohort/rendezvous/store.hpp"
+#include "cohort/types.hpp"
+
+#include "cohort/comm/nccl.hpp"
+#include "cohort/config.hpp"
+
+namespace cohort::inline v0 {
+
+COHORT_DECL detail::nccl_state::~nccl_state() {
+  // No checks here: a destructor must not throw, and after an abort the context may be gone.
+  const device_scope on_device(device);
+  for (auto event : free_events) cudaEventDestroy(event);
+  if (comm) {
+    if (!aborted) {
+      ncclCommFinalize(comm);
+      ncclResult_t pending = ncclInProgress;
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (pending == ncclInProgress && std::chrono::steady_clock::now() < deadline)
+        ncclCommGetAsyncError(comm, &pending);
+      if (pending == ncclSuccess)
+        ncclCommDestroy(comm);
+      else
+        ncclCommAbort(comm);
+    } else {
+      ncclCommAbort(comm);  // never reached through abort(), which takes comm; kept for safety
+    }
+  }
+  if (stream) cudaStreamDestroy(stream);
+}
+
+COHORT_DECL auto detail::nccl_state::take_event() -> cudaEvent_t {
+  {
+    std::lock_guard lock(mutex);
+    if (!free_events.empty()) {
+      cudaEvent_t event = free_events.back();
+      free_events.pop_back();
+      return event;
+    }
+  }
+  const device_scope on_device(device);
+  cudaEvent_t event;
+  check_cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), rank, "event_create");
+  return event;
+}
+
+COHORT_DECL auto detail::nccl_state::give_event(cudaEvent_t event) -> void {
+  std::lock_guard lock(mutex);
+  free_events.push_back(event);
+}
+
+COHORT_DECL auto detail::nccl_state::fail(const std::string& operation, ncclResult_t status, const std::string& hint)
+    -> void {
+  std::string detail = ncclGetErrorString(status);
+  {
+    std::lock_guard lock(mutex);  // comm is read under the lock: the watchdog may be taking it
+    const char* last = comm ? ncclGetLastError(comm) : nullptr;
+    if (last && *last) detail += ": " + std::string(last);
+  }
+  abort(operation + " failed: " + detail);
+  throw error(rank, "nccl." + operation, detail, hint);
+}
+
+COHORT_DECL auto detail::nccl_state::abort(const std::string& reason, std::chrono::milliseconds wait_at_most) -> void {
+  ncclComm_t doomed = nullptr;
+  {
+    std::lock_guard lock(mutex);
+    if (aborted || !comm) return;
+    aborted = true;  // published first: every later call fails at once, whatever the abort does
+    abort_reason = reason;
+    doomed = std::exchange(comm, nullptr);
+  }
+  if (wait_at_most.count() < 0) wait_at_most = std::min<std::chrono::milliseconds>(timeout, std::chrono::seconds(10));
+  const int gpu = device;
+  abort_in_background(
+      [doomed, gpu] {
+        cudaSetDevice(gpu);  // a thread of its own: nothing to restore
+        ncclCommAbort(doomed);
+      },
+      wait_at_most);
+}
+
+COHORT_DECL auto detail::nccl_state::check_usable(const std::string& operation) -> void {
+  std::lock_guard lock(mutex);
+  if (aborted)
+    throw error(rank, "nccl." + operation, "the communicator was aborted earlier (" + abort_reason + ")",
+                "an earlier collective failed or timed out; recreate the process group");
+}
+
+COHORT_DECL auto detail::nccl_state::settle(const std::string& operation, ncclResult_t status) -> void {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (status == ncclInProgress) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      abort(operation + " timed out while being enqueued");
+      throw timeout_error(rank, "nccl." + operation, "not enqueued within " + format_duration(timeout),
+                          "a peer has not joined; check that every rank issues the same collectives");
+    }
+    std::this_thread::yield();
+    std::lock_guard lock(mutex);  // the watchdog may abort (and free) comm meanwhile
+    if (aborted)
+      throw error(rank, "nccl." + operation,
+                  "the communicator was aborted while this call was enqueued (" + abort_reason + ")",
+                  "an earlier failure or timeout ended this group; recreate the process group");
+    ncclCommGetAsyncError(comm, &status);
+  }
+  if (status != ncclSuccess)
+    fail(operation, status, "sizes or dtypes may differ across ranks, or a peer died (NCCL_DEBUG=WARN tells more)");
+}
+COHORT_DECL auto detail::nccl_state::issued(call_record call, const std::shared_ptr<nccl_event>& done) -> void {
+  std::lock_guard lock(watch_mutex);
+  if (is_point_to_point(call.kind))
+    call.sequence = ++p2p_issued[{call.peer, call.kind == call_kind::send}];
+  else
+    call.sequence = ++collectives_issued;
+  const auto now = std::chrono::steady_clock::now();
+  const std::uint64_t record = recorder ? recorder->issued(call, now) : 0;
+  if (!watched) return;
+  outstanding.push_back(outstanding_call{call, record, now, done});
+}
+
+COHORT_DECL auto detail::nccl_state::watch() -> std::exception_ptr {
+  {
+    std::lock_guard state_lock(mutex);
+    if (aborted) return nullptr;  // a cohort call aborted the group, and reported it
+  }
+  std::vector<outstanding_call> finished;  // released after the lock: their events return to the pool
+  std::exception_ptr failure;
+  std::string overdue;
+  cudaSetDevice(device);  // the watchdog's own thread: events and the abort act on the group's GPU
+  {
+    std::lock_guard lock(watch_mutex);
+    while (!outstanding.empty()) {
+      outstanding_call& oldest = outstanding.front();
+      const cudaError_t status = cudaEventQuery(oldest.done->event);
+      if (status == cudaErrorNotReady) break;
+      if (status != cudaSuccess) {
+        if (recorder) recorder->failed(oldest.record);
+        failure =
+            std::make_exception_ptr(error(rank, "nccl." + describe(oldest.call),
+                                          std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status),
+                                          "a kernel on the communication stream failed"));
+        break;
+      }
+      if (recorder) recorder->completed(oldest.record, is_point_to_point(oldest.call.kind) ? 0 : oldest.call.sequence);
+      finished.push_back(std::move(oldest));
+      outstanding.pop_front();
+    }
+    if (!failure && !outstanding.empty() && std::chrono::steady_clock::now() - outstanding.front().issued > timeout) {
+      overdue = describe(outstanding.front().call);
+      if (recorder) recorder->failed(outstanding.front().record);
+    }
+  }
+  if (!overdue.empty()) {
+    // No wait: the abort may hang behind the very kernel that is overdue, and the policy
+    // (throw at the next call, or end the process) must act regardless.
+    abort(overdue + " exceeded the timeout (watchdog)", std::chrono::milliseconds(0));
+    failure = std::make_exception_ptr(
+        timeout_error(rank, "nccl." + overdue,
+                      name_the_culprit(overdue) + ": not complete after " + format_duration(timeout) +
+                          "; the watchdog aborted the communicator",
+                      "a peer never entered this call: it hangs, crashed, or issued calls in another order "
+                      "(COHORT_DEBUG=1 compares calls)"));
+  }
+  if (!failure) {
+    ncclResult_t async = ncclSuccess;
+    {
+      std::lock_guard state_lock(mutex);
+      if (comm != nullptr && !aborted) ncclCommGetAsyncError(comm, &async);
+    }
+    if (async != ncclSuccess && async != ncclInProgress) {
+      const std::string detail = ncclGetErrorString(async);
+      abort("asynchronous error: " + detail, std::chrono::milliseconds(0));
+      failure = std::make_exception_ptr(
+          error(rank, "nccl.watchdog", detail, "a peer failed or the network broke (NCCL_DEBUG=WARN tells more)"));
+    }
+  }
+  if (failure) {
+    try {
+      std::rethrow_exception(failure);
+    } catch (const std::exception& known) {
+      keep_trace(known.what());
+    }
+  }
+  return failure;
+}
+
+COHORT_DECL auto detail::nccl_state::name_the_culprit(const std::string& operation) -> std::string {
+  std::string call = operation;
+  {
+    std::lock_guard lock(watch_mutex);
+    if (!outstanding.empty()) call = describe(outstanding.front().call);
+  }
+  if (!store) return "this rank is in " + call;
+  return detail::name_the_culprit(*store, rank, size, timeout, call, false);
+}
+
+COHORT_DECL auto detail::nccl_state::keep_trace(std::string_view failure) -> void {
+  const std::string directory = trace_directory(trace_dir);
+  if (directory.empty() || !recorder || trace_written.exchange(true)) return;
+  detail::write_trace(directory, {group, "nccl", rank, size}, *recorder, failure);
+}
+
+COHORT_DECL nccl::nccl(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts)
+    : state_(std::make_shared<detail::nccl_state>()) {
+  state_->rank = env.rank;
+  state_->size = env.world_size;
+  state_->timeout = opts.timeout;
+  options_ = opts;
+  select_device(*store, env, opts);
+  ncclUniqueId id;
+  if (env.rank == 0) {
+    check_nccl(ncclGetUniqueId(&id), "get_unique_id");
+    store->set("nccl_unique_id", std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(&id), sizeof id));
+  } else {
+    const bytes value = store->get("nccl_unique_id");
+    if (value.size() != sizeof id)
+      throw detail::malformed_store_value(env.rank, "nccl.init", "nccl_unique_id", value,
+                                          "rank 0's ncclUniqueId of " + std::to_string(sizeof id) +
+                                              " bytes; a rank built against another NCCL version would differ too");
+    std::memcpy(&id, value.data(), sizeof id);
+  }
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  ncclResult_t status = ncclCommInitRankConfig(&comm, env.world_size, id, env.rank, &config);
+  state_->comm = comm;
+  finish_init("comm_init_rank(world " + std::to_string(env.world_size) + ")", status);
+  create_stream_and_scratch();
+  start_failure_reporting(std::move(store));
+}
+
+COHORT_DECL auto nccl::start_failure_reporting(std::shared_ptr<cohort::store> group_store) -> void {
+  auto& state = *state_;
+  state.recorder = std::make_unique<detail::flight_recorder>(options_.flight_recorder_entries);
+  state.group = group_store ? detail::group_name(*group_store) : std::string("group");
+  state.store = std::move(group_store);
+  state.trace_dir = options_.trace_dir;
+  if (options_.watchdog_interval.count() <= 0) return;
+  state.watched = true;
+  watchdog_ =
+      std::make_unique<detail::watchdog>(state.rank, state.group, options_.on_async_error, options_.watchdog_interval,
+                                         [state = state_] { return state->watch(); });
+}
+
+COHORT_DECL auto nccl::write_trace(const std::string& directory, std::string_view reason) const -> std::string {
+  return detail::write_trace(directory, {state_->group, name, rank(), size()}, *state_->recorder, reason);
+}
+
+COHORT_DECL auto nccl::split(nccl& parent, std::shared_ptr<cohort::store> sub_store, int color, int key, int new_rank,
+                             int new_size) -> std::unique_ptr<nccl> {
+  parent.state_->check_usable("split");
+  const detail::device_scope on_device(parent.state_->device);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  ncclComm_t parent_comm = nullptr;
+  {
+    std::lock_guard lock(parent.state_->mutex);
+    parent_comm = parent.state_->comm;
+  }
+  ncclResult_t status = ncclCommSplit(parent_comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &comm, &config);
+  parent.state_->settle("comm_split", status);
+  if (color < 0 || comm == nullptr) return nullptr;
+  auto child = std::unique_ptr<nccl>(new nccl());
+  child->options_ = parent.options_;
+  auto& state = *child->state_;
+  state.rank = new_rank;
+  state.size = new_size;
+  state.timeout = parent.state_->timeout;
+  state.device = parent.state_->device;
+  state.comm = comm;
+  child->finish_init("comm_split(color " + std::to_string(color) + ")", ncclInProgress);
+  child->create_stream_and_scratch();
+  child->start_failure_reporting(std::move(sub_store));
+  return child;
+}
+
+COHORT_DECL nccl::~nccl() {
+  watchdog_.reset();
+  // The watched calls hold events, whose owner is the state: let them go (a cycle otherwise).
+  detail::fifo_queue<detail::nccl_state::outstanding_call> watched;
+  {
+    std::lock_guard lock(state_->watch_mutex);
+    watched.swap(state_->outstanding);
+    state_->watched = false;
+  }
+  watched.clear();
+  if (barrier_scratch_) {
+    const detail::device_scope on_device(state_->device);
+    cudaFree(barrier_scratch_);
+  }
+}
+
+COHORT_DECL auto nccl::all_reduce(const void* in, void* out, std::size_t count, dtype type, op reduce) -> work {
+  return issue("all_reduce", {.kind = detail::call_kind::all_reduce, .type = type, .reduce = reduce, .count = count},
+               [&] {
+                 return ncclAllReduce(in, out, count, detail::nccl_type(type), detail::nccl_op(reduce), state_->comm,
+                                      state_->stream);
+               });
+}
+
+COHORT_DECL auto nccl::reduce_scatter(const void* in, void* out, std::size_t count_per_rank, dtype type, op reduce)
+    -> work {
+  return issue("reduce_scatter",
+               {.kind = detail::call_kind::reduce_scatter, .type = type, .reduce = reduce, .count = count_per_rank},
+               [&] {
+                 return ncclReduceScatter(in, out, count_per_rank, detail::nccl_type(type), detail::nccl_op(reduce),
+                                          state_->comm, state_->stream);
+               });
+}
+
+COHORT_DECL auto nccl::all_gather(const void* in, void* out, std::size_t count_per_rank, dtype type) -> work {
+  return issue("all_gather", {.kind = detail::call_kind::all_gather, .type = type, .count = count_per_rank}, [&] {
+    return ncclAllGather(in, out, count_per_rank, detail::nccl_type(type), state_->comm, state_->stream);
+  });
+}
+
+COHORT_DECL auto nccl::broadcast(void* data, std::size_t count, dtype type, int root) -> work {
+  return issue("broadcast", {.kind = detail::call_kind::broadcast, .type = type, .peer = root, .count = count}, [&] {
+    return ncclBroadcast(data, data, count, detail::nccl_type(type), root, state_->comm, state_->stream);
+  });
+}
+
+COHORT_DECL auto nccl::all_to_all(const void* in, void* out, std::size_t count_per_rank, dtype type) -> work {
+  return issue("all_to_all", {.kind = detail::call_kind::all_to_all, .type = type, .count = count_per_rank}, [&] {
+    const std::size_t bytes = count_per_rank * size_of(type);
+    ncclResult_t status = ncclGroupStart();
+    for (int peer = 0; peer < size() && status == ncclSuccess; ++peer) {
+      status = ncclSend(static_cast<const char*>(in) + bytes * static_cast<std::size_t>(peer), count_per_rank,
+                        detail::nccl_type(type), peer, state_->comm, state_->stream);
+      if (status == ncclSuccess)
+        status = ncclRecv(static_cast<char*>(out) + bytes * static_cast<std::size_t>(peer), count_per_rank,
+                          detail::nccl_type(type), peer, state_->comm, state_->stream);
+    }
+    const ncclResult_t ended = ncclGroupEnd();
+    return status != ncclSuccess ? status : ended;
+  });
+}
+
+COHORT_DECL auto nccl::send(const void* data, std::size_t count, dtype type, int peer, std::uint64_t /*tag*/) -> work {
+  return issue("send", {.kind = detail::call_kind::send, .type = type, .peer = peer, .count = count},
+               [&] { return ncclSend(data, count, detail::nccl_type(type), peer, state_->comm, state_->stream); });
+}
+
+COHORT_DECL auto nccl::recv(void* data, std::size_t count, dtype type, int peer, std::uint64_t /*tag*/) -> work {
+  return issue("recv", {.kind = detail::call_kind::recv, .type = type, .peer = peer, .count = count},
+               [&] { return ncclRecv(data, count, detail::nccl_type(type), peer, state_->comm, state_->stream); });
+}
+
+COHORT_DECL auto nccl::barrier() -> work {
+  return issue("barrier", {.kind = detail::call_kind::barrier}, [&] {
+    return ncclAllReduce(barrier_scratch_, barrier_scratch_, 1, ncclInt32, ncclSum, state_->comm, state_->stream);
+  });
+}
+
+COHORT_DECL auto nccl::group_start() -> void {
+  state_->check_usable("group_start");
+  check_nccl(ncclGroupStart(), "group_start");
+  ++group_depth_;
+}
+
+COHORT_DECL auto nccl::group_end() -> void {
+  if (group_depth_ == 0)
+    throw error(rank(), "nccl.group_end", "no group is open", "pair every group_start with one group_end");
+  const detail::device_scope on_device(state_->device);
+  --group_depth_;
+  // The outermost end owns the group's calls from here, whatever settle() does: were it to
+  // throw, stale calls would otherwise stay behind and be recorded at the next group's end.
+  std::vector<grouped_call> calls;
+  if (group_depth_ == 0) calls = std::exchange(grouped_, {});
+  const ncclResult_t status = ncclGroupEnd();
+  if (status != ncclSuccess) state_->settle("group_end", status);
+  for (auto& call : calls) {
+    if (const cudaError_t recorded = cudaEventRecord(call.done->event, state_->stream); recorded != cudaSuccess)
+      detail::check_cuda(recorded, rank(), "event_record(group_end)");
+    state_->issued(call.call, call.done);
+  }
+}
+
+COHORT_DECL auto nccl::deferred(const char* operation, const detail::call_record& recorded) -> work {
+  auto event = std::make_shared<detail::nccl_event>(state_, state_->take_event());
+  grouped_.push_back({recorded, event});
+  return work(std::move(event), operation);
+}
+
+COHORT_DECL auto nccl::wait_for_caller(cudaStream_t caller) -> void {
+  const detail::device_scope on_device(state_->device);
+  const auto event = std::make_shared<detail::nccl_event>(state_, state_->take_event());
+  detail::check_cuda(cudaEventRecord(event->event, caller), rank(), "event_record(caller)");
+  detail::check_cuda(cudaStreamWaitEvent(state_->stream, event->event, 0), rank(), "stream_wait_event(caller)");
+}
+
+COHORT_DECL auto nccl::allocate(std::size_t bytes) -> void* {
+  void* pointer = nullptr;
+  const detail::device_scope on_device(state_->device);
+  detail::check_cuda(cudaMalloc(&pointer, bytes == 0 ? 1 : bytes), rank(),
+                     "malloc(" + std::to_string(bytes) + " bytes)",
+                     "the GPU is out of memory: lower the bucket size or shard the model");
+  return pointer;
+}
+
+COHORT_DECL auto nccl::deallocate(void* pointer, std::size_t /*bytes*/) noexcept -> void {
+  const detail::device_scope on_device(state_->device);
+  cudaFree(pointer);
+}
+
+COHORT_DECL auto nccl::copy(void* destination, const void* source, std::size_t bytes) -> work {
+  const detail::device_scope on_device(state_->device);
+  detail::check_cuda(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDefault, state_->stream), rank(),
+                     "memcpy_async(" + std::to_string(bytes) + " bytes)");
+  return record_event("copy");
+}
+
+COHORT_DECL auto nccl::check_nccl(ncclResult_t status, const std::string& operation) -> void {
+  if (status != ncclSuccess && status != ncclInProgress)
+    throw error(rank(), "nccl." + operation, ncclGetErrorString(status),
+                "check the NCCL installation (NCCL_DEBUG=INFO)");
+}
+
+COHORT_DECL auto nccl::select_device(cohort::store& store, const launch_env& env, const options& opts) -> void {
+  int count = 0;
+  detail::check_cuda(cudaGetDeviceCount(&count), env.rank, "get_device_count");
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  const detail::device_choice choice = detail::choose_device(opts.device, env.local_rank, count, visible);
+  if (!choice.error.empty()) throw error(env.rank, "nccl.select_device", choice.error, choice.hint);
+  const int device = choice.device;
+  state_->device = device;
+  detail::check_cuda(cudaSetDevice(device), env.rank, "set_device(" + std::to_string(device) + ")");
+  char bus[64] = {};
+  detail::check_cuda(cudaDeviceGetPCIBusId(bus, sizeof bus, device), env.rank, "device_get_pci_bus_id");
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  const std::string identity = std::string(host) + "|" + bus;
+  store.set("device/" + std::to_string(env.rank), identity);
+  // One batched read of every rank's identity (O(1) requests per rank on a tcp_store).
+  std::vector<std::string> keys;
+  for (int r = 0; r < env.world_size; ++r) keys.push_back("device/" + std::to_string(r));
+  std::vector<std::string> identities;
+  for (const auto& value : store.multi_get(keys)) identities.push_back(to_string(value));
+  for (std::size_t r = 0; r < identities.size(); ++r)
+    if (!detail::well_formed_device_identity(identities[r]))
+      throw detail::malformed_store_value(env.rank, "nccl.select_device", keys[r], identities[r],
+                                          "'host|PCI bus id' (domain:bus:device.function)");
+  if (const auto duplicate = detail::find_duplicate_device(identities))
+    throw error(env.rank, "nccl.select_device",
+                detail::describe_duplicate(*duplicate) + "; this rank's " +
+                    detail::describe_device_counts(env.local_rank, env.local_world_size, count, visible),
+                detail::duplicate_device_hint());
+}
+
+COHORT_DECL auto nccl::finish_init(const std::string& operation, ncclResult_t status) -> void {
+  const auto deadline = std::chrono::steady_clock::now() + state_->timeout;
+  while (status == ncclInProgress) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      state_->abort(operation + " timed out");
+      throw timeout_error(rank(), "nccl." + operation, "not done after " + detail::format_duration(state_->timeout),
+                          "a rank never arrived: check that every rank started with the same WORLD_SIZE");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    std::lock_guard lock(state_->mutex);  // the watchdog may abort (and free) comm meanwhile
+    if (state_->aborted)
+      throw error(rank(), "nccl." + operation,
+                  "the communicator was aborted during initialisation (" + state_->abort_reason + ")",
+                  "check NCCL_DEBUG=WARN output on every rank");
+    ncclCommGetAsyncError(state_->comm, &status);
+  }
+  if (status != ncclSuccess) state_->fail(operation, status, "check NCCL_DEBUG=WARN output on every rank");
+}
+
+COHORT_DECL auto nccl::create_stream_and_scratch() -> void {
+  int least = 0, greatest = 0;
+  detail::check_cuda(cudaDeviceGetStreamPriorityRange(&least, &greatest), rank(), "stream_priority_range");
+  // Communication gets the highest priority so it is not starved by compute kernels.
+  detail::check_cuda(cudaStreamCreateWithPriority(&state_->stream, cudaStreamNonBlocking, greatest), rank(),
+                     "stream_create");
+  barrier_scratch_ = allocate(sizeof(int));
+  detail::check_cuda(cudaMemset(barrier_scratch_, 0, sizeof(int)), rank(), "memset");
+}
+
+COHORT_DECL auto nccl::record_event(const char* operation) -> work {
+  const detail::device_scope on_device(state_->device);
+  auto event = std::make_shared<detail::nccl_event>(state_, state_->take_event());
+  if (const cudaError_t status = cudaEventRecord(event->event, state_->stream); status != cudaSuccess)
+    detail::check_cuda(status, rank(), std::string("event_record(") + operation + ")");
+  return work(std::move(event), operation);
+}
+
+}  // namespace cohort::inline v0

@@ -1,0 +1,30 @@
+#pragma once
+// How cohort is built: the only macros that decide it, each documented here once.
+//
+//   COHORT_SEPARATE_COMPILATION  defined for the whole program: cohort's non-template code is
+//       compiled once, by the one translation unit that includes <cohort/src.hpp> (and, with
+//       NCCL, the device code once, by the one .cu that includes <cohort/src.cu>). Undefined
+//       (the default), cohort is header-only: nothing to build or link. CMake:
+//       cohort_add_compiled_library(name) builds those units and defines the macro for
+//       whatever links the library (cmake/cohortCompiled.cmake).
+//   COHORT_DECL  on every declaration of a function compiled in src.hpp or src.cu, and on its
+//       definition in a subsystem's impl/*.ipp: `inline` header-only, nothing when separately
+//       compiled. A reader of a header sees on the declaration that its body lives elsewhere.
+//   COHORT_HAS_NCCL  the program links NCCL and the CUDA runtime (the cohort::nccl target
+//       defines it): the umbrella header brings the NCCL backend, src.hpp compiles it.
+//   COHORT_INSTANTIATIONS(KEYWORD, B)  the one list of class templates compiled once per engine
+//       B when separately compiled (cohort/detail/instantiations.hpp): declared `extern` in the
+//       program's translation units that include the umbrella header, defined in src.hpp.
+//
+// Gloo needs no macro: wherever <gloo/context.h> is found (__has_include), the umbrella header
+// brings the Gloo backend and src.hpp compiles it; link cohort::gloo (or -lgloo).
+//
+// Where code lives, in every subsystem folder (rendezvous/, comm/, parallel/, ...): the
+// public header declares; templates' bodies are in the header or its impl/*.hpp, always
+// included; plain code is in impl/*.ipp, which the header includes only when header-only.
+
+#if defined(COHORT_SEPARATE_COMPILATION)
+#define COHORT_DECL
+#else
+#define COHORT_DECL inline
+#endif

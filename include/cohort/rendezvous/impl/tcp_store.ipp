@@ -1,0 +1,662 @@
+#pragma once
+// cohort/rendezvous/tcp_store.hpp's definitions: inline there when header-only, compiled once by <cohort/src.hpp>
+// under COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+#include "cohort/error.hpp"
+#include "cohort/rendezvous/detail/sha256.hpp"
+#include "cohort/rendezvous/detail/tcp_socket.hpp"
+#include "cohort/rendezvous/detail/tcp_store_protocol.hpp"
+#include "cohort/rendezvous/launch.hpp"
+#include "cohort/rendezvous/store.hpp"
+#include "cohort/rendezvous/tcp_store_server.hpp"
+
+#include "cohort/config.hpp"
+#include "cohort/rendezvous/tcp_store.hpp"
+
+namespace cohort::inline v0 {
+
+COHORT_DECL tcp_store::tcp_store(tcp_store_options options) : options_(std::move(options)) {
+  set_timeout(options_.timeout);
+  set_rank(options_.rank);
+  if (options_.is_server) {
+    auto server_options = options_.server;
+    server_options.token = options_.token;
+    server_ =
+        std::make_shared<tcp_store_server>(options_.host, options_.port, options_.rank, std::move(server_options));
+    options_.port = server_->port();
+  }
+  connect();
+  if (options_.num_workers && options_.wait_for_workers) join_workers(*options_.num_workers);
+}
+
+COHORT_DECL auto tcp_store::bounded(std::chrono::milliseconds timeout) const -> std::shared_ptr<store> {
+  tcp_store_options options = options_;
+  options.is_server = false;  // the server stays with this handle
+  options.num_workers.reset();
+  options.timeout = timeout;
+  options.connect_timeout = timeout;
+  options.max_backoff = std::min(options.max_backoff, std::max(timeout / 4, std::chrono::milliseconds(1)));
+  options.rank = rank();
+  return std::make_shared<tcp_store>(std::move(options));
+}
+
+COHORT_DECL auto tcp_store::set_within(std::string_view key, std::span<const std::uint8_t> value,
+                                       std::chrono::milliseconds timeout) -> void {
+  check_value_size("set", key, value.size());
+  exchange_within("set", timeout, [&](writer& write) {
+    write.command(command::set);
+    write.string(wire_key("set", key));
+    write.data(value);
+  });
+}
+
+COHORT_DECL auto tcp_store::get(std::string_view key, std::chrono::milliseconds timeout) -> bytes {
+  const std::string name(key);
+  std::lock_guard lock(mutex_);
+  wait_locked(std::span<const std::string>(&name, 1), timeout, "get");
+  return get_locked(wire_key("get", key), key);
+}
+
+COHORT_DECL auto tcp_store::compare_set(std::string_view key, std::span<const std::uint8_t> expected,
+                                        std::span<const std::uint8_t> desired) -> bytes {
+  check_value_size("compare_set", key, expected.size());
+  check_value_size("compare_set", key, desired.size());
+  bytes value;
+  exchange(
+      "compare_set",
+      [&](writer& write) {
+        write.command(command::compare_set);
+        write.string(wire_key("compare_set", key));
+        write.data(expected);
+        write.data(desired);
+      },
+      [&](clock::time_point deadline) { value = receive_data("compare_set", key, deadline); });
+  return value;
+}
+
+COHORT_DECL auto tcp_store::check(std::span<const std::string> keys) -> bool {
+  std::lock_guard lock(mutex_);
+  return check_locked(keys);
+}
+
+COHORT_DECL auto tcp_store::wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) -> void {
+  std::lock_guard lock(mutex_);
+  wait_locked(keys, timeout, "wait");
+}
+
+COHORT_DECL auto tcp_store::delete_key(std::string_view key) -> bool {
+  std::int64_t deleted = 0;
+  exchange(
+      "delete_key",
+      [&](writer& write) {
+        write.command(command::delete_key);
+        write.string(wire_key("delete_key", key));
+      },
+      [&](clock::time_point deadline) { deleted = receive_value<std::int64_t>("delete_key", key, deadline); });
+  return deleted == 1;
+}
+
+COHORT_DECL auto tcp_store::num_keys() -> std::int64_t {
+  std::int64_t count = 0;
+  exchange(
+      "num_keys", [&](writer& write) { write.command(command::num_keys); },
+      [&](clock::time_point deadline) { count = receive_value<std::int64_t>("num_keys", {}, deadline); });
+  return count;
+}
+
+COHORT_DECL auto tcp_store::append(std::string_view key, std::span<const std::uint8_t> value) -> void {
+  check_value_size("append", key, value.size());
+  exchange("append", [&](writer& write) {
+    write.command(command::append);
+    write.string(wire_key("append", key));
+    write.data(value);
+  });
+}
+
+COHORT_DECL auto tcp_store::multi_get(std::span<const std::string> keys, std::chrono::milliseconds timeout)
+    -> std::vector<bytes> {
+  std::lock_guard lock(mutex_);
+  wait_locked(keys, timeout, "multi_get");
+  std::vector<bytes> values;
+  values.reserve(keys.size());
+  // One MULTI_GET per 128 Ki keys (the protocol's bound on a key list).
+  const std::size_t batch = detail::tcp_store_protocol::max_keys_per_request;
+  for (std::size_t first = 0; first < keys.size(); first += batch) {
+    const auto part = keys.subspan(first, std::min(batch, keys.size() - first));
+    exchange_locked(
+        "multi_get", [&](writer& write) { write_key_list(write, command::multi_get, part, "multi_get"); },
+        [&](clock::time_point deadline) {
+          for (const auto& key : part) values.push_back(receive_data("multi_get", key, deadline));
+        });
+  }
+  return values;
+}
+
+COHORT_DECL auto tcp_store::multi_set(std::span<const std::string> keys, std::span<const bytes> values) -> void {
+  if (keys.size() != values.size())
+    throw error(rank(), "store.multi_set",
+                std::to_string(keys.size()) + " keys but " + std::to_string(values.size()) + " values",
+                "pass one value per key");
+  for (std::size_t i = 0; i < keys.size(); ++i) check_value_size("multi_set", keys[i], values[i].size());
+  exchange("multi_set", [&](writer& write) {
+    write.command(command::multi_set);
+    write.u64(keys.size());
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      write.string(wire_key("multi_set", keys[i]));
+      write.data(values[i]);
+    }
+  });
+}
+
+COHORT_DECL auto tcp_store::ping() -> void {
+  std::lock_guard lock(mutex_);
+  usable("ping");
+  ping_locked(clock::now() + timeout(), "ping");
+}
+
+COHORT_DECL auto tcp_store::wire_key(std::string_view operation, std::string_view key) const -> std::string {
+  if (options_.key_prefix.size() + key.size() > max_key_bytes_)
+    throw error(rank(), "store." + std::string(operation),
+                "key of " + std::to_string(options_.key_prefix.size() + key.size()) +
+                    " bytes (with the key prefix) exceeds the store's limit of " + std::to_string(max_key_bytes_),
+                "use short keys; put data in the value");
+  return options_.key_prefix + std::string(key);
+}
+
+COHORT_DECL auto tcp_store::check_value_size(std::string_view operation, std::string_view key, std::size_t size) const
+    -> void {
+  if (size > max_value_bytes_)
+    throw error(rank(), "store." + std::string(operation),
+                "value of " + std::to_string(size) + " bytes for key " + quoted(key) +
+                    " exceeds the store's limit of " + std::to_string(max_value_bytes_) + " bytes",
+                "a rendezvous store carries addresses and ids; move bulk data with a "
+                "collective");
+}
+
+COHORT_DECL auto tcp_store::write_key_list(writer& write, command which, std::span<const std::string> keys,
+                                           std::string_view operation) const -> void {
+  write.command(which);
+  write.u64(keys.size());
+  for (const auto& key : keys) write.string(wire_key(operation, key));
+}
+
+COHORT_DECL auto tcp_store::fail(std::string_view operation, const std::string& detail) -> void {
+  drop_connection();
+  broken_ = detail;
+  throw error(rank(), "store." + std::string(operation), detail,
+              "the store server (rank 0 or the launcher's agent) may have exited, or refused a request: "
+              "cohort's server closes a connection that sends a value over its max_value_bytes or a request "
+              "past its memory budget (tcp_store_server_options, SECURITY.md), and prints why in its log");
+}
+
+COHORT_DECL auto tcp_store::fail_timeout(std::string_view operation, const std::string& detail) -> void {
+  drop_connection();
+  broken_ = detail;
+  throw timeout_error(rank(), "store." + std::string(operation), detail,
+                      "the store server is overloaded or stalled, or cut off from this host; check the "
+                      "server host and the network between, or raise the timeout");
+}
+
+COHORT_DECL auto tcp_store::fail_busy(std::string_view operation) -> void {
+  handshake_ = handshake::busy;
+  fail(operation, "the server at " + endpoint() + " is at its connection limit and turned this connection away");
+}
+
+COHORT_DECL auto tcp_store::usable(std::string_view operation) const -> void {
+  if (!socket_)
+    throw error(rank(), "store." + std::string(operation),
+                "the connection to the store server at " + endpoint() + " was closed by an earlier failure: " + broken_,
+                "create a new store handle");
+}
+
+COHORT_DECL auto tcp_store::send_all(std::string_view operation, std::span<const std::uint8_t> data,
+                                     clock::time_point deadline) -> void {
+  std::size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t sent = ::send(socket_.get(), data.data() + done, data.size() - done, MSG_NOSIGNAL);
+    if (sent > 0) {
+      done += static_cast<std::size_t>(sent);
+      continue;
+    }
+    if (sent < 0 && errno == EINTR) continue;
+    if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (!detail::tcp::poll_until(socket_.get(), POLLOUT, deadline))
+        fail_timeout(operation, "could not send to the store server at " + endpoint() + " within " +
+                                    detail::format_duration(request_timeout()));
+      continue;
+    }
+    fail(operation, "sending to the store server at " + endpoint() + " failed: " + detail::tcp::errno_text(errno));
+  }
+}
+
+COHORT_DECL auto tcp_store::receive_exact(std::string_view operation, std::string_view key, void* destination,
+                                          std::size_t size, clock::time_point deadline) -> void {
+  auto* out = static_cast<std::uint8_t*>(destination);
+  std::size_t done = 0;
+  // Replies are read ahead into the inbox, so a MULTI_GET of N values costs a few recv calls,
+  // not two per value; a large value goes straight to its destination.
+  auto take_buffered = [&] {
+    const std::size_t taken = std::min(size - done, inbox_end_ - inbox_start_);
+    if (taken > 0) std::memcpy(out + done, inbox_.data() + inbox_start_, taken);
+    done += taken;
+    inbox_start_ += taken;
+  };
+  take_buffered();
+  while (done < size) {
+    const bool direct = size - done >= inbox_capacity;
+    if (!direct && inbox_.size() < inbox_capacity) inbox_.resize(inbox_capacity);
+    const ssize_t got = direct ? ::recv(socket_.get(), out + done, size - done, 0)
+                               : ::recv(socket_.get(), inbox_.data(), inbox_capacity, 0);
+    if (got > 0) {
+      if (direct) {
+        done += static_cast<std::size_t>(got);
+      } else {
+        inbox_start_ = 0;
+        inbox_end_ = static_cast<std::size_t>(got);
+        take_buffered();
+      }
+      continue;
+    }
+    const std::string about = key.empty() ? std::string() : " for key " + quoted(key);
+    if (got == 0) fail(operation, "the store server at " + endpoint() + " closed the connection" + about);
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK)
+      fail(operation,
+           "receiving from the store server at " + endpoint() + about + " failed: " + detail::tcp::errno_text(errno));
+    if (!detail::tcp::poll_until(socket_.get(), POLLIN, deadline))
+      fail_timeout(operation, "no reply from the store server at " + endpoint() + about + " within " +
+                                  detail::format_duration(request_timeout()));
+  }
+}
+
+COHORT_DECL auto tcp_store::receive_data(std::string_view operation, std::string_view key, clock::time_point deadline)
+    -> bytes {
+  const auto size = receive_value<std::uint64_t>(operation, key, deadline);
+  if (size > detail::tcp_store_protocol::max_value_bytes)
+    fail(operation, "the store server at " + endpoint() + " announced a value of " + std::to_string(size) +
+                        " bytes for key " + quoted(key) + ", over the limit of " +
+                        std::to_string(detail::tcp_store_protocol::max_value_bytes));
+  bytes value(size);
+  receive_exact(operation, key, value.data(), value.size(), deadline);
+  return value;
+}
+
+COHORT_DECL auto tcp_store::get_locked(const std::string& wire, std::string_view key) -> bytes {
+  bytes value;
+  exchange_locked(
+      "get",
+      [&](writer& write) {
+        write.command(command::get);
+        write.string(wire);
+      },
+      [&](clock::time_point deadline) { value = receive_data("get", key, deadline); });
+  return value;
+}
+
+COHORT_DECL auto tcp_store::add_wire(const std::string& wire, std::string_view key, std::int64_t delta,
+                                     std::chrono::milliseconds limit) -> std::int64_t {
+  std::int64_t value = 0;
+  exchange_within(
+      "add", limit,
+      [&](writer& write) {
+        write.command(command::add);
+        write.string(wire);
+        write.i64(delta);
+      },
+      [&](clock::time_point deadline) { value = receive_value<std::int64_t>("add", key, deadline); });
+  return value;
+}
+
+COHORT_DECL auto tcp_store::check_locked(std::span<const std::string> keys) -> bool {
+  std::uint8_t reply = 0;
+  exchange_locked(
+      "check", [&](writer& write) { write_key_list(write, command::check, keys, "check"); },
+      [&](clock::time_point deadline) { reply = receive_value<std::uint8_t>("check", first_key(keys), deadline); });
+  if (reply != static_cast<std::uint8_t>(check_reply::ready) &&
+      reply != static_cast<std::uint8_t>(check_reply::not_ready))
+    fail("check", "the store server answered CHECK with " + std::to_string(reply));
+  return reply == static_cast<std::uint8_t>(check_reply::ready);
+}
+
+COHORT_DECL auto tcp_store::wait_locked(std::span<const std::string> keys, std::chrono::milliseconds limit,
+                                        std::string_view operation) -> void {
+  usable(operation);
+  if (keys.empty()) return;
+  bytes message;
+  writer out(message);
+  write_key_list(out, command::wait, keys, operation);
+  const auto start = clock::now();
+  send_message(operation, message, start + std::max(limit, timeout()));
+  const std::uint8_t stop = static_cast<std::uint8_t>(wait_reply::stop_waiting);
+  const std::uint8_t canceled = static_cast<std::uint8_t>(wait_reply::wait_canceled);
+  if (inbox_start_ < inbox_end_ || detail::tcp::poll_until(socket_.get(), POLLIN, start + limit)) {
+    const auto reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + timeout());
+    if (reply != stop) fail(operation, "the store server answered WAIT with " + std::to_string(reply));
+    return;
+  }
+  message.assign(1, static_cast<std::uint8_t>(command::cancel_wait));
+  send_message(operation, message, clock::now() + timeout());
+  auto reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + timeout());
+  const bool arrived = reply == stop;
+  if (arrived) reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + timeout());
+  if (reply != canceled) fail(operation, "the store server answered CANCEL_WAIT with " + std::to_string(reply));
+  if (arrived) return;
+  std::vector<std::string> missing;
+  for (const auto& key : keys)
+    if (!check_locked(std::span<const std::string>(&key, 1))) missing.push_back(key);
+  if (missing.empty()) return;  // they arrived while we were cancelling
+  throw_timeout(operation, missing, limit);
+}
+
+COHORT_DECL auto tcp_store::ping_locked(clock::time_point deadline, std::string_view operation) -> void {
+  bytes message;
+  writer out(message);
+  const std::uint32_t nonce = append_ping(out);
+  send_message(operation, message, deadline);
+  read_ping_echo(nonce, deadline, operation);
+}
+
+COHORT_DECL auto tcp_store::append_ping(writer& out) -> std::uint32_t {
+  namespace protocol = detail::tcp_store_protocol;
+  std::uint32_t nonce = static_cast<std::uint32_t>(::getpid()) ^ (++ping_count_ * 0x9E3779B9u);
+  if (nonce == protocol::busy_marker || nonce == protocol::token_required_marker) nonce ^= 1;
+  out.command(command::ping);
+  out.u32(nonce);
+  return nonce;
+}
+
+COHORT_DECL auto tcp_store::read_ping_echo(std::uint32_t nonce, clock::time_point deadline, std::string_view operation)
+    -> void {
+  namespace protocol = detail::tcp_store_protocol;
+  const auto echoed = receive_value<std::uint32_t>(operation, {}, deadline);
+  if (echoed == nonce) return;
+  if (echoed == protocol::busy_marker) fail_busy(operation);
+  if (echoed == protocol::token_required_marker) {
+    handshake_ = handshake::fatal;
+    fatal_hint_ =
+        "set the same COHORT_STORE_TOKEN (or COHORT_STORE_TOKEN_FILE) on every rank, rank 0 included "
+        "(SECURITY.md)";
+    fail(operation, "the store server at " + endpoint() +
+                        " requires a token (COHORT_STORE_TOKEN) and this rank has none, so it refused the connection");
+  }
+  fail(operation, "the server at " + endpoint() + " echoed PING " + std::to_string(nonce) + " as " +
+                      std::to_string(echoed) + "; it does not speak TCPStore");
+}
+
+COHORT_DECL auto tcp_store::connect() -> void {
+  const auto start = clock::now();
+  const auto deadline = start + options_.connect_timeout;
+  auto backoff = std::max(options_.initial_backoff, std::chrono::milliseconds(1));
+  std::string last_error;
+  int attempts = 0;
+  int refused_in_a_row = 0;
+  int busy = 0;
+  for (;;) {
+    ++attempts;
+    handshake_ = handshake::not_reached;
+    last_error = try_connect(deadline);
+    if (last_error.empty()) return;
+    if (handshake_ == handshake::fatal) throw error(rank(), "tcp_store.connect", last_error, fatal_hint_);
+    if (handshake_ == handshake::busy) ++busy;
+    // A server that accepts the connection and then closes it at cohort's first message is
+    // an answer, not a server still starting: after a few, say what it means.
+    refused_in_a_row = handshake_ == handshake::refused ? refused_in_a_row + 1 : 0;
+    if (refused_in_a_row == 3 && !options_.token.empty())
+      throw error(rank(), "tcp_store.connect",
+                  "the server at " + endpoint() +
+                      " accepted the connection and closed it during cohort's token handshake 3 times in a row "
+                      "(last: " +
+                      last_error +
+                      "): it checks no token. PyTorch's TCPStore (torchrun's agent store among them) has no "
+                      "authentication",
+                  "a token needs rank 0 to serve the store with cohort (connect_store without torchrun's agent "
+                  "store); otherwise unset COHORT_STORE_TOKEN on every rank");
+    if (refused_in_a_row == 3)
+      throw error(rank(), "tcp_store.connect",
+                  "the server at " + endpoint() +
+                      " accepted the connection and closed it during cohort's "
+                      "handshake (VALIDATE, then PING) 3 times in a row (last: " +
+                      last_error + "): " + std::string(detail::tcp::other_protocol),
+                  "run a PyTorch >= 2.0 TCPStore (torchrun of torch 2.x), or let cohort's rank 0 host the "
+                  "store; check that MASTER_PORT is not another service's port");
+    const auto now = clock::now();
+    if (now >= deadline) break;
+    std::this_thread::sleep_for(std::min<clock::duration>(backoff, deadline - now));
+    backoff = std::min(backoff * 2, std::max(options_.max_backoff, backoff));
+  }
+  std::string why;
+  if (busy > 0)
+    why = "; the server turned " + std::to_string(busy) +
+          " attempt(s) away at its connection limit: look for clients that are not the job's (SECURITY.md), or "
+          "raise tcp_store_server_options::max_connections or ulimit -n on the rank serving the store";
+  else if (handshake_ == handshake::unanswered)
+    why = "; the server accepted the connection but never answered the handshake: " +
+          std::string(detail::tcp::other_protocol);
+  throw timeout_error(rank(), "tcp_store.connect",
+                      "could not connect to the store server at " + endpoint() + " within " +
+                          detail::format_duration(options_.connect_timeout) + " (" + std::to_string(attempts) +
+                          " attempts; last error: " + last_error + ")" + why,
+                      "check MASTER_ADDR and MASTER_PORT, that rank 0 (or the launcher's "
+                      "agent) is running, and that no firewall blocks the port");
+}
+
+COHORT_DECL auto tcp_store::try_connect(clock::time_point deadline) -> std::string {
+  detail::tcp::address_list addresses;
+  const std::string unresolved = detail::tcp::resolve(options_.host, options_.port, false, addresses);
+  if (!unresolved.empty()) return "cannot resolve " + options_.host + ": " + unresolved;
+  std::string last_error = "no address";
+  for (addrinfo* entry = addresses.head; entry; entry = entry->ai_next) {
+    detail::tcp::file_descriptor fd(
+        ::socket(entry->ai_family, entry->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, entry->ai_protocol));
+    if (!fd) {
+      last_error = detail::tcp::errno_text(errno);
+      continue;
+    }
+    if (::connect(fd.get(), entry->ai_addr, entry->ai_addrlen) != 0) {
+      if (errno != EINPROGRESS) {
+        last_error = detail::tcp::errno_text(errno);
+        continue;
+      }
+      if (!detail::tcp::poll_until(fd.get(), POLLOUT, deadline)) {
+        last_error = "connect timed out";
+        continue;
+      }
+      int status = 0;
+      socklen_t length = sizeof(status);
+      ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &status, &length);
+      if (status != 0) {
+        last_error = detail::tcp::errno_text(status);
+        continue;
+      }
+    }
+    detail::tcp::set_no_delay(fd.get());
+    drop_connection();
+    socket_ = std::move(fd);
+    broken_.clear();
+    try {
+      // A just-accepted connection gets a moment to answer even at the connect deadline.
+      handshake_locked(std::max(deadline, clock::now() + std::chrono::seconds(2)));
+      return {};
+    } catch (const timeout_error& failure) {
+      drop_connection();
+      if (handshake_ == handshake::not_reached) handshake_ = handshake::unanswered;
+      last_error = "handshake failed: " + failure.detail();
+    } catch (const error& failure) {
+      drop_connection();
+      if (handshake_ == handshake::not_reached) handshake_ = handshake::refused;
+      last_error = (handshake_ == handshake::fatal ? "" : "handshake failed: ") + failure.detail();
+      if (handshake_ == handshake::fatal) return last_error;
+    }
+  }
+  return last_error;
+}
+
+COHORT_DECL auto tcp_store::handshake_locked(clock::time_point deadline) -> void {
+  namespace protocol = detail::tcp_store_protocol;
+  // One message per round trip: VALIDATE and PING together (one round trip), or with a token
+  // VALIDATE and AUTH_HELLO, then AUTH_PROOF and PING (two).
+  bytes message;
+  writer out(message);
+  out.command(command::validate);
+  out.u32(protocol::validation_magic);
+  if (options_.token.empty()) {
+    const std::uint32_t nonce = append_ping(out);
+    send_message("connect", message, deadline, 2);
+    return read_ping_echo(nonce, deadline, "connect");
+  }
+  protocol::nonce client{};
+  if (!detail::random_bytes(client))
+    throw error(rank(), "tcp_store.connect", "no random source (getrandom, /dev/urandom) for the token handshake");
+  out.command(command::auth_hello);
+  out.u8(protocol::auth_version);
+  out.raw_bytes(client);
+  send_message("connect", message, deadline, 2);
+  const auto status = receive_value<std::uint8_t>("connect", {}, deadline);
+  if (status == protocol::busy_first_byte) fail_busy("connect");
+  if (status == static_cast<std::uint8_t>(protocol::auth_reply::no_token)) {
+    handshake_ = handshake::fatal;
+    fatal_hint_ = "set the same COHORT_STORE_TOKEN on every rank, rank 0 included, or unset it everywhere";
+    fail("connect", "the store server at " + endpoint() +
+                        " was started without a token, and this rank has one (COHORT_STORE_TOKEN)");
+  }
+  if (status != static_cast<std::uint8_t>(protocol::auth_reply::challenge))
+    fail("connect", "the server at " + endpoint() + " answered AUTH_HELLO with " + std::to_string(status));
+  prove_token(client, deadline);
+}
+
+COHORT_DECL auto tcp_store::prove_token(const detail::tcp_store_protocol::nonce& client, clock::time_point deadline)
+    -> void {
+  namespace protocol = detail::tcp_store_protocol;
+  protocol::nonce server{};
+  detail::sha256_digest claimed{};
+  receive_exact("connect", {}, server.data(), server.size(), deadline);
+  receive_exact("connect", {}, claimed.data(), claimed.size(), deadline);
+  if (!detail::equal_in_constant_time(protocol::server_proof(options_.token, client, server), claimed)) {
+    handshake_ = handshake::fatal;
+    fatal_hint_ =
+        "set the same COHORT_STORE_TOKEN (or the same COHORT_STORE_TOKEN_FILE contents) on every rank, "
+        "and check that MASTER_ADDR:MASTER_PORT is this job's rank 0";
+    fail("connect", "the store server at " + endpoint() +
+                        " could not prove that it knows this rank's token: rank 0 has another COHORT_STORE_TOKEN, or "
+                        "the server is not this job's");
+  }
+  const auto proof = protocol::client_proof(options_.token, client, server);
+  bytes message;
+  writer out(message);
+  out.command(command::auth_proof);
+  out.raw_bytes(proof);
+  const std::uint32_t nonce = append_ping(out);
+  send_message("connect", message, deadline, 2);
+  const auto status = receive_value<std::uint8_t>("connect", {}, deadline);
+  if (status == protocol::busy_first_byte) fail_busy("connect");
+  if (status != static_cast<std::uint8_t>(protocol::auth_reply::accepted)) {
+    handshake_ = handshake::fatal;
+    fatal_hint_ = "set the same COHORT_STORE_TOKEN on every rank";
+    fail("connect", "the store server at " + endpoint() + " refused this rank's token proof");
+  }
+  max_key_bytes_ = std::min(receive_value<std::uint64_t>("connect", {}, deadline), protocol::max_key_bytes);
+  max_value_bytes_ = std::min(receive_value<std::uint64_t>("connect", {}, deadline), protocol::max_value_bytes);
+  authenticated_ = true;
+  read_ping_echo(nonce, deadline, "connect");
+}
+
+COHORT_DECL auto tcp_store::join_workers(int workers) -> void {
+  const std::string init_key = "init/";  // c10d's key, without the key prefix
+  add_wire(init_key, init_key, 1, timeout());
+  if (!server_) return;
+  const auto start = clock::now();
+  auto pause = std::chrono::milliseconds(5);
+  for (;;) {
+    bytes value;
+    {
+      std::lock_guard lock(mutex_);
+      value = get_locked(init_key, init_key);
+    }
+    std::int64_t joined = 0;
+    std::from_chars(reinterpret_cast<const char*>(value.data()),
+                    reinterpret_cast<const char*>(value.data() + value.size()), joined);
+    if (joined >= workers) return;
+    if (clock::now() - start >= timeout())
+      throw timeout_error(rank(), "tcp_store.wait_for_workers",
+                          std::to_string(joined) + " of " + std::to_string(workers) + " workers joined the store at " +
+                              endpoint() + " within " + detail::format_duration(timeout()),
+                          "check that every rank was started with the same world size and "
+                          "master address");
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(100));
+  }
+}
+
+}  // namespace cohort::inline v0
+
+namespace cohort::inline v0 {
+
+COHORT_DECL std::string store_token_from_environment(int rank) {
+  const char* token = std::getenv("COHORT_STORE_TOKEN");
+  const char* file = std::getenv("COHORT_STORE_TOKEN_FILE");
+  if (token && !*token) token = nullptr;
+  if (file && !*file) file = nullptr;
+  if (token && file)
+    throw error(rank, "store_token", "both COHORT_STORE_TOKEN and COHORT_STORE_TOKEN_FILE are set",
+                "set one of them, the same on every rank");
+  if (token) return token;
+  if (!file) return {};
+  std::ifstream in(file, std::ios::binary);
+  std::ostringstream contents;
+  if (in) contents << in.rdbuf();
+  if (!in && !in.eof())
+    throw error(rank, "store_token", std::string("cannot read COHORT_STORE_TOKEN_FILE=") + file,
+                "the file must exist and be readable by this rank on every node");
+  std::string text = contents.str();
+  if (!text.empty() && text.back() == '\n') text.pop_back();
+  if (!text.empty() && text.back() == '\r') text.pop_back();
+  if (text.empty())
+    throw error(rank, "store_token", std::string("COHORT_STORE_TOKEN_FILE=") + file + " is empty",
+                "write the token into it (for example: head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE)");
+  return text;
+}
+
+COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_store_options options) {
+  options.host = env.master_addr;
+  options.port = env.master_port;
+  options.rank = env.rank;
+  if (options.token.empty()) options.token = store_token_from_environment(env.rank);
+  if (options.server.reserved_connections == 0 && env.world_size > 0)
+    options.server.reserved_connections = static_cast<std::size_t>(env.world_size);
+  if (env.use_agent_store) {
+    if (!options.token.empty())
+      throw error(env.rank, "connect_store",
+                  "a store token is set (COHORT_STORE_TOKEN or COHORT_STORE_TOKEN_FILE), but under torchrun's agent "
+                  "store (TORCHELASTIC_USE_AGENT_STORE=True) the store is PyTorch's TCPStore, which checks no token",
+                  "unset the token for this job, or start the ranks another way (mpirun, srun, COHORT_* variables) "
+                  "so that rank 0 serves a cohort store that checks it (SECURITY.md)");
+    options.is_server = false;
+    auto agent_store = std::make_shared<tcp_store>(std::move(options));
+    return std::make_shared<prefix_store>(std::move(agent_store), env.store_prefix());
+  }
+  options.is_server = env.rank == 0;
+  return std::make_shared<tcp_store>(std::move(options));
+}
+
+}  // namespace cohort::inline v0

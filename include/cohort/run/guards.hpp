@@ -1,0 +1,353 @@
+#pragma once
+// Main-process guards: side effects (downloads, logs, checkpoints) done once, safely.
+//
+//   if (cohort::is_main_process(pg)) ...                  global rank 0
+//   cohort::on_main(pg, [&] { save_config(); });          rank 0 only; a collective on pg inside
+//                                                         throws instead of hanging the others
+//   cohort::main_process_first(pg, [&] { load_or_download(); });
+//                                                         rank 0 first, then everyone else
+//   cohort::rank_logger log{pg};  log("loss ", loss);      "[rank 0/8] loss 0.25", main only
+//   cohort::main_printf(pg, "loss %.4f\n", loss);         printf on stdout, main only
+//   cohort::atomic_write_on_main(pg, "ckpt.bin", bytes);  temp file + fsync + rename on rank 0;
+//                                                         the others wait until it is complete
+//
+// Every function is a template over any group with the members it uses (rank(), size(),
+// local_rank(), barrier().wait(), ...), so they work with process_group<gloo>,
+// process_group<nccl>, or a user's own type.
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <concepts>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <thread>
+#include <type_traits>
+#include <utility>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include "cohort/config.hpp"
+#include "cohort/error.hpp"
+#include "cohort/types.hpp"
+
+namespace cohort::inline v0 {
+
+// ---- what a group must offer --------------------------------------------------------------
+
+template <class G>
+concept rank_group = requires(G& group) {
+  { group.rank() } -> std::convertible_to<int>;
+  { group.world_size() } -> std::convertible_to<int>;
+};
+
+template <class G>
+concept local_rank_group = rank_group<G> && requires(G& group) {
+  { group.local_rank() } -> std::convertible_to<int>;
+  { group.local_size() } -> std::convertible_to<int>;
+};
+
+template <class G>
+concept barrier_group = rank_group<G> && requires(G& group) {
+  group.barrier().wait();
+};
+
+namespace detail {
+// Groups whose broadcast takes host memory can tell the waiting ranks whether the main
+// rank's work succeeded; for the others (NCCL) a barrier is all there is.
+template <class G>
+concept host_broadcast_group = barrier_group<G> && requires(G& group, std::span<std::uint8_t> bytes) {
+  group.broadcast(bytes, 0).wait();
+  requires G::space == memory_space::host;
+};
+}  // namespace detail
+
+// ---- who is main ----------------------------------------------------------------------------
+
+template <rank_group G>
+bool is_main_process(const G& group) {
+  return group.rank() == 0;
+}
+
+template <local_rank_group G>
+bool is_local_main_process(const G& group) {
+  return group.local_rank() == 0;
+}
+
+// ---- on_main ----------------------------------------------------------------------------------
+
+// Runs fn on the main rank only; returns its result there (std::optional, empty elsewhere).
+// fn must not issue collectives on `group`: the other ranks never enter them. Groups that
+// offer main_only_section() (cohort's process_group) turn such a collective into a
+// cohort::error instead of a hang.
+template <rank_group G, class Fn>
+  requires std::invocable<Fn&>
+auto on_main(G& group, Fn&& fn) {
+  using result = std::invoke_result_t<Fn&>;
+  auto run = [&]() -> decltype(auto) {
+    if constexpr (requires { group.main_only_section(); }) {
+      [[maybe_unused]] auto section = group.main_only_section();
+      return std::invoke(fn);
+    } else {
+      return std::invoke(fn);
+    }
+  };
+  if constexpr (std::is_void_v<result>) {
+    if (group.rank() == 0) run();
+  } else {
+    std::optional<std::remove_cvref_t<result>> value;
+    if (group.rank() == 0) value.emplace(run());
+    return value;
+  }
+}
+
+// ---- main first ---------------------------------------------------------------------------------
+
+namespace detail {
+
+// The leader has finished (maybe with `failure`); lets everyone past the same point. On
+// host-broadcast groups the followers learn of the failure and throw too, rather than go on
+// to read a cache or file that was never written.
+template <barrier_group G>
+void release_followers(G& group, bool leader, const std::exception_ptr& failure, const char* operation,
+                       int leader_rank_for_message) {
+  if constexpr (host_broadcast_group<G>) {
+    // byte 0: 1 = failed; then the leader's message, truncated, NUL-terminated.
+    std::array<std::uint8_t, 512> status{};
+    if (leader && failure) {
+      status[0] = 1;
+      std::string text = "unknown exception";
+      try {
+        std::rethrow_exception(failure);
+      } catch (const std::exception& e) {
+        text = e.what();
+      } catch (...) {}
+      const auto length = std::min(text.size(), status.size() - 2);
+      std::memcpy(status.data() + 1, text.data(), length);
+    }
+    // Everyone joins the broadcast from rank 0; a failed local leader that is not rank 0 is
+    // still reported through the barrier below only (its own exception is rethrown there).
+    group.broadcast(std::span<std::uint8_t>(status), 0).wait();
+    group.barrier().wait();
+    if (!leader && status[0] == 1)
+      throw error(group.rank(), operation,
+                  "rank " + std::to_string(leader_rank_for_message) +
+                      " failed: " + std::string(reinterpret_cast<const char*>(status.data() + 1)),
+                  "fix the failure on the main rank; the other ranks did not run their part");
+  } else {
+    (void)failure;
+    (void)operation;
+    (void)leader_rank_for_message;
+    group.barrier().wait();
+  }
+}
+
+template <barrier_group G, class Fn>
+void leader_first(G& group, bool leader, Fn& fn, const char* operation, bool report_failure,
+                  bool followers_run_too = true) {
+  if (leader) {
+    std::exception_ptr failure;
+    try {
+      std::invoke(fn);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    // Always release the others, even on failure: a leader that throws before the barrier
+    // would leave them waiting until their timeout.
+    release_followers(group, true, report_failure ? failure : std::exception_ptr{}, operation, 0);
+    if (failure) std::rethrow_exception(failure);
+  } else {
+    release_followers(group, false, {}, operation, 0);
+    if (followers_run_too) std::invoke(fn);
+  }
+}
+
+}  // namespace detail
+
+// Rank 0 runs fn while the others wait at a barrier; then the others run fn (download once,
+// then everyone reads the cache). Collective: every rank of `group` must call it. fn must not
+// use `group` itself (rank 0 runs it while the others sit in a barrier). If fn throws on
+// rank 0, the others are released and, on host groups (Gloo), throw a cohort::error naming
+// rank 0's failure instead of running fn.
+template <barrier_group G, class Fn>
+  requires std::invocable<Fn&>
+void main_process_first(G& group, Fn&& fn) {
+  detail::leader_first(group, group.rank() == 0, fn, "main_process_first", true);
+}
+
+// Like main_process_first with local rank 0 of every node as the leader (one download per
+// node, onto node-local disk). Every rank of `group` waits at one barrier, which is more
+// waiting than strictly needed across nodes but needs no node-local subgroup. A leader's
+// failure is not forwarded (only rank 0 can broadcast it); the followers of a failed leader
+// run fn themselves.
+template <barrier_group G, class Fn>
+  requires local_rank_group<G> && std::invocable<Fn&>
+void local_main_process_first(G& group, Fn&& fn) {
+  detail::leader_first(group, group.local_rank() == 0, fn, "local_main_process_first", false);
+}
+
+// ---- rank-aware logging ---------------------------------------------------------------------
+
+struct log_options {
+  // Print from every rank, not only rank 0.
+  bool all_ranks = false;
+  // Non-empty: every rank (main or not) also appends its lines to directory/rank-<r>.log.
+  // (A std::filesystem::path converts; paths are strings here so that this header does not
+  // cost every trainer TU <filesystem>.)
+  std::string directory = {};
+  // Where console lines go, one call per whole line (prefix included, no newline).
+  // Empty: std::clog.
+  std::function<void(std::string_view line)> console = {};
+};
+
+// "[rank r/N] message" lines. Cheap to copy around by reference; not copyable itself (it may
+// own a file).
+class rank_logger {
+ public:
+  COHORT_DECL rank_logger(int rank, int world, log_options options = {});
+
+  template <rank_group G>
+  explicit rank_logger(const G& group, log_options options = {})
+      : rank_logger(static_cast<int>(group.rank()), static_cast<int>(group.world_size()), std::move(options)) {}
+
+  rank_logger(const rank_logger&) = delete;
+  rank_logger& operator=(const rank_logger&) = delete;
+  COHORT_DECL ~rank_logger();
+
+  const std::string& prefix() const noexcept { return prefix_; }
+  // directory/rank-<r>.log, or empty without a directory.
+  const std::string& file() const noexcept { return file_path_; }
+  bool prints_to_console() const noexcept { return options_.all_ranks || rank_ == 0; }
+
+  COHORT_DECL void log(std::string_view message);
+
+  // log("step ", step, " loss ", loss): the pieces streamed into one line.
+  template <class... Parts>
+  void operator()(const Parts&... parts) {
+    std::ostringstream text;
+    (text << ... << parts);
+    log(text.str());
+  }
+
+ private:
+  int rank_;
+  int world_;
+  log_options options_;
+  std::string prefix_;
+  std::string file_path_;
+  std::FILE* file_ = nullptr;
+  std::mutex file_mutex_;
+};
+
+// ---- printf on stdout ---------------------------------------------------------------------------
+//
+//   cohort::main_printf(pg, "step %d loss %.4f\n", step, loss);   rank 0 only
+//   cohort::printf_on(pg, 3, "shard %zu ready\n", shard);         rank 3 only
+//   cohort::rank_printf(pg, "loaded %d files\n", n);              every rank: "[rank 1] loaded 8 files"
+//
+// For trainers that print with printf: the lines go to stdout, formatted as printf formats
+// them (the compiler checks the arguments against the format, as for printf). The first
+// argument is a group (rank()) or a launch_env (.rank); no communication.
+//
+// Their lines and the trainer's own printf lines stay in the order the program printed
+// them: both go through the same FILE* stdout, so they sit in one buffer in call order
+// (writing to file descriptor 1 directly would overtake the trainer's lines still buffered
+// there, which is the whole buffer when stdout is a pipe or a file). Each call is one
+// fwrite of whole lines (stdio locks the FILE for it, so another thread's printf cannot land
+// inside it), completed with a newline when the text lacks one, then fflush: under a
+// launcher that merges the ranks' pipes, each rank's lines arrive whole and promptly.
+// rank_printf prefixes every line of the text.
+
+template <class G>
+concept rank_source = rank_group<G> || requires(const G& env) {
+  { env.rank } -> std::convertible_to<int>;
+  { env.world_size } -> std::convertible_to<int>;
+};
+
+namespace detail {
+template <rank_source G>
+int rank_of(const G& who) {
+  if constexpr (rank_group<G>)
+    return static_cast<int>(who.rank());
+  else
+    return static_cast<int>(who.rank);
+}
+// Formats, prefixes each line with `prefix`, ends the text with a newline and writes it
+// with one fwrite, then fflush. Never throws (printing must not end a training run).
+COHORT_DECL void print_lines(std::FILE* out, std::string_view prefix, const char* format, std::va_list args) noexcept;
+COHORT_DECL std::string rank_prefix(int rank);
+}  // namespace detail
+
+template <rank_source G>
+[[gnu::format(printf, 2, 3)]] void main_printf(const G& who, const char* format, ...) {
+  if (detail::rank_of(who) != 0) return;
+  std::va_list args;
+  va_start(args, format);
+  detail::print_lines(stdout, {}, format, args);
+  va_end(args);
+}
+
+template <rank_source G>
+[[gnu::format(printf, 3, 4)]] void printf_on(const G& who, int printing_rank, const char* format, ...) {
+  if (detail::rank_of(who) != printing_rank) return;
+  std::va_list args;
+  va_start(args, format);
+  detail::print_lines(stdout, {}, format, args);
+  va_end(args);
+}
+
+template <rank_source G>
+[[gnu::format(printf, 2, 3)]] void rank_printf(const G& who, const char* format, ...) {
+  const std::string prefix = detail::rank_prefix(detail::rank_of(who));
+  std::va_list args;
+  va_start(args, format);
+  detail::print_lines(stdout, prefix, format, args);
+  va_end(args);
+}
+
+// ---- atomic writes --------------------------------------------------------------------------------
+
+// Writes target atomically: readers see the old file (or none) until the new one is complete
+// and durable. The data goes to a temporary file in the same directory, which is flushed,
+// fsync'ed and renamed over target; then the directory is fsync'ed so the rename survives a
+// crash. `write` fills the stream; if it throws, target is untouched and the temporary removed.
+// target may be a std::filesystem::path (it converts).
+COHORT_DECL void atomic_write_file(const std::string& target, const std::function<void(std::ostream&)>& write,
+                                   int rank = -1);
+
+COHORT_DECL void atomic_write_file(const std::string& target, std::string_view contents, int rank = -1);
+
+// Collective: rank 0 writes target atomically, the others wait until it is in place, so no
+// rank reads a half-written checkpoint. If rank 0 fails, it rethrows, and on host groups
+// (Gloo) the others throw a cohort::error naming the failure instead of reading a stale file.
+template <barrier_group G>
+void atomic_write_on_main(G& group, const std::string& target, const std::function<void(std::ostream&)>& write) {
+  const int rank = static_cast<int>(group.rank());
+  auto write_it = [&] { atomic_write_file(target, write, rank); };
+  detail::leader_first(group, rank == 0, write_it, "atomic_write_on_main", true, false);
+}
+
+template <barrier_group G>
+void atomic_write_on_main(G& group, const std::string& target, std::string_view contents) {
+  const int rank = static_cast<int>(group.rank());
+  auto write_it = [&] { atomic_write_file(target, contents, rank); };
+  detail::leader_first(group, rank == 0, write_it, "atomic_write_on_main", true, false);
+}
+
+}  // namespace cohort::inline v0
+
+#if !defined(COHORT_SEPARATE_COMPILATION)
+#include "cohort/run/impl/guards.ipp"
+#endif

@@ -1,0 +1,187 @@
+#pragma once
+// cohort/run/guards.hpp's definitions: inline there when header-only, compiled once by <cohort/src.hpp>
+// under COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <concepts>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include "cohort/error.hpp"
+#include "cohort/types.hpp"
+
+#include "cohort/config.hpp"
+#include "cohort/run/guards.hpp"
+
+namespace cohort::inline v0 {
+namespace detail {
+
+COHORT_DECL void fsync_path(const std::filesystem::path& path, bool directory, int rank) {
+  const int fd = ::open(path.c_str(), directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY);
+  if (fd < 0) throw error(rank, "atomic_write", "cannot open " + path.string() + " to fsync: " + std::strerror(errno));
+  const int result = ::fsync(fd);
+  const int saved = errno;
+  ::close(fd);
+  // Some file systems cannot fsync a directory (EINVAL); the rename is still atomic there.
+  if (result != 0 && !(directory && (saved == EINVAL || saved == EROFS)))
+    throw error(rank, "atomic_write", "fsync of " + path.string() + " failed: " + std::strerror(saved),
+                "check free space and the file system's health");
+}
+
+COHORT_DECL std::filesystem::path temporary_sibling(const std::filesystem::path& target) {
+  // Same directory (rename must not cross file systems), hidden, unique per process and thread.
+  const auto unique =
+      std::to_string(::getpid()) + "-" + std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id()));
+  return target.parent_path() / ("." + target.filename().string() + ".cohort-tmp-" + unique);
+}
+
+}  // namespace detail
+}  // namespace cohort::inline v0
+
+namespace cohort::inline v0 {
+
+COHORT_DECL void atomic_write_file(const std::string& target_name, const std::function<void(std::ostream&)>& write,
+                                   int rank) {
+  const std::filesystem::path target(target_name);
+  if (target.filename().empty()) throw error(rank, "atomic_write", "target '" + target.string() + "' names no file");
+  const auto temporary = detail::temporary_sibling(target);
+  try {
+    {
+      std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+      if (!out)
+        throw error(rank, "atomic_write", "cannot create " + temporary.string() + ": " + std::strerror(errno),
+                    "check that the directory exists and is writable");
+      write(out);
+      out.flush();
+      if (!out)
+        throw error(rank, "atomic_write", "writing " + temporary.string() + " failed",
+                    "check free space on the target's file system");
+    }
+    detail::fsync_path(temporary, false, rank);
+    std::error_code ec;
+    std::filesystem::rename(temporary, target, ec);
+    if (ec)
+      throw error(rank, "atomic_write",
+                  "renaming " + temporary.string() + " to " + target.string() + " failed: " + ec.message());
+  } catch (...) {
+    std::error_code ignored;
+    std::filesystem::remove(temporary, ignored);
+    throw;
+  }
+  const auto directory = target.parent_path().empty() ? std::filesystem::path(".") : target.parent_path();
+  detail::fsync_path(directory, true, rank);
+}
+
+COHORT_DECL void atomic_write_file(const std::string& target, std::string_view contents, int rank) {
+  atomic_write_file(
+      target, [&](std::ostream& out) { out.write(contents.data(), static_cast<std::streamsize>(contents.size())); },
+      rank);
+}
+
+}  // namespace cohort::inline v0
+
+namespace cohort::inline v0 {
+
+COHORT_DECL rank_logger::rank_logger(int rank, int world, log_options options)
+    : rank_(rank), world_(world), options_(std::move(options)) {
+  prefix_ = "[rank " + std::to_string(rank_) + "/" + std::to_string(world_) + "] ";
+  if (!options_.directory.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(options_.directory, ec);
+    file_path_ = (std::filesystem::path(options_.directory) / ("rank-" + std::to_string(rank_) + ".log")).string();
+    file_ = std::fopen(file_path_.c_str(), "ae");  // e: close-on-exec
+    if (!file_)
+      throw error(rank_, "rank_logger",
+                  "cannot open log file " + file_path_ + " for appending: " + std::strerror(errno),
+                  "check that the log directory is writable");
+  }
+}
+
+COHORT_DECL rank_logger::~rank_logger() {
+  if (file_) std::fclose(file_);
+}
+
+COHORT_DECL auto rank_logger::log(std::string_view message) -> void {
+  std::string line = prefix_;
+  line += message;
+  if (prints_to_console()) {
+    if (options_.console) {
+      options_.console(line);
+    } else {
+      std::clog << (line + '\n') << std::flush;  // one write keeps ranks' lines whole
+    }
+  }
+  if (file_) {
+    line += '\n';
+    std::lock_guard lock(file_mutex_);
+    std::fwrite(line.data(), 1, line.size(), file_);
+    std::fflush(file_);
+  }
+}
+
+}  // namespace cohort::inline v0
+
+namespace cohort::inline v0 {
+namespace detail {
+
+COHORT_DECL std::string rank_prefix(int rank) { return "[rank " + std::to_string(rank) + "] "; }
+
+COHORT_DECL void print_lines(std::FILE* out, std::string_view prefix, const char* format, std::va_list args) noexcept {
+  // va_copy and its va_end in this one function, whatever is thrown in between.
+  std::va_list again;
+  va_copy(again, args);
+  std::string lines;
+  try {
+    char small[512];
+    const int length = std::vsnprintf(small, sizeof small, format, args);
+    std::string text;
+    if (length > 0 && static_cast<std::size_t>(length) < sizeof small) {
+      text.assign(small, static_cast<std::size_t>(length));
+    } else if (length > 0) {
+      text.resize(static_cast<std::size_t>(length) + 1);
+      std::vsnprintf(text.data(), text.size(), format, again);
+      text.resize(static_cast<std::size_t>(length));
+    }
+    if (!text.empty() && text.back() != '\n') text += '\n';  // every call ends its line
+    if (prefix.empty()) {
+      lines = std::move(text);
+    } else {
+      lines.reserve(text.size() + prefix.size() * 4);
+      for (std::size_t begin = 0; begin < text.size();) {
+        const std::size_t end = text.find('\n', begin) + 1;  // the text ends with '\n'
+        lines += prefix;
+        lines.append(text, begin, end - begin);
+        begin = end;
+      }
+    }
+  } catch (...) {
+    lines.clear();  // out of memory: print nothing rather than end the run
+  }
+  va_end(again);
+  if (lines.empty()) return;
+  std::fwrite(lines.data(), 1, lines.size(), out);
+  std::fflush(out);
+}
+
+}  // namespace detail
+}  // namespace cohort::inline v0

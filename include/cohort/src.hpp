@@ -1,0 +1,49 @@
+#pragma once
+// The one translation unit of a program built with COHORT_SEPARATE_COMPILATION (see
+// cohort/config.hpp) includes this header: it defines cohort's non-template code once.
+// The backends' parts come in when their engine is available, as in the umbrella header.
+#if !defined(COHORT_SEPARATE_COMPILATION)
+#error "cohort/src.hpp is for programs built with COHORT_SEPARATE_COMPILATION defined everywhere"
+#endif
+
+#include "cohort/comm/impl/device_identity.ipp"
+#include "cohort/comm/impl/flight_recorder.ipp"
+#include "cohort/comm/impl/host_address.ipp"
+#include "cohort/comm/impl/host_elementwise.ipp"
+#include "cohort/config.hpp"
+#include "cohort/data/impl/batch.ipp"
+#include "cohort/data/impl/metrics.ipp"
+#include "cohort/data/impl/sampler.ipp"
+#include "cohort/diagnostics/impl/straggler.ipp"
+#include "cohort/parallel/impl/checkpoint.ipp"
+#include "cohort/parallel/impl/layout.ipp"
+#include "cohort/rendezvous/impl/file_store.ipp"
+#include "cohort/rendezvous/impl/launch.ipp"
+#include "cohort/rendezvous/impl/sha256.ipp"
+#include "cohort/rendezvous/impl/store.ipp"
+#include "cohort/rendezvous/impl/tcp_socket.ipp"
+#include "cohort/rendezvous/impl/tcp_store.ipp"
+#include "cohort/rendezvous/impl/tcp_store_protocol.ipp"
+#include "cohort/rendezvous/impl/tcp_store_server.ipp"
+#include "cohort/run/impl/guards.ipp"
+#include "cohort/run/impl/run_ranks.ipp"
+
+#if __has_include(<gloo/context.h>)
+#include "cohort/comm/impl/gloo.ipp"
+#endif
+#if defined(COHORT_HAS_NCCL) && COHORT_HAS_NCCL
+#include "cohort/comm/impl/nccl.ipp"
+#endif
+
+// The list of cohort/detail/instantiations.hpp, defined here once for the program (every other
+// translation unit declares it extern). On NCCL the kernels they launch are compiled by the
+// program's one .cu that includes cohort/src.cu.
+#include "cohort/detail/instantiations.hpp"
+namespace cohort::inline v0 {
+#if __has_include(<gloo/context.h>)
+COHORT_INSTANTIATIONS(, gloo)
+#endif
+#if defined(COHORT_HAS_NCCL) && COHORT_HAS_NCCL
+COHORT_INSTANTIATIONS(, nccl)
+#endif
+}  // namespace cohort::inline v0
