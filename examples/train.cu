@@ -14,7 +14,9 @@
 #include <cohort/rendezvous/launch.hpp>
 #include <cohort/rendezvous/store.hpp>
 #include <cohort/rendezvous/tcp_store.hpp>
+#include <cohort/run/atomic_write.hpp>
 #include <cohort/run/guards.hpp>
+#include <cohort/run/logging.hpp>
 
 #include <algorithm>
 #include <cstdio>

@@ -26,9 +26,9 @@
 #include "support.hpp"
 
 using namespace std::chrono_literals;
-using cohort::detail::call_kind;
-using cohort::detail::call_record;
-using cohort::detail::call_state;
+using cohort::call_kind;
+using cohort::call_record;
+using cohort::call_state;
 using group = cohort::process_group<cohort::gloo>;
 
 namespace {
@@ -64,7 +64,7 @@ group make_group(const std::shared_ptr<cohort::store>& store, int rank, int worl
 }  // namespace
 
 TEST_CASE("the ring keeps the last calls in order, with their states and times", "[flight_recorder]") {
-  cohort::detail::flight_recorder recorder(4);
+  cohort::flight_recorder recorder(4);
   std::vector<std::uint64_t> ids;
   for (std::uint64_t s = 1; s <= 6; ++s) ids.push_back(recorder.issued(collective(s)));
   recorder.started(ids[4]);
@@ -94,7 +94,7 @@ TEST_CASE("the ring keeps the last calls in order, with their states and times",
   CHECK(recorder.last_completed() == 5);
 
   // A collective that completes after the ring recycled its slot still counts as completed.
-  cohort::detail::flight_recorder small(2);
+  cohort::flight_recorder small(2);
   const auto first = small.issued(collective(1));
   small.issued(collective(2));
   small.issued(collective(3));
@@ -102,7 +102,7 @@ TEST_CASE("the ring keeps the last calls in order, with their states and times",
   CHECK(small.last_completed() == 1);
   CHECK(small.snapshot().front().sequence == 2);
 
-  cohort::detail::flight_recorder off(0);
+  cohort::flight_recorder off(0);
   CHECK_FALSE(off.enabled());
   CHECK(off.issued(collective(1)) == 0);
   CHECK(off.snapshot().empty());

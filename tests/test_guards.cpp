@@ -24,7 +24,9 @@
 #include <unistd.h>
 
 #include "cohort/rendezvous/launch.hpp"
+#include "cohort/run/atomic_write.hpp"
 #include "cohort/run/guards.hpp"
+#include "cohort/run/logging.hpp"
 #include "support.hpp"
 
 #if __has_include(<gloo/context.h>)

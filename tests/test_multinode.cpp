@@ -12,7 +12,9 @@
 #include <cohort/parallel/training_state.hpp>
 #include <cohort/rendezvous/launch.hpp>
 #include <cohort/rendezvous/tcp_store.hpp>
+#include <cohort/run/atomic_write.hpp>
 #include <cohort/run/guards.hpp>
+#include <cohort/run/logging.hpp>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>

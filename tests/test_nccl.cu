@@ -4,11 +4,14 @@
 // Without a GPU each case reports itself skipped.
 #include <catch2/catch.hpp>
 
+#include <cohort/comm/host_values.hpp>
 #include <cohort/comm/nccl.hpp>
 #include <cohort/comm/ops.hpp>
 #include <cohort/comm/process_group.hpp>
 #include <cohort/data/batch.hpp>
+#include <cohort/run/atomic_write.hpp>
 #include <cohort/run/guards.hpp>
+#include <cohort/run/logging.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -266,9 +269,9 @@ TEST_CASE("the watchdog bounds work nobody waits for, records it, and the next c
   std::this_thread::sleep_for(std::chrono::milliseconds(2500));
   const auto calls = pg.backend().recorder().snapshot();
   REQUIRE(calls.size() == 2);
-  CHECK(calls[0].state == cohort::detail::call_state::completed);
+  CHECK(calls[0].state == cohort::call_state::completed);
   CHECK(calls[1].sequence == 2);
-  CHECK(calls[1].state == cohort::detail::call_state::failed);
+  CHECK(calls[1].state == cohort::call_state::failed);
   try {
     pg.all_reduce(data.span());
     FAIL("a call on a group the watchdog aborted was accepted");

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cohort/comm/gloo.hpp>
+#include <cohort/comm/host_values.hpp>
 #include <cohort/comm/ops.hpp>
 #include <cohort/comm/process_group.hpp>
 #include <cstdint>

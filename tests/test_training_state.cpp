@@ -6,6 +6,7 @@
 // rank leaving a region unused. Then the layout's own rules, the accounting, and the errors.
 #include <catch2/catch.hpp>
 
+#include <cohort/comm/host_values.hpp>
 #include <cohort/parallel/training_state.hpp>
 
 #include <algorithm>

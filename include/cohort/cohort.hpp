@@ -5,6 +5,7 @@
 // The tools' headers (cohort/tools/: the planner, the topology probe, their JSON) are not
 // included: a trainer does not pay for them; cohort-bench and cohort-plan include them.
 
+#include "cohort/comm/host_values.hpp"
 #include "cohort/comm/ops.hpp"
 #include "cohort/comm/process_group.hpp"
 #include "cohort/config.hpp"
@@ -22,7 +23,9 @@
 #include "cohort/rendezvous/launch.hpp"
 #include "cohort/rendezvous/store.hpp"
 #include "cohort/rendezvous/tcp_store.hpp"
+#include "cohort/run/atomic_write.hpp"
 #include "cohort/run/guards.hpp"
+#include "cohort/run/logging.hpp"
 #include "cohort/run/run_ranks.hpp"
 #include "cohort/types.hpp"
 #include "cohort/version.hpp"

@@ -25,7 +25,8 @@
 #include "cohort/rendezvous/impl/tcp_store.ipp"
 #include "cohort/rendezvous/impl/tcp_store_protocol.ipp"
 #include "cohort/rendezvous/impl/tcp_store_server.ipp"
-#include "cohort/run/impl/guards.ipp"
+#include "cohort/run/impl/atomic_write.ipp"
+#include "cohort/run/impl/logging.ipp"
 #include "cohort/run/impl/run_ranks.ipp"
 
 #if __has_include(<gloo/context.h>)

@@ -207,7 +207,7 @@ class gloo {
   const std::string& address() const noexcept { return address_; }
   const options& settings() const noexcept { return options_; }
   // The group's last calls (see options::flight_recorder_entries).
-  const detail::flight_recorder& recorder() const noexcept { return recorder_; }
+  const flight_recorder& recorder() const noexcept { return recorder_; }
   // Writes the flight recorder to `directory` now (as a failure does when trace_dir is set);
   // returns the file's path, empty when it could not be written.
   [[gnu::cold]] COHORT_DECL std::string write_trace(const std::string& directory, std::string_view reason) const;
@@ -291,7 +291,7 @@ class gloo {
 
   COHORT_DECL work post(detail::gloo_task operation);
 
-  COHORT_DECL static detail::call_record as_call(const detail::gloo_task& task);
+  COHORT_DECL static call_record as_call(const detail::gloo_task& task);
   COHORT_DECL static std::string describe(const detail::gloo_task& task);
 
   COHORT_DECL void run(detail::gloo_task& task);
@@ -348,7 +348,7 @@ class gloo {
   std::shared_ptr<cohort::store> store_;  // the group's namespace, for failure reports
   std::vector<detail::gloo_peer> peers_;  // what every rank published (connect)
   std::atomic<std::uint64_t> collectives_issued_{0};
-  detail::flight_recorder recorder_{options_.flight_recorder_entries};
+  flight_recorder recorder_{options_.flight_recorder_entries};
   std::atomic<bool> trace_written_{false};
   std::atomic<bool> debug_checks_{false};
   std::map<std::tuple<int, std::uint64_t, bool>, std::uint64_t> p2p_issued_;  // guarded by p2p_mutex_

@@ -177,8 +177,6 @@ class nccl {
   class work {
    public:
     work() = default;
-    explicit work(std::shared_ptr<detail::nccl_event> event, std::string operation)
-        : event_(std::move(event)), operation_(std::move(operation)) {}
 
     bool test() const {
       if (!event_) return true;
@@ -208,6 +206,9 @@ class nccl {
     cudaEvent_t event() const noexcept { return event_ ? event_->event : nullptr; }
 
    private:
+    friend class nccl;  // only the engine makes a work that completes with its event
+    explicit work(std::shared_ptr<detail::nccl_event> event, std::string operation)
+        : event_(std::move(event)), operation_(std::move(operation)) {}
     // One check (blocking = false) or a polling loop until done or deadline (blocking).
     bool poll(std::chrono::steady_clock::time_point deadline, bool blocking) const {
       auto& state = *event_->state;
@@ -264,7 +265,7 @@ class nccl {
   cudaStream_t stream() const noexcept { return state_->stream; }
   ncclComm_t communicator() const noexcept { return state_->comm; }
   const options& settings() const noexcept { return options_; }
-  const detail::flight_recorder& recorder() const noexcept { return *state_->recorder; }
+  const flight_recorder& recorder() const noexcept { return *state_->recorder; }
   [[gnu::cold]] COHORT_DECL std::string write_trace(const std::string& directory, std::string_view reason) const;
 
   COHORT_DECL work all_reduce(const void* in, void* out, std::size_t count, dtype type, op reduce);
@@ -307,7 +308,7 @@ class nccl {
   COHORT_DECL void start_failure_reporting(std::shared_ptr<cohort::store> group_store);
 
   template <class Call>
-  work issue(const char* operation, const detail::call_record& recorded, Call&& call) {
+  work issue(const char* operation, const call_record& recorded, Call&& call) {
     if (watchdog_) watchdog_->rethrow_if_failed();
     const detail::device_scope on_device(state_->device);
     state_->check_usable(operation);
@@ -319,7 +320,7 @@ class nccl {
     return done;
   }
   // Inside a group: an event recorded at group_end, once NCCL has launched the calls.
-  COHORT_DECL work deferred(const char* operation, const detail::call_record& recorded);
+  COHORT_DECL work deferred(const char* operation, const call_record& recorded);
 
   COHORT_DECL work record_event(const char* operation);
 
@@ -328,7 +329,7 @@ class nccl {
   void* barrier_scratch_ = nullptr;
   int group_depth_ = 0;
   struct grouped_call {
-    detail::call_record call;
+    call_record call;
     std::shared_ptr<detail::nccl_event> done;
   };
   std::vector<grouped_call> grouped_;  // issued inside the open group, recorded at its end

@@ -7,7 +7,7 @@
 //   pg.all_reduce(std::span<float>(grad), cohort::op::avg).wait();
 //   pg.all_reduce(grad_vector).wait();                        // any contiguous range
 //   pg.on(stream).all_reduce(grad, cohort::op::avg);          // ordered on the caller's stream
-//   float mean = cohort::all_reduce_value(pg, loss, cohort::op::avg);   // one host value
+// (A few host values, such as a loss, go through cohort/comm/host_values.hpp.)
 //
 // Every collective is asynchronous and returns the backend's work handle (wait, test,
 // wait_for); collectives on one group complete in issue order. The group checks what can
@@ -31,48 +31,13 @@
 #include <utility>
 #include <vector>
 
+#include "cohort/comm/backend.hpp"
 #include "cohort/error.hpp"
 #include "cohort/rendezvous/launch.hpp"
 #include "cohort/rendezvous/store.hpp"
 #include "cohort/types.hpp"
 
 namespace cohort::inline v0 {
-
-// What an engine must provide for algorithms to be written once over it: collectives on
-// type-erased buffers returning work handles; its ordering (record: a work that completes
-// after everything queued so far; stream_type, the caller's order, which wait_for_caller
-// makes later work wait for and work::make_stream_wait makes wait for a work; on a host
-// engine the caller's thread, on a device engine a CUDA stream); memory in its own space
-// (allocate, deallocate, copy); and subgroups. Element-wise work comes from its memory
-// space (cohort/comm/ops.hpp): host engines also provide enqueue(fn), device engines stream().
-template <class B>
-concept backend = requires(B& b, const void* in, void* out, std::size_t n, dtype type, op reduce, int peer,
-                           std::uint64_t tag, const typename B::work& w, typename B::stream_type caller) {
-  typename B::options;
-  typename B::stream_type;
-  { B::space } -> std::convertible_to<memory_space>;
-  { b.stream() } -> std::convertible_to<typename B::stream_type>;
-  b.wait_for_caller(caller);
-  w.make_stream_wait(caller);
-  { b.rank() } -> std::convertible_to<int>;
-  { b.size() } -> std::convertible_to<int>;
-  { b.all_reduce(in, out, n, type, reduce) } -> std::same_as<typename B::work>;
-  { b.reduce_scatter(in, out, n, type, reduce) } -> std::same_as<typename B::work>;
-  { b.all_gather(in, out, n, type) } -> std::same_as<typename B::work>;
-  { b.all_to_all(in, out, n, type) } -> std::same_as<typename B::work>;
-  { b.broadcast(out, n, type, peer) } -> std::same_as<typename B::work>;
-  { b.send(in, n, type, peer, tag) } -> std::same_as<typename B::work>;
-  { b.recv(out, n, type, peer, tag) } -> std::same_as<typename B::work>;
-  { b.barrier() } -> std::same_as<typename B::work>;
-  { b.record() } -> std::same_as<typename B::work>;
-  { b.copy(out, in, n) } -> std::same_as<typename B::work>;
-  { b.allocate(n) } -> std::same_as<void*>;
-  { B::split(b, std::shared_ptr<store>(), peer, peer, peer, peer) } -> std::same_as<std::unique_ptr<B>>;
-  b.deallocate(out, n);
-  w.wait();
-  { w.test() } -> std::convertible_to<bool>;
-  { w.wait_for(std::chrono::milliseconds(1)) } -> std::convertible_to<bool>;
-};
 
 namespace detail {
 // What the collectives' range overloads take (std::vector, std::array, C arrays, fixed-extent
@@ -110,44 +75,6 @@ template <class R>
 auto as_const_span(const R& range) noexcept {
   return std::span(std::data(range), std::size(range));
 }
-}  // namespace detail
-
-namespace detail {
-// Backend memory owned by a type: allocated through an engine, freed through it once, when
-// the owner goes (no hand-written clean-up on error paths). Move-only.
-template <class B>
-class backend_buffer {
- public:
-  backend_buffer() = default;
-  backend_buffer(B& engine, std::size_t bytes) : engine_(&engine), data_(engine.allocate(bytes)), bytes_(bytes) {}
-  backend_buffer(backend_buffer&& other) noexcept
-      : engine_(other.engine_), data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
-  backend_buffer& operator=(backend_buffer&& other) noexcept {
-    if (this != &other) {
-      release();
-      engine_ = other.engine_;
-      data_ = std::exchange(other.data_, nullptr);
-      bytes_ = std::exchange(other.bytes_, 0);
-    }
-    return *this;
-  }
-  ~backend_buffer() { release(); }
-
-  void* data() const noexcept { return data_; }
-  template <class T>
-  T* as() const noexcept {
-    return static_cast<T*>(data_);
-  }
-  std::size_t bytes() const noexcept { return bytes_; }
-
- private:
-  void release() noexcept {
-    if (data_) engine_->deallocate(std::exchange(data_, nullptr), bytes_);
-  }
-  B* engine_ = nullptr;
-  void* data_ = nullptr;
-  std::size_t bytes_ = 0;
-};
 }  // namespace detail
 
 template <class B>
@@ -623,107 +550,8 @@ class process_group {
   std::unique_ptr<std::atomic<int>> main_only_depth_ = std::make_unique<std::atomic<int>>(0);
 };
 
-// ---- a few host values across ranks -------------------------------------------------------
-//
-//   float mean_loss = cohort::all_reduce_value(pg, loss, cohort::op::avg);
-//   auto [sum_loss, tokens] = ... cohort::all_reduce_values(pg, {loss, double(tokens)}) ...
-//
-// Collective and blocking: every rank calls it with as many values, and gets the reduction
-// back (op::avg: the mean; integer averages truncate, as ncclAvg's do: pass a double for a
-// fractional mean). On a device backend the values go through the group's cached staging
-// memory (copy, all-reduce, copy back on the group's stream, then wait): a few values a step,
-// not data.
-
-// Any arithmetic type but bool, or a cohort element (half, bfloat16). Elements travel as
-// themselves; other integers as int64 (64-bit unsigned values keep their bits: sums and
-// products are exact modulo 2^64, min, max and avg need values below 2^63); long double as
-// double.
-template <class T>
-concept reducible_value = !std::same_as<std::remove_cv_t<T>, bool> && (element<T> || std::is_arithmetic_v<T>);
-
-namespace detail {
-template <class T>
-using value_wire_t = std::conditional_t<element<T>, std::remove_cv_t<T>,
-                                        std::conditional_t<std::is_floating_point_v<T>, double, std::int64_t>>;
-
-template <backend B, class T>
-std::vector<T> all_reduce_host_values(process_group<B>& group, const T* values, std::size_t count, op reduce) {
-  using W = value_wire_t<T>;
-  std::vector<W> wire(count);
-  for (std::size_t i = 0; i < count; ++i) wire[i] = static_cast<W>(values[i]);
-  if constexpr (B::space == memory_space::host) {
-    group.all_reduce(std::span<W>(wire), reduce).wait();
-  } else {
-    auto& engine = group.backend();
-    const std::size_t bytes = count * sizeof(W);
-    // The group's cached staging: a failed call leaves it to the group, and the next call's
-    // copy is ordered after anything still queued on the same stream.
-    auto* staged = static_cast<W*>(group.value_staging(bytes));
-    engine.copy(staged, wire.data(), bytes);
-    group.all_reduce(std::span<W>(staged, count), reduce);
-    engine.copy(wire.data(), staged, bytes).wait();
-  }
-  std::vector<T> result(count);
-  for (std::size_t i = 0; i < count; ++i) result[i] = static_cast<T>(wire[i]);
-  return result;
-}
-}  // namespace detail
-
-// Every rank's `values` (the same count on every rank), rank by rank: a layout check's row,
-// a count per rank. Through the group's staging buffer on a device backend, as above.
-template <backend B, class T>
-  requires(std::same_as<T, std::int64_t> || std::same_as<T, double>)
-std::vector<T> all_gather_values(process_group<B>& group, std::span<const T> values) {
-  const std::size_t count = values.size(), world = static_cast<std::size_t>(group.world_size());
-  std::vector<T> all(count * world);
-  if constexpr (B::space == memory_space::host) {
-    group.all_gather(values, std::span<T>(all)).wait();
-  } else {
-    auto& engine = group.backend();
-    auto* staged = static_cast<T*>(group.value_staging((world + 1) * count * sizeof(T)));
-    engine.copy(staged + world * count, values.data(), count * sizeof(T));
-    group.all_gather(std::span<const T>(staged + world * count, count), std::span<T>(staged, world * count));
-    engine.copy(all.data(), staged, world * count * sizeof(T)).wait();
-  }
-  return all;
-}
-
-// Rank `root`'s `values` into every rank's (the same count on every rank), in place: an
-// order every rank must follow. Through the group's staging buffer on a device backend.
-template <backend B, class T>
-  requires(std::same_as<T, std::int64_t> || std::same_as<T, double>)
-void broadcast_values(process_group<B>& group, std::span<T> values, int root) {
-  if constexpr (B::space == memory_space::host) {
-    group.broadcast(values, root).wait();
-  } else {
-    auto& engine = group.backend();
-    const std::size_t bytes = values.size() * sizeof(T);
-    auto* staged = static_cast<T*>(group.value_staging(bytes));
-    engine.copy(staged, values.data(), bytes);
-    group.broadcast(std::span<T>(staged, values.size()), root);
-    engine.copy(values.data(), staged, bytes).wait();
-  }
-}
-
-template <backend B, reducible_value T>
-T all_reduce_value(process_group<B>& group, T value, op reduce = op::sum) {
-  return detail::all_reduce_host_values(group, &value, 1, reduce)[0];
-}
-
-// A few values in one collective: all_reduce_values(pg, {loss, accuracy}, op::avg), or any
-// contiguous range of them (a std::vector, std::array, span).
-template <backend B, reducible_value T>
-std::vector<T> all_reduce_values(process_group<B>& group, std::initializer_list<T> values, op reduce = op::sum) {
-  return detail::all_reduce_host_values(group, values.begin(), values.size(), reduce);
-}
-template <backend B, class R>
-  requires requires(const R& values) {
-    std::data(values);
-    std::size(values);
-    requires reducible_value<std::remove_pointer_t<decltype(std::data(values))>>;
-  }
-auto all_reduce_values(process_group<B>& group, const R& values, op reduce = op::sum) {
-  return detail::all_reduce_host_values(group, std::data(values), std::size(values), reduce);
-}
-
 }  // namespace cohort::inline v0
+
+// A group's few host values (a loss, a norm, a count per rank) are part of what it offers, and
+// code that finds them by overload (the batch plan's cross-rank check) must see them.
+#include "cohort/comm/host_values.hpp"

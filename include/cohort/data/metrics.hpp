@@ -100,6 +100,18 @@ enum class gather_destination {
   rank_zero,   // rank 0 gets it, the others an empty vector (less traffic: no padded all_gather)
 };
 
+// Any contiguous range of trivially copyable values (they travel as bytes) that can be
+// default-constructed (the result is a std::vector of them).
+template <class R>
+concept metric_values = requires(const R& values) {
+  std::data(values);
+  std::size(values);
+  requires std::is_trivially_copyable_v<std::remove_cv_t<std::remove_pointer_t<decltype(std::data(values))>>>;
+  requires std::is_default_constructible_v<std::remove_cv_t<std::remove_pointer_t<decltype(std::data(values))>>>;
+};
+template <class R>
+using metric_value_t = std::remove_cv_t<std::remove_pointer_t<decltype(std::data(std::declval<const R&>()))>>;
+
 namespace detail {
 
 // What each rank tells the others before any value moves: enough for every rank to check
@@ -251,18 +263,6 @@ std::vector<T> gather_metrics_values(process_group<B>& group, const T* values, m
   return result;
 }
 
-// Any contiguous range of trivially copyable values (they travel as bytes) that can be
-// default-constructed (the result is a std::vector of them).
-template <class R>
-concept metric_values = requires(const R& values) {
-  std::data(values);
-  std::size(values);
-  requires std::is_trivially_copyable_v<std::remove_cv_t<std::remove_pointer_t<decltype(std::data(values))>>>;
-  requires std::is_default_constructible_v<std::remove_cv_t<std::remove_pointer_t<decltype(std::data(values))>>>;
-};
-template <class R>
-using metric_value_t = std::remove_cv_t<std::remove_pointer_t<decltype(std::data(std::declval<const R&>()))>>;
-
 // A count as the wire carries it, or the too_many_values problem.
 template <class T>
 bool fits_wire(std::size_t count) {
@@ -295,11 +295,11 @@ metrics_claim counted_claim(std::size_t count, std::uint64_t expected, std::uint
 // the current epoch (sampler.size(), padding included, in the order yielded), or only the
 // real ones (sampler.unpadded_size()). The result holds one value per real epoch position, in
 // epoch order: n values (total_size() with drop_last, which drops the tail instead of padding).
-template <backend B, detail::metric_values Values>
-std::vector<detail::metric_value_t<Values>> gather_for_metrics(process_group<B>& group, const Values& values,
-                                                               const distributed_sampler& sampler,
-                                                               gather_destination to = gather_destination::every_rank) {
-  using T = detail::metric_value_t<Values>;
+template <backend B, metric_values Values>
+std::vector<metric_value_t<Values>> gather_for_metrics(process_group<B>& group, const Values& values,
+                                                       const distributed_sampler& sampler,
+                                                       gather_destination to = gather_destination::every_rank) {
+  using T = metric_value_t<Values>;
   detail::metrics_claim claim =
       detail::counted_claim<T>(std::size(values), sampler.size(), sampler.unpadded_size(), sampler.unpadded_size(),
                                sampler.dataset_size(), detail::metrics_problem::count_differs_from_sampler);
@@ -316,11 +316,11 @@ std::vector<detail::metric_value_t<Values>> gather_for_metrics(process_group<B>&
 
 // With split_between_processes: `values` holds this rank's slice.size() values, or
 // slice.padded_size with the padding at the end. The result: range_size values in range order.
-template <backend B, detail::metric_values Values>
-std::vector<detail::metric_value_t<Values>> gather_for_metrics(process_group<B>& group, const Values& values,
-                                                               const process_slice& slice,
-                                                               gather_destination to = gather_destination::every_rank) {
-  using T = detail::metric_value_t<Values>;
+template <backend B, metric_values Values>
+std::vector<metric_value_t<Values>> gather_for_metrics(process_group<B>& group, const Values& values,
+                                                       const process_slice& slice,
+                                                       gather_destination to = gather_destination::every_rank) {
+  using T = metric_value_t<Values>;
   detail::metrics_claim claim =
       detail::counted_claim<T>(std::size(values), slice.size(), slice.padded_size, slice.size(), slice.range_size,
                                detail::metrics_problem::count_differs_from_slice);
@@ -332,11 +332,11 @@ std::vector<detail::metric_value_t<Values>> gather_for_metrics(process_group<B>&
 // result keeps the first `total_count` of them, the dataset's true size: whatever a trainer
 // padded at the end of the dataset is dropped. Every rank passes the same total_count; the
 // ranks together must pass at least that many values.
-template <backend B, detail::metric_values Values>
-std::vector<detail::metric_value_t<Values>> gather_for_metrics(process_group<B>& group, const Values& values,
-                                                               std::uint64_t total_count,
-                                                               gather_destination to = gather_destination::every_rank) {
-  using T = detail::metric_value_t<Values>;
+template <backend B, metric_values Values>
+std::vector<metric_value_t<Values>> gather_for_metrics(process_group<B>& group, const Values& values,
+                                                       std::uint64_t total_count,
+                                                       gather_destination to = gather_destination::every_rank) {
+  using T = metric_value_t<Values>;
   const std::size_t count = std::size(values);
   detail::metrics_claim claim;
   claim.count = detail::fits_wire<T>(count) ? static_cast<std::int64_t>(count) : -1;

@@ -40,14 +40,24 @@ struct stacked_tensor {
 std::vector<region> stacked_regions(const std::vector<stacked_tensor>& tensors, std::size_t layers,
                                     std::size_t first_layer = 0, std::size_t offset = 0);
 
-namespace detail {
-
 // Where one region lives in cohort's storage.
 struct placed_region {
   std::size_t storage = 0;  // element offset in the storage buffers
   std::size_t count = 0;
   std::size_t bucket = 0;
 };
+
+// A piece of this rank's part of the storage that belongs to one region: what the optimizer
+// updates with one weight-decay choice and one learning-rate scale. `owned` is its offset in
+// the rank's owned buffers (the concatenated shards, or under data parallelism the storage).
+struct shard_segment {
+  std::size_t storage = 0;
+  std::size_t owned = 0;
+  std::size_t count = 0;
+  std::size_t region = 0;
+};
+
+namespace detail {
 
 // A contiguous range of storage: whole regions of one layer, padded to a multiple of
 // world x alignment elements, so that every rank's shard has the same size and starts aligned.
@@ -57,16 +67,6 @@ struct bucket_range {
   std::size_t shard = 0;   // padded / world: each rank's part
   std::size_t layer = 0;
   std::vector<std::size_t> regions;  // in storage order
-};
-
-// A piece of this rank's part of the storage that belongs to one region: what the optimizer
-// updates with one weight-decay choice and one learning-rate scale. `owned` is its offset in
-// the rank's owned buffers (the concatenated shards, or under data parallelism the storage).
-struct segment {
-  std::size_t storage = 0;
-  std::size_t owned = 0;
-  std::size_t count = 0;
-  std::size_t region = 0;
 };
 
 struct storage_layout {
@@ -93,13 +93,14 @@ storage_layout plan_storage(const std::vector<region>& regions, int world, std::
 // The pieces of storage a rank updates: under data parallelism (`sharded` false) every
 // region whole, at owned == storage; sharded, this rank's shard of every bucket cut by region
 // (padding and alignment gaps skipped), at owned offsets that concatenate the shards.
-std::vector<segment> owned_segments(const storage_layout& layout, int rank, bool sharded);
+std::vector<shard_segment> owned_segments(const storage_layout& layout, int rank, bool sharded);
 
 // The segments the optimizer and the norm walk, fewer: consecutive pieces with the same
 // weight decay and learning-rate scale joined across the padding between them (storage and
 // owned offsets advancing alike). Padding holds zeros in every buffer, and zeros stay zero
 // under every update, so one call covers what took one per region.
-std::vector<segment> merged_for_update(const std::vector<segment>& segments, const std::vector<region>& regions);
+std::vector<shard_segment> merged_for_update(const std::vector<shard_segment>& segments,
+                                             const std::vector<region>& regions);
 
 // A fingerprint of what must match across ranks for the collectives to pair up.
 std::int64_t layout_fingerprint(const std::vector<region>& regions, std::size_t bucket_elements, int strategy,

@@ -78,6 +78,7 @@
 #include <vector>
 
 #include "cohort/comm/detail/buffer_pool.hpp"
+#include "cohort/comm/host_values.hpp"
 #include "cohort/comm/ops.hpp"
 #include "cohort/comm/process_group.hpp"
 #include "cohort/detail/scalar_math.hpp"
@@ -135,12 +136,10 @@ struct training_memory {
   std::size_t total() const noexcept { return parameters + gradients + optimizer_state; }
 };
 
-namespace detail {
-
 // A copy of the saved state in flight on another thread (an async_checkpointer's snapshot):
 // whatever changes that state (step, a load) waits for it first. Held by the state; armed and
 // released by the copy's owner.
-class snapshot_fence {
+class checkpoint_copy_fence {
  public:
   void arm() {
     std::lock_guard lock(mutex_);
@@ -175,8 +174,6 @@ class snapshot_fence {
   int copies_ = 0;
   double waited_ = 0;
 };
-
-}  // namespace detail
 
 template <backend B, element P = float, element G = P>
 class training_state {
@@ -372,10 +369,10 @@ class training_state {
   // every bucket, cut by region, whatever the strategy. Under ddp too, where every rank holds
   // everything: the ranks then write disjoint parts in parallel, and a load reads each element
   // once and gathers the copies. A pure function of the layout, the same on every rank.
-  std::vector<detail::segment> checkpoint_segments(int r) const { return detail::owned_segments(layout_, r, true); }
+  std::vector<shard_segment> checkpoint_segments(int r) const { return detail::owned_segments(layout_, r, true); }
   // Where region r sits in the storage: segment s holds elements [s.storage - placement(r).storage,
   // + s.count) of region r.
-  const detail::placed_region& placement(std::size_t r) const { return layout_.regions.at(r); }
+  const placed_region& placement(std::size_t r) const { return layout_.regions.at(r); }
   // The optimizer's state per element, in a checkpoint's order: the masters (the parameters
   // themselves where P is the master type), then Adam's two moments, or SGD's momentum.
   std::vector<std::string> checkpoint_tensors() const {
@@ -388,7 +385,7 @@ class training_state {
   }
   // Checkpoint tensor t's elements for segment s of checkpoint_segments(rank()) (device memory
   // on a device backend): what a save copies out and a load writes.
-  master_type* checkpoint_data(std::size_t t, const detail::segment& s);
+  master_type* checkpoint_data(std::size_t t, const shard_segment& s);
   // After a load wrote every checkpoint tensor through checkpoint_data for every segment of
   // checkpoint_segments(rank()): the parameters cast from the masters, the copies other ranks
   // hold gathered (ddp: everything; zero1/zero2: the parameters) and the optimizer's step
@@ -396,13 +393,13 @@ class training_state {
   void finish_checkpoint_load(std::uint64_t optimizer_steps);
   // An asynchronous save's copy of the state still in flight: step(), load_parameters() and a
   // load (checkpoint_data, finish_checkpoint_load) wait for it before they change the state.
-  detail::snapshot_fence& checkpoint_fence() noexcept { return snapshot_; }
+  checkpoint_copy_fence& checkpoint_fence() noexcept { return snapshot_; }
 
  private:
   using pool_type = detail::buffer_pool<B>;
   using pooled = typename pool_type::buffer;
 
-  detail::snapshot_fence snapshot_;  // see checkpoint_fence()
+  checkpoint_copy_fence snapshot_;  // see checkpoint_fence()
 
   bool sharded() const noexcept { return options_.strategy != strategy::ddp; }
   bool sharded_gradients() const noexcept {
@@ -491,12 +488,12 @@ class training_state {
   template <class T>
   void gather_whole(T* base);
 
-  master_type* master_at(const detail::segment& s) {
+  master_type* master_at(const shard_segment& s) {
     if (separate_master()) return master_.template as<master_type>() + s.owned;
     P* base = params_.template as<P>();
     return reinterpret_cast<master_type*>(sharded_parameters() ? base + s.owned : base + s.storage);
   }
-  G* reduced_gradient_at(const detail::segment& s) {
+  G* reduced_gradient_at(const shard_segment& s) {
     return sharded_gradients() ? grad_shard_.template as<G>() + s.owned : grads_.template as<G>() + s.storage;
   }
   void count_wire(std::size_t bytes, bool all_reduce) noexcept {
@@ -509,9 +506,9 @@ class training_state {
   std::vector<region> regions_;
   training_options options_;
   detail::storage_layout layout_;
-  std::vector<detail::segment> segments_;         // this rank's pieces, one per region
-  std::vector<detail::segment> update_segments_;  // the same joined across padding: the optimizer's
-  std::vector<std::size_t> shard_offset_;         // owned offset of each bucket's shard (sharded)
+  std::vector<shard_segment> segments_;         // this rank's pieces, one per region
+  std::vector<shard_segment> update_segments_;  // the same joined across padding: the optimizer's
+  std::vector<std::size_t> shard_offset_;       // owned offset of each bucket's shard (sharded)
   std::size_t owned_ = 0;
 
   detail::backend_buffer<B> params_;      // storage (zero3: the owned shards)

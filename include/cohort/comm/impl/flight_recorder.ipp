@@ -20,7 +20,7 @@
 #include "cohort/rendezvous/launch.hpp"
 #include "cohort/rendezvous/store.hpp"
 
-namespace cohort::inline v0::detail {
+namespace cohort::inline v0 {
 
 COHORT_DECL std::string_view to_string(call_kind kind) {
   switch (kind) {
@@ -46,30 +46,10 @@ COHORT_DECL std::string_view to_string(call_state state) {
   return "?";
 }
 
-COHORT_DECL std::string describe(const call_record& call) {
-  std::string text(to_string(call.kind));
-  if (call.sequence != 0) text += " #" + std::to_string(call.sequence);
-  if (call.kind == call_kind::barrier) return text;
-  text += " (" + std::string(cohort::to_string(call.type)) + " x " + std::to_string(call.count);
-  if (call.kind == call_kind::all_reduce || call.kind == call_kind::reduce_scatter)
-    text += ", " + std::string(cohort::to_string(call.reduce));
-  if (call.kind == call_kind::broadcast) text += ", root " + std::to_string(call.peer);
-  if (is_point_to_point(call.kind)) {
-    text += ", peer " + std::to_string(call.peer);
-    if (call.tag != 0) text += ", tag " + std::to_string(call.tag);
-  }
-  return text + ")";
-}
-
-COHORT_DECL std::int64_t now_us() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
 COHORT_DECL flight_recorder::flight_recorder(std::size_t capacity) : ring_(capacity) {
   const auto steady = std::chrono::steady_clock::now();
   epoch_offset_us_ =
-      now_us() - std::chrono::duration_cast<std::chrono::microseconds>(steady.time_since_epoch()).count();
+      detail::now_us() - std::chrono::duration_cast<std::chrono::microseconds>(steady.time_since_epoch()).count();
 }
 
 COHORT_DECL std::uint64_t flight_recorder::issued(const call_record& call, std::chrono::steady_clock::time_point when) {
@@ -122,6 +102,30 @@ COHORT_DECL std::uint64_t flight_recorder::last_issued() const {
 COHORT_DECL std::uint64_t flight_recorder::last_completed() const {
   std::lock_guard lock(mutex_);
   return last_completed_;
+}
+
+}  // namespace cohort::inline v0
+
+namespace cohort::inline v0::detail {
+
+COHORT_DECL std::string describe(const call_record& call) {
+  std::string text(to_string(call.kind));
+  if (call.sequence != 0) text += " #" + std::to_string(call.sequence);
+  if (call.kind == call_kind::barrier) return text;
+  text += " (" + std::string(cohort::to_string(call.type)) + " x " + std::to_string(call.count);
+  if (call.kind == call_kind::all_reduce || call.kind == call_kind::reduce_scatter)
+    text += ", " + std::string(cohort::to_string(call.reduce));
+  if (call.kind == call_kind::broadcast) text += ", root " + std::to_string(call.peer);
+  if (is_point_to_point(call.kind)) {
+    text += ", peer " + std::to_string(call.peer);
+    if (call.tag != 0) text += ", tag " + std::to_string(call.tag);
+  }
+  return text + ")";
+}
+
+COHORT_DECL std::int64_t now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
 }
 
 COHORT_DECL std::string group_name(const store& group_store) {

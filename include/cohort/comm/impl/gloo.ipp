@@ -463,9 +463,9 @@ COHORT_DECL auto gloo::post(detail::gloo_task operation) -> work {
   return work(p2p_worker_, p2p_worker_->submit(std::move(completion)));
 }
 
-COHORT_DECL auto gloo::as_call(const detail::gloo_task& task) -> detail::call_record {
-  using detail::call_kind;
-  detail::call_record call;
+COHORT_DECL auto gloo::as_call(const detail::gloo_task& task) -> call_record {
+  using enum call_kind;
+  call_record call;
   switch (task.what) {
     case task_kind::all_reduce: call.kind = call_kind::all_reduce; break;
     case task_kind::reduce_scatter: call.kind = call_kind::reduce_scatter; break;
@@ -483,7 +483,7 @@ COHORT_DECL auto gloo::as_call(const detail::gloo_task& task) -> detail::call_re
   call.reduce = task.reduce;
   call.count = task.count;
   call.tag = task.tag;
-  call.peer = call.kind == call_kind::broadcast || detail::is_point_to_point(call.kind) ? task.peer : -1;
+  call.peer = call.kind == call_kind::broadcast || is_point_to_point(call.kind) ? task.peer : -1;
   return call;
 }
 

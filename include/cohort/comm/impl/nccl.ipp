@@ -253,7 +253,7 @@ COHORT_DECL nccl::nccl(std::shared_ptr<cohort::store> store, const launch_env& e
 
 COHORT_DECL auto nccl::start_failure_reporting(std::shared_ptr<cohort::store> group_store) -> void {
   auto& state = *state_;
-  state.recorder = std::make_unique<detail::flight_recorder>(options_.flight_recorder_entries);
+  state.recorder = std::make_unique<flight_recorder>(options_.flight_recorder_entries);
   state.group = group_store ? detail::group_name(*group_store) : std::string("group");
   state.store = std::move(group_store);
   state.trace_dir = options_.trace_dir;
@@ -314,37 +314,35 @@ COHORT_DECL nccl::~nccl() {
 }
 
 COHORT_DECL auto nccl::all_reduce(const void* in, void* out, std::size_t count, dtype type, op reduce) -> work {
-  return issue("all_reduce", {.kind = detail::call_kind::all_reduce, .type = type, .reduce = reduce, .count = count},
-               [&] {
-                 return ncclAllReduce(in, out, count, detail::nccl_type(type), detail::nccl_op(reduce), state_->comm,
-                                      state_->stream);
-               });
+  return issue("all_reduce", {.kind = call_kind::all_reduce, .type = type, .reduce = reduce, .count = count}, [&] {
+    return ncclAllReduce(in, out, count, detail::nccl_type(type), detail::nccl_op(reduce), state_->comm,
+                         state_->stream);
+  });
 }
 
 COHORT_DECL auto nccl::reduce_scatter(const void* in, void* out, std::size_t count_per_rank, dtype type, op reduce)
     -> work {
   return issue("reduce_scatter",
-               {.kind = detail::call_kind::reduce_scatter, .type = type, .reduce = reduce, .count = count_per_rank},
-               [&] {
+               {.kind = call_kind::reduce_scatter, .type = type, .reduce = reduce, .count = count_per_rank}, [&] {
                  return ncclReduceScatter(in, out, count_per_rank, detail::nccl_type(type), detail::nccl_op(reduce),
                                           state_->comm, state_->stream);
                });
 }
 
 COHORT_DECL auto nccl::all_gather(const void* in, void* out, std::size_t count_per_rank, dtype type) -> work {
-  return issue("all_gather", {.kind = detail::call_kind::all_gather, .type = type, .count = count_per_rank}, [&] {
+  return issue("all_gather", {.kind = call_kind::all_gather, .type = type, .count = count_per_rank}, [&] {
     return ncclAllGather(in, out, count_per_rank, detail::nccl_type(type), state_->comm, state_->stream);
   });
 }
 
 COHORT_DECL auto nccl::broadcast(void* data, std::size_t count, dtype type, int root) -> work {
-  return issue("broadcast", {.kind = detail::call_kind::broadcast, .type = type, .peer = root, .count = count}, [&] {
+  return issue("broadcast", {.kind = call_kind::broadcast, .type = type, .peer = root, .count = count}, [&] {
     return ncclBroadcast(data, data, count, detail::nccl_type(type), root, state_->comm, state_->stream);
   });
 }
 
 COHORT_DECL auto nccl::all_to_all(const void* in, void* out, std::size_t count_per_rank, dtype type) -> work {
-  return issue("all_to_all", {.kind = detail::call_kind::all_to_all, .type = type, .count = count_per_rank}, [&] {
+  return issue("all_to_all", {.kind = call_kind::all_to_all, .type = type, .count = count_per_rank}, [&] {
     const std::size_t bytes = count_per_rank * size_of(type);
     ncclResult_t status = ncclGroupStart();
     for (int peer = 0; peer < size() && status == ncclSuccess; ++peer) {
@@ -360,17 +358,17 @@ COHORT_DECL auto nccl::all_to_all(const void* in, void* out, std::size_t count_p
 }
 
 COHORT_DECL auto nccl::send(const void* data, std::size_t count, dtype type, int peer, std::uint64_t /*tag*/) -> work {
-  return issue("send", {.kind = detail::call_kind::send, .type = type, .peer = peer, .count = count},
+  return issue("send", {.kind = call_kind::send, .type = type, .peer = peer, .count = count},
                [&] { return ncclSend(data, count, detail::nccl_type(type), peer, state_->comm, state_->stream); });
 }
 
 COHORT_DECL auto nccl::recv(void* data, std::size_t count, dtype type, int peer, std::uint64_t /*tag*/) -> work {
-  return issue("recv", {.kind = detail::call_kind::recv, .type = type, .peer = peer, .count = count},
+  return issue("recv", {.kind = call_kind::recv, .type = type, .peer = peer, .count = count},
                [&] { return ncclRecv(data, count, detail::nccl_type(type), peer, state_->comm, state_->stream); });
 }
 
 COHORT_DECL auto nccl::barrier() -> work {
-  return issue("barrier", {.kind = detail::call_kind::barrier}, [&] {
+  return issue("barrier", {.kind = call_kind::barrier}, [&] {
     return ncclAllReduce(barrier_scratch_, barrier_scratch_, 1, ncclInt32, ncclSum, state_->comm, state_->stream);
   });
 }
@@ -399,7 +397,7 @@ COHORT_DECL auto nccl::group_end() -> void {
   }
 }
 
-COHORT_DECL auto nccl::deferred(const char* operation, const detail::call_record& recorded) -> work {
+COHORT_DECL auto nccl::deferred(const char* operation, const call_record& recorded) -> work {
   auto event = std::make_shared<detail::nccl_event>(state_, state_->take_event());
   grouped_.push_back({recorded, event});
   return work(std::move(event), operation);

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "cohort/comm/host_values.hpp"
 #include "cohort/comm/process_group.hpp"
 #include "cohort/error.hpp"
 #include "cohort/parallel/checkpoint.hpp"

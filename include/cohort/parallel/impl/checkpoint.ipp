@@ -29,7 +29,7 @@
 #include "cohort/config.hpp"
 #include "cohort/error.hpp"
 #include "cohort/parallel/checkpoint.hpp"
-#include "cohort/run/guards.hpp"
+#include "cohort/run/atomic_write.hpp"
 #include "cohort/tools/detail/json.hpp"
 
 namespace cohort::inline v0 {

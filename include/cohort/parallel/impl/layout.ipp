@@ -130,8 +130,8 @@ COHORT_DECL storage_layout plan_storage(const std::vector<region>& regions, int 
   return layout;
 }
 
-COHORT_DECL std::vector<segment> owned_segments(const storage_layout& layout, int rank, bool sharded) {
-  std::vector<segment> out;
+COHORT_DECL std::vector<shard_segment> owned_segments(const storage_layout& layout, int rank, bool sharded) {
+  std::vector<shard_segment> out;
   std::size_t owned = 0;
   for (const auto& bucket : layout.buckets) {
     const std::size_t first = sharded ? bucket.begin + static_cast<std::size_t>(rank) * bucket.shard : bucket.begin;
@@ -147,9 +147,9 @@ COHORT_DECL std::vector<segment> owned_segments(const storage_layout& layout, in
   return out;
 }
 
-COHORT_DECL std::vector<segment> merged_for_update(const std::vector<segment>& segments,
-                                                   const std::vector<region>& regions) {
-  std::vector<segment> out;
+COHORT_DECL std::vector<shard_segment> merged_for_update(const std::vector<shard_segment>& segments,
+                                                         const std::vector<region>& regions) {
+  std::vector<shard_segment> out;
   for (const auto& s : segments) {
     if (!out.empty()) {
       auto& last = out.back();

@@ -732,7 +732,7 @@ step_result training_state<B, P, G>::step() {
 // --- checkpoints -----------------------------------------------------------------------------
 
 template <backend B, element P, element G>
-auto training_state<B, P, G>::checkpoint_data(std::size_t t, const detail::segment& s) -> master_type* {
+auto training_state<B, P, G>::checkpoint_data(std::size_t t, const shard_segment& s) -> master_type* {
   snapshot_.wait();  // a load writes through it
   // Checkpoint segments are this rank's shard of the storage; under ddp the owned buffers are
   // laid out as the storage (owned == storage), sharded they concatenate the shards.
