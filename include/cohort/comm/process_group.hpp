@@ -1,5 +1,7 @@
 #pragma once
 // process_group<Backend>: who am I, how many are we, and the collectives, on any backend.
+// Over 400 lines: one class, whose every collective repeats the same checks over span and
+// range overloads; splitting it would split one interface.
 //
 //   auto env   = cohort::launch_env::detect();
 //   auto store = cohort::connect_store(env);

@@ -2,6 +2,8 @@
 // cohort's flight-recorder analyzer: reads the trace files ranks write when a collective fails
 // (COHORT_TRACE_DIR=DIR), compares them across ranks and names the rank at fault. The
 // installed program cohort-trace is a thin front end.
+// Over 400 lines: one reader and analysis, used only by cohort-trace and its tests (not in
+// the umbrella header, so no trainer compiles it).
 //
 // ---------------------------------------------------------------------------------------
 // Trace file, version 1: DIR/rank<R>.<group>.json, one per rank and process group (R is the

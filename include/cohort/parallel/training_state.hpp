@@ -2,6 +2,8 @@
 // training_state<Backend, P, G>: one training state under every strategy. The same trainer
 // source trains data-parallel (DDP), with optimizer state sharded (ZeRO-1), with gradients
 // sharded too (ZeRO-2), or with parameters sharded as well (ZeRO-3, FSDP), by one option:
+// Over 400 lines: one class's declaration and its contract, which a trainer reads in one place
+// (the member templates' bodies are in impl/training_state.hpp).
 //
 //   std::vector<cohort::region> regions = ...;     // the model's tensors in its flat buffer
 //   cohort::training_state<cohort::gloo> state{pg, regions,

@@ -2,6 +2,8 @@
 // cohort's parallelism planner: given a model size, a batch and a link, how much does each
 // strategy communicate, how much of it hides behind compute, what speedup does that leave,
 // and which strategy to pick. The installed program cohort-plan is a thin front end.
+// Over 400 lines: one cost model and its report, used only by the tools (not in the umbrella
+// header, so no trainer compiles it).
 //
 // ---------------------------------------------------------------------------------------
 // Cost model (alpha-beta, ring algorithms; p ranks, n bytes of the full buffer)

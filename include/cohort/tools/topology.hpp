@@ -2,6 +2,8 @@
 // GPU link topology: which pairs of GPUs talk over NVLink, a PCIe switch, the CPU's host
 // bridge, or across CPU sockets, printed as a matrix in the manner of `nvidia-smi topo -m`,
 // with advice on what that means for data parallelism and sharding.
+// Over 400 lines: one probe (CUDA and NVML through dlopen) and its report, used only by the
+// tools (not in the umbrella header).
 //
 // The data model and the classification are pure functions, tested on synthetic boxes
 // without a GPU. probe_topology() fills them from the machine: CUDA runtime for devices,

@@ -1,5 +1,6 @@
 #pragma once
 // cohort/parallel/checkpoint.hpp's templates, always included.
+// Over 400 lines: the checkpoint writer's and reader's templates, one format's two halves.
 
 #include <algorithm>
 #include <atomic>

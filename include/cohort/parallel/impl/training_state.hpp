@@ -1,5 +1,6 @@
 #pragma once
 // training_state's member templates (cohort/parallel/training_state.hpp), always included.
+// Over 400 lines: the bodies of one class's members, kept together as the class is.
 
 #include <algorithm>
 #include <chrono>

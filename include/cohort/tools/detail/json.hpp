@@ -1,6 +1,7 @@
 #pragma once
 // A small JSON value, writer and reader: enough for cohort's own result files
 // (cohort-bench output, cohort-plan --json), not a general-purpose library.
+// Over 400 lines: a value, a writer and a reader that belong together; the tools' only.
 //
 // - Values: null, bool, number (double), string, array, object. Objects keep their keys in
 //   insertion order so files written by cohort read the way they were written.
