@@ -141,8 +141,11 @@ class gloo {
     async_error_handling on_async_error = async_error_handling::abort_process;
   };
 
+  // The engine's own worker queue: its work handles point into it.
+ private:
   using worker_type = detail::fifo_worker<detail::gloo_task>;
 
+ public:
   // A completion handle: (worker, sequence number). Copyable; an empty handle is complete.
   class work {
    public:
