@@ -99,4 +99,3 @@ COHORT_DECL void atomic_write_file(const std::string& target, std::string_view c
 }
 
 }  // namespace cohort::inline v0
-
