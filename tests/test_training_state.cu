@@ -89,8 +89,8 @@ TEST_CASE("NCCL training_state: ddp on a caller stream, buckets launched during 
 }
 
 TEST_CASE(
-    "NCCL training_state: a NaN is found after the reduction and the step skipped; no_sync communicates "
-    "nothing; a region marked twice is named",
+    "NCCL training_state: a NaN is found after the reduction and the step skipped, no_sync communicates "
+    "nothing, a region marked twice is named",
     "[training_state][cuda]") {
   require_gpu();
   auto pg = make_group();
