@@ -63,23 +63,21 @@ void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_en
     (void)ddp.step();
   }
 
-  // Sharding, optimizers, checkpoints.
-  const std::vector<std::vector<std::size_t>> units{{5, 3}, {4}};
-  cohort::sharded_parameters<cohort::gloo, float> weights{pg, units, {.prefetch = 1}};
-  weights.init_from_full(std::vector<std::vector<float>>{{1, 2, 3, 4, 5}, {6, 7, 8}, {9, 10, 11, 12}});
-  cohort::adam adam{weights, {.lr = 3e-4}};
-  cohort::sgd sgd{weights, {.lr = 0.1}};
-  {
-    auto layer = weights.gather(0);
-    (void)layer.param(1);
-  }
-  weights.reduce_scatter_grad(0, std::vector<float>(8)).wait();
-  weights.reduce_scatter_grad(1, std::vector<float>(4)).wait();
-  adam.step();
-  sgd.step();
+  // Hybrid sharding (a copy per replica group), checkpoints of it.
   const auto directory = std::filesystem::temp_directory_path() / "cohort-tidy";
-  weights.save_sharded(directory, &adam);
-  weights.load_sharded(directory, &adam);
+  {
+    auto shards = pg.split(0, pg.rank());
+    auto replicas = pg.split(pg.rank(), 0);
+    const std::vector<cohort::region> regions{{"w", 0, 8, 0}, {"b", 8, 4, 1, false}};
+    cohort::training_state<cohort::gloo> hybrid{*shards, regions, {.strategy = cohort::strategy::zero3}, &*replicas};
+    hybrid.load_parameters(std::vector<float>(12, 1.0f));
+    {
+      auto layer = hybrid.gather(0);
+      (void)layer.param(0);
+    }
+    const auto saved = cohort::save_checkpoint(hybrid, directory.string(), 1);
+    (void)cohort::load_checkpoint(hybrid, saved.path);
+  }
 
   // Flat buffers: a training state with a loss scaler.
   {
@@ -99,18 +97,18 @@ void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_en
       (void)state.step();
       (void)state.gather_parameters();
     }
-    (void)adam.step(0.5);
   }
 
-  // Straggler report: on a training state and on sharded gathers, a counted wait, the last window.
+  // Straggler report: on a training state and on zero3 gathers, a counted wait, the last window.
   cohort::straggler_report stragglers{pg, {.every = 2, .output = nullptr}};
   {
     cohort::training_state<cohort::gloo> timed{pg, {{"w", 0, 8}}, {.straggler = &stragglers}};
-    cohort::sharded_parameters<cohort::gloo, float> timed_weights{pg, units, {.straggler = &stragglers}};
+    cohort::training_state<cohort::gloo> timed_zero3{
+        pg, {{"w", 0, 8}}, {.strategy = cohort::strategy::zero3, .straggler = &stragglers}};
     for (int step = 0; step < 3; ++step) {
       timed.mark_ready(0);
       (void)timed.step();
-      (void)timed_weights.gather(0).param(0);
+      (void)timed_zero3.gather(0).param(0);
     }
     stragglers.wait(pg.barrier());
   }
