@@ -44,7 +44,9 @@ enum class call_state : std::uint8_t { issued, started, completed, failed };
 COHORT_DECL std::string_view to_string(call_kind kind);
 COHORT_DECL std::string_view to_string(call_state state);
 
+namespace detail {
 inline bool is_point_to_point(call_kind kind) { return kind == call_kind::send || kind == call_kind::recv; }
+}  // namespace detail
 
 struct call_record {
   std::uint64_t id = 0;  // the recorder's running number: which call owns a ring slot

@@ -64,7 +64,7 @@ COHORT_DECL std::uint64_t flight_recorder::issued(const call_record& call, std::
   slot.started_us = 0;
   slot.completed_us = 0;
   slot.state = call_state::issued;
-  if (!is_point_to_point(call.kind)) last_issued_ = std::max(last_issued_, call.sequence);
+  if (!detail::is_point_to_point(call.kind)) last_issued_ = std::max(last_issued_, call.sequence);
   return id;
 }
 
@@ -116,7 +116,7 @@ COHORT_DECL std::string describe(const call_record& call) {
   if (call.kind == call_kind::all_reduce || call.kind == call_kind::reduce_scatter)
     text += ", " + std::string(cohort::to_string(call.reduce));
   if (call.kind == call_kind::broadcast) text += ", root " + std::to_string(call.peer);
-  if (is_point_to_point(call.kind)) {
+  if (detail::is_point_to_point(call.kind)) {
     text += ", peer " + std::to_string(call.peer);
     if (call.tag != 0) text += ", tag " + std::to_string(call.tag);
   }

@@ -483,7 +483,7 @@ COHORT_DECL auto gloo::as_call(const detail::gloo_task& task) -> call_record {
   call.reduce = task.reduce;
   call.count = task.count;
   call.tag = task.tag;
-  call.peer = call.kind == call_kind::broadcast || is_point_to_point(call.kind) ? task.peer : -1;
+  call.peer = call.kind == call_kind::broadcast || detail::is_point_to_point(call.kind) ? task.peer : -1;
   return call;
 }
 

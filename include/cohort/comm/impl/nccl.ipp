@@ -130,7 +130,7 @@ COHORT_DECL auto detail::nccl_state::settle(const std::string& operation, ncclRe
 }
 COHORT_DECL auto detail::nccl_state::issued(call_record call, const std::shared_ptr<nccl_event>& done) -> void {
   std::lock_guard lock(watch_mutex);
-  if (is_point_to_point(call.kind))
+  if (detail::is_point_to_point(call.kind))
     call.sequence = ++p2p_issued[{call.peer, call.kind == call_kind::send}];
   else
     call.sequence = ++collectives_issued;
@@ -163,7 +163,8 @@ COHORT_DECL auto detail::nccl_state::watch() -> std::exception_ptr {
                                           "a kernel on the communication stream failed"));
         break;
       }
-      if (recorder) recorder->completed(oldest.record, is_point_to_point(oldest.call.kind) ? 0 : oldest.call.sequence);
+      if (recorder)
+        recorder->completed(oldest.record, detail::is_point_to_point(oldest.call.kind) ? 0 : oldest.call.sequence);
       finished.push_back(std::move(oldest));
       outstanding.pop_front();
     }
