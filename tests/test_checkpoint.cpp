@@ -827,7 +827,8 @@ TEST_CASE("one rank's write fails: the next wait() raises on every rank naming t
     cohort::async_checkpointer saver(state);
     saver.save(dir.string(), 3);
     // Rank 1's file is created in a directory that does not exist: a real ENOENT of a real open.
-    saver.save(dir.string(), 7, {.test_fault = {.rank = 1, .cannot_create = true}});
+    cohort::detail::checkpoint_fault_injection::arm(saver, {.rank = 1, .cannot_create = true});
+    saver.save(dir.string(), 7);
     try {
       saver.wait();
     } catch (const cohort::error& failure) {
@@ -862,7 +863,8 @@ TEST_CASE("a rank killed after writing its file but before publishing it leaves 
         cohort::save_checkpoint(state, dir.string(), 2);
         cohort::async_checkpointer saver(state);
         // Rank 1's writer fsyncs its file, then holds its checksums back: the process dies first.
-        saver.save(dir.string(), 5, {.test_fault = {.rank = 1, .hold_published = true}});
+        cohort::detail::checkpoint_fault_injection::arm(saver, {.rank = 1, .hold_published = true});
+        saver.save(dir.string(), 5);
         if (rank == 1) {
           std::this_thread::sleep_for(std::chrono::milliseconds(500));  // rank 0 has published and waits
           ::raise(SIGKILL);

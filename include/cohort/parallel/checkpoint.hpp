@@ -78,13 +78,6 @@ struct checkpoint_options {
   // block), the state streams through it: the copy ends once the last chunk is in, so the next
   // step() waits for the write of all but the bound's worth.
   std::size_t staging_bytes = 0;
-  // Tests only: faults this one rank's writer injects, so that the agreement is tested where
-  // ranks differ (a real failure of a real file, not a mock of the engine).
-  struct fault_injection {
-    int rank = -1;                // no rank
-    bool cannot_create = false;   // the file is created in a directory that does not exist (ENOENT)
-    bool hold_published = false;  // after fsync, the checksums are held back until the process dies
-  } test_fault = {};
 };
 
 struct checkpoint_info {
@@ -126,6 +119,21 @@ class checkpoint_staging {
  private:
   char* data_ = nullptr;
   std::size_t size_ = 0;
+};
+
+// Tests only, never part of a trainer's options: a fault one rank's writer injects in the
+// next save of an async_checkpointer, so that the commit agreement is tested where ranks
+// differ (a real failure of a real file, not a mock of the engine).
+struct checkpoint_fault {
+  int rank = -1;                // no rank
+  bool cannot_create = false;   // the file is created in a directory that does not exist (ENOENT)
+  bool hold_published = false;  // after fsync, the checksums are held back until the process dies
+};
+struct checkpoint_fault_injection {
+  template <class Saver>
+  static void arm(Saver& saver, const checkpoint_fault& fault) {
+    saver.next_fault_ = fault;
+  }
 };
 }  // namespace detail
 
@@ -179,6 +187,8 @@ class async_checkpointer {
   // The last save's staging pool, kept for the next: otherwise every save allocates and
   // faults in its staging inside the copy that training waits for.
   detail::checkpoint_staging spare_;
+  detail::checkpoint_fault next_fault_;  // tests only: armed through detail::checkpoint_fault_injection
+  friend struct detail::checkpoint_fault_injection;
   double last_blocked_seconds_ = 0;
   std::uint64_t staging_peak_ = 0;
 };

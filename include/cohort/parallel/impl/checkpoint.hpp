@@ -107,7 +107,7 @@ struct pending_checkpoint {
   std::size_t most_blocks = 0;   // over every rank's file: the checksum rows' length
   std::uint64_t bytes = 0;       // of this rank's file
   checkpoint_manifest manifest;  // all but the checksums (rank 0: the files' pieces too)
-  checkpoint_options::fault_injection fault;
+  checkpoint_fault fault;
   double seconds = 0;        // begin, on the saving thread
   double write_seconds = 0;  // the writer's, which spans the copy
 
@@ -237,7 +237,8 @@ struct pending_checkpoint {
 
 template <backend B, element P, element G>
 auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& directory, std::uint64_t step,
-                           const checkpoint_options& options, bool synchronous, checkpoint_staging recycled = {}) {
+                           const checkpoint_options& options, bool synchronous, checkpoint_staging recycled = {},
+                           const checkpoint_fault& fault = {}) {
   using master = typename training_state<B, P, G>::master_type;
   const auto started = std::chrono::steady_clock::now();
   auto& group = state.group();
@@ -251,7 +252,7 @@ auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& di
   pending->world = world;
   pending->block_bytes = std::max<std::size_t>(options.block_bytes, 64);
   pending->keep_last = options.keep_last;
-  pending->fault = options.test_fault;
+  pending->fault = fault;
 
   // Rank 0 clears what interrupted saves left and makes the staging directory; its name
   // (random, so two jobs or a restarted one never share it) reaches every rank.
@@ -534,7 +535,8 @@ std::optional<checkpoint_info> async_checkpointer<B, P, G>::save(const std::stri
                                                                  const checkpoint_options& options) {
   auto previous = wait();
   const auto started = std::chrono::steady_clock::now();
-  pending_ = detail::begin_checkpoint_save(*state_, directory, step, options, false, std::move(spare_));
+  pending_ = detail::begin_checkpoint_save(*state_, directory, step, options, false, std::move(spare_),
+                                           std::exchange(next_fault_, {}));
   detail::start_checkpoint_writer(*pending_);
   // The copy overlaps the trainer's next forward and backward: the state's step() (or a load)
   // waits on the fence until it is done, so the snapshot is this step's.
