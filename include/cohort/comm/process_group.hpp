@@ -553,7 +553,3 @@ class process_group {
 };
 
 }  // namespace cohort::inline v0
-
-// A group's few host values (a loss, a norm, a count per rank) are part of what it offers, and
-// code that finds them by overload (the batch plan's cross-rank check) must see them.
-#include "cohort/comm/host_values.hpp"

@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "cohort/comm/host_values.hpp"
 #include "cohort/config.hpp"
 #include "cohort/data/sampler.hpp"
 #include "cohort/error.hpp"
@@ -77,12 +78,13 @@ struct global_batch {
 };
 
 namespace detail {
-// Groups whose ranks can compare a few numbers (cohort's process_group, through
-// all_reduce_values in process_group.hpp, found by argument-dependent lookup).
+// cohort's own groups compare the ranks' numbers (through comm/host_values.hpp, included
+// above, so the check cannot turn off for want of an include); any other type with rank()
+// and world_size() (a trainer's own group, a test's) plans from its own numbers alone.
 template <class G>
-concept value_reducing_group = requires(G& group, const std::vector<double>& values) {
-  all_reduce_values(group, values, op::max);
-};
+inline constexpr bool is_process_group = false;
+template <backend B>
+inline constexpr bool is_process_group<process_group<B>> = true;
 // Throws on every rank when the ranks' configurations differ: `extremes` holds the maxima of
 // size, accumulation, learning rate and of their negations.
 COHORT_DECL void check_same_global_batch(const global_batch& mine, const std::vector<double>& extremes, int rank);
@@ -144,7 +146,7 @@ template <class Group>
 batch_plan launch_plan(const global_batch& configured, Group& group, std::ostream& summary_out = std::clog) {
   const int rank = static_cast<int>(group.rank());
   const int size = static_cast<int>(group.world_size());
-  if constexpr (detail::value_reducing_group<Group>) {
+  if constexpr (detail::is_process_group<Group>) {
     // Before any local check, so a rank that would refuse its own numbers does not leave
     // the others waiting here: max of each number and of its negation (its minimum).
     const std::vector<double> mine{static_cast<double>(configured.size),
@@ -153,7 +155,7 @@ batch_plan launch_plan(const global_batch& configured, Group& group, std::ostrea
                                    -static_cast<double>(configured.size),
                                    -static_cast<double>(configured.accumulation),
                                    -configured.learning_rate};
-    const std::vector<double> extremes = all_reduce_values(group, mine, op::max);
+    const std::vector<double> extremes = cohort::all_reduce_values(group, mine, op::max);
     detail::check_same_global_batch(configured, extremes, rank);
   }
   const batch_plan plan = configured.plan_for(size);
