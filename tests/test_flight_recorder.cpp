@@ -8,7 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cohort/comm/detail/background_abort.hpp>
-#include <cohort/comm/detail/flight_recorder.hpp>
+#include <cohort/comm/detail/failure_report.hpp>
 #include <cohort/comm/gloo.hpp>
 #include <cohort/comm/process_group.hpp>
 #include <cohort/diagnostics/trace.hpp>

@@ -7,6 +7,7 @@
 #endif
 
 #include "cohort/comm/impl/device_identity.ipp"
+#include "cohort/comm/impl/failure_report.ipp"
 #include "cohort/comm/impl/flight_recorder.ipp"
 #include "cohort/comm/impl/host_address.ipp"
 #include "cohort/comm/impl/host_elementwise.ipp"

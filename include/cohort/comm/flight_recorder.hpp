@@ -107,10 +107,13 @@ class flight_recorder {
   std::uint64_t last_completed_ = 0;
 };
 
+namespace detail {
+// Microseconds on the wall clock: what a trace's timestamps and the recorder's epoch are in.
+COHORT_DECL std::int64_t now_us();
+}  // namespace detail
+
 }  // namespace cohort::inline v0
 
-// Header-only, the definitions (comm/impl/flight_recorder.ipp) come with the rest of what a
-// backend needs on a failure, which they use.
 #if !defined(COHORT_SEPARATE_COMPILATION)
-#include "cohort/comm/detail/flight_recorder.hpp"
+#include "cohort/comm/impl/flight_recorder.ipp"
 #endif

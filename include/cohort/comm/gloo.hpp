@@ -22,8 +22,8 @@
 #include <tuple>
 #include <vector>
 
+#include "cohort/comm/detail/failure_report.hpp"
 #include "cohort/comm/detail/fifo_worker.hpp"
-#include "cohort/comm/detail/flight_recorder.hpp"
 #include "cohort/comm/detail/host_elementwise.hpp"
 #include "cohort/config.hpp"
 #include "cohort/detail/fnv1a.hpp"

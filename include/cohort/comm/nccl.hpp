@@ -28,8 +28,8 @@
 
 #include "cohort/comm/detail/device_identity.hpp"
 #include "cohort/comm/detail/device_scope.hpp"
+#include "cohort/comm/detail/failure_report.hpp"
 #include "cohort/comm/detail/fifo_queue.hpp"
-#include "cohort/comm/detail/flight_recorder.hpp"
 #include "cohort/config.hpp"
 #include "cohort/error.hpp"
 #include "cohort/rendezvous/launch.hpp"
@@ -108,7 +108,7 @@ struct nccl_state {
   // Non-blocking communicators may answer ncclInProgress; wait until the call is enqueued.
   COHORT_DECL void settle(const std::string& operation, ncclResult_t status);
 
-  // --- failure reporting (cohort/comm/detail/flight_recorder.hpp) ----------------------------
+  // --- failure reporting (cohort/comm/detail/failure_report.hpp) ----------------------------
   // A call on the stream that the watchdog polls until its event completes. The stream runs
   // calls in issue order, so only the oldest can be overdue first.
   struct outstanding_call {

@@ -38,8 +38,8 @@
 #include <system_error>
 #include <thread>
 #include <vector>
+#include "cohort/comm/detail/failure_report.hpp"
 #include "cohort/comm/detail/fifo_worker.hpp"
-#include "cohort/comm/detail/flight_recorder.hpp"
 #include "cohort/comm/detail/host_address.hpp"
 #include "cohort/comm/detail/host_elementwise.hpp"
 #include "cohort/detail/fnv1a.hpp"

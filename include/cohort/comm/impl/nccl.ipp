@@ -18,7 +18,7 @@
 #include "cohort/comm/detail/background_abort.hpp"
 #include "cohort/comm/detail/device_identity.hpp"
 #include "cohort/comm/detail/device_scope.hpp"
-#include "cohort/comm/detail/flight_recorder.hpp"
+#include "cohort/comm/detail/failure_report.hpp"
 #include "cohort/error.hpp"
 #include "cohort/rendezvous/launch.hpp"
 #include "cohort/rendezvous/store.hpp"

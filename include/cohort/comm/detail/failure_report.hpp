@@ -39,8 +39,6 @@ namespace detail {
 // peer 2, tag 5)", "barrier #9": how errors, reports and trace analysis name a call.
 COHORT_DECL std::string describe(const call_record& call);
 
-COHORT_DECL std::int64_t now_us();
-
 // Who wrote a trace file.
 struct trace_identity {
   std::string group;  // "pg1", "pg1.split0.color1": see group_name
@@ -129,5 +127,5 @@ class watchdog {
 }  // namespace cohort::inline v0
 
 #if !defined(COHORT_SEPARATE_COMPILATION)
-#include "cohort/comm/impl/flight_recorder.ipp"
+#include "cohort/comm/impl/failure_report.ipp"
 #endif
