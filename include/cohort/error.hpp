@@ -7,9 +7,11 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
+#include "cohort/detail/text.hpp"
 #include "cohort/version.hpp"
 
 namespace cohort::inline v0 {
@@ -17,12 +19,14 @@ namespace cohort::inline v0 {
 class error : public std::runtime_error {
  public:
   // rank < 0 means "not known here" (for example before the launch environment is read).
-  error(int rank, std::string operation, std::string detail, std::string hint = {})
+  // Views, copied here: a throw site passes literals and one message, and builds no strings of
+  // its own (hundreds of sites; each string built there is code and a clean-up path).
+  error(int rank, std::string_view operation, std::string_view detail, std::string_view hint = {})
       : std::runtime_error(compose(rank, operation, detail, hint)),
         rank_(rank),
-        operation_(std::move(operation)),
-        detail_(std::move(detail)),
-        hint_(std::move(hint)) {}
+        operation_(operation),
+        detail_(detail),
+        hint_(hint) {}
 
   int rank() const noexcept { return rank_; }
   const std::string& operation() const noexcept { return operation_; }
@@ -30,12 +34,11 @@ class error : public std::runtime_error {
   const std::string& hint() const noexcept { return hint_; }
 
  private:
-  static std::string compose(int rank, const std::string& operation, const std::string& detail,
-                             const std::string& hint) {
+  static std::string compose(int rank, std::string_view operation, std::string_view detail, std::string_view hint) {
     std::string text = "cohort";
-    if (rank >= 0) text += " [rank " + std::to_string(rank) + "]";
-    text += " " + operation + ": " + detail;
-    if (!hint.empty()) text += " (hint: " + hint + ")";
+    if (rank >= 0) text += detail::text({" [rank ", std::to_string(rank), "]"});
+    text += detail::text({" ", operation, ": ", detail});
+    if (!hint.empty()) text += detail::text({" (hint: ", hint, ")"});
     return text;
   }
 
@@ -59,8 +62,8 @@ inline bool debug_from_environment() {
   return value && *value && std::string(value) != "0";
 }
 inline std::string format_duration(std::chrono::milliseconds ms) {
-  if (ms.count() % 1000 == 0) return std::to_string(ms.count() / 1000) + " s";
-  return std::to_string(ms.count()) + " ms";
+  if (ms.count() % 1000 == 0) return detail::text({std::to_string(ms.count() / 1000), " s"});
+  return detail::text({std::to_string(ms.count()), " ms"});
 }
 // "rank 2" or "ranks 0, 1, 3", as errors name them.
 inline std::string format_ranks(const std::vector<int>& ranks) {

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
 
 namespace cohort::inline v0 {
@@ -28,11 +29,12 @@ class loss_scaler {
   explicit loss_scaler(loss_scaler_options options = {}) : options_(options), scale_(options.initial_scale) {
     if (!(options.initial_scale > 0) || !(options.growth_factor >= 1) || !(options.backoff_factor > 0) ||
         !(options.backoff_factor < 1) || options.growth_interval == 0)
-      throw error(-1, "loss_scaler",
-                  "initial scale " + std::to_string(options.initial_scale) + ", growth " +
-                      std::to_string(options.growth_factor) + ", backoff " + std::to_string(options.backoff_factor) +
-                      ", interval " + std::to_string(options.growth_interval),
-                  "need initial > 0, growth >= 1, 0 < backoff < 1 and an interval of at least one step");
+      throw error(
+          -1, "loss_scaler",
+          detail::text({"initial scale ", std::to_string(options.initial_scale), ", growth ",
+                        std::to_string(options.growth_factor), ", backoff ", std::to_string(options.backoff_factor),
+                        ", interval ", std::to_string(options.growth_interval)}),
+          "need initial > 0, growth >= 1, 0 < backoff < 1 and an interval of at least one step");
   }
 
   double scale() const noexcept { return scale_; }

@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 #include "cohort/data/detail/permutation.hpp"
+#include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
 
 #include "cohort/config.hpp"
@@ -23,7 +24,7 @@ namespace detail {
 
 COHORT_DECL void emit_warning(const warning_sink& sink, int rank, std::string_view message) {
   std::string line = "cohort";
-  if (rank >= 0) line += " [rank " + std::to_string(rank) + "]";
+  if (rank >= 0) line += detail::text({" [rank ", std::to_string(rank), "]"});
   line += " warning: ";
   line += message;
   if (sink) {
@@ -43,11 +44,12 @@ COHORT_DECL distributed_sampler::distributed_sampler(std::uint64_t dataset_size,
                                                      sampler_options options)
     : dataset_size_(dataset_size), world_(world), rank_(rank), options_(std::move(options)) {
   if (world < 1)
-    throw error(rank, "distributed_sampler", "world size must be at least 1, got " + std::to_string(world),
+    throw error(rank, "distributed_sampler",
+                detail::text({"world size must be at least 1, got ", std::to_string(world)}),
                 "pass the process group's size()");
   if (rank < 0 || rank >= world)
     throw error(rank, "distributed_sampler",
-                "rank " + std::to_string(rank) + " is outside [0, " + std::to_string(world) + ")",
+                detail::text({"rank ", std::to_string(rank), " is outside [0, ", std::to_string(world), ")"}),
                 "pass the process group's rank(), not its local rank");
   const auto w = static_cast<std::uint64_t>(world);
   const auto r = static_cast<std::uint64_t>(rank);
@@ -77,9 +79,9 @@ COHORT_DECL auto distributed_sampler::set_epoch(std::uint64_t epoch) noexcept ->
 
 COHORT_DECL auto distributed_sampler::at(std::uint64_t j) const -> std::uint64_t {
   if (j >= samples_per_rank_)
-    throw error(
-        rank_, "distributed_sampler::at",
-        "position " + std::to_string(j) + " is past this rank's " + std::to_string(samples_per_rank_) + " samples");
+    throw error(rank_, "distributed_sampler::at",
+                detail::text({"position ", std::to_string(j), " is past this rank's ",
+                              std::to_string(samples_per_rank_), " samples"}));
   return (*this)[j];
 }
 
@@ -98,11 +100,12 @@ COHORT_DECL auto distributed_sampler::begin_pass() -> void {
   ++passes_this_epoch_;
   if (options_.shuffle && passes_this_epoch_ == 2 && !warned_same_order_) {
     warned_same_order_ = true;
-    detail::emit_warning(options_.warn, rank_,
-                         "distributed_sampler: a new pass over the data started with shuffle on but without "
-                         "set_epoch(); it repeats epoch " +
-                             std::to_string(epoch_) +
-                             "'s order exactly. Call sampler.set_epoch(epoch) at the start of every epoch.");
+    detail::emit_warning(
+        options_.warn, rank_,
+        detail::text({"distributed_sampler: a new pass over the data started with shuffle on but without "
+                      "set_epoch(); it repeats epoch ",
+                      std::to_string(epoch_),
+                      "'s order exactly. Call sampler.set_epoch(epoch) at the start of every epoch."}));
   }
 }
 

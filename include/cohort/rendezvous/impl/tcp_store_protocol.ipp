@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cohort/config.hpp"
+#include "cohort/detail/text.hpp"
 #include "cohort/rendezvous/detail/sha256.hpp"
 #include "cohort/rendezvous/detail/tcp_store_protocol.hpp"
 
@@ -83,7 +84,8 @@ COHORT_DECL parse_result parse_request(std::span<const std::uint8_t> input, requ
   out = request{};
   std::uint8_t code = 0;
   if (!in.fixed(code)) return in.result();
-  if (!known_command(code)) return {parse_status::malformed, 0, "unknown command " + std::to_string(code)};
+  if (!known_command(code))
+    return {parse_status::malformed, 0, detail::text({"unknown command ", std::to_string(code)})};
   out.command = static_cast<command>(code);
 
   auto key = [&] {
