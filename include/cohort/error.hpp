@@ -36,9 +36,9 @@ class error : public std::runtime_error {
  private:
   static std::string compose(int rank, std::string_view operation, std::string_view detail, std::string_view hint) {
     std::string text = "cohort";
-    if (rank >= 0) text += detail::text({" [rank ", std::to_string(rank), "]"});
-    text += detail::text({" ", operation, ": ", detail});
-    if (!hint.empty()) text += detail::text({" (hint: ", hint, ")"});
+    if (rank >= 0) text += detail::text(" [rank ", std::to_string(rank), "]");
+    text += detail::text(" ", operation, ": ", detail);
+    if (!hint.empty()) text += detail::text(" (hint: ", hint, ")");
     return text;
   }
 
@@ -62,8 +62,8 @@ inline bool debug_from_environment() {
   return value && *value && std::string(value) != "0";
 }
 inline std::string format_duration(std::chrono::milliseconds ms) {
-  if (ms.count() % 1000 == 0) return detail::text({std::to_string(ms.count() / 1000), " s"});
-  return detail::text({std::to_string(ms.count()), " ms"});
+  if (ms.count() % 1000 == 0) return detail::text(std::to_string(ms.count() / 1000), " s");
+  return detail::text(std::to_string(ms.count()), " ms");
 }
 // "rank 2" or "ranks 0, 1, 3", as errors name them.
 inline std::string format_ranks(const std::vector<int>& ranks) {

@@ -46,8 +46,8 @@ namespace detail {
 inline void check_cuda(cudaError_t status, int rank, std::string_view operation, std::string_view hint = {}) {
   if (status == cudaSuccess) [[likely]]
     return;
-  throw error(rank, detail::text({"cuda.", operation}),
-              detail::text({cudaGetErrorName(status), ": ", cudaGetErrorString(status)}),
+  throw error(rank, detail::text("cuda.", operation),
+              detail::text(cudaGetErrorName(status), ": ", cudaGetErrorString(status)),
               hint.empty() ? "check the device index and that the driver sees a GPU (nvidia-smi)" : std::string(hint));
 }
 
@@ -202,7 +202,7 @@ class nccl {
     void make_stream_wait(cudaStream_t caller) const {
       if (!event_) return;
       if (const cudaError_t status = cudaStreamWaitEvent(caller, event_->event, 0); status != cudaSuccess)
-        detail::check_cuda(status, event_->state->rank, detail::text({"stream_wait_event(", operation_, ")"}));
+        detail::check_cuda(status, event_->state->rank, detail::text("stream_wait_event(", operation_, ")"));
     }
     cudaEvent_t event() const noexcept { return event_ ? event_->event : nullptr; }
 
@@ -217,12 +217,12 @@ class nccl {
         const cudaError_t status = cudaEventQuery(event_->event);
         if (status == cudaSuccess) return true;
         if (status != cudaErrorNotReady)
-          detail::check_cuda(status, state.rank, detail::text({"event_query(", operation_, ")"}));
+          detail::check_cuda(status, state.rank, detail::text("event_query(", operation_, ")"));
         {
           std::unique_lock lock(state.mutex);
           if (state.aborted)
-            throw error(state.rank, detail::text({"nccl.", operation_}),
-                        detail::text({"communicator aborted: ", state.abort_reason}),
+            throw error(state.rank, detail::text("nccl.", operation_),
+                        detail::text("communicator aborted: ", state.abort_reason),
                         "an earlier failure or timeout ended this group");
           ncclResult_t async = ncclSuccess;
           ncclCommGetAsyncError(state.comm, &async);
@@ -233,12 +233,12 @@ class nccl {
         }
         if (!blocking) return false;
         if (std::chrono::steady_clock::now() > deadline) {
-          state.abort(detail::text({operation_, " exceeded the timeout"}));
+          state.abort(detail::text(operation_, " exceeded the timeout"));
           const std::string culprit = state.name_the_culprit(operation_);
           state.keep_trace(culprit);
-          throw timeout_error(state.rank, detail::text({"nccl.", operation_}),
-                              detail::text({culprit, ": not complete after ", detail::format_duration(state.timeout),
-                                            "; communicator aborted"}),
+          throw timeout_error(state.rank, detail::text("nccl.", operation_),
+                              detail::text(culprit, ": not complete after ", detail::format_duration(state.timeout),
+                                           "; communicator aborted"),
                               "a peer never entered this collective: it hangs, crashed, or issued "
                               "collectives in another order (COHORT_DEBUG=1 compares calls)");
         }

@@ -98,8 +98,8 @@ class process_group {
     // Bounded by the group's timeout, as the rendezvous after it: a store cut off from this
     // host ends the group's creation then, not after the store's own (longer) timeout.
     const auto index =
-        rendezvous->add_within(detail::text({"cohort/groups_created/", std::to_string(env.rank)}), 1, opts.timeout);
-    store_ = std::make_shared<prefix_store>(rendezvous, detail::text({"cohort/pg", std::to_string(index), "/"}));
+        rendezvous->add_within(detail::text("cohort/groups_created/", std::to_string(env.rank)), 1, opts.timeout);
+    store_ = std::make_shared<prefix_store>(rendezvous, detail::text("cohort/pg", std::to_string(index), "/"));
     store_->set_rank(env.rank);
     store_->set_timeout(opts.timeout);
     backend_ = std::make_unique<B>(store_, env, opts);
@@ -159,8 +159,8 @@ class process_group {
     enter("all_reduce", dtype_v<T>, in.size(), reduce);
     if (in.size() != out.size())
       fail("all_reduce", in.size(),
-           detail::text(
-               {"input has ", std::to_string(in.size()), " elements but output has ", std::to_string(out.size())}),
+           detail::text("input has ", std::to_string(in.size()), " elements but output has ",
+                        std::to_string(out.size())),
            "all_reduce keeps the size: pass spans of equal length");
     return backend_->all_reduce(in.data(), out.data(), in.size(), dtype_v<T>, reduce);
   }
@@ -171,8 +171,8 @@ class process_group {
     enter("reduce_scatter", dtype_v<T>, in.size(), reduce);
     if (in.size() != out.size() * static_cast<std::size_t>(size()))
       fail("reduce_scatter", in.size(),
-           detail::text({"input has ", std::to_string(in.size()), " elements, expected output size ",
-                         std::to_string(out.size()), " x world ", std::to_string(world_size())}),
+           detail::text("input has ", std::to_string(in.size()), " elements, expected output size ",
+                        std::to_string(out.size()), " x world ", std::to_string(world_size())),
            "pad the input to a multiple of the world size (training_state's layout does this)");
     return backend_->reduce_scatter(in.data(), out.data(), out.size(), dtype_v<T>, reduce);
   }
@@ -184,8 +184,8 @@ class process_group {
     enter("all_gather", dtype_v<T>, in.size(), op::sum);
     if (out.size() != in.size() * static_cast<std::size_t>(size()))
       fail("all_gather", in.size(),
-           detail::text({"output has ", std::to_string(out.size()), " elements, expected input size ",
-                         std::to_string(in.size()), " x world ", std::to_string(world_size())}),
+           detail::text("output has ", std::to_string(out.size()), " elements, expected input size ",
+                        std::to_string(in.size()), " x world ", std::to_string(world_size())),
            "the output holds one input-sized chunk per rank");
     return backend_->all_gather(in.data(), out.data(), in.size(), dtype_v<T>);
   }
@@ -205,8 +205,8 @@ class process_group {
     const auto world = static_cast<std::size_t>(world_size());
     if (in.size() != out.size() || in.size() % world != 0)
       fail("all_to_all", in.size(),
-           detail::text({"input ", std::to_string(in.size()), " and output ", std::to_string(out.size()),
-                         " elements must be equal and divisible by world ", std::to_string(world_size())}),
+           detail::text("input ", std::to_string(in.size()), " and output ", std::to_string(out.size()),
+                        " elements must be equal and divisible by world ", std::to_string(world_size())),
            "pad to a multiple of the world size");
     return backend_->all_to_all(in.data(), out.data(), in.size() / world, dtype_v<T>);
   }
@@ -340,24 +340,24 @@ class process_group {
   // against work queued on the backend.
   void monitored_barrier(std::chrono::milliseconds timeout) {
     check_main_only("monitored_barrier", 0);
-    const std::string call = detail::text({"monitored_barrier #", std::to_string(++monitored_barriers_)});
-    const std::string base = detail::text({"monitored_barrier/", std::to_string(monitored_barriers_), "/"});
+    const std::string call = detail::text("monitored_barrier #", std::to_string(++monitored_barriers_));
+    const std::string base = detail::text("monitored_barrier/", std::to_string(monitored_barriers_), "/");
     store_->set(base + std::to_string(rank()), "arrived");
     const auto hint = std::string("the missing ranks are still computing, blocked in another call, stopped or dead");
     if (rank() != 0) {
       std::string missing;
       try {
         // Rank 0 answers within its own timeout of arriving; allow it that long to arrive.
-        missing = to_string(store_->get(detail::text({base, "missing"}), 2 * timeout));
+        missing = to_string(store_->get(detail::text(base, "missing"), 2 * timeout));
       } catch (const timeout_error&) {
-        throw timeout_error(rank(), detail::text({B::name, ".", call}),
-                            detail::text({"rank 0 did not arrive within ", detail::format_duration(2 * timeout),
-                                          " (it collects the barrier)"}),
+        throw timeout_error(rank(), detail::text(B::name, ".", call),
+                            detail::text("rank 0 did not arrive within ", detail::format_duration(2 * timeout),
+                                         " (it collects the barrier)"),
                             hint);
       }
       if (!missing.empty())
-        throw timeout_error(rank(), detail::text({B::name, ".", call}),
-                            detail::text({missing, " did not arrive within ", detail::format_duration(timeout)}), hint);
+        throw timeout_error(rank(), detail::text(B::name, ".", call),
+                            detail::text(missing, " did not arrive within ", detail::format_duration(timeout)), hint);
       return;
     }
     const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -372,10 +372,10 @@ class process_group {
       }
     }
     const std::string missing = absent.empty() ? std::string() : detail::format_ranks(absent);
-    store_->set(detail::text({base, "missing"}), missing);
+    store_->set(detail::text(base, "missing"), missing);
     if (!missing.empty())
-      throw timeout_error(rank(), detail::text({B::name, ".", call}),
-                          detail::text({missing, " did not arrive within ", detail::format_duration(timeout)}), hint);
+      throw timeout_error(rank(), detail::text(B::name, ".", call),
+                          detail::text(missing, " did not arrive within ", detail::format_duration(timeout)), hint);
   }
 
   // --- grouped calls -----------------------------------------------------------------------
@@ -414,10 +414,10 @@ class process_group {
   // (key, rank); a negative color joins no group (nullopt). Like MPI_Comm_split.
   std::optional<process_group> split(int color, int key) {
     const auto index = split_count_++;
-    const std::string base = detail::text({"split", std::to_string(index), "/"});
+    const std::string base = detail::text("split", std::to_string(index), "/");
     const int my_node = rank() - local_rank();
     store_->set(base + std::to_string(rank()),
-                detail::text({std::to_string(color), ",", std::to_string(key), ",", std::to_string(my_node)}));
+                detail::text(std::to_string(color), ",", std::to_string(key), ",", std::to_string(my_node)));
     struct member {
       int color, key, node, rank;
     };
@@ -449,7 +449,7 @@ class process_group {
       }
       if (mine[i].node == my_node) ++sub_env.local_world_size;
     }
-    auto sub_store = std::make_shared<prefix_store>(store_, detail::text({base, "color", std::to_string(color), "/"}));
+    auto sub_store = std::make_shared<prefix_store>(store_, detail::text(base, "color", std::to_string(color), "/"));
     auto sub_backend = B::split(*backend_, sub_store, color, key, sub_env.rank, sub_env.world_size);
     if (color < 0 || !sub_backend) return std::nullopt;
     return process_group(std::move(sub_env), std::move(sub_store), std::move(sub_backend), debug_);
@@ -492,21 +492,19 @@ class process_group {
     if (env.world_size < 1 || env.rank < 0 || env.rank >= env.world_size)
       throw error(
           env.rank, "process_group",
-          detail::text({"rank ", std::to_string(env.rank), " is outside a world of ", std::to_string(env.world_size)}),
+          detail::text("rank ", std::to_string(env.rank), " is outside a world of ", std::to_string(env.world_size)),
           "check RANK and WORLD_SIZE");
   }
 
   [[noreturn]] void fail(const char* operation, std::size_t count, const std::string& detail,
                          const std::string& hint) const {
-    throw error(rank(), detail::text({B::name, ".", operation, "(", std::to_string(count), " elements)"}), detail,
-                hint);
+    throw error(rank(), detail::text(B::name, ".", operation, "(", std::to_string(count), " elements)"), detail, hint);
   }
 
   void check_peer(const char* operation, std::size_t count, int peer, const char* role) const {
     if (peer < 0 || peer >= size())
       fail(operation, count,
-           detail::text(
-               {std::string(role), " ", std::to_string(peer), " is outside a world of ", std::to_string(size())}),
+           detail::text(role, " ", std::to_string(peer), " is outside a world of ", std::to_string(size())),
            "ranks are numbered 0 .. world-1 inside this group");
   }
 
@@ -528,18 +526,18 @@ class process_group {
   // it works for device backends too, and costs a store round trip per call (debug only).
   void check_signature(const char* operation, dtype type, std::size_t count, op reduce, int root) {
     const auto seq = debug_calls_++;
-    const std::string signature = detail::text(
-        {std::string(operation), "(", std::string(to_string(type)), " x ", std::to_string(count), ", ",
-         std::string(to_string(reduce)), (root >= 0 ? detail::text({", root ", std::to_string(root)}) : ""), ")"});
-    const std::string base = detail::text({"debug/", std::to_string(seq), "/"});
+    const std::string signature =
+        detail::text(operation, "(", to_string(type), " x ", std::to_string(count), ", ", to_string(reduce),
+                     (root >= 0 ? detail::text(", root ", std::to_string(root)) : ""), ")");
+    const std::string base = detail::text("debug/", std::to_string(seq), "/");
     store_->set(base + std::to_string(rank()), signature);
     for (int r = 0; r < size(); ++r) {
       if (r == rank()) continue;
       const std::string theirs = store_->get_string(base + std::to_string(r));
       if (theirs != signature)
-        throw error(rank(), detail::text({B::name, ".", operation}),
-                    detail::text({"call #", std::to_string(seq), " differs across ranks: rank ", std::to_string(rank()),
-                                  " issued ", signature, " but rank ", std::to_string(r), " issued ", theirs}),
+        throw error(rank(), detail::text(B::name, ".", operation),
+                    detail::text("call #", std::to_string(seq), " differs across ranks: rank ", std::to_string(rank()),
+                                 " issued ", signature, " but rank ", std::to_string(r), " issued ", theirs),
                     "every rank must issue the same collectives, in the same order, with the same "
                     "sizes and dtypes");
     }

@@ -115,19 +115,18 @@ batch_plan launch_plan(const batch_plan& configured, Group& group, world_change 
   if (size != configured.world) {
     if (on_change == world_change::refuse)
       throw error(rank, "launch_plan",
-                  detail::text({"the run was configured for world size ", std::to_string(configured.world), " (",
-                                configured.summary(), ") but launched on ", std::to_string(size), " ranks"}),
-                  detail::text({"launch with ", std::to_string(configured.world),
-                                " ranks, or acknowledge the change with world_change::keep_effective_batch or "
-                                "world_change::keep_accumulation"}));
+                  detail::text("the run was configured for world size ", std::to_string(configured.world), " (",
+                               configured.summary(), ") but launched on ", std::to_string(size), " ranks"),
+                  detail::text("launch with ", std::to_string(configured.world),
+                               " ranks, or acknowledge the change with world_change::keep_effective_batch or "
+                               "world_change::keep_accumulation"));
     plan = configured.rescaled_for(
         size, on_change == world_change::keep_effective_batch ? keep::effective_batch : keep::accumulation);
   }
   if (rank == 0) {
-    std::string line = detail::text({"cohort: ", plan.summary()});
-    if (size != configured.world)
-      line += detail::text({" (rescaled from world ", std::to_string(configured.world), ")"});
-    if (!plan.note.empty()) line += detail::text({"; ", plan.note});
+    std::string line = detail::text("cohort: ", plan.summary());
+    if (size != configured.world) line += detail::text(" (rescaled from world ", std::to_string(configured.world), ")");
+    if (!plan.note.empty()) line += detail::text("; ", plan.note);
     line += '\n';
     summary_out << line << std::flush;
   }
@@ -162,8 +161,8 @@ batch_plan launch_plan(const global_batch& configured, Group& group, std::ostrea
   }
   const batch_plan plan = configured.plan_for(size);
   if (rank == 0)
-    summary_out << (detail::text(
-                       {"cohort: ", plan.summary(), " (from global batch ", std::to_string(configured.size), ")\n"}))
+    summary_out << (detail::text("cohort: ", plan.summary(), " (from global batch ", std::to_string(configured.size),
+                                 ")\n"))
                 << std::flush;
   return plan;
 }

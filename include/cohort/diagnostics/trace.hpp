@@ -179,29 +179,28 @@ namespace detail {
 
 inline const json& trace_field(const json& object, std::string_view key, const std::string& where) {
   const json* value = object.find(key);
-  if (!value) trace_format_error(detail::text({where, "missing \"", key, "\""}));
+  if (!value) trace_format_error(detail::text(where, "missing \"", key, "\""));
   return *value;
 }
 
 inline std::int64_t trace_int(const json& object, std::string_view key, const std::string& where, std::int64_t lo,
                               std::int64_t hi) {
   const json& value = trace_field(object, key, where);
-  const std::string name = detail::text({where, "\"", key, "\""});
-  if (!value.is_number())
-    trace_format_error(detail::text({name, " is a ", value.type_name(), ", expected an integer"}));
+  const std::string name = detail::text(where, "\"", key, "\"");
+  if (!value.is_number()) trace_format_error(detail::text(name, " is a ", value.type_name(), ", expected an integer"));
   const double number = value.as_number();
   if (std::floor(number) != number || std::fabs(number) > 9007199254740992.0)
-    trace_format_error(detail::text({name, " = ", json::format_number(number), ", expected an integer"}));
+    trace_format_error(detail::text(name, " = ", json::format_number(number), ", expected an integer"));
   if (number < static_cast<double>(lo) || number > static_cast<double>(hi))
-    trace_format_error(detail::text(
-        {name, " = ", json::format_number(number), " is outside ", std::to_string(lo), "..", std::to_string(hi)}));
+    trace_format_error(detail::text(name, " = ", json::format_number(number), " is outside ", std::to_string(lo), "..",
+                                    std::to_string(hi)));
   return static_cast<std::int64_t>(number);
 }
 
 inline std::string trace_string(const json& object, std::string_view key, const std::string& where) {
   const json& value = trace_field(object, key, where);
   if (!value.is_string())
-    trace_format_error(detail::text({where, "\"", key, "\" is a ", value.type_name(), ", expected a string"}));
+    trace_format_error(detail::text(where, "\"", key, "\" is a ", value.type_name(), ", expected a string"));
   return value.as_string();
 }
 
@@ -216,28 +215,28 @@ bool trace_one_of(std::string_view value, const std::string_view (&names)[N]) {
 
 // "all_reduce #7 (float x 4096, sum)", "broadcast #2 (float x 10, root 0)", "barrier #4".
 inline std::string describe_collective(const trace_entry& e) {
-  std::string text = detail::text({e.kind, " #", std::to_string(e.sequence)});
+  std::string text = detail::text(e.kind, " #", std::to_string(e.sequence));
   if (e.kind == "barrier") return text;
-  text += detail::text({" (", e.dtype, " x ", std::to_string(e.count)});
-  if (e.kind == "all_reduce" || e.kind == "reduce_scatter") text += detail::text({", ", e.op});
-  if (e.kind == "broadcast") text += detail::text({", root ", std::to_string(e.peer)});
-  return detail::text({text, ")"});
+  text += detail::text(" (", e.dtype, " x ", std::to_string(e.count));
+  if (e.kind == "all_reduce" || e.kind == "reduce_scatter") text += detail::text(", ", e.op);
+  if (e.kind == "broadcast") text += detail::text(", root ", std::to_string(e.peer));
+  return detail::text(text, ")");
 }
 
 // What must be equal on every rank; op counts for the reductions only, the root for broadcast.
 inline std::string collective_signature(const trace_entry& e) {
   if (e.kind == "barrier") return e.kind;
-  std::string key = detail::text({e.kind, "|", e.dtype, "|", std::to_string(e.count)});
-  if (e.kind == "all_reduce" || e.kind == "reduce_scatter") key += detail::text({"|", e.op});
-  if (e.kind == "broadcast") key += detail::text({"|", std::to_string(e.peer)});
+  std::string key = detail::text(e.kind, "|", e.dtype, "|", std::to_string(e.count));
+  if (e.kind == "all_reduce" || e.kind == "reduce_scatter") key += detail::text("|", e.op);
+  if (e.kind == "broadcast") key += detail::text("|", std::to_string(e.peer));
   return key;
 }
 
 // "send #2 to rank 1 (float x 100, tag 3)", "recv #1 from rank 0 (float x 50, tag 3)".
 inline std::string describe_p2p(const trace_entry& e) {
-  return detail::text({e.kind, " #", std::to_string(e.sequence), (e.kind == "send" ? " to rank " : " from rank "),
-                       std::to_string(e.peer), " (", e.dtype, " x ", std::to_string(e.count), ", tag ",
-                       std::to_string(e.tag), ")"});
+  return detail::text(e.kind, " #", std::to_string(e.sequence), (e.kind == "send" ? " to rank " : " from rank "),
+                      std::to_string(e.peer), " (", e.dtype, " x ", std::to_string(e.count), ", tag ",
+                      std::to_string(e.tag), ")");
 }
 
 inline std::string describe_call(const trace_entry& e) {
@@ -295,7 +294,7 @@ inline trace_file parse_trace(std::string_view text) {
   using detail::trace_string;
   const json document = detail::parse_json(text);
   if (!document.is_object())
-    trace_format_error(detail::text({"the top level is a JSON ", document.type_name(), ", not an object"}),
+    trace_format_error(detail::text("the top level is a JSON ", document.type_name(), ", not an object"),
                        "expected a cohort flight-recorder trace (rank<R>.<group>.json)");
   const json* version = document.find("version");
   if (!version)
@@ -304,8 +303,8 @@ inline trace_file parse_trace(std::string_view text) {
   trace_file file;
   file.version = static_cast<int>(trace_int(document, "version", "", 0, 1 << 30));
   if (file.version != trace_format_version)
-    trace_format_error(detail::text({"trace format version ", std::to_string(file.version),
-                                     "; this cohort-trace reads version ", std::to_string(trace_format_version)}),
+    trace_format_error(detail::text("trace format version ", std::to_string(file.version),
+                                    "; this cohort-trace reads version ", std::to_string(trace_format_version)),
                        "analyze it with the cohort-trace of the cohort version that wrote it");
   constexpr std::int64_t big = std::int64_t{1} << 53;
   file.group = trace_string(document, "group", "");
@@ -321,22 +320,21 @@ inline trace_file parse_trace(std::string_view text) {
   file.last_completed = trace_int(document, "last_completed", "", 0, file.last_issued);
   file.capacity = trace_int(document, "capacity", "", 1, big);
   const json& entries = detail::trace_field(document, "entries", "");
-  if (!entries.is_array())
-    trace_format_error(detail::text({"\"entries\" is a ", entries.type_name(), ", not an array"}));
+  if (!entries.is_array()) trace_format_error(detail::text("\"entries\" is a ", entries.type_name(), ", not an array"));
   if (static_cast<std::int64_t>(entries.size()) > file.capacity)
-    trace_format_error(detail::text({"\"entries\" holds ", std::to_string(entries.size()),
-                                     " calls, more than \"capacity\" ", std::to_string(file.capacity)}));
+    trace_format_error(detail::text("\"entries\" holds ", std::to_string(entries.size()),
+                                    " calls, more than \"capacity\" ", std::to_string(file.capacity)));
   std::set<std::int64_t> collectives;
   std::set<std::tuple<int, std::int64_t, bool, std::int64_t>> streams;
   for (std::size_t i = 0; i < entries.size(); ++i) {
     const json& item = entries.at(i);
-    const std::string where = detail::text({"entries[", std::to_string(i), "]: "});
-    if (!item.is_object()) trace_format_error(detail::text({where, "a ", item.type_name(), ", not an object"}));
+    const std::string where = detail::text("entries[", std::to_string(i), "]: ");
+    if (!item.is_object()) trace_format_error(detail::text(where, "a ", item.type_name(), ", not an object"));
     trace_entry e;
     e.sequence = trace_int(item, "sequence", where, 1, big);
     e.kind = trace_string(item, "kind", where);
     if (!detail::trace_one_of(e.kind, detail::trace_kinds))
-      trace_format_error(detail::text({where, "unknown kind \"", e.kind, "\""}),
+      trace_format_error(detail::text(where, "unknown kind \"", e.kind, "\""),
                          "all_reduce, reduce_scatter, all_gather, broadcast, all_to_all, barrier, send, recv");
     e.dtype = trace_string(item, "dtype", where);
     e.count = trace_int(item, "count", where, 0, big);
@@ -345,25 +343,24 @@ inline trace_file parse_trace(std::string_view text) {
     e.tag = trace_int(item, "tag", where, -big, big);
     e.state = trace_string(item, "state", where);
     if (!detail::trace_one_of(e.state, detail::trace_states))
-      trace_format_error(detail::text({where, "unknown state \"", e.state, "\""}),
-                         "issued, started, completed, failed");
+      trace_format_error(detail::text(where, "unknown state \"", e.state, "\""), "issued, started, completed, failed");
     e.issued_us = trace_int(item, "issued_us", where, 0, big);
     e.started_us = trace_int(item, "started_us", where, 0, big);
     e.completed_us = trace_int(item, "completed_us", where, 0, big);
     if (e.point_to_point()) {
       if (e.peer < 0 || e.peer == file.rank)
-        trace_format_error(detail::text(
-            {where, e.kind, " with peer ", std::to_string(e.peer), " on rank ", std::to_string(file.rank)}));
+        trace_format_error(
+            detail::text(where, e.kind, " with peer ", std::to_string(e.peer), " on rank ", std::to_string(file.rank)));
       if (!streams.insert({e.peer, e.tag, e.kind == "send", e.sequence}).second)
-        trace_format_error(detail::text({where, detail::describe_p2p(e), " appears twice"}));
+        trace_format_error(detail::text(where, detail::describe_p2p(e), " appears twice"));
     } else {
       if (e.kind == "broadcast" && e.peer < 0)
-        trace_format_error(detail::text({where, "broadcast without a root (\"peer\" -1)"}));
+        trace_format_error(detail::text(where, "broadcast without a root (\"peer\" -1)"));
       if (e.sequence > file.last_issued)
-        trace_format_error(detail::text({where, e.kind, " #", std::to_string(e.sequence), " is past \"last_issued\" #",
-                                         std::to_string(file.last_issued)}));
+        trace_format_error(detail::text(where, e.kind, " #", std::to_string(e.sequence), " is past \"last_issued\" #",
+                                        std::to_string(file.last_issued)));
       if (!collectives.insert(e.sequence).second)
-        trace_format_error(detail::text({where, "collective #", std::to_string(e.sequence), " appears twice"}));
+        trace_format_error(detail::text(where, "collective #", std::to_string(e.sequence), " appears twice"));
     }
     file.entries.push_back(std::move(e));
   }
@@ -374,7 +371,7 @@ inline trace_file parse_trace(std::string_view text) {
 inline trace_file read_trace_file(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in)
-    throw error(-1, "read trace", detail::text({"cannot open \"", path.string(), "\""}),
+    throw error(-1, "read trace", detail::text("cannot open \"", path.string(), "\""),
                 "check the path and permissions");
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   try {
@@ -382,7 +379,7 @@ inline trace_file read_trace_file(const std::filesystem::path& path) {
     file.path = path;
     return file;
   } catch (const error& e) {
-    throw error(-1, "read trace", detail::text({path.string(), ": ", e.detail()}), e.hint());
+    throw error(-1, "read trace", detail::text(path.string(), ": ", e.detail()), e.hint());
   }
 }
 
@@ -426,11 +423,11 @@ inline std::string describe_states(const std::vector<std::pair<int, std::string>
     else
       found->second.push_back(item.first);
   }
-  if (by_state.size() == 1) return detail::text({"(state ", by_state.front().first, ")"});
+  if (by_state.size() == 1) return detail::text("(state ", by_state.front().first, ")");
   std::string text = "(";
   for (std::size_t k = 0; k < by_state.size(); ++k)
-    text += detail::text({(k ? ", " : ""), format_ranks(by_state[k].second), " ", by_state[k].first});
-  return detail::text({text, ")"});
+    text += detail::text((k ? ", " : ""), format_ranks(by_state[k].second), " ", by_state[k].first);
+  return detail::text(text, ")");
 }
 
 inline bool all_waiting(const std::vector<std::pair<int, std::string>>& states) {
@@ -447,9 +444,9 @@ inline std::string collective_state(const trace_rank_view& view, std::int64_t se
 
 inline std::string newest_call(const trace_rank_view& view) {
   const trace_file& f = *view.file;
-  if (f.entries.empty()) return detail::text({"rank ", std::to_string(f.rank), " recorded no call"});
+  if (f.entries.empty()) return detail::text("rank ", std::to_string(f.rank), " recorded no call");
   const trace_entry& e = f.entries.back();
-  return detail::text({"rank ", std::to_string(f.rank), "'s newest call is ", describe_call(e), ", ", e.state});
+  return detail::text("rank ", std::to_string(f.rank), "'s newest call is ", describe_call(e), ", ", e.state);
 }
 
 // The signature groups of the ranks' entries at one sequence, largest group first (ties: the
@@ -484,16 +481,16 @@ inline trace_finding mismatch_finding(std::int64_t sequence, const std::vector<s
     finding.waiting = groups[0].ranks;
     for (std::size_t k = 1; k < groups.size(); ++k) {
       finding.culprits.insert(finding.culprits.end(), groups[k].ranks.begin(), groups[k].ranks.end());
-      finding.text += detail::text({(k > 1 ? "; " : ""), format_ranks(groups[k].ranks), " issued ",
-                                    describe_collective(*groups[k].example), " where ", format_ranks(groups[0].ranks),
-                                    " issued ", describe_collective(*groups[0].example)});
+      finding.text += detail::text((k > 1 ? "; " : ""), format_ranks(groups[k].ranks), " issued ",
+                                   describe_collective(*groups[k].example), " where ", format_ranks(groups[0].ranks),
+                                   " issued ", describe_collective(*groups[0].example));
     }
   } else {
-    finding.text = detail::text({"ranks disagree at collective #", std::to_string(sequence), ": "});
+    finding.text = detail::text("ranks disagree at collective #", std::to_string(sequence), ": ");
     for (std::size_t k = 0; k < groups.size(); ++k) {
       finding.culprits.insert(finding.culprits.end(), groups[k].ranks.begin(), groups[k].ranks.end());
-      finding.text += detail::text(
-          {(k ? "; " : ""), format_ranks(groups[k].ranks), " issued ", describe_collective(*groups[k].example)});
+      finding.text += detail::text((k ? "; " : ""), format_ranks(groups[k].ranks), " issued ",
+                                   describe_collective(*groups[k].example));
     }
     finding.text += " (no majority: the traces cannot tell which side is wrong)";
   }
@@ -524,15 +521,15 @@ inline void analyze_collectives(const std::vector<trace_rank_view>& views, trace
   if (lowest_completed + 1 <= unjudged_last) {
     const trace_file& f = *shortest->file;
     const bool several = unjudged_last > lowest_completed + 1;
-    report.notes.push_back(
-        detail::text({(several ? detail::text({"collectives #", std::to_string(lowest_completed + 1), "..#",
-                                               std::to_string(unjudged_last)})
-                               : detail::text({"collective #", std::to_string(unjudged_last)})),
-                      " cannot be compared: not every rank completed ", (several ? "them" : "it"), ", and rank ",
-                      std::to_string(f.rank), "'s ring (", std::to_string(f.capacity), " calls) ",
-                      (shortest->collectives.empty()
-                           ? "holds no collective"
-                           : detail::text({"starts at #", std::to_string(shortest->collectives.begin()->first)}))}));
+    report.notes.push_back(detail::text(
+        (several
+             ? detail::text("collectives #", std::to_string(lowest_completed + 1), "..#", std::to_string(unjudged_last))
+             : detail::text("collective #", std::to_string(unjudged_last))),
+        " cannot be compared: not every rank completed ", (several ? "them" : "it"), ", and rank ",
+        std::to_string(f.rank), "'s ring (", std::to_string(f.capacity), " calls) ",
+        (shortest->collectives.empty()
+             ? "holds no collective"
+             : detail::text("starts at #", std::to_string(shortest->collectives.begin()->first)))));
   }
 
   // 1. Signatures, where every rank issued the call and every ring holds it.
@@ -543,11 +540,10 @@ inline void analyze_collectives(const std::vector<trace_rank_view>& views, trace
     const auto held = std::distance(from, to);
     for (auto it = from; it != to; ++it) sequences.insert(it->first);
     if (first <= lowest_issued && held < lowest_issued - first + 1)
-      report.notes.push_back(
-          detail::text({"rank ", std::to_string(view.file->rank), "'s trace lacks ",
-                        std::to_string(lowest_issued - first + 1 - held), " of the collectives #",
-                        std::to_string(first), "..#", std::to_string(lowest_issued),
-                        " it issued (an incomplete or inconsistent file): those are compared without it"}));
+      report.notes.push_back(detail::text(
+          "rank ", std::to_string(view.file->rank), "'s trace lacks ", std::to_string(lowest_issued - first + 1 - held),
+          " of the collectives #", std::to_string(first), "..#", std::to_string(lowest_issued),
+          " it issued (an incomplete or inconsistent file): those are compared without it"));
   }
   for (const std::int64_t s : sequences) {
     std::vector<std::pair<int, const trace_entry*>> calls;
@@ -583,17 +579,17 @@ inline void analyze_collectives(const std::vector<trace_rank_view>& views, trace
     const std::string call =
         groups.empty()
             ? detail::text(
-                  {"collective #", std::to_string(s), " (kind and size unknown: ",
-                   (finding.waiting.size() == 1
-                        ? detail::text({"rank ", std::to_string(finding.waiting[0]), "'s ring no longer holds it)"})
-                        : detail::text({"the rings of ", format_ranks(finding.waiting), " no longer hold it)"}))})
+                  "collective #", std::to_string(s), " (kind and size unknown: ",
+                  (finding.waiting.size() == 1
+                       ? detail::text("rank ", std::to_string(finding.waiting[0]), "'s ring no longer holds it)")
+                       : detail::text("the rings of ", format_ranks(finding.waiting), " no longer hold it)")))
             : describe_collective(*groups[0].example);
     finding.text = detail::text(
-        {format_ranks(finding.culprits), " never issued ", call, "; ", format_ranks(finding.waiting), " issued it",
-         (all_waiting(states) ? detail::text({" and ", is_are(finding.waiting), " waiting in it "}) : " "),
-         describe_states(states)});
+        format_ranks(finding.culprits), " never issued ", call, "; ", format_ranks(finding.waiting), " issued it",
+        (all_waiting(states) ? detail::text(" and ", is_are(finding.waiting), " waiting in it ") : " "),
+        describe_states(states));
     for (std::size_t k = 0; k < silent.size() && k < 4; ++k)
-      finding.text += detail::text({"; ", newest_call(*silent[k])});
+      finding.text += detail::text("; ", newest_call(*silent[k]));
     report.findings.push_back(std::move(finding));
     if (groups.size() > 1) report.findings.push_back(mismatch_finding(s, groups));
     return;
@@ -601,8 +597,8 @@ inline void analyze_collectives(const std::vector<trace_rank_view>& views, trace
 
   // 3. Every rank issued the same calls: the oldest one not completed everywhere.
   if (lowest_completed >= highest_issued) {
-    report.notes.push_back(detail::text(
-        {"every collective issued (#1..#", std::to_string(highest_issued), ") completed on every rank with a trace"}));
+    report.notes.push_back(detail::text("every collective issued (#1..#", std::to_string(highest_issued),
+                                        ") completed on every rank with a trace"));
     return;
   }
   const std::int64_t s = lowest_completed + 1;
@@ -622,17 +618,17 @@ inline void analyze_collectives(const std::vector<trace_rank_view>& views, trace
       states.emplace_back(view.file->rank, collective_state(view, s));
     }
   }
-  const std::string call = example ? describe_collective(*example) : detail::text({"collective #", std::to_string(s)});
+  const std::string call = example ? describe_collective(*example) : detail::text("collective #", std::to_string(s));
   finding.text =
-      detail::text({call, " did not complete: ",
-                    (done.empty() ? std::string() : detail::text({"it completed on ", format_ranks(done), "; "})),
-                    format_ranks(finding.waiting), " issued it",
-                    (all_waiting(states) ? detail::text({" and ", is_are(finding.waiting), " waiting in it "}) : " "),
-                    describe_states(states)});
+      detail::text(call, " did not complete: ",
+                   (done.empty() ? std::string() : detail::text("it completed on ", format_ranks(done), "; ")),
+                   format_ranks(finding.waiting), " issued it",
+                   (all_waiting(states) ? detail::text(" and ", is_are(finding.waiting), " waiting in it ") : " "),
+                   describe_states(states));
   if (!report.missing.empty())
-    finding.text += detail::text({"; ", format_ranks(report.missing), " wrote no trace and ", is_are(report.missing),
-                                  " the suspect", (report.missing.size() == 1 ? "" : "s"),
-                                  " (died, stopped, or still running outside cohort)"});
+    finding.text +=
+        detail::text("; ", format_ranks(report.missing), " wrote no trace and ", is_are(report.missing), " the suspect",
+                     (report.missing.size() == 1 ? "" : "s"), " (died, stopped, or still running outside cohort)");
   else if (done.empty())
     finding.text +=
         "; every rank is in it, so the traces name no culprit: see the errors (a lost link, a device "
@@ -676,9 +672,8 @@ inline void analyze_point_to_point(const std::vector<trace_rank_view>& views, tr
     const trace_rank_view* receiver = receiver_it->second;
     const auto* sends = stream_of(sender, to, tag, true);
     const auto* recvs = stream_of(receiver, from, tag, false);
-    const std::string a = detail::text({"rank ", std::to_string(from)}),
-                      b = detail::text({"rank ", std::to_string(to)});
-    const std::string tag_text = detail::text({"tag ", std::to_string(tag)});
+    const std::string a = detail::text("rank ", std::to_string(from)), b = detail::text("rank ", std::to_string(to));
+    const std::string tag_text = detail::text("tag ", std::to_string(tag));
     bool reported = false;
     if (sends) {
       for (const auto& [n, send] : *sends) {
@@ -687,32 +682,14 @@ inline void analyze_point_to_point(const std::vector<trace_rank_view>& views, tr
           if (const auto found = recvs->find(n); found != recvs->end()) recv = found->second;
         if (recv) {
           if (recv->dtype != send->dtype || recv->count != send->count) {
-            report.findings.push_back({trace_finding_kind::p2p_mismatch,
-                                       n,
-                                       {from, to},
-                                       {},
-                                       detail::text({a,
-                                                     " sent ",
-                                                     send->dtype,
-                                                     " x ",
-                                                     std::to_string(send->count),
-                                                     " to ",
-                                                     b,
-                                                     " (",
-                                                     tag_text,
-                                                     ", #",
-                                                     std::to_string(n),
-                                                     ") but ",
-                                                     b,
-                                                     "'s matching recv expects ",
-                                                     recv->dtype,
-                                                     " x ",
-                                                     std::to_string(recv->count),
-                                                     " (send ",
-                                                     send->state,
-                                                     ", recv ",
-                                                     recv->state,
-                                                     ")"})});
+            report.findings.push_back(
+                {trace_finding_kind::p2p_mismatch,
+                 n,
+                 {from, to},
+                 {},
+                 detail::text(a, " sent ", send->dtype, " x ", std::to_string(send->count), " to ", b, " (", tag_text,
+                              ", #", std::to_string(n), ") but ", b, "'s matching recv expects ", recv->dtype, " x ",
+                              std::to_string(recv->count), " (send ", send->state, ", recv ", recv->state, ")")});
             reported = true;
             break;
           }
@@ -720,17 +697,17 @@ inline void analyze_point_to_point(const std::vector<trace_rank_view>& views, tr
         }
         const auto posted = stream_length(*receiver, recvs);
         if (!posted) {
-          report.notes.push_back(detail::text({"cannot tell whether ", b, " posted recv #", std::to_string(n), " from ",
-                                               a, " (", tag_text, "): its full ring holds no recv of that stream"}));
+          report.notes.push_back(detail::text("cannot tell whether ", b, " posted recv #", std::to_string(n), " from ",
+                                              a, " (", tag_text, "): its full ring holds no recv of that stream"));
           reported = true;
           break;
         }
         if (*posted < n) {
-          std::string what = detail::text(
-              {a, "'s send #", std::to_string(n), " to ", b, " (", tag_text, ") has no matching recv on ", b, ": ", b});
-          what += detail::text({" posted ", std::to_string(*posted), (*posted == 1 ? " recv" : " recvs"), " from ", a,
-                                " with ", tag_text, " (the send: ", send->dtype, " x ", std::to_string(send->count),
-                                ", state ", send->state, ")"});
+          std::string what = detail::text(a, "'s send #", std::to_string(n), " to ", b, " (", tag_text,
+                                          ") has no matching recv on ", b, ": ", b);
+          what += detail::text(" posted ", std::to_string(*posted), (*posted == 1 ? " recv" : " recvs"), " from ", a,
+                               " with ", tag_text, " (the send: ", send->dtype, " x ", std::to_string(send->count),
+                               ", state ", send->state, ")");
           report.findings.push_back({trace_finding_kind::p2p_unmatched, n, {to}, {from}, std::move(what)});
           reported = true;
           break;
@@ -743,16 +720,16 @@ inline void analyze_point_to_point(const std::vector<trace_rank_view>& views, tr
       if (sends && sends->count(n)) continue;  // compared above
       const auto posted = stream_length(*sender, sends);
       if (!posted) {
-        report.notes.push_back(detail::text({"cannot tell whether ", a, " posted send #", std::to_string(n), " to ", b,
-                                             " (", tag_text, "): its full ring holds no send of that stream"}));
+        report.notes.push_back(detail::text("cannot tell whether ", a, " posted send #", std::to_string(n), " to ", b,
+                                            " (", tag_text, "): its full ring holds no send of that stream"));
         break;
       }
       if (*posted < n) {
-        std::string what = detail::text(
-            {b, "'s recv #", std::to_string(n), " from ", a, " (", tag_text, ") has no matching send on ", a, ": ", a});
-        what += detail::text({" posted ", std::to_string(*posted), (*posted == 1 ? " send" : " sends"), " to ", b,
-                              " with ", tag_text, " (the recv: ", recv->dtype, " x ", std::to_string(recv->count),
-                              ", state ", recv->state, ")"});
+        std::string what = detail::text(b, "'s recv #", std::to_string(n), " from ", a, " (", tag_text,
+                                        ") has no matching send on ", a, ": ", a);
+        what += detail::text(" posted ", std::to_string(*posted), (*posted == 1 ? " send" : " sends"), " to ", b,
+                             " with ", tag_text, " (the recv: ", recv->dtype, " x ", std::to_string(recv->count),
+                             ", state ", recv->state, ")");
         report.findings.push_back({trace_finding_kind::p2p_unmatched, n, {from}, {to}, std::move(what)});
         break;
       }
@@ -774,13 +751,13 @@ inline trace_group_report analyze_group(std::vector<trace_file> files) {
   for (auto& file : files) {
     if (file.group != report.group)
       throw error(-1, "analyze traces",
-                  detail::text({"group \"", file.group, "\" among the files of group \"", report.group, "\""}),
+                  detail::text("group \"", file.group, "\" among the files of group \"", report.group, "\""),
                   "pass one group's files to analyze_group");
     if (!kept.empty() && kept.back().rank == file.rank) {
       report.notes.push_back(detail::text(
-          {"rank ", std::to_string(file.rank), " has two traces: using ", kept.back().path.filename().string(),
-           " (written ", detail::format_utc(kept.back().written_us), "), not ", file.path.filename().string(),
-           " (written ", detail::format_utc(file.written_us), ")"}));
+          "rank ", std::to_string(file.rank), " has two traces: using ", kept.back().path.filename().string(),
+          " (written ", detail::format_utc(kept.back().written_us), "), not ", file.path.filename().string(),
+          " (written ", detail::format_utc(file.written_us), ")"));
       continue;
     }
     kept.push_back(std::move(file));
@@ -797,8 +774,8 @@ inline trace_group_report analyze_group(std::vector<trace_file> files) {
     if (!file.path.empty()) {
       const auto named = detail::parse_trace_file_name(file.path.filename().string());
       if (named && (named->first != file.rank || named->second != file.group))
-        report.notes.push_back(detail::text({file.path.filename().string(), " holds rank ", std::to_string(file.rank),
-                                             " of group ", file.group, ": renamed or copied?"}));
+        report.notes.push_back(detail::text(file.path.filename().string(), " holds rank ", std::to_string(file.rank),
+                                            " of group ", file.group, ": renamed or copied?"));
     }
     report.present.push_back(file.rank);
     trace_rank_summary summary;
@@ -819,16 +796,16 @@ inline trace_group_report analyze_group(std::vector<trace_file> files) {
   if (worlds.size() > 1) {
     std::string sizes;
     for (int world : worlds) sizes += (sizes.empty() ? "" : ", ") + std::to_string(world);
-    report.notes.push_back(detail::text({"the files disagree on the world size (", sizes, "): using ",
-                                         std::to_string(report.world), "; some may be left from another run"}));
+    report.notes.push_back(detail::text("the files disagree on the world size (", sizes, "): using ",
+                                        std::to_string(report.world), "; some may be left from another run"));
   }
   if (backends.size() > 1)
     report.notes.push_back(
-        detail::text({"the files disagree on the backend (", report.backend, "): some may be left from another run"}));
+        detail::text("the files disagree on the backend (", report.backend, "): some may be left from another run"));
   if (last_written - first_written > std::int64_t{300} * 1000000)
     report.notes.push_back(
-        detail::text({"the traces were written ", std::to_string((last_written - first_written) / 1000000),
-                      " s apart: some may be left from an earlier run (the directory is not cleared between runs)"}));
+        detail::text("the traces were written ", std::to_string((last_written - first_written) / 1000000),
+                     " s apart: some may be left from an earlier run (the directory is not cleared between runs)"));
   for (int rank = 0; rank < report.world; ++rank)
     if (!std::binary_search(report.present.begin(), report.present.end(), rank)) report.missing.push_back(rank);
 
@@ -845,16 +822,15 @@ inline trace_report analyze_traces(const std::filesystem::path& directory) {
   namespace fs = std::filesystem;
   std::error_code ec;
   if (!fs::is_directory(directory, ec))
-    throw error(-1, "analyze traces", detail::text({"\"", directory.string(), "\" is not a directory"}),
+    throw error(-1, "analyze traces", detail::text("\"", directory.string(), "\" is not a directory"),
                 "give the COHORT_TRACE_DIR the run wrote its traces to");
   trace_report report;
   report.directory = directory.string();
   std::vector<fs::path> paths;
   fs::directory_iterator it(directory, ec), end;
-  if (ec) throw error(-1, "analyze traces", detail::text({"cannot list \"", directory.string(), "\": ", ec.message()}));
+  if (ec) throw error(-1, "analyze traces", detail::text("cannot list \"", directory.string(), "\": ", ec.message()));
   for (; it != end; it.increment(ec)) {
-    if (ec)
-      throw error(-1, "analyze traces", detail::text({"cannot list \"", directory.string(), "\": ", ec.message()}));
+    if (ec) throw error(-1, "analyze traces", detail::text("cannot list \"", directory.string(), "\": ", ec.message()));
     const std::string name = it->path().filename().string();
     if (it->is_regular_file(ec) && detail::parse_trace_file_name(name))
       paths.push_back(it->path());
@@ -870,8 +846,8 @@ inline trace_report analyze_traces(const std::filesystem::path& directory) {
       groups[file.group].push_back(std::move(file));
     } catch (const error& e) {
       std::string message = e.detail();
-      if (message.rfind(detail::text({path.string(), ": "}), 0) == 0) message.erase(0, path.string().size() + 2);
-      if (!e.hint().empty()) message += detail::text({" (hint: ", e.hint(), ")"});
+      if (message.rfind(detail::text(path.string(), ": "), 0) == 0) message.erase(0, path.string().size() + 2);
+      if (!e.hint().empty()) message += detail::text(" (hint: ", e.hint(), ")");
       report.problems.push_back({path.string(), message});
     }
   }
@@ -896,8 +872,8 @@ inline std::string format_trace_report(const trace_report& report) {
     for (const auto& rank : group.ranks)
       out << "  rank " << rank.rank << " (" << rank.host << ", pid " << rank.pid << "): "
           << (rank.last_issued == 0 ? std::string("no collective issued")
-                                    : detail::text({"collectives issued #", std::to_string(rank.last_issued),
-                                                    ", completed #", std::to_string(rank.last_completed)}))
+                                    : detail::text("collectives issued #", std::to_string(rank.last_issued),
+                                                   ", completed #", std::to_string(rank.last_completed)))
           << "; " << rank.entries << " of " << rank.capacity << " calls kept; written "
           << detail::format_utc(rank.written_us) << "\n";
     if (!group.missing.empty())

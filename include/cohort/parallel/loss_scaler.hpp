@@ -31,9 +31,9 @@ class loss_scaler {
         !(options.backoff_factor < 1) || options.growth_interval == 0)
       throw error(
           -1, "loss_scaler",
-          detail::text({"initial scale ", std::to_string(options.initial_scale), ", growth ",
-                        std::to_string(options.growth_factor), ", backoff ", std::to_string(options.backoff_factor),
-                        ", interval ", std::to_string(options.growth_interval)}),
+          detail::text("initial scale ", std::to_string(options.initial_scale), ", growth ",
+                       std::to_string(options.growth_factor), ", backoff ", std::to_string(options.backoff_factor),
+                       ", interval ", std::to_string(options.growth_interval)),
           "need initial > 0, growth >= 1, 0 < backoff < 1 and an interval of at least one step");
   }
 

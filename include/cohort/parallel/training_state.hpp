@@ -414,15 +414,15 @@ class training_state {
   std::size_t my_rank() const noexcept { return static_cast<std::size_t>(group_->rank()); }
 
   [[noreturn]] void fail(std::string_view operation, const std::string& what, const std::string& hint) const {
-    throw error(rank(), detail::text({"training_state.", operation}), what, hint);
+    throw error(rank(), detail::text("training_state.", operation), what, hint);
   }
   std::string describe(std::size_t r) const {
-    return detail::text(
-        {"region ", std::to_string(r), (regions_[r].name.empty() ? "" : detail::text({" '", regions_[r].name, "'"}))});
+    return detail::text("region ", std::to_string(r),
+                        (regions_[r].name.empty() ? "" : detail::text(" '", regions_[r].name, "'")));
   }
   void check_region(std::string_view operation, std::size_t r) const {
     if (r >= regions_.size())
-      fail(operation, detail::text({"region ", std::to_string(r), " of ", std::to_string(regions_.size())}),
+      fail(operation, detail::text("region ", std::to_string(r), " of ", std::to_string(regions_.size())),
            "regions are numbered as they were passed");
   }
 
@@ -472,11 +472,11 @@ class training_state {
   static std::string describe_call(std::int64_t what, std::int64_t bucket) {
     const std::string b = std::to_string(bucket);
     switch (static_cast<joined_call>(what)) {
-      case joined_call::gather: return detail::text({"the gather of bucket ", b});
-      case joined_call::reduce: return detail::text({"the reduction of bucket ", b});
+      case joined_call::gather: return detail::text("the gather of bucket ", b);
+      case joined_call::reduce: return detail::text("the reduction of bucket ", b);
       case joined_call::step: return "step()";
     }
-    return detail::text({"call ", std::to_string(what), " on bucket ", b});
+    return detail::text("call ", std::to_string(what), " on bucket ", b);
   }
   // Inside a micro-step that step() does not end. (A joined rank calls no gather() or
   // mark_ready(): it issues what it is told, so its own no_sync state never matters.)

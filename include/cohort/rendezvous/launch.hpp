@@ -99,17 +99,17 @@ struct launch_env {
   // "/worker/attempt_<restart>"; keys of this attempt live under this prefix.
   std::string store_prefix() const {
     if (!use_agent_store) return {};
-    return detail::text({"/worker/attempt_", std::to_string(restart_count), "/"});
+    return detail::text("/worker/attempt_", std::to_string(restart_count), "/");
   }
 
   std::string describe() const {
     std::string text{to_string(source)};
-    text += detail::text({": rank ", std::to_string(rank), "/", std::to_string(world_size)});
-    text += detail::text({", local rank ", std::to_string(local_rank), "/", std::to_string(local_world_size)});
-    text += detail::text({", node ", std::to_string(node_rank())});
-    text += detail::text({", master ", master_addr, ":", std::to_string(master_port)});
-    if (use_agent_store) text += detail::text({", agent store ", store_prefix()});
-    if (!run_id.empty()) text += detail::text({", run ", run_id});
+    text += detail::text(": rank ", std::to_string(rank), "/", std::to_string(world_size));
+    text += detail::text(", local rank ", std::to_string(local_rank), "/", std::to_string(local_world_size));
+    text += detail::text(", node ", std::to_string(node_rank()));
+    text += detail::text(", master ", master_addr, ":", std::to_string(master_port));
+    if (use_agent_store) text += detail::text(", agent store ", store_prefix());
+    if (!run_id.empty()) text += detail::text(", run ", run_id);
     return text;
   }
 

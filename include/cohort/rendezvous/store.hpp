@@ -116,9 +116,9 @@ class store {
   [[gnu::cold]] [[noreturn]] void throw_timeout(std::string_view operation, std::span<const std::string> keys,
                                                 std::chrono::milliseconds waited) const {
     std::string names;
-    for (const auto& key : keys) names += detail::text({(names.empty() ? "'" : ", '"), key, "'"});
+    for (const auto& key : keys) names += detail::text((names.empty() ? "'" : ", '"), key, "'");
     throw timeout_error(rank(), std::string("store.") + std::string(operation),
-                        detail::text({"waited ", detail::format_duration(waited), " for key(s) ", names}),
+                        detail::text("waited ", detail::format_duration(waited), " for key(s) ", names),
                         "a peer has not arrived or crashed before publishing; check that every "
                         "rank was started with the same world size and master address");
   }

@@ -160,7 +160,7 @@ class tcp_store final : public store {
     return keys.empty() ? std::string_view{} : std::string_view(keys.front());
   }
 
-  static std::string quoted(std::string_view key) { return detail::text({"'", key, "'"}); }
+  static std::string quoted(std::string_view key) { return detail::text("'", key, "'"); }
 
   COHORT_DECL std::string wire_key(std::string_view operation, std::string_view key) const;
 

@@ -143,8 +143,8 @@ void release_followers(G& group, bool leader, const std::exception_ptr& failure,
     group.barrier().wait();
     if (!leader && status[0] == 1)
       throw error(group.rank(), operation,
-                  detail::text({"rank ", std::to_string(leader_rank_for_message),
-                                " failed: ", reinterpret_cast<const char*>(status.data() + 1)}),
+                  detail::text("rank ", std::to_string(leader_rank_for_message),
+                               " failed: ", reinterpret_cast<const char*>(status.data() + 1)),
                   "fix the failure on the main rank; the other ranks did not run their part");
   } else {
     (void)failure;

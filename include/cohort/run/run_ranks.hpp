@@ -63,7 +63,7 @@ COHORT_DECL void finish_launched_rank(store& rendezvous, const launch_env& env, 
 template <class Fn>
 void run_thread_ranks(int threads, Fn&& fn) {
   if (threads <= 0)
-    throw error(-1, "run_thread_ranks", detail::text({"threads = ", std::to_string(threads)}), "pass a positive count");
+    throw error(-1, "run_thread_ranks", detail::text("threads = ", std::to_string(threads)), "pass a positive count");
   auto shared = std::make_shared<memory_store>();
   std::vector<std::exception_ptr> failures(static_cast<std::size_t>(threads));
   std::vector<std::thread> ranks;
@@ -84,7 +84,7 @@ void run_thread_ranks(int threads, Fn&& fn) {
 template <class Fn>
 void run_ranks(int threads, Fn&& fn) {
   if (threads < 0)
-    throw error(-1, "run_ranks", detail::text({"threads = ", std::to_string(threads)}),
+    throw error(-1, "run_ranks", detail::text("threads = ", std::to_string(threads)),
                 "pass 0 (launched) or a positive count");
   if (threads == 0) {
     const auto env = launch_env::detect();

@@ -100,7 +100,7 @@ inline std::optional<collective> find_collective(std::string_view name) {
 
 inline collective parse_collective(std::string_view name) {
   if (const auto found = find_collective(name)) return *found;
-  throw error(-1, "parse collective", detail::text({"unknown operation \"", name, "\""}),
+  throw error(-1, "parse collective", detail::text("unknown operation \"", name, "\""),
               "one of all_reduce, all_gather, reduce_scatter, broadcast, all_to_all");
 }
 
@@ -186,12 +186,12 @@ inline link_model link_model_by_name(std::string_view name) {
   if (auto link = find_link_model(name)) return *link;
   std::string known;
   for (const auto& link : link_presets()) known += (known.empty() ? "" : ", ") + link.name;
-  throw error(-1, "link model", detail::text({"unknown link class \"", name, "\""}), detail::text({"one of ", known}));
+  throw error(-1, "link model", detail::text("unknown link class \"", name, "\""), detail::text("one of ", known));
 }
 
 // Time of one collective on a flat ring of `ranks` ranks; bytes is the full buffer.
 inline double predict_time(collective op, double bytes, int ranks, const link_model& link) {
-  if (ranks < 1) throw error(-1, "predict_time", detail::text({"ranks = ", std::to_string(ranks)}), "at least 1");
+  if (ranks < 1) throw error(-1, "predict_time", detail::text("ranks = ", std::to_string(ranks)), "at least 1");
   if (bytes < 0) throw error(-1, "predict_time", "negative byte count");
   if (ranks == 1) return 0;
   const double p = ranks;
@@ -211,7 +211,7 @@ inline double predict_time(collective op, double bytes, int gpus_per_node, int n
                            const link_model& inter) {
   if (gpus_per_node < 1 || nodes < 1)
     throw error(-1, "predict_time",
-                detail::text({"gpus_per_node = ", std::to_string(gpus_per_node), ", nodes = ", std::to_string(nodes)}),
+                detail::text("gpus_per_node = ", std::to_string(gpus_per_node), ", nodes = ", std::to_string(nodes)),
                 "both must be at least 1");
   if (nodes == 1) return predict_time(op, bytes, gpus_per_node, intra);
   if (gpus_per_node == 1) return predict_time(op, bytes, nodes, inter);
@@ -310,7 +310,7 @@ inline bench_result parse_bench_result(std::string_view text) {
   using detail::json;
   const json document = detail::parse_json(text);
   if (!document.is_object())
-    throw error(-1, "read bench result", detail::text({"top level is a ", document.type_name(), ", not an object"}),
+    throw error(-1, "read bench result", detail::text("top level is a ", document.type_name(), ", not an object"),
                 "expected a cohort-bench result file");
   bench_result result;
   auto text_field = [&](const char* key, std::string& into) {
@@ -323,7 +323,7 @@ inline bench_result parse_bench_result(std::string_view text) {
   (void)parse_collective(result.operation);  // rejects unknown operations early
   const std::int64_t world = document.at("world").as_int64();
   if (world < 1 || world > 1 << 20)
-    throw error(-1, "read bench result", detail::text({"world = ", std::to_string(world)}), "expected 1 or more ranks");
+    throw error(-1, "read bench result", detail::text("world = ", std::to_string(world)), "expected 1 or more ranks");
   result.world = static_cast<int>(world);
   std::size_t index = 0;
   for (const json& item : document.at("rows").as_array()) {
@@ -334,10 +334,10 @@ inline bench_result parse_bench_result(std::string_view text) {
     };
     auto required = [&](const char* key) {
       if (!item.is_object())
-        throw error(-1, "read bench result", detail::text({"row ", std::to_string(index), " is a ", item.type_name()}));
+        throw error(-1, "read bench result", detail::text("row ", std::to_string(index), " is a ", item.type_name()));
       auto value = number(key);
       if (!value)
-        throw error(-1, "read bench result", detail::text({"row ", std::to_string(index), " has no \"", key, "\""}));
+        throw error(-1, "read bench result", detail::text("row ", std::to_string(index), " has no \"", key, "\""));
       return *value;
     };
     bench_row row;
@@ -345,7 +345,7 @@ inline bench_result parse_bench_result(std::string_view text) {
     row.time_us = required("time_us");
     if (row.bytes < 0 || row.time_us < 0)
       throw error(-1, "read bench result",
-                  detail::text({"row ", std::to_string(index), " has a negative bytes or time_us"}));
+                  detail::text("row ", std::to_string(index), " has a negative bytes or time_us"));
     row.count = number("count").value_or(0);
     row.algbw_GBps = number("algbw_GBps").value_or(0);
     row.busbw_GBps = number("busbw_GBps").value_or(0);
@@ -362,12 +362,12 @@ inline bench_result parse_bench_result(std::string_view text) {
 
 inline bench_result read_bench_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw error(-1, "read bench result", detail::text({"cannot open \"", path, "\""}), "check the path");
+  if (!in) throw error(-1, "read bench result", detail::text("cannot open \"", path, "\""), "check the path");
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   try {
     return parse_bench_result(text);
   } catch (const error& e) {
-    throw error(-1, e.operation(), detail::text({path, ": ", e.detail()}), e.hint());
+    throw error(-1, e.operation(), detail::text(path, ": ", e.detail()), e.hint());
   }
 }
 
@@ -382,10 +382,10 @@ struct timing_sample {
 inline link_model fit_alpha_beta(collective op, int world, std::span<const timing_sample> samples,
                                  std::string name = "measured") {
   if (world < 2)
-    throw error(-1, "fit_alpha_beta", detail::text({"world = ", std::to_string(world)}),
+    throw error(-1, "fit_alpha_beta", detail::text("world = ", std::to_string(world)),
                 "a fit needs measurements with at least 2 ranks");
   if (samples.size() < 2)
-    throw error(-1, "fit_alpha_beta", detail::text({std::to_string(samples.size()), " sample(s)"}),
+    throw error(-1, "fit_alpha_beta", detail::text(std::to_string(samples.size()), " sample(s)"),
                 "need at least two message sizes");
   const double factor = bus_factor(op, world), steps = ring_steps(op, world);
   double sx = 0, sy = 0, sxx = 0, sxy = 0;
@@ -407,8 +407,7 @@ inline link_model fit_alpha_beta(collective op, int world, std::span<const timin
     slope = sxy / sxx;
   }
   if (!(slope > 0))
-    throw error(-1, "fit_alpha_beta",
-                detail::text({"time does not grow with size (slope ", std::to_string(slope), ")"}),
+    throw error(-1, "fit_alpha_beta", detail::text("time does not grow with size (slope ", std::to_string(slope), ")"),
                 "measure larger messages, where bandwidth dominates");
   link_model link;
   link.name = std::move(name);
@@ -426,10 +425,10 @@ inline link_model fit_alpha_beta(const bench_result& result) {
   for (const auto& row : result.rows) samples.push_back({row.bytes, row.time_us * 1e-6});
   link_model link =
       fit_alpha_beta(parse_collective(result.operation), result.world, samples,
-                     detail::text({"measured-", (result.backend.empty() ? std::string("bench") : result.backend)}));
+                     detail::text("measured-", (result.backend.empty() ? std::string("bench") : result.backend)));
   link.kind = result.backend == "nccl" ? link_kind::unknown : link_kind::host;
   link.source +=
-      detail::text({" from ", result.tool, (result.backend.empty() ? "" : detail::text({" (", result.backend, ")"}))});
+      detail::text(" from ", result.tool, (result.backend.empty() ? "" : detail::text(" (", result.backend, ")")));
   return link;
 }
 
@@ -558,12 +557,12 @@ inline plan_result plan(const plan_input& in) {
     if (!ok) throw error(-1, "plan", what, hint);
   };
   check(in.gpus_per_node >= 1 && in.nodes >= 1,
-        detail::text({"gpus_per_node = ", std::to_string(in.gpus_per_node), ", nodes = ", std::to_string(in.nodes)}),
+        detail::text("gpus_per_node = ", std::to_string(in.gpus_per_node), ", nodes = ", std::to_string(in.nodes)),
         "both must be at least 1");
-  check(in.dtype_bytes >= 1, detail::text({"dtype_bytes = ", std::to_string(in.dtype_bytes)}), "bf16 is 2, fp32 is 4");
+  check(in.dtype_bytes >= 1, detail::text("dtype_bytes = ", std::to_string(in.dtype_bytes)), "bf16 is 2, fp32 is 4");
   check(in.per_device_batch >= 1 && in.accumulation >= 1,
-        detail::text({"per_device_batch = ", std::to_string(in.per_device_batch),
-                      ", accumulation = ", std::to_string(in.accumulation)}),
+        detail::text("per_device_batch = ", std::to_string(in.per_device_batch),
+                     ", accumulation = ", std::to_string(in.accumulation)),
         "both must be at least 1");
   check(in.compute_seconds >= 0, "negative compute time", "forward+backward seconds of one micro-batch");
   check(in.intra_node.beta_seconds_per_byte > 0 && in.inter_node.beta_seconds_per_byte > 0, "a link has no bandwidth",
@@ -664,76 +663,76 @@ inline plan_result plan(const plan_input& in) {
   const bool slow_link =
       in.intra_node.kind == link_kind::pcie || (nodes > 1 && in.inter_node.kind != link_kind::nvlink);
   const std::string states =
-      detail::text({format_bytes(dp.memory_per_gpu_bytes), " of model states vs ", format_bytes(usable), " usable (",
-                    format_percent(in.usable_memory_fraction), " of ", format_bytes(in.gpu_memory_bytes), ")"});
+      detail::text(format_bytes(dp.memory_per_gpu_bytes), " of model states vs ", format_bytes(usable), " usable (",
+                   format_percent(in.usable_memory_fraction), " of ", format_bytes(in.gpu_memory_bytes), ")");
   if (r.world == 1) {
     r.recommended = dp.fits ? plan_advice::single_gpu : plan_advice::does_not_fit;
-    r.advice.push_back(dp.fits ? detail::text({"one GPU: nothing to communicate; the model fits (", states, ")"})
-                               : detail::text({"the model does not fit one GPU (", states,
-                                               "): shard it across several GPUs, or offload optimizer state"}));
+    r.advice.push_back(dp.fits ? detail::text("one GPU: nothing to communicate; the model fits (", states, ")")
+                               : detail::text("the model does not fit one GPU (", states,
+                                              "): shard it across several GPUs, or offload optimizer state"));
   } else if (dp.fits) {
     r.recommended = plan_advice::data_parallel;
-    std::string text = detail::text({"the model fits one GPU (", states, "): use data parallelism"});
+    std::string text = detail::text("the model fits one GPU (", states, "): use data parallelism");
     if (sh.step_seconds > dp.step_seconds * 1.001) {
       text += detail::text(
-          {std::string("; sharding"), (in.intra_node.kind == link_kind::pcie ? " over PCIe" : ""), " would be slower (",
-           format_seconds(sh.step_seconds), " vs ", format_seconds(dp.step_seconds),
-           " per step: it moves 1.5x the bytes, 3(p-1)/p instead of 2(p-1)/p of the model, every micro-batch)"});
+          "; sharding", (in.intra_node.kind == link_kind::pcie ? " over PCIe" : ""), " would be slower (",
+          format_seconds(sh.step_seconds), " vs ", format_seconds(dp.step_seconds),
+          " per step: it moves 1.5x the bytes, 3(p-1)/p instead of 2(p-1)/p of the model, every micro-batch)");
     }
     r.advice.push_back(text);
   } else if (sh.fits) {
     r.recommended = plan_advice::sharded;
     r.advice.push_back(detail::text(
-        {"the model does not fit one GPU (", states, "): shard parameters, gradients and optimizer ", "state over the ",
-         std::to_string(r.world), " GPUs, ", format_bytes(sh.memory_per_gpu_bytes), " per GPU"}));
+        "the model does not fit one GPU (", states, "): shard parameters, gradients and optimizer ", "state over the ",
+        std::to_string(r.world), " GPUs, ", format_bytes(sh.memory_per_gpu_bytes), " per GPU"));
     if (slow_link && c > 0 && sh.efficiency < 0.8)
-      r.advice.push_back(detail::text(
-          {std::string("warning: sharding gathers every unit twice per micro-batch, and over "),
-           (in.intra_node.kind == link_kind::pcie ? "PCIe" : "this network"), " only ",
-           format_percent(sh.hidden_fraction), " of it hides (scaling efficiency ", format_percent(sh.efficiency),
-           "): prefer NVLink machines, larger micro-batches, or activation checkpointing to "
-           "free memory for data parallelism"}));
+      r.advice.push_back(detail::text("warning: sharding gathers every unit twice per micro-batch, and over ",
+                                      (in.intra_node.kind == link_kind::pcie ? "PCIe" : "this network"), " only ",
+                                      format_percent(sh.hidden_fraction), " of it hides (scaling efficiency ",
+                                      format_percent(sh.efficiency),
+                                      "): prefer NVLink machines, larger micro-batches, or activation checkpointing to "
+                                      "free memory for data parallelism"));
   } else {
     r.recommended = plan_advice::does_not_fit;
     const double needed = std::ceil(r.parameters * in.state_bytes_per_parameter /
                                     std::max(1.0, usable - 3 * r.largest_unit_parameters * in.dtype_bytes));
-    r.advice.push_back(detail::text({"the model does not fit even sharded over ", std::to_string(r.world), " GPUs (",
-                                     format_bytes(sh.memory_per_gpu_bytes), " per GPU vs ", format_bytes(usable),
-                                     " usable): at least ", std::to_string(static_cast<long long>(needed)),
-                                     " GPUs, CPU offload of optimizer state, or tensor/pipeline parallelism"}));
+    r.advice.push_back(detail::text("the model does not fit even sharded over ", std::to_string(r.world), " GPUs (",
+                                    format_bytes(sh.memory_per_gpu_bytes), " per GPU vs ", format_bytes(usable),
+                                    " usable): at least ", std::to_string(static_cast<long long>(needed)),
+                                    " GPUs, CPU offload of optimizer state, or tensor/pipeline parallelism"));
   }
   const strategy_estimate* chosen = r.recommended == plan_advice::sharded ? &sh : &dp;
   if (r.world > 1 && c > 0 && r.recommended != plan_advice::does_not_fit && chosen->efficiency < 0.5)
-    r.advice.push_back(detail::text(
-        {"warning: communication dominates (scaling efficiency ", format_percent(chosen->efficiency), "): ",
-         (r.recommended == plan_advice::data_parallel
-              ? "raise accumulation (data parallelism communicates once per optimizer step) or the "
-                "per-device batch"
-              : "raise the per-device batch (sharding communicates every micro-batch)"),
-         ", or use fewer GPUs on a faster link"}));
+    r.advice.push_back(
+        detail::text("warning: communication dominates (scaling efficiency ", format_percent(chosen->efficiency), "): ",
+                     (r.recommended == plan_advice::data_parallel
+                          ? "raise accumulation (data parallelism communicates once per optimizer step) or the "
+                            "per-device batch"
+                          : "raise the per-device batch (sharding communicates every micro-batch)"),
+                     ", or use fewer GPUs on a faster link"));
   if (r.world > 1 && c == 0)
     r.advice.push_back(
         "no compute time given (--compute-ms): nothing hides communication; speedups are not meaningful");
   if (r.world > 1 && r.recommended == plan_advice::data_parallel)
     r.advice.push_back(
-        detail::text({"bucket size ", format_bytes(r.bucket_bytes), " (", std::to_string(r.buckets),
-                      " buckets): the ring latency stays under 10% of each bucket's transfer, and at least "
-                      "four buckets let backward hide all but the last"}));
+        detail::text("bucket size ", format_bytes(r.bucket_bytes), " (", std::to_string(r.buckets),
+                     " buckets): the ring latency stays under 10% of each bucket's transfer, and at least "
+                     "four buckets let backward hide all but the last"));
 
   r.rules_of_thumb.push_back(detail::text(
-      {"a run that takes under about twelve hours on one GPU rarely repays multi-GPU setup (launch, rendezvous, "
-       "debugging): run it on one GPU and give the others different work",
-       (in.single_gpu_hours > 0
-            ? detail::text({" (this run: ", detail::format_seconds(in.single_gpu_hours * 3600), " on one GPU",
-                            (in.single_gpu_hours < 12 ? ", under the threshold)" : ")")})
-            : std::string())}));
+      "a run that takes under about twelve hours on one GPU rarely repays multi-GPU setup (launch, rendezvous, "
+      "debugging): run it on one GPU and give the others different work",
+      (in.single_gpu_hours > 0
+           ? detail::text(" (this run: ", detail::format_seconds(in.single_gpu_hours * 3600), " on one GPU",
+                          (in.single_gpu_hours < 12 ? ", under the threshold)" : ")"))
+           : std::string())));
   r.rules_of_thumb.push_back(
       "for ablations, two different configurations on two GPUs beat one configuration on both: the same "
       "wall-clock, twice the answers, no communication");
   r.rules_of_thumb.push_back(
-      detail::text({"the effective batch is ", std::to_string(r.effective_batch),
-                    " (per-device x accumulation x GPUs): when it changes, retune the learning rate "
-                    "(linear scaling with warmup is the usual start)"}));
+      detail::text("the effective batch is ", std::to_string(r.effective_batch),
+                   " (per-device x accumulation x GPUs): when it changes, retune the learning rate "
+                   "(linear scaling with warmup is the usual start)"));
 
   auto describe = [](const char* role, const link_model& link) {
     std::ostringstream out;
@@ -748,18 +747,18 @@ inline plan_result plan(const plan_input& in) {
       "ring alpha-beta model: all-reduce 2(p-1) alpha + 2(p-1)/p n beta; all-gather and "
       "reduce-scatter (p-1) alpha + (p-1)/p n beta; across nodes hierarchical");
   r.assumptions.push_back(
-      detail::text({"overlap: data-parallel all-reduce hides behind the last micro-batch's backward (",
-                    format_percent(in.backward_fraction),
-                    " of compute) except its last bucket; sharded gathers are prefetched, the first "
-                    "gather and last reduce-scatter of each micro-batch stay exposed"}));
+      detail::text("overlap: data-parallel all-reduce hides behind the last micro-batch's backward (",
+                   format_percent(in.backward_fraction),
+                   " of compute) except its last bucket; sharded gathers are prefetched, the first "
+                   "gather and last reduce-scatter of each micro-batch stay exposed"));
   r.assumptions.push_back(
-      detail::text({std::to_string(static_cast<int>(in.state_bytes_per_parameter)),
-                    " bytes of model state per parameter (mixed-precision Adam, ZeRO accounting); "
-                    "activations not included",
-                    (in.unit_parameters.empty() ? detail::text({"; ", std::to_string(r.units),
-                                                                " equal sharding units assumed (give --units for real "
-                                                                "layer sizes)"})
-                                                : std::string())}));
+      detail::text(std::to_string(static_cast<int>(in.state_bytes_per_parameter)),
+                   " bytes of model state per parameter (mixed-precision Adam, ZeRO accounting); "
+                   "activations not included",
+                   (in.unit_parameters.empty() ? detail::text("; ", std::to_string(r.units),
+                                                              " equal sharding units assumed (give --units for real "
+                                                              "layer sizes)")
+                                               : std::string())));
   return r;
 }
 

@@ -142,8 +142,8 @@ struct topology {
   const gpu_link& link(std::size_t a, std::size_t b) const {
     if (a >= gpus.size() || b >= gpus.size())
       throw error(-1, "topology",
-                  detail::text({"GPU pair (", std::to_string(a), ", ", std::to_string(b), ") outside ",
-                                std::to_string(gpus.size()), " GPUs"}));
+                  detail::text("GPU pair (", std::to_string(a), ", ", std::to_string(b), ") outside ",
+                               std::to_string(gpus.size()), " GPUs"));
     return links[a][b];
   }
 };
@@ -196,7 +196,7 @@ inline std::vector<std::vector<int>> nvlink_pair_counts(const std::vector<std::s
   if (link_endpoints.size() != n)
     throw error(
         -1, "nvlink_pair_counts",
-        detail::text({std::to_string(n), " GPUs but endpoint lists for ", std::to_string(link_endpoints.size())}));
+        detail::text(std::to_string(n), " GPUs but endpoint lists for ", std::to_string(link_endpoints.size())));
   std::vector<std::string> ids(n);
   for (std::size_t i = 0; i < n; ++i) ids[i] = normalize_pci_bus_id(gpu_bus_ids[i]);
   std::vector<std::vector<int>> counts(n, std::vector<int>(n, 0));
@@ -250,7 +250,7 @@ inline topology make_topology(std::vector<gpu_info> gpus,
 }
 
 inline std::string cell_label(const gpu_link& link) {
-  if (link.kind == link_class::nvlink) return detail::text({"NV", std::to_string(link.nvlink_count)});
+  if (link.kind == link_class::nvlink) return detail::text("NV", std::to_string(link.nvlink_count));
   return label(link.kind);
 }
 
@@ -266,10 +266,10 @@ inline std::string format_topology_matrix(const topology& topo) {
       for (std::size_t i = text.size(); i < 8; ++i) out << ' ';
     };
     column("");
-    for (std::size_t b = 0; b < n; ++b) column(detail::text({"GPU", std::to_string(b)}));
+    for (std::size_t b = 0; b < n; ++b) column(detail::text("GPU", std::to_string(b)));
     out << "NUMA Affinity\n";
     for (std::size_t a = 0; a < n; ++a) {
-      column(detail::text({"GPU", std::to_string(a)}));
+      column(detail::text("GPU", std::to_string(a)));
       for (std::size_t b = 0; b < n; ++b) {
         std::string cell(1, ' ');  // built in place: GCC 12 -O3 warns falsely on " " + string
         cell += cell_label(topo.links[a][b]);
@@ -384,17 +384,17 @@ inline std::vector<std::string> advice(const topology& topo) {
   }());
   if (all_nvlink) {
     lines.push_back(
-        detail::text({"GPUs ", all, " are all joined by NVLink (at least NV", std::to_string(min_count),
-                      "): data parallelism and sharding both run at NVLink speed; sharding moves 1.5x the bytes "
-                      "of data parallelism, worth it once the model does not fit one GPU"}));
+        detail::text("GPUs ", all, " are all joined by NVLink (at least NV", std::to_string(min_count),
+                     "): data parallelism and sharding both run at NVLink speed; sharding moves 1.5x the bytes "
+                     "of data parallelism, worth it once the model does not fit one GPU"));
   } else {
     if (any_nvlink) {
       for (const auto& group : detail::link_groups(topo, is_nv))
         if (group.size() > 1)
           lines.push_back(
-              detail::text({"GPUs ", detail::format_gpu_list(group),
-                            " share NVLink: keep bandwidth-heavy groups (sharding) inside them; a ring over all "
-                            "GPUs runs at the speed of the PCIe links between the groups"}));
+              detail::text("GPUs ", detail::format_gpu_list(group),
+                           " share NVLink: keep bandwidth-heavy groups (sharding) inside them; a ring over all "
+                           "GPUs runs at the speed of the PCIe links between the groups"));
     }
     std::vector<std::size_t> pcie_only;
     for (std::size_t a = 0; a < n; ++a) {
@@ -403,20 +403,20 @@ inline std::vector<std::string> advice(const topology& topo) {
       if (!has_nv) pcie_only.push_back(a);
     }
     if (!pcie_only.empty())
-      lines.push_back(detail::text({"GPUs ", detail::format_gpu_list(pcie_only),
-                                    " talk over PCIe only: prefer data parallelism; sharding moves 1.5x the bytes "
-                                    "(3(p-1)/p instead of 2(p-1)/p of the model per step, every micro-batch)"}));
+      lines.push_back(detail::text("GPUs ", detail::format_gpu_list(pcie_only),
+                                   " talk over PCIe only: prefer data parallelism; sharding moves 1.5x the bytes "
+                                   "(3(p-1)/p instead of 2(p-1)/p of the model per step, every micro-batch)"));
   }
   if (any_sys) {
     auto groups = detail::link_groups(topo, [](const gpu_link& l) { return l.kind != link_class::cross_socket; });
     std::string text;
     for (const auto& group : groups)
-      text += detail::text({(text.empty() ? "{" : " and {"), detail::format_gpu_list(group), "}"});
+      text += detail::text((text.empty() ? "{" : " and {"), detail::format_gpu_list(group), "}");
     lines.push_back(
-        detail::text({"GPUs ", text,
-                      " sit under different CPU sockets (SYS): traffic between them crosses the "
-                      "inter-socket link, the slowest in the box; for jobs smaller than the box keep each job on one "
-                      "socket (CUDA_VISIBLE_DEVICES)"}));
+        detail::text("GPUs ", text,
+                     " sit under different CPU sockets (SYS): traffic between them crosses the "
+                     "inter-socket link, the slowest in the box; for jobs smaller than the box keep each job on one "
+                     "socket (CUDA_VISIBLE_DEVICES)"));
   }
   if (any_unknown)
     lines.push_back(
@@ -425,13 +425,13 @@ inline std::vector<std::string> advice(const topology& topo) {
   for (std::size_t a = 0; a < n; ++a) {
     const auto& g = topo.gpus[a];
     if (g.pcie_max_width > 0 && g.pcie_max_width < 16)
-      lines.push_back(detail::text({"GPU", std::to_string(a), " sits in an x", std::to_string(g.pcie_max_width),
-                                    " slot: ", (g.pcie_max_width <= 8 ? "half or less" : "less"),
-                                    " of the bandwidth of x16 for everything that crosses PCIe"}));
+      lines.push_back(detail::text("GPU", std::to_string(a), " sits in an x", std::to_string(g.pcie_max_width),
+                                   " slot: ", (g.pcie_max_width <= 8 ? "half or less" : "less"),
+                                   " of the bandwidth of x16 for everything that crosses PCIe"));
     else if (g.pcie_width > 0 && g.pcie_max_width > 0 && g.pcie_width < g.pcie_max_width)
-      lines.push_back(detail::text({"GPU", std::to_string(a), " runs x", std::to_string(g.pcie_width), " of x",
-                                    std::to_string(g.pcie_max_width),
-                                    " possible: a riser, a bifurcated slot or a downtrained link"}));
+      lines.push_back(detail::text("GPU", std::to_string(a), " runs x", std::to_string(g.pcie_width), " of x",
+                                   std::to_string(g.pcie_max_width),
+                                   " possible: a riser, a bifurcated slot or a downtrained link"));
   }
   return lines;
 }
@@ -552,7 +552,7 @@ class nvml_library {
 };
 
 inline int numa_node_of(const std::string& bus_id) {
-  std::ifstream in(detail::text({"/sys/bus/pci/devices/", bus_id, "/numa_node"}));
+  std::ifstream in(detail::text("/sys/bus/pci/devices/", bus_id, "/numa_node"));
   int node = -1;
   if (in >> node && node >= 0) return node;
   return -1;
@@ -568,7 +568,7 @@ inline topology probe_topology() {
 #if COHORT_TOPOLOGY_CAN_PROBE
   int count = 0;
   if (const cudaError_t status = cudaGetDeviceCount(&count); status != cudaSuccess) {
-    topo.notes.push_back(detail::text({"no CUDA device (cudaGetDeviceCount: ", cudaGetErrorString(status), ")"}));
+    topo.notes.push_back(detail::text("no CUDA device (cudaGetDeviceCount: ", cudaGetErrorString(status), ")"));
     (void)cudaGetLastError();  // clear the sticky error for whoever uses CUDA next
     return topo;
   }

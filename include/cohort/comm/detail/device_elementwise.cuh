@@ -34,7 +34,7 @@ inline unsigned blocks_for(std::size_t count, unsigned threads = 256) {
 inline void check_launch(const char* what) {
   const cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess)
-    throw error(-1, detail::text({"cuda.launch(", what, ")"}), cudaGetErrorString(status),
+    throw error(-1, detail::text("cuda.launch(", what, ")"), cudaGetErrorString(status),
                 "was this binary built for this GPU's architecture (CMAKE_CUDA_ARCHITECTURES)?");
 }
 

@@ -27,8 +27,8 @@ COHORT_DECL std::string describe_duplicate(const duplicate_device& duplicate) {
   const auto bar = duplicate.identity.find('|');
   const std::string host = duplicate.identity.substr(0, bar);
   const std::string bus = bar == std::string::npos ? std::string() : duplicate.identity.substr(bar + 1);
-  return detail::text({"ranks ", std::to_string(duplicate.first_rank), " and ", std::to_string(duplicate.second_rank),
-                       " both drive the GPU at PCI ", bus, " on host ", host});
+  return detail::text("ranks ", std::to_string(duplicate.first_rank), " and ", std::to_string(duplicate.second_rank),
+                      " both drive the GPU at PCI ", bus, " on host ", host);
 }
 
 COHORT_DECL const char* duplicate_device_hint() {
@@ -56,27 +56,27 @@ COHORT_DECL bool well_formed_device_identity(std::string_view identity) {
 
 COHORT_DECL std::string describe_device_counts(int local_rank, int local_world_size, int visible,
                                                const char* cuda_visible_devices) {
-  return detail::text({"local rank ", std::to_string(local_rank), " of ", std::to_string(local_world_size), " sees ",
-                       std::to_string(visible), " GPU(s)",
-                       (cuda_visible_devices ? detail::text({" (CUDA_VISIBLE_DEVICES=", cuda_visible_devices, ")"})
-                                             : std::string(" (CUDA_VISIBLE_DEVICES unset)"))});
+  return detail::text("local rank ", std::to_string(local_rank), " of ", std::to_string(local_world_size), " sees ",
+                      std::to_string(visible), " GPU(s)",
+                      (cuda_visible_devices ? detail::text(" (CUDA_VISIBLE_DEVICES=", cuda_visible_devices, ")")
+                                            : std::string(" (CUDA_VISIBLE_DEVICES unset)")));
 }
 
 COHORT_DECL device_choice choose_device(int requested, int local_rank, int visible, const char* cuda_visible_devices) {
   const std::string seen =
-      cuda_visible_devices ? detail::text({" (CUDA_VISIBLE_DEVICES=", cuda_visible_devices, ")"}) : std::string();
+      cuda_visible_devices ? detail::text(" (CUDA_VISIBLE_DEVICES=", cuda_visible_devices, ")") : std::string();
   if (visible <= 0)
-    return {-1, detail::text({"no GPU is visible to this process", seen}),
+    return {-1, detail::text("no GPU is visible to this process", seen),
             "check nvidia-smi, the driver, and that CUDA_VISIBLE_DEVICES names a GPU of this node"};
   if (requested >= 0) {
     if (requested < visible) return {requested, {}, {}};
     return {-1,
-            detail::text({"options.device ", std::to_string(requested), " but only ", std::to_string(visible),
-                          " GPU(s) visible", seen}),
+            detail::text("options.device ", std::to_string(requested), " but only ", std::to_string(visible),
+                         " GPU(s) visible", seen),
             "device indices count the visible GPUs from 0; leave options.device at -1 to pick by LOCAL_RANK"};
   }
   if (local_rank < 0)
-    return {-1, detail::text({"local rank ", std::to_string(local_rank), " is negative"}),
+    return {-1, detail::text("local rank ", std::to_string(local_rank), " is negative"),
             "LOCAL_RANK (or the launcher's equivalent) must be 0 or more"};
   return {local_rank % visible, {}, {}};
 }

@@ -26,17 +26,17 @@ namespace cohort::inline v0::detail {
 
 COHORT_DECL std::string describe(const call_record& call) {
   std::string text(to_string(call.kind));
-  if (call.sequence != 0) text += detail::text({" #", std::to_string(call.sequence)});
+  if (call.sequence != 0) text += detail::text(" #", std::to_string(call.sequence));
   if (call.kind == call_kind::barrier) return text;
-  text += detail::text({" (", cohort::to_string(call.type), " x ", std::to_string(call.count)});
+  text += detail::text(" (", cohort::to_string(call.type), " x ", std::to_string(call.count));
   if (call.kind == call_kind::all_reduce || call.kind == call_kind::reduce_scatter)
-    text += detail::text({", ", cohort::to_string(call.reduce)});
-  if (call.kind == call_kind::broadcast) text += detail::text({", root ", std::to_string(call.peer)});
+    text += detail::text(", ", cohort::to_string(call.reduce));
+  if (call.kind == call_kind::broadcast) text += detail::text(", root ", std::to_string(call.peer));
   if (detail::is_point_to_point(call.kind)) {
-    text += detail::text({", peer ", std::to_string(call.peer)});
-    if (call.tag != 0) text += detail::text({", tag ", std::to_string(call.tag)});
+    text += detail::text(", peer ", std::to_string(call.peer));
+    if (call.tag != 0) text += detail::text(", tag ", std::to_string(call.tag));
   }
-  return detail::text({text, ")"});
+  return detail::text(text, ")");
 }
 
 COHORT_DECL std::string group_name(const store& group_store) {
@@ -63,63 +63,31 @@ COHORT_DECL std::string write_trace(const std::string& directory, const trace_id
                                     const flight_recorder& recorder, std::string_view failure) {
   if (directory.empty()) return {};
   try {
-    const std::string path = detail::text({directory, "/rank", std::to_string(who.rank), ".", who.group, ".json"});
+    const std::string path = detail::text(directory, "/rank", std::to_string(who.rank), ".", who.group, ".json");
     char host[256] = {};
     if (::gethostname(host, sizeof host - 1) != 0) host[0] = '\0';
-    std::string json = detail::text({"{\n  \"version\": 1,\n  \"group\": \"",
-                                     json_escape(who.group),
-                                     "\",\n  \"backend\": \"",
-                                     json_escape(who.backend),
-                                     "\",\n  \"rank\": ",
-                                     std::to_string(who.rank),
-                                     ",\n  \"world\": ",
-                                     std::to_string(who.world),
-                                     ",\n  \"host\": \"",
-                                     json_escape(host),
-                                     "\",\n  \"pid\": ",
-                                     std::to_string(::getpid()),
-                                     ",\n  \"written_us\": ",
-                                     std::to_string(now_us()),
-                                     ",\n  \"error\": \"",
-                                     json_escape(failure),
-                                     "\",\n  \"last_issued\": ",
-                                     std::to_string(recorder.last_issued()),
-                                     ",\n  \"last_completed\": ",
-                                     std::to_string(recorder.last_completed()),
-                                     ",\n  \"capacity\": ",
-                                     std::to_string(recorder.capacity()),
-                                     ",\n  \"entries\": ["});
+    std::string json = detail::text(
+        "{\n  \"version\": 1,\n  \"group\": \"", json_escape(who.group), "\",\n  \"backend\": \"",
+        json_escape(who.backend), "\",\n  \"rank\": ", std::to_string(who.rank),
+        ",\n  \"world\": ", std::to_string(who.world), ",\n  \"host\": \"", json_escape(host),
+        "\",\n  \"pid\": ", std::to_string(::getpid()), ",\n  \"written_us\": ", std::to_string(now_us()),
+        ",\n  \"error\": \"", json_escape(failure), "\",\n  \"last_issued\": ", std::to_string(recorder.last_issued()),
+        ",\n  \"last_completed\": ", std::to_string(recorder.last_completed()),
+        ",\n  \"capacity\": ", std::to_string(recorder.capacity()), ",\n  \"entries\": [");
     const auto calls = recorder.snapshot();
     for (std::size_t k = 0; k < calls.size(); ++k) {
       const call_record& call = calls[k];
-      json += detail::text({k ? "," : "",
-                            "\n    {\"sequence\": ",
-                            std::to_string(call.sequence),
-                            ", \"kind\": \"",
-                            to_string(call.kind),
-                            "\", \"dtype\": \"",
-                            cohort::to_string(call.type),
-                            "\", \"count\": ",
-                            std::to_string(call.count),
-                            ", \"op\": \"",
-                            cohort::to_string(call.reduce),
-                            "\", \"peer\": ",
-                            std::to_string(call.peer),
-                            ", \"tag\": ",
-                            std::to_string(call.tag),
-                            ", \"state\": \"",
-                            to_string(call.state),
-                            "\", \"issued_us\": ",
-                            std::to_string(call.issued_us),
-                            ", \"started_us\": ",
-                            std::to_string(call.started_us),
-                            ", \"completed_us\": ",
-                            std::to_string(call.completed_us),
-                            "}"});
+      json += detail::text(
+          k ? "," : "", "\n    {\"sequence\": ", std::to_string(call.sequence), ", \"kind\": \"", to_string(call.kind),
+          "\", \"dtype\": \"", cohort::to_string(call.type), "\", \"count\": ", std::to_string(call.count),
+          ", \"op\": \"", cohort::to_string(call.reduce), "\", \"peer\": ", std::to_string(call.peer),
+          ", \"tag\": ", std::to_string(call.tag), ", \"state\": \"", to_string(call.state),
+          "\", \"issued_us\": ", std::to_string(call.issued_us), ", \"started_us\": ", std::to_string(call.started_us),
+          ", \"completed_us\": ", std::to_string(call.completed_us), "}");
     }
     json += "\n  ]\n}\n";
     // Written whole under a temporary name, then renamed: a reader never sees half a file.
-    const std::string partial = detail::text({path, ".partial"});
+    const std::string partial = detail::text(path, ".partial");
     std::FILE* file = std::fopen(partial.c_str(), "w");
     if (file == nullptr) return {};
     const bool written = std::fwrite(json.data(), 1, json.size(), file) == json.size();
@@ -135,7 +103,7 @@ COHORT_DECL std::string write_trace(const std::string& directory, const trace_id
 
 COHORT_DECL std::string name_the_culprit(store& group_store, int rank, int size, std::chrono::milliseconds timeout,
                                          const std::string& call, bool connection_lost, const peer_probe& probe) {
-  if (size < 2) return detail::text({"this rank is in ", call});
+  if (size < 2) return detail::text("this rank is in ", call);
   // Each rank that fails publishes the call it is in; a rank that is not in a cohort call
   // (still computing, stopped, dead) publishes nothing. The window is short and bounded, and
   // so is every store request in it: a handle of its own bounded by the window (the group's
@@ -159,10 +127,10 @@ COHORT_DECL std::string name_the_culprit(store& group_store, int rank, int size,
     } catch (const std::exception& cut_off) {
       const std::string where = group_store.location();
       const auto* known = dynamic_cast<const error*>(&cut_off);
-      return detail::text({"this rank is in ", call, "; cannot reach rank 0's store",
-                           (where.empty() ? "" : detail::text({" at ", where})), " within ", format_duration(window),
-                           " (", (known ? known->detail() : cut_off.what()),
-                           "): this rank is cut off from rank 0's node, or rank 0 died"});
+      return detail::text("this rank is in ", call, "; cannot reach rank 0's store",
+                          (where.empty() ? "" : detail::text(" at ", where)), " within ", format_duration(window), " (",
+                          (known ? known->detail() : cut_off.what()),
+                          "): this rank is cut off from rank 0's node, or rank 0 died");
     }
     store& reports = own ? *own : group_store;
     reports.set(prefix + std::to_string(rank), call);
@@ -223,7 +191,7 @@ COHORT_DECL std::string name_the_culprit(store& group_store, int rank, int size,
         if (theirs == call)
           waiting.push_back(peer);
         else
-          differ.push_back(detail::text({"rank ", std::to_string(peer), " is in ", theirs}));
+          differ.push_back(detail::text("rank ", std::to_string(peer), " is in ", theirs));
         continue;
       }
       if (asking_failed[k]) std::rethrow_exception(asking_failed[k]);
@@ -247,32 +215,32 @@ COHORT_DECL std::string name_the_culprit(store& group_store, int rank, int size,
     }
   } catch (const std::exception& unreachable_store) {
     const std::string where = group_store.location();
-    return detail::text({"this rank is in ", call, "; no failure reports: the group's store",
-                         (where.empty() ? "" : detail::text({" at ", where})), " is unreachable (",
-                         unreachable_store.what(), "), so the rank that serves it (rank 0 of the job) may have died"});
+    return detail::text("this rank is in ", call, "; no failure reports: the group's store",
+                        (where.empty() ? "" : detail::text(" at ", where)), " is unreachable (",
+                        unreachable_store.what(), "), so the rank that serves it (rank 0 of the job) may have died");
   }
   // A dead peer was not waited for: its reasons are the probe's alone.
   const auto reasons = [&](const std::vector<std::string>& list, bool waited) {
-    std::string text = waited ? detail::text({"no report within ", format_duration(window)}) : std::string();
+    std::string text = waited ? detail::text("no report within ", format_duration(window)) : std::string();
     for (const auto& why : list) text += (text.empty() ? "" : "; ") + why;
-    return text.empty() ? text : detail::text({" (", text, ")"});
+    return text.empty() ? text : detail::text(" (", text, ")");
   };
   for (auto* list : {&died, &unreachable, &never, &waiting}) std::sort(list->begin(), list->end());
   std::vector<std::string> parts;
   if (!died.empty())
-    parts.push_back(detail::text({format_ranks(died), " died or exited during ", call, reasons(died_why, !probe)}));
+    parts.push_back(detail::text(format_ranks(died), " died or exited during ", call, reasons(died_why, !probe)));
   if (!unreachable.empty())
-    parts.push_back(detail::text({format_ranks(unreachable), (unreachable.size() == 1 ? " is" : " are"),
-                                  " unreachable during ", call, reasons(unreachable_why, true)}));
+    parts.push_back(detail::text(format_ranks(unreachable), (unreachable.size() == 1 ? " is" : " are"),
+                                 " unreachable during ", call, reasons(unreachable_why, true)));
   if (!never.empty())
-    parts.push_back(detail::text({format_ranks(never), " never issued ", call, reasons(never_why, true)}));
+    parts.push_back(detail::text(format_ranks(never), " never issued ", call, reasons(never_why, true)));
   for (const auto& line : differ) parts.push_back(line);
   std::string text;
   for (const auto& part : parts) text += (text.empty() ? "" : "; ") + part;
-  if (text.empty()) text = detail::text({"every rank reports ", call});
+  if (text.empty()) text = detail::text("every rank reports ", call);
   const bool lost = connection_lost || !died.empty();
-  return detail::text({text, "; ", format_ranks(waiting), (waiting.size() == 1 ? " is" : " are"),
-                       (lost ? " in " : " waiting in "), call});
+  return detail::text(text, "; ", format_ranks(waiting), (waiting.size() == 1 ? " is" : " are"),
+                      (lost ? " in " : " waiting in "), call);
 }
 
 COHORT_DECL watchdog::watchdog(int rank, std::string group, async_error_handling policy,

@@ -82,8 +82,8 @@ inline std::string this_host_name() {
 }
 
 inline bytes encode_gloo_peer(const gloo_peer& mine) {
-  const std::string header = detail::text(
-      {std::string(gloo_peer_format), "\n", mine.host, "\n", std::to_string(mine.pid), "\n", mine.address, "\n"});
+  const std::string header =
+      detail::text(gloo_peer_format, "\n", mine.host, "\n", std::to_string(mine.pid), "\n", mine.address, "\n");
   bytes value(header.begin(), header.end());
   value.insert(value.end(), mine.pairs.begin(), mine.pairs.end());
   return value;
@@ -166,9 +166,9 @@ inline bool host_answers(const std::vector<char>& pair_address, std::chrono::mil
   if (result == 0 || result == ECONNREFUSED) return true;
   std::string host = address.str();  // "[10.0.0.3]:40123": the host is what did not answer
   if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.find(']') - 1);
-  why = detail::text({"no answer from ", host,
-                      (result == ETIMEDOUT ? detail::text({" within ", format_duration(bound)})
-                                           : detail::text({": ", std::system_category().message(result)}))});
+  why = detail::text("no answer from ", host,
+                     (result == ETIMEDOUT ? detail::text(" within ", format_duration(bound))
+                                          : detail::text(": ", std::system_category().message(result))));
   return false;
 }
 
@@ -249,7 +249,7 @@ COHORT_DECL auto gloo::make_device(const launch_env& env, const options& opts, s
   } catch (const std::exception& failure) {
     throw error(
         env.rank, "gloo.create_device",
-        detail::text({"cannot open a TCP device on ", choice.address, " (", choice.reason, "): ", failure.what()}),
+        detail::text("cannot open a TCP device on ", choice.address, " (", choice.reason, "): ", failure.what()),
         "set options.hostname or GLOO_SOCKET_IFNAME to an address of this host");
   }
 }
@@ -272,7 +272,7 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
     mine.pairs.insert(mine.pairs.end(), pair.begin(), pair.end());
   }
   std::vector<std::string> keys;
-  for (int peer = 0; peer < size_; ++peer) keys.push_back(detail::text({"gloo/", std::to_string(peer)}));
+  for (int peer = 0; peer < size_; ++peer) keys.push_back(detail::text("gloo/", std::to_string(peer)));
   // Within the group's timeout, like the multi_get after it (a store gone silent ends both).
   store_->set_within(keys[static_cast<std::size_t>(rank_)],
                      std::span<const std::uint8_t>(detail::encode_gloo_peer(mine)), options_.timeout);
@@ -281,8 +281,8 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
     published = store_->multi_get(std::span<const std::string>(keys), options_.timeout);
   } catch (const timeout_error& failure) {
     throw timeout_error(rank_, "gloo.rendezvous",
-                        detail::text({missing_at_rendezvous(*store_), " (world of ", std::to_string(size_),
-                                      "; this rank published ", address_, "): ", failure.detail()}),
+                        detail::text(missing_at_rendezvous(*store_), " (world of ", std::to_string(size_),
+                                     "; this rank published ", address_, "): ", failure.detail()),
                         "a rank never arrived: is every rank started with the same WORLD_SIZE "
                         "and MASTER_ADDR/MASTER_PORT?");
   }
@@ -322,8 +322,8 @@ COHORT_DECL auto gloo::describe_peer(int peer) const -> std::string {
   try {
     pair = ::gloo::transport::tcp::Address(peer_pair_address(peer)).str();
   } catch (const std::exception&) {}
-  return detail::text({"rank ", std::to_string(peer), " published ", theirs.address, " (host ", theirs.host, ", pid ",
-                       std::to_string(theirs.pid), ", its pair for this rank at ", pair, ")"});
+  return detail::text("rank ", std::to_string(peer), " published ", theirs.address, " (host ", theirs.host, ", pid ",
+                      std::to_string(theirs.pid), ", its pair for this rank at ", pair, ")");
 }
 
 COHORT_DECL auto gloo::connect_mesh(::gloo::transport::Context& transport,
@@ -354,12 +354,11 @@ COHORT_DECL auto gloo::connect_mesh(::gloo::transport::Context& transport,
     finished.notify_all();
     alarm.join();
   };
-  const std::string world =
-      detail::text({" (world of ", std::to_string(size_), "; this rank published ", address_, ")"});
+  const std::string world = detail::text(" (world of ", std::to_string(size_), "; this rank published ", address_, ")");
   const auto timed_out = [&](int peer) {
     return timeout_error(rank_, "gloo.rendezvous",
-                         detail::text({"no connection with rank ", std::to_string(peer), " within ",
-                                       detail::format_duration(options_.timeout), world, ": ", describe_peer(peer)}),
+                         detail::text("no connection with rank ", std::to_string(peer), " within ",
+                                      detail::format_duration(options_.timeout), world, ": ", describe_peer(peer)),
                          "the published addresses must be reachable between the nodes: check that no firewall "
                          "blocks them, or name the interface the nodes share (GLOO_SOCKET_IFNAME)");
   };
@@ -375,12 +374,12 @@ COHORT_DECL auto gloo::connect_mesh(::gloo::transport::Context& transport,
       if (late) throw timed_out(peer);
       throw error(
           rank_, "gloo.rendezvous",
-          detail::text({"cannot connect to rank ", std::to_string(peer), world, ": ", describe_peer(peer), ": ",
-                        failure.what()}),
-          detail::text({"rank ", std::to_string(peer),
-                        "'s address is not reachable from this host: a loopback address (127.x) across nodes, or "
-                        "a firewall; name the interface the nodes share (GLOO_SOCKET_IFNAME) or leave it unset to "
-                        "have cohort choose"}));
+          detail::text("cannot connect to rank ", std::to_string(peer), world, ": ", describe_peer(peer), ": ",
+                       failure.what()),
+          detail::text("rank ", std::to_string(peer),
+                       "'s address is not reachable from this host: a loopback address (127.x) across nodes, or "
+                       "a firewall; name the interface the nodes share (GLOO_SOCKET_IFNAME) or leave it unset to "
+                       "have cohort choose"));
     }
     if (expired.load()) {
       stop_alarm();
@@ -455,7 +454,7 @@ COHORT_DECL auto gloo::post(detail::gloo_task operation) -> work {
   operation.record = recorder_.issued(as_call(operation));
   if (debug_checks_.load(std::memory_order_relaxed))
     store_->set(p2p_debug_key(operation, true),
-                detail::text({to_string(operation.type), " x ", std::to_string(operation.count)}));
+                detail::text(to_string(operation.type), " x ", std::to_string(operation.count)));
   auto completion = task(task_kind::p2p_wait, operation.type, op::sum, operation.in, operation.out, operation.count,
                          operation.peer, operation.tag);
   completion.sequence = operation.sequence;
@@ -530,17 +529,16 @@ COHORT_DECL auto gloo::explain(const detail::gloo_task& task, std::exception_ptr
     const std::string what = failure.what();
     if (what.find("Timed out") != std::string::npos || what.find("timed out") != std::string::npos)
       return std::make_exception_ptr(timeout_error(
-          rank_, detail::text({"gloo.", describe(task)}),
-          detail::text({name_the_culprit(task, false), " [", what, "]"}),
-          detail::text({"a peer did not enter the same call within ", detail::format_duration(options_.timeout),
-                        ": it hangs, crashed, issued calls in another order, or "
-                        "passed another size or dtype (COHORT_DEBUG=1 names the calls)"})));
-    return std::make_exception_ptr(error(rank_, detail::text({"gloo.", describe(task)}),
-                                         detail::text({name_the_culprit(task, true), " [", what, "]"}),
+          rank_, detail::text("gloo.", describe(task)), detail::text(name_the_culprit(task, false), " [", what, "]"),
+          detail::text("a peer did not enter the same call within ", detail::format_duration(options_.timeout),
+                       ": it hangs, crashed, issued calls in another order, or "
+                       "passed another size or dtype (COHORT_DEBUG=1 names the calls)")));
+    return std::make_exception_ptr(error(rank_, detail::text("gloo.", describe(task)),
+                                         detail::text(name_the_culprit(task, true), " [", what, "]"),
                                          "a peer closed its connection: it crashed or exited early, or sizes differ "
                                          "across ranks"));
   } catch (const std::exception& failure) {
-    return std::make_exception_ptr(error(rank_, detail::text({"gloo.", describe(task)}), failure.what(),
+    return std::make_exception_ptr(error(rank_, detail::text("gloo.", describe(task)), failure.what(),
                                          "sizes or dtypes may differ across ranks (set COHORT_DEBUG=1 to check)"));
   } catch (...) {
     return std::current_exception();
@@ -608,8 +606,8 @@ COHORT_DECL auto gloo::signature(const detail::gloo_task& task) -> std::uint64_t
 }
 
 COHORT_DECL auto gloo::throw_timeout(const detail::gloo_task& task) -> void {
-  throw timeout_error(rank_, detail::text({"gloo.", describe(task)}),
-                      detail::text({"no matching peer operation within ", detail::format_duration(options_.timeout)}),
+  throw timeout_error(rank_, detail::text("gloo.", describe(task)),
+                      detail::text("no matching peer operation within ", detail::format_duration(options_.timeout)),
                       "the peer never posted the matching send/recv with the same tag, size and dtype");
 }
 
@@ -620,9 +618,9 @@ COHORT_DECL auto gloo::name_the_culprit(const detail::gloo_task& task, bool conn
   const bool point_to_point =
       task.what == task_kind::send || task.what == task_kind::recv || task.what == task_kind::p2p_wait;
   if (point_to_point && connection_lost)  // one peer: its connection is the one that closed
-    return detail::text(
-        {"rank ", std::to_string(task.peer), " (the peer) closed its connection: it died or exited during ", mine});
-  if (!store_ || !collective) return detail::text({"this rank is in ", mine});
+    return detail::text("rank ", std::to_string(task.peer),
+                        " (the peer) closed its connection: it died or exited during ", mine);
+  if (!store_ || !collective) return detail::text("this rank is in ", mine);
   return detail::name_the_culprit(*store_, rank_, size_, options_.timeout, mine, connection_lost,
                                   [this](int peer, bool thorough) { return probe_peer(peer, thorough); });
 }
@@ -670,33 +668,33 @@ COHORT_DECL auto gloo::p2p_debug_key(const detail::gloo_task& task, bool mine) c
   const int from = sending ? rank_ : task.peer;
   const int to = sending ? task.peer : rank_;
   const bool send_side = mine ? sending : !sending;
-  return detail::text({"p2p/", std::to_string(from), "-", std::to_string(to), "/", std::to_string(task.tag), "/",
-                       std::to_string(task.sequence), (send_side ? "/send" : "/recv")});
+  return detail::text("p2p/", std::to_string(from), "-", std::to_string(to), "/", std::to_string(task.tag), "/",
+                      std::to_string(task.sequence), (send_side ? "/send" : "/recv"));
 }
 
 COHORT_DECL auto gloo::check_p2p_pair(const detail::gloo_task& task) -> void {
   const bool sending = task.p2p->sending;
-  const std::string mine = detail::text({to_string(task.type), " x ", std::to_string(task.count)});
-  const std::string pair = detail::text({(sending ? "send #" : "recv #"), std::to_string(task.sequence),
-                                         (sending ? " to rank " : " from rank "), std::to_string(task.peer), " (tag ",
-                                         std::to_string(task.tag), ")"});
+  const std::string mine = detail::text(to_string(task.type), " x ", std::to_string(task.count));
+  const std::string pair = detail::text((sending ? "send #" : "recv #"), std::to_string(task.sequence),
+                                        (sending ? " to rank " : " from rank "), std::to_string(task.peer), " (tag ",
+                                        std::to_string(task.tag), ")");
   std::string theirs;
   try {
     theirs = to_string(store_->get(p2p_debug_key(task, false), options_.timeout));
   } catch (const timeout_error&) {
     throw timeout_error(
-        rank_, detail::text({"gloo.", describe(task)}),
-        detail::text({"rank ", std::to_string(task.peer), " never posted the ", (sending ? "recv" : "send"),
-                      " matching this rank's ", pair, " within ", detail::format_duration(options_.timeout)}),
+        rank_, detail::text("gloo.", describe(task)),
+        detail::text("rank ", std::to_string(task.peer), " never posted the ", (sending ? "recv" : "send"),
+                     " matching this rank's ", pair, " within ", detail::format_duration(options_.timeout)),
         "every send needs a recv on the peer with the same tag, in the same order");
   }
   if (theirs == mine) return;
   const std::string sender = std::to_string(sending ? rank_ : task.peer);
   const std::string receiver = std::to_string(sending ? task.peer : rank_);
-  throw error(rank_, detail::text({"gloo.", describe(task)}),
-              detail::text({"rank ", sender, " sends ", (sending ? mine : theirs), " to rank ", receiver, " (tag ",
-                            std::to_string(task.tag), ", #", std::to_string(task.sequence), ") but rank ", receiver,
-                            "'s matching recv expects ", (sending ? theirs : mine)}),
+  throw error(rank_, detail::text("gloo.", describe(task)),
+              detail::text("rank ", sender, " sends ", (sending ? mine : theirs), " to rank ", receiver, " (tag ",
+                           std::to_string(task.tag), ", #", std::to_string(task.sequence), ") but rank ", receiver,
+                           "'s matching recv expects ", (sending ? theirs : mine)),
               "a send and its recv must move the same dtype and number of elements");
 }
 
@@ -707,16 +705,15 @@ COHORT_DECL auto gloo::missing_at_rendezvous(cohort::store& store) const -> std:
     const auto own = store.bounded(std::min<std::chrono::milliseconds>(options_.timeout, std::chrono::seconds(5)));
     cohort::store& asked = own ? *own : store;
     for (int peer = 0; peer < size_; ++peer) {
-      const std::string key = detail::text({"gloo/", std::to_string(peer)});
+      const std::string key = detail::text("gloo/", std::to_string(peer));
       if (!asked.check(std::span<const std::string>(&key, 1))) missing.push_back(peer);
     }
   } catch (const std::exception&) {
     const std::string where = store.location();
-    return detail::text(
-        {"the store", (where.empty() ? std::string() : detail::text({" at ", where})), " is unreachable"});
+    return detail::text("the store", (where.empty() ? std::string() : detail::text(" at ", where)), " is unreachable");
   }
   if (missing.empty()) return "every rank published its address";
-  return detail::text({detail::format_ranks(missing), " never arrived at the rendezvous"});
+  return detail::text(detail::format_ranks(missing), " never arrived at the rendezvous");
 }
 
 COHORT_DECL auto gloo::scratch_bytes(std::size_t bytes) -> std::vector<std::byte>& {

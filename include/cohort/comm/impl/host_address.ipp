@@ -65,7 +65,7 @@ COHORT_DECL std::string resolve_numeric(const std::string& name, int rank, std::
   if (status != 0 || list == nullptr) {
     const std::string why = status == EAI_SYSTEM ? std::system_category().message(errno) : ::gai_strerror(status);
     if (list) ::freeaddrinfo(list);
-    throw error(rank, std::string(operation), detail::text({"cannot resolve '", name, "': ", why}),
+    throw error(rank, std::string(operation), detail::text("cannot resolve '", name, "': ", why),
                 "add the name to /etc/hosts or DNS, or give a numeric address");
   }
   // IPv4 first: it is what the other ranks' lookups most likely return too.
@@ -80,7 +80,7 @@ COHORT_DECL std::string resolve_numeric(const std::string& name, int rank, std::
   ::freeaddrinfo(list);
   if (numeric.empty())
     throw error(rank, std::string(operation),
-                detail::text({"'", name, "' resolves to an address that cannot be written out"}),
+                detail::text("'", name, "' resolves to an address that cannot be written out"),
                 "give a numeric address");
   return numeric;
 }
@@ -92,22 +92,22 @@ COHORT_DECL std::string route_source_address(const std::string& numeric, std::st
   hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
   addrinfo* list = nullptr;
   if (::getaddrinfo(numeric.c_str(), "9", &hints, &list) != 0 || list == nullptr) {
-    why = detail::text({"'", numeric, "' is not a numeric address"});
+    why = detail::text("'", numeric, "' is not a numeric address");
     return {};
   }
   std::string source;
   const int fd = ::socket(list->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
   if (fd < 0) {
-    why = detail::text({"socket: ", std::system_category().message(errno)});
+    why = detail::text("socket: ", std::system_category().message(errno));
   } else if (::connect(fd, list->ai_addr, list->ai_addrlen) != 0) {  // a datagram connect sends nothing
-    why = detail::text({"no route to ", numeric, ": ", std::system_category().message(errno)});
+    why = detail::text("no route to ", numeric, ": ", std::system_category().message(errno));
   } else {
     sockaddr_storage local{};
     socklen_t length = sizeof local;
     if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0)
       source = host_address_detail::numeric_text(reinterpret_cast<const sockaddr*>(&local), length);
     else
-      why = detail::text({"getsockname: ", std::system_category().message(errno)});
+      why = detail::text("getsockname: ", std::system_category().message(errno));
   }
   if (fd >= 0) ::close(fd);
   ::freeaddrinfo(list);
@@ -117,7 +117,7 @@ COHORT_DECL std::string route_source_address(const std::string& numeric, std::st
 COHORT_DECL std::string interface_address(const std::string& interface, std::string& seen) {
   ifaddrs* list = nullptr;
   if (::getifaddrs(&list) != 0) {
-    seen = detail::text({"getifaddrs: ", std::system_category().message(errno)});
+    seen = detail::text("getifaddrs: ", std::system_category().message(errno));
     return {};
   }
   std::string four, six;
@@ -126,7 +126,7 @@ COHORT_DECL std::string interface_address(const std::string& interface, std::str
     const int family = entry->ifa_addr->sa_family;
     if (family != AF_INET && family != AF_INET6) continue;
     const std::string name = entry->ifa_name;
-    if (seen.find(detail::text({" ", name, " "})) == std::string::npos) seen += detail::text({" ", name, " "});
+    if (seen.find(detail::text(" ", name, " ")) == std::string::npos) seen += detail::text(" ", name, " ");
     if (interface.empty()) {
       if ((entry->ifa_flags & IFF_UP) == 0 || (entry->ifa_flags & IFF_LOOPBACK) != 0) continue;
     } else if (name != interface) {
@@ -153,8 +153,8 @@ COHORT_DECL listen_choice choose_listen_address(const listen_request& request) {
   const std::string operation = "gloo.choose_address";
   const bool spans = world_spans_nodes(request);
   const std::string world =
-      detail::text({"the world spans nodes (", std::to_string(request.local_world_size), " of ",
-                    std::to_string(request.world_size), " ranks on this node, MASTER_ADDR ", request.master_addr, ")"});
+      detail::text("the world spans nodes (", std::to_string(request.local_world_size), " of ",
+                   std::to_string(request.world_size), " ranks on this node, MASTER_ADDR ", request.master_addr, ")");
   listen_choice choice;
   std::string interface = request.interface;
   std::string named_by = "options.interface";
@@ -164,15 +164,15 @@ COHORT_DECL listen_choice choose_listen_address(const listen_request& request) {
   }
   if (!request.hostname.empty()) {
     choice.address = resolve_numeric(request.hostname, request.rank, operation);
-    choice.reason = detail::text({"options.hostname ", request.hostname});
+    choice.reason = detail::text("options.hostname ", request.hostname);
   } else if (!interface.empty()) {
     std::string seen;
     choice.address = interface_address(interface, seen);
     if (choice.address.empty())
       throw error(request.rank, operation,
-                  detail::text({named_by, " names interface '", interface, "', which has no address"}),
-                  detail::text({"interfaces with an address here: ", seen}));
-    choice.reason = detail::text({named_by, " ", interface});
+                  detail::text(named_by, " names interface '", interface, "', which has no address"),
+                  detail::text("interfaces with an address here: ", seen));
+    choice.reason = detail::text(named_by, " ", interface);
   } else if (!spans) {
     choice.address = "127.0.0.1";  // one node: stay on loopback, never expose a port
     choice.reason = "every rank is on this node";
@@ -181,14 +181,14 @@ COHORT_DECL listen_choice choose_listen_address(const listen_request& request) {
     const std::string master = resolve_numeric(request.master_addr, request.rank, operation);
     if (is_loopback_address(master))
       throw error(request.rank, operation,
-                  detail::text({"MASTER_ADDR ", request.master_addr, " resolves to ", master,
-                                ", a loopback address, but ", world}),
+                  detail::text("MASTER_ADDR ", request.master_addr, " resolves to ", master,
+                               ", a loopback address, but ", world),
                   "set MASTER_ADDR to an address the other nodes reach (check /etc/hosts: Debian maps the "
                   "host's own name to 127.0.1.1)");
     std::string why;
     choice.address = route_source_address(master, why);
-    choice.reason = detail::text({"the address that routes to MASTER_ADDR ", request.master_addr,
-                                  (master == request.master_addr ? "" : detail::text({" (", master, ")"}))});
+    choice.reason = detail::text("the address that routes to MASTER_ADDR ", request.master_addr,
+                                 (master == request.master_addr ? "" : detail::text(" (", master, ")")));
     if (choice.address.empty() || is_loopback_address(choice.address)) {
       // MASTER_ADDR is an address of this host held by the loopback device, or unroutable.
       std::string seen;
@@ -196,19 +196,19 @@ COHORT_DECL listen_choice choose_listen_address(const listen_request& request) {
       if (fallback.empty())
         throw error(
             request.rank, operation,
-            detail::text({"no address of this host reaches MASTER_ADDR ", request.master_addr, " (",
-                          (why.empty() ? detail::text({"the route uses ", choice.address}) : why),
-                          ") and no interface other than loopback is up, but ", world}),
-            detail::text({"set GLOO_SOCKET_IFNAME to the interface the nodes share (interfaces here: ", seen, ")"}));
-      choice.reason += detail::text({", or rather, since that gave ", (choice.address.empty() ? why : choice.address),
-                                     ", the first interface that is up"});
+            detail::text("no address of this host reaches MASTER_ADDR ", request.master_addr, " (",
+                         (why.empty() ? detail::text("the route uses ", choice.address) : why),
+                         ") and no interface other than loopback is up, but ", world),
+            detail::text("set GLOO_SOCKET_IFNAME to the interface the nodes share (interfaces here: ", seen, ")"));
+      choice.reason += detail::text(", or rather, since that gave ", (choice.address.empty() ? why : choice.address),
+                                    ", the first interface that is up");
       choice.address = fallback;
     }
   }
   if (spans && is_loopback_address(choice.address))
     throw error(request.rank, operation,
-                detail::text({choice.reason, " gives ", choice.address, ", a loopback address, but ", world,
-                              ": the other nodes cannot reach it"}),
+                detail::text(choice.reason, " gives ", choice.address, ", a loopback address, but ", world,
+                             ": the other nodes cannot reach it"),
                 "name an address or interface the nodes share, or leave both unset to have cohort choose");
   return choice;
 }

@@ -78,10 +78,10 @@ COHORT_DECL auto detail::nccl_state::fail(const std::string& operation, ncclResu
   {
     std::lock_guard lock(mutex);  // comm is read under the lock: the watchdog may be taking it
     const char* last = comm ? ncclGetLastError(comm) : nullptr;
-    if (last && *last) detail += detail::text({": ", last});
+    if (last && *last) detail += detail::text(": ", last);
   }
-  abort(detail::text({operation, " failed: ", detail}));
-  throw error(rank, detail::text({"nccl.", operation}), detail, hint);
+  abort(detail::text(operation, " failed: ", detail));
+  throw error(rank, detail::text("nccl.", operation), detail, hint);
 }
 
 COHORT_DECL auto detail::nccl_state::abort(const std::string& reason, std::chrono::milliseconds wait_at_most) -> void {
@@ -106,8 +106,8 @@ COHORT_DECL auto detail::nccl_state::abort(const std::string& reason, std::chron
 COHORT_DECL auto detail::nccl_state::check_usable(const std::string& operation) -> void {
   std::lock_guard lock(mutex);
   if (aborted)
-    throw error(rank, detail::text({"nccl.", operation}),
-                detail::text({"the communicator was aborted earlier (", abort_reason, ")"}),
+    throw error(rank, detail::text("nccl.", operation),
+                detail::text("the communicator was aborted earlier (", abort_reason, ")"),
                 "an earlier collective failed or timed out; recreate the process group");
 }
 
@@ -115,16 +115,16 @@ COHORT_DECL auto detail::nccl_state::settle(const std::string& operation, ncclRe
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (status == ncclInProgress) {
     if (std::chrono::steady_clock::now() > deadline) {
-      abort(detail::text({operation, " timed out while being enqueued"}));
-      throw timeout_error(rank, detail::text({"nccl.", operation}),
-                          detail::text({"not enqueued within ", format_duration(timeout)}),
+      abort(detail::text(operation, " timed out while being enqueued"));
+      throw timeout_error(rank, detail::text("nccl.", operation),
+                          detail::text("not enqueued within ", format_duration(timeout)),
                           "a peer has not joined; check that every rank issues the same collectives");
     }
     std::this_thread::yield();
     std::lock_guard lock(mutex);  // the watchdog may abort (and free) comm meanwhile
     if (aborted)
-      throw error(rank, detail::text({"nccl.", operation}),
-                  detail::text({"the communicator was aborted while this call was enqueued (", abort_reason, ")"}),
+      throw error(rank, detail::text("nccl.", operation),
+                  detail::text("the communicator was aborted while this call was enqueued (", abort_reason, ")"),
                   "an earlier failure or timeout ended this group; recreate the process group");
     ncclCommGetAsyncError(comm, &status);
   }
@@ -161,8 +161,8 @@ COHORT_DECL auto detail::nccl_state::watch() -> std::exception_ptr {
       if (status != cudaSuccess) {
         if (recorder) recorder->failed(oldest.record);
         failure =
-            std::make_exception_ptr(error(rank, detail::text({"nccl.", describe(oldest.call)}),
-                                          detail::text({cudaGetErrorName(status), ": ", cudaGetErrorString(status)}),
+            std::make_exception_ptr(error(rank, detail::text("nccl.", describe(oldest.call)),
+                                          detail::text(cudaGetErrorName(status), ": ", cudaGetErrorString(status)),
                                           "a kernel on the communication stream failed"));
         break;
       }
@@ -179,11 +179,11 @@ COHORT_DECL auto detail::nccl_state::watch() -> std::exception_ptr {
   if (!overdue.empty()) {
     // No wait: the abort may hang behind the very kernel that is overdue, and the policy
     // (throw at the next call, or end the process) must act regardless.
-    abort(detail::text({overdue, " exceeded the timeout (watchdog)"}), std::chrono::milliseconds(0));
+    abort(detail::text(overdue, " exceeded the timeout (watchdog)"), std::chrono::milliseconds(0));
     failure = std::make_exception_ptr(
-        timeout_error(rank, detail::text({"nccl.", overdue}),
-                      detail::text({name_the_culprit(overdue), ": not complete after ", format_duration(timeout),
-                                    "; the watchdog aborted the communicator"}),
+        timeout_error(rank, detail::text("nccl.", overdue),
+                      detail::text(name_the_culprit(overdue), ": not complete after ", format_duration(timeout),
+                                   "; the watchdog aborted the communicator"),
                       "a peer never entered this call: it hangs, crashed, or issued calls in another order "
                       "(COHORT_DEBUG=1 compares calls)"));
   }
@@ -195,7 +195,7 @@ COHORT_DECL auto detail::nccl_state::watch() -> std::exception_ptr {
     }
     if (async != ncclSuccess && async != ncclInProgress) {
       const std::string detail = ncclGetErrorString(async);
-      abort(detail::text({"asynchronous error: ", detail}), std::chrono::milliseconds(0));
+      abort(detail::text("asynchronous error: ", detail), std::chrono::milliseconds(0));
       failure = std::make_exception_ptr(
           error(rank, "nccl.watchdog", detail, "a peer failed or the network broke (NCCL_DEBUG=WARN tells more)"));
     }
@@ -216,7 +216,7 @@ COHORT_DECL auto detail::nccl_state::name_the_culprit(const std::string& operati
     std::lock_guard lock(watch_mutex);
     if (!outstanding.empty()) call = describe(outstanding.front().call);
   }
-  if (!store) return detail::text({"this rank is in ", call});
+  if (!store) return detail::text("this rank is in ", call);
   return detail::name_the_culprit(*store, rank, size, timeout, call, false);
 }
 
@@ -242,8 +242,8 @@ COHORT_DECL nccl::nccl(std::shared_ptr<cohort::store> store, const launch_env& e
     if (value.size() != sizeof id)
       throw detail::malformed_store_value(
           env.rank, "nccl.init", "nccl_unique_id", value,
-          detail::text({"rank 0's ncclUniqueId of ", std::to_string(sizeof id),
-                        " bytes; a rank built against another NCCL version would differ too"}));
+          detail::text("rank 0's ncclUniqueId of ", std::to_string(sizeof id),
+                       " bytes; a rank built against another NCCL version would differ too"));
     std::memcpy(&id, value.data(), sizeof id);
   }
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -251,7 +251,7 @@ COHORT_DECL nccl::nccl(std::shared_ptr<cohort::store> store, const launch_env& e
   ncclComm_t comm = nullptr;
   ncclResult_t status = ncclCommInitRankConfig(&comm, env.world_size, id, env.rank, &config);
   state_->comm = comm;
-  finish_init(detail::text({"comm_init_rank(world ", std::to_string(env.world_size), ")"}), status);
+  finish_init(detail::text("comm_init_rank(world ", std::to_string(env.world_size), ")"), status);
   create_stream_and_scratch();
   start_failure_reporting(std::move(store));
 }
@@ -296,7 +296,7 @@ COHORT_DECL auto nccl::split(nccl& parent, std::shared_ptr<cohort::store> sub_st
   state.timeout = parent.state_->timeout;
   state.device = parent.state_->device;
   state.comm = comm;
-  child->finish_init(detail::text({"comm_split(color ", std::to_string(color), ")"}), ncclInProgress);
+  child->finish_init(detail::text("comm_split(color ", std::to_string(color), ")"), ncclInProgress);
   child->create_stream_and_scratch();
   child->start_failure_reporting(std::move(sub_store));
   return child;
@@ -419,7 +419,7 @@ COHORT_DECL auto nccl::allocate(std::size_t bytes) -> void* {
   void* pointer = nullptr;
   const detail::device_scope on_device(state_->device);
   detail::check_cuda(cudaMalloc(&pointer, bytes == 0 ? 1 : bytes), rank(),
-                     detail::text({"malloc(", std::to_string(bytes), " bytes)"}),
+                     detail::text("malloc(", std::to_string(bytes), " bytes)"),
                      "the GPU is out of memory: lower the bucket size or shard the model");
   return pointer;
 }
@@ -432,13 +432,13 @@ COHORT_DECL auto nccl::deallocate(void* pointer, std::size_t /*bytes*/) noexcept
 COHORT_DECL auto nccl::copy(void* destination, const void* source, std::size_t bytes) -> work {
   const detail::device_scope on_device(state_->device);
   detail::check_cuda(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDefault, state_->stream), rank(),
-                     detail::text({"memcpy_async(", std::to_string(bytes), " bytes)"}));
+                     detail::text("memcpy_async(", std::to_string(bytes), " bytes)"));
   return record_event("copy");
 }
 
 COHORT_DECL auto nccl::check_nccl(ncclResult_t status, const std::string& operation) -> void {
   if (status != ncclSuccess && status != ncclInProgress)
-    throw error(rank(), detail::text({"nccl.", operation}), ncclGetErrorString(status),
+    throw error(rank(), detail::text("nccl.", operation), ncclGetErrorString(status),
                 "check the NCCL installation (NCCL_DEBUG=INFO)");
 }
 
@@ -450,16 +450,16 @@ COHORT_DECL auto nccl::select_device(cohort::store& store, const launch_env& env
   if (!choice.error.empty()) throw error(env.rank, "nccl.select_device", choice.error, choice.hint);
   const int device = choice.device;
   state_->device = device;
-  detail::check_cuda(cudaSetDevice(device), env.rank, detail::text({"set_device(", std::to_string(device), ")"}));
+  detail::check_cuda(cudaSetDevice(device), env.rank, detail::text("set_device(", std::to_string(device), ")"));
   char bus[64] = {};
   detail::check_cuda(cudaDeviceGetPCIBusId(bus, sizeof bus, device), env.rank, "device_get_pci_bus_id");
   char host[256] = {};
   gethostname(host, sizeof host - 1);
-  const std::string identity = detail::text({host, "|", bus});
-  store.set(detail::text({"device/", std::to_string(env.rank)}), identity);
+  const std::string identity = detail::text(host, "|", bus);
+  store.set(detail::text("device/", std::to_string(env.rank)), identity);
   // One batched read of every rank's identity (O(1) requests per rank on a tcp_store).
   std::vector<std::string> keys;
-  for (int r = 0; r < env.world_size; ++r) keys.push_back(detail::text({"device/", std::to_string(r)}));
+  for (int r = 0; r < env.world_size; ++r) keys.push_back(detail::text("device/", std::to_string(r)));
   std::vector<std::string> identities;
   for (const auto& value : store.multi_get(keys)) identities.push_back(to_string(value));
   for (std::size_t r = 0; r < identities.size(); ++r)
@@ -468,8 +468,8 @@ COHORT_DECL auto nccl::select_device(cohort::store& store, const launch_env& env
                                           "'host|PCI bus id' (domain:bus:device.function)");
   if (const auto duplicate = detail::find_duplicate_device(identities))
     throw error(env.rank, "nccl.select_device",
-                detail::text({detail::describe_duplicate(*duplicate), "; this rank's ",
-                              detail::describe_device_counts(env.local_rank, env.local_world_size, count, visible)}),
+                detail::text(detail::describe_duplicate(*duplicate), "; this rank's ",
+                             detail::describe_device_counts(env.local_rank, env.local_world_size, count, visible)),
                 detail::duplicate_device_hint());
 }
 
@@ -477,16 +477,16 @@ COHORT_DECL auto nccl::finish_init(const std::string& operation, ncclResult_t st
   const auto deadline = std::chrono::steady_clock::now() + state_->timeout;
   while (status == ncclInProgress) {
     if (std::chrono::steady_clock::now() > deadline) {
-      state_->abort(detail::text({operation, " timed out"}));
-      throw timeout_error(rank(), detail::text({"nccl.", operation}),
-                          detail::text({"not done after ", detail::format_duration(state_->timeout)}),
+      state_->abort(detail::text(operation, " timed out"));
+      throw timeout_error(rank(), detail::text("nccl.", operation),
+                          detail::text("not done after ", detail::format_duration(state_->timeout)),
                           "a rank never arrived: check that every rank started with the same WORLD_SIZE");
     }
     std::this_thread::sleep_for(std::chrono::microseconds(100));
     std::lock_guard lock(state_->mutex);  // the watchdog may abort (and free) comm meanwhile
     if (state_->aborted)
-      throw error(rank(), detail::text({"nccl.", operation}),
-                  detail::text({"the communicator was aborted during initialisation (", state_->abort_reason, ")"}),
+      throw error(rank(), detail::text("nccl.", operation),
+                  detail::text("the communicator was aborted during initialisation (", state_->abort_reason, ")"),
                   "check NCCL_DEBUG=WARN output on every rank");
     ncclCommGetAsyncError(state_->comm, &status);
   }
@@ -507,7 +507,7 @@ COHORT_DECL auto nccl::record_event(const char* operation) -> work {
   const detail::device_scope on_device(state_->device);
   auto event = std::make_shared<detail::nccl_event>(state_, state_->take_event());
   if (const cudaError_t status = cudaEventRecord(event->event, state_->stream); status != cudaSuccess)
-    detail::check_cuda(status, rank(), detail::text({"event_record(", operation, ")"}));
+    detail::check_cuda(status, rank(), detail::text("event_record(", operation, ")"));
   return work(std::move(event), operation);
 }
 

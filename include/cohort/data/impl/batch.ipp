@@ -27,7 +27,7 @@ COHORT_DECL loader_workers suggest_loader_workers(int cores, int local_ranks, in
                                                   const warning_sink& warn) {
   if (local_ranks < 1)
     throw error(-1, "suggest_loader_workers",
-                detail::text({"local_ranks must be at least 1, got ", std::to_string(local_ranks)}),
+                detail::text("local_ranks must be at least 1, got ", std::to_string(local_ranks)),
                 "pass the process group's local_size()");
   if (cores < 1) cores = 1;
   loader_workers result;
@@ -35,11 +35,11 @@ COHORT_DECL loader_workers suggest_loader_workers(int cores, int local_ranks, in
   result.per_rank = requested_per_rank >= 0 ? requested_per_rank : std::max(0, cores / local_ranks - 1);
   result.total = result.per_rank * local_ranks;
   if (result.total + local_ranks > cores) {
-    result.warning = detail::text({std::to_string(local_ranks), " ranks x ", std::to_string(result.per_rank),
-                                   " data-loader workers + ", std::to_string(local_ranks),
-                                   " training processes = ", std::to_string(result.total + local_ranks),
-                                   " busy threads on ", std::to_string(cores), " cores; expect contention (suggested: ",
-                                   std::to_string(std::max(0, cores / local_ranks - 1)), " workers per rank)"});
+    result.warning = detail::text(std::to_string(local_ranks), " ranks x ", std::to_string(result.per_rank),
+                                  " data-loader workers + ", std::to_string(local_ranks),
+                                  " training processes = ", std::to_string(result.total + local_ranks),
+                                  " busy threads on ", std::to_string(cores), " cores; expect contention (suggested: ",
+                                  std::to_string(std::max(0, cores / local_ranks - 1)), " workers per rank)");
     detail::emit_warning(warn, -1, result.warning);
   }
   return result;
@@ -59,7 +59,7 @@ COHORT_DECL auto batch_plan::rescaled_for(int new_world, keep what) const -> bat
   validate("batch_plan::rescaled_for");
   if (new_world < 1)
     throw error(-1, "batch_plan::rescaled_for",
-                detail::text({"new world size must be at least 1, got ", std::to_string(new_world)}));
+                detail::text("new world size must be at least 1, got ", std::to_string(new_world)));
   batch_plan result = *this;
   result.world = new_world;
   result.note.clear();
@@ -68,10 +68,10 @@ COHORT_DECL auto batch_plan::rescaled_for(int new_world, keep what) const -> bat
     if (micro_batches % new_world != 0) {
       throw error(
           -1, "batch_plan::rescaled_for",
-          detail::text({"cannot keep effective batch ", std::to_string(effective()), " (per_device ",
-                        std::to_string(per_device), " x accumulation ", std::to_string(accumulation), " x world ",
-                        std::to_string(world), ") on world ", std::to_string(new_world), ": accumulation would be ",
-                        std::to_string(micro_batches), "/", std::to_string(new_world), ", not a whole number"}),
+          detail::text("cannot keep effective batch ", std::to_string(effective()), " (per_device ",
+                       std::to_string(per_device), " x accumulation ", std::to_string(accumulation), " x world ",
+                       std::to_string(world), ") on world ", std::to_string(new_world), ": accumulation would be ",
+                       std::to_string(micro_batches), "/", std::to_string(new_world), ", not a whole number"),
           nearest_worlds_hint(micro_batches, new_world));
     }
     result.accumulation = static_cast<int>(micro_batches / new_world);
@@ -104,8 +104,8 @@ COHORT_DECL auto batch_plan::validate(const char* operation) const -> void {
   if (per_device < 1 || accumulation < 1 || world < 1)
     throw error(
         -1, operation,
-        detail::text({"per_device, accumulation and world must all be at least 1, got ", std::to_string(per_device),
-                      ", ", std::to_string(accumulation), ", ", std::to_string(world)}));
+        detail::text("per_device, accumulation and world must all be at least 1, got ", std::to_string(per_device),
+                     ", ", std::to_string(accumulation), ", ", std::to_string(world)));
 }
 
 COHORT_DECL auto batch_plan::nearest_worlds_hint(std::int64_t micro_batches, int new_world) -> std::string {
@@ -122,18 +122,18 @@ COHORT_DECL auto batch_plan::nearest_worlds_hint(std::int64_t micro_batches, int
     }
   std::string hint = "nearest world sizes that keep it:";
   if (below)
-    hint += detail::text({" ", std::to_string(below), " (accumulation ", std::to_string(micro_batches / below), ")"});
+    hint += detail::text(" ", std::to_string(below), " (accumulation ", std::to_string(micro_batches / below), ")");
   if (below && above) hint += " or";
   if (above)
-    hint += detail::text({" ", std::to_string(above), " (accumulation ", std::to_string(micro_batches / above), ")"});
+    hint += detail::text(" ", std::to_string(above), " (accumulation ", std::to_string(micro_batches / above), ")");
   hint += "; or pass keep::accumulation to scale the learning rate instead";
   return hint;
 }
 COHORT_DECL auto global_batch::plan_for(int world) const -> batch_plan {
   if (size < 1 || accumulation < 1 || world < 1)
     throw error(-1, "global_batch::plan_for",
-                detail::text({"global batch size, accumulation and world must all be at least 1, got ",
-                              std::to_string(size), ", ", std::to_string(accumulation), ", ", std::to_string(world)}));
+                detail::text("global batch size, accumulation and world must all be at least 1, got ",
+                             std::to_string(size), ", ", std::to_string(accumulation), ", ", std::to_string(world)));
   const std::int64_t micro_batches = std::int64_t{world} * accumulation;  // per step, all ranks
   const std::int64_t per_device = size / micro_batches;
   if (size % micro_batches != 0) {
@@ -166,8 +166,8 @@ COHORT_DECL auto global_batch::plan_for(int world) const -> batch_plan {
   }
   if (per_device > std::numeric_limits<int>::max())
     throw error(-1, "global_batch::plan_for",
-                detail::text({"global batch ", std::to_string(size), " gives a per-device batch of ",
-                              std::to_string(per_device), ", past the largest int"}),
+                detail::text("global batch ", std::to_string(size), " gives a per-device batch of ",
+                             std::to_string(per_device), ", past the largest int"),
                 "raise the accumulation");
   return batch_plan{.per_device = static_cast<int>(per_device),
                     .accumulation = accumulation,
@@ -209,16 +209,16 @@ COHORT_DECL batch_sequence::batch_sequence(distributed_sampler& sampler, int per
     : sampler_(&sampler), per_device_(per_device), accumulation_(accumulation), partial_(partial) {
   if (per_device < 1 || accumulation < 1)
     throw error(sampler.rank(), "batch_sequence",
-                detail::text({"per_device and accumulation must be at least 1, got ", std::to_string(per_device),
-                              " and ", std::to_string(accumulation)}));
+                detail::text("per_device and accumulation must be at least 1, got ", std::to_string(per_device),
+                             " and ", std::to_string(accumulation)));
 }
 
 COHORT_DECL batch_sequence::batch_sequence(distributed_sampler& sampler, const batch_plan& plan, partial_batch partial)
     : batch_sequence(sampler, plan.per_device, plan.accumulation, partial) {
   if (plan.world != sampler.world_size())
     throw error(sampler.rank(), "batch_sequence",
-                detail::text({"the plan is for world ", std::to_string(plan.world), " but the sampler splits over ",
-                              std::to_string(sampler.world_size()), " ranks"}),
+                detail::text("the plan is for world ", std::to_string(plan.world), " but the sampler splits over ",
+                             std::to_string(sampler.world_size()), " ranks"),
                 "build the plan with launch_plan() or rescaled_for(world)");
 }
 
@@ -239,7 +239,7 @@ COHORT_DECL auto batch_sequence::operator[](std::size_t b) const -> micro_batch 
   const auto count = size();
   if (b >= count)
     throw error(sampler_->rank(), "batch_sequence",
-                detail::text({"micro-batch ", std::to_string(b), " is past the epoch's ", std::to_string(count)}));
+                detail::text("micro-batch ", std::to_string(b), " is past the epoch's ", std::to_string(count)));
   const auto a = static_cast<std::size_t>(accumulation_);
   result.batch = b;
   result.step = b / a;

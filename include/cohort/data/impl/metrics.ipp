@@ -18,12 +18,12 @@ namespace cohort::inline v0 {
 
 COHORT_DECL process_slice split_between_processes(std::uint64_t range_size, int world, int rank, bool pad) {
   if (world < 1)
-    throw error(rank, detail::text({"split_between_processes(", std::to_string(range_size), " elements)"}),
-                detail::text({"world size must be at least 1, got ", std::to_string(world)}),
+    throw error(rank, detail::text("split_between_processes(", std::to_string(range_size), " elements)"),
+                detail::text("world size must be at least 1, got ", std::to_string(world)),
                 "pass the process group's size()");
   if (rank < 0 || rank >= world)
-    throw error(rank, detail::text({"split_between_processes(", std::to_string(range_size), " elements)"}),
-                detail::text({"rank ", std::to_string(rank), " is outside [0, ", std::to_string(world), ")"}),
+    throw error(rank, detail::text("split_between_processes(", std::to_string(range_size), " elements)"),
+                detail::text("rank ", std::to_string(rank), " is outside [0, ", std::to_string(world), ")"),
                 "pass the process group's rank(), not its local rank");
   const auto w = static_cast<std::uint64_t>(world);
   const auto r = static_cast<std::uint64_t>(rank);
@@ -47,13 +47,13 @@ namespace detail {
 COHORT_DECL void check_metrics_claims(int my_rank, std::vector<metrics_claim>& claims, std::size_t value_bytes,
                                       metrics_layout layout) {
   const std::size_t world = claims.size();
-  const std::string operation = detail::text(
-      {"gather_for_metrics(values of ", std::to_string(value_bytes), " bytes, world ", std::to_string(world), ")"});
+  const std::string operation = detail::text("gather_for_metrics(values of ", std::to_string(value_bytes),
+                                             " bytes, world ", std::to_string(world), ")");
   auto counts = [&] {
     std::string text;
     for (std::size_t r = 0; r < world; ++r) {
       if (r != 0) text += ", ";
-      text += detail::text({"rank ", std::to_string(r), ": ", std::to_string(claims[r].count)});
+      text += detail::text("rank ", std::to_string(r), ": ", std::to_string(claims[r].count));
     }
     return text;
   };
@@ -62,37 +62,37 @@ COHORT_DECL void check_metrics_claims(int my_rank, std::vector<metrics_claim>& c
   // A rank's own input first: the lowest rank with a problem is named, the same on every rank.
   for (std::size_t r = 0; r < world; ++r) {
     const metrics_claim& c = claims[r];
-    const std::string who = detail::text({"rank ", std::to_string(r)});
+    const std::string who = detail::text("rank ", std::to_string(r));
     switch (static_cast<metrics_problem>(c.problem)) {
       case metrics_problem::none: break;
       case metrics_problem::count_differs_from_sampler:
         throw error(my_rank, operation,
-                    detail::text({who, " passed ", s(c.count), " values, but its sampler gave it ", s(c.expected),
-                                  " indices this epoch (", s(c.or_else), " real, ", s(c.expected - c.or_else),
-                                  " padding); counts passed: ", counts()}),
+                    detail::text(who, " passed ", s(c.count), " values, but its sampler gave it ", s(c.expected),
+                                 " indices this epoch (", s(c.or_else), " real, ", s(c.expected - c.or_else),
+                                 " padding); counts passed: ", counts()),
                     "pass one value per index the sampler yielded on that rank, padding included (gather_for_metrics "
                     "drops it), or only its unpadded_size() real ones; every rank learned this in the same "
                     "collective, so none is left waiting");
       case metrics_problem::count_differs_from_slice:
         throw error(my_rank, operation,
-                    detail::text({who, " passed ", s(c.count), " values, but its slice holds ", s(c.expected),
-                                  " elements (", s(c.or_else), " with padding); counts passed: ", counts()}),
+                    detail::text(who, " passed ", s(c.count), " values, but its slice holds ", s(c.expected),
+                                 " elements (", s(c.or_else), " with padding); counts passed: ", counts()),
                     "pass one value per element of the rank's process_slice, padded or not; every rank learned "
                     "this in the same collective, so none is left waiting");
       case metrics_problem::sampler_of_another_group:
         throw error(my_rank, operation,
-                    detail::text({who, "'s sampler was built for rank ", s(c.or_else), " of a world of ", s(c.expected),
-                                  ", not for that rank of this group's world of ", std::to_string(world)}),
+                    detail::text(who, "'s sampler was built for rank ", s(c.or_else), " of a world of ", s(c.expected),
+                                 ", not for that rank of this group's world of ", std::to_string(world)),
                     "build the sampler from the same group: distributed_sampler{n, pg, options}");
       case metrics_problem::too_many_values:
         throw error(my_rank, operation,
-                    detail::text({who, " passed more values than a 64-bit count of bytes can hold (",
-                                  std::to_string(std::numeric_limits<std::int64_t>::max() /
-                                                 static_cast<std::int64_t>(value_bytes)),
-                                  " values of ", std::to_string(value_bytes), " bytes at most)"}),
+                    detail::text(who, " passed more values than a 64-bit count of bytes can hold (",
+                                 std::to_string(std::numeric_limits<std::int64_t>::max() /
+                                                static_cast<std::int64_t>(value_bytes)),
+                                 " values of ", std::to_string(value_bytes), " bytes at most)"),
                     "gather a metric's per-sample values, not the data");
       default:
-        throw error(my_rank, operation, detail::text({who, " reported an unknown problem code ", s(c.problem)}),
+        throw error(my_rank, operation, detail::text(who, " reported an unknown problem code ", s(c.problem)),
                     "every rank must run the same version of cohort");
     }
   }
@@ -103,8 +103,8 @@ COHORT_DECL void check_metrics_claims(int my_rank, std::vector<metrics_claim>& c
   for (std::size_t r = 1; r < world; ++r)
     if (claims[r].agreed != claims[0].agreed)
       throw error(my_rank, operation,
-                  detail::text({"rank 0 passed a ", agreed_name, " of ", s(claims[0].agreed), " but rank ",
-                                std::to_string(r), " passed ", s(claims[r].agreed)}),
+                  detail::text("rank 0 passed a ", agreed_name, " of ", s(claims[0].agreed), " but rank ",
+                               std::to_string(r), " passed ", s(claims[r].agreed)),
                   "every rank must describe the same dataset, with the same sampler or split");
 
   // The sizes on the wire: world chunks of the longest rank's values, and the result.
@@ -118,9 +118,9 @@ COHORT_DECL void check_metrics_claims(int my_rank, std::vector<metrics_claim>& c
   const std::uint64_t most = std::numeric_limits<std::size_t>::max();
   if (longest != 0 && (longest > most / value_bytes / world || total > most / value_bytes))
     throw error(my_rank, operation,
-                detail::text({"the gathered values would need ", std::to_string(world), " x ", std::to_string(longest),
-                              " x ", std::to_string(value_bytes),
-                              " bytes, more than this machine can address; counts passed: ", counts()}),
+                detail::text("the gathered values would need ", std::to_string(world), " x ", std::to_string(longest),
+                             " x ", std::to_string(value_bytes),
+                             " bytes, more than this machine can address; counts passed: ", counts()),
                 "gather a metric's per-sample values, not the data");
 
   if (layout == metrics_layout::sampler_positions) {
@@ -129,28 +129,27 @@ COHORT_DECL void check_metrics_claims(int my_rank, std::vector<metrics_claim>& c
       const std::uint64_t expected = total > r ? (total - r - 1) / world + 1 : 0;
       if (static_cast<std::uint64_t>(claims[r].keep) != expected ||
           total > static_cast<std::uint64_t>(claims[0].agreed))
-        throw error(
-            my_rank, operation,
-            detail::text({"the ranks' samplers disagree: rank ", std::to_string(r), " holds ", s(claims[r].keep),
-                          " real values, but ", std::to_string(total), " real epoch positions give it ",
-                          std::to_string(expected), "; counts passed: ", counts()}),
-            "build every rank's sampler with the same dataset size and options (drop_last, even_batches) "
-            "and set the same epoch");
+        throw error(my_rank, operation,
+                    detail::text("the ranks' samplers disagree: rank ", std::to_string(r), " holds ", s(claims[r].keep),
+                                 " real values, but ", std::to_string(total), " real epoch positions give it ",
+                                 std::to_string(expected), "; counts passed: ", counts()),
+                    "build every rank's sampler with the same dataset size and options (drop_last, even_batches) "
+                    "and set the same epoch");
     }
   } else if (layout == metrics_layout::slices) {
     std::uint64_t next = 0;
     for (std::size_t r = 0; r < world; ++r) {
       if (static_cast<std::uint64_t>(claims[r].start) != next)
         throw error(my_rank, operation,
-                    detail::text({"rank ", std::to_string(r), "'s slice starts at ", s(claims[r].start),
-                                  ", but the slices before it end at ", std::to_string(next)}),
+                    detail::text("rank ", std::to_string(r), "'s slice starts at ", s(claims[r].start),
+                                 ", but the slices before it end at ", std::to_string(next)),
                     "split the range with split_between_processes(n, pg) on every rank");
       next += static_cast<std::uint64_t>(claims[r].keep);
     }
     if (next != static_cast<std::uint64_t>(claims[0].agreed))
       throw error(
           my_rank, operation,
-          detail::text({"the slices cover ", std::to_string(next), " elements of a range of ", s(claims[0].agreed)}),
+          detail::text("the slices cover ", std::to_string(next), " elements of a range of ", s(claims[0].agreed)),
           "split the range with split_between_processes(n, pg) on every rank");
   } else {
     std::uint64_t next = 0;
@@ -160,8 +159,8 @@ COHORT_DECL void check_metrics_claims(int my_rank, std::vector<metrics_claim>& c
     }
     if (next < static_cast<std::uint64_t>(claims[0].agreed))
       throw error(my_rank, operation,
-                  detail::text({"the ranks passed ", std::to_string(next), " values in all (", counts(),
-                                "), fewer than the total count ", s(claims[0].agreed)}),
+                  detail::text("the ranks passed ", std::to_string(next), " values in all (", counts(),
+                               "), fewer than the total count ", s(claims[0].agreed)),
                   "the total count is the dataset's true size: every real sample needs its value on some rank");
   }
 }

@@ -24,7 +24,7 @@ namespace detail {
 
 COHORT_DECL void emit_warning(const warning_sink& sink, int rank, std::string_view message) {
   std::string line = "cohort";
-  if (rank >= 0) line += detail::text({" [rank ", std::to_string(rank), "]"});
+  if (rank >= 0) line += detail::text(" [rank ", std::to_string(rank), "]");
   line += " warning: ";
   line += message;
   if (sink) {
@@ -44,12 +44,11 @@ COHORT_DECL distributed_sampler::distributed_sampler(std::uint64_t dataset_size,
                                                      sampler_options options)
     : dataset_size_(dataset_size), world_(world), rank_(rank), options_(std::move(options)) {
   if (world < 1)
-    throw error(rank, "distributed_sampler",
-                detail::text({"world size must be at least 1, got ", std::to_string(world)}),
+    throw error(rank, "distributed_sampler", detail::text("world size must be at least 1, got ", std::to_string(world)),
                 "pass the process group's size()");
   if (rank < 0 || rank >= world)
     throw error(rank, "distributed_sampler",
-                detail::text({"rank ", std::to_string(rank), " is outside [0, ", std::to_string(world), ")"}),
+                detail::text("rank ", std::to_string(rank), " is outside [0, ", std::to_string(world), ")"),
                 "pass the process group's rank(), not its local rank");
   const auto w = static_cast<std::uint64_t>(world);
   const auto r = static_cast<std::uint64_t>(rank);
@@ -80,8 +79,8 @@ COHORT_DECL auto distributed_sampler::set_epoch(std::uint64_t epoch) noexcept ->
 COHORT_DECL auto distributed_sampler::at(std::uint64_t j) const -> std::uint64_t {
   if (j >= samples_per_rank_)
     throw error(rank_, "distributed_sampler::at",
-                detail::text({"position ", std::to_string(j), " is past this rank's ",
-                              std::to_string(samples_per_rank_), " samples"}));
+                detail::text("position ", std::to_string(j), " is past this rank's ", std::to_string(samples_per_rank_),
+                             " samples"));
   return (*this)[j];
 }
 
@@ -102,10 +101,10 @@ COHORT_DECL auto distributed_sampler::begin_pass() -> void {
     warned_same_order_ = true;
     detail::emit_warning(
         options_.warn, rank_,
-        detail::text({"distributed_sampler: a new pass over the data started with shuffle on but without "
-                      "set_epoch(); it repeats epoch ",
-                      std::to_string(epoch_),
-                      "'s order exactly. Call sampler.set_epoch(epoch) at the start of every epoch."}));
+        detail::text("distributed_sampler: a new pass over the data started with shuffle on but without "
+                     "set_epoch(); it repeats epoch ",
+                     std::to_string(epoch_),
+                     "'s order exactly. Call sampler.set_epoch(epoch) at the start of every epoch."));
   }
 }
 

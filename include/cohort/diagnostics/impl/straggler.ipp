@@ -142,38 +142,35 @@ COHORT_DECL std::string format_straggler_report(const straggler_summary& s) {
   using detail::straggler_impl::format_percent;
   std::string line = "cohort straggler report, ";
   line += s.first_step == s.last_step
-              ? detail::text({"step ", std::to_string(s.first_step)})
-              : detail::text({"steps ", std::to_string(s.first_step), "-", std::to_string(s.last_step)});
+              ? detail::text("step ", std::to_string(s.first_step))
+              : detail::text("steps ", std::to_string(s.first_step), "-", std::to_string(s.last_step));
   const auto reported = static_cast<int>(s.ranks.size());
-  line += detail::text({", ", (reported == s.world ? std::string() : detail::text({std::to_string(reported), " of "})),
-                        std::to_string(s.world), (s.world == 1 ? " rank: " : " ranks: ")});
+  line += detail::text(", ", (reported == s.world ? std::string() : detail::text(std::to_string(reported), " of ")),
+                       std::to_string(s.world), (s.world == 1 ? " rank: " : " ranks: "));
   if (s.ranks.empty()) {
     line += "no rank reported";
   } else {
-    const auto rank_of = [](int r) { return detail::text({" (rank ", std::to_string(r), ")"}); };
-    line += detail::text({"step ", format_ms(s.step.median), " ms"});
-    line += detail::text({"; compute min ", format_ms(s.compute.min), rank_of(s.compute.min_rank), ", median ",
-                          format_ms(s.compute.median), ", max ", format_ms(s.compute.max), rank_of(s.compute.max_rank),
-                          " ms"});
-    line +=
-        detail::text({"; waiting in step/gathers min ", format_ms(s.wait.min), rank_of(s.wait.min_rank), ", median ",
-                      format_ms(s.wait.median), ", max ", format_ms(s.wait.max), rank_of(s.wait.max_rank), " ms"});
-    line +=
-        detail::text({"; exposed communication ", format_percent(s.exposed.min), "..", format_percent(s.exposed.max),
-                      " of the step (median ", format_percent(s.exposed.median), ")"});
-    const std::string margin = detail::text({format_ms(s.slowest_over_median_ms), " ms/step"});
+    const auto rank_of = [](int r) { return detail::text(" (rank ", std::to_string(r), ")"); };
+    line += detail::text("step ", format_ms(s.step.median), " ms");
+    line += detail::text("; compute min ", format_ms(s.compute.min), rank_of(s.compute.min_rank), ", median ",
+                         format_ms(s.compute.median), ", max ", format_ms(s.compute.max), rank_of(s.compute.max_rank),
+                         " ms");
+    line += detail::text("; waiting in step/gathers min ", format_ms(s.wait.min), rank_of(s.wait.min_rank), ", median ",
+                         format_ms(s.wait.median), ", max ", format_ms(s.wait.max), rank_of(s.wait.max_rank), " ms");
+    line += detail::text("; exposed communication ", format_percent(s.exposed.min), "..", format_percent(s.exposed.max),
+                         " of the step (median ", format_percent(s.exposed.median), ")");
+    const std::string margin = detail::text(format_ms(s.slowest_over_median_ms), " ms/step");
     if (s.balanced) {
       const double share = s.compute.median > 0 ? s.slowest_over_median_ms / s.compute.median : 0.0;
-      line += detail::text({"; balanced: the slowest, rank ", std::to_string(s.slowest), ", computes +", margin, " (",
-                            format_percent(share), ") over the median"});
+      line += detail::text("; balanced: the slowest, rank ", std::to_string(s.slowest), ", computes +", margin, " (",
+                           format_percent(share), ") over the median");
     } else {
-      line +=
-          detail::text({"; slowest: rank ", std::to_string(s.slowest), ", +", margin, " of compute over the median"});
+      line += detail::text("; slowest: rank ", std::to_string(s.slowest), ", +", margin, " of compute over the median");
     }
   }
   if (!s.missing.empty())
-    line += detail::text(
-        {"; no report from ", detail::format_ranks(s.missing), " within ", detail::format_duration(s.timeout)});
+    line += detail::text("; no report from ", detail::format_ranks(s.missing), " within ",
+                         detail::format_duration(s.timeout));
   if (s.host_clock_only)
     line +=
         "; host clock only: on a device backend step() and gathers do not block the host, so waits read near 0 "
@@ -194,14 +191,14 @@ COHORT_DECL straggler_report::straggler_report(std::shared_ptr<store> exchange, 
   if (!store_) throw error(rank, "straggler_report", "no store", "pass the group (or a store every rank shares)");
   if (world < 1 || rank < 0 || rank >= world)
     throw error(rank, "straggler_report",
-                detail::text({"rank ", std::to_string(rank), " is outside a world of ", std::to_string(world)}),
+                detail::text("rank ", std::to_string(rank), " is outside a world of ", std::to_string(world)),
                 "pass the group's rank and size");
   // Numbered on every rank, on or off, so the n-th reports of all ranks pair up.
-  id_ = store_->add(detail::text({"straggler/reports/", std::to_string(rank)}), 1);
+  id_ = store_->add(detail::text("straggler/reports/", std::to_string(rank)), 1);
 }
 
 COHORT_DECL std::string straggler_report::key(std::uint64_t window, int rank) const {
-  return detail::text({"straggler/", std::to_string(id_), "/", std::to_string(window), "/", std::to_string(rank)});
+  return detail::text("straggler/", std::to_string(id_), "/", std::to_string(window), "/", std::to_string(rank));
 }
 
 COHORT_DECL std::chrono::milliseconds straggler_report::exchange_timeout() const {
@@ -254,8 +251,8 @@ COHORT_DECL void straggler_report::publish(clock::time_point now) {
   try {
     store_->set(key(window, rank_), detail::straggler_impl::encode_window(window, entry.own.steps, ns));
   } catch (const std::exception& failure) {
-    stop(detail::text({"publishing steps ", std::to_string(entry.first_step), "-", std::to_string(entry.last_step),
-                       ": ", failure.what()}));
+    stop(detail::text("publishing steps ", std::to_string(entry.first_step), "-", std::to_string(entry.last_step), ": ",
+                      failure.what()));
   }
 }
 
@@ -309,7 +306,7 @@ COHORT_DECL void straggler_report::report(const pending_window& window, std::vec
   summary.host_clock_only = host_clock_only_;
   latest_ = summary;
   if (options_.output) {
-    const std::string line = detail::text({format_straggler_report(summary), "\n"});
+    const std::string line = detail::text(format_straggler_report(summary), "\n");
     std::fputs(line.c_str(), options_.output);
     std::fflush(options_.output);
   }
@@ -322,7 +319,7 @@ COHORT_DECL void straggler_report::stop(const std::string& what) {
   failure_ = what;
   if (options_.output) {
     const std::string line =
-        detail::text({"cohort straggler report: rank ", std::to_string(rank_), " stops reporting: ", what, "\n"});
+        detail::text("cohort straggler report: rank ", std::to_string(rank_), " stops reporting: ", what, "\n");
     std::fputs(line.c_str(), options_.output);
     std::fflush(options_.output);
   }

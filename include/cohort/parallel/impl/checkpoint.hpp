@@ -87,7 +87,7 @@ inline double seconds_since(std::chrono::steady_clock::time_point start) {
 }
 
 inline std::string checkpoint_region_name(const std::vector<region>& regions, std::size_t r) {
-  return regions[r].name.empty() ? detail::text({"#", std::to_string(r)}) : regions[r].name;
+  return regions[r].name.empty() ? detail::text("#", std::to_string(r)) : regions[r].name;
 }
 
 }  // namespace detail
@@ -148,7 +148,7 @@ struct pending_checkpoint {
     const auto started = std::chrono::steady_clock::now();
     try {
       if (fault.rank == rank && fault.cannot_create)
-        file = detail::text({staging, "/missing/", checkpoint_file_name(rank)});
+        file = detail::text(staging, "/missing/", checkpoint_file_name(rank));
       checkpoint_file_writer out(file, block_bytes, rank, failed_errno);
       for (std::size_t i = 0; i < chunks; ++i) {
         {
@@ -264,17 +264,15 @@ auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& di
             static_cast<std::int64_t>(step & 0xfffff);
   nonce = all_gather_values(group, std::span<const std::int64_t>(&nonce, 1))[0];
   pending->staging = checkpoint_staging_path(directory, step, static_cast<std::uint64_t>(nonce));
-  pending->file = detail::text({pending->staging, "/", checkpoint_file_name(rank)});
+  pending->file = detail::text(pending->staging, "/", checkpoint_file_name(rank));
   pending->keys = group.group_store();
-  pending->key_prefix = detail::text({"checkpoint/", std::to_string(nonce), "/"});
+  pending->key_prefix = detail::text("checkpoint/", std::to_string(nonce), "/");
   checkpoint_together(
       group, "save_checkpoint",
       [&](std::int64_t&) {
         if (rank == 0) begin_checkpoint(directory, pending->staging, rank);
       },
-      [&](int, std::int64_t) {
-        return detail::text({"rank 0 could not prepare ", pending->staging});
-      },
+      [&](int, std::int64_t) { return detail::text("rank 0 could not prepare ", pending->staging); },
       "the checkpoint directory must be writable by every rank (a shared file system)");
 
   // This rank's file: each tensor's elements of its segments.
@@ -419,8 +417,8 @@ checkpoint_info agree_checkpoint_save(process_group<B>& group, pending_checkpoin
       const int code = static_cast<int>(rows[2 * static_cast<std::size_t>(r) + 1]);
       throw error(
           rank, operation,
-          detail::text({"rank ", std::to_string(r), " could not write ", pending.staging, "/", checkpoint_file_name(r),
-                        " (errno ", std::to_string(code), ": ", std::strerror(code), ")"}),
+          detail::text("rank ", std::to_string(r), " could not write ", pending.staging, "/", checkpoint_file_name(r),
+                       " (errno ", std::to_string(code), ": ", std::strerror(code), ")"),
           "free space or fix permissions; the previous checkpoint is intact");
     }
   // Rank 0's commit: 1 made in the background, 2 failed there, 0 left to this agreement.
@@ -430,7 +428,7 @@ checkpoint_info agree_checkpoint_save(process_group<B>& group, pending_checkpoin
   auto& m = pending.manifest;
   if (commit == 2) {
     if (pending.commit_failure) std::rethrow_exception(pending.commit_failure);
-    throw error(rank, operation, detail::text({"rank 0 could not commit ", pending.staging}),
+    throw error(rank, operation, detail::text("rank 0 could not commit ", pending.staging),
                 "the previous checkpoint is intact; the partial one is removed by the next save");
   }
   if (commit == 0) {
@@ -451,13 +449,11 @@ checkpoint_info agree_checkpoint_save(process_group<B>& group, pending_checkpoin
         [&](std::int64_t&) {
           if (rank == 0) commit_checkpoint(pending.directory, pending.staging, m, pending.keep_last, rank);
         },
-        [&](int, std::int64_t) {
-          return detail::text({"rank 0 could not commit ", pending.staging});
-        },
+        [&](int, std::int64_t) { return detail::text("rank 0 could not commit ", pending.staging); },
         "the previous checkpoint is intact; the partial one is removed by the next save");
   }
   checkpoint_info info;
-  info.path = detail::text({pending.directory, "/", checkpoint_step_name(pending.step)});
+  info.path = detail::text(pending.directory, "/", checkpoint_step_name(pending.step));
   info.step = pending.step;
   info.optimizer_steps = m.optimizer_steps;
   info.world_size = world;
@@ -499,11 +495,11 @@ checkpoint_info save_checkpoint(training_state<B, P, G>& state, const std::strin
   if (failure) std::rethrow_exception(failure);
   if (failed != 0)
     throw error(state.rank(), "save_checkpoint",
-                detail::text({"the copy of the group that writes (replica rank 0) could not save step ",
-                              std::to_string(step), " in ", directory, " (its error says why)"}),
+                detail::text("the copy of the group that writes (replica rank 0) could not save step ",
+                             std::to_string(step), " in ", directory, " (its error says why)"),
                 "the previous checkpoint is intact");
   if (replicas->rank() != 0) {
-    info.path = detail::text({directory, "/", detail::checkpoint_step_name(step)});
+    info.path = detail::text(directory, "/", detail::checkpoint_step_name(step));
     info.step = step;
     info.optimizer_steps = state.steps();
     info.world_size = state.world_size();
@@ -584,8 +580,8 @@ checkpoint_info load_checkpoint(training_state<B, P, G>& state, const std::strin
   }
   if (manifest.element_bytes != sizeof(master))
     throw error(rank, operation,
-                detail::text({checkpoint, "/manifest.json holds ", std::to_string(manifest.element_bytes),
-                              "-byte elements, this training state's masters are ", to_string(dtype_v<master>)}),
+                detail::text(checkpoint, "/manifest.json holds ", std::to_string(manifest.element_bytes),
+                             "-byte elements, this training state's masters are ", to_string(dtype_v<master>)),
                 "load it into a state whose masters have the checkpoint's dtype");
   const auto in_manifest = detail::match_checkpoint(manifest, checkpoint, names, counts,
                                                     std::string(to_string(dtype_v<master>)), tensors, rank);
@@ -618,12 +614,12 @@ checkpoint_info load_checkpoint(training_state<B, P, G>& state, const std::strin
       },
       [&](int r, std::int64_t file) {
         return detail::text(
-            {"rank ", std::to_string(r), " refused ", checkpoint,
-             (file >= 0 && static_cast<std::size_t>(file) < manifest.files.size()
-                  ? detail::text({"/", manifest.files[static_cast<std::size_t>(file)].name, " (written by rank ",
-                                  std::to_string(manifest.files[static_cast<std::size_t>(file)].rank), ")"})
-                  : std::string()),
-             " (its error says why)"});
+            "rank ", std::to_string(r), " refused ", checkpoint,
+            (file >= 0 && static_cast<std::size_t>(file) < manifest.files.size()
+                 ? detail::text("/", manifest.files[static_cast<std::size_t>(file)].name, " (written by rank ",
+                                std::to_string(manifest.files[static_cast<std::size_t>(file)].rank), ")")
+                 : std::string()),
+            " (its error says why)");
       },
       "load an earlier checkpoint of the directory, or fix the file system");
   // The blocks that straddle two ranks' reads: verified from every reader's part, on every
@@ -668,7 +664,7 @@ std::optional<checkpoint_info> resume_checkpoint(training_state<B, P, G>& state,
     chosen = all_gather_values(*state.replicas(), std::span<const std::int64_t>(chosen.data(), 2));
   if (chosen[0] == 0) return std::nullopt;
   return load_checkpoint(
-      state, detail::text({directory, "/", detail::checkpoint_step_name(static_cast<std::uint64_t>(chosen[1]))}));
+      state, detail::text(directory, "/", detail::checkpoint_step_name(static_cast<std::uint64_t>(chosen[1]))));
 }
 
 }  // namespace cohort::inline v0

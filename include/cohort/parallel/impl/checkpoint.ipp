@@ -68,7 +68,7 @@ inline void sync_directory(const std::string& directory, int rank) {
   checkpoint_fd fd(::open(directory.c_str(), O_RDONLY | O_DIRECTORY));
   if (fd.get() < 0 || (::fsync(fd.get()) != 0 && errno != EINVAL))
     throw error(rank, "save_checkpoint",
-                detail::text({"fsync of the directory ", directory, " failed: ", std::strerror(errno)}),
+                detail::text("fsync of the directory ", directory, " failed: ", std::strerror(errno)),
                 "the checkpoint's rename may not survive a power loss on this file system");
 }
 
@@ -174,13 +174,10 @@ COHORT_DECL std::string checkpoint_file_name(int rank) {
   return name;
 }
 
-COHORT_DECL std::string checkpoint_step_name(std::uint64_t step) {
-  return detail::text({"step-", std::to_string(step)});
-}
+COHORT_DECL std::string checkpoint_step_name(std::uint64_t step) { return detail::text("step-", std::to_string(step)); }
 
 COHORT_DECL std::string checkpoint_staging_path(const std::string& directory, std::uint64_t step, std::uint64_t nonce) {
-  return (std::filesystem::path(directory) / (detail::text({"tmp-", std::to_string(step), "-", hex64(nonce)})))
-      .string();
+  return (std::filesystem::path(directory) / (detail::text("tmp-", std::to_string(step), "-", hex64(nonce)))).string();
 }
 
 COHORT_DECL std::string checkpoint_manifest_json(const checkpoint_manifest& m) {
@@ -249,7 +246,7 @@ COHORT_DECL checkpoint_manifest read_checkpoint_manifest(const std::string& chec
   const std::string path = (std::filesystem::path(checkpoint) / "manifest.json").string();
   std::ifstream in(path, std::ios::binary);
   if (!in)
-    throw error(rank, "load_checkpoint", detail::text({"cannot open ", path, ": ", std::strerror(errno)}),
+    throw error(rank, "load_checkpoint", detail::text("cannot open ", path, ": ", std::strerror(errno)),
                 "a checkpoint without its index is incomplete (an interrupted save): resume_checkpoint skips it");
   std::stringstream text;
   text << in.rdbuf();
@@ -261,16 +258,15 @@ COHORT_DECL checkpoint_manifest read_checkpoint_manifest(const std::string& chec
     // Version 1 kept FNV-1a block checksums, which a block read in parts cannot be checked
     // against; a later version may change more than this build knows to read.
     if (const auto version = root.at("version").as_int64(); version != checkpoint_format_version)
-      throw error(
-          rank, "load_checkpoint",
-          detail::text({"index version ", std::to_string(version), ", this build reads version ",
-                        std::to_string(checkpoint_format_version),
-                        (version < checkpoint_format_version ? " (version 1 kept FNV-1a block checksums)" : "")}),
-          "read it with the cohort version that wrote it");
+      throw error(rank, "load_checkpoint",
+                  detail::text("index version ", std::to_string(version), ", this build reads version ",
+                               std::to_string(checkpoint_format_version),
+                               (version < checkpoint_format_version ? " (version 1 kept FNV-1a block checksums)" : "")),
+                  "read it with the cohort version that wrote it");
     if (const auto kind = root.at("checksum").as_string(); kind != checkpoint_checksum_kind)
       throw error(
           rank, "load_checkpoint",
-          detail::text({"block checksums of kind '", kind, "', this build knows '", checkpoint_checksum_kind, "'"}),
+          detail::text("block checksums of kind '", kind, "', this build knows '", checkpoint_checksum_kind, "'"),
           "read it with the cohort version that wrote it");
     m.step = static_cast<std::uint64_t>(root.at("step").as_int64());
     m.optimizer_steps = static_cast<std::uint64_t>(root.at("optimizer_steps").as_int64());
@@ -296,7 +292,7 @@ COHORT_DECL checkpoint_manifest read_checkpoint_manifest(const std::string& chec
     const auto index_of = [&](const std::map<std::string, std::size_t>& names, const std::string& name) {
       const auto found = names.find(name);
       if (found == names.end())
-        throw error(rank, "load_checkpoint", detail::text({"a piece names '", name, "', never declared"}));
+        throw error(rank, "load_checkpoint", detail::text("a piece names '", name, "', never declared"));
       return found->second;
     };
     for (const auto& f : root.at("files").as_array()) {
@@ -304,7 +300,7 @@ COHORT_DECL checkpoint_manifest read_checkpoint_manifest(const std::string& chec
       file.name = f.at("name").as_string();
       if (file.name.find('/') != std::string::npos || file.name == "..")
         throw error(rank, "load_checkpoint",
-                    detail::text({"file name '", file.name, "' leaves the checkpoint's directory"}));
+                    detail::text("file name '", file.name, "' leaves the checkpoint's directory"));
       file.rank = static_cast<int>(f.at("rank").as_int64());
       file.bytes = static_cast<std::uint64_t>(f.at("bytes").as_int64());
       file.checksum = std::stoull(f.at("checksum").as_string(), nullptr, 16);
@@ -313,7 +309,7 @@ COHORT_DECL checkpoint_manifest read_checkpoint_manifest(const std::string& chec
       if (file.blocks.size() != (file.bytes + m.block_bytes - 1) / m.block_bytes ||
           checkpoint_file_checksum(file.blocks, file.bytes) != file.checksum)
         throw error(rank, "load_checkpoint",
-                    detail::text({"the block checksums of ", file.name, " do not match its checksum"}));
+                    detail::text("the block checksums of ", file.name, " do not match its checksum"));
       for (const auto& p : f.at("pieces").as_array()) {
         checkpoint_piece piece;
         piece.tensor = index_of(tensor_index, p.at("tensor").as_string());
@@ -326,11 +322,11 @@ COHORT_DECL checkpoint_manifest read_checkpoint_manifest(const std::string& chec
       m.files.push_back(std::move(file));
     }
   } catch (const error& failure) {
-    throw error(rank, "load_checkpoint", detail::text({path, ": ", failure.detail()}),
+    throw error(rank, "load_checkpoint", detail::text(path, ": ", failure.detail()),
                 failure.hint().empty() ? "the index is damaged or from another version; load an earlier checkpoint"
                                        : failure.hint());
   } catch (const std::exception& failure) {
-    throw error(rank, "load_checkpoint", detail::text({path, ": ", failure.what()}),
+    throw error(rank, "load_checkpoint", detail::text(path, ": ", failure.what()),
                 "the index is damaged or from another version; load an earlier checkpoint");
   }
   return m;
@@ -340,7 +336,7 @@ COHORT_DECL void begin_checkpoint(const std::string& directory, const std::strin
   std::error_code ec;
   std::filesystem::create_directories(directory, ec);
   if (ec)
-    throw error(rank, "save_checkpoint", detail::text({"cannot create ", directory, ": ", ec.message()}),
+    throw error(rank, "save_checkpoint", detail::text("cannot create ", directory, ": ", ec.message()),
                 "the checkpoint directory must be writable by the ranks that save");
   // What interrupted saves left: never loaded, removed here (saves are collective, so no
   // other save of this job is under way).
@@ -348,7 +344,7 @@ COHORT_DECL void begin_checkpoint(const std::string& directory, const std::strin
     if (entry.path().filename().string().rfind("tmp-", 0) == 0) std::filesystem::remove_all(entry.path(), ec);
   if (!std::filesystem::create_directory(staging, ec) || ec)
     throw error(rank, "save_checkpoint",
-                detail::text({"cannot create ", staging, ": ", (ec ? ec.message() : "it exists")}),
+                detail::text("cannot create ", staging, ": ", (ec ? ec.message() : "it exists")),
                 "the checkpoint directory must be writable by the ranks that save");
 }
 
@@ -357,7 +353,7 @@ COHORT_DECL checkpoint_staging::checkpoint_staging(std::size_t bytes) : size_(by
   void* at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (at == MAP_FAILED)
     throw error(-1, "save_checkpoint",
-                detail::text({"cannot map ", std::to_string(bytes), " bytes of host staging: ", std::strerror(errno)}),
+                detail::text("cannot map ", std::to_string(bytes), " bytes of host staging: ", std::strerror(errno)),
                 "lower checkpoint_options::staging_bytes: the state streams through a smaller pool");
 #if defined(MADV_HUGEPAGE)
   ::madvise(at, bytes, MADV_HUGEPAGE);  // advisory: 4 KiB pages where the kernel has none
@@ -394,7 +390,7 @@ COHORT_DECL checkpoint_file_writer::~checkpoint_file_writer() {
 
 COHORT_DECL error checkpoint_file_writer::failure(const std::string& what) {
   failed_errno_ = errno;
-  return error(rank_, "save_checkpoint", detail::text({what, " ", path_, ": ", std::strerror(failed_errno_)}),
+  return error(rank_, "save_checkpoint", detail::text(what, " ", path_, ": ", std::strerror(failed_errno_)),
                "free space or fix permissions; the previous checkpoint is intact");
 }
 
@@ -455,13 +451,13 @@ COHORT_DECL void commit_checkpoint(const std::string& directory, const std::stri
   std::error_code ec;
   // A checkpoint of the same step is replaced: moved aside (a tmp-* name, so an interruption
   // leaves it to the next save's clean-up), then the new one renamed into place.
-  const std::filesystem::path aside = detail::text({staging, "-replaced"});
+  const std::filesystem::path aside = detail::text(staging, "-replaced");
   const bool replacing = std::filesystem::exists(target, ec);
   if (replacing) std::filesystem::rename(target, aside, ec);
   if (!ec) std::filesystem::rename(staging, target, ec);
   if (ec)
     throw error(rank, "save_checkpoint",
-                detail::text({"cannot rename ", staging, " to ", target.string(), ": ", ec.message()}),
+                detail::text("cannot rename ", staging, " to ", target.string(), ": ", ec.message()),
                 "the previous checkpoint is intact; the partial one is removed by the next save");
   sync_directory(directory, rank);
   if (replacing) std::filesystem::remove_all(aside, ec);
@@ -489,12 +485,12 @@ COHORT_DECL std::vector<std::size_t> match_checkpoint(const checkpoint_manifest&
   const auto list = [](const std::vector<std::string>& names) {
     std::string text;
     for (const auto& n : names) text += (text.empty() ? "" : ", ") + n;
-    return detail::text({"[", text, "]"});
+    return detail::text("[", text, "]");
   };
   if (manifest.tensors != tensors)
     throw error(rank, "load_checkpoint",
-                detail::text({index, " holds the optimizer state ", list(manifest.tensors),
-                              ", this training state keeps ", list(tensors)}),
+                detail::text(index, " holds the optimizer state ", list(manifest.tensors),
+                             ", this training state keeps ", list(tensors)),
                 "resume with the optimizer that saved it (AdamW, or SGD with or without momentum)");
   std::map<std::string, std::size_t> saved;
   for (std::size_t r = 0; r < manifest.regions.size(); ++r) saved[manifest.regions[r].name] = r;
@@ -504,23 +500,23 @@ COHORT_DECL std::vector<std::size_t> match_checkpoint(const checkpoint_manifest&
     if (found == saved.end())
       throw error(
           rank, "load_checkpoint",
-          detail::text({"region '", region_names[r], "' (", std::to_string(region_counts[r]), " elements) is not in ",
-                        index, ", which holds ", std::to_string(manifest.regions.size()), " regions"}),
+          detail::text("region '", region_names[r], "' (", std::to_string(region_counts[r]), " elements) is not in ",
+                       index, ", which holds ", std::to_string(manifest.regions.size()), " regions"),
           "this checkpoint is of another model; name the regions as the saving run did");
     const auto& theirs = manifest.regions[found->second];
     if (theirs.count != region_counts[r] || theirs.dtype != dtype)
       throw error(rank, "load_checkpoint",
-                  detail::text({"region '", region_names[r], "': ", index, " holds ", std::to_string(theirs.count),
-                                " elements of ", theirs.dtype, ", this training state ",
-                                std::to_string(region_counts[r]), " of ", dtype}),
+                  detail::text("region '", region_names[r], "': ", index, " holds ", std::to_string(theirs.count),
+                               " elements of ", theirs.dtype, ", this training state ",
+                               std::to_string(region_counts[r]), " of ", dtype),
                   theirs.dtype != dtype ? "load it into a state whose masters have the checkpoint's dtype"
                                         : "this checkpoint is of another model (or another size of it)");
     out[r] = found->second;
   }
   if (manifest.regions.size() != region_names.size())
     throw error(rank, "load_checkpoint",
-                detail::text({index, " holds ", std::to_string(manifest.regions.size()),
-                              " regions, this training state ", std::to_string(region_names.size())}),
+                detail::text(index, " holds ", std::to_string(manifest.regions.size()),
+                             " regions, this training state ", std::to_string(region_names.size())),
                 "this checkpoint is of another model: every region must be loaded");
   return out;
 }
@@ -553,8 +549,8 @@ inline void read_exactly(int fd, std::vector<iovec> pieces, std::uint64_t offset
     if (got < 0 && errno == EINTR) continue;
     if (got <= 0)
       throw error(rank, "load_checkpoint",
-                  detail::text({"reading bytes ", std::to_string(offset + done), "..", std::to_string(offset + total),
-                                " of ", named, " failed: ", (got == 0 ? "end of file" : std::strerror(errno))}),
+                  detail::text("reading bytes ", std::to_string(offset + done), "..", std::to_string(offset + total),
+                               " of ", named, " failed: ", (got == 0 ? "end of file" : std::strerror(errno))),
                   "the file system failed or the file was truncated; load an earlier checkpoint");
     done += static_cast<std::uint64_t>(got);
     for (auto left = static_cast<std::size_t>(got); left > 0;) {
@@ -569,8 +565,8 @@ inline void read_exactly(int fd, std::vector<iovec> pieces, std::uint64_t offset
 }
 
 inline std::string checkpoint_file_named(const std::string& checkpoint, const checkpoint_file& file) {
-  return detail::text(
-      {(std::filesystem::path(checkpoint) / file.name).string(), " (written by rank ", std::to_string(file.rank), ")"});
+  return detail::text((std::filesystem::path(checkpoint) / file.name).string(), " (written by rank ",
+                      std::to_string(file.rank), ")");
 }
 
 COHORT_DECL std::uint64_t read_checkpoint(const std::string& checkpoint, const checkpoint_manifest& manifest,
@@ -599,10 +595,10 @@ COHORT_DECL std::uint64_t read_checkpoint(const std::string& checkpoint, const c
     }
     if (covered != need.count)
       throw error(rank, "load_checkpoint",
-                  detail::text({checkpoint, "/manifest.json: elements ", std::to_string(need.first), "..",
-                                std::to_string(need.first + need.count), " of region '",
-                                manifest.regions.at(need.region).name, "' (", manifest.tensors.at(need.tensor),
-                                ") are held ", std::to_string(covered), " times over, not once"}),
+                  detail::text(checkpoint, "/manifest.json: elements ", std::to_string(need.first), "..",
+                               std::to_string(need.first + need.count), " of region '",
+                               manifest.regions.at(need.region).name, "' (", manifest.tensors.at(need.tensor),
+                               ") are held ", std::to_string(covered), " times over, not once"),
                   "the index is damaged; load an earlier checkpoint");
   }
   for (const auto& range : also_verify) requests.at(range.file).push_back({range.offset, range.bytes, nullptr});
@@ -622,12 +618,12 @@ COHORT_DECL std::uint64_t read_checkpoint(const std::string& checkpoint, const c
     checkpoint_fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
     struct stat status {};
     if (fd.get() < 0 || ::fstat(fd.get(), &status) != 0)
-      throw error(rank, "load_checkpoint", detail::text({"cannot open ", named, ": ", std::strerror(errno)}),
+      throw error(rank, "load_checkpoint", detail::text("cannot open ", named, ": ", std::strerror(errno)),
                   "every file of the checkpoint must be readable by every rank (a shared file system)");
     if (static_cast<std::uint64_t>(status.st_size) != file.bytes)
       throw error(rank, "load_checkpoint",
-                  detail::text({named, " has ", std::to_string(status.st_size), " bytes, its index says ",
-                                std::to_string(file.bytes)}),
+                  detail::text(named, " has ", std::to_string(status.st_size), " bytes, its index says ",
+                               std::to_string(file.bytes)),
                   "the file was truncated or replaced after the checkpoint was committed; load an earlier one");
     std::sort(mine.begin(), mine.end(), [](const request& a, const request& b) { return a.offset < b.offset; });
     // Each block's checksum added up over the parts of it this rank read: a block read whole
@@ -650,9 +646,9 @@ COHORT_DECL std::uint64_t read_checkpoint(const std::string& checkpoint, const c
         }
         if (const std::uint64_t found = checkpoint_checksum_finish(sum, covered); found != file.blocks.at(b))
           throw error(rank, "load_checkpoint",
-                      detail::text({named, ": block ", std::to_string(b), " (bytes ", std::to_string(b * block), "..",
-                                    std::to_string(b * block + covered), ") has checksum ", hex64(found),
-                                    ", its index says ", hex64(file.blocks[b])}),
+                      detail::text(named, ": block ", std::to_string(b), " (bytes ", std::to_string(b * block), "..",
+                                   std::to_string(b * block + covered), ") has checksum ", hex64(found),
+                                   ", its index says ", hex64(file.blocks[b])),
                       "the file was altered or damaged after it was written; load an earlier checkpoint");
       }
     };
@@ -710,18 +706,17 @@ COHORT_DECL void check_checkpoint_parts(const std::string& checkpoint, const che
       covered += parts[j].bytes;
       readers += (readers.empty() ? "" : ", ") + std::to_string(parts[j].reader);
     }
-    const std::string block =
-        detail::text({checkpoint_file_named(checkpoint, file), ": block ", std::to_string(b), " (bytes ",
-                      std::to_string(begin), "..", std::to_string(begin + size), ")"});
+    const std::string block = detail::text(checkpoint_file_named(checkpoint, file), ": block ", std::to_string(b),
+                                           " (bytes ", std::to_string(begin), "..", std::to_string(begin + size), ")");
     if (b >= file.blocks.size() || covered != size)
       throw error(rank, "load_checkpoint",
-                  detail::text({block, " was read in parts by ranks ", readers, ", ", std::to_string(covered),
-                                " of its ", std::to_string(size), " bytes in all"}),
+                  detail::text(block, " was read in parts by ranks ", readers, ", ", std::to_string(covered),
+                               " of its ", std::to_string(size), " bytes in all"),
                   "the index is damaged (its pieces overlap or leave bytes out); load an earlier checkpoint");
     if (const std::uint64_t found = checkpoint_checksum_finish(sum, size); found != file.blocks[b])
       throw error(rank, "load_checkpoint",
-                  detail::text({block, " has checksum ", hex64(found), ", its index says ", hex64(file.blocks[b]),
-                                " (read in parts by ranks ", readers, ")"}),
+                  detail::text(block, " has checksum ", hex64(found), ", its index says ", hex64(file.blocks[b]),
+                               " (read in parts by ranks ", readers, ")"),
                   "the file was altered or damaged after it was written; load an earlier checkpoint");
     i = j;
   }
@@ -788,7 +783,7 @@ COHORT_DECL void consolidate_checkpoint(const std::string& checkpoint, const std
   for (const auto& r : manifest.regions) {
     const std::string dtype = detail::safetensors_dtype(r.dtype);
     if (dtype.empty())
-      throw error(-1, "consolidate_checkpoint", detail::text({"region '", r.name, "' has dtype ", r.dtype}),
+      throw error(-1, "consolidate_checkpoint", detail::text("region '", r.name, "' has dtype ", r.dtype),
                   "safetensors names float, double, half and bfloat16");
     detail::json entry;
     entry.set("dtype", dtype);

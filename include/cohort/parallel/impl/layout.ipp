@@ -23,7 +23,7 @@ COHORT_DECL std::vector<region> stacked_regions(const std::vector<stacked_tensor
   out.reserve(tensors.size() * layers);
   for (const auto& tensor : tensors)
     for (std::size_t l = 0; l < layers; ++l) {
-      out.push_back({detail::text({tensor.name, ".", std::to_string(first_layer + l)}), offset, tensor.per_layer,
+      out.push_back({detail::text(tensor.name, ".", std::to_string(first_layer + l)), offset, tensor.per_layer,
                      first_layer + l, tensor.decay, 1.0});
       offset += tensor.per_layer;
     }
@@ -34,9 +34,8 @@ namespace detail {
 namespace {
 std::string describe_region(const std::vector<region>& regions, std::size_t i) {
   const auto& r = regions[i];
-  return detail::text({"region ", std::to_string(i),
-                       (r.name.empty() ? std::string() : detail::text({" '", r.name, "'"})), " (elements ",
-                       std::to_string(r.offset), "..", std::to_string(r.offset + r.count), ")"});
+  return detail::text("region ", std::to_string(i), (r.name.empty() ? std::string() : detail::text(" '", r.name, "'")),
+                      " (elements ", std::to_string(r.offset), "..", std::to_string(r.offset + r.count), ")");
 }
 std::size_t round_up(std::size_t value, std::size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 }  // namespace
@@ -45,11 +44,11 @@ COHORT_DECL std::string check_regions(const std::vector<region>& regions) {
   if (regions.empty()) return "no regions: describe the model's tensors as regions of its flat buffer";
   std::set<std::string> names;
   for (std::size_t i = 0; i < regions.size(); ++i) {
-    if (regions[i].count == 0) return detail::text({describe_region(regions, i), " is empty"});
+    if (regions[i].count == 0) return detail::text(describe_region(regions, i), " is empty");
     if (!regions[i].name.empty() && !names.insert(regions[i].name).second)
-      return detail::text({describe_region(regions, i), " repeats the name '", regions[i].name, "'"});
+      return detail::text(describe_region(regions, i), " repeats the name '", regions[i].name, "'");
     if (!(regions[i].lr_scale >= 0))
-      return detail::text({describe_region(regions, i), " has a negative or NaN lr_scale"});
+      return detail::text(describe_region(regions, i), " has a negative or NaN lr_scale");
   }
   std::vector<std::size_t> order(regions.size());
   std::iota(order.begin(), order.end(), std::size_t{0});
@@ -64,18 +63,18 @@ COHORT_DECL std::string check_regions(const std::vector<region>& regions) {
   for (std::size_t k = 0; k < order.size(); ++k) {
     const auto& r = regions[order[k]];
     if (r.offset < covered)
-      return detail::text({describe_region(regions, order[k]), " overlaps ", describe_region(regions, order[k - 1]),
-                           ": each element belongs to one region"});
+      return detail::text(describe_region(regions, order[k]), " overlaps ", describe_region(regions, order[k - 1]),
+                          ": each element belongs to one region");
     if (r.offset > covered && gap_count++ < 4)
-      gaps += detail::text({(gaps.empty() ? "" : ", "), std::to_string(covered), "..", std::to_string(r.offset)});
+      gaps += detail::text((gaps.empty() ? "" : ", "), std::to_string(covered), "..", std::to_string(r.offset));
     covered = r.offset + r.count;
   }
   if (gap_count > 0)
     return detail::text(
-        {"elements ", gaps,
-         (gap_count > 4 ? detail::text({" (and ", std::to_string(gap_count - 4), " more ranges)"}) : ""),
-         " of the flat buffer belong to no region: their gradients would never be reduced and would drift "
-         "apart across ranks"});
+        "elements ", gaps,
+        (gap_count > 4 ? detail::text(" (and ", std::to_string(gap_count - 4), " more ranges)") : ""),
+        " of the flat buffer belong to no region: their gradients would never be reduced and would drift "
+        "apart across ranks");
   return {};
 }
 

@@ -28,11 +28,11 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::vector<reg
   std::string refusal = detail::check_regions(regions_);
   const auto s = static_cast<int>(options_.strategy);
   if (refusal.empty() && (s < 0 || s > 3))
-    refusal = detail::text({"strategy ", std::to_string(s), ": use strategy::ddp, zero1, zero2 or zero3"});
+    refusal = detail::text("strategy ", std::to_string(s), ": use strategy::ddp, zero1, zero2 or zero3");
   if (refusal.empty() && options_.bucket_bytes < sizeof(G))
-    refusal = detail::text({"bucket_bytes ", std::to_string(options_.bucket_bytes), " is below one gradient element"});
+    refusal = detail::text("bucket_bytes ", std::to_string(options_.bucket_bytes), " is below one gradient element");
   if (refusal.empty() && options_.prefetch < 0)
-    refusal = detail::text({"prefetch ", std::to_string(options_.prefetch), " < 0"});
+    refusal = detail::text("prefetch ", std::to_string(options_.prefetch), " < 0");
   agree_on_layout(refusal);
   if (replicas_) agree_on_replicas();
 
@@ -99,18 +99,18 @@ void training_state<B, P, G>::agree_on_layout(const std::string& refusal) {
   if (!refusal.empty()) fail("layout", refusal, "describe every tensor of the flat buffer once, as a region");
   for (int r = 0; r < group_->world_size(); ++r)
     if (all[static_cast<std::size_t>(r) * 4] != 0)
-      fail("layout", detail::text({"rank ", std::to_string(r), " refused its regions or options (its error says why)"}),
+      fail("layout", detail::text("rank ", std::to_string(r), " refused its regions or options (its error says why)"),
            "build the state from the same model on every rank");
   for (int r = 1; r < group_->world_size(); ++r) {
     const auto* theirs = &all[static_cast<std::size_t>(r) * 4];
     if (theirs[1] != all[1])
       fail("layout",
-           detail::text({"rank ", std::to_string(r), " has ", std::to_string(theirs[2]), " regions over ",
-                         std::to_string(theirs[3]), " elements, rank 0 ", std::to_string(all[2]), " over ",
-                         std::to_string(all[3]),
-                         (theirs[2] == all[2] && theirs[3] == all[3]
-                              ? " (the same sizes: their offsets, layers, strategy, bucket_bytes or dtypes differ)"
-                              : "")}),
+           detail::text("rank ", std::to_string(r), " has ", std::to_string(theirs[2]), " regions over ",
+                        std::to_string(theirs[3]), " elements, rank 0 ", std::to_string(all[2]), " over ",
+                        std::to_string(all[3]),
+                        (theirs[2] == all[2] && theirs[3] == all[3]
+                             ? " (the same sizes: their offsets, layers, strategy, bucket_bytes or dtypes differ)"
+                             : "")),
            "every rank must pass the same regions, strategy, bucket size and dtypes, or the collectives pair "
            "up wrongly");
   }
@@ -128,17 +128,17 @@ void training_state<B, P, G>::agree_on_replicas() {
       detail::layout_fingerprint(regions_, options_.bucket_bytes / sizeof(G), static_cast<int>(options_.strategy),
                                  static_cast<int>(dtype_v<P>), static_cast<int>(dtype_v<G>))};
   const auto rows = all_gather_values(*replicas_, std::span<const std::int64_t>(mine, 3));
-  const std::string me = detail::text({"replica rank ", std::to_string(replicas_->rank()), " (this rank)"});
+  const std::string me = detail::text("replica rank ", std::to_string(replicas_->rank()), " (this rank)");
   std::string refusal;
   for (int r = 0; r < replicas_->world_size() && refusal.empty(); ++r) {
     const auto* theirs = &rows[static_cast<std::size_t>(r) * 3];
     if (theirs[0] != mine[0] || theirs[1] != mine[1])
-      refusal = detail::text({"replica rank ", std::to_string(r), " is rank ", std::to_string(theirs[0]),
-                              " of a group of ", std::to_string(theirs[1]), ", ", me, " rank ", std::to_string(mine[0]),
-                              " of a group of ", std::to_string(mine[1])});
+      refusal = detail::text("replica rank ", std::to_string(r), " is rank ", std::to_string(theirs[0]),
+                             " of a group of ", std::to_string(theirs[1]), ", ", me, " rank ", std::to_string(mine[0]),
+                             " of a group of ", std::to_string(mine[1]));
     else if (theirs[2] != mine[2])
-      refusal = detail::text(
-          {"replica rank ", std::to_string(r), " has other regions, strategy, bucket size or dtypes than ", me});
+      refusal = detail::text("replica rank ", std::to_string(r),
+                             " has other regions, strategy, bucket size or dtypes than ", me);
   }
   const std::int64_t row[2] = {refusal.empty() ? 0 : 1, replicas_->world_size()};
   const auto all = all_gather_values(*group_, std::span<const std::int64_t>(row, 2));
@@ -149,13 +149,13 @@ void training_state<B, P, G>::agree_on_replicas() {
   for (int r = 0; r < group_->world_size(); ++r)
     if (all[static_cast<std::size_t>(r) * 2] != 0)
       fail("replicas",
-           detail::text({"rank ", std::to_string(r), " of the group refused its replicas (its error says why)"}), hint);
+           detail::text("rank ", std::to_string(r), " of the group refused its replicas (its error says why)"), hint);
   for (int r = 1; r < group_->world_size(); ++r)
     if (all[static_cast<std::size_t>(r) * 2 + 1] != all[1])
       fail("replicas",
-           detail::text({"rank ", std::to_string(r), " of the group has ",
-                         std::to_string(all[static_cast<std::size_t>(r) * 2 + 1]), " replicas, rank 0 has ",
-                         std::to_string(all[1])}),
+           detail::text("rank ", std::to_string(r), " of the group has ",
+                        std::to_string(all[static_cast<std::size_t>(r) * 2 + 1]), " replicas, rank 0 has ",
+                        std::to_string(all[1])),
            hint);
 }
 
@@ -191,8 +191,8 @@ void training_state<B, P, G>::load_parameters(std::span<const P> logical) {
   snapshot_.wait();
   if (logical.size() != layout_.logical)
     fail("load_parameters",
-         detail::text(
-             {std::to_string(logical.size()), " elements for regions covering ", std::to_string(layout_.logical)}),
+         detail::text(std::to_string(logical.size()), " elements for regions covering ",
+                      std::to_string(layout_.logical)),
          "pass the trainer's whole flat parameter buffer");
   auto& engine = group_->backend();
   engine.wait_for_caller(caller_stream_);
@@ -257,7 +257,7 @@ std::vector<P> training_state<B, P, G>::gather_parameters() {
 template <backend B, element P, element G>
 auto training_state<B, P, G>::gather(std::size_t layer) -> layer_view {
   if (layer >= layout_.layers)
-    fail("gather", detail::text({"layer ", std::to_string(layer), " of ", std::to_string(layout_.layers)}),
+    fail("gather", detail::text("layer ", std::to_string(layer), " of ", std::to_string(layout_.layers)),
          "layers are the regions' layer numbers, 0 .. layers - 1");
   begin_call();
   if (!sharded_parameters()) return layer_view(this, layer);
@@ -286,8 +286,8 @@ std::span<P> training_state<B, P, G>::parameter_span(std::size_t layer, std::siz
   const auto& placed = layout_.regions[r];
   if (regions_[r].layer != layer)
     fail("param",
-         detail::text(
-             {describe(r), " is in layer ", std::to_string(regions_[r].layer), ", not layer ", std::to_string(layer)}),
+         detail::text(describe(r), " is in layer ", std::to_string(regions_[r].layer), ", not layer ",
+                      std::to_string(layer)),
          "gather the region's own layer");
   if (!sharded_parameters()) return {params_.template as<P>() + placed.storage, placed.count};
   const auto& bucket = layout_.buckets[placed.bucket];
@@ -349,7 +349,7 @@ void training_state<B, P, G>::drop_gathered() {
   for (std::size_t b = 0; b < bucket_params_.size(); ++b) {
     if (!bucket_params_[b].data) continue;
     if (layer_users_[layout_.buckets[b].layer] > 0)
-      fail("step", detail::text({"layer ", std::to_string(layout_.buckets[b].layer), " is still gathered"}),
+      fail("step", detail::text("layer ", std::to_string(layout_.buckets[b].layer), " is still gathered"),
            "end the layer's view (it goes out of scope, or reset()) before step(): its parameters change");
     bucket_params_[b].last_use = group_->backend().record();
     parameter_pool_.put(std::exchange(bucket_params_[b], pooled{}));
@@ -389,7 +389,7 @@ std::span<G> training_state<B, P, G>::gradient(std::size_t r) {
   if (!sharded_gradients()) return {grads_.template as<G>() + placed.storage, placed.count};
   const std::size_t position = layout_.buckets.size() - 1 - placed.bucket;  // in launch order
   if (position < launched_)
-    fail("gradient", detail::text({describe(r), "'s bucket was already reduced this step"}),
+    fail("gradient", detail::text(describe(r), "'s bucket was already reduced this step"),
          "at zero2/zero3 ask for a region's gradient before marking its bucket's regions ready");
   const auto& bucket = layout_.buckets[placed.bucket];
   return {bucket_gradients(placed.bucket, true) + (placed.storage - bucket.begin), placed.count};
@@ -400,7 +400,7 @@ void training_state<B, P, G>::mark_ready(std::size_t r) {
   check_region("mark_ready", r);
   begin_call();
   if (marked_[r])
-    fail("mark_ready", detail::text({describe(r), " marked twice in one step"}),
+    fail("mark_ready", detail::text(describe(r), " marked twice in one step"),
          "mark each region once per backward pass");
   marked_[r] = 1;
   --pending_[layout_.regions[r].bucket];
@@ -413,7 +413,7 @@ void training_state<B, P, G>::mark_ready(std::size_t r) {
 template <backend B, element P, element G>
 void training_state<B, P, G>::mark_layer_ready(std::size_t layer) {
   if (layer >= layout_.layers)
-    fail("mark_layer_ready", detail::text({"layer ", std::to_string(layer), " of ", std::to_string(layout_.layers)}),
+    fail("mark_layer_ready", detail::text("layer ", std::to_string(layer), " of ", std::to_string(layout_.layers)),
          "layers are the regions' layer numbers, 0 .. layers - 1");
   for (const std::size_t r : layout_.regions_of_layer[layer]) mark_ready(r);
 }
@@ -531,8 +531,8 @@ void training_state<B, P, G>::take_agreement(const std::int64_t (&sum)[3]) {
          "out of data is waiting in the agreement");
   if (sum[1] != 0 && sum[1] != sum[0])
     fail("join",
-         detail::text({std::to_string(sum[1]), " of the ", std::to_string(sum[0]),
-                       " ranks with data end this micro-step with step(), the others are inside no_sync"}),
+         detail::text(std::to_string(sum[1]), " of the ", std::to_string(sum[0]),
+                      " ranks with data end this micro-step with step(), the others are inside no_sync"),
          "every rank with data must accumulate the same number of micro-steps");
   sync_micro_step_ = sum[1] != 0;
   contributors_ = static_cast<int>(sum[0]);
@@ -552,9 +552,9 @@ void training_state<B, P, G>::announce(joined_call what, std::size_t bucket) {
   if (sum[0] != mine[0] * n || sum[1] != mine[1] * n || sum[2] != mine[2] * n)
     fail("join",
          detail::text(
-             {"this rank's next call at zero3 is ", describe_call(mine[0], mine[1]), ", but not every rank with data (",
-              std::to_string(n), ", this one included) announced it",
-              (sum[2] == mine[2] * n ? "" : ": one is in another call of the state's, or in a collective of its own")}),
+             "this rank's next call at zero3 is ", describe_call(mine[0], mine[1]), ", but not every rank with data (",
+             std::to_string(n), ", this one included) announced it",
+             (sum[2] == mine[2] * n ? "" : ": one is in another call of the state's, or in a collective of its own")),
          "every rank with data must gather and step alike (the gathers are collectives): the same layers, in "
          "the same order, with views ended at the same points");
 }
@@ -600,14 +600,14 @@ void training_state<B, P, G>::answer_until_all_joined() {
       step();
     } else if (!whole) {
       fail("join",
-           detail::text({"the ", std::to_string(n), " ranks with data announced different calls (sums ",
-                         std::to_string(sum[0]), ", ", std::to_string(sum[1]), ": not ", std::to_string(n),
-                         " times one call)"}),
+           detail::text("the ", std::to_string(n), " ranks with data announced different calls (sums ",
+                        std::to_string(sum[0]), ", ", std::to_string(sum[1]), ": not ", std::to_string(n),
+                        " times one call)"),
            "every rank with data must gather and step alike (the gathers are collectives)");
     } else {
       fail("join",
-           detail::text({"the ranks with data announced ", describe_call(what, b), " after ", std::to_string(launched_),
-                         " of ", std::to_string(buckets), " bucket reductions, which a joined rank cannot answer"}),
+           detail::text("the ranks with data announced ", describe_call(what, b), " after ", std::to_string(launched_),
+                        " of ", std::to_string(buckets), " bucket reductions, which a joined rank cannot answer"),
            "reductions go from the last bucket to the first, each once a step");
     }
   }
@@ -617,7 +617,7 @@ void training_state<B, P, G>::answer_until_all_joined() {
 template <backend B, element P, element G>
 auto training_state<B, P, G>::no_sync() -> no_sync_scope {
   if (launched_ > 0)
-    fail("no_sync", detail::text({std::to_string(launched_), " bucket(s) already launched this step"}),
+    fail("no_sync", detail::text(std::to_string(launched_), " bucket(s) already launched this step"),
          "enter no_sync before the backward pass, not during it");
   return no_sync_scope(*this);
 }
@@ -626,7 +626,7 @@ template <backend B, element P, element G>
 std::size_t training_state<B, P, G>::region_index(std::string_view name) const {
   for (std::size_t r = 0; r < regions_.size(); ++r)
     if (regions_[r].name == name) return r;
-  fail("region_index", detail::text({"no region is named '", name, "'"}), "use a name the regions were given");
+  fail("region_index", detail::text("no region is named '", name, "'"), "use a name the regions were given");
 }
 
 // Sharded, each rank measures its shard and the ranks' parts are summed (every element counted
@@ -760,7 +760,7 @@ auto training_state<B, P, G>::checkpoint_data(std::size_t t, const shard_segment
     default: break;
   }
   fail("checkpoint",
-       detail::text({"checkpoint tensor ", std::to_string(t), " of ", std::to_string(checkpoint_tensors().size())}),
+       detail::text("checkpoint tensor ", std::to_string(t), " of ", std::to_string(checkpoint_tensors().size())),
        "the tensors are those checkpoint_tensors() names");
 }
 

@@ -230,8 +230,8 @@ class cursor {
   bool count(std::uint64_t& value, const char* what) {
     if (!fixed(value)) return false;
     if (value > max_keys_per_request)
-      return malformed(detail::text(
-          {std::string(what), " count ", std::to_string(value), " exceeds ", std::to_string(max_keys_per_request)}));
+      return malformed(
+          detail::text(what, " count ", std::to_string(value), " exceeds ", std::to_string(max_keys_per_request)));
     return true;
   }
 
@@ -245,16 +245,16 @@ class cursor {
   bool length(std::uint64_t& size, std::uint64_t limit, const char* what) {
     if (!fixed(size)) return false;
     if (size > limit)
-      return malformed(detail::text(
-          {std::string(what), " of ", std::to_string(size), " bytes exceeds the limit of ", std::to_string(limit)}));
+      return malformed(
+          detail::text(what, " of ", std::to_string(size), " bytes exceeds the limit of ", std::to_string(limit)));
     return ensure(size);
   }
 
   bool ensure(std::uint64_t size) {
     const std::uint64_t end = position_ + size;
     if (end > limits_.max_request_bytes)
-      return malformed(detail::text({"request of at least ", std::to_string(end), " bytes exceeds the limit of ",
-                                     std::to_string(limits_.max_request_bytes)}));
+      return malformed(detail::text("request of at least ", std::to_string(end), " bytes exceeds the limit of ",
+                                    std::to_string(limits_.max_request_bytes)));
     if (end > input_.size()) {
       state_ = parse_status::incomplete;
       needed_ = end;

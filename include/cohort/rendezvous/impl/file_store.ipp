@@ -32,14 +32,14 @@ namespace cohort::inline v0 {
 COHORT_DECL file_store::file_store(std::string directory, std::string run_id, int rank) : run_id_(std::move(run_id)) {
   set_rank(rank);
   if (run_id_.empty())
-    throw error(rank, "file_store", detail::text({"empty run id for store directory ", directory}),
+    throw error(rank, "file_store", detail::text("empty run id for store directory ", directory),
                 "pass an id unique to this run (e.g. the Slurm job id), so files of an "
                 "earlier run are never read");
   root_ = (std::filesystem::path(std::move(directory)) / detail::file_store_names::encode(run_id_)).string();
   std::error_code failure;
   std::filesystem::create_directories(root_, failure);
   if (failure)
-    throw error(rank, "file_store", detail::text({"cannot create store directory ", root_, ": ", failure.message()}),
+    throw error(rank, "file_store", detail::text("cannot create store directory ", root_, ": ", failure.message()),
                 "the directory must be on a filesystem every rank can write");
 }
 
@@ -68,11 +68,11 @@ COHORT_DECL auto file_store::add(std::string_view key, std::int64_t delta) -> st
     const auto [end, status] = std::from_chars(first, last, value);
     if (status != std::errc() || end != last)
       throw error(rank(), "store.add",
-                  detail::text({"key '", key, "' holds \"", to_string(*current), "\", not a decimal integer"}),
+                  detail::text("key '", key, "' holds \"", to_string(*current), "\", not a decimal integer"),
                   "use add() only on keys that only add() writes");
   }
   if (__builtin_add_overflow(value, delta, &value))
-    throw error(rank(), "store.add", detail::text({"key '", key, "' overflows int64"}));
+    throw error(rank(), "store.add", detail::text("key '", key, "' overflows int64"));
   write_atomically("add", key, to_bytes(std::to_string(value)));
   return value;
 }
@@ -125,8 +125,8 @@ COHORT_DECL auto file_store::sleep_before_retry(std::chrono::milliseconds& pause
 
 COHORT_DECL auto file_store::fail(std::string_view operation, std::string_view key, const std::string& what,
                                   int code) const -> void {
-  throw error(rank(), detail::text({"store.", operation}),
-              detail::text({what, " for key '", key, "' in ", root_, ": ", std::system_category().message(code)}),
+  throw error(rank(), detail::text("store.", operation),
+              detail::text(what, " for key '", key, "' in ", root_, ": ", std::system_category().message(code)),
               "check that the store directory is writable and not full");
 }
 
@@ -158,9 +158,9 @@ COHORT_DECL auto file_store::write_atomically(std::string_view operation, std::s
   const std::filesystem::path target = file_of(key);
   const std::filesystem::path temporary =
       std::filesystem::path(root_) /
-      (detail::text({".tmp-", std::to_string(::getpid()), "-", std::to_string(++sequence)}));
+      (detail::text(".tmp-", std::to_string(::getpid()), "-", std::to_string(++sequence)));
   const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) fail(operation, key, detail::text({"cannot create ", temporary.filename().string()}), errno);
+  if (fd < 0) fail(operation, key, detail::text("cannot create ", temporary.filename().string()), errno);
   std::size_t done = 0;
   while (done < value.size()) {
     const ssize_t wrote = ::write(fd, value.data() + done, value.size() - done);
@@ -183,7 +183,7 @@ COHORT_DECL auto file_store::write_atomically(std::string_view operation, std::s
 COHORT_DECL auto file_store::exclusive(std::string_view operation, std::string_view key) -> exclusive_lock {
   std::unique_lock guard(mutex_);
   if (lock_fd_ < 0) {
-    lock_fd_ = ::open((detail::text({root_, "/.lock"})).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    lock_fd_ = ::open((detail::text(root_, "/.lock")).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (lock_fd_ < 0) fail(operation, key, "cannot open the lock file", errno);
   }
   const auto deadline = clock::now() + timeout();
@@ -191,9 +191,9 @@ COHORT_DECL auto file_store::exclusive(std::string_view operation, std::string_v
   while (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
     if (errno != EWOULDBLOCK && errno != EINTR) fail(operation, key, "cannot lock", errno);
     if (clock::now() >= deadline)
-      throw timeout_error(rank(), detail::text({"store.", operation}),
-                          detail::text({"waited ", detail::format_duration(timeout()), " for the lock ",
-                                        (detail::text({root_, "/.lock"})), " to update key '", key, "'"}),
+      throw timeout_error(rank(), detail::text("store.", operation),
+                          detail::text("waited ", detail::format_duration(timeout()), " for the lock ",
+                                       (detail::text(root_, "/.lock")), " to update key '", key, "'"),
                           "another process holds the store's lock; it may be stuck");
     sleep_before_retry(pause, deadline);
   }
@@ -234,7 +234,7 @@ COHORT_DECL std::string encode(std::string_view key) {
     fingerprint.mix(key);
     const std::uint64_t hash = fingerprint.value();
     for (int i = 0; i < 16; ++i) digits[i] = hex[(hash >> (60 - 4 * i)) & 15];
-    name = detail::text({name.substr(0, keep), "%~", digits});
+    name = detail::text(name.substr(0, keep), "%~", digits);
   }
   return name;
 }

@@ -51,12 +51,12 @@ inline bool all_digits(std::string_view text) {
 inline constexpr std::size_t max_expanded_entries = 1'000'000;
 
 [[noreturn]] inline void fail_nodelist(std::string_view nodelist, const std::string& why) {
-  throw error(-1, "expand_slurm_nodelist", detail::text({"cannot expand '", nodelist, "': ", why}),
+  throw error(-1, "expand_slurm_nodelist", detail::text("cannot expand '", nodelist, "': ", why),
               "Slurm writes lists like 'gpu[01-03,07],cpu1'; check SLURM_JOB_NODELIST");
 }
 
 [[noreturn]] inline void fail_tasks_per_node(std::string_view tasks_per_node, const std::string& why) {
-  throw error(-1, "expand_slurm_tasks_per_node", detail::text({"cannot expand '", tasks_per_node, "': ", why}),
+  throw error(-1, "expand_slurm_tasks_per_node", detail::text("cannot expand '", tasks_per_node, "': ", why),
               "Slurm writes counts like '2(x3),1'; check SLURM_TASKS_PER_NODE");
 }
 
@@ -82,14 +82,14 @@ inline std::vector<std::string> expand_bracket(std::string_view nodelist, std::s
     const auto high_text = dash == std::string_view::npos ? low_text : item.substr(dash + 1);
     if (!all_digits(low_text) || !all_digits(high_text))
       fail_nodelist(nodelist,
-                    detail::text({"'[", inside, "]' holds '", item, "', which is neither a number nor a range a-b"}));
+                    detail::text("'[", inside, "]' holds '", item, "', which is neither a number nor a range a-b"));
     const auto low = parse_integer(low_text);
     const auto high = parse_integer(high_text);
     if (!low || !high || *high < *low)
-      fail_nodelist(nodelist, detail::text({"range '", item, "' is reversed or too large"}));
+      fail_nodelist(nodelist, detail::text("range '", item, "' is reversed or too large"));
     if (static_cast<std::size_t>(*high - *low) >= max_expanded_entries)
-      fail_nodelist(nodelist, detail::text({"range '", item, "' has more than ", std::to_string(max_expanded_entries),
-                                            " entries"}));
+      fail_nodelist(nodelist, detail::text("range '", item, "' has more than ", std::to_string(max_expanded_entries),
+                                           " entries"));
     for (long long value = *low; value <= *high; ++value) {
       auto digits = std::to_string(value);
       if (digits.size() < low_text.size()) digits.insert(0, low_text.size() - digits.size(), '0');
@@ -114,7 +114,7 @@ inline void expand_host(std::string_view nodelist, std::string_view host, std::v
     if (close == std::string_view::npos) fail_nodelist(nodelist, "unmatched '['");
     const auto values = expand_bracket(nodelist, host.substr(open + 1, close - open - 1));
     if (partial.size() * values.size() > max_expanded_entries)
-      fail_nodelist(nodelist, detail::text({"more than ", std::to_string(max_expanded_entries), " hosts"}));
+      fail_nodelist(nodelist, detail::text("more than ", std::to_string(max_expanded_entries), " hosts"));
     std::vector<std::string> longer;
     longer.reserve(partial.size() * values.size());
     for (const auto& name : partial)
@@ -123,7 +123,7 @@ inline void expand_host(std::string_view nodelist, std::string_view host, std::v
     position = close + 1;
   }
   if (out.size() + partial.size() > max_expanded_entries)
-    fail_nodelist(nodelist, detail::text({"more than ", std::to_string(max_expanded_entries), " hosts"}));
+    fail_nodelist(nodelist, detail::text("more than ", std::to_string(max_expanded_entries), " hosts"));
   for (auto& name : partial) out.push_back(std::move(name));
 }
 
@@ -168,13 +168,13 @@ COHORT_DECL std::vector<int> expand_slurm_tasks_per_node(std::string_view tasks_
       const auto inside = item.substr(paren + 1);
       if (inside.size() < 3 || inside.front() != 'x' || inside.back() != ')' ||
           !detail::all_digits(inside.substr(1, inside.size() - 2)))
-        fail(detail::text({"'", item, "' is not of the form N(xM)"}));
+        fail(detail::text("'", item, "' is not of the form N(xM)"));
       repeat = detail::parse_integer(inside.substr(1, inside.size() - 2)).value_or(0);
     }
     const auto count = detail::all_digits(count_text) ? detail::parse_integer(count_text) : std::nullopt;
-    if (!count || *count > 1'000'000) fail(detail::text({"'", item, "' does not start with a task count"}));
+    if (!count || *count > 1'000'000) fail(detail::text("'", item, "' does not start with a task count"));
     if (repeat < 1 || counts.size() + static_cast<std::size_t>(repeat) > detail::max_expanded_entries)
-      fail(detail::text({"'", item, "' has a repeat count out of range"}));
+      fail(detail::text("'", item, "' has a repeat count out of range"));
     counts.insert(counts.end(), static_cast<std::size_t>(repeat), static_cast<int>(*count));
   });
   return counts;
@@ -206,17 +206,16 @@ class launch_reader {
       if (!list.empty()) list += ", ";
       list += name;
     }
-    if (!missing.empty())
-      fail(detail::text({"partial environment: ", present, " set but ", missing, " not set"}), hint);
+    if (!missing.empty()) fail(detail::text("partial environment: ", present, " set but ", missing, " not set"), hint);
   }
 
   int integer(std::string_view name) const {
     const auto value = get(name);
-    if (!value) fail(detail::text({name, " is not set"}), detail::text({"set ", name, " to an integer"}));
+    if (!value) fail(detail::text(name, " is not set"), detail::text("set ", name, " to an integer"));
     const auto number = parse_integer(*value);
     if (!number || *number < INT32_MIN || *number > INT32_MAX)
-      fail(detail::text({name, "='", *value, "' is not an integer in the int range"}),
-           detail::text({"set ", name, " to a decimal integer"}));
+      fail(detail::text(name, "='", *value, "' is not an integer in the int range"),
+           detail::text("set ", name, " to a decimal integer"));
     return static_cast<int>(*number);
   }
   std::optional<int> optional_integer(std::string_view name) const {
@@ -225,7 +224,7 @@ class launch_reader {
   }
 
   [[noreturn]] void fail(const std::string& detail, const std::string& hint) const {
-    throw error(-1, detail::text({"launch detection (", to_string(source_), ")"}), detail, hint);
+    throw error(-1, detail::text("launch detection (", to_string(source_), ")"), detail, hint);
   }
 
   launcher source() const { return source_; }
@@ -242,24 +241,23 @@ struct rank_names {
 
 inline void validate_ranks(const launch_env& env, const rank_names& names,
                            const std::function<void(const std::string&, const std::string&)>& fail) {
-  const auto show = [](const std::string& name, int value) { return detail::text({name, "=", std::to_string(value)}); };
+  const auto show = [](const std::string& name, int value) { return detail::text(name, "=", std::to_string(value)); };
   if (env.world_size <= 0)
-    fail(detail::text({show(names.world_size, env.world_size), " must be positive"}),
-         "the world has at least one rank");
+    fail(detail::text(show(names.world_size, env.world_size), " must be positive"), "the world has at least one rank");
   if (env.rank < 0 || env.rank >= env.world_size)
-    fail(detail::text({show(names.rank, env.rank), " is outside [0, ", names.world_size, "=",
-                       std::to_string(env.world_size), ")"}),
+    fail(detail::text(show(names.rank, env.rank), " is outside [0, ", names.world_size, "=",
+                      std::to_string(env.world_size), ")"),
          "ranks count from 0 to world size - 1; check that every process got the same world size");
   if (env.local_world_size <= 0)
-    fail(detail::text({show(names.local_world_size, env.local_world_size), " must be positive"}),
+    fail(detail::text(show(names.local_world_size, env.local_world_size), " must be positive"),
          "each node runs at least one rank");
   if (env.local_world_size > env.world_size)
-    fail(detail::text(
-             {show(names.local_world_size, env.local_world_size), " exceeds ", show(names.world_size, env.world_size)}),
+    fail(detail::text(show(names.local_world_size, env.local_world_size), " exceeds ",
+                      show(names.world_size, env.world_size)),
          "a node cannot hold more ranks than the whole world");
   if (env.local_rank < 0 || env.local_rank >= env.local_world_size)
-    fail(detail::text({show(names.local_rank, env.local_rank), " is outside [0, ", names.local_world_size, "=",
-                       std::to_string(env.local_world_size), ")"}),
+    fail(detail::text(show(names.local_rank, env.local_rank), " is outside [0, ", names.local_world_size, "=",
+                      std::to_string(env.local_world_size), ")"),
          "local ranks count from 0 to the number of ranks on this node - 1");
 }
 
@@ -294,19 +292,19 @@ inline void read_torchrun(const launch_reader& in, launch_env& env, rank_names& 
   env.local_world_size = in.integer("LOCAL_WORLD_SIZE");
   if (const auto group = in.optional_integer("GROUP_RANK")) {
     if (*group < 0)
-      in.fail(detail::text({"GROUP_RANK=", std::to_string(*group), " is negative"}), "node indices count from 0");
+      in.fail(detail::text("GROUP_RANK=", std::to_string(*group), " is negative"), "node indices count from 0");
     env.node_index = *group;
   }
   if (const auto agent = in.get("TORCHELASTIC_USE_AGENT_STORE")) {
     if (*agent == "True" || *agent == "true" || *agent == "1")
       env.use_agent_store = true;
     else if (*agent != "False" && *agent != "false" && *agent != "0")
-      in.fail(detail::text({"TORCHELASTIC_USE_AGENT_STORE='", *agent, "' is neither True nor False"}),
+      in.fail(detail::text("TORCHELASTIC_USE_AGENT_STORE='", *agent, "' is neither True nor False"),
               "torchrun writes True or False");
   }
   if (const auto restarts = in.optional_integer("TORCHELASTIC_RESTART_COUNT")) {
     if (*restarts < 0)
-      in.fail(detail::text({"TORCHELASTIC_RESTART_COUNT=", std::to_string(*restarts), " is negative"}),
+      in.fail(detail::text("TORCHELASTIC_RESTART_COUNT=", std::to_string(*restarts), " is negative"),
               "restart counts start at 0");
     env.restart_count = *restarts;
   } else if (env.use_agent_store) {
@@ -357,7 +355,7 @@ inline void read_slurm(const launch_reader& in, launch_env& env, rank_names& nam
   env.local_rank = in.integer("SLURM_LOCALID");
   const auto node_id = in.optional_integer("SLURM_NODEID");
   if (node_id && *node_id < 0)
-    in.fail(detail::text({"SLURM_NODEID=", std::to_string(*node_id), " is negative"}), "node indices count from 0");
+    in.fail(detail::text("SLURM_NODEID=", std::to_string(*node_id), " is negative"), "node indices count from 0");
 
   if (const auto per_node = in.get("SLURM_TASKS_PER_NODE")) {
     names.local_world_size = "SLURM_TASKS_PER_NODE";
@@ -365,7 +363,7 @@ inline void read_slurm(const launch_reader& in, launch_env& env, rank_names& nam
     try {
       counts = expand_slurm_tasks_per_node(*per_node);
     } catch (const error& bad) {
-      in.fail(detail::text({"SLURM_TASKS_PER_NODE='", *per_node, "' is malformed: ", bad.detail()}),
+      in.fail(detail::text("SLURM_TASKS_PER_NODE='", *per_node, "' is malformed: ", bad.detail()),
               "Slurm writes counts like '2(x3),1'");
     }
     int node = -1;
@@ -382,13 +380,13 @@ inline void read_slurm(const launch_reader& in, launch_env& env, rank_names& nam
         }
       }
       if (node < 0)
-        in.fail(detail::text({"SLURM_PROCID=", std::to_string(env.rank), " is beyond the ",
-                              std::to_string(first_rank_of_next), " tasks of SLURM_TASKS_PER_NODE='", *per_node, "'"}),
+        in.fail(detail::text("SLURM_PROCID=", std::to_string(env.rank), " is beyond the ",
+                             std::to_string(first_rank_of_next), " tasks of SLURM_TASKS_PER_NODE='", *per_node, "'"),
                 "set SLURM_NODEID, or check SLURM_NTASKS against SLURM_TASKS_PER_NODE");
     }
     if (static_cast<std::size_t>(node) >= counts.size())
-      in.fail(detail::text({"SLURM_NODEID=", std::to_string(node), " but SLURM_TASKS_PER_NODE='", *per_node, "' lists ",
-                            std::to_string(counts.size()), " nodes"}),
+      in.fail(detail::text("SLURM_NODEID=", std::to_string(node), " but SLURM_TASKS_PER_NODE='", *per_node, "' lists ",
+                           std::to_string(counts.size()), " nodes"),
               "the node index must be below the number of nodes in SLURM_TASKS_PER_NODE");
     env.local_world_size = counts[static_cast<std::size_t>(node)];
     env.node_index = node;
@@ -408,7 +406,7 @@ inline void read_slurm(const launch_reader& in, launch_env& env, rank_names& nam
     try {
       env.hosts = expand_slurm_nodelist(*nodelist);
     } catch (const error& bad) {
-      in.fail(detail::text({nodelist_name, "='", *nodelist, "' is malformed: ", bad.detail()}),
+      in.fail(detail::text(nodelist_name, "='", *nodelist, "' is malformed: ", bad.detail()),
               "Slurm writes node lists like 'gpu[01-03,07],cpu1'");
     }
   }
@@ -431,11 +429,11 @@ inline void refuse_stale_torchrun_names(const launch_reader& in, const launch_en
     const auto rank = parse_integer(*rank_text), world = parse_integer(*world_text);
     if (!rank || !world || (*rank == env.rank && *world == env.world_size)) continue;
     throw error(-1, "launch detection",
-                detail::text({"RANK=", std::to_string(env.rank), " WORLD_SIZE=", std::to_string(env.world_size),
-                              " (torchrun's names, but none of torchrun's own variables such as TORCHELASTIC_RUN_ID "
-                              "are set) disagree with ",
-                              to_string(other.source), "'s ", other.rank, "=", *rank_text, " ", other.world_size, "=",
-                              *world_text, ", which started this process"}),
+                detail::text("RANK=", std::to_string(env.rank), " WORLD_SIZE=", std::to_string(env.world_size),
+                             " (torchrun's names, but none of torchrun's own variables such as TORCHELASTIC_RUN_ID "
+                             "are set) disagree with ",
+                             to_string(other.source), "'s ", other.rank, "=", *rank_text, " ", other.world_size, "=",
+                             *world_text, ", which started this process"),
                 "RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE look left over in the shell: unset them "
                 "(or make them agree with the launcher), then launch again");
   }
@@ -445,7 +443,7 @@ inline void read_master(const launch_reader& in, launch_env& env) {
   if (const auto port = in.get("MASTER_PORT")) {
     const auto number = parse_integer(*port);
     if (!number || *number < 1 || *number > 65535)
-      in.fail(detail::text({"MASTER_PORT='", *port, "' is not a port number in 1..65535"}),
+      in.fail(detail::text("MASTER_PORT='", *port, "' is not a port number in 1..65535"),
               "set MASTER_PORT to a free TCP port, e.g. 29500");
     env.master_port = static_cast<std::uint16_t>(*number);
   }
@@ -461,9 +459,8 @@ inline void read_master(const launch_reader& in, launch_env& env) {
     env.master_addr = "127.0.0.1";
     return;
   }
-  std::string why =
-      detail::text({"MASTER_ADDR is not set and the ", std::to_string(env.world_size), " ranks span several nodes (",
-                    std::to_string(env.local_world_size), " on this one)"});
+  std::string why = detail::text("MASTER_ADDR is not set and the ", std::to_string(env.world_size),
+                                 " ranks span several nodes (", std::to_string(env.local_world_size), " on this one)");
   if (in.source() == launcher::slurm) why += ", and SLURM_JOB_NODELIST is not set either";
   in.fail(why, "export MASTER_ADDR=<address of the node that runs rank 0> (and MASTER_PORT) to every rank");
 }
@@ -557,13 +554,13 @@ COHORT_DECL bool record_error_for_launcher(std::string_view type_name, std::stri
   // "x": never replace a file already there (the first error is the root cause).
   std::FILE* file = std::fopen(path, "wx");
   if (file == nullptr) return false;
-  const std::string summary = detail::json_escape(detail::text({type_name, ": ", message}));
+  const std::string summary = detail::json_escape(detail::text(type_name, ": ", message));
   // torchrun's agent reads message.message and message.extraInfo.timestamp; py_callstack is
   // where a Python worker puts its traceback, shown when present.
   const std::string json =
-      detail::text({"{\"message\": {\"message\": \"", summary, "\", \"extraInfo\": {\"py_callstack\": \"", summary,
-                    "\\n(a C++ program: no Python call stack)\", \"timestamp\": \"",
-                    std::to_string(static_cast<long long>(std::time(nullptr))), "\"}}}"});
+      detail::text("{\"message\": {\"message\": \"", summary, "\", \"extraInfo\": {\"py_callstack\": \"", summary,
+                   "\\n(a C++ program: no Python call stack)\", \"timestamp\": \"",
+                   std::to_string(static_cast<long long>(std::time(nullptr))), "\"}}}");
   const bool written = std::fwrite(json.data(), 1, json.size(), file) == json.size();
   return std::fclose(file) == 0 && written;
 }

@@ -168,8 +168,8 @@ COHORT_DECL error malformed_store_value(int rank, std::string_view operation, st
   }
   if (value.size() > shown) text += "...";
   return error(rank, std::string(operation),
-               detail::text({"key '", key, "' holds malformed data written by someone else: '", text, "' (",
-                             std::to_string(value.size()), " bytes; cohort writes ", expected, ")"}),
+               detail::text("key '", key, "' holds malformed data written by someone else: '", text, "' (",
+                            std::to_string(value.size()), " bytes; cohort writes ", expected, ")"),
                "another program, a stray client or another job wrote into this job's rendezvous store; give each "
                "job its own MASTER_PORT, and set the same COHORT_STORE_TOKEN on every rank so the store serves only "
                "the job's ranks (SECURITY.md)");

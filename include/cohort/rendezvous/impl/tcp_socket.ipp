@@ -31,8 +31,8 @@ COHORT_DECL address_list::~address_list() {
 
 COHORT_DECL std::string endpoint(const std::string& host, std::uint16_t port) {
   // IPv6 literals are bracketed so the port stays readable.
-  if (host.find(':') != std::string::npos) return detail::text({"[", host, "]:", std::to_string(port)});
-  return detail::text({host, ":", std::to_string(port)});
+  if (host.find(':') != std::string::npos) return detail::text("[", host, "]:", std::to_string(port));
+  return detail::text(host, ":", std::to_string(port));
 }
 
 COHORT_DECL bool poll_until(int fd, short events, clock::time_point deadline) {

@@ -157,7 +157,7 @@ COHORT_DECL auto tcp_store::multi_get(std::span<const std::string> keys, std::ch
 COHORT_DECL auto tcp_store::multi_set(std::span<const std::string> keys, std::span<const bytes> values) -> void {
   if (keys.size() != values.size())
     throw error(rank(), "store.multi_set",
-                detail::text({std::to_string(keys.size()), " keys but ", std::to_string(values.size()), " values"}),
+                detail::text(std::to_string(keys.size()), " keys but ", std::to_string(values.size()), " values"),
                 "pass one value per key");
   for (std::size_t i = 0; i < keys.size(); ++i) check_value_size("multi_set", keys[i], values[i].size());
   exchange("multi_set", [&](writer& write) {
@@ -179,9 +179,9 @@ COHORT_DECL auto tcp_store::ping() -> void {
 COHORT_DECL auto tcp_store::wire_key(std::string_view operation, std::string_view key) const -> std::string {
   if (options_.key_prefix.size() + key.size() > max_key_bytes_)
     throw error(
-        rank(), detail::text({"store.", operation}),
-        detail::text({"key of ", std::to_string(options_.key_prefix.size() + key.size()),
-                      " bytes (with the key prefix) exceeds the store's limit of ", std::to_string(max_key_bytes_)}),
+        rank(), detail::text("store.", operation),
+        detail::text("key of ", std::to_string(options_.key_prefix.size() + key.size()),
+                     " bytes (with the key prefix) exceeds the store's limit of ", std::to_string(max_key_bytes_)),
         "use short keys; put data in the value");
   return options_.key_prefix + std::string(key);
 }
@@ -189,9 +189,9 @@ COHORT_DECL auto tcp_store::wire_key(std::string_view operation, std::string_vie
 COHORT_DECL auto tcp_store::check_value_size(std::string_view operation, std::string_view key, std::size_t size) const
     -> void {
   if (size > max_value_bytes_)
-    throw error(rank(), detail::text({"store.", operation}),
-                detail::text({"value of ", std::to_string(size), " bytes for key ", quoted(key),
-                              " exceeds the store's limit of ", std::to_string(max_value_bytes_), " bytes"}),
+    throw error(rank(), detail::text("store.", operation),
+                detail::text("value of ", std::to_string(size), " bytes for key ", quoted(key),
+                             " exceeds the store's limit of ", std::to_string(max_value_bytes_), " bytes"),
                 "a rendezvous store carries addresses and ids; move bulk data with a "
                 "collective");
 }
@@ -206,7 +206,7 @@ COHORT_DECL auto tcp_store::write_key_list(writer& write, command which, std::sp
 COHORT_DECL auto tcp_store::fail(std::string_view operation, const std::string& detail) -> void {
   drop_connection();
   broken_ = detail;
-  throw error(rank(), detail::text({"store.", operation}), detail,
+  throw error(rank(), detail::text("store.", operation), detail,
               "the store server (rank 0 or the launcher's agent) may have exited, or refused a request: "
               "cohort's server closes a connection that sends a value over its max_value_bytes or a request "
               "past its memory budget (tcp_store_server_options, SECURITY.md), and prints why in its log");
@@ -215,7 +215,7 @@ COHORT_DECL auto tcp_store::fail(std::string_view operation, const std::string& 
 COHORT_DECL auto tcp_store::fail_timeout(std::string_view operation, const std::string& detail) -> void {
   drop_connection();
   broken_ = detail;
-  throw timeout_error(rank(), detail::text({"store.", operation}), detail,
+  throw timeout_error(rank(), detail::text("store.", operation), detail,
                       "the store server is overloaded or stalled, or cut off from this host; check the "
                       "server host and the network between, or raise the timeout");
 }
@@ -223,14 +223,14 @@ COHORT_DECL auto tcp_store::fail_timeout(std::string_view operation, const std::
 COHORT_DECL auto tcp_store::fail_busy(std::string_view operation) -> void {
   handshake_ = handshake::busy;
   fail(operation,
-       detail::text({"the server at ", endpoint(), " is at its connection limit and turned this connection away"}));
+       detail::text("the server at ", endpoint(), " is at its connection limit and turned this connection away"));
 }
 
 COHORT_DECL auto tcp_store::usable(std::string_view operation) const -> void {
   if (!socket_)
-    throw error(rank(), detail::text({"store.", operation}),
-                detail::text({"the connection to the store server at ", endpoint(),
-                              " was closed by an earlier failure: ", broken_}),
+    throw error(rank(), detail::text("store.", operation),
+                detail::text("the connection to the store server at ", endpoint(),
+                             " was closed by an earlier failure: ", broken_),
                 "create a new store handle");
 }
 
@@ -246,12 +246,12 @@ COHORT_DECL auto tcp_store::send_all(std::string_view operation, std::span<const
     if (sent < 0 && errno == EINTR) continue;
     if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       if (!detail::tcp::poll_until(socket_.get(), POLLOUT, deadline))
-        fail_timeout(operation, detail::text({"could not send to the store server at ", endpoint(), " within ",
-                                              detail::format_duration(request_timeout())}));
+        fail_timeout(operation, detail::text("could not send to the store server at ", endpoint(), " within ",
+                                             detail::format_duration(request_timeout())));
       continue;
     }
     fail(operation,
-         detail::text({"sending to the store server at ", endpoint(), " failed: ", detail::tcp::errno_text(errno)}));
+         detail::text("sending to the store server at ", endpoint(), " failed: ", detail::tcp::errno_text(errno)));
   }
 }
 
@@ -283,15 +283,15 @@ COHORT_DECL auto tcp_store::receive_exact(std::string_view operation, std::strin
       }
       continue;
     }
-    const std::string about = key.empty() ? std::string() : detail::text({" for key ", quoted(key)});
-    if (got == 0) fail(operation, detail::text({"the store server at ", endpoint(), " closed the connection", about}));
+    const std::string about = key.empty() ? std::string() : detail::text(" for key ", quoted(key));
+    if (got == 0) fail(operation, detail::text("the store server at ", endpoint(), " closed the connection", about));
     if (errno == EINTR) continue;
     if (errno != EAGAIN && errno != EWOULDBLOCK)
-      fail(operation, detail::text({"receiving from the store server at ", endpoint(), about,
-                                    " failed: ", detail::tcp::errno_text(errno)}));
+      fail(operation, detail::text("receiving from the store server at ", endpoint(), about,
+                                   " failed: ", detail::tcp::errno_text(errno)));
     if (!detail::tcp::poll_until(socket_.get(), POLLIN, deadline))
-      fail_timeout(operation, detail::text({"no reply from the store server at ", endpoint(), about, " within ",
-                                            detail::format_duration(request_timeout())}));
+      fail_timeout(operation, detail::text("no reply from the store server at ", endpoint(), about, " within ",
+                                           detail::format_duration(request_timeout())));
   }
 }
 
@@ -299,9 +299,9 @@ COHORT_DECL auto tcp_store::receive_data(std::string_view operation, std::string
     -> bytes {
   const auto size = receive_value<std::uint64_t>(operation, key, deadline);
   if (size > detail::tcp_store_protocol::max_value_bytes)
-    fail(operation, detail::text({"the store server at ", endpoint(), " announced a value of ", std::to_string(size),
-                                  " bytes for key ", quoted(key), ", over the limit of ",
-                                  std::to_string(detail::tcp_store_protocol::max_value_bytes)}));
+    fail(operation, detail::text("the store server at ", endpoint(), " announced a value of ", std::to_string(size),
+                                 " bytes for key ", quoted(key), ", over the limit of ",
+                                 std::to_string(detail::tcp_store_protocol::max_value_bytes)));
   bytes value(size);
   receive_exact(operation, key, value.data(), value.size(), deadline);
   return value;
@@ -340,7 +340,7 @@ COHORT_DECL auto tcp_store::check_locked(std::span<const std::string> keys) -> b
       [&](clock::time_point deadline) { reply = receive_value<std::uint8_t>("check", first_key(keys), deadline); });
   if (reply != static_cast<std::uint8_t>(check_reply::ready) &&
       reply != static_cast<std::uint8_t>(check_reply::not_ready))
-    fail("check", detail::text({"the store server answered CHECK with ", std::to_string(reply)}));
+    fail("check", detail::text("the store server answered CHECK with ", std::to_string(reply)));
   return reply == static_cast<std::uint8_t>(check_reply::ready);
 }
 
@@ -357,7 +357,7 @@ COHORT_DECL auto tcp_store::wait_locked(std::span<const std::string> keys, std::
   const std::uint8_t canceled = static_cast<std::uint8_t>(wait_reply::wait_canceled);
   if (inbox_start_ < inbox_end_ || detail::tcp::poll_until(socket_.get(), POLLIN, start + limit)) {
     const auto reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + timeout());
-    if (reply != stop) fail(operation, detail::text({"the store server answered WAIT with ", std::to_string(reply)}));
+    if (reply != stop) fail(operation, detail::text("the store server answered WAIT with ", std::to_string(reply)));
     return;
   }
   message.assign(1, static_cast<std::uint8_t>(command::cancel_wait));
@@ -366,7 +366,7 @@ COHORT_DECL auto tcp_store::wait_locked(std::span<const std::string> keys, std::
   const bool arrived = reply == stop;
   if (arrived) reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + timeout());
   if (reply != canceled)
-    fail(operation, detail::text({"the store server answered CANCEL_WAIT with ", std::to_string(reply)}));
+    fail(operation, detail::text("the store server answered CANCEL_WAIT with ", std::to_string(reply)));
   if (arrived) return;
   std::vector<std::string> missing;
   for (const auto& key : keys)
@@ -404,11 +404,11 @@ COHORT_DECL auto tcp_store::read_ping_echo(std::uint32_t nonce, clock::time_poin
         "set the same COHORT_STORE_TOKEN (or COHORT_STORE_TOKEN_FILE) on every rank, rank 0 included "
         "(SECURITY.md)";
     fail(operation,
-         detail::text({"the store server at ", endpoint(),
-                       " requires a token (COHORT_STORE_TOKEN) and this rank has none, so it refused the connection"}));
+         detail::text("the store server at ", endpoint(),
+                      " requires a token (COHORT_STORE_TOKEN) and this rank has none, so it refused the connection"));
   }
-  fail(operation, detail::text({"the server at ", endpoint(), " echoed PING ", std::to_string(nonce), " as ",
-                                std::to_string(echoed), "; it does not speak TCPStore"}));
+  fail(operation, detail::text("the server at ", endpoint(), " echoed PING ", std::to_string(nonce), " as ",
+                               std::to_string(echoed), "; it does not speak TCPStore"));
 }
 
 COHORT_DECL auto tcp_store::connect() -> void {
@@ -432,20 +432,20 @@ COHORT_DECL auto tcp_store::connect() -> void {
     if (refused_in_a_row == 3 && !options_.token.empty())
       throw error(
           rank(), "tcp_store.connect",
-          detail::text({"the server at ", endpoint(),
-                        " accepted the connection and closed it during cohort's token handshake 3 times in a row "
-                        "(last: ",
-                        last_error,
-                        "): it checks no token. PyTorch's TCPStore (torchrun's agent store among them) has no "
-                        "authentication"}),
+          detail::text("the server at ", endpoint(),
+                       " accepted the connection and closed it during cohort's token handshake 3 times in a row "
+                       "(last: ",
+                       last_error,
+                       "): it checks no token. PyTorch's TCPStore (torchrun's agent store among them) has no "
+                       "authentication"),
           "a token needs rank 0 to serve the store with cohort (connect_store without torchrun's agent "
           "store); otherwise unset COHORT_STORE_TOKEN on every rank");
     if (refused_in_a_row == 3)
       throw error(rank(), "tcp_store.connect",
-                  detail::text({"the server at ", endpoint(),
-                                " accepted the connection and closed it during cohort's "
-                                "handshake (VALIDATE, then PING) 3 times in a row (last: ",
-                                last_error, "): ", detail::tcp::other_protocol}),
+                  detail::text("the server at ", endpoint(),
+                               " accepted the connection and closed it during cohort's "
+                               "handshake (VALIDATE, then PING) 3 times in a row (last: ",
+                               last_error, "): ", detail::tcp::other_protocol),
                   "run a PyTorch >= 2.0 TCPStore (torchrun of torch 2.x), or let cohort's rank 0 host the "
                   "store; check that MASTER_PORT is not another service's port");
     const auto now = clock::now();
@@ -456,16 +456,16 @@ COHORT_DECL auto tcp_store::connect() -> void {
   std::string why;
   if (busy > 0)
     why = detail::text(
-        {"; the server turned ", std::to_string(busy),
-         " attempt(s) away at its connection limit: look for clients that are not the job's (SECURITY.md), or "
-         "raise tcp_store_server_options::max_connections or ulimit -n on the rank serving the store"});
+        "; the server turned ", std::to_string(busy),
+        " attempt(s) away at its connection limit: look for clients that are not the job's (SECURITY.md), or "
+        "raise tcp_store_server_options::max_connections or ulimit -n on the rank serving the store");
   else if (handshake_ == handshake::unanswered)
-    why = detail::text(
-        {"; the server accepted the connection but never answered the handshake: ", detail::tcp::other_protocol});
+    why = detail::text("; the server accepted the connection but never answered the handshake: ",
+                       detail::tcp::other_protocol);
   throw timeout_error(rank(), "tcp_store.connect",
-                      detail::text({"could not connect to the store server at ", endpoint(), " within ",
-                                    detail::format_duration(options_.connect_timeout), " (", std::to_string(attempts),
-                                    " attempts; last error: ", last_error, ")", why}),
+                      detail::text("could not connect to the store server at ", endpoint(), " within ",
+                                   detail::format_duration(options_.connect_timeout), " (", std::to_string(attempts),
+                                   " attempts; last error: ", last_error, ")", why),
                       "check MASTER_ADDR and MASTER_PORT, that rank 0 (or the launcher's "
                       "agent) is running, and that no firewall blocks the port");
 }
@@ -473,7 +473,7 @@ COHORT_DECL auto tcp_store::connect() -> void {
 COHORT_DECL auto tcp_store::try_connect(clock::time_point deadline) -> std::string {
   detail::tcp::address_list addresses;
   const std::string unresolved = detail::tcp::resolve(options_.host, options_.port, false, addresses);
-  if (!unresolved.empty()) return detail::text({"cannot resolve ", options_.host, ": ", unresolved});
+  if (!unresolved.empty()) return detail::text("cannot resolve ", options_.host, ": ", unresolved);
   std::string last_error = "no address";
   for (addrinfo* entry = addresses.head; entry; entry = entry->ai_next) {
     detail::tcp::file_descriptor fd(
@@ -510,7 +510,7 @@ COHORT_DECL auto tcp_store::try_connect(clock::time_point deadline) -> std::stri
     } catch (const timeout_error& failure) {
       drop_connection();
       if (handshake_ == handshake::not_reached) handshake_ = handshake::unanswered;
-      last_error = detail::text({"handshake failed: ", failure.detail()});
+      last_error = detail::text("handshake failed: ", failure.detail());
     } catch (const error& failure) {
       drop_connection();
       if (handshake_ == handshake::not_reached) handshake_ = handshake::refused;
@@ -546,11 +546,11 @@ COHORT_DECL auto tcp_store::handshake_locked(clock::time_point deadline) -> void
   if (status == static_cast<std::uint8_t>(protocol::auth_reply::no_token)) {
     handshake_ = handshake::fatal;
     fatal_hint_ = "set the same COHORT_STORE_TOKEN on every rank, rank 0 included, or unset it everywhere";
-    fail("connect", detail::text({"the store server at ", endpoint(),
-                                  " was started without a token, and this rank has one (COHORT_STORE_TOKEN)"}));
+    fail("connect", detail::text("the store server at ", endpoint(),
+                                 " was started without a token, and this rank has one (COHORT_STORE_TOKEN)"));
   }
   if (status != static_cast<std::uint8_t>(protocol::auth_reply::challenge))
-    fail("connect", detail::text({"the server at ", endpoint(), " answered AUTH_HELLO with ", std::to_string(status)}));
+    fail("connect", detail::text("the server at ", endpoint(), " answered AUTH_HELLO with ", std::to_string(status)));
   prove_token(client, deadline);
 }
 
@@ -567,9 +567,9 @@ COHORT_DECL auto tcp_store::prove_token(const detail::tcp_store_protocol::nonce&
         "set the same COHORT_STORE_TOKEN (or the same COHORT_STORE_TOKEN_FILE contents) on every rank, "
         "and check that MASTER_ADDR:MASTER_PORT is this job's rank 0";
     fail("connect",
-         detail::text({"the store server at ", endpoint(),
-                       " could not prove that it knows this rank's token: rank 0 has another COHORT_STORE_TOKEN, or "
-                       "the server is not this job's"}));
+         detail::text("the store server at ", endpoint(),
+                      " could not prove that it knows this rank's token: rank 0 has another COHORT_STORE_TOKEN, or "
+                      "the server is not this job's"));
   }
   const auto proof = protocol::client_proof(options_.token, client, server);
   bytes message;
@@ -583,7 +583,7 @@ COHORT_DECL auto tcp_store::prove_token(const detail::tcp_store_protocol::nonce&
   if (status != static_cast<std::uint8_t>(protocol::auth_reply::accepted)) {
     handshake_ = handshake::fatal;
     fatal_hint_ = "set the same COHORT_STORE_TOKEN on every rank";
-    fail("connect", detail::text({"the store server at ", endpoint(), " refused this rank's token proof"}));
+    fail("connect", detail::text("the store server at ", endpoint(), " refused this rank's token proof"));
   }
   max_key_bytes_ = std::min(receive_value<std::uint64_t>("connect", {}, deadline), protocol::max_key_bytes);
   max_value_bytes_ = std::min(receive_value<std::uint64_t>("connect", {}, deadline), protocol::max_value_bytes);
@@ -610,8 +610,8 @@ COHORT_DECL auto tcp_store::join_workers(int workers) -> void {
     if (clock::now() - start >= timeout())
       throw timeout_error(
           rank(), "tcp_store.wait_for_workers",
-          detail::text({std::to_string(joined), " of ", std::to_string(workers), " workers joined the store at ",
-                        endpoint(), " within ", detail::format_duration(timeout())}),
+          detail::text(std::to_string(joined), " of ", std::to_string(workers), " workers joined the store at ",
+                       endpoint(), " within ", detail::format_duration(timeout())),
           "check that every rank was started with the same world size and "
           "master address");
     std::this_thread::sleep_for(pause);
@@ -643,7 +643,7 @@ COHORT_DECL std::string store_token_from_environment(int rank) {
   if (!text.empty() && text.back() == '\n') text.pop_back();
   if (!text.empty() && text.back() == '\r') text.pop_back();
   if (text.empty())
-    throw error(rank, "store_token", detail::text({"COHORT_STORE_TOKEN_FILE=", file, " is empty"}),
+    throw error(rank, "store_token", detail::text("COHORT_STORE_TOKEN_FILE=", file, " is empty"),
                 "write the token into it (for example: head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE)");
   return text;
 }

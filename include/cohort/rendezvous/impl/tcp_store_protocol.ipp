@@ -84,8 +84,7 @@ COHORT_DECL parse_result parse_request(std::span<const std::uint8_t> input, requ
   out = request{};
   std::uint8_t code = 0;
   if (!in.fixed(code)) return in.result();
-  if (!known_command(code))
-    return {parse_status::malformed, 0, detail::text({"unknown command ", std::to_string(code)})};
+  if (!known_command(code)) return {parse_status::malformed, 0, detail::text("unknown command ", std::to_string(code))};
   out.command = static_cast<command>(code);
 
   auto key = [&] {

@@ -41,8 +41,8 @@ namespace detail::store_server {
 
 inline std::string mib(std::uint64_t bytes) {
   if (bytes >= (std::uint64_t{1} << 20) && bytes % (std::uint64_t{1} << 20) == 0)
-    return detail::text({std::to_string(bytes >> 20), " MiB"});
-  return detail::text({std::to_string(bytes), " bytes"});
+    return detail::text(std::to_string(bytes >> 20), " MiB");
+  return detail::text(std::to_string(bytes), " bytes");
 }
 
 inline constexpr std::chrono::milliseconds sweep_interval{250};
@@ -59,13 +59,13 @@ COHORT_DECL tcp_store_server::tcp_store_server(std::string host, std::uint16_t p
                 "see tcp_store_server_options in cohort/rendezvous/tcp_store_server.hpp");
   };
   if (options_.max_key_bytes == 0 || options_.max_key_bytes > protocol::max_key_bytes)
-    refuse(detail::text({"max_key_bytes ", std::to_string(options_.max_key_bytes), " is not in 1..",
-                         std::to_string(protocol::max_key_bytes)}));
+    refuse(detail::text("max_key_bytes ", std::to_string(options_.max_key_bytes), " is not in 1..",
+                        std::to_string(protocol::max_key_bytes)));
   if (options_.max_value_bytes == 0 || options_.max_value_bytes > protocol::max_value_bytes)
-    refuse(detail::text({"max_value_bytes ", std::to_string(options_.max_value_bytes), " is not in 1..",
-                         std::to_string(protocol::max_value_bytes)}));
+    refuse(detail::text("max_value_bytes ", std::to_string(options_.max_value_bytes), " is not in 1..",
+                        std::to_string(protocol::max_value_bytes)));
   if (options_.max_memory_bytes < (std::uint64_t{1} << 20))
-    refuse(detail::text({"max_memory_bytes ", mib(options_.max_memory_bytes), " is below 1 MiB"}));
+    refuse(detail::text("max_memory_bytes ", mib(options_.max_memory_bytes), " is below 1 MiB"));
   limits_.max_key_bytes = options_.max_key_bytes;
   limits_.max_value_bytes = options_.max_value_bytes;
   limits_.max_request_bytes =
@@ -74,12 +74,12 @@ COHORT_DECL tcp_store_server::tcp_store_server(std::string host, std::uint16_t p
   size_connection_limit();
   int pipe_ends[2];
   if (::pipe2(pipe_ends, O_CLOEXEC | O_NONBLOCK) != 0)
-    throw error(rank_, "tcp_store_server", detail::text({"pipe2 failed: ", detail::tcp::errno_text(errno)}));
+    throw error(rank_, "tcp_store_server", detail::text("pipe2 failed: ", detail::tcp::errno_text(errno)));
   wake_read_.reset(pipe_ends[0]);
   wake_write_.reset(pipe_ends[1]);
   epoll_.reset(::epoll_create1(EPOLL_CLOEXEC));
   if (!epoll_)
-    throw error(rank_, "tcp_store_server", detail::text({"epoll_create1 failed: ", detail::tcp::errno_text(errno)}));
+    throw error(rank_, "tcp_store_server", detail::text("epoll_create1 failed: ", detail::tcp::errno_text(errno)));
   epoll_event wake{};
   wake.events = EPOLLIN;
   wake.data.u64 = 0;
@@ -88,7 +88,7 @@ COHORT_DECL tcp_store_server::tcp_store_server(std::string host, std::uint16_t p
   listen.data.u64 = 1;
   if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, wake_read_.get(), &wake) != 0 ||
       ::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, listener_.get(), &listen) != 0)
-    throw error(rank_, "tcp_store_server", detail::text({"epoll_ctl failed: ", detail::tcp::errno_text(errno)}));
+    throw error(rank_, "tcp_store_server", detail::text("epoll_ctl failed: ", detail::tcp::errno_text(errno)));
   spare_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
   thread_ = std::thread([this] { serve(); });
 }
@@ -109,7 +109,7 @@ COHORT_DECL auto tcp_store_server::listen_on(std::uint16_t port) -> void {
   const std::string failure = detail::tcp::resolve(host_, port, true, addresses);
   if (!failure.empty())
     throw error(rank_, "tcp_store_server",
-                detail::text({"cannot resolve listen address ", detail::tcp::endpoint(host_, port), ": ", failure}),
+                detail::text("cannot resolve listen address ", detail::tcp::endpoint(host_, port), ": ", failure),
                 "set MASTER_ADDR to an address of this host");
   std::string last_error = "no address";
   for (addrinfo* entry = addresses.head; entry; entry = entry->ai_next) {
@@ -134,7 +134,7 @@ COHORT_DECL auto tcp_store_server::listen_on(std::uint16_t port) -> void {
     return;
   }
   throw error(rank_, "tcp_store_server",
-              detail::text({"cannot listen on ", detail::tcp::endpoint(host_, port), ": ", last_error}),
+              detail::text("cannot listen on ", detail::tcp::endpoint(host_, port), ": ", last_error),
               "the port may be taken by another job (pick another MASTER_PORT) or the "
               "address may not belong to this host");
 }
@@ -155,7 +155,7 @@ COHORT_DECL auto tcp_store_server::size_connection_limit() -> void {
                  "cohort%s tcp_store_server: the descriptor limit (%llu, ulimit -n) is below the %llu a world of %zu "
                  "ranks needs on the rank serving the store; raise the hard limit (ulimit -Hn) or ranks will be "
                  "refused\n",
-                 rank_ >= 0 ? (detail::text({" [rank ", std::to_string(rank_), "]"})).c_str() : "",
+                 rank_ >= 0 ? (detail::text(" [rank ", std::to_string(rank_), "]")).c_str() : "",
                  static_cast<unsigned long long>(descriptors.rlim_cur), static_cast<unsigned long long>(needed),
                  options_.reserved_connections);
   const rlim_t limit = std::min(descriptors.rlim_cur == RLIM_INFINITY ? ceiling : descriptors.rlim_cur, ceiling);
@@ -252,8 +252,8 @@ COHORT_DECL auto tcp_store_server::place(int fd) -> void {
                                                : "too many connections have not proved themselves";
     if (!evict_untrusted(why)) {
       log_refusal(detail::tcp::peer_of(fd),
-                  detail::text({"refused at accept: the server is at its connection limit of ",
-                                std::to_string(max_connections_), ", all of them proven clients"}));
+                  detail::text("refused at accept: the server is at its connection limit of ",
+                               std::to_string(max_connections_), ", all of them proven clients"));
       refuse_busy(fd);
       return;
     }
@@ -281,8 +281,8 @@ COHORT_DECL auto tcp_store_server::evict_untrusted(const char* why) -> bool {
   // A client still in its handshake reads the marker where it expects a handshake reply and
   // retries; one past it would read the marker as a reply, so it is only closed.
   reject(*oldest,
-         detail::text({"closed to make room for a new connection (", why,
-                       "; this one had not proved itself and was the oldest such)"}),
+         detail::text("closed to make room for a new connection (", why,
+                      "; this one had not proved itself and was the oldest such)"),
          oldest->step != stage::ready ? detail::tcp_store_protocol::busy_marker : 0);
   return true;
 }
@@ -337,10 +337,10 @@ COHORT_DECL auto tcp_store_server::take_input(connection& conn, const std::uint8
       target = std::min<std::uint64_t>(conn.input_needed, std::max<std::uint64_t>(2 * conn.input.capacity(), target));
     const std::uint64_t more = target - conn.input_counted;
     if (!admit(more, std::max<std::uint64_t>(conn.input_needed, want))) {
-      reject(conn, detail::text({"buffering ", std::to_string(want),
-                                 " bytes of a request would take the server past its memory "
-                                 "budget of ",
-                                 mib(options_.max_memory_bytes), " (it holds ", std::to_string(held_), " bytes)"}));
+      reject(conn, detail::text("buffering ", std::to_string(want),
+                                " bytes of a request would take the server past its memory "
+                                "budget of ",
+                                mib(options_.max_memory_bytes), " (it holds ", std::to_string(held_), " bytes)"));
       return false;
     }
     conn.input.reserve(static_cast<std::size_t>(target));
@@ -367,9 +367,9 @@ COHORT_DECL auto tcp_store_server::process(connection& conn) -> void {
       if (!admit(more, parsed.bytes))
         return reject(
             conn,
-            detail::text({"announced a ", protocol::command_name(request.command), " request of at least ",
-                          std::to_string(parsed.bytes), " bytes, more than the server's memory budget of ",
-                          mib(options_.max_memory_bytes), " allows now (it holds ", std::to_string(held_), " bytes)"}));
+            detail::text("announced a ", protocol::command_name(request.command), " request of at least ",
+                         std::to_string(parsed.bytes), " bytes, more than the server's memory budget of ",
+                         mib(options_.max_memory_bytes), " allows now (it holds ", std::to_string(held_), " bytes)"));
       break;
     }
     if (parsed.status == protocol::parse_status::malformed) return reject(conn, parsed.error);
@@ -396,17 +396,17 @@ COHORT_DECL auto tcp_store_server::gatekeep(connection& conn, std::uint8_t code)
   const std::string sent = protocol::known_command(code) ? protocol::command_name(static_cast<protocol::command>(code))
                                                          : "an unknown command";
   if (conn.step == stage::fresh) {
-    reject(conn, detail::text({"first message was ", sent, " (command byte ", std::to_string(code),
-                               "), not VALIDATE: ", detail::tcp::other_protocol}));
+    reject(conn, detail::text("first message was ", sent, " (command byte ", std::to_string(code),
+                              "), not VALIDATE: ", detail::tcp::other_protocol));
     return false;
   }
   // A client without the token does its PING here: the marker tells a cohort client why.
-  reject(conn,
-         detail::text(
-             {"sent ", sent, " (command byte ", std::to_string(code),
-              ") without proving the store token: this server requires COHORT_STORE_TOKEN, and refuses everything "
-              "else before reading any key (PyTorch's TCPStore clients cannot prove a token)"}),
-         code == static_cast<std::uint8_t>(protocol::command::ping) ? protocol::token_required_marker : 0);
+  reject(
+      conn,
+      detail::text("sent ", sent, " (command byte ", std::to_string(code),
+                   ") without proving the store token: this server requires COHORT_STORE_TOKEN, and refuses everything "
+                   "else before reading any key (PyTorch's TCPStore clients cannot prove a token)"),
+      code == static_cast<std::uint8_t>(protocol::command::ping) ? protocol::token_required_marker : 0);
   return false;
 }
 
@@ -424,9 +424,9 @@ COHORT_DECL auto tcp_store_server::store_value(connection& conn, const std::stri
   // A replaced value is freed at once unless a reply still sends it.
   if (found != data_.end() && found->second.use_count() == 1) more -= std::min(more, found->second->bytes.size());
   if (!admit(more, size)) {
-    reject(conn, detail::text({"storing ", std::to_string(size), " bytes under key '", key,
-                               "' would take the server past its memory budget of ", mib(options_.max_memory_bytes),
-                               " (it holds ", std::to_string(held_), " bytes)"}));
+    reject(conn, detail::text("storing ", std::to_string(size), " bytes under key '", key,
+                              "' would take the server past its memory budget of ", mib(options_.max_memory_bytes),
+                              " (it holds ", std::to_string(held_), " bytes)"));
     return false;
   }
   if (found != data_.end()) {
@@ -454,8 +454,8 @@ COHORT_DECL auto tcp_store_server::authenticate(connection& conn, detail::tcp_st
     }
     if (conn.step != stage::validated) return reject(conn, "AUTH_HELLO repeated");
     if (request.word != protocol::auth_version)
-      return reject(conn, detail::text({"token handshake version ", std::to_string(request.word),
-                                        ", this server speaks ", std::to_string(protocol::auth_version)}));
+      return reject(conn, detail::text("token handshake version ", std::to_string(request.word),
+                                       ", this server speaks ", std::to_string(protocol::auth_version)));
     conn.client_nonce = request.token;
     if (!detail::random_bytes(conn.server_nonce)) return reject(conn, "no random source for the token handshake");
     const auto proof = protocol::server_proof(options_.token, conn.client_nonce, conn.server_nonce);
@@ -490,8 +490,8 @@ COHORT_DECL auto tcp_store_server::handle(connection& conn, detail::tcp_store_pr
     case command::validate:
       if (request.word != protocol::validation_magic)
         return reject(conn,
-                      detail::text({"VALIDATE carried magic ", std::to_string(request.word), ", not ",
-                                    std::to_string(protocol::validation_magic), ": ", detail::tcp::other_protocol}));
+                      detail::text("VALIDATE carried magic ", std::to_string(request.word), ", not ",
+                                   std::to_string(protocol::validation_magic), ": ", detail::tcp::other_protocol));
       if (conn.step != stage::fresh) return reject(conn, "VALIDATE repeated");
       conn.step = options_.token.empty() ? stage::ready : stage::validated;
       return;
@@ -510,8 +510,8 @@ COHORT_DECL auto tcp_store_server::handle(connection& conn, detail::tcp_store_pr
       const auto found = data_.find(request.keys[0]);
       const std::size_t old = found == data_.end() ? 0 : found->second->bytes.size();
       if (old + request.values[0].size() > options_.max_value_bytes)
-        return reject(conn, detail::text({"APPEND would grow key '", request.keys[0], "' past the limit of ",
-                                          mib(options_.max_value_bytes), " per value"}));
+        return reject(conn, detail::text("APPEND would grow key '", request.keys[0], "' past the limit of ",
+                                         mib(options_.max_value_bytes), " per value"));
       bytes_t value;
       value.reserve(old + request.values[0].size());
       if (found != data_.end()) value = found->second->bytes;
@@ -553,10 +553,10 @@ COHORT_DECL auto tcp_store_server::handle(connection& conn, detail::tcp_store_pr
         const auto* last = first + found->second->bytes.size();
         const auto [end, status] = std::from_chars(first, last, value);
         if (status != std::errc() || end != last)
-          return reject(conn, detail::text({"ADD on key '", key, "' whose value is not a decimal integer"}));
+          return reject(conn, detail::text("ADD on key '", key, "' whose value is not a decimal integer"));
       }
       if (__builtin_add_overflow(value, request.delta, &value))
-        return reject(conn, detail::text({"ADD on key '", key, "' overflows int64"}));
+        return reject(conn, detail::text("ADD on key '", key, "' overflows int64"));
       const std::string text = std::to_string(value);
       if (!store_value(conn, key, bytes_t(text.begin(), text.end()))) return;
       write.i64(value);
@@ -573,9 +573,9 @@ COHORT_DECL auto tcp_store_server::handle(connection& conn, detail::tcp_store_pr
       for (const auto& key : request.keys)
         if (!data_.count(key)) parked += 2 * (key.size() + entry_overhead);
       if (parked > 0 && !admit(parked, parked))
-        return reject(conn, detail::text({"parking a WAIT on ", std::to_string(request.keys.size()),
-                                          " keys would take the server past its memory budget of ",
-                                          mib(options_.max_memory_bytes)}));
+        return reject(conn, detail::text("parking a WAIT on ", std::to_string(request.keys.size()),
+                                         " keys would take the server past its memory budget of ",
+                                         mib(options_.max_memory_bytes)));
       for (const auto& key : request.keys) {
         if (data_.count(key)) continue;
         waiters_[key].push_back(conn.id);
@@ -732,19 +732,19 @@ COHORT_DECL auto tcp_store_server::sweep(clock::time_point now) -> void {
   for (auto& [id, conn] : connections_) {
     if (conn.closing) continue;
     if (conn.step != stage::ready && now - conn.accepted > options_.handshake_timeout) {
-      reject(conn, detail::text({"did not finish the handshake (VALIDATE", options_.token.empty() ? "" : ", the token",
-                                 ") within ", detail::format_duration(options_.handshake_timeout)}));
+      reject(conn, detail::text("did not finish the handshake (VALIDATE", options_.token.empty() ? "" : ", the token",
+                                ") within ", detail::format_duration(options_.handshake_timeout)));
     } else if (conn.input.size() > conn.input_start && now - conn.last_input > options_.idle_timeout) {
       const auto code = conn.input[conn.input_start];
       reject(conn,
-             detail::text({"sent ", std::to_string(conn.input.size() - conn.input_start), " bytes of a ",
-                           (protocol::known_command(code) ? protocol::command_name(static_cast<protocol::command>(code))
-                                                          : "unknown"),
-                           " request (of at least ", std::to_string(conn.input_needed), ") and nothing more for ",
-                           detail::format_duration(options_.idle_timeout), ": a half-sent message"}));
+             detail::text("sent ", std::to_string(conn.input.size() - conn.input_start), " bytes of a ",
+                          (protocol::known_command(code) ? protocol::command_name(static_cast<protocol::command>(code))
+                                                         : "unknown"),
+                          " request (of at least ", std::to_string(conn.input_needed), ") and nothing more for ",
+                          detail::format_duration(options_.idle_timeout), ": a half-sent message"));
     } else if (!conn.output.empty() && now - conn.last_output > options_.idle_timeout) {
-      reject(conn, detail::text({"left ", std::to_string(conn.output_queued), " bytes of replies unread for ",
-                                 detail::format_duration(options_.idle_timeout)}));
+      reject(conn, detail::text("left ", std::to_string(conn.output_queued), " bytes of replies unread for ",
+                                detail::format_duration(options_.idle_timeout)));
     }
   }
 }
@@ -776,7 +776,7 @@ COHORT_DECL auto tcp_store_server::log_refusal(const std::string& peer, const st
   const std::size_t count = ++rejected_;
   if (count <= logged_rejections)
     std::fprintf(stderr, "cohort%s tcp_store_server %s: closed the connection of %s: %s%s\n",
-                 rank_ >= 0 ? (detail::text({" [rank ", std::to_string(rank_), "]"})).c_str() : "", endpoint().c_str(),
+                 rank_ >= 0 ? (detail::text(" [rank ", std::to_string(rank_), "]")).c_str() : "", endpoint().c_str(),
                  peer.c_str(), reason.c_str(),
                  count == logged_rejections ? " (further refusals are counted, not printed)" : "");
   std::lock_guard lock(report_mutex_);

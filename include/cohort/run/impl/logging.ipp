@@ -38,16 +38,16 @@ namespace cohort::inline v0 {
 
 COHORT_DECL rank_logger::rank_logger(int rank, int world, log_options options)
     : rank_(rank), world_(world), options_(std::move(options)) {
-  prefix_ = detail::text({"[rank ", std::to_string(rank_), "/", std::to_string(world_), "] "});
+  prefix_ = detail::text("[rank ", std::to_string(rank_), "/", std::to_string(world_), "] ");
   if (!options_.directory.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(options_.directory, ec);
     file_path_ =
-        (std::filesystem::path(options_.directory) / (detail::text({"rank-", std::to_string(rank_), ".log"}))).string();
+        (std::filesystem::path(options_.directory) / (detail::text("rank-", std::to_string(rank_), ".log"))).string();
     file_ = std::fopen(file_path_.c_str(), "ae");  // e: close-on-exec
     if (!file_)
       throw error(rank_, "rank_logger",
-                  detail::text({"cannot open log file ", file_path_, " for appending: ", std::strerror(errno)}),
+                  detail::text("cannot open log file ", file_path_, " for appending: ", std::strerror(errno)),
                   "check that the log directory is writable");
   }
 }
@@ -79,7 +79,7 @@ COHORT_DECL auto rank_logger::log(std::string_view message) -> void {
 namespace cohort::inline v0 {
 namespace detail {
 
-COHORT_DECL std::string rank_prefix(int rank) { return detail::text({"[rank ", std::to_string(rank), "] "}); }
+COHORT_DECL std::string rank_prefix(int rank) { return detail::text("[rank ", std::to_string(rank), "] "); }
 
 COHORT_DECL void print_lines(std::FILE* out, std::string_view prefix, const char* format, std::va_list args) noexcept {
   // va_copy and its va_end in this one function, whatever is thrown in between.

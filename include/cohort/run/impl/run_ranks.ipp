@@ -37,11 +37,11 @@ COHORT_DECL void finish_launched_rank(store& rendezvous, const launch_env& env, 
       reason = "an exception that is not a std::exception";
       record_error_for_launcher("unknown", reason);
     }
-    rendezvous.set(detail::text({base, "failure/", std::to_string(env.rank)}), reason);
-    rendezvous.add(detail::text({base, "failed"}), 1);
+    rendezvous.set(detail::text(base, "failure/", std::to_string(env.rank)), reason);
+    rendezvous.add(detail::text(base, "failed"), 1);
   }
-  rendezvous.set(detail::text({base, "done/", std::to_string(env.rank)}), "1");
-  rendezvous.add(detail::text({base, "done"}), 1);
+  rendezvous.set(detail::text(base, "done/", std::to_string(env.rank)), "1");
+  rendezvous.add(detail::text(base, "done"), 1);
   if (env.rank != 0) return;
 
   using clock = std::chrono::steady_clock;
@@ -51,7 +51,7 @@ COHORT_DECL void finish_launched_rank(store& rendezvous, const launch_env& env, 
   if (failure) grace_ends = started + std::min<clock::duration>(run_ranks_failure_grace, rendezvous.timeout());
   bool said_why_waiting = false;
   auto pause = std::chrono::milliseconds(2);
-  while (rendezvous.add(detail::text({base, "done"}), 0) < env.world_size) {
+  while (rendezvous.add(detail::text(base, "done"), 0) < env.world_size) {
     const auto now = clock::now();
     if (failure && !said_why_waiting) {
       // Said now, not after the wait: this rank's error is the news.
@@ -60,13 +60,13 @@ COHORT_DECL void finish_launched_rank(store& rendezvous, const launch_env& env, 
                    reason.c_str(), static_cast<long long>(run_ranks_failure_grace.count()));
     }
     if (now >= give_up || (grace_ends && now >= *grace_ends)) return;
-    if (!grace_ends && rendezvous.add(detail::text({base, "failed"}), 0) > 0)
+    if (!grace_ends && rendezvous.add(detail::text(base, "failed"), 0) > 0)
       grace_ends = now + std::min<clock::duration>(run_ranks_failure_grace, rendezvous.timeout());
     if (!grace_ends && !said_why_waiting && now - started >= std::chrono::seconds(5)) {
       said_why_waiting = true;
       std::string missing;
       for (int r = 1; r < env.world_size; ++r) {
-        const std::string key = detail::text({base, "done/", std::to_string(r)});
+        const std::string key = detail::text(base, "done/", std::to_string(r));
         if (!rendezvous.check(std::span<const std::string>(&key, 1)))
           missing += (missing.empty() ? "" : ", ") + std::to_string(r);
       }
