@@ -4,11 +4,14 @@ unit of twenty standard headers (bench/compile/std_headers.cpp) compiled in the 
 
   python3 bench/compile_time.py [--cxx g++] [--nvcc nvcc] [--runs 5] [--no-nvcc]
                                 [--no-headers] [--only TEXT] [--against DIR] [--json FILE]
+  python3 bench/compile_time.py --code-by-file     where the trainer TU's code comes from
 
 Rows:
   - the umbrella header <cohort/cohort.hpp>, -fsyntax-only;
   - every public header alone, -fsyntax-only (that each compiles alone is a test as well);
-  - a trainer TU on Gloo (bench/compile/trainer.cpp), compiled, at -O0 and -O2;
+  - a trainer TU on Gloo (bench/compile/trainer.cpp): -fsyntax-only (the floor of the
+    next two: everything but making code), compiled at -O0 and at -O2; and the trainer's
+    other TU (bench/compile/step.cpp: the step over a state main's TU built), -O2;
   - a CUDA trainer TU on NCCL (bench/compile/trainer.cu) with nvcc, and how many kernels
     it instantiates (ptxas -v names each);
   - the umbrella header and both trainer TUs again with COHORT_SEPARATE_COMPILATION (the
@@ -109,9 +112,16 @@ class Tree:
                     f.write(f"#include <{header}>\n")
                 rows.append((f"<{header}> alone, -fsyntax-only",
                              self.base() + header_flags(header) + ["-fsyntax-only", source], False))
+        # The floor of the rows below: parsing and instantiating the trainer, with no code made.
+        rows.append(("trainer TU on Gloo, -fsyntax-only", self.base() + [
+            "-fsyntax-only", os.path.join(self.sources, "trainer.cpp")], False))
         for level in ("-O0", "-O2"):
             rows.append((f"trainer TU on Gloo, {level} -c", self.base() + [
                 level, "-c", os.path.join(self.sources, "trainer.cpp"), "-o", os.path.join(self.work, "trainer.o")], False))
+        step = os.path.join(self.sources, "step.cpp")
+        if os.path.exists(step):  # a trainer's other TU: the step over a state main's TU built
+            rows.append(("trainer's step TU on Gloo, -O2 -c", self.base() + [
+                "-O2", "-c", step, "-o", os.path.join(self.work, "step.o")], False))
         nvcc = not self.args.no_nvcc and os.path.exists(self.args.nvcc)
         if nvcc:
             rows.append(("CUDA trainer TU on NCCL, nvcc -O2 -c", self.nvcc_command([]), True))
@@ -126,6 +136,9 @@ class Tree:
                          self.base() + separate + ["-fsyntax-only", os.path.join(self.sources, "umbrella.cpp")], False))
             rows.append(("separate compilation: trainer TU on Gloo, -O2 -c", self.base() + separate + [
                 "-O2", "-c", os.path.join(self.sources, "trainer.cpp"), "-o", os.path.join(self.work, "trainer.o")], False))
+            if os.path.exists(step):
+                rows.append(("separate compilation: trainer's step TU on Gloo, -O2 -c", self.base() + separate + [
+                    "-O2", "-c", step, "-o", os.path.join(self.work, "step.o")], False))
             # A library with NCCL compiles the kernels too (src.cu), and the trainer's TUs see
             # their launchers' declarations only.
             device_src = os.path.exists(os.path.join(self.include, src_cu))
@@ -156,6 +169,31 @@ def kernels_in(output):
     return sum(1 for line in output.splitlines() if "Compiling entry function" in line)
 
 
+def code_by_file(args):
+    """Bytes of the header-only trainer TU's -O2 code by the file that defines each function
+    (nm -l on a -g build): what a TU that uses cohort compiles, and so where its time goes."""
+    include = os.path.join(os.path.dirname(HERE), "include")
+    with tempfile.TemporaryDirectory() as work:
+        obj = os.path.join(work, "trainer.o")
+        subprocess.run([args.cxx, "-std=c++20", f"-I{include}", "-O2", "-g", "-c",
+                        os.path.join(HERE, "compile", "trainer.cpp"), "-o", obj], check=True)
+        listing = subprocess.run(["nm", "-l", "-S", "--size-sort", obj], stdout=subprocess.PIPE, text=True,
+                                 check=True).stdout
+    sizes = {}
+    for line in listing.splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        where = fields[-1].rsplit(":", 1)[0] if ":" in fields[-1] and fields[-1].startswith("/") else "?"
+        where = where.replace(include + "/", "").replace(os.path.dirname(HERE) + "/", "").replace("/usr/include/c++/", "std ")
+        sizes[where] = sizes.get(where, 0) + int(fields[1], 16)
+    total = sum(sizes.values())
+    print(f"{'bytes':>8s} {'share':>6s}  file   (header-only trainer TU, {args.cxx} -O2: {total} bytes of code)")
+    for where, size in sorted(sizes.items(), key=lambda item: -item[1])[:30]:
+        print(f"{size:8d} {100 * size / total:5.1f}%  {where}")
+    return 0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cxx", default=os.environ.get("CXX", "g++"))
@@ -166,7 +204,11 @@ def main():
     parser.add_argument("--against", default="", help="a second checkout of cohort to measure beside this one")
     parser.add_argument("--only", default="", help="measure only the rows whose name contains this text")
     parser.add_argument("--json", default="")
+    parser.add_argument("--code-by-file", action="store_true",
+                        help="print where the header-only trainer TU's -O2 code comes from, by source file, and exit")
     args = parser.parse_args()
+    if args.code_by_file:
+        return code_by_file(args)
 
     work = tempfile.mkdtemp(prefix="cohort-compile-")
     try:
