@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <string>
 #include <string_view>
@@ -148,6 +149,22 @@ cohort::process_group<cohort::gloo> launched_gloo_group(std::chrono::millisecond
   return cohort::process_group<cohort::gloo>(cohort::connect_store(env), env, opts);
 }
 
+// Rank 0 serves the job's store (connect_store), from which the others read the failure
+// reports that name the culprit: it stays until each survivor has named it, as run_ranks
+// keeps rank 0 serving. Without this, a loaded machine let rank 0 exit first and rank 1
+// reported the store unreachable instead of the culprit.
+void serve_until_named(cohort::process_group<cohort::gloo>& pg, std::initializer_list<int> survivors) {
+  auto& store = *pg.group_store();
+  if (pg.rank() != 0) {
+    store.set("test/named/" + std::to_string(pg.rank()), std::string_view("1"));
+    return;
+  }
+  std::vector<std::string> keys;
+  for (const int r : survivors)
+    if (r != 0) keys.push_back("test/named/" + std::to_string(r));
+  store.wait(keys, std::chrono::seconds(20));
+}
+
 }  // namespace
 
 TEST_CASE("torchrun-style environments rendezvous through the TCP store", "[multiprocess]") {
@@ -209,6 +226,7 @@ TEST_CASE("a rank process that dies is an error on the others within the timeout
       // The error is this rank's, and it names the rank that died.
       const bool names_culprit =
           std::string_view(failure.what()).find("rank 2 died or exited during all_reduce #") != std::string_view::npos;
+      serve_until_named(pg, {0, 1});
       return failure.rank() == pg.rank() && names_culprit ? 0 : 3;
     }
     return 1;  // training went on without rank 2: impossible
@@ -435,6 +453,7 @@ TEST_CASE("a stopped rank (SIGSTOP) is named by the others within the timeout", 
       if (std::chrono::steady_clock::now() - issued > std::chrono::seconds(7)) return 4;
       const bool names_culprit =
           std::string_view(failure.what()).find("rank 2 never issued all_reduce #2") != std::string_view::npos;
+      serve_until_named(pg, {0, 1});
       return names_culprit ? 0 : 3;
     }
     return 1;
