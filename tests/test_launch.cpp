@@ -8,8 +8,10 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "cohort/detail/text.hpp"
 #include "cohort/rendezvous/launch.hpp"
 
 using Catch::Matchers::Contains;
@@ -530,4 +532,22 @@ TEST_CASE("detect() reads the real process environment", "[launch]") {
   CHECK(env.local_world_size == 2);
   CHECK(env.master_addr == "real-env-host");
   CHECK(env.master_port == 31337);
+}
+
+// Every message cohort raises (launch errors included) is joined by detail::text: a part that
+// is not text must not compile, so a number or a char is never appended as a pointer offset
+// or a character code, as `"rank " + 2` or `std::string + 'c'` would.
+template <class... Parts>
+concept joinable = requires(const Parts&... parts) {
+  cohort::detail::text(parts...);
+};
+static_assert(joinable<const char*, std::string, std::string_view>);
+static_assert(!joinable<const char*, int>);
+static_assert(!joinable<std::string, char>);
+static_assert(!joinable<std::size_t>);
+
+TEST_CASE("messages: detail::text joins its parts in order, once", "[launch]") {
+  const std::string rank = "3";
+  CHECK(cohort::detail::text("rank ", rank, std::string_view(" of 4"), "") == "rank 3 of 4");
+  CHECK(cohort::detail::text().empty());
 }

@@ -41,7 +41,7 @@ struct elementwise {
 
 inline void require_floating(std::string_view operation, dtype type) {
   if (!is_floating(type))
-    throw error(-1, std::string(operation), detail::text(to_string(type), " is not a floating-point dtype"),
+    throw error(-1, operation, detail::text(to_string(type), " is not a floating-point dtype"),
                 "this operation is defined for float, double, half and bfloat16");
 }
 

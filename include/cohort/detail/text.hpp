@@ -4,13 +4,15 @@
 // std::string operator+ expands at every call site into a temporary, a move and a clean-up
 // path per operator, and cohort's plain code is mostly messages that name rank, call, sizes
 // and the fix. A part must be text (a view, a string, a literal): a number or a char does not
-// compile, so nothing is appended as a pointer offset or a character code by mistake.
+// compile, so nothing is appended as a pointer offset or a character code by mistake
+// (tests/test_launch.cpp pins that).
 //
 // Variadic rather than text({...}): nvcc's front end wraps a braced list passed as an
 // argument inside a template in parentheses, which GCC then reads as a statement expression.
 #include <initializer_list>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 namespace cohort::inline v0::detail {
 
@@ -24,8 +26,7 @@ inline std::string join_text(std::initializer_list<std::string_view> parts) {
 }
 
 template <class... Parts>
-std::string text(const Parts&... parts) {
-  return join_text({std::string_view(parts)...});
-}
+  requires(std::is_constructible_v<std::string_view, const Parts&>&&...)
+std::string text(const Parts&... parts) { return join_text({std::string_view(parts)...}); }
 
 }  // namespace cohort::inline v0::detail

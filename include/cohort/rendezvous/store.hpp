@@ -117,7 +117,7 @@ class store {
                                                 std::chrono::milliseconds waited) const {
     std::string names;
     for (const auto& key : keys) names += detail::text((names.empty() ? "'" : ", '"), key, "'");
-    throw timeout_error(rank(), std::string("store.") + std::string(operation),
+    throw timeout_error(rank(), detail::text("store.", operation),
                         detail::text("waited ", detail::format_duration(waited), " for key(s) ", names),
                         "a peer has not arrived or crashed before publishing; check that every "
                         "rank was started with the same world size and master address");

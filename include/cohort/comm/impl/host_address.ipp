@@ -65,7 +65,7 @@ COHORT_DECL std::string resolve_numeric(const std::string& name, int rank, std::
   if (status != 0 || list == nullptr) {
     const std::string why = status == EAI_SYSTEM ? std::system_category().message(errno) : ::gai_strerror(status);
     if (list) ::freeaddrinfo(list);
-    throw error(rank, std::string(operation), detail::text("cannot resolve '", name, "': ", why),
+    throw error(rank, operation, detail::text("cannot resolve '", name, "': ", why),
                 "add the name to /etc/hosts or DNS, or give a numeric address");
   }
   // IPv4 first: it is what the other ranks' lookups most likely return too.
@@ -79,8 +79,7 @@ COHORT_DECL std::string resolve_numeric(const std::string& name, int rank, std::
   std::string numeric = host_address_detail::numeric_text(chosen->ai_addr, chosen->ai_addrlen);
   ::freeaddrinfo(list);
   if (numeric.empty())
-    throw error(rank, std::string(operation),
-                detail::text("'", name, "' resolves to an address that cannot be written out"),
+    throw error(rank, operation, detail::text("'", name, "' resolves to an address that cannot be written out"),
                 "give a numeric address");
   return numeric;
 }

@@ -293,7 +293,7 @@ COHORT_DECL void straggler_report::collect(bool blocking) {
       pending_.erase(pending_.begin());
     }
   } catch (const std::exception& failure) {
-    stop(std::string("collecting the ranks' reports: ") + failure.what());
+    stop(detail::text("collecting the ranks' reports: ", failure.what()));
   }
   for (auto& entry : done) report(entry.window, std::move(entry.ranks), std::move(entry.missing));
 }

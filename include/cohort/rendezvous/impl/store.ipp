@@ -167,7 +167,7 @@ COHORT_DECL error malformed_store_value(int rank, std::string_view operation, st
     }
   }
   if (value.size() > shown) text += "...";
-  return error(rank, std::string(operation),
+  return error(rank, operation,
                detail::text("key '", key, "' holds malformed data written by someone else: '", text, "' (",
                             std::to_string(value.size()), " bytes; cohort writes ", expected, ")"),
                "another program, a stray client or another job wrote into this job's rendezvous store; give each "

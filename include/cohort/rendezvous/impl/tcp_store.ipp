@@ -637,7 +637,7 @@ COHORT_DECL std::string store_token_from_environment(int rank) {
   std::ostringstream contents;
   if (in) contents << in.rdbuf();
   if (!in && !in.eof())
-    throw error(rank, "store_token", std::string("cannot read COHORT_STORE_TOKEN_FILE=") + file,
+    throw error(rank, "store_token", detail::text("cannot read COHORT_STORE_TOKEN_FILE=", file),
                 "the file must exist and be readable by this rank on every node");
   std::string text = contents.str();
   if (!text.empty() && text.back() == '\n') text.pop_back();
