@@ -78,54 +78,59 @@ std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg,
   };
   const std::size_t layers = model.layers(), local = cfg.batch / static_cast<std::size_t>(pg.world_size());
   std::vector<std::vector<float>> activation(layers + 1);
-  // With uneven inputs a rank out of batches waits at this scope's end, answering the others.
-  std::optional<cohort::training_state<cohort::gloo>::join_scope> joined;
-  if (!cfg.batches_per_rank.empty()) joined.emplace(state, cohort::training_state<cohort::gloo>::join_options{});
+  // With uneven inputs a rank out of batches keeps answering the others inside join().
+  const bool joined = !cfg.batches_per_rank.empty();
   const auto started = std::chrono::steady_clock::now();
-  for (int step = first_step; step < cfg.batches_of(pg.rank()); ++step) {
-    const std::size_t first = static_cast<std::size_t>(step) * cfg.batch + static_cast<std::size_t>(pg.rank()) * local;
-    const auto inputs = cohort_examples::rows(data.inputs, first, local, model.input_width());
-    activation[0].assign(inputs.begin(), inputs.end());
-    for (std::size_t l = 0; l < layers; ++l) {  // forward
-      auto layer = state.gather(l);
-      activation[l + 1].assign(local * layer.param(2 * l + 1).size(), 0.0f);
-      model.forward_layer(l, layer.param(2 * l), layer.param(2 * l + 1), activation[l], activation[l + 1], local);
+  const auto loop = [&] {
+    for (int step = first_step; step < cfg.batches_of(pg.rank()); ++step) {
+      const std::size_t first =
+          static_cast<std::size_t>(step) * cfg.batch + static_cast<std::size_t>(pg.rank()) * local;
+      const auto inputs = cohort_examples::rows(data.inputs, first, local, model.input_width());
+      activation[0].assign(inputs.begin(), inputs.end());
+      for (std::size_t l = 0; l < layers; ++l) {  // forward
+        auto layer = state.gather(l);
+        activation[l + 1].assign(local * layer.param(2 * l + 1).size(), 0.0f);
+        model.forward_layer(l, layer.param(2 * l), layer.param(2 * l + 1), activation[l], activation[l + 1], local);
+      }
+      std::vector<float> delta(activation.back().size());
+      const float loss = model.output_loss(
+          activation.back(), cohort_examples::rows(data.targets, first, local, model.output_width()), local, delta);
+      for (std::size_t l = layers; l-- > 0;) {  // backward, last layer first
+        auto layer = state.gather(l);
+        std::vector<float> previous(l > 0 ? activation[l].size() : 0);
+        model.backward_layer(l, layer.param(2 * l), activation[l], delta, state.gradient(2 * l),
+                             state.gradient(2 * l + 1), previous, local);
+        state.mark_layer_ready(l);
+        delta = std::move(previous);
+      }
+      const auto result = state.step();
+      // Inside a join no collective of the trainer's own: a joined rank is waiting in the
+      // state's agreement. Rank 0's own loss is printed there instead of the mean.
+      const float shown = joined ? loss : cohort::all_reduce_value(pg, loss, cohort::op::avg);
+      if (pg.rank() == 0 && (step % 5 == 0 || step + 1 == cfg.batches_of(0)))
+        std::printf("step %2d  loss %.6f%s  grad norm %.4f%s\n", step, shown, joined ? " (rank 0's)" : "",
+                    result.grad_norm, result.clip_factor < 1 ? " (clipped)" : "");
+      const bool stop = step == cfg.stop_after;
+      const bool last = step + 1 == cfg.batches_of(pg.rank());
+      if (!cfg.checkpoint.empty() && ((cfg.save_every > 0 && (step + 1) % cfg.save_every == 0) || stop || last))
+        save(step, stop || last);
+      if (stop) {
+        stopped = true;
+        break;
+      }
+      // A crash, not a stop: no save, no unwinding, the files as the kernel leaves them. Only in
+      // a run that started from scratch, so that the relaunch with --resume runs past it.
+      if (step == cfg.kill_at_step && first_step == 0 && pg.rank() == std::min(1, pg.world_size() - 1)) {
+        std::printf("[rank %d] killed (SIGKILL) after step %d\n", pg.rank(), step);
+        std::fflush(stdout);
+        ::raise(SIGKILL);
+      }
     }
-    std::vector<float> delta(activation.back().size());
-    const float loss = model.output_loss(
-        activation.back(), cohort_examples::rows(data.targets, first, local, model.output_width()), local, delta);
-    for (std::size_t l = layers; l-- > 0;) {  // backward, last layer first
-      auto layer = state.gather(l);
-      std::vector<float> previous(l > 0 ? activation[l].size() : 0);
-      model.backward_layer(l, layer.param(2 * l), activation[l], delta, state.gradient(2 * l),
-                           state.gradient(2 * l + 1), previous, local);
-      state.mark_layer_ready(l);
-      delta = std::move(previous);
-    }
-    const auto result = state.step();
-    // Inside a join scope no collective of the trainer's own: a joined rank is waiting in the
-    // state's agreement. Rank 0's own loss is printed there instead of the mean.
-    const float shown = joined ? loss : cohort::all_reduce_value(pg, loss, cohort::op::avg);
-    if (pg.rank() == 0 && (step % 5 == 0 || step + 1 == cfg.batches_of(0)))
-      std::printf("step %2d  loss %.6f%s  grad norm %.4f%s\n", step, shown, joined ? " (rank 0's)" : "",
-                  result.grad_norm, result.clip_factor < 1 ? " (clipped)" : "");
-    const bool stop = step == cfg.stop_after;
-    const bool last = step + 1 == cfg.batches_of(pg.rank());
-    if (!cfg.checkpoint.empty() && ((cfg.save_every > 0 && (step + 1) % cfg.save_every == 0) || stop || last))
-      save(step, stop || last);
-    if (stop) {
-      stopped = true;
-      break;
-    }
-    // A crash, not a stop: no save, no unwinding, the files as the kernel leaves them. Only in
-    // a run that started from scratch, so that the relaunch with --resume runs past it.
-    if (step == cfg.kill_at_step && first_step == 0 && pg.rank() == std::min(1, pg.world_size() - 1)) {
-      std::printf("[rank %d] killed (SIGKILL) after step %d\n", pg.rank(), step);
-      std::fflush(stdout);
-      ::raise(SIGKILL);
-    }
-  }
-  if (joined) joined->finish();
+  };
+  if (joined)
+    state.join(loop);
+  else
+    loop();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   const auto memory = state.memory();
   std::printf("[rank %d] memory per rank: parameters %s, gradients %s, optimizer state %s\n", pg.rank(),

@@ -413,7 +413,7 @@ std::map<std::pair<std::size_t, std::uint64_t>, std::set<int>> block_readers(con
     if (rank == 0)
       for (int r = 0; r < world; ++r)
         for (const auto& s : state.checkpoint_segments(r))
-          shards.push_back({s.region, s.storage - state.placement(s.region).storage, s.count, r});
+          shards.push_back({s.region, s.offset - state.regions()[s.region].offset, s.count, r});
   });
   std::map<std::pair<std::size_t, std::uint64_t>, std::set<int>> readers;
   for (std::size_t f = 0; f < manifest.files.size(); ++f)

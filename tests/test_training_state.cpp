@@ -16,6 +16,8 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -71,9 +73,33 @@ struct scenario {
   int inf_step = 3;               // rank 0 puts an inf into this step's gradient
   std::size_t unused_region = 4;  // rank 1 never writes or marks it
   std::size_t bucket_bytes = 600;
-  int accumulation = 1;  // micro-steps per step, all but the last under no_sync
-  bool sgd = false;      // SGD with momentum and weight decay instead of AdamW
+  int accumulation = 1;            // micro-steps per step, all but the last under no_sync
+  bool sgd = false;                // SGD with momentum and weight decay instead of AdamW
+  bool adopted = false;            // the trainer's own flat buffers, adopted where they are
+  bool trainer_optimizer = false;  // the trainer's own AdamW (or SGD) over owned_spans()
+  // The embedding (layer 0) read again for the logits after the last layer, and first in the
+  // backward, as a model with tied weights does; `tied_rank`: only that rank does (-1: all).
+  bool tied = false;
+  int tied_rank = -1;
+  int evaluation_passes = 0;  // forward-only passes after each step, inside evaluation()
 };
+
+// How a scenario keeps its buffers and optimizer, for messages.
+std::string mode(const scenario& s) {
+  return std::string(s.adopted ? "adopted buffers" : "owned buffers") +
+         (s.trainer_optimizer ? ", the trainer's optimizer" : ", the state's optimizer");
+}
+// The modes every scenario runs in: the state's buffers and optimizer, the trainer's buffers
+// with the state's optimizer, and the trainer's buffers and optimizer.
+std::vector<scenario> in_every_mode(scenario s) {
+  std::vector<scenario> out;
+  for (const auto& [adopted, own] : {std::pair{false, false}, {true, false}, {true, true}}) {
+    s.adopted = adopted;
+    s.trainer_optimizer = own;
+    out.push_back(s);
+  }
+  return out;
+}
 
 cohort::training_options options_for(const scenario& s) {
   cohort::training_options o;
@@ -82,8 +108,40 @@ cohort::training_options options_for(const scenario& s) {
   o.adam = {.lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.1};
   o.max_grad_norm = 0.4;  // active: the gradients' norm is well above it
   if (s.sgd) o.sgd = cohort::sgd_options{.lr = 0.05, .momentum = 0.9, .weight_decay = 0.1};
+  o.trainer_optimizer = s.trainer_optimizer;
   return o;
 }
+
+// A trainer's own optimizer, written as a trainer writes it (in double, as the reference):
+// over the spans this rank updates, its state indexed by each span's owned position.
+struct trainer_optimizer {
+  cohort::training_options options;
+  std::vector<region> regions;
+  std::vector<double> m, v;
+  int t = 0;
+  void update(const std::vector<cohort::training_state<cohort::gloo, double>::owned_span>& spans,
+              const cohort::step_result& result) {
+    ++t;
+    const auto& o = options.adam;
+    for (const auto& s : spans) {
+      const region& r = regions[s.region];
+      for (std::size_t j = 0; j < s.parameters.size(); ++j) {
+        const double g = s.gradients[j] * result.gradient_scale;
+        double& p = s.parameters[j];
+        double &first = m.at(s.owned + j), &second = v.at(s.owned + j);
+        if (options.sgd) {
+          first = options.sgd->momentum * first + g + (r.decay ? options.sgd->weight_decay : 0.0) * p;
+          p -= options.sgd->lr * r.lr_scale * first;
+          continue;
+        }
+        first = o.beta1 * first + (1 - o.beta1) * g;
+        second = o.beta2 * second + (1 - o.beta2) * g * g;
+        const double mh = first / (1 - std::pow(o.beta1, t)), vh = second / (1 - std::pow(o.beta2, t));
+        p -= o.lr * r.lr_scale * (mh / (std::sqrt(vh) + o.eps) + (r.decay ? o.weight_decay : 0.0) * p);
+      }
+    }
+  }
+};
 
 // One process, everything written out: what the distributed run must equal.
 std::vector<double> reference(const scenario& s) {
@@ -132,11 +190,15 @@ std::vector<double> reference(const scenario& s) {
 // The trainer: the same source for every strategy. Ranks walk the layers and their regions in
 // different orders; rank 1 leaves one region unused; rank 0 sends an inf at one step.
 // Hybrid sharding: the state lives on `shards` and averages across `replicas`; `pg` is the
-// whole world, whose rank picks the batch. `wire`: the last step's wire bytes.
+// whole world, whose rank picks the batch. `wire`: the last step's wire bytes; `overlapped`:
+// the fewest buckets any step reduced before step() (what overlapped the backward);
+// `evaluation_wire`: the bytes of the evaluation passes.
 struct hybrid_groups {
   cohort_test::gloo_group* shards = nullptr;
   cohort_test::gloo_group* replicas = nullptr;
   std::size_t* wire = nullptr;
+  std::size_t* overlapped = nullptr;
+  std::size_t* evaluation_wire = nullptr;
 };
 
 std::vector<double> train(const scenario& s, cohort_test::gloo_group& pg, std::vector<std::size_t>* launches,
@@ -147,9 +209,19 @@ std::vector<double> train(const scenario& s, cohort_test::gloo_group& pg, std::v
   auto options = options_for(s);
   options.scaler = &scaler;
   if (launches) options.on_launch = [launches](std::size_t b) { launches->push_back(b); };
-  cohort::training_state<cohort::gloo, double> state(hybrid.shards ? *hybrid.shards : pg, regions, options,
-                                                     hybrid.replicas);
-  state.load_parameters(initial_parameters(n));
+  using state_type = cohort::training_state<cohort::gloo, double>;
+  auto& group = hybrid.shards ? *hybrid.shards : pg;
+  // Adopted: the trainer's buffers, in its order, the parameters already initialised.
+  std::vector<double> parameters = initial_parameters(n), gradients(n, 0.0);
+  std::optional<state_type> held;
+  if (s.adopted)
+    held.emplace(group, std::span<double>(parameters), std::span<double>(gradients), regions, options, hybrid.replicas);
+  else
+    held.emplace(group, regions, options, hybrid.replicas);
+  state_type& state = *held;
+  if (!s.adopted) state.load_parameters(initial_parameters(n));
+  trainer_optimizer own{options, regions, std::vector<double>(state.owned_elements()),
+                        std::vector<double>(state.owned_elements())};
   const int rank = pg.rank();
   std::vector<std::size_t> layers(state.layer_count());
   std::iota(layers.begin(), layers.end(), std::size_t{0});
@@ -167,6 +239,10 @@ std::vector<double> train(const scenario& s, cohort_test::gloo_group& pg, std::v
         if (regions[r].layer == l) checksum += layer.param(r)[0];
     }
     RANK_CHECK(std::isfinite(checksum));
+    const bool tied = s.tied && (s.tied_rank < 0 || s.tied_rank == rank);
+    if (tied) (void)state.gather(0).param(0);  // the logits read the embedding again
+    std::optional<state_type::layer_view> logits;
+    if (tied) logits = state.gather(0);  // and its backward begins with it, held to the end
     for (const std::size_t l : layers) {
       auto layer = state.gather(l);
       std::vector<std::size_t> mine;
@@ -177,6 +253,10 @@ std::vector<double> train(const scenario& s, cohort_test::gloo_group& pg, std::v
         if (rank == 1 && r == s.unused_region && s.world > 1) continue;
         auto gradient = state.gradient(r);
         const auto p = layer.param(r);
+        if (s.adopted) {  // the trainer's own pointers: its buffers, in its order
+          RANK_CHECK(gradient.data() == gradients.data() + regions[r].offset);
+          if (s.kind != strategy::zero3) RANK_CHECK(p.data() == parameters.data() + regions[r].offset);
+        }
         scratch.resize(regions[r].count);
         rank_gradient(static_cast<std::size_t>(step * s.accumulation + micro), rank, s.world, p.data(),
                       regions[r].offset, regions[r].count, scratch.data());
@@ -188,17 +268,34 @@ std::vector<double> train(const scenario& s, cohort_test::gloo_group& pg, std::v
     }
   };
   for (int step = 0; step < s.steps; ++step) {
+    // Adopted gradients are the trainer's to zero, as it always did.
+    if (s.adopted) std::fill(gradients.begin(), gradients.end(), 0.0);
     for (int micro = 0; micro + 1 < s.accumulation; ++micro) {
       auto quiet = state.no_sync();
       micro_step(step, micro);
     }
     micro_step(step, s.accumulation - 1);
     const auto result = state.step();
+    if (s.trainer_optimizer) {
+      if (!result.skipped) own.update(state.owned_spans(), result);
+      state.publish_parameters();
+    }
     RANK_CHECK(result.skipped == (step == s.inf_step));
     RANK_CHECK(result.clip_factor <= 1.0);
+    if (hybrid.overlapped) *hybrid.overlapped = std::min(*hybrid.overlapped, state.overlapped_buckets());
+    if (s.evaluation_passes > 0) {  // forward-only: not a step's, whatever it gathers
+      auto evaluating = state.evaluation();
+      for (int pass = 0; pass < s.evaluation_passes; ++pass)
+        for (std::size_t l = 0; l < state.layer_count(); ++l) {
+          auto layer = state.gather(l);
+          for (std::size_t r = 0; r < regions.size(); ++r)
+            if (regions[r].layer == l) RANK_CHECK(std::isfinite(layer.param(r)[0]));
+        }
+    }
     if (launches) launches->push_back(~std::size_t{0});  // a step's end
   }
   if (hybrid.wire) *hybrid.wire = state.wire_bytes_per_step();
+  if (hybrid.evaluation_wire) *hybrid.evaluation_wire = state.evaluation_wire_bytes();
   return state.gather_parameters();
 }
 
@@ -213,39 +310,39 @@ double max_difference(const std::vector<double>& a, const std::vector<double>& b
 TEST_CASE("one trainer source under ddp, zero1, zero2 and zero3 equals one process, at 2, 3 and 4 ranks",
           "[training_state][gloo]") {
   for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3})
-    for (const int world : {2, 3, 4}) {
+    for (const int world : {2, 3, 4})
       // Two micro-steps of accumulation at 3 ranks.
-      const scenario s{.world = world, .kind = kind, .accumulation = world == 3 ? 2 : 1};
-      const auto expected = reference(s);
-      std::vector<std::vector<double>> results(static_cast<std::size_t>(world));
-      auto store = std::make_shared<cohort::memory_store>();
-      cohort_test::run_ranks(world, [&](int rank) {
-        auto pg = cohort_test::make_gloo_group(store, rank, world);
-        results[static_cast<std::size_t>(rank)] = train(s, pg, nullptr);
-      });
-      for (int rank = 0; rank < world; ++rank) {
-        INFO(std::string(cohort::to_string(kind)) << " at " << world << " ranks, rank " << rank);
-        CHECK(max_difference(results[static_cast<std::size_t>(rank)], expected) < 1e-9);
+      for (const scenario& s : in_every_mode({.world = world, .kind = kind, .accumulation = world == 3 ? 2 : 1})) {
+        const auto expected = reference(s);
+        std::vector<std::vector<double>> results(static_cast<std::size_t>(world));
+        auto store = std::make_shared<cohort::memory_store>();
+        cohort_test::run_ranks(world, [&](int rank) {
+          auto pg = cohort_test::make_gloo_group(store, rank, world);
+          results[static_cast<std::size_t>(rank)] = train(s, pg, nullptr);
+        });
+        for (int rank = 0; rank < world; ++rank) {
+          INFO(std::string(cohort::to_string(kind)) << " at " << world << " ranks, " << mode(s) << ", rank " << rank);
+          CHECK(max_difference(results[static_cast<std::size_t>(rank)], expected) < 1e-9);
+        }
       }
-    }
 }
 
 TEST_CASE("SGD with momentum and weight decay under ddp, zero1, zero2 and zero3 equals one process, at 3 ranks",
           "[training_state][gloo]") {
-  for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3}) {
-    const scenario s{.world = 3, .kind = kind, .sgd = true};
-    const auto expected = reference(s);
-    std::vector<std::vector<double>> results(3);
-    auto store = std::make_shared<cohort::memory_store>();
-    cohort_test::run_ranks(3, [&](int rank) {
-      auto pg = cohort_test::make_gloo_group(store, rank, 3);
-      results[static_cast<std::size_t>(rank)] = train(s, pg, nullptr);
-    });
-    for (std::size_t rank = 0; rank < 3; ++rank) {
-      INFO(std::string(cohort::to_string(kind)) << ", rank " << rank);
-      CHECK(max_difference(results[rank], expected) < 1e-9);
+  for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3})
+    for (const scenario& s : in_every_mode({.world = 3, .kind = kind, .sgd = true})) {
+      const auto expected = reference(s);
+      std::vector<std::vector<double>> results(3);
+      auto store = std::make_shared<cohort::memory_store>();
+      cohort_test::run_ranks(3, [&](int rank) {
+        auto pg = cohort_test::make_gloo_group(store, rank, 3);
+        results[static_cast<std::size_t>(rank)] = train(s, pg, nullptr);
+      });
+      for (std::size_t rank = 0; rank < 3; ++rank) {
+        INFO(std::string(cohort::to_string(kind)) << ", " << mode(s) << ", rank " << rank);
+        CHECK(max_difference(results[rank], expected) < 1e-9);
+      }
     }
-  }
 }
 
 // Hybrid sharding (HSDP) as 2 nodes x 2 ranks in threads: the state sharded inside each pair
@@ -255,33 +352,122 @@ TEST_CASE("SGD with momentum and weight decay under ddp, zero1, zero2 and zero3 
 // and the replicas add only their average of what each rank keeps to the wire bytes.
 TEST_CASE("hybrid sharding 2 x 2 under every strategy equals one process on 4 ranks, and skips together",
           "[training_state][gloo][hybrid]") {
-  for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3}) {
-    const scenario s{.world = 4, .kind = kind, .accumulation = kind == strategy::zero1 ? 2 : 1};
+  for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3})
+    for (const scenario& s :
+         in_every_mode({.world = 4, .kind = kind, .accumulation = kind == strategy::zero1 ? 2 : 1})) {
+      const auto expected = reference(s);
+      std::vector<std::vector<double>> results(4);
+      std::vector<std::size_t> wire(4), kept(4);
+      auto store = std::make_shared<cohort::memory_store>();
+      cohort_test::run_ranks(4, [&](int rank) {
+        auto pg = cohort_test::make_gloo_group(store, rank, 4);
+        auto shards = pg.split(rank / 2, rank);
+        auto replicas = pg.split(rank % 2, rank);
+        const auto r = static_cast<std::size_t>(rank);
+        results[r] = train(s, pg, nullptr, {&*shards, &*replicas, &wire[r]});
+        cohort::training_state<cohort::gloo, double> probe(*shards, model_regions(), options_for(s), &*replicas);
+        RANK_CHECK(probe.replica_count() == 2);
+        kept[r] = probe.owned_elements();
+        RANK_CHECK_THROWS(cohort::error, probe.join([] {}), "a join with replicas (hybrid sharding) is not supported");
+      });
+      for (std::size_t rank = 0; rank < 4; ++rank) {
+        INFO(std::string(cohort::to_string(kind)) << ", " << mode(s) << ", rank " << rank);
+        CHECK(max_difference(results[rank], expected) < 1e-9);
+        // Each rank's group traffic at 2 ranks: the flat buffer's bytes F (ddp's all-reduce; or the
+        // reduce-scatter of the chunks and all-reduce of the remainders, F - C, and the
+        // all-gather of the chunks, C, where C = F - kept), at zero3 one more gather of C; then
+        // the average of its kept gradients across 2 replicas: 2 (R - 1) / R x kept.
+        const std::size_t flat = 191 * sizeof(double), chunks = flat - kept[rank] * sizeof(double);
+        const std::size_t group = kind == strategy::zero3 ? flat + chunks : flat;
+        CHECK(wire[rank] == group + kept[rank] * sizeof(double));
+      }
+    }
+}
+
+// A model with tied weights reads its embedding (layer 0) again for the logits, after the last
+// layer, and its backward begins there: at zero3 that must not cost the overlap of the
+// backward's reductions, and the result stays one process's.
+TEST_CASE("at zero3 a tied embedding gathered again in the forward keeps the backward's overlap",
+          "[training_state][gloo][zero3]") {
+  for (const scenario& s : in_every_mode({.world = 3, .kind = strategy::zero3, .tied = true})) {
     const auto expected = reference(s);
-    std::vector<std::vector<double>> results(4);
-    std::vector<std::size_t> wire(4), kept(4);
+    std::vector<std::vector<double>> results(3);
+    std::vector<std::size_t> overlapped(3, ~std::size_t{0});
+    std::size_t buckets = 0;
     auto store = std::make_shared<cohort::memory_store>();
-    cohort_test::run_ranks(4, [&](int rank) {
-      auto pg = cohort_test::make_gloo_group(store, rank, 4);
-      auto shards = pg.split(rank / 2, rank);
-      auto replicas = pg.split(rank % 2, rank);
+    cohort_test::run_ranks(3, [&](int rank) {
+      auto pg = cohort_test::make_gloo_group(store, rank, 3);
       const auto r = static_cast<std::size_t>(rank);
-      results[r] = train(s, pg, nullptr, {&*shards, &*replicas, &wire[r]});
-      cohort::training_state<cohort::gloo, double> probe(*shards, model_regions(), options_for(s), &*replicas);
-      RANK_CHECK(probe.replica_count() == 2);
-      kept[r] = probe.owned_elements();
-      RANK_CHECK_THROWS(cohort::error, probe.join(), "a join scope with replicas (hybrid sharding) is not supported");
+      results[r] = train(s, pg, nullptr, {.overlapped = &overlapped[r]});
+      if (rank == 0)
+        buckets = cohort::training_state<cohort::gloo, double>(pg, model_regions(), options_for(s)).bucket_count();
+      else
+        (void)cohort::training_state<cohort::gloo, double>(pg, model_regions(), options_for(s));
     });
-    for (std::size_t rank = 0; rank < 4; ++rank) {
-      INFO(std::string(cohort::to_string(kind)) << ", rank " << rank);
+    for (std::size_t rank = 0; rank < 3; ++rank) {
+      INFO(mode(s) << ", rank " << rank);
       CHECK(max_difference(results[rank], expected) < 1e-9);
-      // Each rank's group traffic at 2 ranks (storage = 2 x kept sharded, kept under ddp), then
-      // the average of its kept gradients across 2 replicas: 2 (R - 1) / R x kept.
-      const std::size_t storage = (kind == strategy::ddp ? 1 : 2) * kept[rank] * sizeof(double);
-      const std::size_t group = kind == strategy::zero3 ? 3 * storage / 2 : storage;
-      CHECK(wire[rank] == group + kept[rank] * sizeof(double));
+      // Every bucket but the embedding's (held to the backward's end) reduced during the backward.
+      CHECK(buckets >= 4);
+      CHECK(overlapped[rank] + 1 >= buckets);
     }
   }
+}
+
+// Only rank 1 reads the embedding again: the ranks' gathers differ, which must fail every rank
+// within seconds, never train on mispaired data.
+TEST_CASE("at zero3 a tied layer on one rank's schedule only fails every rank within seconds",
+          "[training_state][gloo][zero3][faults]") {
+  const scenario s{.world = 2, .kind = strategy::zero3, .tied = true, .tied_rank = 1};
+  std::vector<std::string> errors(2);
+  auto store = std::make_shared<cohort::memory_store>();
+  const auto started = std::chrono::steady_clock::now();
+  cohort_test::run_ranks(2, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 2);
+    try {
+      (void)train(s, pg, nullptr);
+    } catch (const cohort::error& e) {
+      errors[static_cast<std::size_t>(rank)] = e.what();
+    }
+  });
+  CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(15));
+  // Each names the other's call: gathers of other buckets (other sizes), the same number.
+  CHECK_THAT(errors[0], Catch::Contains("rank 1 is in all_gather #"));
+  CHECK_THAT(errors[1], Catch::Contains("rank 0 is in all_gather #"));
+}
+
+// Forward-only passes between steps (evaluation, sampling) inside evaluation(): at zero3 they
+// gather every layer, which is neither a forward nor a backward of the step, and their bytes
+// are counted apart.
+TEST_CASE("evaluation passes between steps leave training one process's, their bytes counted apart",
+          "[training_state][gloo]") {
+  for (const strategy kind : {strategy::ddp, strategy::zero3})
+    for (const scenario& s : in_every_mode({.world = 2, .kind = kind, .evaluation_passes = 3})) {
+      const auto expected = reference(s);
+      std::vector<std::vector<double>> results(2);
+      std::vector<std::size_t> wire(2), plain_wire(2), evaluation(2);
+      auto store = std::make_shared<cohort::memory_store>();
+      cohort_test::run_ranks(2, [&](int rank) {
+        auto pg = cohort_test::make_gloo_group(store, rank, 2);
+        const auto r = static_cast<std::size_t>(rank);
+        results[r] = train(s, pg, nullptr, {.wire = &wire[r], .evaluation_wire = &evaluation[r]});
+        scenario plain = s;
+        plain.evaluation_passes = 0;
+        (void)train(plain, pg, nullptr, {.wire = &plain_wire[r]});
+      });
+      for (std::size_t rank = 0; rank < 2; ++rank) {
+        INFO(cohort::to_string(kind) << ", " << mode(s) << ", rank " << rank);
+        CHECK(max_difference(results[rank], expected) < 1e-9);
+        CHECK(wire[rank] == plain_wire[rank]);
+        // zero3: 3 passes a step, each gathering every range's chunks once, C bytes (a step at 2
+        // ranks: C for the reduce-scatter, the remainders' all-reduce, 2 C of gathers = F + C).
+        const std::size_t gathered = plain_wire[rank] - 191 * sizeof(double);
+        if (kind == strategy::zero3)
+          CHECK(evaluation[rank] == static_cast<std::size_t>(s.steps) * 3 * gathered);
+        else
+          CHECK(evaluation[rank] == 0);
+      }
+    }
 }
 
 TEST_CASE("replicas that do not pair the same places of equal groups fail every rank, naming them",
@@ -310,29 +496,68 @@ TEST_CASE("replicas that do not pair the same places of equal groups fail every 
   CHECK_THAT(errors[2], Catch::Contains("rank 0 of the group refused its replicas"));
 }
 
-TEST_CASE("the layout: buckets of one layer padded to the world, shards that cover every element once",
-          "[training_state]") {
-  const auto regions = model_regions();
+TEST_CASE(
+    "the layout: buckets of whole regions in the trainer's order, chunks and remainders covering each element once",
+    "[training_state]") {
+  const auto regions = model_regions();  // an embedding, then w and b stacked over 4 layers
   for (const int world : {1, 2, 3, 4, 7})
     for (const bool merge : {true, false}) {
-      const auto layout = cohort::detail::plan_storage(regions, world, 75, merge, 4);
+      const auto layout = cohort::detail::plan_layout(regions, world, 75, merge);
       INFO("world " << world << (merge ? ", layers merged" : ", a bucket per layer"));
-      std::vector<int> seen(layout.logical, 0);
+      CHECK(layout.elements == 191);
       for (const auto& bucket : layout.buckets) {
-        CHECK(bucket.padded % static_cast<std::size_t>(world * 4) == 0);
-        CHECK(bucket.shard * static_cast<std::size_t>(world) == bucket.padded);
-        if (!merge)
-          for (const std::size_t r : bucket.regions) CHECK(regions[r].layer == bucket.layer);
+        // A range is whole regions adjacent in the buffer; ranges do not touch each other.
+        std::size_t in_ranges = 0;
+        for (std::size_t q = 0; q < bucket.ranges.size(); ++q) {
+          const auto& range = bucket.ranges[q];
+          CHECK(range.chunk == range.count / static_cast<std::size_t>(world));
+          CHECK(range.chunk * static_cast<std::size_t>(world) + range.remainder == range.count);
+          if (q > 0) CHECK(bucket.ranges[q - 1].offset + bucket.ranges[q - 1].count < range.offset);
+          in_ranges += range.count;
+        }
+        std::size_t in_regions = 0;
+        for (const std::size_t r : bucket.regions) {
+          in_regions += regions[r].count;
+          const auto& range = bucket.ranges[layout.regions[r].range];
+          CHECK(regions[r].offset >= range.offset);
+          CHECK(regions[r].offset + regions[r].count <= range.offset + range.count);
+          CHECK(layout.regions[r].packed == range.packed + (regions[r].offset - range.offset));
+          if (!merge) CHECK(regions[r].layer == bucket.layer);
+        }
+        CHECK(in_ranges == bucket.elements);
+        CHECK(in_regions == bucket.elements);
       }
-      for (int rank = 0; rank < world; ++rank)
-        for (const auto& s : cohort::detail::owned_segments(layout, rank, true))
-          for (std::size_t j = 0; j < s.count; ++j)
-            ++seen[regions[s.region].offset + (s.storage - layout.regions[s.region].storage) + j];
+      // Every rank's chunks, and rank 0's remainders, cover each element once; the owned
+      // positions of a rank's pieces (chunks and every remainder) are distinct and in range.
+      std::vector<int> seen(layout.elements, 0);
+      for (int rank = 0; rank < world; ++rank) {
+        for (const auto& s : cohort::detail::chunk_segments(regions, layout, rank, rank == 0, false))
+          for (std::size_t j = 0; j < s.count; ++j) {
+            ++seen[s.offset + j];
+            CHECK(s.offset + j >= regions[s.region].offset);
+            CHECK(s.offset + j < regions[s.region].offset + regions[s.region].count);
+          }
+        std::vector<int> owned(layout.owned, 0);
+        for (const auto& s : cohort::detail::chunk_segments(regions, layout, rank, true, false))
+          for (std::size_t j = 0; j < s.count; ++j) ++owned.at(s.owned + j);
+        CHECK(std::all_of(owned.begin(), owned.end(), [](int n) { return n == 1; }));
+      }
       CHECK(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));
-      std::size_t unsharded = 0;
-      for (const auto& s : cohort::detail::owned_segments(layout, 0, false)) unsharded += s.count;
-      CHECK(unsharded == layout.logical);
     }
+  // The stacked regions keep the trainer's order and its block numbers.
+  const auto stacked = cohort::stacked_regions({{"w", 37, true}, {"b", 5, false}}, 4, 1, 23);
+  CHECK(stacked[1].name == "w.1");
+  CHECK(stacked[1].offset == 23 + 37);
+  CHECK(stacked[1].layer == 2);
+  CHECK(stacked[5].name == "b.1");
+  CHECK(stacked[5].offset == 23 + 4 * 37 + 5);
+  // A bucket of one layer (w.1 and b.1) is two ranges of the buffer; of layers 1 and 2 merged, too.
+  const auto one_layer = cohort::detail::plan_layout(regions, 2, 42, false);
+  CHECK(one_layer.buckets[2].ranges.size() == 2);
+  const auto merged = cohort::detail::plan_layout(regions, 2, 84, true);
+  CHECK(merged.buckets[1].regions == std::vector<std::size_t>({2, 3, 6, 7}));  // layers 2 and 3
+  CHECK(merged.buckets[1].ranges.size() == 2);
+  CHECK(merged.buckets[1].ranges[0].count == 74);
 }
 
 TEST_CASE("regions that leave elements uncovered, overlap or repeat a name are refused, naming them",
@@ -340,7 +565,7 @@ TEST_CASE("regions that leave elements uncovered, overlap or repeat a name are r
   using cohort::detail::check_regions;
   CHECK(check_regions({{"a", 0, 10}, {"b", 10, 5}}).empty());
   CHECK_THAT(check_regions({{"a", 0, 10}, {"b", 12, 5}}),
-             Catch::Contains("elements 10..12 of the flat buffer belong to no region"));
+             Catch::Contains("elements 10..12 of the 17-element flat buffer belong to no region"));
   CHECK_THAT(check_regions({{"a", 0, 10}, {"b", 8, 5}}),
              Catch::Contains("region 1 'b' (elements 8..13) overlaps region 0 'a' (elements 0..10)"));
   CHECK_THAT(check_regions({{"a", 0, 10}, {"a", 10, 5}}), Catch::Contains("repeats the name 'a'"));
@@ -389,15 +614,16 @@ TEST_CASE("misuse is named: a region marked twice, step() inside no_sync, a grad
     const std::size_t last = model_regions().size() - 1;  // b.4: its bucket launches first
     (void)state.gradient(last);
     state.mark_layer_ready(4);
-    RANK_CHECK_THROWS(cohort::error, state.mark_ready(last), "region 8 'b.4' marked twice in one step");
-    RANK_CHECK_THROWS(cohort::error, state.gradient(last), "'b.4''s bucket was already reduced this step");
+    RANK_CHECK_THROWS(cohort::error, state.mark_ready(last), "region 8 'b.3' marked twice in one step");
+    RANK_CHECK_THROWS(cohort::error, state.gradient(last),
+                      "the bucket of region 8 'b.3' was already reduced this step");
     state.step();
     {
       auto quiet = state.no_sync();
       RANK_CHECK_THROWS(cohort::error, state.step(), "step() inside no_sync");
     }
     RANK_CHECK_THROWS(cohort::error, state.region_index("w.9"), "no region is named 'w.9'");
-    RANK_CHECK(state.region_index("w.2") == 2);
+    RANK_CHECK(state.region_index("w.2") == 3);  // the trainer's block 2, in the state's layer 3
   });
 }
 
@@ -616,17 +842,18 @@ std::vector<double> uneven_train(const uneven& u, cohort_test::gloo_group& pg) {
       }
     }
   };
-  {
-    auto joined = state.join({.divide_by_initial_world = u.initial_world_divisor});
-    for (int t = 0; t < u.batches[static_cast<std::size_t>(rank)]; ++t) {
-      for (int micro = 0; micro + 1 < u.accumulation; ++micro) {
-        auto quiet = state.no_sync();
-        micro_step(t, micro);
-      }
-      micro_step(t, u.accumulation - 1);
-      state.step();
-    }
-  }
+  state.join(
+      [&] {
+        for (int t = 0; t < u.batches[static_cast<std::size_t>(rank)]; ++t) {
+          for (int micro = 0; micro + 1 < u.accumulation; ++micro) {
+            auto quiet = state.no_sync();
+            micro_step(t, micro);
+          }
+          micro_step(t, u.accumulation - 1);
+          state.step();
+        }
+      },
+      {.divide_by_initial_world = u.initial_world_divisor});
   return state.gather_parameters();
 }
 
@@ -720,13 +947,13 @@ TEST_CASE("a collective of the trainer's own while a rank has joined fails on ev
     auto pg = cohort_test::make_gloo_group(store, rank, 2);
     cohort::training_state<cohort::gloo, double> state(pg, model_regions());
     try {
-      auto joined = state.join();
-      if (rank == 0) {
-        (void)state.gradient(0);
-        state.step();
-        (void)cohort::all_reduce_values(pg, {1.0, 2.0, 3.0});  // its own: the joined rank is in the agreement
-      }
-      joined.finish();
+      state.join([&] {
+        if (rank == 0) {
+          (void)state.gradient(0);
+          state.step();
+          (void)cohort::all_reduce_values(pg, {1.0, 2.0, 3.0});  // its own: the joined rank is in the agreement
+        }
+      });
     } catch (const cohort::error& e) {
       errors[static_cast<std::size_t>(rank)] = e.what();
     }

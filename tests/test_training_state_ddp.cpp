@@ -290,18 +290,22 @@ TEST_CASE("ddp misuse names the rank and the region: marked twice in one step, o
 
 TEST_CASE("the bucketing rule: regions fill a bucket up to bucket_bytes, and a larger region has one of its own",
           "[training_state][ddp]") {
-  // Floats in six layers; a cap of 500 elements (2000 bytes), one rank, 4-element alignment.
+  // Floats in six layers, adjacent in the buffer; a cap of 500 elements (2000 bytes).
   const std::vector<std::size_t> sizes{100, 4, 300, 8, 2000, 4};
   std::vector<region> regions;
   for (std::size_t t = 0, at = 0; t < sizes.size(); at += sizes[t++])
     regions.push_back({"t" + std::to_string(t), at, sizes[t], t});
-  const auto layout = cohort::detail::plan_storage(regions, 1, 500, true, 4);
+  const auto layout = cohort::detail::plan_layout(regions, 1, 500, true);
   REQUIRE(layout.buckets.size() == 3);
   CHECK(layout.buckets[0].regions == std::vector<std::size_t>({0, 1, 2, 3}));  // 100 + 4 + 300 + 8 <= 500
   CHECK(layout.buckets[1].regions == std::vector<std::size_t>({4}));           // over the cap: alone
   CHECK(layout.buckets[2].regions == std::vector<std::size_t>({5}));
-  CHECK(layout.buckets[0].padded == 412);
-  // Each rank's shard: at 4 ranks every bucket pads to a multiple of 16 elements.
-  for (const auto& bucket : cohort::detail::plan_storage(regions, 4, 500, true, 4).buckets)
-    CHECK(bucket.padded % 16 == 0);
+  CHECK(layout.buckets[0].elements == 412);     // no padding: the trainer's buffer is not cohort's to pad
+  CHECK(layout.buckets[0].ranges.size() == 1);  // adjacent regions: one call
+  // At 3 ranks each range is 3 equal chunks and a remainder of fewer than 3 elements.
+  for (const auto& bucket : cohort::detail::plan_layout(regions, 3, 500, true).buckets)
+    for (const auto& range : bucket.ranges) {
+      CHECK(range.chunk == range.count / 3);
+      CHECK(range.remainder == range.count % 3);
+    }
 }

@@ -1,11 +1,19 @@
 #pragma once
 // The one layout under every strategy of training_state (cohort/parallel/training_state.hpp):
-// a trainer's tensors as regions of one logical flat buffer, placed in cohort's storage layer
-// by layer, cut into buckets that never cross a layer, each padded so it divides by the world
-// and split into one equal shard per rank. Everything that moves or updates gradients and
-// parameters (all-reduce, reduce-scatter, all-gather, the optimizer's segments, the global
-// norm) works on these buckets and shards. Pure functions of the regions, the world and the
+// a trainer's tensors as regions of its flat buffer, kept in the trainer's own order (nothing
+// is moved, reordered or padded inside that buffer), grouped into buckets by layer. A bucket is
+// a set of regions; the regions of a bucket that sit next to each other in the buffer form one
+// range, and each range is cut into one equal chunk per rank plus a remainder of fewer than
+// world elements. Everything that moves or updates gradients and parameters (all-reduce,
+// reduce-scatter, all-gather, the optimizer's segments, the global norm, a checkpoint's
+// pieces) works on these ranges and chunks. Pure functions of the regions, the world and the
 // options: every rank derives the same layout, and it is tested without communication.
+//
+// Why chunk plus remainder: a reduce-scatter or all-gather needs equal counts per rank, and a
+// range of the trainer's buffer cannot be padded. A range of `count` elements is reduce-
+// scattered over its first world x (count / world) elements, rank k keeping chunk k; the last
+// count % world elements (none when the world divides the count, as it does most tensors) are
+// all-reduced instead and every rank holds and updates them, as under data parallelism.
 
 #include <cstddef>
 #include <cstdint>
@@ -16,9 +24,9 @@
 
 namespace cohort::inline v0 {
 
-// One tensor of the trainer's model: elements [offset, offset + count) of its logical flat
-// buffer (llm.c's params_memory, say). `layer` is the unit ZeRO-3 gathers together and the
-// order of the backward (the highest layer finishes first); buckets never cross layers.
+// One tensor of the trainer's model: elements [offset, offset + count) of its flat buffer
+// (llm.c's params_memory, say). `layer` is the unit ZeRO-3 gathers together and the order of
+// the backward (the highest layer finishes first); buckets never split a layer's region.
 struct region {
   std::string name;
   std::size_t offset = 0;
@@ -28,10 +36,12 @@ struct region {
   double lr_scale = 1.0;  // a parameter group's learning rate, relative to the optimizer's
 };
 
-// Regions of a tensor-major layout stacked over layers, as llm.c lays out GPT-2: tensor t's
-// `layers` copies sit one after another ([W_0 .. W_{L-1}] then [b_0 .. b_{L-1}]), so a layer's
-// tensors are not contiguous in the logical buffer. Region t * layers + l is tensor t of layer
-// l, named "<name>.<l>", with that tensor's decay flag.
+// Regions of a tensor-major layout stacked over layers, as llm.c lays out GPT-2's blocks:
+// tensor t's `layers` copies sit one after another in the buffer ([W_0 .. W_{L-1}] then
+// [b_0 .. b_{L-1}]), so one tensor of every block is contiguous and a block's tensors are not.
+// The buffer stays in that order: region t * layers + l is block l's slice of tensor t, at
+// `offset` + (the tensors before it) + l x per_layer, named "<name>.<l>" with the trainer's
+// own block number l (0 .. layers - 1), in the state's layer `first_layer + l`.
 struct stacked_tensor {
   std::string name;
   std::size_t per_layer = 0;
@@ -40,18 +50,19 @@ struct stacked_tensor {
 std::vector<region> stacked_regions(const std::vector<stacked_tensor>& tensors, std::size_t layers,
                                     std::size_t first_layer = 0, std::size_t offset = 0);
 
-// Where one region lives in cohort's storage.
+// Where one region lives among the state's buckets.
 struct placed_region {
-  std::size_t storage = 0;  // element offset in the storage buffers
-  std::size_t count = 0;
   std::size_t bucket = 0;
+  std::size_t range = 0;   // its range in the bucket
+  std::size_t packed = 0;  // its offset in the bucket's packed buffer (the ranges end to end)
 };
 
-// A piece of this rank's part of the storage that belongs to one region: what the optimizer
-// updates with one weight-decay choice and one learning-rate scale. `owned` is its offset in
-// the rank's owned buffers (the concatenated shards, or under data parallelism the storage).
+// A piece of one region that this rank updates (or, in a checkpoint, that a rank writes):
+// elements [offset, offset + count) of the flat buffer, at `owned` in the rank's owned
+// numbering (the optimizer state's index: under ddp the flat buffer's own offsets; sharded,
+// the rank's chunks and the remainders, range after range).
 struct shard_segment {
-  std::size_t storage = 0;
+  std::size_t offset = 0;
   std::size_t owned = 0;
   std::size_t count = 0;
   std::size_t region = 0;
@@ -59,52 +70,59 @@ struct shard_segment {
 
 namespace detail {
 
-// A contiguous range of storage: whole regions of one layer, padded to a multiple of
-// world x alignment elements, so that every rank's shard has the same size and starts aligned.
+// A run of the flat buffer inside a bucket: whole regions, adjacent in the buffer.
 struct bucket_range {
-  std::size_t begin = 0;   // storage offset
-  std::size_t padded = 0;  // elements, a multiple of the world
-  std::size_t shard = 0;   // padded / world: each rank's part
-  std::size_t layer = 0;
-  std::vector<std::size_t> regions;  // in storage order
+  std::size_t offset = 0;  // in the flat buffer
+  std::size_t count = 0;
+  std::size_t packed = 0;     // in the bucket's packed buffer
+  std::size_t owned = 0;      // sharded: this range's chunk, then its remainder, in every rank's owned numbering
+  std::size_t chunk = 0;      // count / world: rank k's part is [offset + k x chunk, + chunk)
+  std::size_t remainder = 0;  // count % world, at [offset + world x chunk, offset + count): held by every rank
 };
 
-struct storage_layout {
+struct bucket {
+  std::vector<bucket_range> ranges;  // by offset
+  std::vector<std::size_t> regions;  // by offset
+  std::size_t elements = 0;          // of its regions: the packed buffer's length
+  std::size_t layer = 0;             // its first layer (zero3: its only one)
+};
+
+struct state_layout {
   std::vector<placed_region> regions;                      // by region index
-  std::vector<bucket_range> buckets;                       // in storage order; they launch last to first
+  std::vector<bucket> buckets;                             // by layer; they launch last to first
   std::vector<std::size_t> first_bucket_of_layer;          // by layer, and one past the last layer
   std::vector<std::vector<std::size_t>> regions_of_layer;  // region indices, declaration order
-  std::size_t storage = 0;                                 // elements of the padded storage
-  std::size_t logical = 0;                                 // elements of the trainer's flat buffer
+  std::size_t elements = 0;                                // of the trainer's flat buffer
   std::size_t layers = 0;
+  std::size_t owned = 0;  // sharded: elements each rank owns (its chunks and every remainder)
+  int world = 1;
 };
 
-// Every region inside [0, logical), none overlapping, none empty, every element covered; the
-// names unique. The first problem as text (naming regions and element ranges), or empty.
-std::string check_regions(const std::vector<region>& regions);
+// Every region inside [0, elements), none overlapping, none empty, every element covered; the
+// names unique. `elements` 0: the buffer ends where the last region does. The first problem
+// as text (naming regions and element ranges), or empty.
+std::string check_regions(const std::vector<region>& regions, std::size_t elements = 0);
 
-// Regions placed layer by layer (declaration order inside a layer), each starting on an
-// `alignment`-element boundary; buckets of whole regions of one layer up to `bucket_elements`
-// (a region larger than that gets its own; `merge_layers`: consecutive small layers share one,
-// which ZeRO-3 does not, since it gathers layer by layer), padded to world x alignment.
-storage_layout plan_storage(const std::vector<region>& regions, int world, std::size_t bucket_elements,
-                            bool merge_layers, std::size_t alignment);
+// Buckets of whole regions, layer by layer (declaration order inside a layer), up to
+// `bucket_elements` (a larger region gets its own; `merge_layers`: consecutive small layers
+// share one, which ZeRO-3 does not, since it gathers layer by layer); each bucket's regions
+// joined into ranges where they are adjacent in the buffer.
+state_layout plan_layout(const std::vector<region>& regions, int world, std::size_t bucket_elements, bool merge_layers);
 
-// The pieces of storage a rank updates: under data parallelism (`sharded` false) every
-// region whole, at owned == storage; sharded, this rank's shard of every bucket cut by region
-// (padding and alignment gaps skipped), at owned offsets that concatenate the shards.
-std::vector<shard_segment> owned_segments(const storage_layout& layout, int rank, bool sharded);
+// The pieces of `rank`'s chunks, by region, in the rank's owned numbering (`flat`: the flat
+// buffer's offsets instead, as under ddp), with the remainders too where `remainders` says.
+std::vector<shard_segment> chunk_segments(const std::vector<region>& regions, const state_layout& layout, int rank,
+                                          bool remainders, bool flat);
 
-// The segments the optimizer and the norm walk, fewer: consecutive pieces with the same
-// weight decay and learning-rate scale joined across the padding between them (storage and
-// owned offsets advancing alike). Padding holds zeros in every buffer, and zeros stay zero
-// under every update, so one call covers what took one per region.
-std::vector<shard_segment> merged_for_update(const std::vector<shard_segment>& segments,
-                                             const std::vector<region>& regions);
+// Consecutive pieces joined where both their offsets and their owned positions run on, and
+// (`same_group`) their weight decay and learning-rate scale match: fewer calls for the
+// optimizer (same_group) and for the norm (any pieces).
+std::vector<shard_segment> joined_segments(const std::vector<shard_segment>& segments,
+                                           const std::vector<region>& regions, bool same_group);
 
 // A fingerprint of what must match across ranks for the collectives to pair up.
-std::int64_t layout_fingerprint(const std::vector<region>& regions, std::size_t bucket_elements, int strategy,
-                                int parameter_type, int gradient_type);
+std::int64_t layout_fingerprint(const std::vector<region>& regions, std::size_t elements, std::size_t bucket_elements,
+                                int strategy, int parameter_type, int gradient_type);
 
 }  // namespace detail
 }  // namespace cohort::inline v0

@@ -31,6 +31,10 @@ struct step_result {
   double clip_factor = 1;  // what clipping multiplied the gradients by
   double loss_scale = 1;   // the scale this step's gradients carried
   std::int64_t nonfinite = 0;
+  // What the update multiplies the averaged gradients by: the clip factor, over the loss scale,
+  // and under a join the world over the ranks that contributed. A trainer's own optimizer
+  // (training_options::trainer_optimizer) applies it; 0 when the step is skipped.
+  double gradient_scale = 1;
 };
 
 namespace detail {

@@ -1,13 +1,30 @@
 #pragma once
 // training_state<Backend, P, G>: one training state under every strategy. The same trainer
 // source trains data-parallel (DDP), with optimizer state sharded (ZeRO-1), with gradients
-// sharded too (ZeRO-2), or with parameters sharded as well (ZeRO-3, FSDP), by one option:
+// sharded too (ZeRO-2), or with parameters sharded as well (ZeRO-3, FSDP), by one option.
 // Over 400 lines: one class's declaration and its contract, which a trainer reads in one place
 // (the member templates' bodies are in impl/training_state.hpp).
 //
+// Most trainers already have their parameters and gradients in two flat buffers, tensors
+// reached by pointer arithmetic (llm.c's `params.qkvw + l * 3*C*C`) and updated by their own
+// optimizer. The state adopts those buffers where they are, in the trainer's order:
+//
 //   std::vector<cohort::region> regions = ...;     // the model's tensors in its flat buffer
+//   cohort::training_state<cohort::nccl> state{pg, std::span(params, n), std::span(grads, n), regions,
+//       {.strategy = cohort::strategy::zero2, .trainer_optimizer = true, .max_grad_norm = 1.0}};
+//   forward(params); zero(grads);                  // the trainer's own code, its own pointers
+//   backward(...); state.mark_layer_ready(l);      // as each block's gradients are final
+//   auto result = state.step();                    // reduced, norm, clip factor, skip decision
+//   if (!result.skipped)
+//     for (const auto& s : state.owned_spans())    // ddp: everything; zero1/zero2: this rank's part
+//       my_adamw(s.parameters, s.gradients, m + s.owned, v + s.owned, result.gradient_scale);
+//   state.publish_parameters();                    // zero1/zero2: the updated parts all-gathered back
+//
+// Or the state keeps the buffers and the optimizer (AdamW or SGD, fp32 masters, weight decay
+// and learning-rate scale per region), and the trainer reads and writes through it:
+//
 //   cohort::training_state<cohort::gloo> state{pg, regions,
-//       {.strategy = cohort::strategy::zero2, .adam = {.lr = 3e-4, .weight_decay = 0.1},
+//       {.strategy = cohort::strategy::zero3, .adam = {.lr = 3e-4, .weight_decay = 0.1},
 //        .max_grad_norm = 1.0}};
 //   state.load_parameters(initial);                // the trainer's flat buffer, on every rank
 //   for (l in layers)           { auto layer = state.gather(l); forward(layer.param(r)...); }
@@ -16,13 +33,23 @@
 //                                 state.mark_ready(r) for the layer's regions; }
 //   auto result = state.step();                    // norm, clipping, AdamW, parameters back
 //
+// Both keep one layout (cohort/parallel/layout.hpp): the trainer's buffer order, nothing moved
+// or padded. With adopted buffers, under ddp, zero1 and zero2 the trainer's own pointers stay
+// valid for the whole run (gather() and gradient() return spans into its buffers); at zero3
+// the parameters are sharded, so the forward and backward read them through gather()'s views
+// (the trainer's parameter buffer is read once, at construction), while gradients are written
+// into the trainer's gradient buffer. Adopted gradients are the trainer's: the state never
+// zeroes them (zero them before each backward, as a trainer does); owned ones are zero at the
+// start of each step.
+//
 // What each strategy keeps per rank (N ranks, P bytes of parameters):
 //   ddp    parameters, gradients and optimizer state in full; gradients all-reduced per
 //          bucket as the backward marks them; every rank updates everything.
-//   zero1  optimizer state 1/N: buckets reduce-scattered in step(), this rank's shard updated,
+//   zero1  optimizer state 1/N: buckets reduce-scattered in step(), this rank's part updated,
 //          the parameters all-gathered back in place.
-//   zero2  gradients 1/N as well: a bucket's gradients live in a pooled buffer from its first
-//          gradient() to its reduce-scatter, launched during the backward.
+//   zero2  the same, reduce-scattered during the backward; owned gradients 1/N as well: a
+//          bucket's gradients live in a pooled buffer from its first gradient() to its
+//          reduction (adopted gradients are the trainer's, in full).
 //   zero3  parameters 1/N as well: gather(layer) all-gathers a layer into a pooled buffer
 //          (prefetching the next in the direction of travel) and the view's end releases it.
 // Wire bytes per step (nccl-tests bus bytes): 2(N-1)/N x P for ddp, zero1 and zero2,
@@ -47,21 +74,17 @@
 // Checkpoints: save_checkpoint has the first copy write, every copy loads; join() and an
 // async_checkpointer refuse replicas.
 //
-// One layout serves them all (cohort/parallel/layout.hpp): regions placed in cohort's
-// storage layer by layer, buckets of whole regions of one layer padded to a multiple of the
-// world, each rank's shard one equal slice of every bucket. Buckets launch last to first
-// (the backward's order), each once all its regions are marked and every bucket before it
-// in that order has launched: the same sequence of collectives on every rank, whatever order
-// a rank marks in. A region a rank never marks contributes zeros. One optimizer layer
-// (AdamW, or SGD with momentum) runs over this rank's segments with per-region weight decay
-// and learning-rate scale, fp32 masters where P is narrower (P itself where it is float), the
-// global norm (each element counted once) and its clipping, and a loss scaler whose skip is
-// the same on every rank.
+// Buckets are sets of regions, a layer's (or several small layers') at a time, and launch last
+// to first (the backward's order), each once all its regions are marked and every bucket
+// before it in that order has launched: the same sequence of collectives on every rank,
+// whatever order a rank marks in. A bucket's ranges (its regions adjacent in the buffer) go
+// out as one grouped launch on NCCL and back to back on Gloo. A region a rank never marks
+// contributes what its gradient holds when its bucket is reduced (at step() at the latest):
+// zeros if nothing was written there this step, whatever the trainer wrote otherwise.
 //
-// Gradients are zero at the start of each step: a backward may add into gradient(r) or
-// overwrite it; under no_sync() it must add, for the micro-steps to accumulate. On a device
-// backend set_stream() names the stream the trainer computes on: collectives wait for it,
-// and it waits for the gathers and the step. Not thread-safe: one training thread drives it.
+// On a device backend set_stream() names the stream the trainer computes on: collectives wait
+// for it, and it waits for the gathers and the step. Not thread-safe: one training thread
+// drives it.
 
 #include <algorithm>
 #include <chrono>
@@ -119,7 +142,11 @@ struct training_options {
   std::size_t bucket_bytes = std::size_t{25} << 20;  // of gradients, per bucket
   adam_options adam = {};                            // AdamW, the default optimizer
   std::optional<sgd_options> sgd = {};               // set: SGD (with momentum) instead
-  double max_grad_norm = 0;                          // > 0: clip the global norm to this
+  // The trainer updates the parameters with its own optimizer: step() reduces, measures and
+  // decides (the global norm, the clip factor, the skip every rank takes), and the trainer
+  // updates owned_spans() then calls publish_parameters(). The state keeps no optimizer state.
+  bool trainer_optimizer = false;
+  double max_grad_norm = 0;  // > 0: clip the global norm to this
   // fp16: the trainer scales its loss by scaler->scale(); step() unscales, and skips on every
   // rank when any rank's gradients hold an inf or a NaN. It must outlive the state.
   loss_scaler* scaler = nullptr;
@@ -131,7 +158,8 @@ struct training_options {
   straggler_report* straggler = nullptr;
 };
 
-// Bytes one rank holds, by kind; pooled buffers count at their peak.
+// Bytes one rank's state allocated, by kind; pooled buffers count at their peak. Adopted
+// buffers are the trainer's and not counted.
 struct training_memory {
   std::size_t parameters = 0;       // resident parameters (zero3: the shard) and gathered layers
   std::size_t gradients = 0;        // resident gradients (zero2/3: the shard) and bucket buffers
@@ -191,73 +219,86 @@ class training_state {
   // unusable does not throw alone (the others would wait for it until the timeout): every
   // rank learns in one exchange whether any refused, and all throw together.
   // `replicas` (hybrid sharding, above; it must outlive the state): this rank's replica group.
+  //
+  // The state keeps the flat buffers (the trainer reads and writes through gather() and
+  // gradient(), and calls load_parameters()):
   training_state(process_group<B>& group, std::vector<region> regions, training_options options = {},
                  process_group<B>* replicas = nullptr);
+  // The trainer's own flat buffers, adopted where they are (host memory on a host backend,
+  // device memory on a device one; they must outlive the state). Their length is the flat
+  // buffer's: elements no region covers are refused, naming them. The parameters are
+  // loaded as load_parameters() does (under ddp, zero1 and zero2 rank 0's are everyone's); at
+  // zero3 `parameters` is read here only, and may be empty (then load_parameters() or a
+  // checkpoint gives them).
+  training_state(process_group<B>& group, std::span<P> parameters, std::span<G> gradients, std::vector<region> regions,
+                 training_options options = {}, process_group<B>* replicas = nullptr);
   training_state(const training_state&) = delete;
   training_state& operator=(const training_state&) = delete;
+  // A layer view still alive here points into freed memory: it is named on stderr (and, in a
+  // build without NDEBUG, the process aborts), and the view is cut off from the state.
   ~training_state();
 
   // CUDA: the stream the trainer computes on (default: the legacy default stream).
   void set_stream(stream_type stream) noexcept { caller_stream_ = stream; }
 
   // --- parameters ----------------------------------------------------------------------------
-  // The trainer's flat buffer (its logical layout), the same on every rank: each rank keeps
-  // what its strategy holds. Under ddp, zero1 and zero2, where ranks hold the parameters
-  // whole, rank 0's buffer is broadcast (collective), so replicas start equal whatever each
-  // rank passed; at zero3 each element comes from the one rank that holds it. Host memory on a
-  // host backend; any memory cudaMemcpy reaches on a device one.
-  void load_parameters(std::span<const P> logical);
+  // The trainer's flat buffer, the same on every rank: each rank keeps what its strategy
+  // holds. Under ddp, zero1 and zero2, where ranks hold the parameters whole, rank 0's buffer
+  // is broadcast (collective), so replicas start equal whatever each rank passed; at zero3 each
+  // element comes from the one rank that holds it (the few every rank holds, from rank 0).
+  // Host memory on a host backend; any memory cudaMemcpy reaches on a device one. With adopted
+  // buffers it may be the adopted parameter buffer itself (nothing is copied then).
+  void load_parameters(std::span<const P> flat);
   // Collective: the parameters in the trainer's flat layout, on every rank (host memory).
   std::vector<P> gather_parameters();
 
+  class layer_view;
   // A layer's parameters while the view lives: free where parameters stay resident (ddp,
-  // zero1, zero2); at zero3 an all-gather into a pooled buffer, released at the view's end.
-  class layer_view {
-   public:
-    layer_view() = default;
-    layer_view(layer_view&& other) noexcept { *this = std::move(other); }
-    layer_view& operator=(layer_view&& other) noexcept {
-      if (this != &other) {
-        reset();
-        state_ = std::exchange(other.state_, nullptr);
-        layer_ = other.layer_;
-      }
-      return *this;
-    }
-    ~layer_view() { reset(); }
-    // Region r's parameters (r must belong to this layer). Device memory on a device backend.
-    std::span<P> param(std::size_t r) const { return state_->parameter_span(layer_, r); }
-    std::size_t layer() const noexcept { return layer_; }
-    void reset() noexcept {
-      if (state_) std::exchange(state_, nullptr)->release_layer(layer_);
-    }
-
-   private:
-    friend class training_state;
-    layer_view(training_state* state, std::size_t layer) : state_(state), layer_(layer) {}
-    training_state* state_ = nullptr;
-    std::size_t layer_ = 0;
-  };
+  // zero1, zero2: spans into the flat parameter buffer, adopted or not); at zero3 an
+  // all-gather into a pooled buffer, released at the view's end.
   [[nodiscard]] layer_view gather(std::size_t layer);
 
   // --- gradients and the step ----------------------------------------------------------------
-  // Where the backward writes region r's gradient (zero at the start of a step). At zero2
-  // and zero3 valid from this call until r's bucket is reduced: ask right before writing.
+  // Where the backward writes region r's gradient: the flat gradient buffer (adopted, or owned
+  // under ddp and zero1), or at zero2 and zero3 with owned buffers the bucket's pooled buffer,
+  // valid from this call until r's bucket is reduced: ask right before writing.
   std::span<G> gradient(std::size_t r);
   // Region r's gradient is final (once per step). ddp and zero2 launch every bucket this
   // completes, in the order all ranks share; zero1 reduces in step(); zero3 reduces a layer's
-  // buckets once the backward's view of it ends (at the next gather or step()), so that its
-  // gathers and reductions interleave alike on every rank whatever each marked.
+  // buckets once the backward has moved below the layer (at its next gather of a lower layer,
+  // or step()), so that its gathers and reductions interleave alike on every rank whatever
+  // each marked.
   void mark_ready(std::size_t r);
   // Every region of `layer` at once (a transformer block's tensors, stacked or not).
   void mark_layer_ready(std::size_t layer);
-  // Reduces what is left, then the global norm, clipping and the loss scaler's decision,
-  // the optimizer on this rank's segments and the parameters back where they are read.
+  // Reduces what is left, then the global norm, clipping and the loss scaler's decision; with
+  // the state's optimizer, the update of this rank's part and the parameters back where they
+  // are read. With trainer_optimizer, the update is the trainer's (owned_spans(), then
+  // publish_parameters()).
   step_result step();
 
+  // --- the trainer's own optimizer (training_options::trainer_optimizer) ---------------------
+  // A piece of one region whose update is this rank's: under ddp every region whole, under
+  // zero1/zero2 this rank's chunks (and the few elements every rank holds, which every rank
+  // updates alike); at zero3 its shard. `owned` numbers the rank's owned elements 0 ..
+  // owned_elements(): where the trainer keeps the piece's optimizer state. The gradients are
+  // the averaged ones, before result.gradient_scale (clipping, loss scale, join's divisor).
+  struct owned_span {
+    std::size_t region = 0;
+    std::size_t offset = 0;  // in the flat buffer
+    std::size_t owned = 0;
+    std::span<P> parameters;
+    std::span<const G> gradients;
+  };
+  const std::vector<owned_span>& owned_spans() const noexcept { return owned_spans_; }
+  // After the trainer's update (or a skipped step): zero1/zero2 all-gather every rank's
+  // updated part into every rank's parameters; ddp and zero3 need nothing. Called once after
+  // every step() under trainer_optimizer: the state's next call refuses to go on without it.
+  void publish_parameters();
+
   // Gradient-accumulation micro-steps: while the scope lives, mark_ready only bookkeeps.
-  // The gradients accumulate where they are (zero2/3: the bucket buffers stay held until
-  // the synchronised micro-step, as FSDP's no_sync keeps unsharded gradients).
+  // The gradients accumulate where they are (owned zero2/3: the bucket buffers stay held
+  // until the synchronised micro-step, as FSDP's no_sync keeps unsharded gradients).
   class no_sync_scope {
    public:
     explicit no_sync_scope(training_state& state) : state_(&state) { ++state_->no_sync_depth_; }
@@ -272,69 +313,51 @@ class training_state {
   };
   [[nodiscard]] no_sync_scope no_sync();
 
+  // Forward-only passes (evaluation, sampling) between steps: gathers inside the scope are
+  // not a training step's (at zero3 they do not count as a forward or a backward, and their
+  // wire bytes go to evaluation_wire_bytes(), not wire_bytes_per_step()); gradient(),
+  // mark_ready() and step() are refused inside it. At zero3 every rank must gather alike here
+  // too: the gathers are collectives.
+  class evaluation_scope {
+   public:
+    explicit evaluation_scope(training_state& state) : state_(&state) { ++state_->evaluating_; }
+    evaluation_scope(const evaluation_scope&) = delete;
+    evaluation_scope& operator=(const evaluation_scope&) = delete;
+    ~evaluation_scope() { --state_->evaluating_; }
+
+   private:
+    training_state* state_;
+  };
+  [[nodiscard]] evaluation_scope evaluation() { return evaluation_scope(*this); }
+
   // --- uneven inputs -------------------------------------------------------------------------
-  // A rank that runs out of batches enters the scope's end and keeps answering the others'
-  // steps (reductions with zero gradients, the gathers zero3 needs) until every rank has run
-  // out, so ranks with different numbers of batches never hang (PyTorch's Join):
+  // A rank that runs out of batches keeps answering the others' steps (reductions with zero
+  // gradients, the gathers zero3 needs) until every rank has run out, so ranks with different
+  // numbers of batches never hang (PyTorch's Join):
   //
-  //   {
-  //     auto joined = state.join();
+  //   state.join([&] {
   //     while (loader.next(batch)) { forward; backward; state.step(); }
-  //   }   // waits here, answering the others, until every rank's loader is done
+  //   });   // returns once every rank's loader is done; errors throw from here, as any call's
   //
-  // While the scope lives, each micro-step starts with one small agreement (an all-reduce of
-  // three integers at its first call into the state) that tells every rank how many still
-  // have data. The averaged gradients then divide by the ranks that contributed (or by the
-  // initial world, `divide_by_initial_world`), and every rank steps alike. Between the state's
-  // own calls, a trainer must issue no other collective inside the scope: a joined rank is
-  // waiting in the agreement, and every rank fails naming the mismatch within the timeout.
+  // While `loop` runs, each micro-step starts with one small agreement (an all-reduce of three
+  // integers at its first call into the state) that tells every rank how many still have
+  // data. The averaged gradients then divide by the ranks that contributed (or by the initial
+  // world, `divide_by_initial_world`), and every rank steps alike. Between the state's own
+  // calls, a trainer must issue no other collective inside the loop: a joined rank is waiting
+  // in the agreement, and every rank fails naming the mismatch within the timeout.
   // At zero3 a joined rank answers whatever gathers the ranks with data make (forward then
   // backward, views kept from the forward, a layer gathered again for recomputation, layers
   // skipped): while a rank sits out, the ranks with data announce each gather, reduction and
   // step() in one more such all-reduce, and the joined ranks issue the same. The ranks with
   // data must still gather alike, as without a join; one that differs is named at the
-  // announcement, before a gather pairs with the wrong one.
+  // announcement, before a gather pairs with the wrong one. When `loop` throws, the rank
+  // leaves at once (the others then fail within their timeout, naming it).
   struct join_options {
     bool divide_by_initial_world = false;
   };
-  class join_scope {
-   public:
-    join_scope(training_state& state, join_options options) : state_(&state) {
-      if (state_->join_) fail_nested();
-      state_->join_ = options;
-    }
-    join_scope(const join_scope&) = delete;
-    join_scope& operator=(const join_scope&) = delete;
-    // Answers the others until every rank has joined, unless an exception is unwinding.
-    ~join_scope() noexcept(false) {
-      if (state_ && std::uncaught_exceptions() == 0) finish();
-      if (state_) state_->join_.reset();
-    }
-    // The same as the scope's end, to call where an error must surface from a named call.
-    void finish() {
-      if (!state_) return;
-      training_state* state = std::exchange(state_, nullptr);
-      struct clear {
-        training_state* s;
-        ~clear() { s->join_.reset(); }
-      } cleared{state};
-      state->answer_until_all_joined();
-    }
-
-   private:
-    [[noreturn]] void fail_nested() const {
-      throw error(state_->rank(), "training_state.join", "a join scope is already open",
-                  "open one join scope around the training loop");
-    }
-    training_state* state_;
-  };
-  [[nodiscard]] join_scope join(join_options options = {}) {
-    if (replicated())
-      fail("join", "a join scope with replicas (hybrid sharding) is not supported",
-           "give every rank the same number of batches (e.g. the sampler's even_batches), or train without replicas");
-    return join_scope(*this, options);
-  }
-  // Ranks that contributed to the last step (the world, outside a join scope).
+  template <class Loop>
+  void join(Loop&& loop, join_options options = {});
+  // Ranks that contributed to the last step (the world, outside a join).
   int last_contributors() const noexcept { return last_contributors_; }
 
   // --- what it is and what it holds ----------------------------------------------------------
@@ -343,17 +366,30 @@ class training_state {
   const std::vector<region>& regions() const noexcept { return regions_; }
   // The region named `name` (throws, naming it, when there is none).
   std::size_t region_index(std::string_view name) const;
+  // Whether the flat buffers are the trainer's (the adopting constructor).
+  bool adopted() const noexcept { return adopted_; }
   std::size_t layer_count() const noexcept { return layout_.layers; }
   std::size_t bucket_count() const noexcept { return layout_.buckets.size(); }
+  // Bucket b's regions, in buffer order.
+  const std::vector<std::size_t>& bucket_regions(std::size_t b) const { return layout_.buckets.at(b).regions; }
   // Buckets whose reduction has been queued in the current step.
   std::size_t launched_buckets() const noexcept { return launched_; }
-  std::size_t parameter_count() const noexcept { return layout_.logical; }
-  // Elements this rank's optimizer updates (its shard, or everything under ddp).
+  // Buckets the last step reduced before step() was called: what overlapped the backward.
+  std::size_t overlapped_buckets() const noexcept { return last_overlapped_; }
+  std::size_t parameter_count() const noexcept { return layout_.elements; }
+  // Elements this rank's optimizer updates (its part, or everything under ddp).
   std::size_t owned_elements() const noexcept { return owned_; }
   training_memory memory() const noexcept;
   // Gradient and parameter bytes the last step put on the wire (nccl-tests bus bytes), from
-  // its first gather or gradient to the end of step().
+  // its first gather or gradient to the end of step(); evaluation() gathers and
+  // gather_parameters() are not a step's.
   std::size_t wire_bytes_per_step() const noexcept { return last_step_wire_bytes_; }
+  // Bytes every evaluation() gather so far put on the wire.
+  std::size_t evaluation_wire_bytes() const noexcept { return evaluation_wire_bytes_; }
+  // Parameter and gradient bytes the last step copied in memory rather than communicated: 0,
+  // except at zero3 the few elements of a range the world does not divide, which every rank
+  // holds and copies into a gathered layer.
+  std::size_t copied_bytes_per_step() const noexcept { return last_step_copied_bytes_; }
   std::uint64_t steps() const noexcept { return steps_; }
   void set_lr(double lr) noexcept {
     options_.adam.lr = lr;
@@ -368,18 +404,20 @@ class training_state {
   int replica_count() const noexcept { return replicas_ ? replicas_->world_size() : 1; }
 
   // --- checkpoints (cohort/parallel/checkpoint.hpp) ------------------------------------------
-  // Rank `r`'s part of the regions in a checkpoint written at this world size: its shard of
-  // every bucket, cut by region, whatever the strategy. Under ddp too, where every rank holds
-  // everything: the ranks then write disjoint parts in parallel, and a load reads each element
-  // once and gathers the copies. A pure function of the layout, the same on every rank.
-  std::vector<shard_segment> checkpoint_segments(int r) const { return detail::owned_segments(layout_, r, true); }
-  // Where region r sits in the storage: segment s holds elements [s.storage - placement(r).storage,
-  // + s.count) of region r.
-  const placed_region& placement(std::size_t r) const { return layout_.regions.at(r); }
+  // Rank `r`'s part of the regions in a checkpoint written at this world size: its chunks of
+  // every range (rank 0 also the remainders), cut by region, whatever the strategy. Under ddp
+  // too, where every rank holds everything: the ranks then write disjoint parts in parallel,
+  // and a load reads each element once and gathers the copies. A pure function of the layout,
+  // the same on every rank; a segment's `offset` is in the flat buffer.
+  std::vector<shard_segment> checkpoint_segments(int r) const {
+    return detail::chunk_segments(regions_, layout_, r, r == 0, !sharded());
+  }
   // The optimizer's state per element, in a checkpoint's order: the masters (the parameters
-  // themselves where P is the master type), then Adam's two moments, or SGD's momentum.
+  // themselves where P is the master type), then Adam's two moments, or SGD's momentum. Under
+  // trainer_optimizer only the parameters (the trainer's optimizer keeps its own state).
   std::vector<std::string> checkpoint_tensors() const {
     std::vector<std::string> names{"parameters"};
+    if (options_.trainer_optimizer) return names;
     if (!options_.sgd)
       names.insert(names.end(), {"adam.exp_avg", "adam.exp_avg_sq"});
     else if (options_.sgd->momentum != 0)
@@ -391,12 +429,75 @@ class training_state {
   master_type* checkpoint_data(std::size_t t, const shard_segment& s);
   // After a load wrote every checkpoint tensor through checkpoint_data for every segment of
   // checkpoint_segments(rank()): the parameters cast from the masters, the copies other ranks
-  // hold gathered (ddp: everything; zero1/zero2: the parameters) and the optimizer's step
-  // count set. Collective; between steps.
+  // hold gathered (ddp: everything; zero1/zero2: the parameters; every strategy: the few
+  // elements every rank holds) and the optimizer's step count set. Collective; between steps.
   void finish_checkpoint_load(std::uint64_t optimizer_steps);
   // An asynchronous save's copy of the state still in flight: step(), load_parameters() and a
   // load (checkpoint_data, finish_checkpoint_load) wait for it before they change the state.
   checkpoint_copy_fence& checkpoint_fence() noexcept { return snapshot_; }
+
+  class layer_view {
+   public:
+    layer_view() = default;
+    layer_view(layer_view&& other) noexcept { take(other); }
+    layer_view& operator=(layer_view&& other) noexcept {
+      if (this != &other) {
+        reset();
+        take(other);
+      }
+      return *this;
+    }
+    ~layer_view() { reset(); }
+    // Region r's parameters (r must belong to this layer). Device memory on a device backend.
+    std::span<P> param(std::size_t r) const {
+      if (!state_) fail_detached(r);
+      return state_->parameter_span(layer_, r);
+    }
+    std::size_t layer() const noexcept { return layer_; }
+    void reset() noexcept {
+      if (!state_) return;
+      unlink();
+      std::exchange(state_, nullptr)->release_layer(layer_);
+    }
+
+   private:
+    friend class training_state;
+    layer_view(training_state* state, std::size_t layer) : state_(state), layer_(layer) { link(); }
+    // Live views form a list in their state, so that its end can name and detach them.
+    void link() noexcept {
+      next_ = state_->views_;
+      if (next_) next_->previous_ = this;
+      state_->views_ = this;
+    }
+    void unlink() noexcept {
+      if (previous_)
+        previous_->next_ = next_;
+      else
+        state_->views_ = next_;
+      if (next_) next_->previous_ = previous_;
+      previous_ = next_ = nullptr;
+    }
+    void take(layer_view& other) noexcept {
+      if (!other.state_) return;
+      state_ = other.state_;
+      layer_ = other.layer_;
+      previous_ = std::exchange(other.previous_, nullptr);
+      next_ = std::exchange(other.next_, nullptr);
+      (previous_ ? previous_->next_ : state_->views_) = this;
+      if (next_) next_->previous_ = this;
+      other.state_ = nullptr;
+    }
+    [[noreturn]] void fail_detached(std::size_t r) const {
+      throw error(-1, "training_state.layer_view.param",
+                  detail::text("region ", std::to_string(r), " of layer ", std::to_string(layer_),
+                               ": the view outlived its training_state"),
+                  "end layer views before the state they came from");
+    }
+    training_state* state_ = nullptr;
+    std::size_t layer_ = 0;
+    layer_view* previous_ = nullptr;
+    layer_view* next_ = nullptr;
+  };
 
  private:
   using pool_type = detail::buffer_pool<B>;
@@ -404,12 +505,20 @@ class training_state {
 
   checkpoint_copy_fence snapshot_;  // see checkpoint_fence()
 
+  // Both constructors' common part: `adopted`, the trainer's buffers (else the state allocates).
+  struct adopted_buffers {
+    std::span<P> parameters;
+    std::span<G> gradients;
+  };
+  training_state(process_group<B>& group, std::optional<adopted_buffers> adopted, std::vector<region> regions,
+                 training_options options, process_group<B>* replicas);
+
   bool sharded() const noexcept { return options_.strategy != strategy::ddp; }
-  bool sharded_gradients() const noexcept {
-    return options_.strategy == strategy::zero2 || options_.strategy == strategy::zero3;
-  }
   bool sharded_parameters() const noexcept { return options_.strategy == strategy::zero3; }
-  bool separate_master() const noexcept { return !std::is_same_v<P, master_type>; }
+  // Gradients in a flat buffer (adopted; owned under ddp and zero1), reduced in place; else
+  // (owned zero2, zero3) in pooled bucket buffers, reduced into the owned shard.
+  bool flat_gradients() const noexcept { return grads_ != nullptr; }
+  bool separate_master() const noexcept { return !options_.trainer_optimizer && !std::is_same_v<P, master_type>; }
   std::size_t world() const noexcept { return static_cast<std::size_t>(group_->world_size()); }
   std::size_t my_rank() const noexcept { return static_cast<std::size_t>(group_->rank()); }
 
@@ -425,13 +534,14 @@ class training_state {
       fail(operation, detail::text("region ", std::to_string(r), " of ", std::to_string(regions_.size())),
            "regions are numbered as they were passed");
   }
+  // Every call that starts or continues a step: not inside evaluation(), not before the
+  // trainer published its update.
+  void check_training_call(std::string_view operation) const;
+  void check_published(std::string_view operation) const;
 
-  void agree_on_layout(const std::string& refusal);
+  void agree_on_layout(const std::string& refusal, std::size_t elements);
   void agree_on_replicas();
   bool replicated() const noexcept { return replicas_ && replicas_->world_size() > 1; }
-  // After the group's reduction `reduced` of `count` gradients at `data`: their average across
-  // the replicas, which the group's later work waits for.
-  void average_across_replicas(work& reduced, G* data, std::size_t count);
   void allocate_buffers();
   template <class T>
   T* allocate_zeroed(detail::backend_buffer<B>& buffer, std::size_t count);
@@ -450,12 +560,15 @@ class training_state {
   void gather_bucket(std::size_t b);
   void prefetch_after(std::size_t layer);
   void drop_gathered();
+  // zero3: the backward has moved below `layer`: every higher layer whose latest gather was
+  // the backward's and whose views have all ended has its buckets due for reduction.
+  void mark_due_above(std::size_t layer);
 
   G* bucket_gradients(std::size_t b, bool for_caller);
   void launch_ready();
   void launch(std::size_t b);
   void reset_marks();
-  // The join scope's talk, all-reduces of three integers that a joined rank joins with zeros:
+  // The join's talk, all-reduces of three integers that a joined rank joins with zeros:
   // each micro-step's agreement {1, ends with step(), agreement_mark} from every rank with
   // data, and at zero3, while a rank sits out, an announcement {what, bucket,
   // announcement_mark} before each gather, reduction and step(). The announcement's mark is a
@@ -486,19 +599,31 @@ class training_state {
   }
   void answer_until_all_joined();
   void measure(step_result& result);
+  void warn_if_overlap_lost();
   void update(double grad_scale);
-  void publish_parameters();
-  // Every bucket's shards of `base` (storage-sized) all-gathered in place.
+  // The updated parameters where the forward reads them: masters cast into narrower
+  // parameters, and at zero1/zero2 every rank's chunks all-gathered back.
+  void share_updated_parameters();
+  // Every range's chunks of `base` all-gathered in place (`flat`: a flat buffer, where each
+  // rank wrote its own chunks) and the remainders broadcast from rank 0 (`remainders`; `base`
+  // in the flat or the owned numbering), so that every rank's copy is whole.
   template <class T>
-  void gather_whole(T* base);
+  void spread(T* base, bool flat, bool remainders);
+  // A copy of parameters or gradients on a step's path (counted: copied_bytes_per_step).
+  work copy_in_step(void* to, const void* from, std::size_t bytes) {
+    copied_bytes_ += bytes;
+    return group_->backend().copy(to, from, bytes);
+  }
 
+  P* parameter_at(const shard_segment& s) const {
+    return sharded_parameters() ? params_ + s.owned : params_ + s.offset;
+  }
   master_type* master_at(const shard_segment& s) {
     if (separate_master()) return master_.template as<master_type>() + s.owned;
-    P* base = params_.template as<P>();
-    return reinterpret_cast<master_type*>(sharded_parameters() ? base + s.owned : base + s.storage);
+    return reinterpret_cast<master_type*>(parameter_at(s));
   }
-  G* reduced_gradient_at(const shard_segment& s) {
-    return sharded_gradients() ? grad_shard_.template as<G>() + s.owned : grads_.template as<G>() + s.storage;
+  G* reduced_gradient_at(const shard_segment& s) const {
+    return flat_gradients() ? grads_ + s.offset : grad_shard_.template as<G>() + s.owned;
   }
   void count_wire(std::size_t bytes, bool all_reduce) noexcept {
     const std::size_t n = world();
@@ -509,38 +634,49 @@ class training_state {
   process_group<B>* replicas_;
   std::vector<region> regions_;
   training_options options_;
-  detail::storage_layout layout_;
-  std::vector<shard_segment> segments_;         // this rank's pieces, one per region
-  std::vector<shard_segment> update_segments_;  // the same joined across padding: the optimizer's
-  std::vector<std::size_t> shard_offset_;       // owned offset of each bucket's shard (sharded)
+  bool adopted_ = false;
+  std::int64_t fingerprint_ = 0;  // of what the collectives pair up by, the same on every rank
+  detail::state_layout layout_;
+  std::vector<shard_segment> update_segments_;  // the optimizer's: owned pieces joined by group
+  std::vector<shard_segment> norm_segments_;    // the norm's: each element counted once over the ranks
+  std::vector<owned_span> owned_spans_;         // trainer_optimizer: the owned pieces, by region
   std::size_t owned_ = 0;
 
-  detail::backend_buffer<B> params_;      // storage (zero3: the owned shards)
-  detail::backend_buffer<B> grads_;       // storage (ddp, zero1)
-  detail::backend_buffer<B> grad_shard_;  // owned (zero2, zero3)
-  detail::backend_buffer<B> master_;      // owned, where P is not the master type
-  detail::backend_buffer<B> first_;       // owned: Adam's first moment, or SGD's momentum
-  detail::backend_buffer<B> second_;      // owned: Adam's second moment
-  detail::backend_buffer<B> scratch_;     // owned: gradients cast to the master type
+  P* params_ = nullptr;                   // the flat parameters (adopted or owned), or zero3's shard
+  G* grads_ = nullptr;                    // the flat gradients (adopted, or owned under ddp/zero1)
+  detail::backend_buffer<B> own_params_;  // owned flat parameters, or zero3's shard
+  detail::backend_buffer<B> own_grads_;   // owned flat gradients (ddp, zero1)
+  detail::backend_buffer<B> grad_shard_;  // owned zero2/zero3: the reduced chunks and remainders
+  detail::backend_buffer<B> master_;      // owned numbering, where P is not the master type
+  detail::backend_buffer<B> first_;       // owned numbering: Adam's first moment, or SGD's momentum
+  detail::backend_buffer<B> second_;      // owned numbering: Adam's second moment
+  detail::backend_buffer<B> scratch_;     // owned numbering: gradients cast to the master type
   detail::backend_buffer<B> stats_;       // the non-finite count and the sum of squares
   pool_type gradient_pool_;
   pool_type parameter_pool_;
   std::size_t gradient_pool_bytes_ = 0, parameter_pool_bytes_ = 0;  // allocated by each pool
 
-  std::vector<pooled> bucket_grads_;   // zero2/3: held gradient buffers
+  std::vector<pooled> bucket_grads_;   // owned zero2/3: held gradient buffers
   std::vector<pooled> bucket_params_;  // zero3: gathered parameter buffers
   std::vector<work> bucket_gathered_;  // zero3: the gather of each held buffer
-  std::vector<int> layer_users_;       // zero3: live views per layer
+  std::vector<int> layer_users_;       // live views per layer
+  layer_view* views_ = nullptr;        // the live views, to name and detach at the state's end
   std::optional<std::size_t> last_gathered_;
+  bool backward_phase_ = false;                  // zero3: a gather went at or below the last one
+  std::vector<std::uint8_t> backward_gathered_;  // zero3: by layer, its latest gather was the backward's
 
   std::vector<std::uint8_t> marked_;
-  std::vector<std::size_t> pending_;         // unmarked regions per bucket
-  std::vector<std::uint8_t> due_;            // zero3: released by the backward, to be reduced
-  std::vector<std::uint8_t> backward_view_;  // zero3: by layer, gathered by the backward
-  std::size_t launched_ = 0;                 // buckets launched, from the last
+  std::vector<std::size_t> pending_;              // unmarked regions per bucket
+  std::vector<std::uint8_t> due_;                 // zero3: the backward is done with the bucket: to be reduced
+  std::size_t launched_ = 0;                      // buckets launched, from the last
+  std::vector<std::pair<G*, std::size_t>> kept_;  // a launch's reduced parts, for the replicas
   int no_sync_depth_ = 0;
-  // The join scope's options while one is open; whether this micro-step's agreement is done,
-  // and how many ranks it found with data.
+  int evaluating_ = 0;
+  bool publish_due_ = false;     // trainer_optimizer: step() returned, publish_parameters() not yet called
+  bool skipped_update_ = false;  // the last step was skipped: nothing to publish
+  bool warned_overlap_ = false;
+  // The join's options while one runs; whether this micro-step's agreement is done, and how
+  // many ranks it found with data.
   std::optional<join_options> join_;
   bool agreed_ = false;
   bool sync_micro_step_ = true;
@@ -548,7 +684,9 @@ class training_state {
   int contributors_ = 0;
   int last_contributors_ = 0;
   std::uint64_t steps_ = 0;
-  std::size_t wire_bytes_ = 0, last_step_wire_bytes_ = 0;
+  std::size_t last_overlapped_ = 0;
+  std::size_t wire_bytes_ = 0, last_step_wire_bytes_ = 0, evaluation_wire_bytes_ = 0;
+  std::size_t copied_bytes_ = 0, last_step_copied_bytes_ = 0;
   stream_type caller_stream_{};
 };
 

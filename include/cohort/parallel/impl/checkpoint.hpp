@@ -306,8 +306,7 @@ auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& di
     f.rank = r;
     for (std::size_t t = 0; t < tensors.size(); ++t)
       for (const auto& s : state.checkpoint_segments(r)) {
-        if (rank == 0)
-          f.pieces.push_back({t, s.region, s.storage - state.placement(s.region).storage, s.count, f.bytes});
+        if (rank == 0) f.pieces.push_back({t, s.region, s.offset - state.regions()[s.region].offset, s.count, f.bytes});
         f.bytes += s.count * sizeof(master);
       }
     pending->most_blocks = std::max(pending->most_blocks, (f.bytes + pending->block_bytes - 1) / pending->block_bytes);
@@ -595,7 +594,7 @@ checkpoint_info load_checkpoint(training_state<B, P, G>& state, const std::strin
   for (std::size_t t = 0, at = 0; t < tensors.size(); ++t)
     for (const auto& s : segments) {
       needs.push_back(
-          {t, in_manifest[s.region], s.storage - state.placement(s.region).storage, s.count, staged.data() + at});
+          {t, in_manifest[s.region], s.offset - state.regions()[s.region].offset, s.count, staged.data() + at});
       at += s.count;
     }
   // Bytes no piece holds (none where this code saved) still have to be verified: each range

@@ -23,8 +23,8 @@ COHORT_DECL std::vector<region> stacked_regions(const std::vector<stacked_tensor
   out.reserve(tensors.size() * layers);
   for (const auto& tensor : tensors)
     for (std::size_t l = 0; l < layers; ++l) {
-      out.push_back({detail::text(tensor.name, ".", std::to_string(first_layer + l)), offset, tensor.per_layer,
-                     first_layer + l, tensor.decay, 1.0});
+      out.push_back({detail::text(tensor.name, ".", std::to_string(l)), offset, tensor.per_layer, first_layer + l,
+                     tensor.decay, 1.0});
       offset += tensor.per_layer;
     }
   return out;
@@ -37,10 +37,9 @@ std::string describe_region(const std::vector<region>& regions, std::size_t i) {
   return detail::text("region ", std::to_string(i), (r.name.empty() ? std::string() : detail::text(" '", r.name, "'")),
                       " (elements ", std::to_string(r.offset), "..", std::to_string(r.offset + r.count), ")");
 }
-std::size_t round_up(std::size_t value, std::size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 }  // namespace
 
-COHORT_DECL std::string check_regions(const std::vector<region>& regions) {
+COHORT_DECL std::string check_regions(const std::vector<region>& regions, std::size_t elements) {
   if (regions.empty()) return "no regions: describe the model's tensors as regions of its flat buffer";
   std::set<std::string> names;
   for (std::size_t i = 0; i < regions.size(); ++i) {
@@ -49,6 +48,9 @@ COHORT_DECL std::string check_regions(const std::vector<region>& regions) {
       return detail::text(describe_region(regions, i), " repeats the name '", regions[i].name, "'");
     if (!(regions[i].lr_scale >= 0))
       return detail::text(describe_region(regions, i), " has a negative or NaN lr_scale");
+    if (elements != 0 && regions[i].offset + regions[i].count > elements)
+      return detail::text(describe_region(regions, i), " ends past the buffer's ", std::to_string(elements),
+                          " elements");
   }
   std::vector<std::size_t> order(regions.size());
   std::iota(order.begin(), order.end(), std::size_t{0});
@@ -60,109 +62,140 @@ COHORT_DECL std::string check_regions(const std::vector<region>& regions) {
   std::size_t covered = 0;
   std::string gaps;
   std::size_t gap_count = 0;
+  const auto gap = [&](std::size_t from, std::size_t to) {
+    if (gap_count++ < 4)
+      gaps += detail::text((gaps.empty() ? "" : ", "), std::to_string(from), "..", std::to_string(to));
+  };
   for (std::size_t k = 0; k < order.size(); ++k) {
     const auto& r = regions[order[k]];
     if (r.offset < covered)
       return detail::text(describe_region(regions, order[k]), " overlaps ", describe_region(regions, order[k - 1]),
                           ": each element belongs to one region");
-    if (r.offset > covered && gap_count++ < 4)
-      gaps += detail::text((gaps.empty() ? "" : ", "), std::to_string(covered), "..", std::to_string(r.offset));
+    if (r.offset > covered) gap(covered, r.offset);
     covered = r.offset + r.count;
   }
+  const bool tail = elements > covered;
+  if (tail) gap(covered, elements);
   if (gap_count > 0)
     return detail::text(
         "elements ", gaps,
-        (gap_count > 4 ? detail::text(" (and ", std::to_string(gap_count - 4), " more ranges)") : ""),
-        " of the flat buffer belong to no region: their gradients would never be reduced and would drift "
-        "apart across ranks");
+        (gap_count > 4 ? detail::text(" (and ", std::to_string(gap_count - 4), " more ranges)") : ""), " of the ",
+        std::to_string(tail || elements != 0 ? elements : covered),
+        "-element flat buffer belong to no region: their gradients would never be reduced and would drift apart "
+        "across ranks",
+        (tail ? " (a tensor at the buffer's end left out of the regions?)" : ""));
   return {};
 }
 
-COHORT_DECL storage_layout plan_storage(const std::vector<region>& regions, int world, std::size_t bucket_elements,
-                                        bool merge_layers, std::size_t alignment) {
-  storage_layout layout;
+COHORT_DECL state_layout plan_layout(const std::vector<region>& regions, int world, std::size_t bucket_elements,
+                                     bool merge_layers) {
+  state_layout layout;
+  layout.world = std::max(world, 1);
   layout.regions.resize(regions.size());
   for (const auto& r : regions) {
-    layout.logical = std::max(layout.logical, r.offset + r.count);
+    layout.elements = std::max(layout.elements, r.offset + r.count);
     layout.layers = std::max(layout.layers, r.layer + 1);
   }
-  const std::size_t n = static_cast<std::size_t>(std::max(world, 1));
+  const auto n = static_cast<std::size_t>(layout.world);
   bucket_elements = std::max<std::size_t>(bucket_elements, 1);
   // Layer by layer; inside a layer, declaration order.
   layout.regions_of_layer.assign(layout.layers, {});
   for (std::size_t i = 0; i < regions.size(); ++i) layout.regions_of_layer[regions[i].layer].push_back(i);
-  const auto& by_layer = layout.regions_of_layer;
 
-  bucket_range open;
-  std::size_t open_content = 0;  // aligned elements placed in `open`
+  bucket open;
   bool has_open = false;
+  // A bucket's regions in buffer order, joined into ranges where adjacent, each range cut into
+  // chunks and a remainder; owned positions run on from the buckets before.
   const auto close = [&] {
     if (!has_open) return;
-    open.padded = round_up(std::max<std::size_t>(open_content, 1), n * alignment);
-    open.shard = open.padded / n;
-    layout.storage = open.begin + open.padded;
+    std::sort(open.regions.begin(), open.regions.end(),
+              [&](std::size_t a, std::size_t b) { return regions[a].offset < regions[b].offset; });
+    const std::size_t b = layout.buckets.size();
+    for (const std::size_t i : open.regions) {
+      const region& r = regions[i];
+      if (open.ranges.empty() || open.ranges.back().offset + open.ranges.back().count != r.offset)
+        open.ranges.push_back({r.offset, 0, open.elements, 0, 0, 0});
+      layout.regions[i] = {b, open.ranges.size() - 1, open.elements};
+      open.ranges.back().count += r.count;
+      open.elements += r.count;
+    }
+    for (auto& range : open.ranges) {
+      range.chunk = range.count / n;
+      range.remainder = range.count - range.chunk * n;
+      range.owned = layout.owned;
+      layout.owned += range.chunk + range.remainder;
+    }
     layout.buckets.push_back(std::move(open));
-    open = bucket_range{};
-    open_content = 0;
+    open = bucket{};
     has_open = false;
   };
+  std::size_t open_elements = 0;
   layout.first_bucket_of_layer.assign(layout.layers + 1, 0);
   for (std::size_t l = 0; l < layout.layers; ++l) {
     if (!merge_layers) close();
-    // A layer that starts inside a merged bucket shares it; otherwise its first bucket is next.
-    layout.first_bucket_of_layer[l] = layout.buckets.size();
-    for (const std::size_t i : by_layer[l]) {
-      const std::size_t size = round_up(regions[i].count, alignment);
-      if (has_open && open_content + size > bucket_elements) close();
+    for (const std::size_t i : layout.regions_of_layer[l]) {
+      if (has_open && open_elements + regions[i].count > bucket_elements) close();
       if (!has_open) {
-        open.begin = layout.storage;
         open.layer = l;
+        open_elements = 0;
         has_open = true;
       }
-      layout.regions[i] = {open.begin + open_content, regions[i].count, layout.buckets.size()};
       open.regions.push_back(i);
-      open_content += size;
-      if (open_content >= bucket_elements) close();
+      open_elements += regions[i].count;
+      if (open_elements >= bucket_elements) close();
     }
   }
   close();
+  // A layer's buckets are those holding its regions, from the first to the last (with merging
+  // a bucket may hold several layers); an empty layer starts where the next one does.
   layout.first_bucket_of_layer[layout.layers] = layout.buckets.size();
-  // With merging a bucket may hold several layers: a layer's buckets are those holding its
-  // regions, from the first to the last.
-  for (std::size_t l = 0; l < layout.layers; ++l)
-    if (!by_layer[l].empty()) layout.first_bucket_of_layer[l] = layout.regions[by_layer[l].front()].bucket;
+  for (std::size_t l = layout.layers; l-- > 0;)
+    layout.first_bucket_of_layer[l] = layout.regions_of_layer[l].empty()
+                                          ? layout.first_bucket_of_layer[l + 1]
+                                          : layout.regions[layout.regions_of_layer[l].front()].bucket;
   return layout;
 }
 
-COHORT_DECL std::vector<shard_segment> owned_segments(const storage_layout& layout, int rank, bool sharded) {
+COHORT_DECL std::vector<shard_segment> chunk_segments(const std::vector<region>& regions, const state_layout& layout,
+                                                      int rank, bool remainders, bool flat) {
   std::vector<shard_segment> out;
-  std::size_t owned = 0;
+  const auto k = static_cast<std::size_t>(rank), n = static_cast<std::size_t>(layout.world);
   for (const auto& bucket : layout.buckets) {
-    const std::size_t first = sharded ? bucket.begin + static_cast<std::size_t>(rank) * bucket.shard : bucket.begin;
-    const std::size_t last = sharded ? first + bucket.shard : bucket.begin + bucket.padded;
-    for (const std::size_t i : bucket.regions) {
-      const auto& placed = layout.regions[i];
-      const std::size_t low = std::max(first, placed.storage);
-      const std::size_t high = std::min(last, placed.storage + placed.count);
-      if (low < high) out.push_back({low, owned + (low - first), high - low, i});
+    // bucket.regions and bucket.ranges are both in buffer order: range q's regions are the
+    // next ones whose placement names q.
+    std::size_t first_region = 0;
+    for (std::size_t q = 0; q < bucket.ranges.size(); ++q) {
+      const auto& range = bucket.ranges[q];
+      std::size_t end_region = first_region;
+      while (end_region < bucket.regions.size() && layout.regions[bucket.regions[end_region]].range == q) ++end_region;
+      // Elements [first, last) of the flat buffer, at owned position `owned`, cut by region.
+      const auto cut = [&](std::size_t first, std::size_t last, std::size_t owned) {
+        for (std::size_t j = first_region; j < end_region; ++j) {
+          const region& r = regions[bucket.regions[j]];
+          const std::size_t low = std::max(first, r.offset), high = std::min(last, r.offset + r.count);
+          if (low < high) out.push_back({low, flat ? low : owned + (low - first), high - low, bucket.regions[j]});
+        }
+      };
+      if (range.chunk > 0) cut(range.offset + k * range.chunk, range.offset + (k + 1) * range.chunk, range.owned);
+      if (remainders && range.remainder > 0)
+        cut(range.offset + n * range.chunk, range.offset + range.count, range.owned + range.chunk);
+      first_region = end_region;
     }
-    owned += last - first;
   }
   return out;
 }
 
-COHORT_DECL std::vector<shard_segment> merged_for_update(const std::vector<shard_segment>& segments,
-                                                         const std::vector<region>& regions) {
+COHORT_DECL std::vector<shard_segment> joined_segments(const std::vector<shard_segment>& segments,
+                                                       const std::vector<region>& regions, bool same_group) {
   std::vector<shard_segment> out;
   for (const auto& s : segments) {
     if (!out.empty()) {
       auto& last = out.back();
       const region& a = regions[last.region];
       const region& b = regions[s.region];
-      const std::size_t storage_end = last.storage + last.count, owned_end = last.owned + last.count;
-      if (a.decay == b.decay && a.lr_scale == b.lr_scale && s.storage >= storage_end && s.owned >= owned_end &&
-          s.storage - storage_end == s.owned - owned_end) {
-        last.count = s.storage + s.count - last.storage;
+      if ((!same_group || (a.decay == b.decay && a.lr_scale == b.lr_scale)) && s.offset == last.offset + last.count &&
+          s.owned == last.owned + last.count) {
+        last.count += s.count;
         continue;
       }
     }
@@ -171,9 +204,11 @@ COHORT_DECL std::vector<shard_segment> merged_for_update(const std::vector<shard
   return out;
 }
 
-COHORT_DECL std::int64_t layout_fingerprint(const std::vector<region>& regions, std::size_t bucket_elements,
-                                            int strategy, int parameter_type, int gradient_type) {
+COHORT_DECL std::int64_t layout_fingerprint(const std::vector<region>& regions, std::size_t elements,
+                                            std::size_t bucket_elements, int strategy, int parameter_type,
+                                            int gradient_type) {
   fnv1a hash;
+  hash.mix(elements);
   hash.mix(bucket_elements);
   hash.mix(static_cast<std::uint64_t>(strategy));
   hash.mix(static_cast<std::uint64_t>(parameter_type));

@@ -5,7 +5,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <span>
 #include <string>
 #include <utility>
@@ -19,13 +22,43 @@ namespace cohort::inline v0 {
 template <backend B, element P, element G>
 training_state<B, P, G>::training_state(process_group<B>& group, std::vector<region> regions, training_options options,
                                         process_group<B>* replicas)
+    : training_state(group, std::nullopt, std::move(regions), std::move(options), replicas) {}
+
+template <backend B, element P, element G>
+training_state<B, P, G>::training_state(process_group<B>& group, std::span<P> parameters, std::span<G> gradients,
+                                        std::vector<region> regions, training_options options,
+                                        process_group<B>* replicas)
+    : training_state(group, adopted_buffers{parameters, gradients}, std::move(regions), std::move(options), replicas) {
+  if (!parameters.empty()) load_parameters(std::span<const P>(parameters.data(), parameters.size()));
+}
+
+template <backend B, element P, element G>
+training_state<B, P, G>::training_state(process_group<B>& group, std::optional<adopted_buffers> adopted,
+                                        std::vector<region> regions, training_options options,
+                                        process_group<B>* replicas)
     : group_(&group),
       replicas_(replicas),
       regions_(std::move(regions)),
       options_(std::move(options)),
+      adopted_(adopted.has_value()),
       gradient_pool_(group.backend()),
       parameter_pool_(group.backend()) {
-  std::string refusal = detail::check_regions(regions_);
+  // The adopted buffers' length is the flat buffer's: the gradients' (the parameters', the
+  // same, may be absent at zero3 only).
+  const std::size_t elements = adopted ? adopted->gradients.size() : 0;
+  P* const parameters = adopted ? adopted->parameters.data() : nullptr;
+  G* const gradients = adopted ? adopted->gradients.data() : nullptr;
+  std::string refusal;
+  if (adopted && adopted->gradients.empty())
+    refusal = "the adopted gradient buffer is empty: pass the trainer's flat gradient buffer";
+  else if (adopted && adopted->parameters.empty() && options_.strategy != strategy::zero3)
+    refusal = detail::text("no adopted parameter buffer under ", to_string(options_.strategy),
+                           ": the state updates the trainer's parameters in place (only zero3 may go without)");
+  else if (adopted && !adopted->parameters.empty() && adopted->parameters.size() != elements)
+    refusal = detail::text("the adopted parameter buffer has ", std::to_string(adopted->parameters.size()),
+                           " elements, the gradient buffer ", std::to_string(elements),
+                           ": they hold the same tensors at the same offsets");
+  if (refusal.empty()) refusal = detail::check_regions(regions_, elements);
   const auto s = static_cast<int>(options_.strategy);
   if (refusal.empty() && (s < 0 || s > 3))
     refusal = detail::text("strategy ", std::to_string(s), ": use strategy::ddp, zero1, zero2 or zero3");
@@ -33,36 +66,50 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::vector<reg
     refusal = detail::text("bucket_bytes ", std::to_string(options_.bucket_bytes), " is below one gradient element");
   if (refusal.empty() && options_.prefetch < 0)
     refusal = detail::text("prefetch ", std::to_string(options_.prefetch), " < 0");
-  agree_on_layout(refusal);
+  agree_on_layout(refusal, elements);
   if (replicas_) agree_on_replicas();
 
-  // 16-byte aligned shards and regions for both dtypes: vector loads in the kernels.
-  const std::size_t alignment = std::max<std::size_t>(16 / std::min(sizeof(P), sizeof(G)), 1);
-  layout_ =
-      detail::plan_storage(regions_, group.world_size(), std::max<std::size_t>(options_.bucket_bytes / sizeof(G), 1),
-                           !sharded_parameters(), alignment);
-  segments_ = detail::owned_segments(layout_, group.rank(), sharded());
-  update_segments_ = detail::merged_for_update(segments_, regions_);
-  shard_offset_.assign(layout_.buckets.size(), 0);
-  for (std::size_t b = 0, at = 0; b < layout_.buckets.size(); ++b) {
-    shard_offset_[b] = at;
-    at += sharded() ? layout_.buckets[b].shard : layout_.buckets[b].padded;
-    owned_ = at;
+  layout_ = detail::plan_layout(regions_, group.world_size(),
+                                std::max<std::size_t>(options_.bucket_bytes / sizeof(G), 1), !sharded_parameters());
+  owned_ = sharded() ? layout_.owned : layout_.elements;
+  if (sharded()) {
+    update_segments_ = detail::chunk_segments(regions_, layout_, group.rank(), true, false);
+    // The remainders, which every rank holds alike, count in rank 0's part of the norm only.
+    norm_segments_ = detail::joined_segments(
+        detail::chunk_segments(regions_, layout_, group.rank(), group.rank() == 0, false), regions_, false);
+  } else {
+    for (std::size_t r = 0; r < regions_.size(); ++r)
+      update_segments_.push_back({regions_[r].offset, regions_[r].offset, regions_[r].count, r});
+    std::sort(update_segments_.begin(), update_segments_.end(),
+              [](const shard_segment& a, const shard_segment& b) { return a.offset < b.offset; });
+    norm_segments_.push_back({0, 0, layout_.elements, 0});  // every rank measures the whole
   }
+  const std::vector<shard_segment> pieces = update_segments_;  // by region, for owned_spans()
+  update_segments_ = detail::joined_segments(update_segments_, regions_, true);
+
   const std::size_t buckets = layout_.buckets.size();
   bucket_grads_.resize(buckets);
   bucket_params_.resize(buckets);
   bucket_gathered_.resize(buckets);
   layer_users_.assign(layout_.layers, 0);
+  backward_gathered_.assign(layout_.layers, 0);
   marked_.assign(regions_.size(), 0);
   pending_.assign(buckets, 0);
   due_.assign(buckets, 0);
-  backward_view_.assign(layout_.layers, 0);
   reset_marks();
+  params_ = sharded_parameters() ? nullptr : parameters;
+  grads_ = gradients;
   allocate_buffers();
+  if (options_.trainer_optimizer)
+    for (const auto& piece : pieces)
+      owned_spans_.push_back({piece.region,
+                              piece.offset,
+                              piece.owned,
+                              {parameter_at(piece), piece.count},
+                              {reduced_gradient_at(piece), piece.count}});
   // Nothing overlaps the backward when one bucket holds everything: say so once, where it
   // costs (a model of more than a few MiB), instead of leaving bucket_count() to tell.
-  const std::size_t gradient_bytes = layout_.storage * sizeof(G);
+  const std::size_t gradient_bytes = layout_.elements * sizeof(G);
   if (buckets == 1 && group.world_size() > 1 && group.rank() == 0 && gradient_bytes > (std::size_t{4} << 20) &&
       options_.strategy != strategy::zero1)
     std::fprintf(stderr,
@@ -73,6 +120,26 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::vector<reg
 
 template <backend B, element P, element G>
 training_state<B, P, G>::~training_state() {
+  if (views_) {
+    // The views point into memory freed here: name them, and cut them off, so that a later
+    // param() throws instead of reading freed memory.
+    std::string layers;
+    std::size_t count = 0;
+    for (layer_view* view = views_; view; view = view->next_, ++count)
+      if (count < 8) layers += detail::text(count == 0 ? "" : ", ", std::to_string(view->layer_));
+    std::fprintf(stderr,
+                 "[cohort rank %d] training_state destroyed while %zu layer view(s) are alive (layer %s%s): they "
+                 "point into its memory; end every view before the state\n",
+                 rank(), count, layers.c_str(), count > 8 ? ", ..." : "");
+    while (layer_view* view = views_) {
+      views_ = view->next_;
+      view->state_ = nullptr;
+      view->previous_ = view->next_ = nullptr;
+    }
+#if !defined(NDEBUG)
+    std::abort();
+#endif
+  }
   try {
     group_->backend().record().wait();  // nothing queued may still use what is freed
   } catch (...) {
@@ -85,16 +152,16 @@ training_state<B, P, G>::~training_state() {
 }
 
 template <backend B, element P, element G>
-void training_state<B, P, G>::agree_on_layout(const std::string& refusal) {
+void training_state<B, P, G>::agree_on_layout(const std::string& refusal, std::size_t elements) {
   // One row per rank: whether it refused, a fingerprint of everything the collectives pair
   // up by, and the sizes an error names.
-  std::size_t logical = 0;
-  for (const auto& r : regions_) logical = std::max(logical, r.offset + r.count);
-  const std::int64_t row[4] = {
-      refusal.empty() ? 0 : 1,
-      detail::layout_fingerprint(regions_, options_.bucket_bytes / sizeof(G), static_cast<int>(options_.strategy),
-                                 static_cast<int>(dtype_v<P>), static_cast<int>(dtype_v<G>)),
-      static_cast<std::int64_t>(regions_.size()), static_cast<std::int64_t>(logical)};
+  std::size_t flat = elements;
+  for (const auto& r : regions_) flat = std::max(flat, r.offset + r.count);
+  fingerprint_ = detail::layout_fingerprint(regions_, flat, options_.bucket_bytes / sizeof(G),
+                                            static_cast<int>(options_.strategy) + (options_.trainer_optimizer ? 16 : 0),
+                                            static_cast<int>(dtype_v<P>), static_cast<int>(dtype_v<G>));
+  const std::int64_t row[4] = {refusal.empty() ? 0 : 1, fingerprint_, static_cast<std::int64_t>(regions_.size()),
+                               static_cast<std::int64_t>(flat)};
   const auto all = all_gather_values(*group_, std::span<const std::int64_t>(row, 4));
   if (!refusal.empty()) fail("layout", refusal, "describe every tensor of the flat buffer once, as a region");
   for (int r = 0; r < group_->world_size(); ++r)
@@ -115,7 +182,6 @@ void training_state<B, P, G>::agree_on_layout(const std::string& refusal) {
            "up wrongly");
   }
 }
-
 // Hybrid sharding: every member of this rank's replica group must hold the same place in a
 // group of the same size with the same layout (checked over the replicas), and every rank of
 // the group must have as many replicas (checked over the group, which also carries a refusal
@@ -123,10 +189,7 @@ void training_state<B, P, G>::agree_on_layout(const std::string& refusal) {
 // of the job throws).
 template <backend B, element P, element G>
 void training_state<B, P, G>::agree_on_replicas() {
-  const std::int64_t mine[3] = {
-      group_->rank(), group_->world_size(),
-      detail::layout_fingerprint(regions_, options_.bucket_bytes / sizeof(G), static_cast<int>(options_.strategy),
-                                 static_cast<int>(dtype_v<P>), static_cast<int>(dtype_v<G>))};
+  const std::int64_t mine[3] = {group_->rank(), group_->world_size(), fingerprint_};
   const auto rows = all_gather_values(*replicas_, std::span<const std::int64_t>(mine, 3));
   const std::string me = detail::text("replica rank ", std::to_string(replicas_->rank()), " (this rank)");
   std::string refusal;
@@ -170,59 +233,82 @@ T* training_state<B, P, G>::allocate_zeroed(detail::backend_buffer<B>& buffer, s
 
 template <backend B, element P, element G>
 void training_state<B, P, G>::allocate_buffers() {
-  allocate_zeroed<P>(params_, sharded_parameters() ? owned_ : layout_.storage);
-  if (sharded_gradients())
-    allocate_zeroed<G>(grad_shard_, owned_);
-  else
-    allocate_zeroed<G>(grads_, layout_.storage);
-  if (separate_master()) allocate_zeroed<master_type>(master_, owned_);
-  const bool adam = !options_.sgd;
-  if (adam || options_.sgd->momentum != 0) allocate_zeroed<master_type>(first_, owned_);
-  if (adam) allocate_zeroed<master_type>(second_, owned_);
-  if (!std::is_same_v<G, master_type>) allocate_zeroed<master_type>(scratch_, owned_);
+  // What the trainer did not lend: the flat parameters (zero3: the shard), the flat gradients
+  // (ddp, zero1) or the reduced shard (zero2, zero3).
+  if (sharded_parameters())
+    params_ = allocate_zeroed<P>(own_params_, owned_);
+  else if (!params_)
+    params_ = allocate_zeroed<P>(own_params_, layout_.elements);
+  if (!grads_ && !(options_.strategy == strategy::zero2 || sharded_parameters()))
+    grads_ = allocate_zeroed<G>(own_grads_, layout_.elements);
+  if (!flat_gradients()) allocate_zeroed<G>(grad_shard_, owned_);
+  if (!options_.trainer_optimizer) {
+    if (separate_master()) allocate_zeroed<master_type>(master_, owned_);
+    const bool adam = !options_.sgd;
+    if (adam || options_.sgd->momentum != 0) allocate_zeroed<master_type>(first_, owned_);
+    if (adam) allocate_zeroed<master_type>(second_, owned_);
+    if (!std::is_same_v<G, master_type>) allocate_zeroed<master_type>(scratch_, owned_);
+  }
   stats_ = detail::backend_buffer<B>(group_->backend(), 2 * sizeof(double));
   group_->backend().record().wait();
 }
 
 // --- parameters ------------------------------------------------------------------------------
+template <backend B, element P, element G>
+void training_state<B, P, G>::check_training_call(std::string_view operation) const {
+  check_published(operation);
+  if (evaluating_ > 0)
+    fail(operation, detail::text(operation, "() inside evaluation()"),
+         "evaluation() is for forward-only passes: end the scope before the training step's backward");
+}
 
 template <backend B, element P, element G>
-void training_state<B, P, G>::load_parameters(std::span<const P> logical) {
+void training_state<B, P, G>::check_published(std::string_view operation) const {
+  if (publish_due_)
+    fail(operation, "the last step's update was not published (publish_parameters() was not called)",
+         "with trainer_optimizer, call publish_parameters() after updating owned_spans(), after every step()");
+}
+
+// --- parameters ------------------------------------------------------------------------------
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::load_parameters(std::span<const P> flat) {
   snapshot_.wait();
-  if (logical.size() != layout_.logical)
+  if (flat.size() != layout_.elements) {
+    const bool longer = flat.size() > layout_.elements;
     fail("load_parameters",
-         detail::text(std::to_string(logical.size()), " elements for regions covering ",
-                      std::to_string(layout_.logical)),
-         "pass the trainer's whole flat parameter buffer");
+         detail::text(std::to_string(flat.size()), " elements for regions covering ", std::to_string(layout_.elements),
+                      (longer ? detail::text(": elements ", std::to_string(layout_.elements), "..",
+                                             std::to_string(flat.size()), " belong to no region")
+                              : std::string())),
+         longer ? "describe every tensor of the flat buffer as a region (one left out at its end?), or pass only the "
+                  "flat buffer"
+                : "pass the trainer's whole flat parameter buffer");
+  }
+  check_training_call("load_parameters");
   auto& engine = group_->backend();
   engine.wait_for_caller(caller_stream_);
-  P* params = params_.template as<P>();
   if (sharded_parameters()) {
-    for (const auto& s : segments_) {
-      const auto& placed = layout_.regions[s.region];
-      engine.copy(params + s.owned, logical.data() + regions_[s.region].offset + (s.storage - placed.storage),
-                  s.count * sizeof(P));
-    }
+    // This rank's chunks; the remainders every rank holds come from rank 0.
+    for (const auto& s : update_segments_) engine.copy(params_ + s.owned, flat.data() + s.offset, s.count * sizeof(P));
+    spread(params_, false, true);
   } else {
-    for (std::size_t r = 0; r < regions_.size(); ++r)
-      engine.copy(params + layout_.regions[r].storage, logical.data() + regions_[r].offset,
-                  regions_[r].count * sizeof(P));
+    if (flat.data() != params_) engine.copy(params_, flat.data(), layout_.elements * sizeof(P));
     // Where every rank holds the parameters whole, rank 0's are everyone's (as DDP broadcasts
     // at construction): ranks initialised with different seeds still start as one model.
-    if (world() > 1) group_->broadcast(std::span<P>(params, layout_.storage), 0);
+    if (world() > 1) group_->broadcast(std::span<P>(params_, layout_.elements), 0);
   }
   // Hybrid: the first copy's parameters are every copy's, whatever each copy was given.
   if (replicated()) {
-    const std::size_t held = sharded_parameters() ? owned_ : layout_.storage;
+    const std::size_t held = sharded_parameters() ? owned_ : layout_.elements;
     work copied = group_->backend().record();
     copied.make_stream_wait(replicas_->backend().stream());
-    copied = replicas_->broadcast(std::span<P>(params, held), 0);
+    copied = replicas_->broadcast(std::span<P>(params_, held), 0);
     copied.make_stream_wait(engine.stream());
   }
   if (separate_master())
-    for (const auto& s : segments_)
-      cast(engine, sharded_parameters() ? params + s.owned : params + s.storage, dtype_v<P>,
-           master_.template as<master_type>() + s.owned, dtype_v<master_type>, s.count);
+    for (const auto& s : update_segments_)
+      cast(engine, parameter_at(s), dtype_v<P>, master_at(s), dtype_v<master_type>, s.count);
   drop_gathered();
   engine.record().wait();  // the caller's buffer may go once this returns
 }
@@ -231,19 +317,19 @@ template <backend B, element P, element G>
 std::vector<P> training_state<B, P, G>::gather_parameters() {
   auto& engine = group_->backend();
   engine.wait_for_caller(caller_stream_);
-  const std::size_t step_wire_bytes = wire_bytes_;  // a check's gathers are not a step's traffic
-  std::vector<P> logical(layout_.logical);
+  const std::size_t step_wire_bytes = wire_bytes_, step_copied_bytes = copied_bytes_;  // a check's, not a step's
+  std::vector<P> flat(layout_.elements);
+  if (!sharded_parameters()) {
+    engine.copy(flat.data(), params_, layout_.elements * sizeof(P)).wait();
+    return flat;
+  }
   for (std::size_t b = 0; b < layout_.buckets.size(); ++b) {
     const auto& bucket = layout_.buckets[b];
-    const P* source = params_.template as<P>();
-    if (sharded_parameters()) {
-      gather_bucket(b);
-      source = static_cast<const P*>(bucket_params_[b].data) - bucket.begin;
-    }
-    for (const std::size_t r : bucket.regions)
-      engine.copy(logical.data() + regions_[r].offset, source + layout_.regions[r].storage,
-                  regions_[r].count * sizeof(P));
-    if (sharded_parameters() && layer_users_[bucket.layer] == 0) {
+    gather_bucket(b);
+    const P* gathered = static_cast<const P*>(bucket_params_[b].data);
+    for (const auto& range : bucket.ranges)
+      engine.copy(flat.data() + range.offset, gathered + range.packed, range.count * sizeof(P));
+    if (layer_users_[bucket.layer] == 0) {
       engine.record().wait();
       bucket_params_[b].last_use = engine.record();
       parameter_pool_.put(std::exchange(bucket_params_[b], pooled{}));
@@ -251,7 +337,8 @@ std::vector<P> training_state<B, P, G>::gather_parameters() {
   }
   engine.record().wait();
   wire_bytes_ = step_wire_bytes;
-  return logical;
+  copied_bytes_ = step_copied_bytes;
+  return flat;
 }
 
 template <backend B, element P, element G>
@@ -259,13 +346,35 @@ auto training_state<B, P, G>::gather(std::size_t layer) -> layer_view {
   if (layer >= layout_.layers)
     fail("gather", detail::text("layer ", std::to_string(layer), " of ", std::to_string(layout_.layers)),
          "layers are the regions' layer numbers, 0 .. layers - 1");
+  check_published("gather");
+  if (!sharded_parameters()) {
+    if (evaluating_ == 0) begin_call();
+    ++layer_users_[layer];
+    return layer_view(this, layer);
+  }
+  if (evaluating_ > 0) {
+    // Not a step's: no forward or backward, no reduction; its bytes are evaluation's.
+    const std::size_t before = wire_bytes_;
+    for (std::size_t b = layout_.first_bucket_of_layer[layer]; b < layout_.first_bucket_of_layer[layer + 1]; ++b) {
+      gather_bucket(b);
+      hand_to_caller(bucket_gathered_[b]);
+    }
+    evaluation_wire_bytes_ += wire_bytes_ - before;
+    wire_bytes_ = before;
+    ++layer_users_[layer];
+    return layer_view(this, layer);
+  }
   begin_call();
-  if (!sharded_parameters()) return layer_view(this, layer);
-  if (!accumulating()) launch_ready();  // what the backward released so far, before this gather
-  // The first gather of a step is the forward's; a gather at or below the last one is the
-  // backward's, whose view's end makes the layer's buckets due. The gathers are collectives,
-  // so this is the same on every rank.
-  backward_view_[layer] = last_gathered_ && layer <= *last_gathered_;
+  // The first gather of a micro-step is the forward's; the first at or below the last one
+  // begins the backward. Once the backward has moved below a layer whose latest gather was
+  // its own, that layer's buckets are due: reduced from here (the next launch). A layer read
+  // twice in the forward (a tied embedding) only begins the backward early, which costs no
+  // overlap; a layer recomputed in the backward is due once the backward has passed it again.
+  // The gathers are collectives, so all of this is the same on every rank.
+  if (!backward_phase_ && last_gathered_ && layer <= *last_gathered_) backward_phase_ = true;
+  if (backward_phase_ && !accumulating()) mark_due_above(layer);
+  if (!accumulating()) launch_ready();  // what the backward finished so far, before this gather
+  backward_gathered_[layer] = backward_phase_;
   // The straggler report counts the time the caller waits here for the gathers.
   straggler_report* const report = options_.straggler && options_.straggler->enabled() ? options_.straggler : nullptr;
   const auto entered = report ? straggler_report::clock::now() : straggler_report::clock::time_point{};
@@ -281,34 +390,56 @@ auto training_state<B, P, G>::gather(std::size_t layer) -> layer_view {
 }
 
 template <backend B, element P, element G>
+void training_state<B, P, G>::mark_due_above(std::size_t layer) {
+  for (std::size_t l = layer + 1; l < layout_.layers; ++l)
+    if (backward_gathered_[l] && layer_users_[l] == 0)
+      for (std::size_t b = layout_.first_bucket_of_layer[l]; b < layout_.first_bucket_of_layer[l + 1]; ++b) due_[b] = 1;
+}
+
+template <backend B, element P, element G>
 std::span<P> training_state<B, P, G>::parameter_span(std::size_t layer, std::size_t r) {
   check_region("param", r);
-  const auto& placed = layout_.regions[r];
   if (regions_[r].layer != layer)
     fail("param",
          detail::text(describe(r), " is in layer ", std::to_string(regions_[r].layer), ", not layer ",
                       std::to_string(layer)),
          "gather the region's own layer");
-  if (!sharded_parameters()) return {params_.template as<P>() + placed.storage, placed.count};
-  const auto& bucket = layout_.buckets[placed.bucket];
-  return {static_cast<P*>(bucket_params_[placed.bucket].data) + (placed.storage - bucket.begin), placed.count};
+  if (!sharded_parameters()) return {params_ + regions_[r].offset, regions_[r].count};
+  const auto& placed = layout_.regions[r];
+  return {static_cast<P*>(bucket_params_[placed.bucket].data) + placed.packed, regions_[r].count};
 }
 
+// A bucket's ranges all-gathered into a pooled buffer, end to end: each rank's chunks, then
+// the remainder every rank holds, copied in.
 template <backend B, element P, element G>
 void training_state<B, P, G>::gather_bucket(std::size_t b) {
   if (bucket_params_[b].data) return;  // held, or prefetched
   announce(joined_call::gather, b);
   auto& engine = group_->backend();
   const auto& bucket = layout_.buckets[b];
-  const std::size_t bytes = bucket.padded * sizeof(P);
+  const std::size_t bytes = bucket.elements * sizeof(P);
   const std::size_t before = parameter_pool_.allocations();
   bucket_params_[b] = parameter_pool_.take(bytes);
   if (parameter_pool_.allocations() != before) parameter_pool_bytes_ += bytes;
   engine.wait_for_caller(caller_stream_);  // a reused buffer's last readers are done
-  const P* shard = params_.template as<P>() + shard_offset_[b];
-  bucket_gathered_[b] = group_->all_gather(std::span<const P>(shard, bucket.shard),
-                                           std::span<P>(static_cast<P*>(bucket_params_[b].data), bucket.padded));
-  count_wire(bytes, false);
+  P* gathered = static_cast<P*>(bucket_params_[b].data);
+  const std::size_t n = world();
+  work done;
+  for (const auto& range : bucket.ranges)
+    if (range.remainder > 0)
+      done = copy_in_step(gathered + range.packed + n * range.chunk, params_ + range.owned + range.chunk,
+                          range.remainder * sizeof(P));
+  {
+    auto together = group_->grouped();
+    for (const auto& range : bucket.ranges)
+      if (range.chunk > 0) {
+        done = group_->all_gather(std::span<const P>(params_ + range.owned, range.chunk),
+                                  std::span<P>(gathered + range.packed, n * range.chunk));
+        count_wire(n * range.chunk * sizeof(P), false);
+      }
+    together.end();
+  }
+  bucket_gathered_[b] = std::move(done);
 }
 
 template <backend B, element P, element G>
@@ -325,11 +456,8 @@ void training_state<B, P, G>::prefetch_after(std::size_t layer) {
 
 template <backend B, element P, element G>
 void training_state<B, P, G>::release_layer(std::size_t layer) noexcept {
-  if (!sharded_parameters() || --layer_users_[layer] > 0) return;
+  if (--layer_users_[layer] > 0 || !sharded_parameters()) return;
   for (std::size_t b = layout_.first_bucket_of_layer[layer]; b < layout_.first_bucket_of_layer[layer + 1]; ++b) {
-    // The backward is done with this layer: its buckets are reduced at the next gather or
-    // step(), whatever this rank marked (unmarked regions contribute zeros).
-    if (backward_view_[layer]) due_[b] = 1;
     if (!bucket_params_[b].data) continue;
     try {
       bucket_params_[b].last_use = group_->backend().record();
@@ -363,7 +491,7 @@ template <backend B, element P, element G>
 G* training_state<B, P, G>::bucket_gradients(std::size_t b, bool for_caller) {
   if (!bucket_grads_[b].data) {
     auto& engine = group_->backend();
-    const std::size_t bytes = layout_.buckets[b].padded * sizeof(G);
+    const std::size_t bytes = layout_.buckets[b].elements * sizeof(G);
     const std::size_t before = gradient_pool_.allocations();
     bucket_grads_[b] = gradient_pool_.take(bytes);
     if (gradient_pool_.allocations() != before) gradient_pool_bytes_ += bytes;
@@ -374,7 +502,7 @@ G* training_state<B, P, G>::bucket_gradients(std::size_t b, bool for_caller) {
       std::memset(bucket_grads_[b].data, 0, bytes);
     } else {
       // In the stream's order, after the reduction that last read a reused buffer.
-      const work zeroed = fill(engine, bucket_grads_[b].data, layout_.buckets[b].padded, dtype_v<G>, 0.0);
+      const work zeroed = fill(engine, bucket_grads_[b].data, layout_.buckets[b].elements, dtype_v<G>, 0.0);
       if (for_caller) hand_to_caller(zeroed);
     }
   }
@@ -384,29 +512,30 @@ G* training_state<B, P, G>::bucket_gradients(std::size_t b, bool for_caller) {
 template <backend B, element P, element G>
 std::span<G> training_state<B, P, G>::gradient(std::size_t r) {
   check_region("gradient", r);
+  check_training_call("gradient");
   begin_call();
   const auto& placed = layout_.regions[r];
-  if (!sharded_gradients()) return {grads_.template as<G>() + placed.storage, placed.count};
   const std::size_t position = layout_.buckets.size() - 1 - placed.bucket;  // in launch order
   if (position < launched_)
-    fail("gradient", detail::text(describe(r), "'s bucket was already reduced this step"),
-         "at zero2/zero3 ask for a region's gradient before marking its bucket's regions ready");
-  const auto& bucket = layout_.buckets[placed.bucket];
-  return {bucket_gradients(placed.bucket, true) + (placed.storage - bucket.begin), placed.count};
+    fail("gradient", detail::text("the bucket of ", describe(r), " was already reduced this step"),
+         "ask for a region's gradient (and write it) before marking its bucket's regions ready");
+  if (flat_gradients()) return {grads_ + regions_[r].offset, regions_[r].count};
+  return {bucket_gradients(placed.bucket, true) + placed.packed, regions_[r].count};
 }
 
 template <backend B, element P, element G>
 void training_state<B, P, G>::mark_ready(std::size_t r) {
   check_region("mark_ready", r);
+  check_training_call("mark_ready");
   begin_call();
   if (marked_[r])
     fail("mark_ready", detail::text(describe(r), " marked twice in one step"),
          "mark each region once per backward pass");
   marked_[r] = 1;
   --pending_[layout_.regions[r].bucket];
-  // ddp and zero2 launch as marks complete buckets; zero1 reduces in step(); zero3 when the
-  // backward releases a layer, since its gathers interleave with the reductions and marks
-  // differ across ranks (a region one rank leaves unused), while releases do not.
+  // ddp and zero2 launch as marks complete buckets; zero1 reduces in step(); zero3 as the
+  // backward's gathers move below a layer, since its gathers interleave with the reductions
+  // and marks differ across ranks (a region one rank leaves unused), while gathers do not.
   if (!accumulating() && (options_.strategy == strategy::ddp || options_.strategy == strategy::zero2)) launch_ready();
 }
 
@@ -425,6 +554,10 @@ void training_state<B, P, G>::launch_ready() {
   while (launched_ < buckets && ready(buckets - 1 - launched_)) launch(buckets - 1 - launched_++);
 }
 
+// One bucket's reduction, range by range, as one grouped launch: ddp all-reduces each range in
+// place; sharded strategies reduce-scatter each range's chunks (in place in a flat buffer, or
+// from the pooled bucket buffer into the owned shard) and all-reduce its remainder. Then, with
+// replicas, every part this rank keeps is averaged across the copies.
 template <backend B, element P, element G>
 void training_state<B, P, G>::launch(std::size_t b) {
   announce(joined_call::reduce, b);
@@ -432,54 +565,57 @@ void training_state<B, P, G>::launch(std::size_t b) {
   const auto& bucket = layout_.buckets[b];
   engine.wait_for_caller(caller_stream_);
   if (options_.on_launch) options_.on_launch(b);
-  const std::size_t bytes = bucket.padded * sizeof(G);
-  switch (options_.strategy) {
-    case strategy::ddp: {
-      G* base = grads_.template as<G>() + bucket.begin;
-      work reduced = group_->all_reduce(std::span<G>(base, bucket.padded), op::avg);
-      count_wire(bytes, true);
-      average_across_replicas(reduced, base, bucket.padded);
-      break;
+  const std::size_t n = world(), k = my_rank();
+  // A bucket this rank never wrote contributes zeros (a pooled buffer is zeroed when taken).
+  G* pooled_gradients = flat_gradients() ? nullptr : bucket_gradients(b, false);
+  G* shard = flat_gradients() ? nullptr : grad_shard_.template as<G>();
+  kept_.clear();
+  work reduced;
+  {
+    auto together = group_->grouped();
+    for (const auto& range : bucket.ranges) {
+      G* source = flat_gradients() ? grads_ + range.offset : pooled_gradients + range.packed;
+      if (options_.strategy == strategy::ddp) {
+        reduced = group_->all_reduce(std::span<G>(source, range.count), op::avg);
+        count_wire(range.count * sizeof(G), true);
+        kept_.emplace_back(source, range.count);
+        continue;
+      }
+      if (range.chunk > 0) {
+        G* chunk = flat_gradients() ? source + k * range.chunk : shard + range.owned;
+        reduced = group_->reduce_scatter(std::span<const G>(source, n * range.chunk), std::span<G>(chunk, range.chunk),
+                                         op::avg);
+        count_wire(n * range.chunk * sizeof(G), false);
+        kept_.emplace_back(chunk, range.chunk);
+      }
+      if (range.remainder > 0) {
+        G* rest = flat_gradients() ? source + n * range.chunk : shard + range.owned + range.chunk;
+        reduced = group_->all_reduce(std::span<const G>(source + n * range.chunk, range.remainder),
+                                     std::span<G>(rest, range.remainder), op::avg);
+        count_wire(range.remainder * sizeof(G), true);
+        kept_.emplace_back(rest, range.remainder);
+      }
     }
-    case strategy::zero1: {
-      G* base = grads_.template as<G>() + bucket.begin;
-      G* shard = base + my_rank() * bucket.shard;
-      work reduced =
-          group_->reduce_scatter(std::span<const G>(base, bucket.padded), std::span<G>(shard, bucket.shard), op::avg);
-      count_wire(bytes, false);
-      average_across_replicas(reduced, shard, bucket.shard);
-      break;
-    }
-    case strategy::zero2:
-    case strategy::zero3: {
-      // A bucket this rank never wrote contributes zeros.
-      G* full = bucket_gradients(b, false);
-      G* shard = grad_shard_.template as<G>() + shard_offset_[b];
-      work reduced =
-          group_->reduce_scatter(std::span<const G>(full, bucket.padded), std::span<G>(shard, bucket.shard), op::avg);
-      count_wire(bytes, false);
-      // The bucket buffer's last reader is the group's reduce-scatter, whatever follows.
-      work scattered = reduced;
-      average_across_replicas(reduced, shard, bucket.shard);
-      reduced = std::move(scattered);
-      bucket_grads_[b].last_use = std::move(reduced);
-      gradient_pool_.put(std::exchange(bucket_grads_[b], pooled{}));
-      break;
-    }
+    together.end();
   }
-}
-
-// The replicas' queue waits for the group's reduction, and the group's later work (the next
-// reductions, the step's norm and update) for the average. On a host backend both waits block
-// the caller: the average is synchronous there, while NCCL orders it on the streams.
-template <backend B, element P, element G>
-void training_state<B, P, G>::average_across_replicas(work& reduced, G* data, std::size_t count) {
+  // The bucket buffer's last reader is the group's reduction, whatever follows.
+  if (pooled_gradients) {
+    bucket_grads_[b].last_use = reduced;
+    gradient_pool_.put(std::exchange(bucket_grads_[b], pooled{}));
+  }
   if (!replicated()) return;
+  // The replicas' queue waits for the group's reduction, and the group's later work (the next
+  // reductions, the step's norm and update) for the average. On a host backend both waits
+  // block the caller: the average is synchronous there, while NCCL orders it on the streams.
   reduced.make_stream_wait(replicas_->backend().stream());
-  reduced = replicas_->all_reduce(std::span<G>(data, count), op::avg);
-  reduced.make_stream_wait(group_->backend().stream());
+  {
+    auto together = replicas_->grouped();
+    for (const auto& [data, count] : kept_) reduced = replicas_->all_reduce(std::span<G>(data, count), op::avg);
+    together.end();
+  }
+  reduced.make_stream_wait(engine.stream());
   const auto copies = static_cast<std::size_t>(replicas_->world_size());
-  wire_bytes_ += 2 * (copies - 1) * count * sizeof(G) / copies;
+  for (const auto& part : kept_) wire_bytes_ += 2 * (copies - 1) * part.second * sizeof(G) / copies;
 }
 
 template <backend B, element P, element G>
@@ -488,10 +624,32 @@ void training_state<B, P, G>::reset_marks() {
   for (auto& count : pending_) count = 0;
   for (const auto& placed : layout_.regions) ++pending_[placed.bucket];
   std::fill(due_.begin(), due_.end(), std::uint8_t{0});
+  std::fill(backward_gathered_.begin(), backward_gathered_.end(), std::uint8_t{0});
+  backward_phase_ = false;
   launched_ = 0;
   last_gathered_.reset();  // a micro-step's end: the next gather is a forward's
-  agreed_ = false;         // and under a join scope, the next call agrees again
+  agreed_ = false;         // and under a join, the next call agrees again
   announcing_ = false;
+}
+template <backend B, element P, element G>
+template <class Loop>
+void training_state<B, P, G>::join(Loop&& loop, join_options options) {
+  if (replicated())
+    fail("join", "a join with replicas (hybrid sharding) is not supported",
+         "give every rank the same number of batches (e.g. the sampler's even_batches), or train without replicas");
+  if (join_) fail("join", "a join is already running", "run one join around the training loop");
+  join_ = options;
+  // Whatever happens in the loop, the state leaves the join: an error propagates from here as
+  // from any call, with no destructor in the way.
+  struct leave {
+    training_state* state;
+    ~leave() {
+      state->join_.reset();
+      state->agreed_ = false;
+    }
+  } left{this};
+  std::forward<Loop>(loop)();
+  answer_until_all_joined();
 }
 
 // Every rank adds its three integers; a joined rank listens with zeros.
@@ -526,8 +684,8 @@ int training_state<B, P, G>::agree() {
 template <backend B, element P, element G>
 void training_state<B, P, G>::take_agreement(const std::int64_t (&sum)[3]) {
   if (sum[0] < 1 || sum[2] != agreement_mark * sum[0])
-    fail("join", "the join scope's agreement was paired with another collective",
-         "inside a join scope issue no collective of your own between the state's calls: a rank that ran "
+    fail("join", "the join's agreement was paired with another collective",
+         "inside a join's loop issue no collective of your own between the state's calls: a rank that ran "
          "out of data is waiting in the agreement");
   if (sum[1] != 0 && sum[1] != sum[0])
     fail("join",
@@ -567,8 +725,8 @@ void training_state<B, P, G>::announce(joined_call what, std::size_t bucket) {
 template <backend B, element P, element G>
 void training_state<B, P, G>::answer_until_all_joined() {
   if (agreed_)
-    fail("join", "the scope ends in the middle of a step (the state was called since the last step())",
-         "end the join scope after step(), when this rank has no more batches");
+    fail("join", "the loop ended in the middle of a step (the state was called since the last step())",
+         "end the join's loop after step(), when this rank has no more batches");
   const std::size_t buckets = layout_.buckets.size();
   for (;;) {
     std::int64_t sum[3] = {0, 0, 0};
@@ -629,21 +787,22 @@ std::size_t training_state<B, P, G>::region_index(std::string_view name) const {
   fail("region_index", detail::text("no region is named '", name, "'"), "use a name the regions were given");
 }
 
-// Sharded, each rank measures its shard and the ranks' parts are summed (every element counted
-// once); under ddp every rank holds the same averaged gradients and measures them whole. With
-// replicas every copy of the group holds the same averaged gradients (an inf anywhere made its
-// average inf or NaN in every copy): the group's sum is the global one, the same everywhere.
+// Sharded, each rank measures its chunks (rank 0 the remainders too) and the ranks' parts are
+// summed (every element counted once); under ddp every rank holds the same averaged gradients
+// and measures them whole, in one pass. With replicas every copy of the group holds the same
+// averaged gradients (an inf anywhere made its average inf or NaN in every copy): the group's
+// sum is the global one, the same everywhere.
 template <backend B, element P, element G>
 void training_state<B, P, G>::measure(step_result& result) {
   auto& engine = group_->backend();
   detail::agree_on_gradient_statistics(
       *group_, stats_.data(), sharded(),
       [&](double* squares) {
-        for (const auto& s : update_segments_)
+        for (const auto& s : norm_segments_)
           sum_of_squares(engine, reduced_gradient_at(s), s.count, dtype_v<G>, squares);
       },
       [&](std::int64_t* count) {
-        for (const auto& s : update_segments_)
+        for (const auto& s : norm_segments_)
           count_nonfinite(engine, reduced_gradient_at(s), s.count, dtype_v<G>, count);
       },
       result);
@@ -652,7 +811,6 @@ void training_state<B, P, G>::measure(step_result& result) {
 template <backend B, element P, element G>
 void training_state<B, P, G>::update(double grad_scale) {
   auto& engine = group_->backend();
-  ++steps_;
   master_type* first = first_.data() ? first_.template as<master_type>() : nullptr;
   master_type* second = second_.data() ? second_.template as<master_type>() : nullptr;
   for (const auto& s : update_segments_) {
@@ -678,25 +836,34 @@ void training_state<B, P, G>::update(double grad_scale) {
   }
 }
 
-// The updated masters where the forward reads them: cast into the parameters where those
-// are narrower, and at zero1/zero2 every bucket's shards all-gathered back in place.
 template <backend B, element P, element G>
-void training_state<B, P, G>::publish_parameters() {
+void training_state<B, P, G>::share_updated_parameters() {
   auto& engine = group_->backend();
-  P* params = params_.template as<P>();
   if (separate_master())
     for (const auto& s : update_segments_)
-      cast(engine, master_.template as<master_type>() + s.owned, dtype_v<master_type>,
-           sharded_parameters() ? params + s.owned : params + s.storage, dtype_v<P>, s.count);
-  if (options_.strategy == strategy::zero1 || options_.strategy == strategy::zero2) {
-    gather_whole(params);
-    count_wire(layout_.storage * sizeof(P), false);
-  }
+      cast(engine, master_at(s), dtype_v<master_type>, parameter_at(s), dtype_v<P>, s.count);
+  if (options_.strategy == strategy::zero1 || options_.strategy == strategy::zero2) spread(params_, true, false);
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::publish_parameters() {
+  if (!options_.trainer_optimizer)
+    fail("publish_parameters", "the state's own optimizer publishes its updates in step()",
+         "call publish_parameters() only with training_options::trainer_optimizer");
+  if (!publish_due_)
+    fail("publish_parameters", "no step() to publish: it was called already, or before the first step()",
+         "call it once after each step(), after updating owned_spans()");
+  publish_due_ = false;
+  group_->backend().wait_for_caller(caller_stream_);  // the trainer's update
+  if (!skipped_update_) share_updated_parameters();
+  hand_to_caller(group_->backend().record());
+  last_step_wire_bytes_ += std::exchange(wire_bytes_, 0);
 }
 
 template <backend B, element P, element G>
 step_result training_state<B, P, G>::step() {
   snapshot_.wait();  // a checkpoint's copy of the masters and moments in flight
+  check_training_call("step");
   if (no_sync_depth_ > 0)
     fail("step", "step() inside no_sync: this micro-step's gradients were not reduced",
          "end the no_sync scope before the last micro-step's backward, then step()");
@@ -704,15 +871,17 @@ step_result training_state<B, P, G>::step() {
   const auto entered = report ? straggler_report::clock::now() : straggler_report::clock::time_point{};
   auto& engine = group_->backend();
   begin_call();
-  // The reductions averaged over the world; under a join scope only `contributors` ranks
-  // gave gradients, and the average is theirs unless the initial world is the divisor.
+  // The reductions averaged over the world; under a join only `contributors` ranks gave
+  // gradients, and the average is theirs unless the initial world is the divisor.
   const int contributors = join_ ? contributors_ : group_->world_size();
   const double divisor_fix = join_ && !join_->divide_by_initial_world
                                  ? static_cast<double>(group_->world_size()) / std::max(contributors, 1)
                                  : 1.0;
   last_contributors_ = contributors;
   drop_gathered();
-  for (auto& count : pending_) count = 0;  // unmarked regions contribute what they hold: zero
+  last_overlapped_ = launched_;
+  warn_if_overlap_lost();
+  for (auto& count : pending_) count = 0;  // unmarked regions contribute what they hold
   std::fill(due_.begin(), due_.end(), std::uint8_t{1});
   launch_ready();
   announce(joined_call::step, 0);
@@ -722,15 +891,25 @@ step_result training_state<B, P, G>::step() {
   result.grad_norm *= divisor_fix;
   result.skipped = result.nonfinite > 0;
   if (options_.scaler) options_.scaler->update(result.skipped);
+  result.gradient_scale = 0;
   if (!result.skipped) {
     result.clip_factor = detail::clip_factor(result.grad_norm, options_.max_grad_norm);
-    update(result.clip_factor * divisor_fix / result.loss_scale);
-    publish_parameters();
+    result.gradient_scale = result.clip_factor * divisor_fix / result.loss_scale;
+    ++steps_;
+    if (!options_.trainer_optimizer) {
+      update(result.gradient_scale);
+      share_updated_parameters();
+    }
   }
-  if (!sharded_gradients()) fill(engine, grads_.data(), layout_.storage, dtype_v<G>, 0.0);
+  // Owned flat gradients start the next step at zero; adopted ones are the trainer's (its
+  // optimizer reads them after this returns).
+  if (!adopted_ && flat_gradients()) fill(engine, grads_, layout_.elements, dtype_v<G>, 0.0);
   hand_to_caller(engine.record());
   reset_marks();
+  publish_due_ = options_.trainer_optimizer;
+  skipped_update_ = result.skipped;
   last_step_wire_bytes_ = std::exchange(wire_bytes_, 0);
+  last_step_copied_bytes_ = std::exchange(copied_bytes_, 0);
   if (report) {
     const auto now = straggler_report::clock::now();
     report->add_wait(wait_kind::reduce, now - entered);
@@ -739,23 +918,43 @@ step_result training_state<B, P, G>::step() {
   return result;
 }
 
+// Nothing of the backward overlapped its reductions though it could have: said once (rank 0),
+// with the likely cause, instead of a step that is silently slower.
+template <backend B, element P, element G>
+void training_state<B, P, G>::warn_if_overlap_lost() {
+  if (warned_overlap_ || launched_ > 0 || layout_.buckets.size() < 2 || world() < 2 || rank() != 0 ||
+      options_.strategy == strategy::zero1 || join_)
+    return;
+  warned_overlap_ = true;
+  std::fprintf(stderr,
+               "[cohort rank 0] training_state: 0 of %zu buckets were reduced during the backward (%s): the step "
+               "waited for all of them. %s\n",
+               layout_.buckets.size(), std::string(to_string(options_.strategy)).c_str(),
+               sharded_parameters()
+                   ? "At zero3 a layer's buckets are reduced once the backward's gathers have moved below it: "
+                     "gather each layer again in the backward (a view kept from the forward is never the "
+                     "backward's), and keep forward-only passes inside state.evaluation()"
+                   : "Mark each region ready (mark_ready, mark_layer_ready) as soon as its gradient is final, "
+                     "during the backward, not all at its end");
+}
+
 // --- checkpoints -----------------------------------------------------------------------------
 
 template <backend B, element P, element G>
 auto training_state<B, P, G>::checkpoint_data(std::size_t t, const shard_segment& s) -> master_type* {
   snapshot_.wait();  // a load writes through it
-  // Checkpoint segments are this rank's shard of the storage; under ddp the owned buffers are
-  // laid out as the storage (owned == storage), sharded they concatenate the shards.
-  const std::size_t owned = sharded() ? s.owned : s.storage;
   switch (t) {
     case 0:
-      if (separate_master()) return master_.template as<master_type>() + owned;
-      return reinterpret_cast<master_type*>(params_.template as<P>() + (sharded_parameters() ? s.owned : s.storage));
+      if (!separate_master() && !std::is_same_v<P, master_type>)
+        fail("checkpoint",
+             "the parameters are narrower than the masters, and the trainer's optimizer keeps the masters",
+             "with trainer_optimizer and narrow parameters, checkpoint the trainer's masters yourself");
+      return master_at(s);
     case 1:
-      if (first_.data()) return first_.template as<master_type>() + owned;
+      if (first_.data()) return first_.template as<master_type>() + s.owned;
       break;
     case 2:
-      if (second_.data()) return second_.template as<master_type>() + owned;
+      if (second_.data()) return second_.template as<master_type>() + s.owned;
       break;
     default: break;
   }
@@ -767,21 +966,19 @@ auto training_state<B, P, G>::checkpoint_data(std::size_t t, const shard_segment
 template <backend B, element P, element G>
 void training_state<B, P, G>::finish_checkpoint_load(std::uint64_t optimizer_steps) {
   snapshot_.wait();
+  check_published("finish_checkpoint_load");
   auto& engine = group_->backend();
   engine.wait_for_caller(caller_stream_);
   drop_gathered();
-  P* params = params_.template as<P>();
   if (separate_master())
     for (const auto& s : checkpoint_segments(rank()))
-      cast(engine, checkpoint_data(0, s), dtype_v<master_type>, params + (sharded_parameters() ? s.owned : s.storage),
-           dtype_v<P>, s.count);
-  // Every bucket's shards gathered in place into the buffers a rank holds whole.
-  if (options_.strategy != strategy::zero3) gather_whole(params);
-  if (options_.strategy == strategy::ddp) {
-    if (separate_master()) gather_whole(master_.template as<master_type>());
-    if (first_.data()) gather_whole(first_.template as<master_type>());
-    if (second_.data()) gather_whole(second_.template as<master_type>());
-  }
+      cast(engine, master_at(s), dtype_v<master_type>, parameter_at(s), dtype_v<P>, s.count);
+  // What each rank read is its chunks (rank 0: the remainders too): every copy made whole.
+  spread(params_, !sharded_parameters(), true);
+  const bool flat_state = !sharded();
+  if (separate_master()) spread(master_.template as<master_type>(), flat_state, true);
+  if (first_.data()) spread(first_.template as<master_type>(), flat_state, true);
+  if (second_.data()) spread(second_.template as<master_type>(), flat_state, true);
   steps_ = optimizer_steps;
   hand_to_caller(engine.record());
   engine.record().wait();
@@ -791,19 +988,31 @@ void training_state<B, P, G>::finish_checkpoint_load(std::uint64_t optimizer_ste
 // refuses those inside a member of a class template.
 template <backend B, element P, element G>
 template <class T>
-void training_state<B, P, G>::gather_whole(T* base) {
+void training_state<B, P, G>::spread(T* base, bool flat, bool remainders) {
+  const std::size_t n = world(), k = my_rank();
+  if (n == 1) return;
   auto together = group_->grouped();
   for (const auto& bucket : layout_.buckets)
-    group_->all_gather(std::span<const T>(base + bucket.begin + my_rank() * bucket.shard, bucket.shard),
-                       std::span<T>(base + bucket.begin, bucket.padded));
+    for (const auto& range : bucket.ranges) {
+      if (flat && range.chunk > 0) {
+        T* whole = base + range.offset;
+        group_->all_gather(std::span<const T>(whole + k * range.chunk, range.chunk),
+                           std::span<T>(whole, n * range.chunk));
+        count_wire(n * range.chunk * sizeof(T), false);
+      }
+      if (remainders && range.remainder > 0)
+        group_->broadcast(
+            std::span<T>(base + (flat ? range.offset + n * range.chunk : range.owned + range.chunk), range.remainder),
+            0);
+    }
   together.end();
 }
 
 template <backend B, element P, element G>
 training_memory training_state<B, P, G>::memory() const noexcept {
   training_memory m;
-  m.parameters = (sharded_parameters() ? owned_ : layout_.storage) * sizeof(P) + parameter_pool_bytes_;
-  m.gradients = (sharded_gradients() ? owned_ : layout_.storage) * sizeof(G) + gradient_pool_bytes_;
+  m.parameters = own_params_.bytes() + parameter_pool_bytes_;
+  m.gradients = own_grads_.bytes() + grad_shard_.bytes() + gradient_pool_bytes_;
   m.optimizer_state = master_.bytes() + first_.bytes() + second_.bytes() + scratch_.bytes();
   return m;
 }
