@@ -29,6 +29,7 @@
 #include <numeric>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <thread>
 #include <utility>
@@ -76,8 +77,9 @@ struct run {
   std::optional<fs::path> save_to = {};      // save_checkpoint after the last step
   std::size_t scale = 1;                     // model size
   std::size_t block_bytes = 256;
-  int async_every = 0;  // > 0: async_checkpointer saves to save_to after every this many steps
-  int replicas = 1;     // > 1: hybrid sharding, groups of world / replicas ranks
+  int async_every = 0;   // > 0: async_checkpointer saves to save_to after every this many steps
+  int replicas = 1;      // > 1: hybrid sharding, groups of world / replicas ranks
+  bool adopted = false;  // the trainer's own flat buffers, adopted by the state
 };
 
 struct outcome {
@@ -101,10 +103,15 @@ outcome train(const run& spec, cohort_test::gloo_group& pg, cohort_test::gloo_gr
   options.adam = {.lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.1};
   options.max_grad_norm = 0.4;
   options.scaler = &scaler;
-  cohort::training_state<cohort::gloo, double> state(shards ? *shards : pg, regions, options, replicas);
-  std::vector<double> initial(n);
+  std::vector<double> initial(n), gradients(n);
   for (std::size_t i = 0; i < n; ++i) initial[i] = 0.5 * std::cos(0.7 * static_cast<double>(i));
-  state.load_parameters(initial);
+  std::optional<cohort::training_state<cohort::gloo, double>> held;
+  if (spec.adopted)
+    held.emplace(shards ? *shards : pg, std::span(initial), std::span(gradients), regions, options, replicas);
+  else
+    held.emplace(shards ? *shards : pg, regions, options, replicas);
+  auto& state = *held;
+  if (!spec.adopted) state.load_parameters(initial);
   outcome out;
   int first = spec.from;
   if (spec.resume_from) {
@@ -119,6 +126,7 @@ outcome train(const run& spec, cohort_test::gloo_group& pg, cohort_test::gloo_gr
   if (spec.async_every > 0) saver.emplace(state);
   const std::size_t mine = global_batch / static_cast<std::size_t>(spec.world);
   for (int step = first; step < spec.to; ++step) {
+    std::fill(gradients.begin(), gradients.end(), 0.0);  // adopted: the trainer's to zero
     for (std::size_t l = 0; l < state.layer_count(); ++l) auto layer = state.gather(l);  // the forward
     for (std::size_t l = state.layer_count(); l-- > 0;) {
       auto layer = state.gather(l);
@@ -265,6 +273,37 @@ TEST_CASE("resumed at another world size, each byte read once in all, within 1e-
                 static_cast<unsigned long long>(c.checkpoint_bytes));
     CHECK(c.read_in_all == c.checkpoint_bytes);  // counted: no byte read twice, none left out
   }
+}
+
+TEST_CASE("the trainer's adopted buffers and the state's own resume each other's checkpoints, any world and strategy",
+          "[checkpoint][gloo][adopted]") {
+  CHECK(compare({.world = 2, .kind = strategy::zero2, .adopted = true}, {.world = 2, .kind = strategy::zero2},
+                "adopted-owned")
+            .difference == 0.0);  // the same layout either way: bit-exact
+  const std::vector<std::pair<run, run>> cases = {
+      {{.world = 4, .kind = strategy::zero2, .scale = 20, .adopted = true},
+       {.world = 2, .kind = strategy::ddp, .scale = 20}},
+      {{.world = 3, .kind = strategy::zero1, .scale = 20},
+       {.world = 2, .kind = strategy::zero3, .scale = 20, .adopted = true}},
+      {{.world = 2, .kind = strategy::ddp, .adopted = true}, {.world = 3, .kind = strategy::zero1, .adopted = true}},
+  };
+  for (const auto& [before, after] : cases) {
+    INFO(before.world << " ranks (" << cohort::to_string(before.kind) << (before.adopted ? ", adopted" : "") << ") -> "
+                      << after.world << " (" << cohort::to_string(after.kind) << (after.adopted ? ", adopted" : "")
+                      << ")");
+    const auto c = compare(before, after, "adopted");
+    CHECK(c.difference < 1e-9);
+    CHECK(c.read_in_all == c.checkpoint_bytes);
+  }
+  // Asynchronous saves of adopted buffers while training goes on.
+  const auto dir = scratch_dir("adopted-async");
+  const auto saved =
+      run_all({.world = 2, .kind = strategy::zero1, .to = 12, .save_to = dir, .async_every = 4, .adopted = true});
+  const auto resumed = run_all({.world = 3, .kind = strategy::zero2, .to = 20, .resume_from = dir, .adopted = true});
+  const auto whole = run_all({.world = 2, .kind = strategy::zero1, .to = 20});
+  CHECK(resumed[0].loaded.step == 11);
+  CHECK(max_difference(resumed[0].parameters, whole[0].parameters) < 1e-9);
+  fs::remove_all(dir);
 }
 
 TEST_CASE("resumed under another strategy: zero2 as ddp, ddp as zero3, within 1e-9 in double", "[checkpoint][gloo]") {

@@ -160,3 +160,64 @@ TEST_CASE("device gradients, SGD and AdamW match the formulas computed on the ho
       std::filesystem::remove_all(directory);
     }
 }
+
+// The trainer's own cudaMalloc'd buffers, adopted: its pointers are the state's under ddp,
+// zero1 and zero2 (the step updates its parameter buffer in place), zero3 reads them through
+// views; with the trainer's optimizer, owned_spans() point into its buffers.
+TEST_CASE("adopted device buffers are updated in place, and the trainer's optimizer gets spans of them",
+          "[training_state][nccl][adopted]") {
+  require_gpu();
+  auto pg = make_group();
+  std::vector<float> full(elements), g(elements);
+  for (std::size_t i = 0; i < elements; ++i) {
+    full[i] = original(i);
+    g[i] = std::cos(0.3f * static_cast<float>(i));
+  }
+  struct device_buffer {
+    float* data = nullptr;
+    explicit device_buffer(std::size_t n) { REQUIRE(cudaMalloc(&data, n * sizeof(float)) == cudaSuccess); }
+    ~device_buffer() { cudaFree(data); }
+  };
+  for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3})
+    for (const bool own : {false, true}) {
+      INFO(cohort::to_string(kind) << (own ? ", the trainer's optimizer" : ", SGD at lr 1"));
+      device_buffer params(elements), grads(elements);
+      REQUIRE(cudaMemcpy(params.data, full.data(), elements * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess);
+      REQUIRE(cudaMemcpy(grads.data, g.data(), elements * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess);
+      cohort::training_state<cohort::nccl> state(
+          pg, std::span(params.data, elements), std::span(grads.data, elements), regions,
+          {.strategy = kind, .bucket_bytes = 256, .sgd = cohort::sgd_options{.lr = 1}, .trainer_optimizer = own});
+      for (std::size_t l = state.layer_count(); l-- > 0;) {
+        auto view = state.gather(l);
+        for (std::size_t r = 0; r < regions.size(); ++r) {
+          if (regions[r].layer != l) continue;
+          CHECK(state.gradient(r).data() == grads.data + regions[r].offset);
+          if (kind != strategy::zero3) CHECK(view.param(r).data() == params.data + regions[r].offset);
+        }
+        state.mark_layer_ready(l);
+      }
+      const auto result = state.step();
+      REQUIRE_FALSE(result.skipped);
+      if (own) {
+        for (const auto& span : state.owned_spans()) {
+          CHECK(span.gradients.data() == grads.data + span.offset);
+          if (kind != strategy::zero3) CHECK(span.parameters.data() == params.data + span.offset);
+          // The trainer's update, p -= g, as its own kernel would do it.
+          std::vector<float> p(span.parameters.size()), d(p.size());
+          REQUIRE(cudaMemcpy(p.data(), span.parameters.data(), p.size() * sizeof(float), cudaMemcpyDeviceToHost) ==
+                  cudaSuccess);
+          REQUIRE(cudaMemcpy(d.data(), span.gradients.data(), d.size() * sizeof(float), cudaMemcpyDeviceToHost) ==
+                  cudaSuccess);
+          for (std::size_t i = 0; i < p.size(); ++i) p[i] -= d[i];
+          REQUIRE(cudaMemcpy(span.parameters.data(), p.data(), p.size() * sizeof(float), cudaMemcpyHostToDevice) ==
+                  cudaSuccess);
+        }
+        state.publish_parameters();
+      }
+      std::vector<float> expected(elements);
+      for (std::size_t i = 0; i < elements; ++i) expected[i] = full[i] - g[i];
+      CHECK(state.gather_parameters() == expected);
+      if (kind != strategy::zero3) CHECK(download(std::span(params.data, elements)) == expected);
+      CHECK(state.copied_bytes_per_step() == 0);
+    }
+}

@@ -1,0 +1,271 @@
+// training_state over the trainer's own buffers, and what the shared suites of
+// test_training_state.cpp (which run every strategy over owned and adopted buffers, with the
+// state's optimizer and with the trainer's) do not pin: the adopted buffer's length and what
+// it covers, the bytes a step copies (none), the trainer's optimizer's contract, what an
+// unmarked region contributes, a view that outlives its state, and a join whose loop throws.
+// Gloo ranks as threads; SGD at lr 1 from zero makes the parameters minus the averaged
+// gradients, so what was reduced reads back exactly.
+#include <catch2/catch.hpp>
+
+#include <cohort/parallel/training_state.hpp>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <csignal>
+#include <cstdio>
+#include <memory>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "flat_fixtures.hpp"
+#include "support.hpp"
+
+namespace {
+
+using cohort::region;
+using cohort::strategy;
+using state_type = cohort::training_state<cohort::gloo>;
+
+// `count` regions of `per_region` floats, region r alone in layer r.
+std::vector<region> one_per_layer(std::size_t count, std::size_t per_region) {
+  std::vector<region> regions;
+  for (std::size_t r = 0; r < count; ++r) regions.push_back({"t" + std::to_string(r), r * per_region, per_region, r});
+  return regions;
+}
+
+cohort::training_options sgd_at_lr_one(strategy kind, std::size_t bucket_bytes) {
+  return {.strategy = kind, .bucket_bytes = bucket_bytes, .sgd = cohort::sgd_options{.lr = 1}};
+}
+
+}  // namespace
+
+TEST_CASE("the adopted buffer's length refuses elements no region covers on every rank, naming them",
+          "[training_state][adopted][gloo][faults]") {
+  const auto regions = one_per_layer(4, 25);  // 100 elements
+  auto store = std::make_shared<cohort::memory_store>();
+  std::vector<std::string> errors(3);
+  cohort_test::run_ranks(3, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 3);
+    // Rank 2's buffers hold a tensor more, which its regions forgot.
+    std::vector<float> params(rank == 2 ? 110 : 100), grads(params.size());
+    try {
+      state_type state(pg, std::span(params), std::span(grads), regions, {.strategy = strategy::zero2});
+    } catch (const cohort::error& e) {
+      errors[static_cast<std::size_t>(rank)] = e.what();
+    }
+  });
+  CHECK_THAT(errors[2], Catch::Contains("elements 100..110 of the 110-element flat buffer belong to no region") &&
+                            Catch::Contains("a tensor at the buffer's end left out of the regions?"));
+  CHECK_THAT(errors[0], Catch::Contains("rank 2 refused its regions or options (its error says why)"));
+  CHECK_THAT(errors[1], Catch::Contains("rank 2 refused its regions or options"));
+
+  // Parameters and gradients of other lengths; a buffer shorter than the regions; no
+  // parameters where the state updates them in place.
+  store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(1, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 1);
+    std::vector<float> params(90), grads(100), shorter(80);
+    RANK_CHECK_THROWS(cohort::error, state_type(pg, std::span(params), std::span(grads), regions),
+                      "the adopted parameter buffer has 90 elements, the gradient buffer 100");
+    RANK_CHECK_THROWS(cohort::error, state_type(pg, std::span(shorter), std::span(shorter), regions),
+                      "region 3 't3' (elements 75..100) ends past the buffer's 80 elements");
+    RANK_CHECK_THROWS(cohort::error, state_type(pg, std::span<float>(), std::span(grads), regions),
+                      "no adopted parameter buffer under ddp");
+    // At zero3 the parameters may come later: the state shards them either way.
+    state_type sharded(pg, std::span<float>(), std::span(grads), regions, {.strategy = strategy::zero3});
+    sharded.load_parameters(std::vector<float>(100, 0.5f));
+    RANK_CHECK(sharded.gather_parameters() == std::vector<float>(100, 0.5f));
+    // The state's own buffers: the length comes with load_parameters, which names the tail.
+    state_type owned(pg, regions);
+    RANK_CHECK_THROWS(cohort::error, owned.load_parameters(std::vector<float>(110)),
+                      "110 elements for regions covering 100: elements 100..110 belong to no region");
+  });
+}
+
+TEST_CASE("a step copies no parameter or gradient bytes under any strategy, at zero3 only remainders",
+          "[training_state][adopted][gloo]") {
+  for (const bool adopted : {false, true})
+    for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3})
+      for (const int world : {2, 3}) {
+        // 4 layers of 64 floats: at 2 ranks every range divides; at 3 each leaves 1 element.
+        const auto regions = one_per_layer(4, 64);
+        auto store = std::make_shared<cohort::memory_store>();
+        std::vector<std::size_t> copied(static_cast<std::size_t>(world)), wire(copied.size());
+        cohort_test::run_ranks(world, [&](int rank) {
+          auto pg = cohort_test::make_gloo_group(store, rank, world);
+          std::vector<float> params(256, 0.0f), grads(256, 0.0f);
+          std::optional<state_type> held;
+          if (adopted)
+            held.emplace(pg, std::span(params), std::span(grads), regions, sgd_at_lr_one(kind, 256));
+          else
+            held.emplace(pg, regions, sgd_at_lr_one(kind, 256));
+          auto& state = *held;
+          for (int step = 0; step < 2; ++step) {
+            std::fill(grads.begin(), grads.end(), 0.0f);
+            for (std::size_t l = 0; l < 4; ++l) (void)state.gather(l);
+            for (std::size_t l = 4; l-- > 0;) {
+              auto layer = state.gather(l);
+              for (auto& g : state.gradient(l)) g = 1.0f;
+              state.mark_ready(l);
+            }
+            state.step();
+          }
+          copied[static_cast<std::size_t>(rank)] = state.copied_bytes_per_step();
+        });
+        INFO(cohort::to_string(kind) << " at " << world << " ranks, " << (adopted ? "adopted" : "owned"));
+        // zero3 at 3 ranks: each layer's one remaining float copied into its gathered buffer,
+        // by the forward's gather and the backward's.
+        const std::size_t expected = kind == strategy::zero3 && world == 3 ? 2 * 4 * sizeof(float) : 0;
+        for (const std::size_t bytes : copied) CHECK(bytes == expected);
+      }
+}
+
+TEST_CASE("the trainer's optimizer must publish each step before the state goes on, and only it publishes",
+          "[training_state][adopted][gloo][faults]") {
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(2, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 2);
+    const auto regions = one_per_layer(2, 8);
+    std::vector<float> params(16, 1.0f), grads(16, 0.0f);
+    state_type state(pg, std::span(params), std::span(grads), regions,
+                     {.strategy = strategy::zero1, .trainer_optimizer = true});
+    RANK_CHECK(state.checkpoint_tensors() == std::vector<std::string>({"parameters"}));
+    RANK_CHECK_THROWS(cohort::error, state.publish_parameters(), "no step() to publish");
+    for (auto& g : grads) g = static_cast<float>(rank + 1);
+    state.mark_layer_ready(1);
+    state.mark_layer_ready(0);
+    const auto result = state.step();
+    RANK_CHECK(!result.skipped);
+    RANK_CHECK(result.gradient_scale == 1.0);
+    // This rank's part of each region: its chunk of the averaged gradients, 1.5 everywhere.
+    std::size_t owned = 0;
+    for (const auto& span : state.owned_spans()) {
+      RANK_CHECK(span.parameters.data() == params.data() + span.offset);
+      for (const float g : span.gradients) RANK_CHECK(g == 1.5f);
+      for (auto& p : span.parameters) p -= 1.0f;  // the trainer's update
+      owned += span.parameters.size();
+    }
+    RANK_CHECK(owned == 8);
+    RANK_CHECK_THROWS(cohort::error, state.gradient(0), "publish_parameters() was not called");
+    RANK_CHECK_THROWS(cohort::error, (void)state.gather(0), "publish_parameters() was not called");
+    state.publish_parameters();
+    // Every rank's update is everyone's: the whole buffer moved by one.
+    for (const float p : params) RANK_CHECK(p == 0.0f, p);
+    RANK_CHECK_THROWS(cohort::error, state.publish_parameters(), "no step() to publish");
+  });
+  store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(1, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 1);
+    state_type state(pg, one_per_layer(2, 8));
+    RANK_CHECK_THROWS(cohort::error, state.publish_parameters(), "the state's own optimizer publishes its updates");
+  });
+}
+
+TEST_CASE("a region written but not marked contributes what it holds, one never written contributes zeros",
+          "[training_state][adopted][gloo]") {
+  for (const bool adopted : {false, true})
+    for (const strategy kind : {strategy::ddp, strategy::zero2}) {
+      auto store = std::make_shared<cohort::memory_store>();
+      cohort_test::run_ranks(2, [&](int rank) {
+        auto pg = cohort_test::make_gloo_group(store, rank, 2);
+        const auto regions = one_per_layer(3, 8);
+        std::vector<float> params(24, 0.0f), grads(24, 0.0f);
+        std::optional<state_type> held;
+        if (adopted)
+          held.emplace(pg, std::span(params), std::span(grads), regions, sgd_at_lr_one(kind, 32));
+        else
+          held.emplace(pg, regions, sgd_at_lr_one(kind, 32));
+        auto& state = *held;
+        // Rank 0 writes and marks everything (1, 2, 3). Rank 1 writes region 2 (10) and
+        // marks it, writes region 1 (20) but never marks it, and leaves region 0 alone.
+        for (std::size_t r = 3; r-- > 0;) {
+          if (rank == 1 && r == 0) continue;
+          for (auto& g : state.gradient(r)) g = rank == 0 ? static_cast<float>(r + 1) : (r == 2 ? 10.0f : 20.0f);
+          if (rank == 0 || r == 2) state.mark_ready(r);
+        }
+        state.step();
+        const auto after = state.gather_parameters();
+        const float want[3] = {-0.5f, -11.0f, -6.5f};  // -(1 + 0) / 2, -(2 + 20) / 2, -(3 + 10) / 2
+        for (std::size_t r = 0; r < 3; ++r)
+          RANK_CHECK(after[r * 8] == want[r], cohort::to_string(kind) << (adopted ? " adopted" : " owned")
+                                                                      << ", region " << r << ": " << after[r * 8]);
+      });
+    }
+}
+
+TEST_CASE("a layer view that outlives its state is named when the state ends, and cut off from it",
+          "[training_state][gloo][faults]") {
+  int pipe_fds[2];
+  REQUIRE(::pipe(pipe_fds) == 0);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::dup2(pipe_fds[1], 2);
+    ::close(pipe_fds[0]);
+    auto store = std::make_shared<cohort::memory_store>();
+    auto pg = cohort_test::make_gloo_group(store, 0, 1);
+    std::optional<state_type> state;
+    state.emplace(pg, one_per_layer(4, 8), cohort::training_options{.strategy = strategy::zero3});
+    auto view = state->gather(2);
+    auto other = state->gather(3);
+    other.reset();
+    state.reset();  // view still alive: named (and, without NDEBUG, the process aborts here)
+    try {
+      (void)view.param(2);
+    } catch (const cohort::error& e) {
+      std::fprintf(stderr, "param: %s\n", e.what());
+      std::fflush(stderr);
+      ::_exit(3);
+    }
+    ::_exit(4);
+  }
+  ::close(pipe_fds[1]);
+  std::string text;
+  char buffer[4096];
+  for (ssize_t n; (n = ::read(pipe_fds[0], buffer, sizeof buffer)) > 0;)
+    text.append(buffer, static_cast<std::size_t>(n));
+  ::close(pipe_fds[0]);
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  CHECK_THAT(text, Catch::Contains("training_state destroyed while 1 layer view(s) are alive (layer 2)"));
+#if defined(NDEBUG)
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 3);
+  CHECK_THAT(text, Catch::Contains("region 2 of layer 2: the view outlived its training_state"));
+#else
+  CHECK(WIFSIGNALED(status));
+  CHECK(WTERMSIG(status) == SIGABRT);
+#endif
+}
+
+TEST_CASE("join(loop) passes the loop's error on and leaves the join, and evaluation() refuses a step's calls",
+          "[training_state][gloo][faults]") {
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(1, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 1);
+    state_type state(pg, one_per_layer(2, 8), sgd_at_lr_one(strategy::ddp, 32));
+    RANK_CHECK_THROWS(std::runtime_error, state.join([] { throw std::runtime_error("the loader failed"); }),
+                      "the loader failed");
+    // Left: a second join runs, steps and ends.
+    int steps = 0;
+    state.join([&] {
+      for (int t = 0; t < 2; ++t, ++steps) {
+        state.mark_layer_ready(1);
+        state.mark_layer_ready(0);
+        state.step();
+      }
+    });
+    RANK_CHECK(steps == 2);
+    RANK_CHECK_THROWS(cohort::error, state.join([&] { state.join([] {}); }), "a join is already running");
+    auto evaluating = state.evaluation();
+    (void)state.gather(1);
+    RANK_CHECK_THROWS(cohort::error, state.gradient(0), "gradient() inside evaluation()");
+    RANK_CHECK_THROWS(cohort::error, state.mark_ready(0), "mark_ready() inside evaluation()");
+    RANK_CHECK_THROWS(cohort::error, state.step(), "step() inside evaluation()");
+  });
+}
