@@ -63,6 +63,24 @@ void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_en
     (void)ddp.step();
   }
 
+  // The trainer's own buffers and optimizer, adopted; uneven inputs; evaluation passes.
+  {
+    const std::vector<cohort::region> regions{{"w", 0, 300, 0}, {"b", 300, 20, 1, false}};
+    std::vector<float> params(320, 1.0f), grads(320);
+    cohort::training_state<cohort::gloo> adopted{pg, std::span(params), std::span(grads), regions,
+                                                 {.strategy = cohort::strategy::zero1, .trainer_optimizer = true}};
+    adopted.join([&] {
+      for (std::size_t l = 2; l-- > 0;) adopted.mark_layer_ready(l);
+      const auto result = adopted.step();
+      for (const auto& s : adopted.owned_spans())
+        for (std::size_t i = 0; i < s.parameters.size(); ++i) s.parameters[i] -= 0.1f * s.gradients[i];
+      (void)result;
+      adopted.publish_parameters();
+    });
+    auto evaluating = adopted.evaluation();
+    (void)adopted.gather(1).param(1);
+  }
+
   // Hybrid sharding (a copy per replica group), checkpoints of it.
   const auto directory = std::filesystem::temp_directory_path() / "cohort-tidy";
   {
