@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -684,15 +685,22 @@ TEST_CASE("memory and wire bytes per rank are what each strategy promises", "[tr
 
 TEST_CASE("bfloat16 parameters train from fp32 masters, close to the fp32 run", "[training_state][gloo]") {
   std::vector<region> regions{{"w", 0, 300, 0}, {"b", 300, 20, 0, false}, {"v", 320, 100, 1}};
-  const auto run = [&]<class P>(P, strategy kind) {
+  const auto run = [&]<class P>(P, strategy kind, bool adopted) {
     std::vector<float> result;
     auto store = std::make_shared<cohort::memory_store>();
     cohort_test::run_ranks(2, [&](int rank) {
       auto pg = cohort_test::make_gloo_group(store, rank, 2);
-      cohort::training_state<cohort::gloo, P, float> state(pg, regions, {.strategy = kind, .adam = {.lr = 0.01}});
       std::vector<P> initial(420);
       for (std::size_t i = 0; i < initial.size(); ++i) initial[i] = P(0.5f + 0.001f * static_cast<float>(i));
-      state.load_parameters(initial);
+      std::vector<float> gradients(420);  // adopted: the trainer's fp32 gradients beside its bf16 parameters
+      std::optional<cohort::training_state<cohort::gloo, P, float>> held;
+      const cohort::training_options options{.strategy = kind, .adam = {.lr = 0.01}};
+      if (adopted)
+        held.emplace(pg, std::span(initial), std::span(gradients), regions, options);
+      else
+        held.emplace(pg, regions, options);
+      auto& state = *held;
+      if (!adopted) state.load_parameters(initial);
       for (int step = 0; step < 5; ++step) {
         for (std::size_t l = 2; l-- > 0;) {
           auto layer = state.gather(l);
@@ -713,16 +721,18 @@ TEST_CASE("bfloat16 parameters train from fp32 masters, close to the fp32 run", 
     });
     return result;
   };
-  for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3}) {
-    const auto wide = run(float{}, kind);
-    const auto narrow = run(cohort::bfloat16{}, kind);
-    REQUIRE(wide.size() == narrow.size());
-    double worst = 0;
-    for (std::size_t i = 0; i < wide.size(); ++i) worst = std::max(worst, std::abs(double(wide[i]) - narrow[i]));
-    INFO(cohort::to_string(kind));
-    CHECK(worst < 1e-2);  // bf16 keeps 8 bits of mantissa; the masters keep the steps
-    CHECK(worst > 0);
-  }
+  for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3})
+    for (const bool adopted : {false, true}) {
+      const auto wide = run(float{}, kind, adopted);
+      const auto narrow = run(cohort::bfloat16{}, kind, adopted);
+      REQUIRE(wide.size() == narrow.size());
+      double worst = 0;
+      for (std::size_t i = 0; i < wide.size(); ++i) worst = std::max(worst, std::abs(double(wide[i]) - narrow[i]));
+      INFO(cohort::to_string(kind) << (adopted ? ", adopted" : ", owned"));
+      CHECK(worst < 1e-2);  // bf16 keeps 8 bits of mantissa; the masters keep the steps
+      CHECK(worst > 0);
+      if (adopted) CHECK(wide == run(float{}, kind, false));  // the same layout: bit for bit
+    }
 }
 
 namespace {
@@ -747,7 +757,9 @@ struct uneven {
   int accumulation = 1;
   bool initial_world_divisor = false;
   gathers pattern = gathers::usual;
-  int keeps_views = -1;  // this rank keeps the forward's views while the others gather again
+  int keeps_views = -1;            // this rank keeps the forward's views while the others gather again
+  bool adopted = false;            // the trainer's own buffers
+  bool trainer_optimizer = false;  // and its own AdamW
 };
 
 std::vector<double> uneven_reference(const uneven& u) {
@@ -799,9 +811,19 @@ std::vector<double> uneven_reference(const uneven& u) {
 std::vector<double> uneven_train(const uneven& u, cohort_test::gloo_group& pg) {
   const auto regions = model_regions();
   const int world = pg.size(), rank = pg.rank();
-  scenario s{.world = world, .kind = u.kind};
-  cohort::training_state<cohort::gloo, double> state(pg, regions, options_for(s));
-  state.load_parameters(initial_parameters(regions.back().offset + regions.back().count));
+  scenario s{.world = world, .kind = u.kind, .trainer_optimizer = u.trainer_optimizer};
+  std::vector<double> parameters = initial_parameters(regions.back().offset + regions.back().count),
+                      gradients(parameters.size());
+  std::optional<cohort::training_state<cohort::gloo, double>> held;
+  if (u.adopted)
+    held.emplace(pg, std::span(parameters), std::span(gradients), regions, options_for(s));
+  else
+    held.emplace(pg, regions, options_for(s));
+  auto& state = *held;
+  if (!u.adopted) state.load_parameters(parameters);
+  trainer_optimizer own{options_for(s), regions, std::vector<double>(state.owned_elements()),
+                        std::vector<double>(state.owned_elements())};
+  const auto update = [&](const cohort::step_result& result) { own.update(state.owned_spans(), result); };
   std::vector<double> scratch;
   using layer_view = cohort::training_state<cohort::gloo, double>::layer_view;
   const auto backward = [&](int t, int micro, const layer_view& layer) {
@@ -845,15 +867,20 @@ std::vector<double> uneven_train(const uneven& u, cohort_test::gloo_group& pg) {
   state.join(
       [&] {
         for (int t = 0; t < u.batches[static_cast<std::size_t>(rank)]; ++t) {
+          std::fill(gradients.begin(), gradients.end(), 0.0);  // adopted: the trainer's to zero
           for (int micro = 0; micro + 1 < u.accumulation; ++micro) {
             auto quiet = state.no_sync();
             micro_step(t, micro);
           }
           micro_step(t, u.accumulation - 1);
-          state.step();
+          const auto result = state.step();
+          if (!u.trainer_optimizer) continue;
+          if (!result.skipped) update(result);
+          state.publish_parameters();
         }
       },
-      {.divide_by_initial_world = u.initial_world_divisor});
+      {.divide_by_initial_world = u.initial_world_divisor,
+       .update = u.trainer_optimizer ? std::function<void(const cohort::step_result&)>(update) : nullptr});
   return state.gather_parameters();
 }
 
@@ -866,7 +893,11 @@ TEST_CASE("ranks with 5, 3 and 0 batches (and 7, 7, 6) never hang and equal one 
     cases.push_back({{5, 3, 0}, kind});
     cases.push_back({{7, 7, 6}, kind, 2});  // two micro-steps a step
   }
-  cases.push_back({{4, 1, 2}, strategy::ddp, 1, true});  // DDP's divide_by_initial_world_size
+  cases.push_back({{4, 1, 2}, strategy::ddp, 1, true});                            // DDP's divide_by_initial_world_size
+  for (const strategy kind : {strategy::ddp, strategy::zero2, strategy::zero3}) {  // the trainer's buffers
+    cases.push_back({.batches = {5, 3, 0}, .kind = kind, .adopted = true});
+    cases.push_back({.batches = {5, 3, 0}, .kind = kind, .adopted = true, .trainer_optimizer = true});
+  }
   for (const auto& u : cases) {
     const int world = static_cast<int>(u.batches.size());
     const auto expected = uneven_reference(u);
@@ -878,7 +909,8 @@ TEST_CASE("ranks with 5, 3 and 0 batches (and 7, 7, 6) never hang and equal one 
     });
     for (int rank = 0; rank < world; ++rank) {
       INFO(cohort::to_string(u.kind) << " with batches " << u.batches[0] << "," << u.batches[1] << "," << u.batches[2]
-                                     << ", accumulation " << u.accumulation << ", rank " << rank);
+                                     << ", accumulation " << u.accumulation << (u.adopted ? ", adopted" : "")
+                                     << (u.trainer_optimizer ? ", the trainer's optimizer" : "") << ", rank " << rank);
       CHECK(max_difference(results[static_cast<std::size_t>(rank)], expected) < 1e-9);
     }
   }

@@ -262,6 +262,10 @@ TEST_CASE("join(loop) passes the loop's error on and leaves the join, and evalua
     });
     RANK_CHECK(steps == 2);
     RANK_CHECK_THROWS(cohort::error, state.join([&] { state.join([] {}); }), "a join is already running");
+    // The trainer's optimizer: a rank out of data still updates its part, so join needs it.
+    std::vector<float> params(16), grads(16);
+    state_type own(pg, std::span(params), std::span(grads), one_per_layer(2, 8), {.trainer_optimizer = true});
+    RANK_CHECK_THROWS(cohort::error, own.join([] {}), "pass join_options::update");
     auto evaluating = state.evaluation();
     (void)state.gather(1);
     RANK_CHECK_THROWS(cohort::error, state.gradient(0), "gradient() inside evaluation()");

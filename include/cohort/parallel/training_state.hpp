@@ -351,9 +351,14 @@ class training_state {
   // step() in one more such all-reduce, and the joined ranks issue the same. The ranks with
   // data must still gather alike, as without a join; one that differs is named at the
   // announcement, before a gather pairs with the wrong one. When `loop` throws, the rank
-  // leaves at once (the others then fail within their timeout, naming it).
+  // leaves at once (the others then fail within their timeout, naming it). A rank that
+  // answers contributes zero gradients (adopted gradients are zeroed while it answers: its
+  // trainer no longer does), and with trainer_optimizer it still updates its part of every
+  // step the others take, through `update` (then publishes, as after any step).
   struct join_options {
     bool divide_by_initial_world = false;
+    // trainer_optimizer: the trainer's update of owned_spans() for a step (not skipped).
+    std::function<void(const step_result&)> update = {};
   };
   template <class Loop>
   void join(Loop&& loop, join_options options = {});
@@ -598,6 +603,8 @@ class training_state {
     if (join_ && !agreed_) contributors_ = agree();
   }
   void answer_until_all_joined();
+  // A step this rank answers after its loop ended (see join).
+  void answer_step();
   void measure(step_result& result);
   void warn_if_overlap_lost();
   void update(double grad_scale);

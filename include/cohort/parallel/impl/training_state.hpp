@@ -638,7 +638,10 @@ void training_state<B, P, G>::join(Loop&& loop, join_options options) {
     fail("join", "a join with replicas (hybrid sharding) is not supported",
          "give every rank the same number of batches (e.g. the sampler's even_batches), or train without replicas");
   if (join_) fail("join", "a join is already running", "run one join around the training loop");
-  join_ = options;
+  if (options_.trainer_optimizer && !options.update)
+    fail("join", "with trainer_optimizer, a rank that ran out of data still updates its part of the others' steps",
+         "pass join_options::update: your update of owned_spans(), given the step's result");
+  join_ = std::move(options);
   // Whatever happens in the loop, the state leaves the join: an error propagates from here as
   // from any call, with no destructor in the way.
   struct leave {
@@ -728,6 +731,9 @@ void training_state<B, P, G>::answer_until_all_joined() {
     fail("join", "the loop ended in the middle of a step (the state was called since the last step())",
          "end the join's loop after step(), when this rank has no more batches");
   const std::size_t buckets = layout_.buckets.size();
+  auto& engine = group_->backend();
+  // Nothing of this rank's is reduced from here: its adopted gradients start at zero.
+  if (adopted_) fill(engine, grads_, layout_.elements, dtype_v<G>, 0.0);
   for (;;) {
     std::int64_t sum[3] = {0, 0, 0};
     exchange(sum);
@@ -738,7 +744,7 @@ void training_state<B, P, G>::answer_until_all_joined() {
       agreed_ = true;
       if (!sharded_parameters()) {
         if (sync_micro_step_)
-          step();
+          answer_step();
         else
           reset_marks();  // as a no_sync scope's end
       }
@@ -755,7 +761,7 @@ void training_state<B, P, G>::answer_until_all_joined() {
                bucket == buckets - 1 - launched_) {
       launch(buckets - 1 - launched_++);  // zeros
     } else if (whole && what == static_cast<std::int64_t>(joined_call::step)) {
-      step();
+      answer_step();
     } else if (!whole) {
       fail("join",
            detail::text("the ", std::to_string(n), " ranks with data announced different calls (sums ",
@@ -770,6 +776,17 @@ void training_state<B, P, G>::answer_until_all_joined() {
     }
   }
   agreed_ = false;
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::answer_step() {
+  const step_result result = step();
+  if (options_.trainer_optimizer) {
+    if (!result.skipped) join_->update(result);
+    publish_parameters();
+  }
+  // The step reduced in place into the adopted gradients: zero again for the next.
+  if (adopted_) fill(group_->backend(), grads_, layout_.elements, dtype_v<G>, 0.0);
 }
 
 template <backend B, element P, element G>
