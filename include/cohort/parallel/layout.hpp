@@ -26,16 +26,20 @@ struct region {
   std::size_t layer = 0;
   bool decay = true;      // AdamW's decoupled weight decay applies (matrices, not biases/norms)
   double lr_scale = 1.0;  // a parameter group's learning rate, relative to the optimizer's
+  // The tensor's shape, row-major (a Linear's weight: {out, in}), for what exports it
+  // (consolidate_checkpoint's safetensors); empty: 1-D, {count}. Its product must be count.
+  std::vector<std::size_t> shape = {};
 };
 
 // Regions of a tensor-major layout stacked over layers, as llm.c lays out GPT-2: tensor t's
 // `layers` copies sit one after another ([W_0 .. W_{L-1}] then [b_0 .. b_{L-1}]), so a layer's
 // tensors are not contiguous in the logical buffer. Region t * layers + l is tensor t of layer
-// l, named "<name>.<l>", with that tensor's decay flag.
+// l, named "<name>.<l>", with that tensor's decay flag and per-layer shape.
 struct stacked_tensor {
   std::string name;
   std::size_t per_layer = 0;
   bool decay = true;
+  std::vector<std::size_t> shape = {};  // of one layer's tensor; empty: {per_layer}
 };
 std::vector<region> stacked_regions(const std::vector<stacked_tensor>& tensors, std::size_t layers,
                                     std::size_t first_layer = 0, std::size_t offset = 0);
