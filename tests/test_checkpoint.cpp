@@ -6,6 +6,8 @@
 // checkpoint loadable. Asynchronous saves: committed by rank 0's writer with no collective,
 // streamed through a staging bound below the state, one rank's failed write raised on every
 // rank, a rank killed before publishing its checksums leaving the step uncommitted.
+// test_checkpoint_integrity.cpp tries the index and the directory as a hostile or unlucky
+// user would.
 #include <catch2/catch.hpp>
 
 #include <cohort/parallel/checkpoint.hpp>
@@ -34,8 +36,7 @@
 #include <utility>
 #include <vector>
 
-#include "flat_fixtures.hpp"
-#include "support.hpp"
+#include "checkpoint_fixtures.hpp"
 
 namespace {
 
@@ -43,13 +44,8 @@ using cohort::region;
 using cohort::strategy;
 namespace fs = std::filesystem;
 
-fs::path scratch_dir(const std::string& name) {
-  const fs::path dir =
-      fs::temp_directory_path() / ("cohort-test-checkpoint-" + std::to_string(::getpid()) + "-" + name);
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
+using cohort_test::load_errors;
+fs::path scratch_dir(const std::string& name) { return cohort_test::checkpoint_scratch(name); }
 
 // llm.c's layout, smaller: an embedding, then two tensors stacked over the layers.
 std::vector<region> model_regions(std::size_t scale = 1) {
@@ -274,30 +270,6 @@ TEST_CASE("resumed under another strategy: zero2 as ddp, ddp as zero3, within 1e
   CHECK(b.difference < 1e-9);
 }
 
-namespace {
-
-// Every rank's error text from loading `checkpoint` into a state of `regions` (empty: it loaded).
-// `read_in_all`, where given: the bytes the ranks read, added up.
-std::vector<std::string> load_errors(const fs::path& checkpoint, int world, const std::vector<region>& regions,
-                                     std::uint64_t* read_in_all = nullptr) {
-  std::vector<std::string> errors(static_cast<std::size_t>(world));
-  std::vector<std::uint64_t> read(errors.size());
-  auto store = std::make_shared<cohort::memory_store>();
-  cohort_test::run_ranks(world, [&](int rank) {
-    auto pg = cohort_test::make_gloo_group(store, rank, world);
-    cohort::training_state<cohort::gloo, double> state(pg, regions, {.strategy = strategy::zero2});
-    try {
-      read[static_cast<std::size_t>(rank)] = cohort::load_checkpoint(state, checkpoint.string()).bytes_read;
-    } catch (const cohort::error& failure) {
-      errors[static_cast<std::size_t>(rank)] = failure.what();
-    }
-  });
-  if (read_in_all) *read_in_all = std::accumulate(read.begin(), read.end(), std::uint64_t{0});
-  return errors;
-}
-
-}  // namespace
-
 // Hybrid sharding: every copy of the group holds the same state, so the first copy writes one
 // checkpoint at the group's size, which a plain world resumes; and a hybrid state resumes from
 // a plain checkpoint, every copy reading the same files.
@@ -372,15 +344,7 @@ TEST_CASE("a flipped byte is refused naming the file and the rank, and another m
                       "keeps [parameters, sgd.momentum]");
   });
 
-  {
-    std::fstream file(checkpoint / "rank-00001.bin", std::ios::in | std::ios::out | std::ios::binary);
-    file.seekg(100);
-    char byte = 0;
-    file.read(&byte, 1);
-    byte = static_cast<char>(byte ^ 0x10);
-    file.seekp(100);
-    file.write(&byte, 1);
-  }
+  cohort_test::flip_bit(checkpoint / "rank-00001.bin", 100, 4);
   for (const int world : {2, 3}) {
     const auto errors = load_errors(checkpoint, world, model_regions());
     for (const auto& text : errors) {
@@ -440,16 +404,6 @@ std::map<std::pair<std::size_t, std::uint64_t>, std::set<int>> block_readers(con
   return readers;
 }
 
-void flip_byte(const fs::path& file, std::uint64_t offset) {
-  std::fstream stream(file, std::ios::in | std::ios::out | std::ios::binary);
-  stream.seekg(static_cast<std::streamoff>(offset));
-  char byte = 0;
-  stream.read(&byte, 1);
-  byte = static_cast<char>(byte ^ 0x10);
-  stream.seekp(static_cast<std::streamoff>(offset));
-  stream.write(&byte, 1);
-}
-
 }  // namespace
 
 TEST_CASE("a flipped byte in a block two ranks read in parts is refused on every rank", "[checkpoint][gloo][faults]") {
@@ -467,7 +421,7 @@ TEST_CASE("a flipped byte in a block two ranks read in parts is refused on every
     }
   REQUIRE(straddling.has_value());
   const std::uint64_t begin = *straddling * manifest.block_bytes;
-  flip_byte(checkpoint / "rank-00001.bin", begin + 13);  // inside a word: the parts are split by bytes
+  cohort_test::flip_bit(checkpoint / "rank-00001.bin", begin + 13, 4);  // inside a word: the parts are split by bytes
   const std::string readers_text = std::to_string(*readers.begin()) + ", " + std::to_string(*readers.rbegin());
   const auto errors = load_errors(checkpoint, 3, model_regions());
   for (const auto& text : errors) {
