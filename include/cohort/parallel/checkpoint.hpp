@@ -370,7 +370,10 @@ checkpoint_listing list_checkpoints(const std::string& directory);
 // Rank 0 of a job that saves to or resumes from DIR: DIR/.cohort made, its lock taken (or
 // found held by this process already). Another process holding it is a cohort::error naming
 // it: its host, pid, program and since when. The lock is held until the process ends.
-void lock_checkpoint_directory(const std::string& directory, int rank, std::string_view operation);
+// `required` false (a resume): a DIR this process cannot write is not locked (a warning, and
+// false): no job of this user can change it.
+bool lock_checkpoint_directory(const std::string& directory, int rank, std::string_view operation,
+                               bool required = true);
 // Rank 0, before a save: DIR created and locked, what interrupted saves and prunes left in
 // DIR/.cohort removed, the staging directory created. A DIR/step-<step> that is not a cohort
 // checkpoint is refused (never replaced).

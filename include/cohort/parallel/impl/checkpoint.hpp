@@ -680,10 +680,12 @@ std::optional<checkpoint_info> resume_checkpoint(training_state<B, P, G>& state,
   {
     std::exception_ptr failure;
     if (leader) try {
-        // The directory is made now, so that its lock holds from the start of the job.
+        // The directory is made now, so that its lock holds from the start of the job. One
+        // this job cannot write (a published checkpoint to start from) no job of this user can
+        // change under it: resumed from without a lock.
         std::error_code ec;
         std::filesystem::create_directories(directory, ec);
-        detail::lock_checkpoint_directory(directory, group.rank(), operation);
+        detail::lock_checkpoint_directory(directory, group.rank(), operation, false);
         const auto listing = detail::list_checkpoints(directory);
         for (const auto& ignored : listing.ignored) detail::checkpoint_warning(group.rank(), ignored);
         for (auto it = listing.committed.rbegin(); it != listing.committed.rend(); ++it)

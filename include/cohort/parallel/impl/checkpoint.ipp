@@ -198,13 +198,19 @@ COHORT_DECL checkpoint_listing list_checkpoints(const std::string& directory) {
   return out;
 }
 
-COHORT_DECL void lock_checkpoint_directory(const std::string& directory, int rank, std::string_view operation) {
+COHORT_DECL bool lock_checkpoint_directory(const std::string& directory, int rank, std::string_view operation,
+                                           bool required) {
+  if (!required && ::access(directory.c_str(), W_OK) != 0) {
+    checkpoint_warning(rank, detail::text(directory, " is not writable here (", std::strerror(errno),
+                                          "): read without its lock, which only a job that can save there needs"));
+    return false;
+  }
   const std::string folder = own_folder(directory, rank, operation);
   const std::string lock_path = path_in(folder, "lock"), holder_path = path_in(folder, "holder");
   const lock_holder me = this_process();
   // This process holds it already: the lock's own file is not opened again (under NFS, flock
   // is a POSIX lock, which closing any descriptor of the file would release).
-  if (parse_holder(read_small_file(holder_path)).same_process(me)) return;
+  if (parse_holder(read_small_file(holder_path)).same_process(me)) return true;
   checkpoint_fd lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644));
   if (lock.get() < 0)
     throw error(rank, operation, detail::text("cannot open the lock ", lock_path, ": ", std::strerror(errno)),
@@ -234,6 +240,7 @@ COHORT_DECL void lock_checkpoint_directory(const std::string& directory, int ran
   // and resumes are calls), and the kernel releases it however the process ends, so no stale
   // lock outlives its job.
   (void)lock.release();
+  return true;
 }
 
 COHORT_DECL void begin_checkpoint(const std::string& directory, const std::string& staging, std::uint64_t step,
