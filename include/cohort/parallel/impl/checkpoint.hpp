@@ -546,7 +546,7 @@ checkpoint_info save_checkpoint(training_state<B, P, G>& state, const std::strin
 template <backend B, element P, element G>
 async_checkpointer<B, P, G>::~async_checkpointer() {
   // Not agreed on (that takes every rank): committed only if rank 0's writer already had every
-  // key; otherwise the files stay in a tmp-* directory, never loaded.
+  // key; otherwise the files stay in DIR/.cohort, never loaded, removed by the next save.
   if (!pending_) return;
   pending_->stop = true;
   if (pending_->copier.joinable()) pending_->copier.join();
