@@ -26,7 +26,11 @@
 //   - a load at other world sizes (saved at --ranks, loaded at 2 under ddp and 3 under zero3,
 //     the files' pages dropped from the page cache first): bytes read in all against the
 //     checkpoint's size, 1.00x: a rank reads exactly the bytes of its new shard, and a
-//     checksum block straddling two ranks' shards is verified from the parts each read.
+//     checksum block straddling two ranks' shards is verified from the parts each read;
+//   - reading an index (its checksum, then every field checked; in memory, no disk): indexes
+//     of 10,000 to 160,000 metadata keys and of as many segments, the time per entry, which
+//     stays flat (one pass), against the limits (16 MiB of text, 32 MiB parsed). --index-only
+//     measures this alone.
 #include <fcntl.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -72,6 +76,7 @@ struct config {
   int between_ms = 1000;
   int compute_ms = 200;
   std::string dir, json_path;
+  bool index_only = false;
 };
 
 double seconds_since(clock_type::time_point start) {
@@ -107,11 +112,14 @@ config parse(int argc, char** argv) {
       cfg.dir = args.value();
     else if (arg == "--json")
       cfg.json_path = args.value();
+    else if (arg == "--index-only")
+      cfg.index_only = true;
     else
       throw std::runtime_error(
           "unknown option " + arg +
           " (bench_checkpoint [--ranks N] [--bytes 256M] "
-          "[--block-bytes 1M] [--repeat 5] [--between-ms 1000] [--compute-ms 200] [--dir DIR] [--json FILE])");
+          "[--block-bytes 1M] [--repeat 5] [--between-ms 1000] [--compute-ms 200] [--dir DIR] [--json FILE] "
+          "[--index-only])");
   }
   if (cfg.ranks < 1 || cfg.repeat < 1) throw std::runtime_error("--ranks and --repeat must be at least 1");
   return cfg;
@@ -399,11 +407,71 @@ results run(const config& cfg) {
   return out;
 }
 
+// Reading an index of `entries` metadata keys or segments (the two parts an index grows by):
+// the text built as a save writes it, then read back as a load reads it, median of 5.
+struct index_row {
+  std::string kind;
+  std::size_t entries = 0, bytes = 0;
+  double seconds = 0;
+};
+std::vector<index_row> index_rows() {
+  std::vector<index_row> rows;
+  for (const char* kind : {"metadata keys", "segments"})
+    for (const std::size_t entries : {std::size_t{10000}, std::size_t{40000}, std::size_t{160000}}) {
+      cohort::detail::checkpoint_manifest m;
+      m.world_size = 1;
+      m.strategy = "zero3";
+      m.parameter_dtype = m.dtype = "float";
+      m.element_bytes = 4;
+      m.block_bytes = std::uint64_t{1} << 30;
+      m.tensors = {"parameters", "adam.exp_avg", "adam.exp_avg_sq"};
+      cohort::detail::checkpoint_file file;
+      file.name = cohort::detail::checkpoint_file_name(0);
+      const bool keys = std::string(kind) == "metadata keys";
+      const std::uint64_t count = keys ? 1 : entries;
+      m.regions = {{"weight", count, {count}}};
+      for (std::uint64_t k = 0; k < (keys ? 1 : entries); ++k) file.segments.push_back({0, k, 1});
+      if (keys)
+        for (std::size_t k = 0; k < entries; ++k) m.metadata["sampler.position." + std::to_string(k)] = "0";
+      file.elements = count;
+      file.bytes = 3 * count * 4;
+      file.blocks = {0};
+      file.checksum = cohort::detail::checkpoint_file_checksum(file.blocks, file.bytes);
+      m.files = {file};
+      const std::string text = cohort::detail::checkpoint_manifest_json(m);
+      std::vector<double> runs;
+      for (int run = 0; run < 5; ++run) {
+        const auto started = clock_type::now();
+        const auto back = cohort::detail::parse_checkpoint_manifest(text, "manifest.json", -1, "bench_checkpoint");
+        runs.push_back(seconds_since(started));
+        if (back.metadata.size() != m.metadata.size() || back.files[0].segments.size() != file.segments.size())
+          throw std::runtime_error("the index read back differs");
+      }
+      rows.push_back({kind, entries, text.size(), median(runs)});
+    }
+  return rows;
+}
+
+void print_index_rows(const std::vector<index_row>& rows) {
+  std::printf("%-44s %10s %12s %s\n", "reading an index (checksum, checks, parse)", "seconds", "MiB/s",
+              "per entry; limits: 16 MiB of text, 32 MiB parsed");
+  for (const auto& row : rows)
+    std::printf("%-44s %10.4f %12.1f %.0f ns per entry, %.1f MiB of text\n",
+                (std::to_string(row.entries) + " " + row.kind).c_str(), row.seconds,
+                static_cast<double>(row.bytes) / row.seconds / mib,
+                row.seconds / static_cast<double>(row.entries) * 1e9, static_cast<double>(row.bytes) / mib);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     config cfg = parse(argc, argv);
+    const auto index = index_rows();
+    if (cfg.index_only) {
+      print_index_rows(index);
+      return 0;
+    }
     const bool own_dir = cfg.dir.empty();
     if (own_dir) cfg.dir = (fs::temp_directory_path() / ("cohort-bench-checkpoint-" + std::to_string(::getpid())));
     fs::create_directories(cfg.dir);
@@ -460,6 +528,7 @@ int main(int argc, char** argv) {
                   ("load at " + std::to_string(l.world) + " ranks (" + l.strategy + ")").c_str(), l.seconds,
                   size / l.seconds / mib, static_cast<double>(l.bytes_read) / mib,
                   static_cast<double>(l.bytes_read) / size);
+    print_index_rows(index);
 
     if (!cfg.json_path.empty()) {
       using cohort::detail::json;
@@ -518,6 +587,16 @@ int main(int argc, char** argv) {
         loads.push_back(std::move(row));
       }
       doc.set("loads", std::move(loads));
+      json indexes = json::make_array();
+      for (const auto& row : index) {
+        json entry = json::make_object();
+        entry.set("kind", row.kind);
+        entry.set("entries", static_cast<unsigned long>(row.entries));
+        entry.set("bytes", static_cast<unsigned long>(row.bytes));
+        entry.set("seconds", row.seconds);
+        indexes.push_back(std::move(entry));
+      }
+      doc.set("index_reads", std::move(indexes));
       std::ofstream file(cfg.json_path);
       file << doc.dump(2) << "\n";
       if (!file) throw std::runtime_error("cannot write " + cfg.json_path);

@@ -45,12 +45,18 @@ struct config {
   }
 };
 
-// The model's tensors as regions of its flat buffer: W_l and b_l in layer l, matrices decayed.
+// The model's tensors as regions of its flat buffer: W_l and b_l in layer l, matrices decayed,
+// W_l shaped out x in (row-major, a torch Linear's weight) so that a consolidated checkpoint
+// loads into such a module as it is.
 inline std::vector<cohort::region> regions_of(const mlp& model, const flat_layout& layout) {
   std::vector<cohort::region> regions;
-  for (std::size_t t = 0; t < layout.regions.size(); ++t)
-    regions.push_back({(t % 2 == 0 ? "W" : "b") + std::to_string(t / 2), layout.regions[t].offset,
-                       layout.regions[t].count, t / 2, layout.decay[t] != 0, 1.0});
+  for (std::size_t t = 0; t < layout.regions.size(); ++t) {
+    const std::size_t out = layout.regions[t | 1].count;  // b_l's count: W_l's rows
+    regions.push_back(
+        {(t % 2 == 0 ? "W" : "b") + std::to_string(t / 2), layout.regions[t].offset, layout.regions[t].count, t / 2,
+         layout.decay[t] != 0, 1.0,
+         t % 2 == 0 ? std::vector<std::size_t>{out, layout.regions[t].count / out} : std::vector<std::size_t>{out}});
+  }
   (void)model;
   return regions;
 }

@@ -144,3 +144,39 @@ TEST_CASE("json: non-finite numbers cannot be written") {
   CHECK_THROWS_WITH(json(std::numeric_limits<double>::infinity()).dump(), Catch::Contains("non-finite"));
   CHECK_THROWS_WITH(json(std::numeric_limits<double>::quiet_NaN()).dump(), Catch::Contains("non-finite"));
 }
+
+TEST_CASE("json: an object of 80,000 keys parses in one pass, a duplicate among them still found") {
+  std::string text = "{";
+  for (int k = 0; k < 80000; ++k) text += (k ? ",\"" : "\"") + std::to_string(k) + "\": " + std::to_string(k);
+  CHECK(parse_json(text + "}").size() == 80000);
+  CHECK_THAT(error_of(text + ", \"40000\": 1}"), Catch::Contains("duplicate key \"40000\""));
+}
+
+TEST_CASE("json_cursor: members in a fixed order, unsigned integers exact and strict") {
+  using cohort::detail::json_cursor;
+  json_cursor in(R"({"a": 18446744073709551615, "b": "x\ty"})");
+  in.open('{');
+  in.key("a");
+  CHECK(in.unsigned_integer() == 18446744073709551615ull);
+  in.comma();
+  in.key("b");
+  CHECK(in.string() == "x\ty");
+  in.close('}');
+  in.finish();
+  const auto error = [](const std::string& text, const std::string& key) {
+    try {
+      json_cursor c(text);
+      c.open('{');
+      c.key(key);
+      (void)c.unsigned_integer();
+    } catch (const cohort::error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK_THAT(error(R"({"b": 1})", "a"), Catch::Contains("expected the member \"a\""));
+  CHECK_THAT(error(R"({"a": 18446744073709551616})", "a"), Catch::Contains("below 2^64"));
+  CHECK_THAT(error(R"({"a": 012})", "a"), Catch::Contains("no leading zeros"));
+  CHECK_THAT(error(R"({"a": 1.5})", "a"), Catch::Contains("whole number"));
+  CHECK_THAT(error(R"({"a": -1})", "a"), Catch::Contains("unsigned integer"));
+}

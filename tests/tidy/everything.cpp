@@ -95,6 +95,8 @@ void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_en
     }
     const auto saved = cohort::save_checkpoint(hybrid, directory.string(), 1);
     (void)cohort::load_checkpoint(hybrid, saved.path);
+    (void)cohort::resume_checkpoint(hybrid, directory.string(), {.fall_back = false});
+    (void)cohort::verify_checkpoint(saved.path);
   }
 
   // Flat buffers: a training state with a loss scaler.

@@ -13,16 +13,25 @@
 //
 // On disk, DIR/step-<N>/ holds one file per rank of the saving run, rank-<r>.bin, and one
 // index, manifest.json. Every rank writes its own file in parallel: its shard of every bucket
-// (under ddp too, so no byte is written twice), tensor after tensor. The index names each
-// region's element count and dtype and, for each file, which byte ranges hold which elements
-// of which region and tensor, with a checksum per block of the file (verified on load) and
-// one over the blocks (the index's "version" and "checksum" say which kind; another is
-// refused).
+// (under ddp too, so no byte is written twice), tensor after tensor, each tensor's segments
+// back to back (so the index states no offsets: they follow from the segments' counts). The
+// index names each region's element count and shape, the masters' dtype and, for each file,
+// which elements of which region its segments hold, with a checksum per block of the file
+// and one over the blocks; the last line is a checksum of everything before it, verified
+// before anything in the index is used.
 //
-// Atomic: the files go into DIR/tmp-<N>-<random>, each fsynced; rank 0 writes the index last,
-// then renames the directory to DIR/step-<N> and fsyncs DIR. A crash at any moment leaves the
-// previous step-<M> intact; a tmp-* directory is never loaded and is removed by the next save;
-// the last `keep_last` checkpoints are kept.
+// The directory contract (docs/design.md "Checkpoints"): cohort creates, renames and deletes
+// only DIR/step-<N> directories holding a cohort index and what lies in DIR/.cohort/, its own
+// folder; every other entry of DIR is never touched. One job at a time: rank 0 holds an
+// flock on DIR/.cohort/lock for as long as its process lives (the kernel releases it when
+// the process ends, however it ends), and a second job's save or resume is refused at once,
+// naming the first (host, pid, program, since when).
+//
+// Atomic: the files go into DIR/.cohort/staging-<N>-<random>, each fsynced; rank 0 writes the
+// index last, then renames the directory to DIR/step-<N> and fsyncs DIR. A crash at any moment
+// leaves the previous step-<M> intact; what a crash leaves in DIR/.cohort is removed by the
+// next save. Pruning (all but the last `keep_last` checkpoints) first renames a checkpoint
+// into DIR/.cohort (one atomic step: it is gone from DIR whole), then deletes it there.
 //
 // Streamed: a rank's state goes to its file through a staging pool of at most
 // checkpoint_options::staging_bytes (the state once by default) in chunks of whole checksum
@@ -30,24 +39,27 @@
 // blocks' checksums; fsync at the end). The synchronous and the asynchronous save share it.
 //
 // Committed as soon as every file is durable: each rank's writer publishes its block checksums
-// (or its failure: the errno) under the save's key in the group's store; rank 0's writer waits
-// for every rank's key (short polls, never holding the store for long), writes the index,
-// renames and prunes. No collective of the trainer's is needed: with a save every K steps, a
-// crash after step k resumes after the newest save whose files were all durable, so it loses
-// at most K - 1 steps, plus the steps trained while the newest save was being written when the
-// crash came during that write. The next save() or
-// wait() agrees on the outcome (a small all-gather): an error of any rank's write is raised on
-// every rank naming the rank, the file and the errno; a save rank 0 did not commit in the
-// background (it stopped early) is committed there collectively; the keys are deleted.
+// (or its failure) under the save's key in the group's store; rank 0's writer waits for every
+// rank's key (short polls, never holding the store for long), writes the index, renames and
+// prunes. No collective of the trainer's is needed: with a save every K steps, a crash after
+// step k resumes after the newest save whose files were all durable, so it loses at most
+// K - 1 steps, plus the steps trained while the newest save was being written when the crash
+// came during that write. The next save() or wait() agrees on the outcome (a small
+// all-gather): an error of any rank's write is raised on every rank with that rank's own
+// message (the file, the errno); a save rank 0 did not commit in the background (it stopped
+// early) is committed there collectively; the keys are deleted.
 //
 // Loads anywhere: each rank reads, from whichever files hold them, exactly the bytes of its
 // new shard (counted); ranks that hold copies (ddp's everything, zero1/zero2's parameters)
-// gather them from the others, so each byte is read once in all. Every block is verified: by
-// the rank that read it whole, or, where it straddles two ranks' shards, on every rank from
-// the checksum parts each reader sent (the block checksum is linear). Another model's
-// regions or another dtype are refused naming the region, the sizes and the file; a block
-// whose checksum does not match is refused on every rank naming the file, the rank that wrote
-// it and the ranks that read it.
+// gather them from the others, so each byte is read once in all. Only regular files are
+// opened, never through a symlink (a FIFO or device in the checkpoint fails at once, named).
+// Every block is verified: by the rank that read it whole, or, where it straddles two ranks'
+// shards, on every rank from the checksum parts each reader sent (the block checksum is
+// linear). A refusal is agreed: every rank throws, with the refusing rank's own message.
+// Another model's regions, optimizer or dtype is a checkpoint_mismatch_error naming the
+// region, the sizes and the file; a damaged checkpoint (its index, a file missing or altered)
+// a checkpoint_damaged_error naming the file, and, for a block, the rank that wrote it and
+// the ranks that read it.
 
 #include <cstddef>
 #include <cstdint>
@@ -56,6 +68,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -90,6 +103,32 @@ struct checkpoint_info {
   std::uint64_t bytes_written = 0;  // by this rank (save)
   std::uint64_t bytes_read = 0;     // by this rank (load): its new shard; over all ranks, the checkpoint once
   double seconds = 0;               // this call, on this rank
+  // resume_checkpoint: the newer checkpoints it refused as damaged, newest first, each
+  // "DIR/step-<N>: why".
+  std::vector<std::string> skipped;
+};
+
+// A checkpoint that does not fit this training state (another model's regions or sizes,
+// another optimizer, another master dtype): the call or the configuration needs fixing, not
+// the files, and resume_checkpoint does not fall back past it.
+class checkpoint_mismatch_error : public error {
+ public:
+  using error::error;
+};
+
+// A checkpoint that is damaged or incomplete: its index fails its checksum or its checks, a
+// file is missing, truncated, altered or not a regular file. An earlier checkpoint may be
+// intact; resume_checkpoint falls back to it (resume_options::fall_back).
+class checkpoint_damaged_error : public error {
+ public:
+  using error::error;
+};
+
+struct resume_options {
+  // When the newest checkpoint is damaged: true loads the newest intact one and names the
+  // ones skipped (checkpoint_info::skipped, and a warning on rank 0); false refuses with the
+  // newest one's checkpoint_damaged_error.
+  bool fall_back = true;
 };
 
 // Collective. Saves the state after `step` (the trainer's count) as DIR/step-<step>; returns
@@ -128,6 +167,9 @@ struct checkpoint_fault {
   int rank = -1;                // no rank
   bool cannot_create = false;   // the file is created in a directory that does not exist (ENOENT)
   bool hold_published = false;  // after fsync, the checksums are held back until the process dies
+  // Rank 0: the process SIGKILLs itself at this step of the commit (the index written, the
+  // renames, the fsyncs, each file and directory pruning removes), counted from 0.
+  int die_at_commit_step = -1;
 };
 struct checkpoint_fault_injection {
   template <class Saver>
@@ -147,8 +189,8 @@ struct checkpoint_fault_injection {
 // trainer's own work (Gloo: its queue, so a chunk's memmove may wait behind a gather of the
 // forward; a device backend: its stream, into pageable staging). The next save() or wait()
 // (collective) agrees on the outcome: an error of any rank's write surfaces there on every
-// rank, naming the rank, the file and the errno; a save not committed in the background is
-// committed there. One save in flight at a time.
+// rank, with that rank's message (the file, the errno); a save not committed in the
+// background is committed there. One save in flight at a time.
 //
 //   cohort::async_checkpointer saver(state);
 //   if (step % 100 == 0) saver.save("ckpt", step, {.metadata = ...});   // returns the previous one's info
@@ -166,7 +208,7 @@ class async_checkpointer {
   async_checkpointer(const async_checkpointer&) = delete;
   async_checkpointer& operator=(const async_checkpointer&) = delete;
   // Waits for the write in flight; rank 0 stops waiting for the other ranks' keys. One never
-  // committed stays a tmp-* directory, never loaded.
+  // committed stays in DIR/.cohort, never loaded, removed by the next save.
   ~async_checkpointer();
 
   // Collective. Agrees on the previous save (its info, or nullopt when there was none), then
@@ -195,54 +237,63 @@ class async_checkpointer {
 
 // Collective. Loads DIR/step-<N> (the path a checkpoint_info names) into `state`, whatever the
 // world size and strategy that saved it. The loss scaler's state goes to options().scaler.
+// Nothing reaches the state unless every byte of the checkpoint the ranks read was verified.
 template <backend B, element P, element G>
 checkpoint_info load_checkpoint(training_state<B, P, G>& state, const std::string& checkpoint);
 
-// Collective. Loads the newest complete checkpoint in `directory` (tmp-* ignored); nullopt
-// when there is none (a first run). The trainer continues after the returned step, with the
-// returned metadata.
+// Collective. Loads the newest intact checkpoint in `directory` (see resume_options); nullopt
+// when there is none at all (a first run). The trainer continues after the returned step,
+// with the returned metadata. Rank 0 takes the directory's lock first: a directory another
+// job uses is refused on every rank, naming that job.
 template <backend B, element P, element G>
-std::optional<checkpoint_info> resume_checkpoint(training_state<B, P, G>& state, const std::string& directory);
+std::optional<checkpoint_info> resume_checkpoint(training_state<B, P, G>& state, const std::string& directory,
+                                                 const resume_options& options = {});
 
-// The newest complete checkpoint in `directory`: DIR/step-<N> with its index, largest N.
+// The newest committed checkpoint in `directory`: DIR/step-<N> with a cohort index, largest N.
 std::optional<std::string> newest_checkpoint(const std::string& directory);
 
-// Reads every byte of the checkpoint at `checkpoint` and checks every block's checksum; the
-// bytes read. A damaged one is a cohort::error naming the file and the rank that wrote it.
+// Reads every byte of the checkpoint at `checkpoint` (file after file, a few MiB at a time)
+// and checks the index and every block's checksum; the bytes read. A damaged one is a
+// checkpoint_damaged_error naming the file (and, for a block, the rank that wrote it).
 std::uint64_t verify_checkpoint(const std::string& checkpoint);
 
 // The checkpoint's parameters (the masters, as saved), whatever world size wrote them, as one
 // safetensors file (an 8-byte little-endian header length, a JSON header naming each tensor's
-// dtype, shape and data offsets, the raw data): one tensor per region, named as the region.
-// Written atomically. Checksums verified on the way.
+// dtype, shape and data offsets, the raw data): one tensor per region, named and shaped as the
+// region. Written atomically (a temporary sibling, fsynced, renamed). Checksums verified on
+// the way.
 void consolidate_checkpoint(const std::string& checkpoint, const std::string& safetensors_path);
 
 namespace detail {
 
 // The index's contents (manifest.json).
-struct checkpoint_piece {
-  std::size_t tensor = 0;              // in checkpoint_manifest::tensors
+struct checkpoint_segment {
   std::size_t region = 0;              // in checkpoint_manifest::regions
   std::uint64_t first = 0, count = 0;  // elements of the region
-  std::uint64_t offset = 0;            // byte offset in the file
 };
 struct checkpoint_file {
-  std::string name;  // in the checkpoint's directory
+  std::string name;  // rank-<r>.bin, in the checkpoint's directory
   int rank = 0;      // that wrote it
   std::uint64_t bytes = 0;
   std::uint64_t checksum = 0;         // over the block checksums
   std::vector<std::uint64_t> blocks;  // one per block_bytes of the file
-  std::vector<checkpoint_piece> pieces;
+  // Each tensor's part of the file holds these, in this order, back to back; the tensors'
+  // parts follow each other in checkpoint_manifest::tensors' order. Segment k of tensor t
+  // starts at byte (t * elements + first elements of segments 0..k-1) * element_bytes.
+  std::vector<checkpoint_segment> segments;
+  std::uint64_t elements = 0;  // per tensor: the segments' counts added up (derived)
 };
 struct checkpoint_region {
   std::string name;
   std::uint64_t count = 0;
-  std::string dtype;
+  std::vector<std::uint64_t> shape;  // row-major; its product is count
 };
 struct checkpoint_manifest {
-  std::uint64_t step = 0, optimizer_steps = 0, block_bytes = 0, element_bytes = 0;
+  std::uint64_t step = 0, optimizer_steps = 0, block_bytes = 0;
+  std::uint64_t element_bytes = 0;  // of dtype (derived)
   int world_size = 0;
   std::string strategy, parameter_dtype;
+  std::string dtype;                 // the masters', every tensor's and region's
   std::vector<std::string> tensors;  // "parameters", then the optimizer's
   std::optional<loss_scaler::saved_state> scaler;
   std::map<std::string, std::string> metadata;
@@ -250,13 +301,39 @@ struct checkpoint_manifest {
   std::vector<checkpoint_file> files;  // by rank
 };
 
-std::string checkpoint_manifest_json(const checkpoint_manifest& manifest);
-// The index of the checkpoint at `checkpoint`; a missing or malformed one is a cohort::error
-// naming the path.
-checkpoint_manifest read_checkpoint_manifest(const std::string& checkpoint, int rank);
+// What an index may be, checked before anything is allocated for it or read because of it:
+// a hostile or damaged index costs at most max_bytes of text plus max_memory of what parsing
+// keeps, and one pass over the text (names sorted once to find duplicates: n log n).
+struct checkpoint_index_limits {
+  static constexpr std::size_t max_bytes = std::size_t{16} << 20;   // manifest.json, by fstat before it is read
+  static constexpr std::size_t max_memory = std::size_t{32} << 20;  // its parsed contents, accounted as they grow
+  static constexpr std::size_t max_name = 4096;                     // a region's name, a metadata key
+  static constexpr int max_world = 1 << 20;                         // files
+  static constexpr std::size_t max_tensors = 16;                    // per element
+  static constexpr std::size_t max_dimensions = 16;                 // of a region's shape
+  static constexpr std::uint64_t min_block = 64, max_block = std::uint64_t{1} << 30;
+  static constexpr std::uint64_t max_count = std::uint64_t{1} << 56;  // elements, steps: below 2^63 in bytes
+};
 
-// The manifest's version and its block checksums' kind: an index of another is refused.
-inline constexpr int checkpoint_format_version = 2;
+// The index's text: the members in a fixed order, then a last member "index_checksum", the
+// block checksum of every byte before its line.
+std::string checkpoint_manifest_json(const checkpoint_manifest& manifest);
+// The index of the checkpoint at `checkpoint`, verified (its checksum, then every field
+// against the others: files by rank, segments tiling each region once and each file's bytes
+// exactly, counts, shapes, sizes, names) before it is returned; a missing, special, oversized
+// or malformed one is a checkpoint_damaged_error naming the path. `operation` names the caller
+// in the error.
+checkpoint_manifest read_checkpoint_manifest(const std::string& checkpoint, int rank,
+                                             std::string_view operation = "load_checkpoint");
+// The same from the index's text, which `path` names in errors.
+checkpoint_manifest parse_checkpoint_manifest(std::string_view text, const std::string& path, int rank,
+                                              std::string_view operation);
+
+// The index's version and its block checksums' kind: an index of another is refused by name.
+// Version 1 kept FNV-1a block checksums; version 2 no checksum of the index itself and each
+// piece's offset; version 3 the index checksum, segments whose offsets follow from their
+// counts, region shapes.
+inline constexpr int checkpoint_format_version = 3;
 inline constexpr const char* checkpoint_checksum_kind = "linear32";
 
 // A block's checksum, linear so that a block read in parts by several ranks is verified
@@ -278,11 +355,29 @@ std::uint64_t checkpoint_file_checksum(const std::vector<std::uint64_t>& blocks,
 
 std::string checkpoint_file_name(int rank);            // rank-00003.bin
 std::string checkpoint_step_name(std::uint64_t step);  // step-<N>
+// DIR/.cohort/staging-<N>-<nonce>: cohort's own folder holds every save in progress.
 std::string checkpoint_staging_path(const std::string& directory, std::uint64_t step, std::uint64_t nonce);
 
-// Rank 0, before a save: DIR created, tmp-* left by interrupted saves removed, the staging
-// directory created.
-void begin_checkpoint(const std::string& directory, const std::string& staging, int rank);
+// DIR's committed checkpoints, by step, and what looks like one without being cohort's
+// (step-* names that are not a canonical step number, or hold no cohort index; symlinks):
+// those are never loaded, renamed or deleted.
+struct checkpoint_listing {
+  std::vector<std::pair<std::uint64_t, std::string>> committed;  // step, DIR/step-<N>; oldest first
+  std::vector<std::string> ignored;                              // "DIR/name: why"
+};
+checkpoint_listing list_checkpoints(const std::string& directory);
+
+// Rank 0 of a job that saves to or resumes from DIR: DIR/.cohort made, its lock taken (or
+// found held by this process already). Another process holding it is a cohort::error naming
+// it: its host, pid, program and since when. The lock is held until the process ends.
+// `required` false (a resume): a DIR this process cannot write is not locked (a warning, and
+// false): no job of this user can change it.
+bool lock_checkpoint_directory(const std::string& directory, int rank, std::string_view operation,
+                               bool required = true);
+// Rank 0, before a save: DIR created and locked, what interrupted saves and prunes left in
+// DIR/.cohort removed, the staging directory created. A DIR/step-<step> that is not a cohort
+// checkpoint is refused (never replaced).
+void begin_checkpoint(const std::string& directory, const std::string& staging, std::uint64_t step, int rank);
 // One rank's file, written as it streams in: created by the constructor, appended chunk by
 // chunk (each a whole number of blocks but the last; its write-back started at once, so the
 // final fsync finds little left), finished by fsync and close. A failure is a cohort::error
@@ -315,9 +410,10 @@ std::vector<std::uint8_t> checkpoint_outcome_bytes(bool failed, int failed_errno
 bool parse_checkpoint_outcome(std::span<const std::uint8_t> value, bool& failed, int& failed_errno,
                               std::vector<std::uint64_t>& blocks);
 // Rank 0, once every file is durable: the index written (fsynced) into the staging directory,
-// which is renamed to DIR/step-<N>; DIR fsynced; all but the newest keep_last removed.
+// which is renamed to DIR/step-<N>; DIR fsynced; all but the newest keep_last pruned (each
+// renamed into DIR/.cohort, then deleted there). `fault`: tests' kill points.
 void commit_checkpoint(const std::string& directory, const std::string& staging, const checkpoint_manifest& manifest,
-                       std::size_t keep_last, int rank);
+                       std::size_t keep_last, int rank, const checkpoint_fault& fault = {});
 
 // What a loading rank needs: elements [first, first + count) of a region's tensor into `into`.
 struct checkpoint_need {
@@ -325,8 +421,9 @@ struct checkpoint_need {
   std::uint64_t first = 0, count = 0;
   void* into = nullptr;
 };
-// Refuses a checkpoint of another model (region names, counts), dtype or optimizer, naming
-// the region, the sizes and the index file; for each of `regions`, its index in the manifest.
+// Refuses a checkpoint of another model (region names, counts), dtype or optimizer with a
+// checkpoint_mismatch_error naming the region, the sizes and the index file; for each of
+// `regions`, its index in the manifest.
 std::vector<std::size_t> match_checkpoint(const checkpoint_manifest& manifest, const std::string& checkpoint,
                                           const std::vector<std::string>& region_names,
                                           const std::vector<std::uint64_t>& region_counts, const std::string& dtype,
@@ -342,27 +439,29 @@ struct checkpoint_part {
   std::uint64_t block = 0, sum = 0, bytes = 0;
   int reader = 0;  // the rank
 };
-// The bytes of the files that no piece holds (none in a checkpoint this code wrote), which
-// must still be read by someone for their blocks to be verified.
-std::vector<checkpoint_range> checkpoint_gaps(const checkpoint_manifest& manifest);
 // Reads exactly what `needs` names, and the `also_verify` ranges, from the files that hold
-// them: neighbouring ranges in one read, nothing between them. Every block read whole is
-// verified here; for each block read only in part, its part is appended to `parts`, for
-// check_checkpoint_parts once every rank's parts are together. Returns the bytes read.
-// `failed_file` is set to the file a failure concerns, for the other ranks' errors.
+// them (each a regular file of the checkpoint's directory, its size the index's): neighbouring
+// ranges in one read, nothing between them. Every block read whole is verified here; for
+// each block read only in part, its part is appended to `parts`, for check_checkpoint_parts
+// once every rank's parts are together. Returns the bytes read.
 std::uint64_t read_checkpoint(const std::string& checkpoint, const checkpoint_manifest& manifest,
                               const std::vector<checkpoint_need>& needs,
-                              const std::vector<checkpoint_range>& also_verify, std::size_t element_bytes, int rank,
-                              std::int64_t& failed_file, std::vector<checkpoint_part>& parts);
+                              const std::vector<checkpoint_range>& also_verify, int rank,
+                              std::vector<checkpoint_part>& parts);
 // Every rank's parts of the blocks read in parts: each block's sum must be its checksum and
-// its parts must cover it exactly. A mismatch is a cohort::error naming the file, the rank
-// that wrote it, the block and the ranks that read it; the same on every rank given the same
-// parts.
+// its parts must cover it exactly. A mismatch is a checkpoint_damaged_error naming the file,
+// the rank that wrote it, the block and the ranks that read it; the same on every rank given
+// the same parts.
 void check_checkpoint_parts(const std::string& checkpoint, const checkpoint_manifest& manifest,
                             std::vector<checkpoint_part> parts, int rank);
 
 // safetensors' dtype name of a checkpoint dtype ("float" -> "F32"); empty for none.
 std::string safetensors_dtype(const std::string& dtype);
+// What cohort-ckpt inspect prints: the run, then per region its name, dtype, shape, elements
+// and bytes per tensor, then the files.
+std::string describe_checkpoint(const std::string& checkpoint, const checkpoint_manifest& manifest);
+// "cohort [rank r] warning: ..." on stderr, one write.
+void checkpoint_warning(int rank, std::string_view message);
 
 }  // namespace detail
 }  // namespace cohort::inline v0

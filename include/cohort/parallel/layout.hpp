@@ -34,6 +34,9 @@ struct region {
   std::size_t layer = 0;
   bool decay = true;      // AdamW's decoupled weight decay applies (matrices, not biases/norms)
   double lr_scale = 1.0;  // a parameter group's learning rate, relative to the optimizer's
+  // The tensor's shape, row-major (a Linear's weight: {out, in}), for what exports it
+  // (consolidate_checkpoint's safetensors); empty: 1-D, {count}. Its product must be count.
+  std::vector<std::size_t> shape = {};
 };
 
 // Regions of a tensor-major layout stacked over layers, as llm.c lays out GPT-2's blocks:
@@ -41,11 +44,13 @@ struct region {
 // [b_0 .. b_{L-1}]), so one tensor of every block is contiguous and a block's tensors are not.
 // The buffer stays in that order: region t * layers + l is block l's slice of tensor t, at
 // `offset` + (the tensors before it) + l x per_layer, named "<name>.<l>" with the trainer's
-// own block number l (0 .. layers - 1), in the state's layer `first_layer + l`.
+// own block number l (0 .. layers - 1), in the state's layer `first_layer + l`, with the
+// tensor's decay flag and per-layer shape.
 struct stacked_tensor {
   std::string name;
   std::size_t per_layer = 0;
   bool decay = true;
+  std::vector<std::size_t> shape = {};  // of one layer's tensor; empty: {per_layer}
 };
 std::vector<region> stacked_regions(const std::vector<stacked_tensor>& tensors, std::size_t layers,
                                     std::size_t first_layer = 0, std::size_t offset = 0);

@@ -32,28 +32,89 @@
 namespace cohort::inline v0 {
 namespace detail {
 
-// Runs `attempt` on this rank and lets every rank know whether any rank failed: the failing
-// rank rethrows its own error, the others throw one naming it, so that no rank waits in a
-// later collective for one that gave up. `attempt` may set `code` (an errno, a file) for the
-// others' message, which `describe` words.
-template <backend B>
-void checkpoint_together(process_group<B>& group, const std::string& operation,
-                         const std::function<void(std::int64_t& code)>& attempt,
-                         const std::function<std::string(int rank, std::int64_t code)>& describe,
-                         const std::string& hint) {
-  std::exception_ptr failure;
-  std::int64_t row[2] = {0, 0};
+// A rank's failure as the other ranks learn it: its kind (the exception type to raise), its
+// detail and its hint, in its own words.
+struct checkpoint_failure {
+  enum kind_type : std::int64_t { none = 0, other = 1, mismatch = 2, damaged = 3 };
+  std::int64_t kind = none;
+  std::string detail, hint;
+};
+
+inline checkpoint_failure describe_checkpoint_failure(const std::exception_ptr& failure) {
   try {
-    attempt(row[1]);
+    std::rethrow_exception(failure);
+  } catch (const checkpoint_mismatch_error& e) {
+    return {checkpoint_failure::mismatch, e.detail(), e.hint()};
+  } catch (const checkpoint_damaged_error& e) {
+    return {checkpoint_failure::damaged, e.detail(), e.hint()};
+  } catch (const error& e) {
+    return {checkpoint_failure::other, e.detail(), e.hint()};
+  } catch (const std::exception& e) {
+    return {checkpoint_failure::other, e.what(), {}};
+  } catch (...) {
+    return {checkpoint_failure::other, "an exception that is not a std::exception", {}};
+  }
+}
+
+// Collective: every rank learns whether any rank's `failure` is set, and why. Returns this
+// rank's own failure, or, where only others failed, an error of the same type carrying the
+// lowest failing rank's own message and hint (so the cause reaches every rank, whichever
+// rank's error a launcher or run_ranks prints); null when none failed. A count row, then,
+// only when something failed, the messages (at most 4 KiB each) as rows of one length.
+template <backend B>
+std::exception_ptr agree_on_failure(process_group<B>& group, std::string_view operation,
+                                    const std::exception_ptr& failure) {
+  constexpr std::size_t most = 4096;
+  std::string words;
+  checkpoint_failure mine;
+  if (failure) {
+    mine = describe_checkpoint_failure(failure);
+    words = detail::text(mine.detail.substr(0, most - 1 - std::min(mine.hint.size(), most / 2)), std::string(1, '\0'),
+                         mine.hint.substr(0, most / 2));
+  }
+  const std::int64_t row[2] = {mine.kind, static_cast<std::int64_t>(words.size())};
+  const auto rows = all_gather_values(group, std::span<const std::int64_t>(row, 2));
+  std::vector<int> failing;
+  std::size_t longest = 0;
+  for (int r = 0; r < group.size(); ++r)
+    if (rows[2 * static_cast<std::size_t>(r)] != checkpoint_failure::none) {
+      failing.push_back(r);
+      longest = std::max(longest, static_cast<std::size_t>(rows[2 * static_cast<std::size_t>(r) + 1]));
+    }
+  if (failing.empty()) return nullptr;
+  std::vector<std::int64_t> text((longest + 7) / 8, 0);
+  std::memcpy(text.data(), words.data(), words.size());
+  const auto texts = all_gather_values(group, std::span<const std::int64_t>(text));
+  if (failure) return failure;
+  const int first = failing.front();
+  const auto* theirs = reinterpret_cast<const char*>(texts.data() + static_cast<std::size_t>(first) * text.size());
+  const std::string_view said(theirs, static_cast<std::size_t>(rows[2 * static_cast<std::size_t>(first) + 1]));
+  const auto split = std::min(said.find('\0'), said.size());
+  const std::string detail_text = detail::text(
+      format_ranks(failing), " failed", (failing.size() > 1 ? detail::text("; rank ", std::to_string(first)) : ""),
+      ": ", said.substr(0, split));
+  const std::string_view hint = split < said.size() ? said.substr(split + 1) : std::string_view();
+  switch (rows[2 * static_cast<std::size_t>(first)]) {
+    case checkpoint_failure::mismatch:
+      return std::make_exception_ptr(checkpoint_mismatch_error(group.rank(), operation, detail_text, hint));
+    case checkpoint_failure::damaged:
+      return std::make_exception_ptr(checkpoint_damaged_error(group.rank(), operation, detail_text, hint));
+    default: return std::make_exception_ptr(error(group.rank(), operation, detail_text, hint));
+  }
+}
+
+// Runs `attempt` on this rank and lets every rank know whether any rank failed: the failing
+// rank rethrows its own error, the others one with its message (agree_on_failure), so that no
+// rank waits in a later collective for one that gave up.
+template <backend B>
+void checkpoint_together(process_group<B>& group, std::string_view operation, const std::function<void()>& attempt) {
+  std::exception_ptr failure;
+  try {
+    attempt();
   } catch (...) {
     failure = std::current_exception();
-    row[0] = 1;
   }
-  const auto all = all_gather_values(group, std::span<const std::int64_t>(row, 2));
-  if (failure) std::rethrow_exception(failure);
-  for (int r = 0; r < group.size(); ++r)
-    if (all[2 * static_cast<std::size_t>(r)] != 0)
-      throw error(group.rank(), operation, describe(r, all[2 * static_cast<std::size_t>(r) + 1]), hint);
+  if (const auto agreed = agree_on_failure(group, operation, failure)) std::rethrow_exception(agreed);
 }
 
 // Every rank's parts of the blocks it read in part, on every rank: a count, then rows padded
@@ -107,7 +168,7 @@ struct pending_checkpoint {
   std::size_t block_bytes = 0, keep_last = 0;
   std::size_t most_blocks = 0;   // over every rank's file: the checksum rows' length
   std::uint64_t bytes = 0;       // of this rank's file
-  checkpoint_manifest manifest;  // all but the checksums (rank 0: the files' pieces too)
+  checkpoint_manifest manifest;  // all but the checksums (rank 0: the files' segments too)
   checkpoint_fault fault;
   double seconds = 0;        // begin, on the saving thread
   double write_seconds = 0;  // the writer's, which spans the copy
@@ -229,7 +290,7 @@ struct pending_checkpoint {
     // Once begun, the commit's outcome is the save's: a failure after the rename (the fsync of
     // DIR, the pruning) must not send the agreement to commit a second time.
     try {
-      commit_checkpoint(directory, staging, m, keep_last, rank);
+      commit_checkpoint(directory, staging, m, keep_last, rank, fault);
       committed = true;
     } catch (...) {
       commit_failure = std::current_exception();
@@ -256,8 +317,9 @@ auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& di
   pending->keep_last = options.keep_last;
   pending->fault = fault;
 
-  // Rank 0 clears what interrupted saves left and makes the staging directory; its name
-  // (random, so two jobs or a restarted one never share it) reaches every rank.
+  // Rank 0 locks the directory, clears what interrupted saves left in DIR/.cohort and makes
+  // the staging directory there; its name (random, so a restarted job never reuses one)
+  // reaches every rank.
   std::int64_t nonce = 0;
   if (rank == 0)
     nonce = static_cast<std::int64_t>(std::random_device{}() & 0x7fffffffu) << 20 |
@@ -267,13 +329,9 @@ auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& di
   pending->file = detail::text(pending->staging, "/", checkpoint_file_name(rank));
   pending->keys = group.group_store();
   pending->key_prefix = detail::text("checkpoint/", std::to_string(nonce), "/");
-  checkpoint_together(
-      group, "save_checkpoint",
-      [&](std::int64_t&) {
-        if (rank == 0) begin_checkpoint(directory, pending->staging, rank);
-      },
-      [&](int, std::int64_t) { return detail::text("rank 0 could not prepare ", pending->staging); },
-      "the checkpoint directory must be writable by every rank (a shared file system)");
+  checkpoint_together(group, "save_checkpoint", [&] {
+    if (rank == 0) begin_checkpoint(directory, pending->staging, step, rank);
+  });
 
   // This rank's file: each tensor's elements of its segments.
   for (std::size_t t = 0; t < tensors.size(); ++t)
@@ -284,7 +342,7 @@ auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& di
     }
 
   // The index as of this step. Every rank's file is a function of the layout, so rank 0 names
-  // every file's pieces and the checksums travel in rows of one length.
+  // every file's segments and the checksums travel in rows of one length.
   auto& m = pending->manifest;
   m.step = step;
   m.optimizer_steps = state.steps();
@@ -293,22 +351,25 @@ auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& di
   m.world_size = world;
   m.strategy = std::string(to_string(state.strategy()));
   m.parameter_dtype = std::string(to_string(dtype_v<P>));
+  m.dtype = std::string(to_string(dtype_v<master>));
   m.tensors = tensors;
   if (state.options().scaler) m.scaler = state.options().scaler->save();
   m.metadata = options.metadata;
   const auto& regions = state.regions();
-  for (std::size_t r = 0; r < regions.size(); ++r)
-    m.regions.push_back(
-        {checkpoint_region_name(regions, r), regions[r].count, std::string(to_string(dtype_v<master>))});
+  for (std::size_t r = 0; r < regions.size(); ++r) {
+    std::vector<std::uint64_t> shape(regions[r].shape.begin(), regions[r].shape.end());
+    if (shape.empty()) shape.push_back(regions[r].count);
+    m.regions.push_back({checkpoint_region_name(regions, r), regions[r].count, std::move(shape)});
+  }
   for (int r = 0; r < world; ++r) {
     checkpoint_file f;
     f.name = checkpoint_file_name(r);
     f.rank = r;
-    for (std::size_t t = 0; t < tensors.size(); ++t)
-      for (const auto& s : state.checkpoint_segments(r)) {
-        if (rank == 0) f.pieces.push_back({t, s.region, s.offset - state.regions()[s.region].offset, s.count, f.bytes});
-        f.bytes += s.count * sizeof(master);
-      }
+    for (const auto& s : state.checkpoint_segments(r)) {
+      if (rank == 0) f.segments.push_back({s.region, s.offset - state.regions()[s.region].offset, s.count});
+      f.elements += s.count;
+    }
+    f.bytes = tensors.size() * f.elements * sizeof(master);
     pending->most_blocks = std::max(pending->most_blocks, (f.bytes + pending->block_bytes - 1) / pending->block_bytes);
     m.files.push_back(std::move(f));
   }
@@ -398,38 +459,21 @@ checkpoint_info agree_checkpoint_save(process_group<B>& group, pending_checkpoin
     pending.changed.wait(lock, [&] { return pending.finished; });
   }
   // A copy that failed is this rank's failure (its writer stopped without publishing).
-  if (pending.copy_failure && !pending.failure) {
-    pending.failure = pending.copy_failure;
-    pending.failed_errno = EIO;
-  }
-  std::int64_t row[2] = {pending.failure ? 1 : 0, pending.failed_errno};
-  const auto rows = all_gather_values(group, std::span<const std::int64_t>(row, 2));
+  if (pending.copy_failure && !pending.failure) pending.failure = pending.copy_failure;
+  // Any rank's failed write raised on every rank, in that rank's words (its file, its errno).
+  const auto write_failure = agree_on_failure(group, operation, pending.failure);
   pending.stop = true;
   if (pending.writer.joinable()) pending.writer.join();
-  if (pending.failure) {
+  if (write_failure) {
     forget_key();
-    std::rethrow_exception(pending.failure);
+    std::rethrow_exception(write_failure);
   }
-  for (int r = 0; r < world; ++r)
-    if (rows[2 * static_cast<std::size_t>(r)] != 0) {
-      forget_key();
-      const int code = static_cast<int>(rows[2 * static_cast<std::size_t>(r) + 1]);
-      throw error(
-          rank, operation,
-          detail::text("rank ", std::to_string(r), " could not write ", pending.staging, "/", checkpoint_file_name(r),
-                       " (errno ", std::to_string(code), ": ", std::strerror(code), ")"),
-          "free space or fix permissions; the previous checkpoint is intact");
-    }
   // Rank 0's commit: 1 made in the background, 2 failed there, 0 left to this agreement.
   std::int64_t commit = pending.committed ? 1 : pending.commit_failure ? 2 : 0;
   commit = all_gather_values(group, std::span<const std::int64_t>(&commit, 1))[0];
   forget_key();
   auto& m = pending.manifest;
-  if (commit == 2) {
-    if (pending.commit_failure) std::rethrow_exception(pending.commit_failure);
-    throw error(rank, operation, detail::text("rank 0 could not commit ", pending.staging),
-                "the previous checkpoint is intact; the partial one is removed by the next save");
-  }
+  if (commit == 2) std::rethrow_exception(agree_on_failure(group, operation, pending.commit_failure));
   if (commit == 0) {
     // Not committed in the background (rank 0 stopped waiting, or the store failed): the
     // checksums gathered here, the index written by rank 0.
@@ -443,13 +487,9 @@ checkpoint_info agree_checkpoint_save(process_group<B>& group, pending_checkpoin
                   f.blocks.size() * sizeof(std::uint64_t));
       f.checksum = checkpoint_file_checksum(f.blocks, f.bytes);
     }
-    checkpoint_together(
-        group, operation,
-        [&](std::int64_t&) {
-          if (rank == 0) commit_checkpoint(pending.directory, pending.staging, m, pending.keep_last, rank);
-        },
-        [&](int, std::int64_t) { return detail::text("rank 0 could not commit ", pending.staging); },
-        "the previous checkpoint is intact; the partial one is removed by the next save");
+    checkpoint_together(group, operation, [&] {
+      if (rank == 0) commit_checkpoint(pending.directory, pending.staging, m, pending.keep_last, rank, pending.fault);
+    });
   }
   checkpoint_info info;
   info.path = detail::text(pending.directory, "/", checkpoint_step_name(pending.step));
@@ -489,14 +529,9 @@ checkpoint_info save_checkpoint(training_state<B, P, G>& state, const std::strin
     } catch (...) {
       failure = std::current_exception();
     }
-  std::int64_t failed = failure ? 1 : 0;
-  failed = all_gather_values(*replicas, std::span<const std::int64_t>(&failed, 1))[0];
-  if (failure) std::rethrow_exception(failure);
-  if (failed != 0)
-    throw error(state.rank(), "save_checkpoint",
-                detail::text("the copy of the group that writes (replica rank 0) could not save step ",
-                             std::to_string(step), " in ", directory, " (its error says why)"),
-                "the previous checkpoint is intact");
+  // The writing copy's outcome, in its own words, on every copy.
+  if (const auto agreed = detail::agree_on_failure(*replicas, "save_checkpoint", failure))
+    std::rethrow_exception(agreed);
   if (replicas->rank() != 0) {
     info.path = detail::text(directory, "/", detail::checkpoint_step_name(step));
     info.step = step;
@@ -511,7 +546,7 @@ checkpoint_info save_checkpoint(training_state<B, P, G>& state, const std::strin
 template <backend B, element P, element G>
 async_checkpointer<B, P, G>::~async_checkpointer() {
   // Not agreed on (that takes every rank): committed only if rank 0's writer already had every
-  // key; otherwise the files stay in a tmp-* directory, never loaded.
+  // key; otherwise the files stay in DIR/.cohort, never loaded, removed by the next save.
   if (!pending_) return;
   pending_->stop = true;
   if (pending_->copier.joinable()) pending_->copier.join();
@@ -568,22 +603,21 @@ checkpoint_info load_checkpoint(training_state<B, P, G>& state, const std::strin
   const auto& regions = state.regions();
   const std::string operation = "load_checkpoint";
 
-  // Every rank reads the same index and checks it the same way: a refusal here is the same on
-  // every rank, and none waits for another.
-  const auto manifest = detail::read_checkpoint_manifest(checkpoint, rank);
-  std::vector<std::string> names;
-  std::vector<std::uint64_t> counts;
-  for (std::size_t r = 0; r < regions.size(); ++r) {
-    names.push_back(detail::checkpoint_region_name(regions, r));
-    counts.push_back(regions[r].count);
-  }
-  if (manifest.element_bytes != sizeof(master))
-    throw error(rank, operation,
-                detail::text(checkpoint, "/manifest.json holds ", std::to_string(manifest.element_bytes),
-                             "-byte elements, this training state's masters are ", to_string(dtype_v<master>)),
-                "load it into a state whose masters have the checkpoint's dtype");
-  const auto in_manifest = detail::match_checkpoint(manifest, checkpoint, names, counts,
-                                                    std::string(to_string(dtype_v<master>)), tensors, rank);
+  // Every rank reads the same index and checks it the same way; the verdict is agreed all the
+  // same (a file system may fail one rank alone), so no rank goes on while another gave up.
+  detail::checkpoint_manifest manifest;
+  std::vector<std::size_t> in_manifest;
+  detail::checkpoint_together(group, operation, [&] {
+    manifest = detail::read_checkpoint_manifest(checkpoint, rank);
+    std::vector<std::string> names;
+    std::vector<std::uint64_t> counts;
+    for (std::size_t r = 0; r < regions.size(); ++r) {
+      names.push_back(detail::checkpoint_region_name(regions, r));
+      counts.push_back(regions[r].count);
+    }
+    in_manifest = detail::match_checkpoint(manifest, checkpoint, names, counts, std::string(to_string(dtype_v<master>)),
+                                           tensors, rank);
+  });
 
   // This rank's shard of the new layout, read from wherever the old one put it.
   const auto segments = state.checkpoint_segments(rank);
@@ -597,30 +631,10 @@ checkpoint_info load_checkpoint(training_state<B, P, G>& state, const std::strin
           {t, in_manifest[s.region], s.offset - state.regions()[s.region].offset, s.count, staged.data() + at});
       at += s.count;
     }
-  // Bytes no piece holds (none where this code saved) still have to be verified: each range
-  // read by one rank.
-  std::vector<detail::checkpoint_range> also_verify;
-  const auto gaps = detail::checkpoint_gaps(manifest);
-  for (std::size_t g = static_cast<std::size_t>(rank); g < gaps.size(); g += static_cast<std::size_t>(group.size()))
-    also_verify.push_back(gaps[g]);
   std::uint64_t bytes_read = 0;
   std::vector<detail::checkpoint_part> parts;
   detail::checkpoint_together(
-      group, operation,
-      [&](std::int64_t& failed_file) {
-        bytes_read =
-            detail::read_checkpoint(checkpoint, manifest, needs, also_verify, sizeof(master), rank, failed_file, parts);
-      },
-      [&](int r, std::int64_t file) {
-        return detail::text(
-            "rank ", std::to_string(r), " refused ", checkpoint,
-            (file >= 0 && static_cast<std::size_t>(file) < manifest.files.size()
-                 ? detail::text("/", manifest.files[static_cast<std::size_t>(file)].name, " (written by rank ",
-                                std::to_string(manifest.files[static_cast<std::size_t>(file)].rank), ")")
-                 : std::string()),
-            " (its error says why)");
-      },
-      "load an earlier checkpoint of the directory, or fix the file system");
+      group, operation, [&] { bytes_read = detail::read_checkpoint(checkpoint, manifest, needs, {}, rank, parts); });
   // The blocks that straddle two ranks' reads: verified from every reader's part, on every
   // rank alike, before any of it reaches the state.
   detail::check_checkpoint_parts(checkpoint, manifest, detail::gather_checkpoint_parts(group, parts), rank);
@@ -647,23 +661,75 @@ checkpoint_info load_checkpoint(training_state<B, P, G>& state, const std::strin
 }
 
 template <backend B, element P, element G>
-std::optional<checkpoint_info> resume_checkpoint(training_state<B, P, G>& state, const std::string& directory) {
+std::optional<checkpoint_info> resume_checkpoint(training_state<B, P, G>& state, const std::string& directory,
+                                                 const resume_options& options) {
+  constexpr std::string_view operation = "resume_checkpoint";
   auto& group = state.group();
-  // Rank 0 decides which one, so that every rank loads the same even while the directory
+  process_group<B>* replicas = state.replica_count() > 1 ? state.replicas() : nullptr;
+  // The job's rank 0 (the first copy's, with replicas) speaks for the job: it takes the
+  // directory's lock and decides which checkpoint every rank loads, even while the directory
   // changes under them.
-  std::int64_t row[2] = {0, 0};
-  if (group.rank() == 0)
-    if (const auto newest = newest_checkpoint(directory)) {
-      row[0] = 1;
-      row[1] = static_cast<std::int64_t>(std::stoull(newest->substr(newest->rfind("step-") + 5)));
+  const bool leader = group.rank() == 0 && (!replicas || replicas->rank() == 0);
+  // A verdict of the group's ranks, then of the copies: every rank of the job throws alike.
+  const auto agree = [&](std::exception_ptr failure) {
+    failure = detail::agree_on_failure(group, operation, failure);
+    if (replicas) failure = detail::agree_on_failure(*replicas, operation, failure);
+    return failure;
+  };
+  std::vector<std::uint64_t> candidates;  // the leader's, newest first
+  {
+    std::exception_ptr failure;
+    if (leader) try {
+        // The directory is made now, so that its lock holds from the start of the job. One
+        // this job cannot write (a published checkpoint to start from) no job of this user can
+        // change under it: resumed from without a lock.
+        std::error_code ec;
+        std::filesystem::create_directories(directory, ec);
+        detail::lock_checkpoint_directory(directory, group.rank(), operation, false);
+        const auto listing = detail::list_checkpoints(directory);
+        for (const auto& ignored : listing.ignored) detail::checkpoint_warning(group.rank(), ignored);
+        for (auto it = listing.committed.rbegin(); it != listing.committed.rend(); ++it)
+          candidates.push_back(it->first);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+    if (const auto agreed = agree(failure)) std::rethrow_exception(agreed);
+  }
+  std::vector<std::string> skipped;
+  for (std::size_t k = 0;; ++k) {
+    std::int64_t next = leader && k < candidates.size() ? static_cast<std::int64_t>(candidates[k]) : -1;
+    broadcast_values(group, std::span<std::int64_t>(&next, 1), 0);
+    if (replicas) broadcast_values(*replicas, std::span<std::int64_t>(&next, 1), 0);
+    if (next < 0) break;
+    const std::string path =
+        detail::text(directory, "/", detail::checkpoint_step_name(static_cast<std::uint64_t>(next)));
+    std::exception_ptr failure;
+    checkpoint_info info;
+    try {
+      info = load_checkpoint(state, path);
+    } catch (const checkpoint_damaged_error&) {
+      failure = std::current_exception();
     }
-  auto chosen = all_gather_values(group, std::span<const std::int64_t>(row, 2));
-  // With replicas, the first copy's choice: every copy loads the same.
-  if (state.replica_count() > 1)
-    chosen = all_gather_values(*state.replicas(), std::span<const std::int64_t>(chosen.data(), 2));
-  if (chosen[0] == 0) return std::nullopt;
-  return load_checkpoint(
-      state, detail::text(directory, "/", detail::checkpoint_step_name(static_cast<std::uint64_t>(chosen[1]))));
+    // With replicas each copy loads on its own: one that failed makes every copy go on.
+    if (replicas) failure = detail::agree_on_failure(*replicas, operation, failure);
+    if (!failure) {
+      info.skipped = std::move(skipped);
+      return info;
+    }
+    try {
+      std::rethrow_exception(failure);
+    } catch (const checkpoint_damaged_error& damaged) {
+      if (!options.fall_back) throw;
+      skipped.push_back(detail::text(path, ": ", damaged.detail()));
+      if (leader) detail::checkpoint_warning(group.rank(), detail::text("skipping ", skipped.back()));
+    }
+  }
+  if (skipped.empty()) return std::nullopt;
+  std::string all;
+  for (const auto& s : skipped) all += detail::text((all.empty() ? "" : "; "), s);
+  throw checkpoint_damaged_error(group.rank(), operation,
+                                 detail::text("no intact checkpoint in ", directory, ": ", all),
+                                 "every checkpoint there is damaged: start afresh, or restore one from a copy");
 }
 
 }  // namespace cohort::inline v0

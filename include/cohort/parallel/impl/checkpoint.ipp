@@ -1,9 +1,15 @@
 #pragma once
-// cohort/parallel/checkpoint.hpp's definitions: inline there when header-only, compiled once by
-// <cohort/src.hpp> under COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
+// cohort/parallel/checkpoint.hpp's definitions, part two: the directory contract (listing,
+// lock, staging, commit, pruning), the writer of the ranks' files, the reader of them, and
+// verify, consolidate and inspect; part one (impl/checkpoint_index.ipp) is the index. Inline
+// when header-only, compiled once by <cohort/src.hpp> under COHORT_SEPARATE_COMPILATION.
+// Over 400 lines: the directory's rules and the files' reader and writer, one format's halves.
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -15,12 +21,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <optional>
-#include <sstream>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <tuple>
 #include <utility>
@@ -30,321 +36,242 @@
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
 #include "cohort/parallel/checkpoint.hpp"
-#include "cohort/run/atomic_write.hpp"
-#include "cohort/tools/detail/json.hpp"
+#include "cohort/parallel/impl/checkpoint_index.ipp"
+#include "cohort/tools/detail/json_cursor.hpp"
 
 namespace cohort::inline v0 {
+
+// ---- the directory -----------------------------------------------------------------------------
+
 namespace detail {
+namespace {
 
-// A file descriptor closed when it goes: the error paths need no clean-up of their own.
-class checkpoint_fd {
- public:
-  explicit checkpoint_fd(int fd) noexcept : fd_(fd) {}
-  checkpoint_fd(const checkpoint_fd&) = delete;
-  checkpoint_fd& operator=(const checkpoint_fd&) = delete;
-  ~checkpoint_fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const noexcept { return fd_; }
-  // Closes now, so that a failing close (a deferred write error) is seen: the errno, or 0.
-  int close() noexcept {
-    const int result = ::close(std::exchange(fd_, -1));
-    return result == 0 ? 0 : errno;
-  }
+// Why DIR/<name> is not a committed cohort checkpoint, or nullptr when it is one: a directory
+// (not a symlink) holding a regular manifest.json that begins as every cohort index has, of
+// any version. Only those are loaded, replaced or pruned.
+const char* not_a_checkpoint(int directory_fd, const std::string& name) {
+  struct stat status {};
+  if (::fstatat(directory_fd, name.c_str(), &status, AT_SYMLINK_NOFOLLOW) != 0) return "cannot be read";
+  if (!S_ISDIR(status.st_mode)) return S_ISLNK(status.st_mode) ? "is a symbolic link" : "is not a directory";
+  checkpoint_fd checkpoint(::openat(directory_fd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (checkpoint.get() < 0) return "cannot be read";
+  if (::fstatat(checkpoint.get(), "manifest.json", &status, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(status.st_mode))
+    return "holds no cohort index";
+  checkpoint_fd index(::openat(checkpoint.get(), "manifest.json", O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+  constexpr std::string_view head = "{\n \"format\": \"cohort-checkpoint\"";
+  char start[head.size()];
+  if (index.get() < 0 || ::pread(index.get(), start, head.size(), 0) != static_cast<ssize_t>(head.size()) ||
+      std::string_view(start, head.size()) != head)
+    return "holds no cohort index";
+  return nullptr;
+}
 
- private:
-  int fd_;
+struct directory_stream {
+  DIR* stream;
+  explicit directory_stream(const std::string& path) : stream(::opendir(path.c_str())) {}
+  directory_stream(const directory_stream&) = delete;
+  directory_stream& operator=(const directory_stream&) = delete;
+  ~directory_stream() {
+    if (stream) ::closedir(stream);
+  }
+  // The next name, skipping . and ..; empty at the end.
+  std::string next() {
+    while (stream)
+      if (const dirent* entry = ::readdir(stream)) {
+        const std::string_view name = entry->d_name;
+        if (name != "." && name != "..") return std::string(name);
+      } else {
+        break;
+      }
+    return {};
+  }
 };
 
-inline bool is_step_name(const std::string& name, std::uint64_t& step) {
-  if (name.size() <= 5 || name.compare(0, 5, "step-") != 0) return false;
-  if (!std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; })) return false;
-  step = std::stoull(name.substr(5));
+// Who this process is, as the directory's lock records it: host, pid and the process's start
+// time (pid and start together name one process of a host), the program, and the time.
+struct lock_holder {
+  std::string host, pid, start, program, since;
+  bool same_process(const lock_holder& other) const {
+    return host == other.host && pid == other.pid && start == other.start;
+  }
+  std::string text() const {
+    return detail::text("host ", host, "\npid ", pid, "\nstart ", start, "\nprogram ", program, "\nsince ", since,
+                        "\n");
+  }
+  std::string describe() const {
+    if (pid.empty()) return "a process that has not yet written who it is";
+    return detail::text("pid ", pid, " (", program, ") on host ", host, ", since ", since);
+  }
+};
+
+std::string read_small_file(const std::string& path) {
+  checkpoint_fd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+  struct stat status {};
+  if (fd.get() < 0 || ::fstat(fd.get(), &status) != 0 || !S_ISREG(status.st_mode)) return {};
+  char buffer[4096];
+  const ssize_t got = ::read(fd.get(), buffer, sizeof buffer);
+  return got > 0 ? std::string(buffer, static_cast<std::size_t>(got)) : std::string();
+}
+
+lock_holder this_process() {
+  lock_holder me;
+  char host[256] = {};
+  me.host = ::gethostname(host, sizeof host - 1) == 0 ? host : "?";
+  me.pid = std::to_string(::getpid());
+  // /proc/self/stat: "pid (comm) state ..." with the start time the 22nd field; comm may hold
+  // spaces and parentheses, so fields are counted after the last ')'.
+  const std::string stat = read_small_file("/proc/self/stat");
+  if (const auto close = stat.rfind(')'); close != std::string::npos) {
+    std::size_t at = close + 2;
+    for (int field = 3; field < 22 && at < stat.size(); ++field) at = stat.find(' ', at) + 1;
+    me.start = stat.substr(at, stat.find(' ', at) - at);
+  }
+  me.program = read_small_file("/proc/self/comm");
+  while (!me.program.empty() && me.program.back() == '\n') me.program.pop_back();
+  if (me.program.empty()) me.program = "?";
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  ::gmtime_r(&now, &utc);
+  char when[32];
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", &utc);
+  me.since = when;
+  return me;
+}
+
+lock_holder parse_holder(const std::string& text) {
+  lock_holder holder;
+  std::size_t at = 0;
+  while (at < text.size()) {
+    const std::size_t end = std::min(text.find('\n', at), text.size());
+    const std::string line = text.substr(at, end - at);
+    const std::size_t space = line.find(' ');
+    const std::string key = line.substr(0, space), value = space == std::string::npos ? "" : line.substr(space + 1);
+    if (key == "host") holder.host = value;
+    if (key == "pid") holder.pid = value;
+    if (key == "start") holder.start = value;
+    if (key == "program") holder.program = value;
+    if (key == "since") holder.since = value;
+    at = end + 1;
+  }
+  return holder;
+}
+
+// DIR/.cohort, made if it is not there; anything else by that name is refused.
+std::string own_folder(const std::string& directory, int rank, std::string_view operation) {
+  const std::string folder = path_in(directory, checkpoint_own_folder);
+  if (::mkdir(folder.c_str(), 0755) != 0 && errno != EEXIST)
+    throw error(rank, operation, detail::text("cannot create ", folder, ": ", std::strerror(errno)),
+                "the checkpoint directory must be writable by rank 0");
+  struct stat status {};
+  if (::lstat(folder.c_str(), &status) != 0 || !S_ISDIR(status.st_mode))
+    throw error(
+        rank, operation,
+        detail::text(folder, " is ", file_kind(status.st_mode), ", not the folder cohort keeps its own files in"),
+        "move it away: cohort uses DIR/.cohort for its lock and its saves in progress");
+  return folder;
+}
+
+}  // namespace
+
+COHORT_DECL checkpoint_listing list_checkpoints(const std::string& directory) {
+  checkpoint_listing out;
+  directory_stream entries(directory);
+  if (!entries.stream) return out;
+  const int directory_fd = ::dirfd(entries.stream);
+  for (std::string name = entries.next(); !name.empty(); name = entries.next()) {
+    if (name.rfind("step-", 0) != 0) continue;
+    std::uint64_t step = 0;
+    if (!parse_step_name(name, step)) {
+      out.ignored.push_back(detail::text(path_in(directory, name),
+                                         ": not a step number cohort writes (step-<N>, N without leading zeros, "
+                                         "below 2^56); never loaded, renamed or deleted"));
+      continue;
+    }
+    if (const char* why = not_a_checkpoint(directory_fd, name))
+      out.ignored.push_back(detail::text(path_in(directory, name), ": ", why,
+                                         ", so not a cohort checkpoint; never loaded, renamed or deleted"));
+    else
+      out.committed.emplace_back(step, path_in(directory, name));
+  }
+  std::sort(out.committed.begin(), out.committed.end());
+  std::sort(out.ignored.begin(), out.ignored.end());
+  return out;
+}
+
+COHORT_DECL bool lock_checkpoint_directory(const std::string& directory, int rank, std::string_view operation,
+                                           bool required) {
+  if (!required && ::access(directory.c_str(), W_OK) != 0) {
+    checkpoint_warning(rank, detail::text(directory, " is not writable here (", std::strerror(errno),
+                                          "): read without its lock, which only a job that can save there needs"));
+    return false;
+  }
+  const std::string folder = own_folder(directory, rank, operation);
+  const std::string lock_path = path_in(folder, "lock"), holder_path = path_in(folder, "holder");
+  const lock_holder me = this_process();
+  // This process holds it already: the lock's own file is not opened again (under NFS, flock
+  // is a POSIX lock, which closing any descriptor of the file would release).
+  if (parse_holder(read_small_file(holder_path)).same_process(me)) return true;
+  checkpoint_fd lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644));
+  if (lock.get() < 0)
+    throw error(rank, operation, detail::text("cannot open the lock ", lock_path, ": ", std::strerror(errno)),
+                "the checkpoint directory must be writable by rank 0");
+  if (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
+    const int code = errno;
+    if (code == EWOULDBLOCK)
+      throw error(rank, operation,
+                  detail::text(directory, " is in use by another job: ",
+                               parse_holder(read_small_file(holder_path)).describe(), " holds ", lock_path),
+                  "one job at a time per checkpoint directory: give this job its own, or stop the other (its lock "
+                  "goes with its process)");
+    throw error(rank, operation, detail::text("cannot lock ", lock_path, ": ", std::strerror(code)),
+                "the file system must support flock (NFS with locking, Lustre mounted with -o flock)");
+  }
+  // Who holds it, for the next job's error: written whole (a temporary renamed over it).
+  const std::string temporary = detail::text(holder_path, ".", me.pid);
+  {
+    checkpoint_fd out(::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644));
+    const std::string text = me.text();
+    if (out.get() < 0 || ::write(out.get(), text.data(), text.size()) != static_cast<ssize_t>(text.size()) ||
+        ::rename(temporary.c_str(), holder_path.c_str()) != 0)
+      throw error(rank, operation, detail::text("cannot write ", holder_path, ": ", std::strerror(errno)),
+                  "the checkpoint directory must be writable by rank 0");
+  }
+  // Held for as long as this process lives: no object of a trainer's spans a whole job (saves
+  // and resumes are calls), and the kernel releases it however the process ends, so no stale
+  // lock outlives its job.
+  (void)lock.release();
   return true;
 }
 
-// Some file systems cannot fsync a directory (EINVAL): the rename is still atomic there.
-inline void sync_directory(const std::string& directory, int rank) {
-  checkpoint_fd fd(::open(directory.c_str(), O_RDONLY | O_DIRECTORY));
-  if (fd.get() < 0 || (::fsync(fd.get()) != 0 && errno != EINVAL))
-    throw error(rank, "save_checkpoint",
-                detail::text("fsync of the directory ", directory, " failed: ", std::strerror(errno)),
-                "the checkpoint's rename may not survive a power loss on this file system");
-}
-
-inline std::string hex64(std::uint64_t value) {
-  char text[17];
-  std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(value));
-  return text;
-}
-
-}  // namespace detail
-
-COHORT_DECL std::optional<std::string> newest_checkpoint(const std::string& directory) {
-  std::optional<std::uint64_t> newest;
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(directory, ec)) {
-    std::uint64_t step = 0;
-    // Complete means committed: renamed from tmp-* to step-<N> after its index was written.
-    if (!detail::is_step_name(entry.path().filename().string(), step)) continue;
-    if (!std::filesystem::exists(entry.path() / "manifest.json", ec)) continue;
-    if (!newest || step > *newest) newest = step;
-  }
-  if (!newest) return std::nullopt;
-  return (std::filesystem::path(directory) / detail::checkpoint_step_name(*newest)).string();
-}
-
-namespace detail {
-
-// The block checksum's keys (see checkpoint_checksum in checkpoint.hpp).
-inline constexpr std::uint64_t checksum_mix(std::uint64_t x) noexcept {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-// A word's key is lane_keys[word % lanes] times chunk_key(word / lanes): the lanes' table
-// stays in L1 and the inner loop is a widening 32x32->64 multiply-add, which vectorises
-// (pmuludq, umlal); one 64-bit multiply per chunk spreads the keys over the whole block.
-inline constexpr std::size_t checksum_lanes = 1024;
-inline constexpr std::array<std::uint32_t, checksum_lanes> checksum_lane_keys = [] {
-  std::array<std::uint32_t, checksum_lanes> keys{};
-  for (std::size_t l = 0; l < checksum_lanes; ++l) keys[l] = static_cast<std::uint32_t>(checksum_mix(l)) | 1u;
-  return keys;
-}();
-inline constexpr std::uint64_t checksum_chunk_key(std::uint64_t chunk) noexcept {
-  return checksum_mix(chunk ^ 0x636f686f72742d63ull) | 1u;
-}
-inline constexpr std::uint64_t checksum_key(std::uint64_t word) noexcept {
-  return checksum_lane_keys[word % checksum_lanes] * checksum_chunk_key(word / checksum_lanes);
-}
-// Bytes [at, at + bytes) of their 4-byte word (at % 4 + bytes <= 4), in place, the rest zero.
-inline std::uint64_t checksum_partial_word(const unsigned char* data, std::uint64_t at, std::size_t bytes) noexcept {
-  std::uint64_t word = 0;
-  for (std::size_t k = 0; k < bytes; ++k) word |= std::uint64_t{data[k]} << (8 * ((at + k) % 4));
-  return word * checksum_key(at / 4);
-}
-
-COHORT_DECL std::uint64_t checkpoint_checksum_part(const void* data, std::uint64_t at, std::size_t bytes) noexcept {
-  const auto* p = static_cast<const unsigned char*>(data);
-  std::uint64_t sum = 0;
-  if (const std::size_t head = std::min<std::size_t>(bytes, (4 - at % 4) % 4); head != 0) {
-    sum += checksum_partial_word(p, at, head);
-    p += head;
-    at += head;
-    bytes -= head;
-  }
-  // Whole words, chunk by chunk: each chunk's products added in 64 bits, then keyed.
-  for (std::uint64_t word = at / 4, end = word + bytes / 4; word < end;) {
-    const std::size_t lane = word % checksum_lanes;
-    const std::size_t count = std::min<std::uint64_t>(checksum_lanes - lane, end - word);
-    std::uint64_t chunk = 0;
-    for (std::size_t l = 0; l < count; ++l) {
-      std::uint32_t value;
-      std::memcpy(&value, p + 4 * l, 4);
-      chunk += std::uint64_t{value} * checksum_lane_keys[lane + l];
-    }
-    sum += chunk * checksum_chunk_key(word / checksum_lanes);
-    p += 4 * count;
-    word += count;
-  }
-  if (const std::size_t tail = bytes % 4; tail != 0) sum += checksum_partial_word(p, at + bytes - tail, tail);
-  return sum;
-}
-
-COHORT_DECL std::uint64_t checkpoint_checksum_finish(std::uint64_t parts, std::uint64_t bytes) noexcept {
-  return parts + checksum_mix(bytes);
-}
-
-COHORT_DECL std::uint64_t checkpoint_checksum(const void* data, std::size_t bytes) noexcept {
-  return checkpoint_checksum_finish(checkpoint_checksum_part(data, 0, bytes), bytes);
-}
-
-COHORT_DECL std::uint64_t checkpoint_file_checksum(const std::vector<std::uint64_t>& blocks,
-                                                   std::uint64_t bytes) noexcept {
-  std::vector<std::uint64_t> words(blocks);
-  words.push_back(bytes);
-  return checkpoint_checksum(words.data(), words.size() * sizeof(std::uint64_t));
-}
-
-COHORT_DECL std::string checkpoint_file_name(int rank) {
-  char name[32];
-  std::snprintf(name, sizeof name, "rank-%05d.bin", rank);
-  return name;
-}
-
-COHORT_DECL std::string checkpoint_step_name(std::uint64_t step) { return detail::text("step-", std::to_string(step)); }
-
-COHORT_DECL std::string checkpoint_staging_path(const std::string& directory, std::uint64_t step, std::uint64_t nonce) {
-  return (std::filesystem::path(directory) / (detail::text("tmp-", std::to_string(step), "-", hex64(nonce)))).string();
-}
-
-COHORT_DECL std::string checkpoint_manifest_json(const checkpoint_manifest& m) {
-  json root;
-  root.set("format", "cohort-checkpoint");
-  root.set("version", checkpoint_format_version);
-  root.set("checksum", checkpoint_checksum_kind);
-  root.set("step", m.step);
-  root.set("optimizer_steps", m.optimizer_steps);
-  root.set("world_size", m.world_size);
-  root.set("strategy", m.strategy);
-  root.set("parameter_dtype", m.parameter_dtype);
-  json tensors = json::make_array();
-  for (const auto& t : m.tensors) tensors.push_back(t);
-  root.set("tensors", std::move(tensors));
-  if (m.scaler) {
-    json scaler;
-    scaler.set("scale", m.scaler->scale);
-    scaler.set("good_steps", m.scaler->good_steps);
-    scaler.set("skipped_steps", m.scaler->skipped_steps);
-    root.set("loss_scaler", std::move(scaler));
-  } else {
-    root.set("loss_scaler", nullptr);
-  }
-  json metadata = json::make_object();
-  for (const auto& [key, value] : m.metadata) metadata.set(key, value);
-  root.set("metadata", std::move(metadata));
-  root.set("block_bytes", m.block_bytes);
-  root.set("element_bytes", m.element_bytes);
-  json regions = json::make_array();
-  for (const auto& r : m.regions) {
-    json region;
-    region.set("name", r.name);
-    region.set("count", r.count);
-    region.set("dtype", r.dtype);
-    regions.push_back(std::move(region));
-  }
-  root.set("regions", std::move(regions));
-  json files = json::make_array();
-  for (const auto& f : m.files) {
-    json file;
-    file.set("name", f.name);
-    file.set("rank", f.rank);
-    file.set("bytes", f.bytes);
-    file.set("checksum", hex64(f.checksum));
-    json blocks = json::make_array();
-    for (const auto b : f.blocks) blocks.push_back(hex64(b));
-    file.set("block_checksums", std::move(blocks));
-    json pieces = json::make_array();
-    for (const auto& p : f.pieces) {
-      json piece;
-      piece.set("tensor", m.tensors.at(p.tensor));
-      piece.set("region", m.regions.at(p.region).name);
-      piece.set("elements", json(json::array{json(p.first), json(p.first + p.count)}));
-      piece.set("bytes", json(json::array{json(p.offset), json(p.offset + p.count * m.element_bytes)}));
-      pieces.push_back(std::move(piece));
-    }
-    file.set("pieces", std::move(pieces));
-    files.push_back(std::move(file));
-  }
-  root.set("files", std::move(files));
-  return root.dump(1);
-}
-
-COHORT_DECL checkpoint_manifest read_checkpoint_manifest(const std::string& checkpoint, int rank) {
-  const std::string path = (std::filesystem::path(checkpoint) / "manifest.json").string();
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
-    throw error(rank, "load_checkpoint", detail::text("cannot open ", path, ": ", std::strerror(errno)),
-                "a checkpoint without its index is incomplete (an interrupted save): resume_checkpoint skips it");
-  std::stringstream text;
-  text << in.rdbuf();
-  checkpoint_manifest m;
-  try {
-    const json root = parse_json(text.str());
-    if (root.at("format").as_string() != "cohort-checkpoint")
-      throw error(rank, "load_checkpoint", "not a cohort checkpoint index");
-    // Version 1 kept FNV-1a block checksums, which a block read in parts cannot be checked
-    // against; a later version may change more than this build knows to read.
-    if (const auto version = root.at("version").as_int64(); version != checkpoint_format_version)
-      throw error(rank, "load_checkpoint",
-                  detail::text("index version ", std::to_string(version), ", this build reads version ",
-                               std::to_string(checkpoint_format_version),
-                               (version < checkpoint_format_version ? " (version 1 kept FNV-1a block checksums)" : "")),
-                  "read it with the cohort version that wrote it");
-    if (const auto kind = root.at("checksum").as_string(); kind != checkpoint_checksum_kind)
-      throw error(
-          rank, "load_checkpoint",
-          detail::text("block checksums of kind '", kind, "', this build knows '", checkpoint_checksum_kind, "'"),
-          "read it with the cohort version that wrote it");
-    m.step = static_cast<std::uint64_t>(root.at("step").as_int64());
-    m.optimizer_steps = static_cast<std::uint64_t>(root.at("optimizer_steps").as_int64());
-    m.world_size = static_cast<int>(root.at("world_size").as_int64());
-    m.strategy = root.at("strategy").as_string();
-    m.parameter_dtype = root.at("parameter_dtype").as_string();
-    m.block_bytes = static_cast<std::uint64_t>(root.at("block_bytes").as_int64());
-    m.element_bytes = static_cast<std::uint64_t>(root.at("element_bytes").as_int64());
-    if (m.block_bytes == 0 || m.element_bytes == 0) throw error(rank, "load_checkpoint", "block or element size 0");
-    for (const auto& t : root.at("tensors").as_array()) m.tensors.push_back(t.as_string());
-    if (const json& scaler = root.at("loss_scaler"); !scaler.is_null())
-      m.scaler = loss_scaler::saved_state{scaler.at("scale").as_number(),
-                                          static_cast<std::uint32_t>(scaler.at("good_steps").as_int64()),
-                                          static_cast<std::uint64_t>(scaler.at("skipped_steps").as_int64())};
-    for (const auto& [key, value] : root.at("metadata").as_object()) m.metadata[key] = value.as_string();
-    std::map<std::string, std::size_t> region_index, tensor_index;
-    for (std::size_t t = 0; t < m.tensors.size(); ++t) tensor_index[m.tensors[t]] = t;
-    for (const auto& r : root.at("regions").as_array()) {
-      region_index[r.at("name").as_string()] = m.regions.size();
-      m.regions.push_back(
-          {r.at("name").as_string(), static_cast<std::uint64_t>(r.at("count").as_int64()), r.at("dtype").as_string()});
-    }
-    const auto index_of = [&](const std::map<std::string, std::size_t>& names, const std::string& name) {
-      const auto found = names.find(name);
-      if (found == names.end())
-        throw error(rank, "load_checkpoint", detail::text("a piece names '", name, "', never declared"));
-      return found->second;
-    };
-    for (const auto& f : root.at("files").as_array()) {
-      checkpoint_file file;
-      file.name = f.at("name").as_string();
-      if (file.name.find('/') != std::string::npos || file.name == "..")
-        throw error(rank, "load_checkpoint",
-                    detail::text("file name '", file.name, "' leaves the checkpoint's directory"));
-      file.rank = static_cast<int>(f.at("rank").as_int64());
-      file.bytes = static_cast<std::uint64_t>(f.at("bytes").as_int64());
-      file.checksum = std::stoull(f.at("checksum").as_string(), nullptr, 16);
-      for (const auto& b : f.at("block_checksums").as_array())
-        file.blocks.push_back(std::stoull(b.as_string(), nullptr, 16));
-      if (file.blocks.size() != (file.bytes + m.block_bytes - 1) / m.block_bytes ||
-          checkpoint_file_checksum(file.blocks, file.bytes) != file.checksum)
-        throw error(rank, "load_checkpoint",
-                    detail::text("the block checksums of ", file.name, " do not match its checksum"));
-      for (const auto& p : f.at("pieces").as_array()) {
-        checkpoint_piece piece;
-        piece.tensor = index_of(tensor_index, p.at("tensor").as_string());
-        piece.region = index_of(region_index, p.at("region").as_string());
-        piece.first = static_cast<std::uint64_t>(p.at("elements").at(0).as_int64());
-        piece.count = static_cast<std::uint64_t>(p.at("elements").at(1).as_int64()) - piece.first;
-        piece.offset = static_cast<std::uint64_t>(p.at("bytes").at(0).as_int64());
-        file.pieces.push_back(piece);
-      }
-      m.files.push_back(std::move(file));
-    }
-  } catch (const error& failure) {
-    throw error(rank, "load_checkpoint", detail::text(path, ": ", failure.detail()),
-                failure.hint().empty() ? "the index is damaged or from another version; load an earlier checkpoint"
-                                       : failure.hint());
-  } catch (const std::exception& failure) {
-    throw error(rank, "load_checkpoint", detail::text(path, ": ", failure.what()),
-                "the index is damaged or from another version; load an earlier checkpoint");
-  }
-  return m;
-}
-
-COHORT_DECL void begin_checkpoint(const std::string& directory, const std::string& staging, int rank) {
+COHORT_DECL void begin_checkpoint(const std::string& directory, const std::string& staging, std::uint64_t step,
+                                  int rank) {
+  constexpr std::string_view operation = "save_checkpoint";
   std::error_code ec;
   std::filesystem::create_directories(directory, ec);
   if (ec)
-    throw error(rank, "save_checkpoint", detail::text("cannot create ", directory, ": ", ec.message()),
+    throw error(rank, operation, detail::text("cannot create ", directory, ": ", ec.message()),
                 "the checkpoint directory must be writable by the ranks that save");
-  // What interrupted saves left: never loaded, removed here (saves are collective, so no
-  // other save of this job is under way).
-  for (const auto& entry : std::filesystem::directory_iterator(directory, ec))
-    if (entry.path().filename().string().rfind("tmp-", 0) == 0) std::filesystem::remove_all(entry.path(), ec);
-  if (!std::filesystem::create_directory(staging, ec) || ec)
-    throw error(rank, "save_checkpoint",
-                detail::text("cannot create ", staging, ": ", (ec ? ec.message() : "it exists")),
+  lock_checkpoint_directory(directory, rank, operation);
+  // What interrupted saves and prunes of this directory left: cohort's own (the lock says no
+  // other job uses the directory, and saves are collective, so none of this job is under way).
+  const std::string folder = path_in(directory, checkpoint_own_folder);
+  {
+    directory_stream entries(folder);
+    for (std::string name = entries.next(); !name.empty(); name = entries.next())
+      if (name.rfind("staging-", 0) == 0 || name.rfind("pruning-", 0) == 0 || name.rfind("replaced-", 0) == 0)
+        std::filesystem::remove_all(path_in(folder, name), ec);
+  }
+  const std::string target = path_in(directory, checkpoint_step_name(step));
+  struct stat status {};
+  if (::lstat(target.c_str(), &status) == 0) {
+    checkpoint_fd dir(::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (const char* why = not_a_checkpoint(dir.get(), checkpoint_step_name(step)))
+      throw error(rank, operation,
+                  detail::text(target, " exists and ", why, ": cohort replaces only its own checkpoints"),
+                  "move it away, or save into another directory");
+  }
+  if (::mkdir(staging.c_str(), 0755) != 0)
+    throw error(rank, operation, detail::text("cannot create ", staging, ": ", std::strerror(errno)),
                 "the checkpoint directory must be writable by the ranks that save");
 }
 
@@ -380,7 +307,7 @@ COHORT_DECL checkpoint_staging::~checkpoint_staging() {
 COHORT_DECL checkpoint_file_writer::checkpoint_file_writer(std::string path, std::size_t block_bytes, int rank,
                                                            int& failed_errno)
     : path_(std::move(path)), block_bytes_(block_bytes), rank_(rank), failed_errno_(failed_errno) {
-  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd_ < 0) throw failure("cannot create");
 }
 
@@ -390,7 +317,9 @@ COHORT_DECL checkpoint_file_writer::~checkpoint_file_writer() {
 
 COHORT_DECL error checkpoint_file_writer::failure(const std::string& what) {
   failed_errno_ = errno;
-  return error(rank_, "save_checkpoint", detail::text(what, " ", path_, ": ", std::strerror(failed_errno_)),
+  return error(rank_, "save_checkpoint",
+               detail::text(what, " ", path_, ": ", std::strerror(failed_errno_), " (errno ",
+                            std::to_string(failed_errno_), ")"),
                "free space or fix permissions; the previous checkpoint is intact");
 }
 
@@ -402,7 +331,10 @@ COHORT_DECL void checkpoint_file_writer::append(const char* data, std::size_t by
   for (std::size_t done = 0; done < bytes;) {
     const ssize_t wrote = ::write(fd_, data + done, std::min<std::size_t>(bytes - done, std::size_t{1} << 30));
     if (wrote < 0 && errno == EINTR) continue;
-    if (wrote <= 0) throw failure("writing");
+    if (wrote <= 0) {
+      if (wrote == 0) errno = ENOSPC;  // a write of nothing: the device took no more
+      throw failure("writing");
+    }
     done += static_cast<std::size_t>(wrote);
   }
 #if defined(__linux__)
@@ -442,37 +374,97 @@ COHORT_DECL bool parse_checkpoint_outcome(std::span<const std::uint8_t> value, b
 }
 
 COHORT_DECL void commit_checkpoint(const std::string& directory, const std::string& staging,
-                                   const checkpoint_manifest& manifest, std::size_t keep_last, int rank) {
-  // The index last: a directory with one is complete. atomic_write_file fsyncs it and the
-  // staging directory.
-  atomic_write_file((std::filesystem::path(staging) / "manifest.json").string(), checkpoint_manifest_json(manifest),
-                    rank);
-  const std::filesystem::path target = std::filesystem::path(directory) / checkpoint_step_name(manifest.step);
-  std::error_code ec;
-  // A checkpoint of the same step is replaced: moved aside (a tmp-* name, so an interruption
-  // leaves it to the next save's clean-up), then the new one renamed into place.
-  const std::filesystem::path aside = detail::text(staging, "-replaced");
-  const bool replacing = std::filesystem::exists(target, ec);
-  if (replacing) std::filesystem::rename(target, aside, ec);
-  if (!ec) std::filesystem::rename(staging, target, ec);
-  if (ec)
-    throw error(rank, "save_checkpoint",
-                detail::text("cannot rename ", staging, " to ", target.string(), ": ", ec.message()),
-                "the previous checkpoint is intact; the partial one is removed by the next save");
-  sync_directory(directory, rank);
-  if (replacing) std::filesystem::remove_all(aside, ec);
-  if (keep_last == 0) return;
-  // The newest keep_last complete ones stay; a step-* without an index is not ours (we rename
-  // only complete ones) and is left alone.
-  std::vector<std::pair<std::uint64_t, std::filesystem::path>> steps;
-  for (const auto& entry : std::filesystem::directory_iterator(directory, ec)) {
-    std::uint64_t step = 0;
-    if (is_step_name(entry.path().filename().string(), step) &&
-        std::filesystem::exists(entry.path() / "manifest.json", ec))
-      steps.emplace_back(step, entry.path());
+                                   const checkpoint_manifest& manifest, std::size_t keep_last, int rank,
+                                   const checkpoint_fault& fault) {
+  constexpr std::string_view operation = "save_checkpoint";
+  // Each step that changes the disk is one point a test can kill the process at: every
+  // interruption must leave the previous checkpoints loadable and nothing a resume takes for
+  // one, and what it leaves in DIR/.cohort must be what the next save removes.
+  int point = 0;
+  const auto next_step = [&] {
+    if (fault.die_at_commit_step == point++) ::raise(SIGKILL);
+  };
+  const auto failed = [&](const std::string& what, int code) {
+    return error(rank, operation, detail::text(what, ": ", std::strerror(code), " (errno ", std::to_string(code), ")"),
+                 "the previous checkpoint is intact; what this save left is removed by the next save");
+  };
+  const std::string folder = path_in(directory, checkpoint_own_folder);
+  // The index last: a directory with one is complete. Written and fsynced like the ranks'
+  // files (an error names the errno), then the staging directory fsynced so its entry is.
+  next_step();
+  {
+    int code = 0;
+    checkpoint_file_writer index(path_in(staging, "manifest.json"), std::size_t{1} << 20, rank, code);
+    const std::string text = checkpoint_manifest_json(manifest);
+    index.append(text.data(), text.size());
+    index.finish();
   }
-  std::sort(steps.begin(), steps.end());
-  for (std::size_t i = 0; i + keep_last < steps.size(); ++i) std::filesystem::remove_all(steps[i].second, ec);
+  next_step();
+  sync_directory(staging, rank);
+  const std::string name = checkpoint_step_name(manifest.step), target = path_in(directory, name);
+  const std::string nonce = std::filesystem::path(staging).filename().string().substr(8);  // after "staging-"
+  // A checkpoint of the same step is replaced: the two swapped in one step where the file
+  // system can (renameat2's RENAME_EXCHANGE: step-<N> is always one of them), else the old one
+  // moved into DIR/.cohort first; either way it ends in DIR/.cohort, where an interruption
+  // leaves it to the next save's clean-up.
+  std::string aside;
+  bool swapped = false;
+  struct stat status {};
+  if (::lstat(target.c_str(), &status) == 0) {
+    checkpoint_fd dir(::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (const char* why = not_a_checkpoint(dir.get(), name))
+      throw error(rank, operation,
+                  detail::text(target, " exists and ", why, ": cohort replaces only its own checkpoints"),
+                  "move it away, or save into another directory");
+    next_step();
+#if defined(RENAME_EXCHANGE)
+    swapped = ::renameat2(AT_FDCWD, staging.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0;
+    if (!swapped && errno != EINVAL && errno != ENOSYS && errno != ENOTSUP && errno != EOPNOTSUPP)
+      throw failed(detail::text("cannot swap ", staging, " and ", target), errno);
+#endif
+    aside = swapped ? staging : path_in(folder, detail::text("replaced-", nonce));
+    if (!swapped && ::rename(target.c_str(), aside.c_str()) != 0)
+      throw failed(detail::text("cannot move ", target, " aside"), errno);
+  }
+  if (!swapped) {
+    next_step();
+    if (::rename(staging.c_str(), target.c_str()) != 0)
+      throw failed(detail::text("cannot rename ", staging, " to ", target), errno);
+  }
+  next_step();
+  sync_directory(directory, rank);
+  if (!aside.empty()) {
+    next_step();
+    std::error_code ec;
+    std::filesystem::remove_all(aside, ec);
+  }
+  if (keep_last == 0) return;
+  // The newest keep_last committed checkpoints stay, this one always; the others are pruned:
+  // renamed into DIR/.cohort (the one step that takes them out of DIR, whole), that rename
+  // made durable, then deleted there file by file. A step-* that is not cohort's is never
+  // counted or touched.
+  auto committed = list_checkpoints(directory).committed;
+  std::erase_if(committed, [&](const auto& c) { return c.first == manifest.step; });
+  const std::size_t keep_others = keep_last - 1;
+  for (std::size_t i = 0; i + keep_others < committed.size(); ++i) {
+    const std::string& old = committed[i].second;
+    const std::string pruning =
+        path_in(folder, detail::text("pruning-", std::to_string(committed[i].first), "-", nonce));
+    next_step();
+    if (::rename(old.c_str(), pruning.c_str()) != 0) throw failed(detail::text("cannot prune ", old), errno);
+    next_step();
+    sync_directory(directory, rank);
+    {
+      directory_stream entries(pruning);
+      for (std::string file = entries.next(); !file.empty(); file = entries.next()) {
+        next_step();
+        std::error_code ec;
+        std::filesystem::remove_all(path_in(pruning, file), ec);
+      }
+    }
+    next_step();
+    if (::rmdir(pruning.c_str()) != 0) throw failed(detail::text("cannot remove ", pruning), errno);
+  }
 }
 
 COHORT_DECL std::vector<std::size_t> match_checkpoint(const checkpoint_manifest& manifest,
@@ -481,125 +473,105 @@ COHORT_DECL std::vector<std::size_t> match_checkpoint(const checkpoint_manifest&
                                                       const std::vector<std::uint64_t>& region_counts,
                                                       const std::string& dtype, const std::vector<std::string>& tensors,
                                                       int rank) {
-  const std::string index = (std::filesystem::path(checkpoint) / "manifest.json").string();
+  const std::string index = path_in(checkpoint, "manifest.json");
   const auto list = [](const std::vector<std::string>& names) {
     std::string text;
-    for (const auto& n : names) text += (text.empty() ? "" : ", ") + n;
+    for (const auto& n : names) text += detail::text((text.empty() ? "" : ", "), n);
     return detail::text("[", text, "]");
   };
+  if (manifest.dtype != dtype)
+    throw checkpoint_mismatch_error(
+        rank, "load_checkpoint",
+        detail::text(index, " holds elements of ", manifest.dtype, ", this training state's masters are ", dtype),
+        "load it into a state whose masters have the checkpoint's dtype");
   if (manifest.tensors != tensors)
-    throw error(rank, "load_checkpoint",
-                detail::text(index, " holds the optimizer state ", list(manifest.tensors),
-                             ", this training state keeps ", list(tensors)),
-                "resume with the optimizer that saved it (AdamW, or SGD with or without momentum)");
+    throw checkpoint_mismatch_error(rank, "load_checkpoint",
+                                    detail::text(index, " holds the optimizer state ", list(manifest.tensors),
+                                                 ", this training state keeps ", list(tensors)),
+                                    "resume with the optimizer that saved it (AdamW, or SGD with or without momentum)");
   std::map<std::string, std::size_t> saved;
   for (std::size_t r = 0; r < manifest.regions.size(); ++r) saved[manifest.regions[r].name] = r;
   std::vector<std::size_t> out(region_names.size());
   for (std::size_t r = 0; r < region_names.size(); ++r) {
     const auto found = saved.find(region_names[r]);
     if (found == saved.end())
-      throw error(
+      throw checkpoint_mismatch_error(
           rank, "load_checkpoint",
           detail::text("region '", region_names[r], "' (", std::to_string(region_counts[r]), " elements) is not in ",
                        index, ", which holds ", std::to_string(manifest.regions.size()), " regions"),
           "this checkpoint is of another model; name the regions as the saving run did");
     const auto& theirs = manifest.regions[found->second];
-    if (theirs.count != region_counts[r] || theirs.dtype != dtype)
-      throw error(rank, "load_checkpoint",
-                  detail::text("region '", region_names[r], "': ", index, " holds ", std::to_string(theirs.count),
-                               " elements of ", theirs.dtype, ", this training state ",
-                               std::to_string(region_counts[r]), " of ", dtype),
-                  theirs.dtype != dtype ? "load it into a state whose masters have the checkpoint's dtype"
-                                        : "this checkpoint is of another model (or another size of it)");
+    if (theirs.count != region_counts[r])
+      throw checkpoint_mismatch_error(
+          rank, "load_checkpoint",
+          detail::text("region '", region_names[r], "': ", index, " holds ", std::to_string(theirs.count),
+                       " elements of ", manifest.dtype, ", this training state ", std::to_string(region_counts[r]),
+                       " of ", dtype),
+          "this checkpoint is of another model (or another size of it)");
     out[r] = found->second;
   }
   if (manifest.regions.size() != region_names.size())
-    throw error(rank, "load_checkpoint",
-                detail::text(index, " holds ", std::to_string(manifest.regions.size()),
-                             " regions, this training state ", std::to_string(region_names.size())),
-                "this checkpoint is of another model: every region must be loaded");
+    throw checkpoint_mismatch_error(rank, "load_checkpoint",
+                                    detail::text(index, " holds ", std::to_string(manifest.regions.size()),
+                                                 " regions, this training state ", std::to_string(region_names.size())),
+                                    "this checkpoint is of another model: every region must be loaded");
   return out;
 }
 
-COHORT_DECL std::vector<checkpoint_range> checkpoint_gaps(const checkpoint_manifest& manifest) {
-  std::vector<checkpoint_range> gaps;
-  for (std::size_t f = 0; f < manifest.files.size(); ++f) {
-    const auto& file = manifest.files[f];
-    std::vector<std::pair<std::uint64_t, std::uint64_t>> held;
-    for (const auto& p : file.pieces) held.emplace_back(p.offset, p.offset + p.count * manifest.element_bytes);
-    std::sort(held.begin(), held.end());
-    std::uint64_t at = 0;
-    for (const auto& [begin, end] : held) {
-      if (begin > at) gaps.push_back({f, at, std::min(begin, file.bytes) - at});
-      at = std::max(at, end);
-    }
-    if (at < file.bytes) gaps.push_back({f, at, file.bytes - at});
-  }
-  return gaps;
-}
-
-// Reads file bytes [offset, offset + total) into `pieces` (each iovec's length adding up to
-// `total`): one preadv for neighbouring requests, however the kernel splits it.
-inline void read_exactly(int fd, std::vector<iovec> pieces, std::uint64_t offset, std::uint64_t total,
-                         const std::string& named, int rank) {
-  std::size_t first = 0;
-  for (std::uint64_t done = 0; done < total;) {
-    const int count = static_cast<int>(std::min<std::size_t>(pieces.size() - first, IOV_MAX));
-    const ssize_t got = ::preadv(fd, pieces.data() + first, count, static_cast<off_t>(offset + done));
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0)
-      throw error(rank, "load_checkpoint",
-                  detail::text("reading bytes ", std::to_string(offset + done), "..", std::to_string(offset + total),
-                               " of ", named, " failed: ", (got == 0 ? "end of file" : std::strerror(errno))),
-                  "the file system failed or the file was truncated; load an earlier checkpoint");
-    done += static_cast<std::uint64_t>(got);
-    for (auto left = static_cast<std::size_t>(got); left > 0;) {
-      auto& piece = pieces[first];
-      const std::size_t used = std::min(left, piece.iov_len);
-      piece.iov_base = static_cast<char*>(piece.iov_base) + used;
-      piece.iov_len -= used;
-      left -= used;
-      if (piece.iov_len == 0) ++first;
-    }
-  }
-}
-
 inline std::string checkpoint_file_named(const std::string& checkpoint, const checkpoint_file& file) {
-  return detail::text((std::filesystem::path(checkpoint) / file.name).string(), " (written by rank ",
-                      std::to_string(file.rank), ")");
+  return detail::text(path_in(checkpoint, file.name), " (written by rank ", std::to_string(file.rank), ")");
 }
 
 COHORT_DECL std::uint64_t read_checkpoint(const std::string& checkpoint, const checkpoint_manifest& manifest,
                                           const std::vector<checkpoint_need>& needs,
-                                          const std::vector<checkpoint_range>& also_verify, std::size_t element_bytes,
-                                          int rank, std::int64_t& failed_file, std::vector<checkpoint_part>& parts) {
+                                          const std::vector<checkpoint_range>& also_verify, int rank,
+                                          std::vector<checkpoint_part>& parts) {
+  constexpr std::string_view operation = "load_checkpoint";
   struct request {
     std::uint64_t offset, bytes;
     char* into;  // null: read only to be verified
   };
-  // Which pieces of which files hold each (tensor, region).
-  std::map<std::pair<std::size_t, std::size_t>, std::vector<std::pair<std::size_t, const checkpoint_piece*>>> holders;
-  for (std::size_t f = 0; f < manifest.files.size(); ++f)
-    for (const auto& p : manifest.files[f].pieces) holders[{p.tensor, p.region}].emplace_back(f, &p);
-  failed_file = -1;
+  const std::uint64_t element = manifest.element_bytes;
   std::vector<std::vector<request>> requests(manifest.files.size());
-  for (const auto& need : needs) {
-    std::uint64_t covered = 0;
-    for (const auto& [f, p] : holders[{need.tensor, need.region}]) {
-      const std::uint64_t low = std::max(need.first, p->first);
-      const std::uint64_t high = std::min(need.first + need.count, p->first + p->count);
-      if (low >= high) continue;
-      requests[f].push_back({p->offset + (low - p->first) * element_bytes, (high - low) * element_bytes,
-                             static_cast<char*>(need.into) + (low - need.first) * element_bytes});
-      covered += high - low;
+  if (!needs.empty()) {
+    // Each region's segments over every file, in element order (the index was refused unless
+    // they tile it): a need's holders are found by a binary search.
+    struct holder {
+      std::uint64_t first, count, at;  // at: elements before it in its file's tensor part
+      std::size_t file;
+    };
+    std::vector<std::vector<holder>> by_region(manifest.regions.size());
+    for (std::size_t f = 0; f < manifest.files.size(); ++f) {
+      std::uint64_t at = 0;
+      for (const auto& s : manifest.files[f].segments) {
+        by_region[s.region].push_back({s.first, s.count, at, f});
+        at += s.count;
+      }
     }
-    if (covered != need.count)
-      throw error(rank, "load_checkpoint",
-                  detail::text(checkpoint, "/manifest.json: elements ", std::to_string(need.first), "..",
-                               std::to_string(need.first + need.count), " of region '",
-                               manifest.regions.at(need.region).name, "' (", manifest.tensors.at(need.tensor),
-                               ") are held ", std::to_string(covered), " times over, not once"),
-                  "the index is damaged; load an earlier checkpoint");
+    for (auto& list : by_region)
+      std::sort(list.begin(), list.end(), [](const holder& a, const holder& b) { return a.first < b.first; });
+    for (const auto& need : needs) {
+      const auto& list = by_region.at(need.region);
+      std::uint64_t covered = 0;
+      auto it = std::upper_bound(list.begin(), list.end(), need.first,
+                                 [](std::uint64_t first, const holder& h) { return first < h.first + h.count; });
+      for (; it != list.end() && it->first < need.first + need.count; ++it) {
+        const std::uint64_t low = std::max(need.first, it->first);
+        const std::uint64_t high = std::min(need.first + need.count, it->first + it->count);
+        const auto& file = manifest.files[it->file];
+        requests[it->file].push_back({(need.tensor * file.elements + it->at + (low - it->first)) * element,
+                                      (high - low) * element,
+                                      static_cast<char*>(need.into) + (low - need.first) * element});
+        covered += high - low;
+      }
+      if (covered != need.count)
+        throw checkpoint_damaged_error(
+            rank, operation,
+            detail::text(path_in(checkpoint, "manifest.json"), ": elements ", std::to_string(need.first), "..",
+                         std::to_string(need.first + need.count), " of region '", manifest.regions.at(need.region).name,
+                         "' are held ", std::to_string(covered), " of ", std::to_string(need.count), " times"),
+            "the index is damaged; load an earlier checkpoint");
+    }
   }
   for (const auto& range : also_verify) requests.at(range.file).push_back({range.offset, range.bytes, nullptr});
 
@@ -608,23 +580,19 @@ COHORT_DECL std::uint64_t read_checkpoint(const std::string& checkpoint, const c
   const std::uint64_t block = manifest.block_bytes;
   std::uint64_t bytes_read = 0;
   std::vector<char> scratch;
+  std::optional<checkpoint_fd> directory;
   for (std::size_t f = 0; f < requests.size(); ++f) {
     auto& mine = requests[f];
     if (mine.empty()) continue;
-    failed_file = static_cast<std::int64_t>(f);
+    if (!directory) directory.emplace(open_checkpoint_directory(checkpoint, rank, operation));
     const auto& file = manifest.files[f];
-    const std::string path = (std::filesystem::path(checkpoint) / file.name).string();
     const std::string named = checkpoint_file_named(checkpoint, file);
-    checkpoint_fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    struct stat status {};
-    if (fd.get() < 0 || ::fstat(fd.get(), &status) != 0)
-      throw error(rank, "load_checkpoint", detail::text("cannot open ", named, ": ", std::strerror(errno)),
-                  "every file of the checkpoint must be readable by every rank (a shared file system)");
-    if (static_cast<std::uint64_t>(status.st_size) != file.bytes)
-      throw error(rank, "load_checkpoint",
-                  detail::text(named, " has ", std::to_string(status.st_size), " bytes, its index says ",
-                               std::to_string(file.bytes)),
-                  "the file was truncated or replaced after the checkpoint was committed; load an earlier one");
+    auto fd = open_checkpoint_file(directory->get(), checkpoint, file.name, rank, operation);
+    if (const std::uint64_t size = file_size(fd.get()); size != file.bytes)
+      throw checkpoint_damaged_error(
+          rank, operation,
+          detail::text(named, " has ", std::to_string(size), " bytes, its index says ", std::to_string(file.bytes)),
+          "the file was truncated or replaced after the checkpoint was committed; load an earlier one");
     std::sort(mine.begin(), mine.end(), [](const request& a, const request& b) { return a.offset < b.offset; });
     // Each block's checksum added up over the parts of it this rank read: a block read whole
     // is verified here, one read in part is left to the ranks' exchange (parts).
@@ -645,11 +613,12 @@ COHORT_DECL std::uint64_t read_checkpoint(const std::string& checkpoint, const c
           blocks.erase(b);
         }
         if (const std::uint64_t found = checkpoint_checksum_finish(sum, covered); found != file.blocks.at(b))
-          throw error(rank, "load_checkpoint",
-                      detail::text(named, ": block ", std::to_string(b), " (bytes ", std::to_string(b * block), "..",
-                                   std::to_string(b * block + covered), ") has checksum ", hex64(found),
-                                   ", its index says ", hex64(file.blocks[b])),
-                      "the file was altered or damaged after it was written; load an earlier checkpoint");
+          throw checkpoint_damaged_error(
+              rank, operation,
+              detail::text(named, ": block ", std::to_string(b), " (bytes ", std::to_string(b * block), "..",
+                           std::to_string(b * block + covered), ") has checksum ", hex64(found), ", its index says ",
+                           hex64(file.blocks[b])),
+              "the file was altered or damaged after it was written; load an earlier checkpoint");
       }
     };
     // Neighbouring requests in one read; nothing between them is read.
@@ -679,13 +648,12 @@ COHORT_DECL std::uint64_t read_checkpoint(const std::string& checkpoint, const c
         }
         pieces.push_back({run[k].into, run[k].bytes});
       }
-      read_exactly(fd.get(), std::move(pieces), start, end - start, named, rank);
+      read_exactly(fd.get(), std::move(pieces), start, end - start, named, rank, operation);
       bytes_read += end - start;
       for (const auto& r : run) add(r.offset, r.bytes, r.into);
     }
     for (const auto& [b, sum_covered] : blocks) parts.push_back({f, b, sum_covered.first, sum_covered.second, rank});
   }
-  failed_file = -1;
   return bytes_read;
 }
 
@@ -704,20 +672,22 @@ COHORT_DECL void check_checkpoint_parts(const std::string& checkpoint, const che
     for (; j < parts.size() && parts[j].file == parts[i].file && parts[j].block == b; ++j) {
       sum += parts[j].sum;
       covered += parts[j].bytes;
-      readers += (readers.empty() ? "" : ", ") + std::to_string(parts[j].reader);
+      readers += detail::text((readers.empty() ? "" : ", "), std::to_string(parts[j].reader));
     }
     const std::string block = detail::text(checkpoint_file_named(checkpoint, file), ": block ", std::to_string(b),
                                            " (bytes ", std::to_string(begin), "..", std::to_string(begin + size), ")");
     if (b >= file.blocks.size() || covered != size)
-      throw error(rank, "load_checkpoint",
-                  detail::text(block, " was read in parts by ranks ", readers, ", ", std::to_string(covered),
-                               " of its ", std::to_string(size), " bytes in all"),
-                  "the index is damaged (its pieces overlap or leave bytes out); load an earlier checkpoint");
+      throw checkpoint_damaged_error(
+          rank, "load_checkpoint",
+          detail::text(block, " was read in parts by ranks ", readers, ", ", std::to_string(covered), " of its ",
+                       std::to_string(size), " bytes in all"),
+          "the index is damaged; load an earlier checkpoint");
     if (const std::uint64_t found = checkpoint_checksum_finish(sum, size); found != file.blocks[b])
-      throw error(rank, "load_checkpoint",
-                  detail::text(block, " has checksum ", hex64(found), ", its index says ", hex64(file.blocks[b]),
-                               " (read in parts by ranks ", readers, ")"),
-                  "the file was altered or damaged after it was written; load an earlier checkpoint");
+      throw checkpoint_damaged_error(
+          rank, "load_checkpoint",
+          detail::text(block, " has checksum ", hex64(found), ", its index says ", hex64(file.blocks[b]),
+                       " (read in parts by ranks ", readers, ")"),
+          "the file was altered or damaged after it was written; load an earlier checkpoint");
     i = j;
   }
 }
@@ -730,14 +700,59 @@ COHORT_DECL std::string safetensors_dtype(const std::string& dtype) {
   return {};
 }
 
+COHORT_DECL std::string describe_checkpoint(const std::string& checkpoint, const checkpoint_manifest& m) {
+  std::uint64_t elements = 0, bytes = 0;
+  for (const auto& r : m.regions) elements += r.count;
+  for (const auto& f : m.files) bytes += f.bytes;
+  std::string tensors;
+  for (const auto& t : m.tensors) tensors += detail::text((tensors.empty() ? "" : ", "), t);
+  std::string out = detail::text(checkpoint, "\n  step ", std::to_string(m.step), " (optimizer steps ",
+                                 std::to_string(m.optimizer_steps), "), saved by ", std::to_string(m.world_size),
+                                 " ranks under ", m.strategy, "; parameters ", m.parameter_dtype, ", masters ", m.dtype,
+                                 "\n  tensors per element: ", tensors, "\n");
+  if (m.scaler)
+    out +=
+        detail::text("  loss scale ", json_format_number(m.scaler->scale), " (", std::to_string(m.scaler->good_steps),
+                     " good steps, ", std::to_string(m.scaler->skipped_steps), " skipped)\n");
+  for (const auto& [key, value] : m.metadata) out += detail::text("  metadata ", key, " = ", value, "\n");
+  out += detail::text("  ", std::to_string(m.regions.size()), " regions, ", std::to_string(elements), " elements; ",
+                      std::to_string(m.files.size()), " files, ", std::to_string(bytes), " bytes, ",
+                      std::to_string(m.block_bytes), "-byte checksum blocks\n");
+  // Columns aligned: text left, numbers right.
+  const auto table = [&](const std::vector<std::array<std::string, 5>>& rows, std::size_t text_columns) {
+    std::array<std::size_t, 5> width{};
+    for (const auto& row : rows)
+      for (std::size_t c = 0; c < row.size(); ++c) width[c] = std::max(width[c], row[c].size());
+    for (const auto& row : rows) {
+      for (std::size_t c = 0; c < row.size(); ++c) {
+        const std::string pad(width[c] - row[c].size(), ' ');
+        out += c < text_columns ? detail::text("  ", row[c], pad) : detail::text("  ", pad, row[c]);
+      }
+      out += "\n";
+    }
+  };
+  std::vector<std::array<std::string, 5>> regions{{"region", "dtype", "shape", "elements", "bytes per tensor"}};
+  for (const auto& r : m.regions) {
+    std::string shape;
+    for (std::size_t d = 0; d < r.shape.size(); ++d) shape += detail::text((d ? ", " : ""), std::to_string(r.shape[d]));
+    regions.push_back({r.name, m.dtype, detail::text("[", shape, "]"), std::to_string(r.count),
+                       std::to_string(r.count * m.element_bytes)});
+  }
+  table(regions, 3);
+  std::vector<std::array<std::string, 5>> files{{"file", "rank", "segments", "elements", "bytes"}};
+  for (const auto& f : m.files)
+    files.push_back({f.name, std::to_string(f.rank), std::to_string(f.segments.size()),
+                     std::to_string(f.elements * m.tensors.size()), std::to_string(f.bytes)});
+  table(files, 1);
+  return out;
+}
+
 namespace {
+
 // Every element of the first `tensors` tensors of every region, tensor after tensor, region
-// after region, into one buffer, and every block those lie in verified.
-std::vector<char> read_whole_tensors(const std::string& checkpoint, const checkpoint_manifest& manifest,
-                                     std::size_t tensors, std::uint64_t& bytes_read) {
-  std::uint64_t total = 0;
-  for (const auto& r : manifest.regions) total += r.count;
-  std::vector<char> data(tensors * total * manifest.element_bytes);
+// after region, into `data`, and every block those lie in verified.
+void read_whole_tensors(const std::string& checkpoint, const checkpoint_manifest& manifest, std::size_t tensors,
+                        std::vector<char>& data, std::uint64_t& bytes_read) {
   std::vector<checkpoint_need> needs;
   std::uint64_t at = 0;
   for (std::size_t t = 0; t < tensors; ++t)
@@ -745,12 +760,10 @@ std::vector<char> read_whole_tensors(const std::string& checkpoint, const checkp
       needs.push_back({t, r, 0, manifest.regions[r].count, data.data() + at * manifest.element_bytes});
       at += manifest.regions[r].count;
     }
-  std::int64_t failed_file = -1;
   std::vector<checkpoint_part> parts;
-  bytes_read += read_checkpoint(checkpoint, manifest, needs, checkpoint_gaps(manifest), manifest.element_bytes, -1,
-                                failed_file, parts);
-  // Blocks only partly read (another tensor's bytes in them, when not every tensor is wanted):
-  // read whole once more and verified, as no other rank holds the rest.
+  bytes_read += read_checkpoint(checkpoint, manifest, needs, {}, -1, parts);
+  // Blocks only partly read (another tensor's bytes in them): read whole once more and
+  // verified, as no other rank holds the rest.
   std::vector<checkpoint_range> rest;
   for (const auto& p : parts) {
     const auto& file = manifest.files.at(p.file);
@@ -759,53 +772,142 @@ std::vector<char> read_whole_tensors(const std::string& checkpoint, const checkp
   }
   if (!rest.empty()) {
     std::vector<checkpoint_part> none;
-    bytes_read += read_checkpoint(checkpoint, manifest, {}, rest, manifest.element_bytes, -1, failed_file, none);
+    bytes_read += read_checkpoint(checkpoint, manifest, {}, rest, -1, none);
   }
-  return data;
 }
+
+// A file written whole or not at all: a temporary sibling, removed unless renamed into place.
+struct temporary_file {
+  std::string path;
+  bool placed = false;
+  ~temporary_file() {
+    if (!placed) ::unlink(path.c_str());
+  }
+};
+
 }  // namespace
 
 }  // namespace detail
 
+COHORT_DECL std::optional<std::string> newest_checkpoint(const std::string& directory) {
+  const auto listing = detail::list_checkpoints(directory);
+  if (listing.committed.empty()) return std::nullopt;
+  return listing.committed.back().second;
+}
+
 COHORT_DECL std::uint64_t verify_checkpoint(const std::string& checkpoint) {
-  const auto manifest = detail::read_checkpoint_manifest(checkpoint, -1);
+  constexpr std::string_view operation = "verify_checkpoint";
+  const auto manifest = detail::read_checkpoint_manifest(checkpoint, -1, operation);
+  auto directory = detail::open_checkpoint_directory(checkpoint, -1, operation);
+  // File after file, 8 MiB at a time: each block's checksum added up from its parts (the sum
+  // is linear), so memory does not grow with the block size or the file.
+  constexpr std::size_t chunk = std::size_t{8} << 20;
+  std::vector<char> buffer;
   std::uint64_t bytes_read = 0;
-  detail::read_whole_tensors(checkpoint, manifest, manifest.tensors.size(), bytes_read);
+  for (const auto& file : manifest.files) {
+    const std::string named = detail::checkpoint_file_named(checkpoint, file);
+    auto fd = detail::open_checkpoint_file(directory.get(), checkpoint, file.name, -1, operation);
+    if (const std::uint64_t size = detail::file_size(fd.get()); size != file.bytes)
+      throw checkpoint_damaged_error(
+          -1, operation,
+          detail::text(named, " has ", std::to_string(size), " bytes, its index says ", std::to_string(file.bytes)),
+          "the file was truncated or replaced after the checkpoint was committed");
+    buffer.resize(static_cast<std::size_t>(std::min<std::uint64_t>(chunk, file.bytes)));
+    std::uint64_t sum = 0;
+    for (std::uint64_t at = 0; at < file.bytes;) {
+      const std::uint64_t block = at / manifest.block_bytes, block_begin = block * manifest.block_bytes;
+      const std::uint64_t block_end = std::min(file.bytes, block_begin + manifest.block_bytes);
+      const std::uint64_t take = std::min<std::uint64_t>(buffer.size(), block_end - at);
+      detail::read_exactly(fd.get(), {{buffer.data(), static_cast<std::size_t>(take)}}, at, take, named, -1, operation);
+      sum += detail::checkpoint_checksum_part(buffer.data(), at - block_begin, static_cast<std::size_t>(take));
+      at += take;
+      if (at == block_end) {
+        if (const std::uint64_t found = detail::checkpoint_checksum_finish(sum, block_end - block_begin);
+            found != file.blocks[block])
+          throw checkpoint_damaged_error(
+              -1, operation,
+              detail::text(named, ": block ", std::to_string(block), " (bytes ", std::to_string(block_begin), "..",
+                           std::to_string(block_end), ") has checksum ", detail::hex64(found), ", its index says ",
+                           detail::hex64(file.blocks[block])),
+              "the file was altered or damaged after it was written; load an earlier checkpoint");
+        sum = 0;
+      }
+    }
+    bytes_read += file.bytes;
+  }
   return bytes_read;
 }
 
 COHORT_DECL void consolidate_checkpoint(const std::string& checkpoint, const std::string& safetensors_path) {
-  const auto manifest = detail::read_checkpoint_manifest(checkpoint, -1);
+  constexpr std::string_view operation = "consolidate_checkpoint";
+  const auto manifest = detail::read_checkpoint_manifest(checkpoint, -1, operation);
+  const std::string dtype = detail::safetensors_dtype(manifest.dtype);
+  if (dtype.empty())
+    throw error(-1, operation, detail::text(checkpoint, " holds ", manifest.dtype),
+                "safetensors names float, double, half and bfloat16");
+  // The files' real sizes before the parameters' memory is taken: an index that claims more
+  // than the files hold costs nothing.
+  {
+    auto directory = detail::open_checkpoint_directory(checkpoint, -1, operation);
+    for (const auto& file : manifest.files) {
+      auto fd = detail::open_checkpoint_file(directory.get(), checkpoint, file.name, -1, operation);
+      if (const std::uint64_t size = detail::file_size(fd.get()); size != file.bytes)
+        throw checkpoint_damaged_error(
+            -1, operation,
+            detail::text(detail::checkpoint_file_named(checkpoint, file), " has ", std::to_string(size),
+                         " bytes, its index says ", std::to_string(file.bytes)),
+            "the file was truncated or replaced after the checkpoint was committed");
+    }
+  }
+  std::uint64_t elements = 0;
+  for (const auto& r : manifest.regions) elements += r.count;
+  std::vector<char> data(static_cast<std::size_t>(elements * manifest.element_bytes));
   std::uint64_t bytes_read = 0;
-  const auto data = detail::read_whole_tensors(checkpoint, manifest, 1, bytes_read);
-  detail::json header = detail::json::make_object();
+  detail::read_whole_tensors(checkpoint, manifest, 1, data, bytes_read);
+  // {"__metadata__":{...},"<region>":{"dtype":...,"shape":[...],"data_offsets":[begin,end]},...},
+  // spaced as safetensors itself writes it.
+  std::string header = "{\"__metadata__\":{\"format\":\"pt\",\"cohort_step\":";
+  detail::json_write_string(header, std::to_string(manifest.step));
+  header += "}";
   std::uint64_t offset = 0;
   for (const auto& r : manifest.regions) {
-    const std::string dtype = detail::safetensors_dtype(r.dtype);
-    if (dtype.empty())
-      throw error(-1, "consolidate_checkpoint", detail::text("region '", r.name, "' has dtype ", r.dtype),
-                  "safetensors names float, double, half and bfloat16");
-    detail::json entry;
-    entry.set("dtype", dtype);
-    entry.set("shape", detail::json(detail::json::array{detail::json(r.count)}));
+    if (r.name == "__metadata__")
+      throw error(-1, operation, detail::text(checkpoint, " has a region named __metadata__"),
+                  "safetensors keeps that name for the file's metadata; rename the region");
+    header += ",";
+    detail::json_write_string(header, r.name);
+    header += detail::text(":{\"dtype\":\"", dtype, "\",\"shape\":[");
+    for (std::size_t d = 0; d < r.shape.size(); ++d) header += detail::text((d ? "," : ""), std::to_string(r.shape[d]));
     const std::uint64_t bytes = r.count * manifest.element_bytes;
-    entry.set("data_offsets", detail::json(detail::json::array{detail::json(offset), detail::json(offset + bytes)}));
-    header.set(r.name, std::move(entry));
+    header += detail::text("],\"data_offsets\":[", std::to_string(offset), ",", std::to_string(offset + bytes), "]}");
     offset += bytes;
   }
-  detail::json metadata;
-  metadata.set("format", "pt");
-  metadata.set("cohort_step", std::to_string(manifest.step));
-  header.set("__metadata__", std::move(metadata));
-  std::string text = header.dump();
+  header += "}";
   // The data starts 8-byte aligned: the header is padded with spaces, as the format allows.
-  text.append((8 - (8 + text.size()) % 8) % 8, ' ');
-  std::string file(8, '\0');
-  const std::uint64_t length = text.size();
-  for (int b = 0; b < 8; ++b) file[static_cast<std::size_t>(b)] = static_cast<char>((length >> (8 * b)) & 0xffu);
-  file += text;
-  file.append(data.data(), data.size());
-  atomic_write_file(safetensors_path, file, -1);
+  header.append((8 - header.size() % 8) % 8, ' ');
+  char length[8];
+  for (int b = 0; b < 8; ++b) length[b] = static_cast<char>((std::uint64_t{header.size()} >> (8 * b)) & 0xffu);
+  // Whole or not at all: a temporary sibling, written, fsynced, renamed over the target, and
+  // the directory fsynced; an error names the errno.
+  const std::filesystem::path target(safetensors_path);
+  const std::string parent = target.parent_path().empty() ? "." : target.parent_path().string();
+  detail::temporary_file temporary{detail::path_in(
+      parent, detail::text(".", target.filename().string(), ".cohort-tmp-", std::to_string(::getpid())))};
+  ::unlink(temporary.path.c_str());
+  {
+    int code = 0;
+    detail::checkpoint_file_writer out(temporary.path, std::size_t{1} << 20, -1, code);
+    out.append(length, sizeof length);
+    out.append(header.data(), header.size());
+    out.append(data.data(), data.size());
+    out.finish();
+  }
+  if (::rename(temporary.path.c_str(), safetensors_path.c_str()) != 0)
+    throw error(-1, operation,
+                detail::text("cannot rename ", temporary.path, " to ", safetensors_path, ": ", std::strerror(errno)),
+                "the output's directory must be writable");
+  temporary.placed = true;
+  detail::sync_directory(parent, -1);
 }
 
 }  // namespace cohort::inline v0

@@ -24,7 +24,7 @@ COHORT_DECL std::vector<region> stacked_regions(const std::vector<stacked_tensor
   for (const auto& tensor : tensors)
     for (std::size_t l = 0; l < layers; ++l) {
       out.push_back({detail::text(tensor.name, ".", std::to_string(l)), offset, tensor.per_layer, first_layer + l,
-                     tensor.decay, 1.0});
+                     tensor.decay, 1.0, tensor.shape});
       offset += tensor.per_layer;
     }
   return out;
@@ -51,6 +51,20 @@ COHORT_DECL std::string check_regions(const std::vector<region>& regions, std::s
     if (elements != 0 && regions[i].offset + regions[i].count > elements)
       return detail::text(describe_region(regions, i), " ends past the buffer's ", std::to_string(elements),
                           " elements");
+    if (const auto& shape = regions[i].shape; !shape.empty()) {
+      std::size_t product = 1;
+      std::string dims;
+      for (const std::size_t d : shape) {
+        product = d != 0 && product > SIZE_MAX / d ? 0 : product * d;  // 0: overflowed (or a 0 dimension)
+        dims += detail::text((dims.empty() ? "" : ", "), std::to_string(d));
+      }
+      if (product != regions[i].count)
+        return detail::text(
+            describe_region(regions, i), " has shape [", dims, "], which holds ",
+            (product == 0 && std::find(shape.begin(), shape.end(), 0) == shape.end() ? std::string("more than 2^64")
+                                                                                     : std::to_string(product)),
+            " elements, not its count ", std::to_string(regions[i].count));
+    }
   }
   std::vector<std::size_t> order(regions.size());
   std::iota(order.begin(), order.end(), std::size_t{0});
