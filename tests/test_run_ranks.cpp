@@ -3,11 +3,15 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <chrono>
+#include <cohort/comm/gloo.hpp>
+#include <cohort/comm/process_group.hpp>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "cohort/run/run_ranks.hpp"
 
@@ -55,4 +59,50 @@ TEST_CASE("run_ranks with a positive count runs the ranks as threads", "[run_ran
     ++ranks;
   });
   CHECK(ranks == 2);
+}
+
+// A collective issued by one rank alone (at ZeRO-3, rank 0 gathering a layer to sample from
+// the model while the others are elsewhere): every rank fails within seconds, not after the
+// group's timeout, and the error names rank 0's call with its context.
+TEST_CASE("a collective one rank issues alone fails within seconds on every rank, naming it", "[run_ranks][faults]") {
+  for (const bool finished : {false, true}) {
+    INFO((finished ? "ranks 1, 2 finished their run" : "ranks 1, 2 are in a barrier"));
+    std::vector<std::string> errors(3);
+    std::mutex mutex;
+    const auto started = std::chrono::steady_clock::now();
+    try {
+      cohort::run_ranks(3, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+        cohort::gloo::options opts;
+        opts.timeout = std::chrono::seconds(60);  // what ends the calls is not the timeout
+        cohort::process_group<cohort::gloo> pg{store, env, opts};
+        std::vector<float> mine(4, static_cast<float>(env.rank)), all(12);
+        pg.all_reduce(mine).wait();
+        try {
+          if (env.rank == 0) {
+            auto scope = pg.call_context("sample");
+            pg.all_gather(mine, all).wait();
+          } else if (!finished) {
+            auto scope = pg.call_context("end of epoch");
+            pg.barrier().wait();
+          }
+        } catch (const cohort::error& failure) {
+          std::lock_guard lock(mutex);
+          errors[static_cast<std::size_t>(env.rank)] = failure.what();
+          throw;
+        }
+      });
+    } catch (const std::exception&) {}
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    for (const auto& text : errors) UNSCOPED_INFO(text);
+    CHECK(took < 10.0);
+    CHECK_THAT(errors[0], Catch::Contains("all_gather #2 (float x 4) [sample]"));
+    if (finished) {
+      CHECK_THAT(errors[0], Catch::Contains("ranks 1, 2 left the group after issuing 1 collective"));
+    } else {
+      for (int rank = 0; rank < 3; ++rank)
+        CHECK_THAT(errors[static_cast<std::size_t>(rank)],
+                   Catch::Contains("rank 0 is in all_gather #2 (float x 4) [sample]; ranks 1, 2 are in barrier #2 "
+                                   "[end of epoch]"));
+    }
+  }
 }
