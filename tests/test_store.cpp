@@ -649,8 +649,12 @@ TEST_CASE("store: connect_store hosts on rank 0 and connects the others") {
   cohort::tcp_store_options options;
   options.timeout = 10s;
   auto s = cohort::connect_store(env, options);
-  REQUIRE(dynamic_cast<cohort::tcp_store*>(s.get()) != nullptr);
-  CHECK(dynamic_cast<cohort::tcp_store&>(*s).server() != nullptr);
+  // The job's keys live under its id (rank 0 made one: the environment names none).
+  auto* job = dynamic_cast<cohort::prefix_store*>(s.get());
+  REQUIRE(job != nullptr);
+  CHECK_THAT(job->prefix(), Catch::StartsWith("job/cohort-"));
+  auto& served = dynamic_cast<cohort::tcp_store&>(*job->inner());
+  CHECK(served.server() != nullptr);
   s->set("from-0", "hello");
   CHECK(s->get_string("from-1") == "hi");
   s->wait({"done"});
@@ -658,7 +662,7 @@ TEST_CASE("store: connect_store hosts on rank 0 and connects the others") {
 
   SECTION("under torchrun's agent store: a client under /worker/attempt_<n>/") {
     auto agent_env = cohort::launch_env::explicit_ranks(1, 2);
-    agent_env.master_port = dynamic_cast<cohort::tcp_store&>(*s).port();
+    agent_env.master_port = served.port();
     agent_env.use_agent_store = true;
     agent_env.restart_count = 2;
     auto agent = cohort::connect_store(agent_env, options);
@@ -666,7 +670,7 @@ TEST_CASE("store: connect_store hosts on rank 0 and connects the others") {
     REQUIRE(prefixed != nullptr);
     CHECK(prefixed->prefix() == "/worker/attempt_2/");
     agent->set("k", "v");
-    CHECK(s->get_string("/worker/attempt_2/k") == "v");
+    CHECK(served.get_string("/worker/attempt_2/k") == "v");
   }
 }
 

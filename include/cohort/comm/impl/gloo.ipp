@@ -791,6 +791,16 @@ COHORT_DECL auto gloo::name_the_culprit(const detail::gloo_task& task, bool conn
   std::vector<detail::peer_status> known(static_cast<std::size_t>(size_));
   for (int peer = 0; peer < size_; ++peer)
     if (peer != rank_) known[static_cast<std::size_t>(peer)] = probe_peer(peer);
+  // Ranks that die together (a node) close their connections within milliseconds of each
+  // other, and Gloo's event loop takes a moment to see each: asked once more after a moment,
+  // those that still look alive are, as far as their connections can tell.
+  if (std::any_of(known.begin(), known.end(),
+                  [](const detail::peer_status& seen) { return seen.state != detail::peer_state::died; })) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    for (int peer = 0; peer < size_; ++peer)
+      if (peer != rank_ && known[static_cast<std::size_t>(peer)].state != detail::peer_state::died)
+        known[static_cast<std::size_t>(peer)] = probe_peer(peer);
+  }
   abort_transport();
   auto failed = status(detail::rank_activity::failed);
   failed.call = as_call(task);
