@@ -40,6 +40,7 @@ enum class call_kind : std::uint8_t {
   send,
   recv
 };
+inline constexpr std::size_t call_kinds = 8;
 enum class call_state : std::uint8_t { issued, started, completed, failed };
 
 COHORT_DECL std::string_view to_string(call_kind kind);

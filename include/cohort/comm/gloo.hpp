@@ -8,6 +8,7 @@
 // reduction, which puts (n-1)/n of the data on the wire, as a bandwidth-optimal
 // reduce-scatter does, instead of all-reducing everything and keeping a slice.
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -394,6 +395,7 @@ class gloo {
   mutable std::mutex running_mutex_;
   std::optional<detail::pending_call> running_;
   std::atomic<std::uint64_t> collectives_completed_{0};
+  std::array<std::atomic<std::uint64_t>, call_kinds> issued_by_kind_{};  // of collectives_issued_
   std::unique_ptr<detail::status_board> board_;
   std::unique_ptr<detail::progress_monitor> monitor_;
   std::mutex verdict_mutex_;

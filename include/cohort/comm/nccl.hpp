@@ -15,6 +15,7 @@
 #include <nccl.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -131,6 +132,7 @@ struct nccl_state {
   detail::fifo_queue<outstanding_call> outstanding;
   std::uint64_t collectives_issued = 0;
   std::uint64_t collectives_completed = 0;
+  std::array<std::uint64_t, call_kinds> issued_by_kind{};
   std::map<std::pair<int, bool>, std::uint64_t> p2p_issued;  // (peer, sending): NCCL has no tags
 
   // Numbers the call, records it and, when watched, queues it for the watchdog.

@@ -279,6 +279,9 @@ class tcp_store final : public store {
   COHORT_DECL void ping_locked(clock::time_point deadline, std::string_view operation);
   COHORT_DECL std::uint32_t append_ping(writer& out);  // returns the nonce to expect back
   COHORT_DECL void read_ping_echo(std::uint32_t nonce, clock::time_point deadline, std::string_view operation);
+  // Waits for the first bytes of the server's answer to the handshake; a server silent until
+  // `deadline` is told the request ended (half-close) and what it answers then is named.
+  COHORT_DECL void await_answer(clock::time_point deadline);
   // What arrives on the connection within `within` (up to 256 bytes), after what was read ahead.
   COHORT_DECL std::string read_available(std::chrono::milliseconds within);
   // "the server at X answered cohort's handshake with '...' ...": bytes that are not the protocol.

@@ -15,6 +15,7 @@
 // - watchdog: a thread per group that enforces the group's timeout on work nobody waits
 //   for through cohort, and acts on failures nobody observes (see async_error_handling).
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -91,13 +92,17 @@ enum class rank_activity : std::uint8_t { joined, in_call, failed, left };
 
 struct rank_status {
   rank_activity activity = rank_activity::joined;
-  std::uint64_t issued = 0;     // collectives (and barriers) this rank has issued in the group
-  std::uint64_t completed = 0;  // of which completed
+  std::uint64_t issued = 0;                         // collectives (and barriers) this rank has issued in the group
+  std::uint64_t completed = 0;                      // of which completed
+  std::array<std::uint64_t, call_kinds> by_kind{};  // `issued` by call_kind (send and recv: 0)
   // in_call, failed: the call (its sequence is 0 when there is none); left: its last call,
   // when the flight recorder still holds it.
   call_record call;
   std::string note;  // failed: why; left: how it left
 };
+
+// "20 all_reduces and 1 all_gather": what by_kind counts.
+COHORT_DECL std::string describe_counts(const std::array<std::uint64_t, call_kinds>& by_kind);
 
 COHORT_DECL std::string encode_status(const rank_status& status);
 // False when `text` is not what encode_status writes.
@@ -147,6 +152,8 @@ class status_board {
   std::mutex mutex_;  // one request at a time on `own_`, which is made on first use
   std::shared_ptr<store> own_;
   bool own_made_ = false;
+  std::string unreachable_;  // why the last attempt to make `own_` failed, and when
+  std::chrono::steady_clock::time_point unreachable_at_{};
 };
 
 // What the other ranks' statuses prove about `mine`, this rank's oldest collective not yet
@@ -191,13 +198,13 @@ class progress_monitor {
   };
   COHORT_DECL progress_monitor(status_board& board, std::string group, settings when);
 
-  // `pending`: what this rank's engine has not completed (nullopt: nothing). Returns the
-  // disagreement that dooms that call (find_disagreement), or an empty string.
-  COHORT_DECL std::string tick(const std::optional<pending_call>& pending, std::uint64_t issued,
-                               std::uint64_t completed);
+  // `pending`: what this rank's engine has not completed (nullopt: nothing); `now`: this
+  // rank's counts. Returns the disagreement that dooms that call (find_disagreement), or an
+  // empty string.
+  COHORT_DECL std::string tick(const std::optional<pending_call>& pending, const rank_status& now);
 
  private:
-  COHORT_DECL std::string compare(const pending_call& pending, std::uint64_t issued, std::uint64_t completed);
+  COHORT_DECL std::string compare(const pending_call& pending, const rank_status& now);
   COHORT_DECL void say(const pending_call& pending, std::chrono::steady_clock::time_point now) const;
 
   status_board& board_;

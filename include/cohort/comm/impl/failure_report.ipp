@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <exception>
 #include <iterator>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -110,7 +111,6 @@ COHORT_DECL std::string write_trace(const std::string& directory, const trace_id
 }
 
 inline constexpr std::string_view status_format = "cohort-status-1";
-inline constexpr std::uint8_t status_call_kinds = 8;
 inline constexpr std::uint8_t status_activities = 4;
 inline constexpr std::uint8_t status_reductions = 5;
 
@@ -226,12 +226,27 @@ inline std::string join_parts(const std::vector<std::string>& parts) {
 
 COHORT_DECL std::string encode_status(const rank_status& status) {
   const call_record& call = status.call;
+  std::string counts;
+  for (const auto count : status.by_kind) counts += detail::text(",", std::to_string(count));
   return detail::text(status_format, "\n", std::to_string(static_cast<int>(status.activity)), ",",
                       std::to_string(status.issued), ",", std::to_string(status.completed), ",",
                       std::to_string(static_cast<int>(call.kind)), ",", std::to_string(call.sequence), ",",
                       std::to_string(static_cast<int>(call.type)), ",", std::to_string(call.count), ",",
                       std::to_string(static_cast<int>(call.reduce)), ",", std::to_string(call.peer), ",",
-                      std::to_string(call.tag), "\n", call.context.view(), "\n", status.note);
+                      std::to_string(call.tag), counts, "\n", call.context.view(), "\n", status.note);
+}
+
+COHORT_DECL std::string describe_counts(const std::array<std::uint64_t, call_kinds>& by_kind) {
+  std::vector<std::string> parts;
+  for (std::size_t k = 0; k < call_kinds; ++k)
+    if (by_kind[k] != 0)
+      parts.push_back(detail::text(std::to_string(by_kind[k]), " ", to_string(static_cast<call_kind>(k)),
+                                   (by_kind[k] == 1 ? "" : "s")));
+  if (parts.empty()) return "no collectives";
+  std::string text = parts.front();
+  for (std::size_t k = 1; k < parts.size(); ++k)
+    text += detail::text((k + 1 == parts.size() ? " and " : ", "), parts[k]);
+  return text;
 }
 
 COHORT_DECL bool decode_status(std::string_view text, rank_status& out) {
@@ -247,10 +262,11 @@ COHORT_DECL bool decode_status(std::string_view text, rank_status& out) {
   const auto numbers = line(rest);
   const auto context = line(rest);
   if (!format || *format != status_format || !numbers || !context) return false;
-  std::uint64_t field[10] = {};
+  constexpr int fields = 10 + static_cast<int>(call_kinds);
+  std::uint64_t field[fields] = {};
   std::int64_t peer = 0;
   std::string_view list = *numbers;
-  for (int k = 0; k < 10; ++k) {
+  for (int k = 0; k < fields; ++k) {
     const auto end = std::min(list.find(','), list.size());
     const std::string_view item = list.substr(0, end);
     if (item.empty()) return false;
@@ -258,10 +274,10 @@ COHORT_DECL bool decode_status(std::string_view text, rank_status& out) {
     const char* last = item.data() + item.size();
     const auto [stop, status] = k == 8 ? std::from_chars(first, last, peer) : std::from_chars(first, last, field[k]);
     if (status != std::errc() || stop != last) return false;
-    if ((k < 9) != (end < list.size())) return false;
+    if ((k < fields - 1) != (end < list.size())) return false;
     list.remove_prefix(std::min(end + 1, list.size()));
   }
-  if (field[0] >= status_activities || field[3] >= status_call_kinds || field[5] >= std::size(dtype_is_floating) ||
+  if (field[0] >= status_activities || field[3] >= call_kinds || field[5] >= std::size(dtype_is_floating) ||
       field[7] >= status_reductions)
     return false;
   rank_status status;
@@ -275,6 +291,7 @@ COHORT_DECL bool decode_status(std::string_view text, rank_status& out) {
   status.call.reduce = static_cast<op>(field[7]);
   status.call.peer = static_cast<int>(peer);
   status.call.tag = field[9];
+  for (std::size_t k = 0; k < call_kinds; ++k) status.by_kind[k] = field[10 + k];
   status.call.context.assign(*context);
   status.note = std::string(rest);
   out = std::move(status);
@@ -289,7 +306,20 @@ COHORT_DECL std::string status_board::location() const { return store_->location
 
 COHORT_DECL store& status_board::handle() {
   if (!own_made_) {
-    own_ = store_->bounded(window());  // throws when the store cannot be reached in time
+    // A store this handle could not reach a moment ago is not waited for again at once (the
+    // progress monitor and a failing call ask one after the other).
+    const auto now = std::chrono::steady_clock::now();
+    if (!unreachable_.empty() && now - unreachable_at_ < window())
+      throw error(rank_, "store", detail::text(unreachable_, " (", format_seconds(now - unreachable_at_), " ago)"));
+    try {
+      own_ = store_->bounded(window());  // throws when the store cannot be reached in time
+    } catch (const std::exception& failure) {
+      const auto* known = dynamic_cast<const error*>(&failure);
+      unreachable_ = known ? known->detail() : std::string(failure.what());
+      unreachable_at_ = std::chrono::steady_clock::now();
+      throw;
+    }
+    unreachable_.clear();
     own_made_ = true;
   }
   return own_ ? *own_ : *store_;
@@ -391,15 +421,26 @@ COHORT_DECL std::string name_the_culprit(status_board& board, const call_record&
   // silent, or cut off? (Threads of its own, not std::async: this cold path should not cost
   // every translation unit of a header-only program the futures' machinery.)
   std::vector<std::optional<peer_status>> asked(static_cast<std::size_t>(size));
+  std::mutex asked_mutex;  // the askers write `asked` while the window reads it
   std::vector<std::jthread> askers;
   if (probe)
     for (int peer = 0; peer < size; ++peer)
       if (peer != rank && seen(peer).state == peer_state::unknown)
         askers.emplace_back([&, peer] {
+          std::optional<peer_status> answer;
           try {
-            asked[static_cast<std::size_t>(peer)] = probe(peer);
+            answer = probe(peer);
           } catch (...) {}
+          std::lock_guard lock(asked_mutex);
+          asked[static_cast<std::size_t>(peer)] = std::move(answer);
         });
+  // A peer the backend knows dead, or found unreachable, is not waited for.
+  const auto gone = [&](int peer) {
+    if (seen(peer).state == peer_state::died) return true;
+    std::lock_guard lock(asked_mutex);
+    const auto& answer = asked[static_cast<std::size_t>(peer)];
+    return answer && (answer->state == peer_state::unreachable || answer->state == peer_state::died);
+  };
   const auto join_askers = [&] {
     for (auto& asker : askers)
       if (asker.joinable()) asker.join();
@@ -424,7 +465,7 @@ COHORT_DECL std::string name_the_culprit(status_board& board, const call_record&
         const bool settled =
             (status && (status_concerns(*status, mine.sequence) || status->activity == rank_activity::left ||
                         status->activity == rank_activity::failed)) ||
-            seen(peer).state == peer_state::died;
+            gone(peer);
         if (!settled) still.push_back(peer);
       }
       open.swap(still);
@@ -514,8 +555,8 @@ COHORT_DECL std::string name_the_culprit(status_board& board, const call_record&
 COHORT_DECL progress_monitor::progress_monitor(status_board& board, std::string group, settings when)
     : board_(board), group_(std::move(group)), when_(when) {}
 
-COHORT_DECL std::string progress_monitor::tick(const std::optional<pending_call>& pending, std::uint64_t issued,
-                                               std::uint64_t completed) {
+COHORT_DECL std::string progress_monitor::tick(const std::optional<pending_call>& pending,
+                                               const rank_status& now_status) {
   if (!pending) {
     watching_ = 0;
     return {};
@@ -533,7 +574,7 @@ COHORT_DECL std::string progress_monitor::tick(const std::optional<pending_call>
   std::string verdict;
   if (now >= next_compare_) {
     next_compare_ = now + std::max<std::chrono::milliseconds>(when_.compare_after, std::chrono::seconds(5));
-    verdict = compare(*pending, issued, completed);
+    verdict = compare(*pending, now_status);
   }
   if (verdict.empty() && now >= next_line_) {
     while (next_line_ <= now) next_line_ += when_.progress_interval;
@@ -542,16 +583,13 @@ COHORT_DECL std::string progress_monitor::tick(const std::optional<pending_call>
   return verdict;
 }
 
-COHORT_DECL std::string progress_monitor::compare(const pending_call& pending, std::uint64_t issued,
-                                                  std::uint64_t completed) {
+COHORT_DECL std::string progress_monitor::compare(const pending_call& pending, const rank_status& now) {
   const int rank = board_.rank();
   const call_record& mine = pending.call;
   try {
     if (!published_) {
-      rank_status status;
+      rank_status status = now;
       status.activity = rank_activity::in_call;
-      status.issued = issued;
-      status.completed = completed;
       status.call = mine;
       board_.publish(status);
       published_ = true;

@@ -482,8 +482,7 @@ COHORT_DECL auto gloo::watch() -> std::exception_ptr {
       std::lock_guard lock(running_mutex_);
       pending = running_;
     }
-    std::string verdict = monitor_->tick(pending, collectives_issued_.load(std::memory_order_relaxed),
-                                         collectives_completed_.load(std::memory_order_relaxed));
+    std::string verdict = monitor_->tick(pending, status(detail::rank_activity::in_call));
     if (!verdict.empty()) {
       {
         std::lock_guard lock(verdict_mutex_);
@@ -506,6 +505,7 @@ COHORT_DECL auto gloo::status(detail::rank_activity activity) const -> detail::r
   now.activity = activity;
   now.issued = collectives_issued_.load(std::memory_order_relaxed);
   now.completed = collectives_completed_.load(std::memory_order_relaxed);
+  for (std::size_t k = 0; k < call_kinds; ++k) now.by_kind[k] = issued_by_kind_[k].load(std::memory_order_relaxed);
   return now;
 }
 
@@ -562,7 +562,9 @@ COHORT_DECL auto gloo::submit(detail::gloo_task queued) -> work {
   if (queued.what != task_kind::function) {
     queued.context = call_context_;
     queued.sequence = collectives_issued_.fetch_add(1) + 1;
-    queued.record = recorder_.issued(as_call(queued));
+    const call_record call = as_call(queued);
+    issued_by_kind_[static_cast<std::size_t>(call.kind)].fetch_add(1, std::memory_order_relaxed);
+    queued.record = recorder_.issued(call);
   }
   const std::uint64_t seq = worker_->submit(std::move(queued));
   return work(worker_, seq);

@@ -137,8 +137,10 @@ COHORT_DECL auto detail::nccl_state::issued(call_record call, const std::shared_
   std::lock_guard lock(watch_mutex);
   if (detail::is_point_to_point(call.kind))
     call.sequence = ++p2p_issued[{call.peer, call.kind == call_kind::send}];
-  else
+  else {
     call.sequence = ++collectives_issued;
+    ++issued_by_kind[static_cast<std::size_t>(call.kind)];
+  }
   const auto now = std::chrono::steady_clock::now();
   const std::uint64_t record = recorder ? recorder->issued(call, now) : 0;
   if (!watched) return;
@@ -181,7 +183,6 @@ COHORT_DECL auto detail::nccl_state::watch() -> std::exception_ptr {
   }
   if (!failure && overdue.empty() && monitor) {
     std::optional<pending_call> pending;
-    std::uint64_t issued_now = 0, completed_now = 0;
     {
       std::lock_guard lock(watch_mutex);
       for (const auto& call : outstanding)
@@ -189,10 +190,8 @@ COHORT_DECL auto detail::nccl_state::watch() -> std::exception_ptr {
           pending = pending_call{call.call, call.issued};
           break;
         }
-      issued_now = collectives_issued;
-      completed_now = collectives_completed;
     }
-    std::string verdict = monitor->tick(pending, issued_now, completed_now);
+    std::string verdict = monitor->tick(pending, status(rank_activity::in_call));
     if (!verdict.empty()) {
       // Said first, then the communicator aborted: the other ranks read why this one stopped.
       auto failed = status(rank_activity::failed);
@@ -260,6 +259,7 @@ COHORT_DECL auto detail::nccl_state::status(rank_activity activity) -> rank_stat
   std::lock_guard lock(watch_mutex);
   now.issued = collectives_issued;
   now.completed = collectives_completed;
+  now.by_kind = issued_by_kind;
   return now;
 }
 

@@ -425,6 +425,24 @@ COHORT_DECL auto tcp_store::read_ping_echo(std::uint32_t nonce, clock::time_poin
   fail(operation, not_a_store(answered));
 }
 
+COHORT_DECL auto tcp_store::await_answer(clock::time_point deadline) -> void {
+  if (inbox_start_ < inbox_end_ || detail::tcp::poll_until(socket_.get(), POLLIN, deadline)) return;
+  // No answer. A program that reads whole request lines (an HTTP server) waits for the end of
+  // the request: say there is no more, and take what it answers then.
+  if (::shutdown(socket_.get(), SHUT_WR) == 0) {
+    const std::string answered = read_available(std::chrono::seconds(1));
+    if (!answered.empty()) {
+      handshake_ = handshake::fatal;
+      fatal_hint_ = "MASTER_PORT is another program's: pick a free port for the job (and check MASTER_ADDR)";
+      fail("connect", not_a_store(answered));
+    }
+  }
+  fail_timeout("connect", detail::text("the server at ", endpoint(),
+                                       " accepted the connection and never answered "
+                                       "cohort's handshake within ",
+                                       detail::format_duration(request_timeout())));
+}
+
 COHORT_DECL auto tcp_store::read_available(std::chrono::milliseconds within) -> std::string {
   std::string more(inbox_.begin() + static_cast<std::ptrdiff_t>(inbox_start_),
                    inbox_.begin() + static_cast<std::ptrdiff_t>(inbox_end_));
@@ -572,16 +590,7 @@ COHORT_DECL auto tcp_store::try_connect(clock::time_point deadline) -> std::stri
       handshake_locked(clock::now() + answer);
       return {};
     } catch (const timeout_error& failure) {
-      // No answer. A program that reads lines (an HTTP server) waits for the end of a request:
-      // tell it there is no more, and take what it says then.
-      std::string answered;
-      if (socket_ && ::shutdown(socket_.get(), SHUT_WR) == 0) answered = read_available(std::chrono::seconds(1));
       drop_connection();
-      if (!answered.empty()) {
-        handshake_ = handshake::fatal;
-        fatal_hint_ = "MASTER_PORT is another program's: pick a free port for the job (and check MASTER_ADDR)";
-        return not_a_store(answered);
-      }
       if (handshake_ == handshake::not_reached) handshake_ = handshake::unanswered;
       last_error = detail::text("handshake failed: ", failure.detail());
     } catch (const error& failure) {
@@ -605,6 +614,7 @@ COHORT_DECL auto tcp_store::handshake_locked(clock::time_point deadline) -> void
   if (options_.token.empty()) {
     const std::uint32_t nonce = append_ping(out);
     send_message("connect", message, deadline, 2);
+    await_answer(deadline);
     return read_ping_echo(nonce, deadline, "connect");
   }
   protocol::nonce client{};
@@ -614,6 +624,7 @@ COHORT_DECL auto tcp_store::handshake_locked(clock::time_point deadline) -> void
   out.u8(protocol::auth_version);
   out.raw_bytes(client);
   send_message("connect", message, deadline, 2);
+  await_answer(deadline);
   const auto status = receive_value<std::uint8_t>("connect", {}, deadline);
   if (status == protocol::busy_first_byte) fail_busy("connect");
   if (status == static_cast<std::uint8_t>(protocol::auth_reply::no_token)) {

@@ -3,6 +3,7 @@
 // under COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -59,24 +60,24 @@ COHORT_DECL std::string compare_collective_counts(store& rendezvous, int world) 
   std::size_t groups = 0;
   for (const auto& mine : ranks) groups = std::max(groups, mine.size());
   for (std::size_t g = 0; g < groups; ++g) {
-    // Ranks by the number of collectives they issued on their g-th group (ranks whose end is
-    // not known are left out: they are still running it, or failed to make it).
-    std::map<std::uint64_t, std::vector<int>> by_count;
+    // Ranks by the collectives they issued on their g-th group, kind by kind (ranks whose end
+    // is not known are left out: they are still running it, or failed to make it).
+    std::map<std::array<std::uint64_t, call_kinds>, std::vector<int>> by_count;
     for (int r = 0; r < world; ++r) {
       const auto& mine = ranks[static_cast<std::size_t>(r)];
-      if (g < mine.size() && mine[g]) by_count[mine[g]->issued].push_back(r);
+      if (g < mine.size() && mine[g]) by_count[mine[g]->by_kind].push_back(r);
     }
     if (by_count.size() < 2) continue;
-    // The most common count first: the others stopped early or late against it.
-    std::vector<std::pair<std::uint64_t, std::vector<int>>> sets(by_count.begin(), by_count.end());
+    // The fewest ranks first: they stopped early or late against the others.
+    std::vector<std::pair<std::array<std::uint64_t, call_kinds>, std::vector<int>>> sets(by_count.begin(),
+                                                                                         by_count.end());
     std::stable_sort(sets.begin(), sets.end(),
                      [](const auto& a, const auto& b) { return a.second.size() < b.second.size(); });
     std::string text = detail::text("pg", std::to_string(g + 1), ": ");
     for (std::size_t k = 0; k < sets.size(); ++k) {
-      const auto& [issued, who] = sets[k];
+      const auto& [counts, who] = sets[k];
       const rank_status& end = *ranks[static_cast<std::size_t>(who.front())][g];
-      text += detail::text((k ? ", " : ""), format_ranks(who), " issued ", std::to_string(issued), " collective",
-                           (issued == 1 ? "" : "s"),
+      text += detail::text((k ? "; " : ""), format_ranks(who), " issued ", describe_counts(counts),
                            (end.call.sequence != 0 ? detail::text(" (", (who.size() == 1 ? "its" : "their"),
                                                                   " last: ", describe(end.call), ")")
                                                    : std::string()));
@@ -106,9 +107,13 @@ inline std::string outcome_key(int rank) { return detail::text(run_ranks_keys, "
 // Rank 0: every rank's outcome, the counts of their groups: the verdict on the run (empty
 // when every rank ended well and the counts agree).
 inline std::string judge_run(store& rendezvous, const launch_env& env, std::chrono::milliseconds bound,
-                             std::chrono::steady_clock::duration waited) {
+                             std::chrono::steady_clock::duration waited, const std::string& own_failure) {
   std::vector<int> failed, missing;
   std::string first_reason;
+  if (!own_failure.empty()) {
+    failed.push_back(0);
+    first_reason = own_failure.substr(0, own_failure.find('\n'));
+  }
   for (int r = 1; r < env.world_size; ++r) {
     const std::string key = outcome_key(r);
     if (!rendezvous.check(std::span<const std::string>(&key, 1))) {
@@ -181,11 +186,17 @@ COHORT_DECL void finish_launched_rank(store& rendezvous, const launch_env& env, 
       if (failure) return;
       throw unreachable(cause, "report the end of its run");
     }
-    if (failure) return;
-    // Then rank 0's verdict on the whole run, in slices each bounded (a store gone silent
-    // ends this within a slice), as long as the store's timeout while nobody has failed.
+    if (failure) {
+      std::fprintf(stderr, "%s\n", reason.c_str());  // the news, at once; then rank 0's verdict
+      std::fflush(stderr);
+    }
+    // Rank 0's verdict on the whole run, in slices each bounded (a store gone silent ends this
+    // within a slice): as long as the store's timeout while this rank is well (the others may
+    // still be training), rank 0's grace when it failed (then the verdict is only news).
     progress_clock lines(lines_every, started);
-    const auto give_up = started + rendezvous.timeout();
+    const auto give_up =
+        started + (failure ? std::chrono::duration_cast<std::chrono::milliseconds>(run_ranks_failure_grace + bound)
+                           : rendezvous.timeout());
     std::string verdict;
     for (;;) {
       const auto now = clock::now();
@@ -196,23 +207,34 @@ COHORT_DECL void finish_launched_rank(store& rendezvous, const launch_env& env, 
         verdict = to_string(rendezvous.get(detail::text(base, "verdict"), slice));
         break;
       } catch (const timeout_error&) {
-        if (clock::now() >= give_up)
+        if (clock::now() >= give_up) {
+          if (failure) return;
           throw timeout_error(env.rank, "run_ranks",
                               detail::text("finished, but rank 0 said nothing of the whole run's end within ",
                                            format_duration(rendezvous.timeout()), " (the store's timeout)"),
                               "another rank is still running (its progress lines say what it waits for), or rank 0 "
                               "is stuck");
+        }
         if (lines.due())
-          progress_line(env.rank, detail::text("run_ranks: finished; waiting ", format_seconds(lines.elapsed()),
-                                               " (of the store's ", format_duration(rendezvous.timeout()),
-                                               ") for the other ranks to finish"));
+          progress_line(env.rank,
+                        detail::text("run_ranks: ", (failure ? "failed" : "finished"), "; waiting ",
+                                     format_seconds(lines.elapsed()), " for rank 0 to hear from every rank (at most ",
+                                     (failure ? format_duration(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                    run_ranks_failure_grace + bound))
+                                              : detail::text("the store's ", format_duration(rendezvous.timeout()))),
+                                     ")"));
       } catch (const std::exception& cause) {
+        if (failure) return;
         throw unreachable(cause, "learn how the run ended");
       }
     }
     try {
       rendezvous.add_within(detail::text(base, "acknowledged"), 1, bound);
     } catch (const std::exception&) {}
+    if (failure) {
+      if (!verdict.empty()) progress_line(env.rank, detail::text("run_ranks: the run failed: ", verdict));
+      return;
+    }
     if (!verdict.empty())
       throw error(env.rank, "run_ranks", detail::text("this rank finished, but the run failed: ", verdict),
                   "the first failing rank's error names the cause");
@@ -252,17 +274,12 @@ COHORT_DECL void finish_launched_rank(store& rendezvous, const launch_env& env, 
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::milliseconds(50));
     }
-    const std::string verdict = judge_run(rendezvous, env, bound, clock::now() - started);
+    const std::string verdict = judge_run(rendezvous, env, bound, clock::now() - started, reason);
     const bytes said = to_bytes(verdict);
     rendezvous.set_within(detail::text(base, "verdict"), std::span<const std::uint8_t>(said), bound);
-    if (!verdict.empty() && !failure) progress_line(0, detail::text("run_ranks: the run failed: ", verdict));
-    // The ranks that reported well wait for the verdict: serve until they have read it.
-    std::int64_t waiting = 0;
-    for (int r = 1; r < env.world_size; ++r) {
-      const std::string key = outcome_key(r);
-      if (rendezvous.check(std::span<const std::string>(&key, 1)) && to_string(rendezvous.get(key, bound)) == "ok")
-        ++waiting;
-    }
+    if (!verdict.empty() && failure) progress_line(0, detail::text("run_ranks: the run failed: ", verdict));
+    // Every rank that reported reads the verdict: serve until they have.
+    const std::int64_t waiting = rendezvous.add_within(detail::text(base, "reported"), 0, bound);
     if (!grace_ends && !verdict.empty()) grace_ends = grace();
     while (rendezvous.add_within(detail::text(base, "acknowledged"), 0, bound) < waiting && !done_waiting()) {
       std::this_thread::sleep_for(pause);
