@@ -848,7 +848,7 @@ TEST_CASE("a training loop of another length on one rank is named with both coun
   }
 }
 
-// A rank busy computing (30 s past a collective the others wait in, here scaled to 4 s with a
+// A rank busy computing (30 s past a collective the others wait in, here scaled to 5 s with a
 // 1 s progress interval) is not an error: the others say what they wait for, and for whom, at
 // every interval, and the job ends well. And a rank that never starts: the others print where
 // the rendezvous stands at every interval instead of nothing for the whole timeout.
@@ -862,7 +862,7 @@ TEST_CASE("waiting ranks print progress lines instead of silence", "[multinode]"
       rank.env["COHORT_TEST_TIMEOUT"] = "20";
       rank.env["COHORT_TEST_STEPS"] = "2";
     }
-    ranks[0].env["COHORT_TEST_COMPUTE_MS"] = "4000";
+    ranks[0].env["COHORT_TEST_COMPUTE_MS"] = "5000";  // past the 3 s comparison by more than a watchdog tick
     const auto out = run_jobs(*nodes, ranks, std::chrono::seconds(60));
     INFO(shown(out));
     for (int r = 0; r < 4; ++r) CHECK(out[static_cast<std::size_t>(r)].code == 0);
@@ -890,4 +890,172 @@ TEST_CASE("waiting ranks print progress lines instead of silence", "[multinode]"
       CHECK(out[static_cast<std::size_t>(r)].longest_silence(1.0) < 2.5);
     }
   }
+}
+
+// ===========================================================================================
+// The targets of issue 35, measured (hidden: minutes, not part of ctest). Run as root:
+//   ./build/tests/test_multinode "[targets]"
+// Each prints its figures; docs/benchmarks.md ("Failures: blame, exits and silence") has them.
+
+namespace {
+
+struct silence_meter {
+  double longest = 0;
+  void add(const transcript& rank, double from = 0) {
+    if (rank.exited >= 0) longest = std::max(longest, rank.longest_silence(from));
+  }
+};
+
+}  // namespace
+
+TEST_CASE("targets: two jobs on one port, 20 trials of staggered starts", "[.][targets]") {
+  int mixed = 0, refused = 0, trials = 0;
+  double slowest_refusal = 0;
+  silence_meter silence;
+  for (int trial = 0; trial < 20; ++trial) {
+    auto nodes = make_cluster(2);
+    hosts_name_every_node(*nodes);
+    // Which job starts first, and each rank's delay, vary from trial to trial.
+    std::vector<cluster::rank_process> ranks;
+    std::vector<double> delay;
+    for (int job = 0; job < 2; ++job)
+      for (auto rank : job_ranks(*nodes, 2, job == 0 ? "job-B" : "job-A")) {
+        const int ms = ((trial * 7 + static_cast<int>(ranks.size()) * 13) % 31) * 100;
+        rank.delay = std::chrono::milliseconds(job == trial % 2 ? ms / 3 : 500 + ms);
+        rank.env["COHORT_TEST_STEPS"] = "40";
+        rank.env["COHORT_TEST_COMPUTE_MS"] = "100";
+        delay.push_back(static_cast<double>(rank.delay.count()) / 1000);
+        ranks.push_back(rank);
+      }
+    const auto out = run_jobs(*nodes, ranks, std::chrono::seconds(90));
+    // The owner is the job whose rank 0 served the store; the other is the stranger.
+    const int owner = out[4].says("is in use, held by") ? 0 : 1;
+    bool mixing = false;
+    for (int r = 0; r < 8; ++r) {
+      const auto& rank = out[static_cast<std::size_t>(r)];
+      if (rank.says("wrong sum")) mixing = true;
+      if (r / 4 == owner) {
+        mixing = mixing || rank.code != 0;
+        silence.add(rank);
+      } else {
+        mixing = mixing || rank.code == 0;
+        const double took = rank.exited - delay[static_cast<std::size_t>(r)];
+        const bool named = (rank.says("job-A") && rank.says("job-B"));
+        if (named && took < 2.0) ++refused;
+        slowest_refusal = std::max(slowest_refusal, took);
+      }
+    }
+    if (mixing) {
+      ++mixed;
+      std::printf("trial %d mixed:\n%s\n", trial, shown(out).c_str());
+    }
+    ++trials;
+  }
+  std::printf(
+      "two jobs on one port: %d trials, %d mixed; %d of %d strangers refused in under 2 s naming both jobs "
+      "(slowest %.2f s); longest silence of an owner's rank %.1f s\n",
+      trials, mixed, refused, 4 * trials, slowest_refusal, silence.longest);
+  CHECK(mixed == 0);
+  CHECK(refused == 4 * trials);
+}
+
+TEST_CASE("targets: a node cut off and node 0 lost, group timeout 10 s", "[.][targets]") {
+  for (const bool lost : {false, true}) {
+    double slowest = 0;
+    int true_messages = 0, survivors = 0;
+    silence_meter silence;
+    for (int run = 0; run < 3; ++run) {
+      auto nodes = make_cluster(2);
+      hosts_name_every_node(*nodes);
+      std::string why;
+      if (lost && !nodes->can_drop(why)) skip_without(nodes, why);
+      const auto result = run_with_fault(*nodes, lost ? "lost" : "cut", 10, [&](std::vector<pid_t>& children) {
+        if (!lost) return nodes->unplug(1);
+        std::string failed;
+        nodes->drop(0, 1.0, failed);
+        ::kill(children[0], SIGKILL);
+        ::kill(children[1], SIGKILL);
+      });
+      for (int r = lost ? 2 : 0; r < 4; ++r) {
+        const auto& rank = result.ranks[static_cast<std::size_t>(r)];
+        ++survivors;
+        slowest = std::max(slowest, result.exit_after_fault[static_cast<std::size_t>(r)]);
+        silence.add(rank);
+        const bool names = lost    ? rank.says("ranks 0, 1 are unreachable") && rank.says("cannot reach rank 0's store")
+                           : r < 2 ? rank.says("ranks 2, 3 are unreachable")
+                                   : rank.says("cannot reach rank 0's store");
+        if (names && rank.code != 0) ++true_messages;
+      }
+    }
+    std::printf(
+        "%s: %d survivors, %d with a true message; slowest exit %.1f s after the fault (timeout 10 s); "
+        "longest silence %.1f s\n",
+        lost ? "node 0 lost" : "node 1 cut off", survivors, true_messages, slowest, silence.longest);
+    CHECK(true_messages == survivors);
+    CHECK(slowest < 10.0 + 10.0);
+    CHECK(silence.longest < 35.0);
+  }
+}
+
+TEST_CASE("targets: a node SIGKILLed mid-training, 10 runs on 2 and 3 nodes", "[.][targets]") {
+  int accusations = 0, named = 0, survivors = 0;
+  double slowest = 0;
+  silence_meter silence;
+  for (int run = 0; run < 10; ++run) {
+    const int count = run % 2 == 0 ? 2 : 3;
+    auto nodes = make_cluster(count);
+    hosts_name_every_node(*nodes);
+    ready_flags flags("sigkill" + std::to_string(run));
+    auto ranks = job_ranks(*nodes, 2, "sigkill");
+    flags.give(ranks);
+    for (auto& rank : ranks) {
+      rank.env["COHORT_TEST_STEPS"] = "100000";
+      rank.env["COHORT_TEST_TIMEOUT"] = "10";
+    }
+    std::chrono::steady_clock::time_point struck{};
+    const auto start = std::chrono::steady_clock::now();
+    const auto out = run_jobs(*nodes, ranks, std::chrono::seconds(90), [&](std::vector<pid_t>& children) {
+      if (!flags.all(2 * count)) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(37 * run % 200));  // no particular moment
+      struck = std::chrono::steady_clock::now();
+      ::kill(children[2], SIGKILL);
+      ::kill(children[3], SIGKILL);
+    });
+    std::vector<int> live;
+    for (int r = 0; r < 2 * count; ++r)
+      if (r != 2 && r != 3) live.push_back(r);
+    for (const int r : live) {
+      const auto& rank = out[static_cast<std::size_t>(r)];
+      ++survivors;
+      if (accuses(rank, live)) {
+        ++accusations;
+        std::printf("run %d: rank %d accuses a live rank:\n%s\n", run, r, rank.text().c_str());
+      }
+      if (rank.says("ranks 2, 3 died or exited")) ++named;
+      silence.add(rank);
+      slowest = std::max(slowest, rank.exited - seconds_between(start, struck));
+    }
+  }
+  std::printf(
+      "SIGKILLed node: 10 runs, %d survivors, %d name ranks 2, 3 dead, %d accuse a live rank; slowest exit "
+      "%.1f s after the kill (timeout 10 s); longest silence %.1f s\n",
+      survivors, named, accusations, slowest, silence.longest);
+  CHECK(accusations == 0);
+  CHECK(named == survivors);
+}
+
+TEST_CASE("targets: a rank never started, group timeout 100 s: no minutes of silence", "[.][targets]") {
+  auto nodes = make_cluster(2);
+  hosts_name_every_node(*nodes);
+  auto ranks = job_ranks(*nodes, 2, "absent");
+  ranks.pop_back();
+  for (auto& rank : ranks) rank.env["COHORT_TEST_TIMEOUT"] = "100";
+  const auto out = run_jobs(*nodes, ranks, std::chrono::seconds(200));
+  silence_meter silence;
+  for (const auto& rank : out) silence.add(rank, 1.0);
+  std::printf(
+      "a rank never started (timeout 100 s, progress every 30 s): ranks exit after %.0f s; longest silence "
+      "%.1f s\n",
+      out[0].exited, silence.longest);
+  CHECK(silence.longest < 35.0);
 }

@@ -393,7 +393,8 @@ class gloo {
   // The collective the group's engine runs now and since when (for the progress monitor),
   // and how many completed.
   mutable std::mutex running_mutex_;
-  std::optional<detail::pending_call> running_;
+  const detail::gloo_task* running_ = nullptr;
+  std::chrono::steady_clock::time_point running_since_{};
   std::atomic<std::uint64_t> collectives_completed_{0};
   std::array<std::atomic<std::uint64_t>, call_kinds> issued_by_kind_{};  // of collectives_issued_
   std::unique_ptr<detail::status_board> board_;

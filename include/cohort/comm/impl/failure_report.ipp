@@ -162,8 +162,9 @@ struct disagreement {
 inline disagreement disagree(int rank, const call_record& mine, std::span<const std::optional<rank_status>> statuses,
                              bool victims_doom) {
   disagreement found;
-  // Every call #s known: this rank's and those the others report, grouped by signature.
-  std::vector<std::pair<call_record, std::vector<int>>> calls{{mine, {rank}}};
+  // Every call #s known: this rank's and those the others report, grouped by signature and
+  // context, in rank order (so every rank lists them alike).
+  std::vector<std::pair<call_record, std::vector<int>>> calls;
   bool differ = false;
   std::vector<std::pair<std::string, std::vector<int>>> left, failed;
   const auto add = [](auto& groups, const std::string& what, int who) {
@@ -171,19 +172,21 @@ inline disagreement disagree(int rank, const call_record& mine, std::span<const 
       if (text == what) return ranks.push_back(who);
     groups.push_back({what, {who}});
   };
+  const auto place = [&](const call_record& call, int who) {
+    for (auto& [known, ranks] : calls)
+      if (same_signature(known, call) && known.context == call.context) return ranks.push_back(who);
+    calls.push_back({call, {who}});
+  };
   for (std::size_t r = 0; r < statuses.size(); ++r) {
     const int peer = static_cast<int>(r);
-    if (peer == rank || !statuses[r]) continue;
+    if (peer == rank) {
+      place(mine, rank);
+      continue;
+    }
+    if (!statuses[r]) continue;
     const rank_status& status = *statuses[r];
     if (status_concerns(status, mine.sequence)) {
-      bool placed = false;
-      for (auto& [call, ranks] : calls)
-        if (same_signature(call, status.call) && call.context == status.call.context) {
-          ranks.push_back(peer);
-          placed = true;
-          break;
-        }
-      if (!placed) calls.push_back({status.call, {peer}});
+      place(status.call, peer);
       if (!same_signature(mine, status.call)) differ = true;
       if (victims_doom && status.activity == rank_activity::failed && same_signature(mine, status.call))
         add(failed, detail::text("failed in ", describe(status.call), ": ", first_line_of(status.note)), peer);
@@ -200,11 +203,9 @@ inline disagreement disagree(int rank, const call_record& mine, std::span<const 
           peer);
   }
   if (differ) {
-    std::sort(calls.begin(), calls.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
     std::string text = detail::text("the ranks are in different calls #", std::to_string(mine.sequence), ": ");
     for (std::size_t k = 0; k < calls.size(); ++k) {
-      auto& [call, ranks] = calls[k];
-      std::sort(ranks.begin(), ranks.end());
+      const auto& [call, ranks] = calls[k];
       text += detail::text((k ? "; " : ""), format_ranks(ranks), (ranks.size() == 1 ? " is in " : " are in "),
                            describe(call));
     }

@@ -479,8 +479,8 @@ COHORT_DECL auto gloo::watch() -> std::exception_ptr {
   if (monitor_) {
     std::optional<detail::pending_call> pending;
     {
-      std::lock_guard lock(running_mutex_);
-      pending = running_;
+      std::lock_guard lock(running_mutex_);  // run() clears running_ under it before the task goes
+      if (running_) pending = detail::pending_call{as_call(*running_), running_since_};
     }
     std::string verdict = monitor_->tick(pending, status(detail::rank_activity::in_call));
     if (!verdict.empty()) {
@@ -633,20 +633,22 @@ COHORT_DECL auto gloo::run(detail::gloo_task& task) -> void {
   if (task.what != task_kind::p2p_wait) recorder_.started(task.record);
   const bool collective = task.what != task_kind::function && task.what != task_kind::send &&
                           task.what != task_kind::recv && task.what != task_kind::p2p_wait;
-  // What the progress monitor watches: the collective running now (one uncontended lock at
-  // its start and end; the monitor reads it once a second).
+  // What the progress monitor watches: the collective running now, by its task (described
+  // only when the monitor asks), under one uncontended lock at its start and end.
   struct running_scope {
     gloo& group;
     bool active;
     running_scope(gloo& g, bool on, const detail::gloo_task& task) : group(g), active(on) {
       if (!active) return;
+      const auto now = std::chrono::steady_clock::now();
       std::lock_guard lock(group.running_mutex_);
-      group.running_ = detail::pending_call{as_call(task), std::chrono::steady_clock::now()};
+      group.running_ = &task;
+      group.running_since_ = now;
     }
     ~running_scope() {
       if (!active) return;
       std::lock_guard lock(group.running_mutex_);
-      group.running_.reset();
+      group.running_ = nullptr;
     }
   } running{*this, collective, task};
   try {

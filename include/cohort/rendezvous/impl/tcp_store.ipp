@@ -875,7 +875,8 @@ COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_stor
         failure.detail().find("in use") == std::string::npos)
       throw;
     throw error(env.rank, "connect_store",
-                detail::text("rank 0 cannot serve the job's store: ", detail::tcp::endpoint(options.host, options.port),
+                detail::text("rank 0 of job ", mine.id, " (on ", mine.host,
+                             ") cannot serve the job's store: ", detail::tcp::endpoint(options.host, options.port),
                              " is in use, held by ", detail::who_holds_the_port(options)),
                 "pick another MASTER_PORT for this job (the same on every rank), or stop the program that holds it");
   }

@@ -69,10 +69,10 @@ COHORT_DECL std::string compare_collective_counts(store& rendezvous, int world) 
     }
     if (by_count.size() < 2) continue;
     // The fewest ranks first: they stopped early or late against the others.
-    std::vector<std::pair<std::array<std::uint64_t, call_kinds>, std::vector<int>>> sets(by_count.begin(),
-                                                                                         by_count.end());
-    std::stable_sort(sets.begin(), sets.end(),
-                     [](const auto& a, const auto& b) { return a.second.size() < b.second.size(); });
+    std::vector<std::pair<std::array<std::uint64_t, call_kinds>, std::vector<int>>> sets;
+    for (std::size_t fewest = 1; sets.size() < by_count.size(); ++fewest)
+      for (const auto& set : by_count)
+        if (set.second.size() == fewest) sets.push_back(set);
     std::string text = detail::text("pg", std::to_string(g + 1), ": ");
     for (std::size_t k = 0; k < sets.size(); ++k) {
       const auto& [counts, who] = sets[k];
