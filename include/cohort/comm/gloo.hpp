@@ -143,16 +143,13 @@ class gloo {
     // failed call nobody waits for within `timeout` (see async_error_handling).
     std::chrono::milliseconds watchdog_interval{std::chrono::seconds(1)};
     async_error_handling on_async_error = async_error_handling::abort_process;
-    // A collective that has not completed after this long compares what every rank is doing
-    // (each rank's status in the group's store, not a request per call): ranks found in
-    // different calls (another kind, size, or a rank that has left the group or failed) end
-    // the call on every rank within seconds, naming each rank's call; a rank that is only
-    // late is waited for. Then every max(this, 5 s). 0: never (the timeout alone ends it).
-    // Needs the watchdog.
+    // A collective not complete after this long compares what every rank says it does (their
+    // status keys; then every max(this, 5 s)): ranks in different calls, or one that left or
+    // failed, end it on every rank within seconds, naming each rank's call; a rank only late
+    // is waited for. 0: never. Needs the watchdog (failure_report.hpp, progress_monitor).
     std::chrono::milliseconds compare_calls_after{std::chrono::seconds(3)};
-    // How often a waiting call prints a line saying what it waits for and for whom (and the
-    // rendezvous, which ranks have not arrived); 0: never. Default: COHORT_PROGRESS_INTERVAL
-    // (seconds), else 30 s.
+    // How often a waiting call (and the rendezvous) prints what it waits for and for whom; 0:
+    // never. Default: COHORT_PROGRESS_INTERVAL (seconds), else 30 s.
     std::chrono::milliseconds progress_interval = detail::default_progress_interval();
   };
 
@@ -307,10 +304,8 @@ class gloo {
   COHORT_DECL std::exception_ptr unreported_failure() const;
   // This rank's status now (issued and completed collectives), for the status board.
   COHORT_DECL detail::rank_status status(detail::rank_activity activity) const;
-  // Ends every wait on this group's connections, here and on the peers (which see them close):
-  // a failed or doomed group stops at once instead of at each rank's timeout. Gloo offers no
-  // abort of a running collective (and Debian's headers leave the pair's own out of reach), so
-  // the group's sockets are shut down, which Gloo's event loop reports to every waiting call.
+  // Ends every wait on this group's connections, here and on the peers (which see them close),
+  // by shutting its sockets down: Gloo offers no abort of a running collective.
   COHORT_DECL void abort_transport() noexcept;
 
   COHORT_DECL static detail::gloo_task task(task_kind what, dtype type = dtype::uint8, op reduce = op::sum,
@@ -390,8 +385,7 @@ class gloo {
   std::mutex p2p_mutex_;
   std::vector<std::weak_ptr<detail::gloo_p2p>> live_p2p_;
   call_label call_context_;  // the caller's thread only (process_group::call_context)
-  // The collective the group's engine runs now and since when (for the progress monitor),
-  // and how many completed.
+  // The collective the engine runs now and since when (progress monitor), and the counts.
   mutable std::mutex running_mutex_;
   const detail::gloo_task* running_ = nullptr;
   std::chrono::steady_clock::time_point running_since_{};
