@@ -378,6 +378,42 @@ TEST_CASE("run_ranks under a launcher: a peer that never arrives ends every rank
   REQUIRE(took < 2.0 + cohort::run_ranks_failure_grace.count() + 10.0);
 }
 
+// A collective one rank issues alone (rank 0 gathering to sample at ZeRO-3 while the others
+// are in a barrier), launched: every rank's process fails within seconds, not the group's
+// timeout, and its error names rank 0's call with its context.
+TEST_CASE("run_ranks under a launcher: a collective one rank issues alone fails every rank within seconds",
+          "[multiprocess][faults]") {
+  const auto started = std::chrono::steady_clock::now();
+  const auto codes = run_children(torchrun_envs(3, 3, std::to_string(free_port())), [] {
+    try {
+      cohort::run_ranks(0, [](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+        cohort::gloo::options opts;
+        opts.timeout = std::chrono::seconds(60);
+        cohort::process_group<cohort::gloo> pg{store, env, opts};
+        std::vector<float> mine(4, 1.0f), all(12);
+        pg.all_reduce(mine).wait();
+        if (pg.rank() == 0) {
+          auto scope = pg.call_context("sample");
+          pg.all_gather(mine, all).wait();
+        } else {
+          pg.barrier().wait();
+        }
+      });
+    } catch (const cohort::error& failure) {
+      std::fprintf(stderr, "rank saw: %s\n", failure.what());
+      return std::string_view(failure.what()).find("rank 0 is in all_gather #2 (float x 4) [sample]") !=
+                     std::string_view::npos
+                 ? 0
+                 : 3;
+    }
+    return 1;
+  });
+  const double took = seconds_since(started);
+  INFO("took " << took << " s; the group timeout is 60 s");
+  REQUIRE(codes == std::vector<int>{0, 0, 0});
+  REQUIRE(took < 15.0);
+}
+
 TEST_CASE("under torchrun the failing rank's error reaches the agent's error file", "[multiprocess][faults]") {
   char pattern[] = "/tmp/cohort-errorfile-XXXXXX";
   REQUIRE(::mkdtemp(pattern) != nullptr);

@@ -161,6 +161,12 @@ class status_board {
 // ranks that left the group having issued fewer than s collectives, ranks whose group has
 // failed. Empty when nothing proves that the ranks cannot meet in `mine` (ranks that are late,
 // busy computing, or have not said what they do, may still come).
+// How a disagreement starts when the ranks are in different calls, and the hint of its error.
+inline constexpr std::string_view different_calls = "the ranks are in different calls #";
+inline constexpr std::string_view different_calls_hint =
+    "every rank must issue the same collectives in the same order; the calls named (and their call_context) show "
+    "where each rank was";
+
 COHORT_DECL std::string find_disagreement(int rank, const call_record& mine,
                                           std::span<const std::optional<rank_status>> statuses);
 

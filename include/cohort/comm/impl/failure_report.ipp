@@ -166,7 +166,7 @@ inline disagreement disagree(int rank, const call_record& mine, std::span<const 
   // context, in rank order (so every rank lists them alike).
   std::vector<std::pair<call_record, std::vector<int>>> calls;
   bool differ = false;
-  std::vector<std::pair<std::string, std::vector<int>>> left, failed;
+  std::vector<std::pair<std::string, std::vector<int>>> left, failed, victims;
   const auto add = [](auto& groups, const std::string& what, int who) {
     for (auto& [text, ranks] : groups)
       if (text == what) return ranks.push_back(who);
@@ -189,7 +189,7 @@ inline disagreement disagree(int rank, const call_record& mine, std::span<const 
       place(status.call, peer);
       if (!same_signature(mine, status.call)) differ = true;
       if (victims_doom && status.activity == rank_activity::failed && same_signature(mine, status.call))
-        add(failed, detail::text("failed in ", describe(status.call), ": ", first_line_of(status.note)), peer);
+        add(victims, detail::text("failed in ", describe(status.call), ": ", first_line_of(status.note)), peer);
       continue;
     }
     if (status.activity == rank_activity::left && status.issued < mine.sequence) {
@@ -202,8 +202,10 @@ inline disagreement disagree(int rank, const call_record& mine, std::span<const 
                        (status.note.empty() ? "" : detail::text(": ", first_line_of(status.note)))),
           peer);
   }
+  // A rank that failed in this very call says why; when the calls differ, that is why.
+  if (!differ) failed.insert(failed.begin(), victims.begin(), victims.end());
   if (differ) {
-    std::string text = detail::text("the ranks are in different calls #", std::to_string(mine.sequence), ": ");
+    std::string text = detail::text(different_calls, std::to_string(mine.sequence), ": ");
     for (std::size_t k = 0; k < calls.size(); ++k) {
       const auto& [call, ranks] = calls[k];
       text += detail::text((k ? "; " : ""), format_ranks(ranks), (ranks.size() == 1 ? " is in " : " are in "),

@@ -687,17 +687,21 @@ COHORT_DECL auto gloo::explain(const detail::gloo_task& task, std::exception_ptr
     }
     if (!verdict.empty())  // the progress monitor ended the call: the ranks are in different calls
       return std::make_exception_ptr(
-          error(rank_, detail::text("gloo.", describe(task)), verdict,
-                "every rank must issue the same collectives in the same order; the calls named (and their "
-                "call_context) show where each rank was"));
-    if (what.find("Timed out") != std::string::npos || what.find("timed out") != std::string::npos)
+          error(rank_, detail::text("gloo.", describe(task)), verdict, detail::different_calls_hint));
+    const bool timed_out = what.find("Timed out") != std::string::npos || what.find("timed out") != std::string::npos;
+    const std::string culprit = name_the_culprit(task, !timed_out);
+    // The peers' statuses may show the cause themselves: ranks in different calls.
+    if (culprit.find(detail::different_calls) != std::string::npos)
+      return std::make_exception_ptr(error(rank_, detail::text("gloo.", describe(task)),
+                                           detail::text(culprit, " [", what, "]"), detail::different_calls_hint));
+    if (timed_out)
       return std::make_exception_ptr(timeout_error(
-          rank_, detail::text("gloo.", describe(task)), detail::text(name_the_culprit(task, false), " [", what, "]"),
+          rank_, detail::text("gloo.", describe(task)), detail::text(culprit, " [", what, "]"),
           detail::text("a peer did not enter the same call within ", detail::format_duration(options_.timeout),
                        ": it hangs, crashed, issued calls in another order, or "
                        "passed another size or dtype (COHORT_DEBUG=1 names the calls)")));
     return std::make_exception_ptr(error(rank_, detail::text("gloo.", describe(task)),
-                                         detail::text(name_the_culprit(task, true), " [", what, "]"),
+                                         detail::text(culprit, " [", what, "]"),
                                          "a peer closed its connection: it crashed or exited early, or sizes differ "
                                          "across ranks"));
   } catch (const std::exception& failure) {

@@ -200,9 +200,7 @@ COHORT_DECL auto detail::nccl_state::watch() -> std::exception_ptr {
       board->try_publish(failed);
       abort(verdict, std::chrono::milliseconds(0));
       failure = std::make_exception_ptr(
-          error(rank, detail::text("nccl.", describe(pending->call)), verdict,
-                "every rank must issue the same collectives in the same order; the calls named (and their "
-                "call_context) show where each rank was"));
+          error(rank, detail::text("nccl.", describe(pending->call)), verdict, different_calls_hint));
     }
   }
   if (!overdue.empty()) {
