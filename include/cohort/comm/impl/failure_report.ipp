@@ -437,9 +437,12 @@ COHORT_DECL std::string name_the_culprit(status_board& board, const call_record&
           std::lock_guard lock(asked_mutex);
           asked[static_cast<std::size_t>(peer)] = std::move(answer);
         });
-  // A peer the backend knows dead, or found unreachable, is not waited for.
+  // A peer the backend knows dead, or found unreachable, is not waited for; one whose
+  // connection closed gets a moment (a peer that fails closes its connections just after it
+  // says so).
   const auto gone = [&](int peer) {
-    if (seen(peer).state == peer_state::died) return true;
+    if (seen(peer).state == peer_state::died)
+      return std::chrono::steady_clock::now() - started >= std::chrono::milliseconds(300);
     std::lock_guard lock(asked_mutex);
     const auto& answer = asked[static_cast<std::size_t>(peer)];
     return answer && (answer->state == peer_state::unreachable || answer->state == peer_state::died);

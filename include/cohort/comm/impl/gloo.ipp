@@ -809,11 +809,14 @@ COHORT_DECL auto gloo::name_the_culprit(const detail::gloo_task& task, bool conn
       if (peer != rank_ && known[static_cast<std::size_t>(peer)].state != detail::peer_state::died)
         known[static_cast<std::size_t>(peer)] = probe_peer(peer);
   }
-  abort_transport();
   auto failed = status(detail::rank_activity::failed);
   failed.call = as_call(task);
   failed.note = connection_lost ? "a connection closed"
                                 : detail::text("timed out after ", detail::format_duration(options_.timeout));
+  // Said before the connections close (a SET waits for no answer): a peer that fails because
+  // they closed reads that this rank failed, not that it died.
+  board_->try_publish_on_group_store(failed);
+  abort_transport();
   return detail::name_the_culprit(*board_, failed.call, failed, connection_lost, known,
                                   [this](int peer) { return probe_host(peer); });
 }
