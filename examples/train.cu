@@ -17,6 +17,7 @@
 #include <cohort/run/atomic_write.hpp>
 #include <cohort/run/guards.hpp>
 #include <cohort/run/logging.hpp>
+#include <cohort/run/run_ranks.hpp>
 
 #include <algorithm>
 #include <cstdio>
@@ -115,20 +116,24 @@ int main(int argc, char** argv) try {
   const auto layout = flat_layout::of(model);
   const auto data = cohort_examples::synthetic_data::make(cfg.batch * static_cast<std::size_t>(cfg.steps),
                                                           model.input_width(), model.output_width(), 2024);
-  const auto env = cohort::launch_env::detect();
-  auto store = env.world_size == 1 ? std::shared_ptr<cohort::store>(std::make_shared<cohort::memory_store>())
-                                   : cohort::connect_store(env);
-  cohort::process_group<cohort::nccl> pg{store, env};
-  if (cfg.batch % static_cast<std::size_t>(pg.world_size()) != 0)
-    throw std::runtime_error("--batch must be divisible by the number of ranks");
-  cudaStream_t stream;
-  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-  const auto trained = train(pg, cfg, model, layout, data, stream);
   int status = 0;
-  if (pg.rank() == 0)
-    status = cohort_examples::report_against_single_process(cfg, model, layout, data, pg.world_size(), trained, 1e-4);
-  pg.barrier().wait();  // the others wait for the reference: rank 0 hosts the store
-  cudaStreamDestroy(stream);
+  const auto rank_main = [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+    cohort::process_group<cohort::nccl> pg{store, env};
+    if (cfg.batch % static_cast<std::size_t>(pg.world_size()) != 0)
+      throw std::runtime_error("--batch must be divisible by the number of ranks");
+    cudaStream_t stream;
+    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    const auto trained = train(pg, cfg, model, layout, data, stream);
+    cudaStreamDestroy(stream);
+    if (pg.rank() == 0)
+      status = cohort_examples::report_against_single_process(cfg, model, layout, data, pg.world_size(), trained, 1e-4);
+  };
+  // One GPU: no store to serve. Launched ranks go through run_ranks, whose end every rank
+  // agrees on: when any rank fails, every rank exits non-zero.
+  if (const auto env = cohort::launch_env::detect(); env.world_size == 1)
+    rank_main(std::make_shared<cohort::memory_store>(), env);
+  else
+    cohort::run_ranks(0, rank_main);
   return status;
 } catch (const std::exception& failure) {
   std::fprintf(stderr, "train_cuda: %s\n", failure.what());

@@ -10,12 +10,14 @@
 // been killed before it could.
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -26,6 +28,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace cohort_test {
@@ -133,13 +136,31 @@ class cluster {
   struct rank_process {
     int node = 0;
     std::map<std::string, std::string> env;
+    std::chrono::milliseconds delay{0};  // started this long after the others
   };
   std::vector<pid_t> start(const std::vector<rank_process>& ranks, const std::function<int()>& body) const {
+    return start(ranks, body, nullptr);
+  }
+  // The same, and (outputs not null) each child's stdout and stderr go to a pipe whose read end
+  // is appended to *outputs (read them with collect()).
+  std::vector<pid_t> start(const std::vector<rank_process>& ranks, const std::function<int()>& body,
+                           std::vector<int>* outputs) const {
     std::vector<pid_t> children;
     std::fflush(nullptr);  // or the children would print the test's buffered output again
     for (const auto& rank : ranks) {
+      int ends[2] = {-1, -1};
+      if (outputs && ::pipe2(ends, O_CLOEXEC) != 0) ends[0] = ends[1] = -1;
       const pid_t pid = ::fork();
-      if (pid == 0) ::_exit(enter_and_run(nodes_[static_cast<std::size_t>(rank.node)], rank.env, body));
+      if (pid == 0) {
+        if (ends[1] >= 0) {
+          ::dup2(ends[1], 1);
+          ::dup2(ends[1], 2);
+        }
+        if (rank.delay.count() > 0) std::this_thread::sleep_for(rank.delay);
+        ::_exit(enter_and_run(nodes_[static_cast<std::size_t>(rank.node)], rank.env, body));
+      }
+      if (ends[1] >= 0) ::close(ends[1]);
+      if (outputs) outputs->push_back(ends[0]);
       children.push_back(pid);
     }
     return children;
@@ -231,6 +252,88 @@ class cluster {
   std::string switch_;
   std::vector<node> nodes_;
 };
+
+// What one child printed, line by line, each with the seconds since `start` when it came, and
+// when it exited.
+struct transcript {
+  std::vector<std::pair<double, std::string>> lines;
+  double exited = -1;  // seconds since start; -1: killed at the limit
+  int code = -1;
+
+  std::string text() const {
+    std::string all;
+    for (const auto& [at, line] : lines) all += line + "\n";
+    return all;
+  }
+  bool says(const std::string& needle) const { return text().find(needle) != std::string::npos; }
+  // The longest stretch without a line, from `from` (seconds since start) to the exit.
+  double longest_silence(double from) const {
+    double last = from, longest = 0;
+    for (const auto& [at, line] : lines)
+      if (at >= from) {
+        longest = std::max(longest, at - last);
+        last = at;
+      }
+    if (exited >= 0) longest = std::max(longest, exited - last);
+    return longest;
+  }
+};
+
+// Waits for the children of start(..., outputs), reading what they print as it comes; any
+// still running after `limit` is killed. `start` is when they were started.
+inline std::vector<transcript> collect(std::vector<pid_t> children, std::vector<int> outputs,
+                                       std::chrono::steady_clock::time_point start, std::chrono::seconds limit) {
+  std::vector<transcript> out(children.size());
+  std::vector<std::string> partial(children.size());
+  const auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+  const auto deadline = start + limit;
+  std::size_t running = children.size();
+  while (true) {
+    std::vector<pollfd> watch;
+    std::vector<std::size_t> owner;
+    for (std::size_t i = 0; i < outputs.size(); ++i)
+      if (outputs[i] >= 0) {
+        watch.push_back({outputs[i], POLLIN, 0});
+        owner.push_back(i);
+      }
+    if (running == 0 && watch.empty()) break;
+    if (std::chrono::steady_clock::now() >= deadline) break;
+    ::poll(watch.data(), watch.size(), 20);
+    for (std::size_t k = 0; k < watch.size(); ++k) {
+      if (!(watch[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      const std::size_t i = owner[k];
+      char chunk[4096];
+      const ssize_t got = ::read(outputs[i], chunk, sizeof chunk);
+      if (got <= 0) {
+        ::close(outputs[i]);
+        outputs[i] = -1;
+        if (!partial[i].empty()) out[i].lines.emplace_back(seconds(), partial[i]);
+        continue;
+      }
+      partial[i].append(chunk, static_cast<std::size_t>(got));
+      for (std::size_t end; (end = partial[i].find('\n')) != std::string::npos;) {
+        out[i].lines.emplace_back(seconds(), partial[i].substr(0, end));
+        partial[i].erase(0, end + 1);
+      }
+    }
+    for (std::size_t i = 0; i < children.size(); ++i) {
+      int status = 0;
+      if (children[i] == 0 || ::waitpid(children[i], &status, WNOHANG) != children[i]) continue;
+      out[i].code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      out[i].exited = seconds();
+      children[i] = 0;
+      --running;
+    }
+  }
+  for (std::size_t i = 0; i < children.size(); ++i)
+    if (children[i] != 0) {
+      ::kill(children[i], SIGKILL);
+      ::waitpid(children[i], nullptr, 0);
+    }
+  for (auto fd : outputs)
+    if (fd >= 0) ::close(fd);
+  return out;
+}
 
 // Waits for the children; any still running after `limit` is killed and reported as -1.
 inline std::vector<int> wait_children(std::vector<pid_t> children, std::chrono::seconds limit) {

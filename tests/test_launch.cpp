@@ -99,6 +99,13 @@ TEST_CASE("an empty environment is one process talking to itself", "[launch]") {
   CHECK(env.run_id.empty());
 }
 
+TEST_CASE("COHORT_JOB_ID names the job for every launcher", "[launch]") {
+  CHECK(detect({{"COHORT_JOB_ID", "mine"}}).run_id == "mine");
+  CHECK(detect(merged(torchrun_vars, {{"TORCHELASTIC_RUN_ID", "job-17"}, {"COHORT_JOB_ID", "mine"}})).run_id == "mine");
+  CHECK(detect(merged(torchrun_vars, {{"TORCHELASTIC_RUN_ID", "job-17"}, {"COHORT_JOB_ID", ""}})).run_id ==
+        "job-17");  // empty counts as unset
+}
+
 TEST_CASE("torchrun's variables, with and without the agent store", "[launch]") {
   auto vars = merged(torchrun_vars, {{"TORCHELASTIC_RUN_ID", "job-17"}, {"GROUP_RANK", "1"}});
   auto env = detect(vars);

@@ -3,27 +3,37 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <chrono>
+#include <cohort/comm/gloo.hpp>
+#include <cohort/comm/process_group.hpp>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "cohort/run/run_ranks.hpp"
 
 TEST_CASE("run_thread_ranks runs every rank as a thread over one shared store", "[run_ranks]") {
+  // Catch's assertions are not thread-safe: the ranks record, the test checks afterwards.
   std::mutex mutex;
   std::set<int> seen;
   std::set<const cohort::store*> stores;
+  std::set<int> worlds;
+  int read_back = 0;
   cohort::run_thread_ranks(3, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
-    REQUIRE(env.world_size == 3);
     store->set("rank" + std::to_string(env.rank), std::to_string(env.rank));
     const std::string next = "rank" + std::to_string((env.rank + 1) % 3);
-    CHECK(store->get_string(next) == std::to_string((env.rank + 1) % 3));
+    const bool read = store->get_string(next) == std::to_string((env.rank + 1) % 3);
     std::lock_guard lock(mutex);
+    worlds.insert(env.world_size);
+    read_back += read ? 1 : 0;
     seen.insert(env.rank);
     stores.insert(store.get());
   });
+  CHECK(worlds == std::set<int>{3});
+  CHECK(read_back == 3);
   CHECK(seen == std::set<int>{0, 1, 2});
   CHECK(stores.size() == 1);
 }
@@ -48,11 +58,57 @@ TEST_CASE("run_thread_ranks refuses a count that is not positive, run_ranks a ne
 }
 
 TEST_CASE("run_ranks with a positive count runs the ranks as threads", "[run_ranks]") {
-  std::atomic<int> ranks{0};
+  std::atomic<int> ranks{0}, as_expected{0};
   cohort::run_ranks(2, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
-    CHECK(env.world_size == 2);
-    CHECK(store->location().empty());  // a memory_store
+    if (env.world_size == 2 && store->location().empty()) ++as_expected;  // a memory_store
     ++ranks;
   });
   CHECK(ranks == 2);
+  CHECK(as_expected == 2);
+}
+
+// A collective issued by one rank alone (at ZeRO-3, rank 0 gathering a layer to sample from
+// the model while the others are elsewhere): every rank fails within seconds, not after the
+// group's timeout, and the error names rank 0's call with its context.
+TEST_CASE("a collective one rank issues alone fails within seconds on every rank, naming it", "[run_ranks][faults]") {
+  for (const bool finished : {false, true}) {
+    INFO((finished ? "ranks 1, 2 finished their run" : "ranks 1, 2 are in a barrier"));
+    std::vector<std::string> errors(3);
+    std::mutex mutex;
+    const auto started = std::chrono::steady_clock::now();
+    try {
+      cohort::run_ranks(3, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+        cohort::gloo::options opts;
+        opts.timeout = std::chrono::seconds(60);  // what ends the calls is not the timeout
+        cohort::process_group<cohort::gloo> pg{store, env, opts};
+        std::vector<float> mine(4, static_cast<float>(env.rank)), all(12);
+        pg.all_reduce(mine).wait();
+        try {
+          if (env.rank == 0) {
+            auto scope = pg.call_context("sample");
+            pg.all_gather(mine, all).wait();
+          } else if (!finished) {
+            auto scope = pg.call_context("end of epoch");
+            pg.barrier().wait();
+          }
+        } catch (const cohort::error& failure) {
+          std::lock_guard lock(mutex);
+          errors[static_cast<std::size_t>(env.rank)] = failure.what();
+          throw;
+        }
+      });
+    } catch (const std::exception&) {}
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    for (const auto& text : errors) UNSCOPED_INFO(text);
+    CHECK(took < 10.0);
+    CHECK_THAT(errors[0], Catch::Contains("all_gather #2 (float x 4) [sample]"));
+    if (finished) {
+      CHECK_THAT(errors[0], Catch::Contains("ranks 1, 2 left the group after issuing 1 collective"));
+    } else {
+      for (int rank = 0; rank < 3; ++rank)
+        CHECK_THAT(errors[static_cast<std::size_t>(rank)],
+                   Catch::Contains("rank 0 is in all_gather #2 (float x 4) [sample]; ranks 1, 2 are in barrier #2 "
+                                   "[end of epoch]"));
+    }
+  }
 }

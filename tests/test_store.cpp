@@ -649,8 +649,12 @@ TEST_CASE("store: connect_store hosts on rank 0 and connects the others") {
   cohort::tcp_store_options options;
   options.timeout = 10s;
   auto s = cohort::connect_store(env, options);
-  REQUIRE(dynamic_cast<cohort::tcp_store*>(s.get()) != nullptr);
-  CHECK(dynamic_cast<cohort::tcp_store&>(*s).server() != nullptr);
+  // The job's keys live under its id (rank 0 made one: the environment names none).
+  auto* job = dynamic_cast<cohort::prefix_store*>(s.get());
+  REQUIRE(job != nullptr);
+  CHECK_THAT(job->prefix(), Catch::StartsWith("job/cohort-"));
+  auto& served = dynamic_cast<cohort::tcp_store&>(*job->inner());
+  CHECK(served.server() != nullptr);
   s->set("from-0", "hello");
   CHECK(s->get_string("from-1") == "hi");
   s->wait({"done"});
@@ -658,7 +662,7 @@ TEST_CASE("store: connect_store hosts on rank 0 and connects the others") {
 
   SECTION("under torchrun's agent store: a client under /worker/attempt_<n>/") {
     auto agent_env = cohort::launch_env::explicit_ranks(1, 2);
-    agent_env.master_port = dynamic_cast<cohort::tcp_store&>(*s).port();
+    agent_env.master_port = served.port();
     agent_env.use_agent_store = true;
     agent_env.restart_count = 2;
     auto agent = cohort::connect_store(agent_env, options);
@@ -666,7 +670,7 @@ TEST_CASE("store: connect_store hosts on rank 0 and connects the others") {
     REQUIRE(prefixed != nullptr);
     CHECK(prefixed->prefix() == "/worker/attempt_2/");
     agent->set("k", "v");
-    CHECK(s->get_string("/worker/attempt_2/k") == "v");
+    CHECK(served.get_string("/worker/attempt_2/k") == "v");
   }
 }
 
@@ -1586,4 +1590,145 @@ TEST_CASE("store: file store waits time out naming the missing keys") {
     CHECK_THAT(text, Catch::Contains("rank 2"));
   }
   CHECK(std::chrono::steady_clock::now() - start >= 200ms);
+}
+
+// ===========================================================================================
+// One job per store: connect_store's job identity
+
+namespace {
+
+cohort::launch_env rank_of_job(int rank, int world, std::uint16_t port, const std::string& job) {
+  auto env = cohort::launch_env::explicit_ranks(rank, world);
+  env.master_port = port;
+  env.run_id = job;
+  return env;
+}
+
+cohort::tcp_store_options short_waits() {
+  cohort::tcp_store_options options;
+  options.timeout = 10s;
+  options.connect_timeout = 10s;
+  return options;
+}
+
+// A program that is no store on a port: it answers "HTTP/1.1 400 Bad Request" to whatever
+// arrives (`at_once`), or, as a server that reads whole request lines, only once the client
+// ends its request (half-closes), and then closes.
+class http_like_server {
+ public:
+  explicit http_like_server(bool at_once) : at_once_(at_once) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::bind(fd_, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0);
+    REQUIRE(::listen(fd_, 16) == 0);
+    socklen_t length = sizeof(address);
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&address), &length);
+    port_ = ntohs(address.sin_port);
+    thread_ = std::thread([this] { serve(); });
+  }
+  http_like_server(const http_like_server&) = delete;
+  http_like_server& operator=(const http_like_server&) = delete;
+  ~http_like_server() {
+    ::shutdown(fd_, SHUT_RDWR);
+    thread_.join();
+    ::close(fd_);
+  }
+  std::uint16_t port() const { return port_; }
+
+ private:
+  void serve() {
+    for (;;) {
+      const int client = ::accept(fd_, nullptr, nullptr);
+      if (client < 0) return;
+      char sink[512];
+      if (at_once_) {
+        (void)::recv(client, sink, sizeof sink, 0);
+      } else {
+        while (::recv(client, sink, sizeof sink, 0) > 0) {}  // until the request ends
+      }
+      const std::string reply = "HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n";
+      (void)::send(client, reply.data(), reply.size(), MSG_NOSIGNAL);
+      ::close(client);
+    }
+  }
+  bool at_once_;
+  int fd_ = -1;
+  std::uint16_t port_ = 0;
+  std::thread thread_;
+};
+
+}  // namespace
+
+TEST_CASE("store: a rank of another job is refused when it connects, naming both jobs") {
+  const std::uint16_t port = unused_port();
+  auto owner = cohort::connect_store(rank_of_job(0, 2, port, "job-B"), short_waits());
+  std::string refused;
+  const auto started = std::chrono::steady_clock::now();
+  try {
+    cohort::connect_store(rank_of_job(1, 2, port, "job-A"), short_waits());
+  } catch (const cohort::error& failure) {
+    refused = failure.what();
+  }
+  INFO(refused);
+  CHECK(std::chrono::steady_clock::now() - started < 2s);
+  CHECK_THAT(refused, Catch::Contains("rank 1 of job job-A") && Catch::Contains("which serves job job-B") &&
+                          Catch::Contains("give each job its own MASTER_PORT"));
+  // Refused before it wrote anything: the job's own rank 1 joins as if nothing happened.
+  auto member = cohort::connect_store(rank_of_job(1, 2, port, "job-B"), short_waits());
+  member->set("from-1", "hi");
+  CHECK(owner->get_string("from-1") == "hi");
+  CHECK(dynamic_cast<cohort::prefix_store&>(*owner).prefix() == "job/job-B/");
+
+  SECTION("a rank 0 of another job names the job that holds the port") {
+    CHECK_THROWS_WITH(cohort::connect_store(rank_of_job(0, 2, port, "job-A"), short_waits()),
+                      Catch::Contains("is in use, held by rank 0 of another cohort job: job job-B") &&
+                          Catch::Contains("pick another MASTER_PORT"));
+  }
+  SECTION("a rank without a job id joins, but a rank claimed twice is refused") {
+    CHECK_THROWS_WITH(cohort::connect_store(rank_of_job(1, 2, port, ""), short_waits()),
+                      Catch::Contains("is the second process to join job job-B") && Catch::Contains("as rank 1"));
+  }
+  SECTION("a rank started with another world size is refused") {
+    CHECK_THROWS_WITH(cohort::connect_store(rank_of_job(2, 4, port, "job-B"), short_waits()),
+                      Catch::Contains("was started with a world of 4") && Catch::Contains("world of 2"));
+  }
+}
+
+TEST_CASE("store: a job launched without an id gets one from rank 0, which every rank adopts") {
+  const std::uint16_t port = unused_port();
+  auto owner = cohort::connect_store(rank_of_job(0, 2, port, ""), short_waits());
+  auto member = cohort::connect_store(rank_of_job(1, 2, port, ""), short_waits());
+  const auto& prefix = dynamic_cast<cohort::prefix_store&>(*owner).prefix();
+  CHECK_THAT(prefix, Catch::StartsWith("job/cohort-"));
+  CHECK(dynamic_cast<cohort::prefix_store&>(*member).prefix() == prefix);
+}
+
+// A port held by another program: the other ranks said "never answered" after a minute (an
+// HTTP server had replied 400) and guessed at old PyTorch versions. Now they say what answered,
+// with the real elapsed time, within seconds.
+TEST_CASE("store: a program that is no store on the port is named by what it answered") {
+  for (const bool at_once : {true, false}) {
+    INFO((at_once ? "it answers at once" : "it answers when the request ends"));
+    http_like_server other(at_once);
+    auto options = client_of(other.port());
+    options.connect_timeout = 60s;
+    std::string text;
+    const auto started = std::chrono::steady_clock::now();
+    try {
+      cohort::tcp_store s(options);
+    } catch (const cohort::error& failure) {
+      text = failure.what();
+    }
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    INFO(text);
+    CHECK(took < 8.0);
+    CHECK_THAT(text, Catch::Contains("answered cohort's handshake with 'HTTP/1.1 400 Bad Request") &&
+                         Catch::Contains("not the TCPStore protocol") && !Catch::Contains("300 s") &&
+                         !Catch::Contains("never answered") && !Catch::Contains("PyTorch before 2.0"));
+    const auto after = text.find("(after ");
+    REQUIRE(after != std::string::npos);
+    CHECK(std::stod(text.substr(after + 7)) <= took);
+  }
 }

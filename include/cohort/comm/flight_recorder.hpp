@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "cohort/comm/call_label.hpp"
 #include "cohort/config.hpp"
 #include "cohort/types.hpp"
 
@@ -39,6 +40,7 @@ enum class call_kind : std::uint8_t {
   send,
   recv
 };
+inline constexpr std::size_t call_kinds = 8;
 enum class call_state : std::uint8_t { issued, started, completed, failed };
 
 COHORT_DECL std::string_view to_string(call_kind kind);
@@ -64,6 +66,7 @@ struct call_record {
   std::int64_t started_us = 0;
   std::int64_t completed_us = 0;
   call_state state = call_state::issued;
+  call_label context{};  // the issuing group's call_context when the call was issued
 };
 
 class flight_recorder {

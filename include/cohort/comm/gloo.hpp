@@ -8,6 +8,7 @@
 // reduction, which puts (n-1)/n of the data on the wire, as a bandwidth-optimal
 // reduce-scatter does, instead of all-reducing everything and keeping a slice.
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -18,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -27,6 +29,7 @@
 #include "cohort/comm/detail/host_elementwise.hpp"
 #include "cohort/config.hpp"
 #include "cohort/detail/fnv1a.hpp"
+#include "cohort/detail/progress.hpp"
 #include "cohort/error.hpp"
 #include "cohort/rendezvous/launch.hpp"
 #include "cohort/rendezvous/store.hpp"
@@ -102,6 +105,7 @@ struct gloo_task {
   // order; point-to-point calls count per (peer, tag, direction). 0 for host tasks.
   std::uint64_t sequence = 0;
   std::uint64_t record = 0;  // the call's id in the group's flight recorder (0: not recorded)
+  call_label context;        // the group's call_context when the call was issued
   std::function<void()> fn;
   std::shared_ptr<gloo_p2p> p2p;
 };
@@ -139,6 +143,14 @@ class gloo {
     // failed call nobody waits for within `timeout` (see async_error_handling).
     std::chrono::milliseconds watchdog_interval{std::chrono::seconds(1)};
     async_error_handling on_async_error = async_error_handling::abort_process;
+    // A collective not complete after this long compares what every rank says it does (their
+    // status keys; then every max(this, 5 s)): ranks in different calls, or one that left or
+    // failed, end it on every rank within seconds, naming each rank's call; a rank only late
+    // is waited for. 0: never. Needs the watchdog (failure_report.hpp, progress_monitor).
+    std::chrono::milliseconds compare_calls_after{std::chrono::seconds(3)};
+    // How often a waiting call (and the rendezvous) prints what it waits for and for whom; 0:
+    // never. Default: COHORT_PROGRESS_INTERVAL (seconds), else 30 s.
+    std::chrono::milliseconds progress_interval = detail::default_progress_interval();
   };
 
   // The engine's own worker queue: its work handles point into it.
@@ -216,6 +228,9 @@ class gloo {
   [[gnu::cold]] COHORT_DECL std::string write_trace(const std::string& directory, std::string_view reason) const;
   // Cross-rank checks of point-to-point pairs (process_group::set_debug_checks sets this).
   void set_debug_checks(bool on) noexcept { debug_checks_.store(on, std::memory_order_relaxed); }
+  // The context recorded with each call issued from now on (process_group::call_context).
+  const call_label& call_context() const noexcept { return call_context_; }
+  void set_call_context(const call_label& label) noexcept { call_context_ = label; }
   const std::shared_ptr<::gloo::Context>& context() const noexcept { return context_; }
 
   // --- collectives (type-erased; process_group<gloo> adds the typed, checked surface) -----
@@ -283,8 +298,15 @@ class gloo {
   // "rank 3 published 10.0.0.4 (host node1, pid 812, its pair for this rank at [10.0.0.4]:40123)".
   [[gnu::cold]] COHORT_DECL std::string describe_peer(int peer) const;
   COHORT_DECL void start_watchdog();
-  // The failure the watchdog acts on: a failed call no wait or test reported within `timeout`.
+  // The watchdog's check: the progress monitor on the call that waits (a disagreement ends
+  // it), then a failed call no wait or test reported within `timeout` (the failure it acts on).
+  COHORT_DECL std::exception_ptr watch();
   COHORT_DECL std::exception_ptr unreported_failure() const;
+  // This rank's status now (issued and completed collectives), for the status board.
+  COHORT_DECL detail::rank_status status(detail::rank_activity activity) const;
+  // Ends every wait on this group's connections, here and on the peers (which see them close),
+  // by shutting its sockets down: Gloo offers no abort of a running collective.
+  COHORT_DECL void abort_transport() noexcept;
 
   COHORT_DECL static detail::gloo_task task(task_kind what, dtype type = dtype::uint8, op reduce = op::sum,
                                             const void* in = nullptr, void* out = nullptr, std::size_t count = 0,
@@ -329,8 +351,10 @@ class gloo {
   // point-to-point call whose connection closed names its peer).
   [[gnu::cold]] COHORT_DECL std::string name_the_culprit(const detail::gloo_task& task, bool connection_lost);
   // What `peer` is, without its help (for a rank that sent no failure report): its process
-  // on this host, the state of its pair, and (thorough) whether its host answers.
-  COHORT_DECL detail::peer_status probe_peer(int peer, bool thorough) const;
+  // on this host and the state of its pair; asked before abort_transport closes the pairs.
+  COHORT_DECL detail::peer_status probe_peer(int peer) const;
+  // Whether a remote peer's host answers a connection attempt (unreachable, or alive).
+  COHORT_DECL detail::peer_status probe_host(int peer) const;
   // Which ranks never published their rendezvous address (a rendezvous that timed out).
   [[gnu::cold]] COHORT_DECL std::string missing_at_rendezvous(cohort::store& store) const;
 
@@ -360,6 +384,17 @@ class gloo {
   std::shared_ptr<worker_type> p2p_worker_;
   std::mutex p2p_mutex_;
   std::vector<std::weak_ptr<detail::gloo_p2p>> live_p2p_;
+  call_label call_context_;  // the caller's thread only (process_group::call_context)
+  // The collective the engine runs now and since when (progress monitor), and the counts.
+  mutable std::mutex running_mutex_;
+  const detail::gloo_task* running_ = nullptr;
+  std::chrono::steady_clock::time_point running_since_{};
+  std::atomic<std::uint64_t> collectives_completed_{0};
+  std::array<std::atomic<std::uint64_t>, call_kinds> issued_by_kind_{};  // of collectives_issued_
+  std::unique_ptr<detail::status_board> board_;
+  std::unique_ptr<detail::progress_monitor> monitor_;
+  std::mutex verdict_mutex_;
+  std::string verdict_;                         // why the monitor ended the group's call (the disagreement found)
   std::unique_ptr<detail::watchdog> watchdog_;  // destroyed first: it reads the workers
 };
 

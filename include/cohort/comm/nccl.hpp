@@ -15,6 +15,7 @@
 #include <nccl.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -31,6 +32,7 @@
 #include "cohort/comm/detail/failure_report.hpp"
 #include "cohort/comm/detail/fifo_queue.hpp"
 #include "cohort/config.hpp"
+#include "cohort/detail/progress.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
 #include "cohort/rendezvous/launch.hpp"
@@ -119,7 +121,9 @@ struct nccl_state {
     std::shared_ptr<nccl_event> done;
   };
   std::unique_ptr<flight_recorder> recorder;
-  std::shared_ptr<cohort::store> store;  // the group's namespace, for failure reports
+  std::shared_ptr<cohort::store> store;       // the group's namespace, for failure reports
+  std::unique_ptr<status_board> board;        // every rank's status in that namespace
+  std::unique_ptr<progress_monitor> monitor;  // on the watchdog's thread
   std::string group;
   std::string trace_dir;
   bool watched = false;  // a watchdog polls `outstanding` (else nothing is queued there)
@@ -127,14 +131,20 @@ struct nccl_state {
   std::mutex watch_mutex;  // guards the members below; never taken while holding `mutex`
   detail::fifo_queue<outstanding_call> outstanding;
   std::uint64_t collectives_issued = 0;
+  std::uint64_t collectives_completed = 0;
+  std::array<std::uint64_t, call_kinds> issued_by_kind{};
   std::map<std::pair<int, bool>, std::uint64_t> p2p_issued;  // (peer, sending): NCCL has no tags
 
   // Numbers the call, records it and, when watched, queues it for the watchdog.
   COHORT_DECL void issued(call_record call, const std::shared_ptr<nccl_event>& done);
-  // The watchdog's check: completes finished calls in the recorder; past the timeout (or on
-  // an asynchronous NCCL error) aborts the communicator and returns the error naming the
-  // rank at fault. Nothing once the group was aborted by a call that reported it.
+  // The watchdog's check: completes finished calls in the recorder; runs the progress
+  // monitor on the oldest call not complete (ranks in different calls abort the
+  // communicator); past the timeout (or on an asynchronous NCCL error) aborts the
+  // communicator and returns the error naming the rank at fault. Nothing once the group was
+  // aborted by a call that reported it.
   COHORT_DECL std::exception_ptr watch();
+  // This rank's status for the status board.
+  COHORT_DECL rank_status status(rank_activity activity);
   // "rank 2 never issued all_reduce #7 (...); ranks 0, 1 are waiting in it" for the oldest
   // call not complete (or `operation` when none is known), asking the other ranks.
   [[gnu::cold]] COHORT_DECL std::string name_the_culprit(const std::string& operation);
@@ -173,6 +183,12 @@ class nccl {
     // bounded only by waits made through cohort). Past `timeout` it aborts the communicator.
     std::chrono::milliseconds watchdog_interval{100};
     async_error_handling on_async_error = async_error_handling::abort_process;
+    // As gloo::options: a call not complete after this long compares what every rank is
+    // doing, and ranks found in different calls (or one that left or failed) abort the
+    // communicator within seconds, naming each rank's call; 0: never. Needs the watchdog.
+    std::chrono::milliseconds compare_calls_after{std::chrono::seconds(3)};
+    // Progress lines of a waiting call; 0: never. Default: COHORT_PROGRESS_INTERVAL, else 30 s.
+    std::chrono::milliseconds progress_interval = detail::default_progress_interval();
   };
 
   class work {
@@ -269,6 +285,9 @@ class nccl {
   ncclComm_t communicator() const noexcept { return state_->comm; }
   const options& settings() const noexcept { return options_; }
   const flight_recorder& recorder() const noexcept { return *state_->recorder; }
+  // The context recorded with each call issued from now on (process_group::call_context).
+  const call_label& call_context() const noexcept { return call_context_; }
+  void set_call_context(const call_label& label) noexcept { call_context_ = label; }
   [[gnu::cold]] COHORT_DECL std::string write_trace(const std::string& directory, std::string_view reason) const;
 
   COHORT_DECL work all_reduce(const void* in, void* out, std::size_t count, dtype type, op reduce);
@@ -311,7 +330,8 @@ class nccl {
   COHORT_DECL void start_failure_reporting(std::shared_ptr<cohort::store> group_store);
 
   template <class Call>
-  work issue(const char* operation, const call_record& recorded, Call&& call) {
+  work issue(const char* operation, call_record recorded, Call&& call) {
+    recorded.context = call_context_;
     if (watchdog_) watchdog_->rethrow_if_failed();
     const detail::device_scope on_device(state_->device);
     state_->check_usable(operation);
@@ -336,6 +356,7 @@ class nccl {
     std::shared_ptr<detail::nccl_event> done;
   };
   std::vector<grouped_call> grouped_;  // issued inside the open group, recorded at its end
+  call_label call_context_;            // the caller's thread only
   std::unique_ptr<detail::watchdog> watchdog_;
 };
 

@@ -29,7 +29,9 @@
 // disagree, detection refuses, naming both sets (`RANK=0 WORLD_SIZE=1` left over, then
 // `mpirun -np 2`, would otherwise make two processes rank 0 of a world of one).
 //
-// MASTER_ADDR and MASTER_PORT (default 29500, valid 1..65535) are read for every launcher.
+// MASTER_ADDR and MASTER_PORT (default 29500, valid 1..65535) are read for every launcher, and
+// COHORT_JOB_ID, which names the job (run_id) whatever the launcher says: connect_store refuses
+// a rank whose job id is not the one of the job that serves the store.
 // Without MASTER_ADDR: Slurm uses the first host of its node list; the others use 127.0.0.1
 // only when every rank is on this node (local world size == world size) and fail otherwise,
 // since no address guess is safe across nodes.
@@ -81,8 +83,8 @@ struct launch_env {
   // torchrun: the elastic agent already serves a TCPStore on MASTER_PORT; workers must connect
   // to it (not host their own) and put their keys under store_prefix().
   bool use_agent_store = false;
-  int restart_count = 0;           // TORCHELASTIC_RESTART_COUNT; 0 elsewhere
-  std::string run_id;              // TORCHELASTIC_RUN_ID, SLURM_JOB_ID, Open MPI job id; may be empty
+  int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT; 0 elsewhere
+  std::string run_id;     // COHORT_JOB_ID, else TORCHELASTIC_RUN_ID, SLURM_JOB_ID, Open MPI's job id; may be empty
   std::vector<std::string> hosts;  // Slurm's expanded node list; empty for other launchers
   // The node's index when the launcher states it (torchrun GROUP_RANK, SLURM_NODEID, or Slurm's
   // per-node task counts); -1 when it does not.

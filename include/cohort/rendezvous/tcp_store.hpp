@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "cohort/config.hpp"
+#include "cohort/detail/progress.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
 #include "cohort/rendezvous/detail/tcp_socket.hpp"
@@ -62,6 +63,9 @@ struct tcp_store_options {
   std::chrono::milliseconds connect_timeout = std::chrono::seconds(60);
   std::chrono::milliseconds initial_backoff = std::chrono::milliseconds(10);
   std::chrono::milliseconds max_backoff = std::chrono::seconds(1);
+  // While connecting takes longer, a line every this long says so (0: never). Default:
+  // COHORT_PROGRESS_INTERVAL (seconds), else 30 s.
+  std::chrono::milliseconds progress_interval = detail::default_progress_interval();
   // Put before every key on the wire; "/" is what c10d's TCPStore client uses.
   std::string key_prefix = "/";
   // Named in error messages.
@@ -234,6 +238,19 @@ class tcp_store final : public store {
     return request_limit_.count() > 0 ? std::min(request_limit_, timeout()) : timeout();
   }
 
+  // For a wait or get with a bound of the caller's: the requests and replies around the wait
+  // take at most that bound (at least 2 s), not the store's own timeout. Under mutex_.
+  struct reply_bound {
+    std::chrono::milliseconds& limit;
+    std::chrono::milliseconds saved;
+    reply_bound(std::chrono::milliseconds& slot, std::chrono::milliseconds wait) : limit(slot), saved(slot) {
+      limit = std::max<std::chrono::milliseconds>(wait, std::chrono::seconds(2));
+    }
+    reply_bound(const reply_bound&) = delete;
+    reply_bound& operator=(const reply_bound&) = delete;
+    ~reply_bound() { limit = saved; }
+  };
+
   void send_message(std::string_view operation, std::span<const std::uint8_t> data, clock::time_point deadline,
                     std::uint64_t messages = 1) {
     requests_.fetch_add(messages, std::memory_order_relaxed);
@@ -262,6 +279,13 @@ class tcp_store final : public store {
   COHORT_DECL void ping_locked(clock::time_point deadline, std::string_view operation);
   COHORT_DECL std::uint32_t append_ping(writer& out);  // returns the nonce to expect back
   COHORT_DECL void read_ping_echo(std::uint32_t nonce, clock::time_point deadline, std::string_view operation);
+  // Waits for the first bytes of the server's answer to the handshake; a server silent until
+  // `deadline` is told the request ended (half-close) and what it answers then is named.
+  COHORT_DECL void await_answer(clock::time_point deadline);
+  // What arrives on the connection within `within` (up to 256 bytes), after what was read ahead.
+  COHORT_DECL std::string read_available(std::chrono::milliseconds within);
+  // "the server at X answered cohort's handshake with '...' ...": bytes that are not the protocol.
+  COHORT_DECL std::string not_a_store(std::string_view answered) const;
 
   // --- connecting.
 

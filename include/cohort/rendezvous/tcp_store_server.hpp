@@ -173,6 +173,8 @@ class tcp_store_server {
   COHORT_DECL void reject(connection& conn, const std::string& reason, std::uint32_t marker = 0);
   COHORT_DECL void close_now(connection& conn);
   COHORT_DECL void log_refusal(const std::string& peer, const std::string& reason);
+  // A client presented another job's record where this server holds its job's (options.job).
+  COHORT_DECL void note_stranger(const connection& conn, std::span<const std::uint8_t> presented);
   static constexpr std::size_t logged_rejections = 8;
 
   COHORT_DECL void remove_closed();

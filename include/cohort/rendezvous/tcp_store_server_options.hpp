@@ -51,6 +51,12 @@ struct tcp_store_server_options {
   // connection is read past its first command byte. Empty: c10d's protocol, no authentication,
   // so PyTorch's clients can join.
   std::string token;
+  // The job this server serves, as connect_store's rank 0 describes it (the record of
+  // rendezvous/detail/job_identity.hpp): held under the key cohort/job (as c10d's clients name
+  // it, "/cohort/job" on the wire) from the server's start, before any client can connect. A
+  // rank of another job that reaches this store reads it when it connects and refuses itself;
+  // the server prints each such stranger (its job, host and address). Empty: no job.
+  std::string job;
 };
 
 }  // namespace cohort::inline v0

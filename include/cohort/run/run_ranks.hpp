@@ -11,14 +11,24 @@
 //   threads == 0  this process is one rank of a launched job: launch_env::detect() and
 //                 connect_store(env) (mpirun, torchrun --no-python, srun).
 //
-// It returns when every rank of this process has returned. Under a launcher, rank 0 serves
-// the TCP store, so before leaving it waits until every rank has finished: no rank loses its
-// store because rank 0 was done first. That wait is short once any rank has failed: rank 0
-// prints its own error at once and serves the store only as long as the surviving ranks
-// still report in, at most run_ranks_failure_grace after the first failure it knows of
-// (without any failure it is bounded by the store's timeout, and names the ranks it waits
-// for after a few seconds). When ranks fail, the exception of the lowest failing rank is
-// rethrown after every thread has ended.
+// The ends agree. When every rank's function has returned, the ranks compare how many
+// collectives each issued on each of its process groups (the groups say so in the store when
+// they are destroyed): a rank that stopped early or late is named with both counts ("pg1:
+// rank 3 issued 41 collectives (its last: ...), ranks 0, 1, 2 issued 61"), and then no rank
+// returns normally while another failed.
+//
+// Threads: returns when every thread has returned; rethrows the exception of the lowest
+// failing rank, or throws the counts that differ.
+//
+// Launched: each rank reports its end (and, failing, why) to rank 0's store. A rank that
+// failed leaves at once with its own error. One that did not waits for rank 0's verdict on
+// the run (the failures and counts of every rank) and throws it unless every rank ended well:
+// so the exit codes of all ranks say the run failed. Rank 0, which serves the store, stays
+// until every rank has reported and read the verdict: as long as the store's timeout while
+// everyone is well (naming the ranks it waits for every progress interval), at most
+// run_ranks_failure_grace after the first failure it knows of. Every store request on the way
+// out waits at most run_ranks_exit_bound for an answer: a rank cut off from rank 0's node (or
+// orphaned by its loss) leaves within seconds, saying so, not after the store's timeout.
 //
 // run_thread_ranks(threads, fn) is the threads > 0 half alone (threads must be positive). A
 // program whose ranks are always threads (tests, one-box tools) calls it instead: run_ranks
@@ -26,12 +36,9 @@
 // it is used, since which half runs is known only when it runs; header-only, that is a few
 // seconds of compile time in the translation unit that calls it.
 
-#include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <exception>
 #include <memory>
-#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -48,18 +55,26 @@ namespace cohort::inline v0 {
 
 // After the first failure rank 0 knows of, how long it keeps serving the store for ranks
 // that have not reported yet (each of them is failing too, or about to).
-inline constexpr std::chrono::seconds run_ranks_failure_grace{10};
+inline constexpr std::chrono::seconds run_ranks_failure_grace{5};
+// The longest any store request on run_ranks' way out waits for an answer.
+inline constexpr std::chrono::seconds run_ranks_exit_bound{5};
 
 namespace detail {
 
-// Launched ranks report "done" (and "failed" with the reason) to the store; rank 0 serves
-// the store until all are done, or a grace period after a failure.
+// What the counts of the ranks' process groups show (empty when they agree): each rank's
+// groups are read from their status keys under `rendezvous` (world ranks).
+COHORT_DECL std::string compare_collective_counts(store& rendezvous, int world);
+
+// Launched ranks report their end (and failing, why) to the store and read rank 0's verdict;
+// rank 0 serves the store until every rank has, or a grace period after a failure. Throws
+// the verdict on a rank that did not fail itself (the caller rethrows its own failure).
 COHORT_DECL void finish_launched_rank(store& rendezvous, const launch_env& env, const std::exception_ptr& failure);
 
 }  // namespace detail
 
 // Ranks as `threads` threads of this process, meeting in one memory_store; returns when every
-// thread has returned, then rethrows the exception of the lowest failing rank.
+// thread has returned, then rethrows the exception of the lowest failing rank (or throws the
+// collective counts that differ, when no rank failed).
 template <class Fn>
 void run_thread_ranks(int threads, Fn&& fn) {
   if (threads <= 0)
@@ -79,6 +94,10 @@ void run_thread_ranks(int threads, Fn&& fn) {
   for (auto& rank : ranks) rank.join();
   for (auto& failure : failures)
     if (failure) std::rethrow_exception(failure);
+  if (const std::string counts = detail::compare_collective_counts(*shared, threads); !counts.empty())
+    throw error(-1, "run_ranks", counts,
+                "every rank must issue the same collectives: a rank that stops early or late leaves the others "
+                "waiting (or a call of its own unanswered)");
 }
 
 template <class Fn>

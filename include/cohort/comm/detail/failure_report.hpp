@@ -4,13 +4,18 @@
 // - the flight recorder itself (cohort/comm/flight_recorder.hpp);
 // - write_trace: on a failure, the ring goes to COHORT_TRACE_DIR/rank<R>.<group>.json,
 //   which `cohort-trace DIR` reads across ranks.
-// - name_the_culprit: after a failure each rank publishes the call it is in to the group's
-//   store and reads what the others published, for a short, bounded while, so the error
-//   names the rank at fault ("rank 2 never issued all_reduce #7 (float x 8, sum); ranks 0,
-//   1 are waiting in it") instead of an address or a key.
+// - the status board: each rank's status/<rank> key in its group's store (joined, in a call,
+//   failed, left), written only when something is worth knowing, never per call;
+// - progress_monitor: a call that waits long compares the ranks' statuses (ranks found in
+//   different calls fail within seconds, naming each rank's call) and prints progress lines;
+// - name_the_culprit: after a failure each rank publishes what failed and reads the others'
+//   statuses for a short, bounded while, so the error names the rank at fault ("ranks 2, 3
+//   died or exited during all_reduce #7 (float x 8, sum); ranks 0, 1 are in it") instead of
+//   an address or a key, and accuses no rank it could not ask.
 // - watchdog: a thread per group that enforces the group's timeout on work nobody waits
 //   for through cohort, and acts on failures nobody observes (see async_error_handling).
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -20,6 +25,8 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -59,10 +66,10 @@ COHORT_DECL std::string trace_directory(const std::string& configured);
 [[gnu::cold]] COHORT_DECL std::string write_trace(const std::string& directory, const trace_identity& who,
                                                   const flight_recorder& recorder, std::string_view failure);
 
-// What a backend can tell of a peer that sent no failure report, without its help.
+// What a backend can tell of a peer without its help.
 enum class peer_state : std::uint8_t {
   unknown,      // no way to tell (a backend without probes)
-  alive,        // connected (or its process runs, on this host): it never issued the call
+  alive,        // connected (or its process runs, on this host)
   died,         // its connection closed, or its process (on this host) is gone
   unreachable,  // no connection to it and its host does not answer
 };
@@ -70,19 +77,154 @@ struct peer_status {
   peer_state state = peer_state::unknown;
   std::string why;  // "its connection closed", "no answer from 10.0.0.3 within 1 s", ...
 };
-// `thorough`: may take a while (at most a second or the timeout) to tell alive from
-// unreachable; otherwise answers at once, with `unknown` where only waiting could tell.
-using peer_probe = std::function<peer_status(int peer, bool thorough)>;
+// Tells alive from unreachable, without the peer's help (may take up to a second).
+using peer_probe = std::function<peer_status(int peer)>;
 
-// After `call` (this rank's collective number `sequence`) failed: publishes it under
-// failure/<rank> in the group's store, reads the other ranks' reports for at most
-// min(timeout, 5 s) through a handle bounded by that window, and says who is at fault. A
-// rank that sent no report is named as `probe` finds it: died, unreachable, or (alive) never
-// issued the call. Without a probe, `connection_lost` (the engine reported a closed connection
-// rather than a timeout) names the silent ranks dead, else as never having issued the call.
-[[gnu::cold]] COHORT_DECL std::string name_the_culprit(store& group_store, int rank, int size,
-                                                       std::chrono::milliseconds timeout, const std::string& call,
-                                                       bool connection_lost, const peer_probe& probe = {});
+// --- what each rank of a group says it is doing ------------------------------------------
+// Every rank keeps one key in its group's store, status/<rank>: what it is doing as far as
+// the others need to know. It writes the key when the group is made (joined), when a call
+// has waited long enough to be compared (in_call), when the group fails on it (failed) and
+// when the group is destroyed (left): never per call. A waiting rank reads everyone's to
+// tell a rank that is merely late from one that is in another call, has failed or has left;
+// a failing rank reads them to name who is at fault; run_ranks' exit reads them to compare
+// how many collectives each rank issued.
+enum class rank_activity : std::uint8_t { joined, in_call, failed, left };
+
+struct rank_status {
+  rank_activity activity = rank_activity::joined;
+  std::uint64_t issued = 0;                         // collectives (and barriers) this rank has issued in the group
+  std::uint64_t completed = 0;                      // of which completed
+  std::array<std::uint64_t, call_kinds> by_kind{};  // `issued` by call_kind (send and recv: 0)
+  // in_call, failed: the call (its sequence is 0 when there is none); left: its last call,
+  // when the flight recorder still holds it.
+  call_record call;
+  std::string note;  // failed: why; left: how it left
+};
+
+// "20 all_reduces and 1 all_gather": what by_kind counts.
+COHORT_DECL std::string describe_counts(const std::array<std::uint64_t, call_kinds>& by_kind);
+
+COHORT_DECL std::string encode_status(const rank_status& status);
+// False when `text` is not what encode_status writes.
+COHORT_DECL bool decode_status(std::string_view text, rank_status& out);
+
+// The window in which a failing rank collects the others' reports, and the bound of every
+// store request made on a failure or progress path: the group's timeout, at most 5 s.
+inline std::chrono::milliseconds report_window(std::chrono::milliseconds timeout) {
+  return std::min<std::chrono::milliseconds>(timeout, std::chrono::seconds(5));
+}
+
+// The status keys of one group, read and written through a store handle of their own,
+// bounded by report_window (store::bounded: connecting included), made on first use: a
+// request of the trainer's on the group's handle (a long WAIT) cannot hold them up, and a
+// store gone silent holds them for the window, not for the store's own minutes. Safe to
+// share between the group's threads.
+class status_board {
+ public:
+  COHORT_DECL status_board(std::shared_ptr<store> group_store, int rank, int size, std::chrono::milliseconds timeout);
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+  std::chrono::milliseconds window() const noexcept { return report_window(timeout_); }
+  // "10.0.0.1:29500", or empty for an in-process store.
+  COHORT_DECL std::string location() const;
+  const store& group_store() const noexcept { return *store_; }
+
+  // Writes this rank's key; throws when the store cannot be reached within the window.
+  COHORT_DECL void publish(const rank_status& status);
+  // Never throws (destructors, and paths on which an error is already on its way).
+  COHORT_DECL bool try_publish(const rank_status& status) noexcept;
+  // Through the group's own handle, which a SET does not wait on (no reply): for what is said
+  // when the group is made and destroyed, without a connection of the board's own.
+  COHORT_DECL bool try_publish_on_group_store(const rank_status& status) noexcept;
+  // The keys of `ranks` (every rank when empty), in that order: nullopt where a rank wrote
+  // none or something that does not parse. Throws when the store cannot be reached.
+  COHORT_DECL std::vector<std::optional<rank_status>> read(std::span<const int> ranks = {});
+
+ private:
+  COHORT_DECL store& handle();
+
+  std::shared_ptr<store> store_;
+  int rank_;
+  int size_;
+  std::chrono::milliseconds timeout_;
+  std::mutex mutex_;  // one request at a time on `own_`, which is made on first use
+  std::shared_ptr<store> own_;
+  bool own_made_ = false;
+  std::string unreachable_;  // why the last attempt to make `own_` failed, and when
+  std::chrono::steady_clock::time_point unreachable_at_{};
+};
+
+// What the other ranks' statuses prove about `mine`, this rank's oldest collective not yet
+// complete (number s): ranks in another call #s (kind, dtype, count, op or root differ),
+// ranks that left the group having issued fewer than s collectives, ranks whose group has
+// failed. Empty when nothing proves that the ranks cannot meet in `mine` (ranks that are late,
+// busy computing, or have not said what they do, may still come).
+// How a disagreement starts when the ranks are in different calls, and the hint of its error.
+inline constexpr std::string_view different_calls = "the ranks are in different calls #";
+inline constexpr std::string_view different_calls_hint =
+    "every rank must issue the same collectives in the same order; the calls named (and their call_context) show "
+    "where each rank was";
+
+COHORT_DECL std::string find_disagreement(int rank, const call_record& mine,
+                                          std::span<const std::optional<rank_status>> statuses);
+
+// After `mine` failed on this rank: publishes `failed` (this rank's status) in the group's
+// store, reads the other ranks' statuses for at most the report window and says who is at
+// fault. A rank whose status concerns this call is in it (or in another call #s); one that
+// left or failed says so itself; one with no such report is named as `known` (what the
+// backend saw of it before anything was closed: died, alive) and `probe` (asked meanwhile
+// whether its host answers: unreachable) find it, and otherwise as unknown: no report,
+// never accused. Without probes, `connection_lost` (the engine saw a connection close) names
+// silent ranks dead.
+[[gnu::cold]] COHORT_DECL std::string name_the_culprit(status_board& board, const call_record& mine,
+                                                       const rank_status& failed, bool connection_lost,
+                                                       std::span<const peer_status> known = {},
+                                                       const peer_probe& probe = {});
+
+// The oldest collective this rank has issued and not completed, and since when it runs
+// (started, on Gloo; issued, on NCCL).
+struct pending_call {
+  call_record call;
+  std::chrono::steady_clock::time_point since;
+};
+
+// What a backend's watchdog does for a call that waits long: after `compare_after` it
+// publishes the call as this rank's status and compares the other ranks' (then every
+// max(compare_after, 5 s)), so ranks found in different calls fail within seconds instead
+// of the timeout; every `progress_interval` it prints one line saying what the call waits
+// for and for whom. A rank that is only late (computing, slower) is not an error: it gets
+// progress lines. Runs on the watchdog's thread.
+class progress_monitor {
+ public:
+  struct settings {
+    std::chrono::milliseconds compare_after{};      // 0: never compare
+    std::chrono::milliseconds progress_interval{};  // 0: no progress lines
+  };
+  COHORT_DECL progress_monitor(status_board& board, std::string group, settings when);
+
+  // `pending`: what this rank's engine has not completed (nullopt: nothing); `now`: this
+  // rank's counts. Returns the disagreement that dooms that call (find_disagreement), or an
+  // empty string.
+  COHORT_DECL std::string tick(const std::optional<pending_call>& pending, const rank_status& now);
+
+ private:
+  COHORT_DECL std::string compare(const pending_call& pending, const rank_status& now);
+  COHORT_DECL void say(const pending_call& pending, std::chrono::steady_clock::time_point now) const;
+
+  status_board& board_;
+  std::string group_;
+  settings when_;
+  std::uint64_t watching_ = 0;  // the record id of the pending call watched (0: none)
+  std::chrono::steady_clock::time_point next_compare_{};
+  std::chrono::steady_clock::time_point next_line_{};
+  bool published_ = false;
+  std::string found_;  // what the last comparison found, for the progress lines
+};
+
+// The flight recorder's newest collective (sequence 0 when it holds none).
+COHORT_DECL call_record newest_collective(const flight_recorder& recorder);
 
 // A thread that calls check() every `interval` until it returns a failure (or the watchdog
 // is destroyed), then hands the failure to the policy: abort_process ends the process,

@@ -20,6 +20,10 @@ class fifo_queue {
 
   void push_back(T value) { items_.push_back(std::move(value)); }
 
+  // Front to back.
+  auto begin() const noexcept { return items_.begin() + static_cast<std::ptrdiff_t>(head_); }
+  auto end() const noexcept { return items_.end(); }
+
   // The popped element is destroyed at once (a task's captures, an event's handle), and the
   // vector is compacted once its dead front is half of it: amortised O(1) per element.
   void pop_front() {

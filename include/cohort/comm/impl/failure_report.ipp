@@ -6,9 +6,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <iterator>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -17,6 +20,7 @@
 
 #include "cohort/comm/detail/failure_report.hpp"
 #include "cohort/config.hpp"
+#include "cohort/detail/progress.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
 #include "cohort/rendezvous/launch.hpp"
@@ -27,7 +31,8 @@ namespace cohort::inline v0::detail {
 COHORT_DECL std::string describe(const call_record& call) {
   std::string text(to_string(call.kind));
   if (call.sequence != 0) text += detail::text(" #", std::to_string(call.sequence));
-  if (call.kind == call_kind::barrier) return text;
+  const std::string context = call.context.empty() ? std::string() : detail::text(" [", call.context.view(), "]");
+  if (call.kind == call_kind::barrier) return detail::text(text, context);
   text += detail::text(" (", cohort::to_string(call.type), " x ", std::to_string(call.count));
   if (call.kind == call_kind::all_reduce || call.kind == call_kind::reduce_scatter)
     text += detail::text(", ", cohort::to_string(call.reduce));
@@ -36,7 +41,7 @@ COHORT_DECL std::string describe(const call_record& call) {
     text += detail::text(", peer ", std::to_string(call.peer));
     if (call.tag != 0) text += detail::text(", tag ", std::to_string(call.tag));
   }
-  return detail::text(text, ")");
+  return detail::text(text, ")", context);
 }
 
 COHORT_DECL std::string group_name(const store& group_store) {
@@ -47,7 +52,8 @@ COHORT_DECL std::string group_name(const store& group_store) {
     prefix = prefixed->prefix() + prefix;
     level = prefixed->inner().get();
   }
-  if (prefix.rfind("cohort/", 0) == 0) prefix.erase(0, 7);
+  // Keys above the group's own (a job's namespace, torchrun's attempt) are not its name.
+  if (const auto own = prefix.find("cohort/pg"); own != std::string::npos) prefix.erase(0, own + 7);
   while (!prefix.empty() && prefix.back() == '/') prefix.pop_back();
   std::replace(prefix.begin(), prefix.end(), '/', '.');
   return prefix.empty() ? std::string("group") : prefix;
@@ -83,7 +89,10 @@ COHORT_DECL std::string write_trace(const std::string& directory, const trace_id
           ", \"op\": \"", cohort::to_string(call.reduce), "\", \"peer\": ", std::to_string(call.peer),
           ", \"tag\": ", std::to_string(call.tag), ", \"state\": \"", to_string(call.state),
           "\", \"issued_us\": ", std::to_string(call.issued_us), ", \"started_us\": ", std::to_string(call.started_us),
-          ", \"completed_us\": ", std::to_string(call.completed_us), "}");
+          ", \"completed_us\": ", std::to_string(call.completed_us),
+          (call.context.empty() ? std::string()
+                                : detail::text(", \"context\": \"", json_escape(call.context.view()), "\"")),
+          "}");
     }
     json += "\n  ]\n}\n";
     // Written whole under a temporary name, then renamed: a reader never sees half a file.
@@ -101,146 +110,543 @@ COHORT_DECL std::string write_trace(const std::string& directory, const trace_id
   }
 }
 
-COHORT_DECL std::string name_the_culprit(store& group_store, int rank, int size, std::chrono::milliseconds timeout,
-                                         const std::string& call, bool connection_lost, const peer_probe& probe) {
-  if (size < 2) return detail::text("this rank is in ", call);
-  // Each rank that fails publishes the call it is in; a rank that is not in a cohort call
-  // (still computing, stopped, dead) publishes nothing. The window is short and bounded, and
-  // so is every store request in it: a handle of its own bounded by the window (the group's
-  // handle waits as long as the store's own timeout, minutes, when the store has gone silent).
-  const auto window = std::min<std::chrono::milliseconds>(timeout, std::chrono::seconds(5));
-  const auto deadline = std::chrono::steady_clock::now() + window;
-  const auto left = [&] {
-    return std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()),
-                    std::chrono::milliseconds(1));
+inline constexpr std::string_view status_format = "cohort-status-1";
+inline constexpr std::uint8_t status_activities = 4;
+inline constexpr std::uint8_t status_reductions = 5;
+
+inline std::string status_key(int rank) { return detail::text("status/", std::to_string(rank)); }
+
+// "all_reduce #7 (float x 8, sum)" without the context: what must be equal across ranks.
+inline bool same_signature(const call_record& a, const call_record& b) {
+  if (a.kind != b.kind) return false;
+  if (a.kind == call_kind::barrier) return true;
+  if (a.type != b.type || a.count != b.count) return false;
+  if ((a.kind == call_kind::all_reduce || a.kind == call_kind::reduce_scatter) && a.reduce != b.reduce) return false;
+  if (a.kind == call_kind::broadcast && a.peer != b.peer) return false;
+  return true;
+}
+
+// A status about call #s of this group: the rank is in it, failed in it, or left with it as
+// its last call.
+inline bool status_concerns(const rank_status& status, std::uint64_t sequence) {
+  return status.activity != rank_activity::joined && status.call.sequence == sequence &&
+         !is_point_to_point(status.call.kind);
+}
+
+inline std::string first_line_of(std::string_view text, std::size_t limit = 240) {
+  std::string line(text.substr(0, text.find_first_of("\r\n")));
+  if (line.size() > limit) line = detail::text(line.substr(0, limit), "...");
+  return line;
+}
+
+inline std::string left_how(const rank_status& status) {
+  std::string how = detail::text("left the group after issuing ", std::to_string(status.issued), " collective",
+                                 (status.issued == 1 ? "" : "s"));
+  if (!status.note.empty() || status.call.sequence != 0) {
+    how += " (";
+    if (!status.note.empty()) how += status.note;
+    if (status.call.sequence != 0)
+      how += detail::text((status.note.empty() ? "" : "; "), "its last: ", describe(status.call));
+    how += ")";
+  }
+  return how;
+}
+
+// The parts of a disagreement, each naming ranks; see find_disagreement.
+struct disagreement {
+  std::vector<std::string> parts;
+};
+
+// `victims_doom`: a rank whose group failed in this very call dooms it too (a waiting rank
+// stops waiting); a failing rank names such ranks as being in the call with it instead.
+inline disagreement disagree(int rank, const call_record& mine, std::span<const std::optional<rank_status>> statuses,
+                             bool victims_doom) {
+  disagreement found;
+  // Every call #s known: this rank's and those the others report, grouped by signature and
+  // context, in rank order (so every rank lists them alike).
+  std::vector<std::pair<call_record, std::vector<int>>> calls;
+  bool differ = false;
+  std::vector<std::pair<std::string, std::vector<int>>> left, failed, victims;
+  const auto add = [](auto& groups, const std::string& what, int who) {
+    for (auto& [text, ranks] : groups)
+      if (text == what) return ranks.push_back(who);
+    groups.push_back({what, {who}});
   };
-  const std::string prefix = "failure/";
-  std::vector<int> died, unreachable, never, waiting{rank};
-  std::vector<std::string> died_why, unreachable_why, never_why, differ;
+  const auto place = [&](const call_record& call, int who) {
+    for (auto& [known, ranks] : calls)
+      if (same_signature(known, call) && known.context == call.context) return ranks.push_back(who);
+    calls.push_back({call, {who}});
+  };
+  for (std::size_t r = 0; r < statuses.size(); ++r) {
+    const int peer = static_cast<int>(r);
+    if (peer == rank) {
+      place(mine, rank);
+      continue;
+    }
+    if (!statuses[r]) continue;
+    const rank_status& status = *statuses[r];
+    if (status_concerns(status, mine.sequence)) {
+      place(status.call, peer);
+      if (!same_signature(mine, status.call)) differ = true;
+      if (victims_doom && status.activity == rank_activity::failed && same_signature(mine, status.call))
+        add(victims, detail::text("failed in ", describe(status.call), ": ", first_line_of(status.note)), peer);
+      continue;
+    }
+    if (status.activity == rank_activity::left && status.issued < mine.sequence) {
+      add(left, left_how(status), peer);
+      continue;
+    }
+    if (status.activity == rank_activity::failed)
+      add(failed,
+          detail::text("failed", (status.call.sequence ? detail::text(" in ", describe(status.call)) : ""),
+                       (status.note.empty() ? "" : detail::text(": ", first_line_of(status.note)))),
+          peer);
+  }
+  // A rank that failed in this very call says why; when the calls differ, that is why.
+  if (!differ) failed.insert(failed.begin(), victims.begin(), victims.end());
+  if (differ) {
+    std::string text = detail::text(different_calls, std::to_string(mine.sequence), ": ");
+    for (std::size_t k = 0; k < calls.size(); ++k) {
+      const auto& [call, ranks] = calls[k];
+      text += detail::text((k ? "; " : ""), format_ranks(ranks), (ranks.size() == 1 ? " is in " : " are in "),
+                           describe(call));
+    }
+    found.parts.push_back(std::move(text));
+  }
+  for (auto& [how, ranks] : left)
+    found.parts.push_back(detail::text(format_ranks(ranks), " ", how, ", so ", (ranks.size() == 1 ? "it" : "they"),
+                                       " never issued ", describe(mine)));
+  for (auto& [what, ranks] : failed)
+    found.parts.push_back(detail::text(format_ranks(ranks), (ranks.size() == 1 ? "'s group " : "' group "), what));
+  return found;
+}
+
+inline std::string join_parts(const std::vector<std::string>& parts) {
+  std::string text;
+  for (const auto& part : parts) text += detail::text((text.empty() ? "" : "; "), part);
+  return text;
+}
+
+COHORT_DECL std::string encode_status(const rank_status& status) {
+  const call_record& call = status.call;
+  std::string counts;
+  for (const auto count : status.by_kind) counts += detail::text(",", std::to_string(count));
+  return detail::text(status_format, "\n", std::to_string(static_cast<int>(status.activity)), ",",
+                      std::to_string(status.issued), ",", std::to_string(status.completed), ",",
+                      std::to_string(static_cast<int>(call.kind)), ",", std::to_string(call.sequence), ",",
+                      std::to_string(static_cast<int>(call.type)), ",", std::to_string(call.count), ",",
+                      std::to_string(static_cast<int>(call.reduce)), ",", std::to_string(call.peer), ",",
+                      std::to_string(call.tag), counts, "\n", call.context.view(), "\n", status.note);
+}
+
+COHORT_DECL std::string describe_counts(const std::array<std::uint64_t, call_kinds>& by_kind) {
+  std::vector<std::string> parts;
+  for (std::size_t k = 0; k < call_kinds; ++k)
+    if (by_kind[k] != 0)
+      parts.push_back(detail::text(std::to_string(by_kind[k]), " ", to_string(static_cast<call_kind>(k)),
+                                   (by_kind[k] == 1 ? "" : "s")));
+  if (parts.empty()) return "no collectives";
+  std::string text = parts.front();
+  for (std::size_t k = 1; k < parts.size(); ++k)
+    text += detail::text((k + 1 == parts.size() ? " and " : ", "), parts[k]);
+  return text;
+}
+
+COHORT_DECL bool decode_status(std::string_view text, rank_status& out) {
+  const auto line = [&](std::string_view& rest) {
+    const auto end = rest.find('\n');
+    if (end == std::string_view::npos) return std::optional<std::string_view>();
+    const std::string_view head = rest.substr(0, end);
+    rest.remove_prefix(end + 1);
+    return std::optional<std::string_view>(head);
+  };
+  std::string_view rest = text;
+  const auto format = line(rest);
+  const auto numbers = line(rest);
+  const auto context = line(rest);
+  if (!format || *format != status_format || !numbers || !context) return false;
+  constexpr int fields = 10 + static_cast<int>(call_kinds);
+  std::uint64_t field[fields] = {};
+  std::int64_t peer = 0;
+  std::string_view list = *numbers;
+  for (int k = 0; k < fields; ++k) {
+    const auto end = std::min(list.find(','), list.size());
+    const std::string_view item = list.substr(0, end);
+    if (item.empty()) return false;
+    const char* first = item.data();
+    const char* last = item.data() + item.size();
+    const auto [stop, status] = k == 8 ? std::from_chars(first, last, peer) : std::from_chars(first, last, field[k]);
+    if (status != std::errc() || stop != last) return false;
+    if ((k < fields - 1) != (end < list.size())) return false;
+    list.remove_prefix(std::min(end + 1, list.size()));
+  }
+  if (field[0] >= status_activities || field[3] >= call_kinds || field[5] >= std::size(dtype_is_floating) ||
+      field[7] >= status_reductions)
+    return false;
+  rank_status status;
+  status.activity = static_cast<rank_activity>(field[0]);
+  status.issued = field[1];
+  status.completed = field[2];
+  status.call.kind = static_cast<call_kind>(field[3]);
+  status.call.sequence = field[4];
+  status.call.type = static_cast<dtype>(field[5]);
+  status.call.count = static_cast<std::size_t>(field[6]);
+  status.call.reduce = static_cast<op>(field[7]);
+  status.call.peer = static_cast<int>(peer);
+  status.call.tag = field[9];
+  for (std::size_t k = 0; k < call_kinds; ++k) status.by_kind[k] = field[10 + k];
+  status.call.context.assign(*context);
+  status.note = std::string(rest);
+  out = std::move(status);
+  return true;
+}
+
+COHORT_DECL status_board::status_board(std::shared_ptr<store> group_store, int rank, int size,
+                                       std::chrono::milliseconds timeout)
+    : store_(std::move(group_store)), rank_(rank), size_(size), timeout_(timeout) {}
+
+COHORT_DECL std::string status_board::location() const { return store_->location(); }
+
+COHORT_DECL store& status_board::handle() {
+  if (!own_made_) {
+    // A store this handle could not reach a moment ago is not waited for again at once (the
+    // progress monitor and a failing call ask one after the other).
+    const auto now = std::chrono::steady_clock::now();
+    if (!unreachable_.empty() && now - unreachable_at_ < window())
+      throw error(rank_, "store", detail::text(unreachable_, " (", format_seconds(now - unreachable_at_), " ago)"));
+    try {
+      own_ = store_->bounded(window());  // throws when the store cannot be reached in time
+    } catch (const std::exception& failure) {
+      const auto* known = dynamic_cast<const error*>(&failure);
+      unreachable_ = known ? known->detail() : std::string(failure.what());
+      unreachable_at_ = std::chrono::steady_clock::now();
+      throw;
+    }
+    unreachable_.clear();
+    own_made_ = true;
+  }
+  return own_ ? *own_ : *store_;
+}
+
+COHORT_DECL void status_board::publish(const rank_status& status) {
+  std::lock_guard lock(mutex_);
+  store& board = handle();
+  try {
+    board.set(status_key(rank_), encode_status(status));
+  } catch (...) {
+    if (own_) own_made_ = false;  // a broken connection: the next request makes a new one
+    throw;
+  }
+}
+
+COHORT_DECL bool status_board::try_publish(const rank_status& status) noexcept {
+  try {
+    publish(status);
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
+COHORT_DECL bool status_board::try_publish_on_group_store(const rank_status& status) noexcept {
+  try {
+    store_->set(status_key(rank_), encode_status(status));
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
+COHORT_DECL std::vector<std::optional<rank_status>> status_board::read(std::span<const int> ranks) {
+  std::vector<int> every;
+  if (ranks.empty()) {
+    for (int r = 0; r < size_; ++r) every.push_back(r);
+    ranks = every;
+  }
+  std::vector<std::string> keys;
+  keys.reserve(ranks.size());
+  for (const int r : ranks) keys.push_back(status_key(r));
+  std::lock_guard lock(mutex_);
+  store& board = handle();
+  std::vector<std::optional<rank_status>> out(ranks.size());
+  try {
+    // Every rank wrote its key when it made the group, so one batched read answers at once;
+    // keys missing still (a rank that never made it) are asked one by one.
+    std::vector<bytes> values;
+    bool all = true;
+    try {
+      values = board.multi_get(std::span<const std::string>(keys), std::chrono::milliseconds(1));
+    } catch (const timeout_error&) {
+      all = false;
+    }
+    for (std::size_t k = 0; k < keys.size(); ++k) {
+      if (!all) {
+        if (!board.check(std::span<const std::string>(&keys[k], 1))) continue;
+        values.resize(keys.size());
+        values[k] = board.get(keys[k], window());
+      }
+      rank_status status;
+      if (decode_status(cohort::to_string(values[k]), status)) out[k] = std::move(status);
+    }
+  } catch (...) {
+    if (own_) own_made_ = false;
+    throw;
+  }
+  return out;
+}
+
+COHORT_DECL std::string find_disagreement(int rank, const call_record& mine,
+                                          std::span<const std::optional<rank_status>> statuses) {
+  return join_parts(disagree(rank, mine, statuses, true).parts);
+}
+
+COHORT_DECL call_record newest_collective(const flight_recorder& recorder) {
+  const auto calls = recorder.snapshot();
+  for (auto it = calls.rbegin(); it != calls.rend(); ++it)
+    if (!is_point_to_point(it->kind)) return *it;
+  return {};
+}
+
+COHORT_DECL std::string name_the_culprit(status_board& board, const call_record& mine, const rank_status& failed,
+                                         bool connection_lost, std::span<const peer_status> known,
+                                         const peer_probe& probe) {
+  const int rank = board.rank();
+  const int size = board.size();
+  const std::string call = describe(mine);
+  if (size < 2) return detail::text("this rank is in ", call);
+  const auto window = board.window();
+  const auto started = std::chrono::steady_clock::now();
+  const auto deadline = started + window;
+  const auto seen = [&](int peer) {
+    return static_cast<std::size_t>(peer) < known.size() ? known[static_cast<std::size_t>(peer)] : peer_status{};
+  };
+  // Asked at once, all together, of every peer the backend could not tell apart: alive but
+  // silent, or cut off? (Threads of its own, not std::async: this cold path should not cost
+  // every translation unit of a header-only program the futures' machinery.)
+  std::vector<std::optional<peer_status>> asked(static_cast<std::size_t>(size));
+  std::mutex asked_mutex;  // the askers write `asked` while the window reads it
+  std::vector<std::jthread> askers;
+  if (probe)
+    for (int peer = 0; peer < size; ++peer)
+      if (peer != rank && seen(peer).state == peer_state::unknown)
+        askers.emplace_back([&, peer] {
+          std::optional<peer_status> answer;
+          try {
+            answer = probe(peer);
+          } catch (...) {}
+          std::lock_guard lock(asked_mutex);
+          asked[static_cast<std::size_t>(peer)] = std::move(answer);
+        });
+  // A peer the backend knows dead, or found unreachable, is not waited for; one whose
+  // connection closed gets a moment (a peer that fails closes its connections just after it
+  // says so).
+  const auto gone = [&](int peer) {
+    if (seen(peer).state == peer_state::died)
+      return std::chrono::steady_clock::now() - started >= std::chrono::milliseconds(300);
+    std::lock_guard lock(asked_mutex);
+    const auto& answer = asked[static_cast<std::size_t>(peer)];
+    return answer && (answer->state == peer_state::unreachable || answer->state == peer_state::died);
+  };
+  const auto join_askers = [&] {
+    for (auto& asker : askers)
+      if (asker.joinable()) asker.join();
+  };
+  std::vector<std::optional<rank_status>> statuses(static_cast<std::size_t>(size));
+  std::string unreachable_store;
+  try {
+    board.publish(failed);
+    // A rank that fails publishes at once (its peers close their connections to it when they
+    // fail, so a call of theirs ends as soon as one rank's does): wait until every peer has
+    // said something about this call, left, failed, or is known dead, or the window ends.
+    std::vector<int> open;
+    for (int peer = 0; peer < size; ++peer)
+      if (peer != rank) open.push_back(peer);
+    for (;;) {
+      const auto got = board.read(open);
+      std::vector<int> still;
+      for (std::size_t k = 0; k < open.size(); ++k) {
+        const int peer = open[k];
+        if (got[k]) statuses[static_cast<std::size_t>(peer)] = got[k];
+        const auto& status = statuses[static_cast<std::size_t>(peer)];
+        const bool settled =
+            (status && (status_concerns(*status, mine.sequence) || status->activity == rank_activity::left ||
+                        status->activity == rank_activity::failed)) ||
+            gone(peer);
+        if (!settled) still.push_back(peer);
+      }
+      open.swap(still);
+      if (open.empty() || std::chrono::steady_clock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(
+          std::chrono::milliseconds(100), deadline - std::chrono::steady_clock::now()));
+    }
+  } catch (const std::exception& cut_off) {
+    const auto* known_error = dynamic_cast<const error*>(&cut_off);
+    const std::string where = board.location();
+    unreachable_store =
+        detail::text("cannot reach rank 0's store", (where.empty() ? "" : detail::text(" at ", where)), " within ",
+                     format_duration(window), " (", (known_error ? known_error->detail() : std::string(cut_off.what())),
+                     "): this rank is cut off from rank 0's node, or that node is lost");
+  }
+  join_askers();
+
+  const disagreement found = disagree(rank, mine, statuses, false);
+  std::vector<int> died, unreachable, unknown, in_call{rank};
+  std::vector<std::string> died_why, unreachable_why, unknown_why;
   const auto note = [](std::vector<std::string>& list, const std::string& why) {
     if (!why.empty() && std::find(list.begin(), list.end(), why) == list.end()) list.push_back(why);
   };
-  try {
-    std::shared_ptr<store> own;
-    try {
-      own = group_store.bounded(window);
-    } catch (const std::exception& cut_off) {
-      const std::string where = group_store.location();
-      const auto* known = dynamic_cast<const error*>(&cut_off);
-      return detail::text("this rank is in ", call, "; cannot reach rank 0's store",
-                          (where.empty() ? "" : detail::text(" at ", where)), " within ", format_duration(window), " (",
-                          (known ? known->detail() : cut_off.what()),
-                          "): this rank is cut off from rank 0's node, or rank 0 died");
+  for (int peer = 0; peer < size; ++peer) {
+    if (peer == rank) continue;
+    const auto& status = statuses[static_cast<std::size_t>(peer)];
+    if (status && status_concerns(*status, mine.sequence)) {
+      if (same_signature(status->call, mine)) in_call.push_back(peer);
+      continue;  // in another call #s: the disagreement names it
     }
-    store& reports = own ? *own : group_store;
-    reports.set(prefix + std::to_string(rank), call);
-    // A peer known dead now sends no more reports: nobody waits for it, but one it sent before
-    // it died still counts (it was in the call: a victim, not the culprit).
-    std::vector<std::string> keys;
-    std::vector<int> peers;
-    std::vector<bool> dead;
-    std::vector<std::string> dead_why;
-    for (int peer = 0; peer < size; ++peer) {
-      if (peer == rank) continue;
-      const peer_status status = probe ? probe(peer, false) : peer_status{};
-      keys.push_back(prefix + std::to_string(peer));
-      peers.push_back(peer);
-      dead.push_back(status.state == peer_state::died);
-      dead_why.push_back(status.why);
+    if (status && (status->activity == rank_activity::failed ||
+                   (status->activity == rank_activity::left && status->issued < mine.sequence)))
+      continue;  // it said what it did: the disagreement names it
+    peer_status state = seen(peer);
+    if (state.state != peer_state::died && asked[static_cast<std::size_t>(peer)])
+      state = *asked[static_cast<std::size_t>(peer)];
+    if (state.state == peer_state::unknown && !probe && known.empty() && connection_lost)
+      state.state = peer_state::died;
+    switch (state.state) {
+      case peer_state::died:
+        died.push_back(peer);
+        note(died_why, state.why);
+        break;
+      case peer_state::unreachable:
+        unreachable.push_back(peer);
+        note(unreachable_why, state.why);
+        break;
+      case peer_state::alive:
+      case peer_state::unknown:
+        unknown.push_back(peer);
+        note(unknown_why, state.why);
+        break;
     }
-    // One wait for the reports of the living; when some never come, which did is asked key
-    // by key (so are the dead's).
-    std::vector<std::string> expected;
-    for (std::size_t k = 0; k < keys.size(); ++k)
-      if (!dead[k]) expected.push_back(keys[k]);
-    std::vector<bool> present(keys.size(), true);
-    bool all_came = true;
-    try {
-      reports.wait(std::span<const std::string>(expected), left());
-    } catch (const timeout_error&) {
-      all_came = false;
-    }
-    for (std::size_t k = 0; k < keys.size(); ++k)
-      if (dead[k] || !all_came) present[k] = reports.check(std::span<const std::string>(&keys[k], 1));
-    std::vector<std::string> readable;
-    for (std::size_t k = 0; k < keys.size(); ++k)
-      if (present[k]) readable.push_back(keys[k]);
-    const auto values = reports.multi_get(std::span<const std::string>(readable), left());
-    // Silent peers: what are they? Asked again now, after the window (dead stays dead), all
-    // at once: telling alive from unreachable may take a second each.
-    // (Threads of its own, not std::async: this cold path should not cost every translation
-    // unit of a header-only program the futures' machinery.)
-    std::vector<std::optional<peer_status>> asked(keys.size());
-    std::vector<std::exception_ptr> asking_failed(keys.size());
-    {
-      std::vector<std::jthread> askers;
-      for (std::size_t k = 0; k < keys.size(); ++k)
-        if (!present[k] && !dead[k] && probe)
-          askers.emplace_back([&, k] {
-            try {
-              asked[k] = probe(peers[k], true);
-            } catch (...) {
-              asking_failed[k] = std::current_exception();
-            }
-          });
-    }  // joins every asker
-    for (std::size_t k = 0, v = 0; k < keys.size(); ++k) {
-      const int peer = peers[k];
-      if (present[k]) {
-        const std::string theirs = cohort::to_string(values[v++]);
-        if (theirs == call)
-          waiting.push_back(peer);
-        else
-          differ.push_back(detail::text("rank ", std::to_string(peer), " is in ", theirs));
-        continue;
-      }
-      if (asking_failed[k]) std::rethrow_exception(asking_failed[k]);
-      const peer_status status =
-          dead[k] ? peer_status{peer_state::died, dead_why[k]} : asked[k].value_or(peer_status{});
-      switch (status.state) {
-        case peer_state::died:
-          died.push_back(peer);
-          note(died_why, status.why);
-          break;
-        case peer_state::unreachable:
-          unreachable.push_back(peer);
-          note(unreachable_why, status.why);
-          break;
-        case peer_state::alive:
-          never.push_back(peer);
-          note(never_why, status.why);
-          break;
-        case peer_state::unknown: (connection_lost ? died : never).push_back(peer); break;
-      }
-    }
-  } catch (const std::exception& unreachable_store) {
-    const std::string where = group_store.location();
-    return detail::text("this rank is in ", call, "; no failure reports: the group's store",
-                        (where.empty() ? "" : detail::text(" at ", where)), " is unreachable (",
-                        unreachable_store.what(), "), so the rank that serves it (rank 0 of the job) may have died");
   }
-  // A dead peer was not waited for: its reasons are the probe's alone.
-  const auto reasons = [&](const std::vector<std::string>& list, bool waited) {
-    std::string text = waited ? detail::text("no report within ", format_duration(window)) : std::string();
-    for (const auto& why : list) text += (text.empty() ? "" : "; ") + why;
-    return text.empty() ? text : detail::text(" (", text, ")");
+  const auto reasons = [](std::string lead, const std::vector<std::string>& list) {
+    for (const auto& why : list) lead += detail::text((lead.empty() ? "" : "; "), why);
+    return lead.empty() ? lead : detail::text(" (", lead, ")");
   };
-  for (auto* list : {&died, &unreachable, &never, &waiting}) std::sort(list->begin(), list->end());
-  std::vector<std::string> parts;
+  std::vector<std::string> parts = found.parts;
   if (!died.empty())
-    parts.push_back(detail::text(format_ranks(died), " died or exited during ", call, reasons(died_why, !probe)));
+    parts.push_back(detail::text(format_ranks(died), " died or exited during ", call, reasons({}, died_why)));
   if (!unreachable.empty())
     parts.push_back(detail::text(format_ranks(unreachable), (unreachable.size() == 1 ? " is" : " are"),
-                                 " unreachable during ", call, reasons(unreachable_why, true)));
-  if (!never.empty())
-    parts.push_back(detail::text(format_ranks(never), " never issued ", call, reasons(never_why, true)));
-  for (const auto& line : differ) parts.push_back(line);
-  std::string text;
-  for (const auto& part : parts) text += (text.empty() ? "" : "; ") + part;
+                                 " unreachable during ", call, reasons({}, unreachable_why)));
+  if (!unknown.empty())
+    parts.push_back(
+        detail::text(format_ranks(unknown), (unknown.size() == 1 ? " is" : " are"), " unknown",
+                     reasons(unreachable_store.empty() ? detail::text("no report within ", format_duration(window),
+                                                                      ": computing, stopped, or blocked outside cohort")
+                                                       : std::string("no report: the store cannot be reached"),
+                             unknown_why)));
+  if (!unreachable_store.empty()) parts.push_back(unreachable_store);
+  std::string text = join_parts(parts);
   if (text.empty()) text = detail::text("every rank reports ", call);
+  std::sort(in_call.begin(), in_call.end());
   const bool lost = connection_lost || !died.empty();
-  return detail::text(text, "; ", format_ranks(waiting), (waiting.size() == 1 ? " is" : " are"),
+  text = detail::text(text, "; ", format_ranks(in_call), (in_call.size() == 1 ? " is" : " are"),
                       (lost ? " in " : " waiting in "), call);
+  if (unreachable_store.empty()) {  // the whole story, for ranks that read it later
+    rank_status told = failed;
+    told.note = text;
+    board.try_publish(told);
+  }
+  return text;
+}
+
+COHORT_DECL progress_monitor::progress_monitor(status_board& board, std::string group, settings when)
+    : board_(board), group_(std::move(group)), when_(when) {}
+
+COHORT_DECL std::string progress_monitor::tick(const std::optional<pending_call>& pending,
+                                               const rank_status& now_status) {
+  if (!pending) {
+    watching_ = 0;
+    return {};
+  }
+  if (pending->call.sequence != watching_) {
+    watching_ = pending->call.sequence;
+    published_ = false;
+    found_.clear();
+    next_compare_ = when_.compare_after.count() > 0 ? pending->since + when_.compare_after
+                                                    : std::chrono::steady_clock::time_point::max();
+    next_line_ = when_.progress_interval.count() > 0 ? pending->since + when_.progress_interval
+                                                     : std::chrono::steady_clock::time_point::max();
+  }
+  const auto now = std::chrono::steady_clock::now();
+  std::string verdict;
+  if (now >= next_compare_) {
+    next_compare_ = now + std::max<std::chrono::milliseconds>(when_.compare_after, std::chrono::seconds(5));
+    verdict = compare(*pending, now_status);
+  }
+  if (verdict.empty() && now >= next_line_) {
+    while (next_line_ <= now) next_line_ += when_.progress_interval;
+    say(*pending, now);
+  }
+  return verdict;
+}
+
+COHORT_DECL std::string progress_monitor::compare(const pending_call& pending, const rank_status& now) {
+  const int rank = board_.rank();
+  const call_record& mine = pending.call;
+  try {
+    if (!published_) {
+      rank_status status = now;
+      status.activity = rank_activity::in_call;
+      status.call = mine;
+      board_.publish(status);
+      published_ = true;
+    }
+    auto statuses = board_.read();
+    std::string verdict = find_disagreement(rank, mine, statuses);
+    if (!verdict.empty()) {
+      // Doomed. Ranks that began waiting a moment after this one say what they are in a
+      // moment later: given up to a second, every rank's error names every rank's call.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+      const auto told = [&] {
+        for (int peer = 0; peer < board_.size(); ++peer) {
+          const auto& status = statuses[static_cast<std::size_t>(peer)];
+          if (peer != rank &&
+              !(status && (status_concerns(*status, mine.sequence) || status->activity == rank_activity::left ||
+                           status->activity == rank_activity::failed)))
+            return false;
+        }
+        return true;
+      };
+      while (!told() && std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        statuses = board_.read();
+      }
+      return find_disagreement(rank, mine, statuses);
+    }
+    std::vector<int> with, without;
+    for (int peer = 0; peer < board_.size(); ++peer) {
+      if (peer == rank) continue;
+      const auto& status = statuses[static_cast<std::size_t>(peer)];
+      (status && status_concerns(*status, mine.sequence) ? with : without).push_back(peer);
+    }
+    found_.clear();
+    if (!with.empty()) found_ = detail::text(format_ranks(with), (with.size() == 1 ? " is" : " are"), " in it too");
+    if (!without.empty())
+      found_ += detail::text((found_.empty() ? "" : "; "), "waiting for ", format_ranks(without),
+                             " (no report of this call yet: not there yet, computing, or cannot be asked)");
+  } catch (const std::exception& failure) {
+    const std::string where = board_.location();
+    found_ = detail::text("the store", (where.empty() ? "" : detail::text(" at ", where)),
+                          " cannot be reached, so which ranks it waits for is unknown (", first_line_of(failure.what()),
+                          ")");
+  }
+  return {};
+}
+
+COHORT_DECL void progress_monitor::say(const pending_call& pending, std::chrono::steady_clock::time_point now) const {
+  progress_line(board_.rank(),
+                detail::text(group_, ": ", describe(pending.call), " has waited ", format_seconds(now - pending.since),
+                             " of its ", format_duration(board_.timeout()), " timeout",
+                             (found_.empty() ? "" : detail::text("; ", found_))));
 }
 
 COHORT_DECL watchdog::watchdog(int rank, std::string group, async_error_handling policy,

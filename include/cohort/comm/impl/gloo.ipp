@@ -2,6 +2,7 @@
 // cohort/comm/gloo.hpp's definitions: inline there when header-only, compiled once by <cohort/src.hpp>
 // under COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
 
+#include <dirent.h>
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/alltoall.h>
@@ -14,6 +15,7 @@
 #include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -29,10 +31,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <span>
 #include <string>
 #include <system_error>
@@ -44,6 +48,7 @@
 #include "cohort/comm/detail/host_elementwise.hpp"
 #include "cohort/detail/fnv1a.hpp"
 #include "cohort/detail/host_math.hpp"
+#include "cohort/detail/progress.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
 #include "cohort/rendezvous/launch.hpp"
@@ -172,6 +177,44 @@ inline bool host_answers(const std::vector<char>& pair_address, std::chrono::mil
   return false;
 }
 
+// Shuts down (both ways) every socket of this process bound to one of `ends`: Gloo's event
+// loop then sees each connection close and fails every call waiting on it, here, and the
+// peer sees it close too. Found through /proc/self/fd, each socket by its local address and
+// port, which no two of a process's connections share.
+inline void shut_down_sockets_at(const std::vector<sockaddr_storage>& ends) {
+  if (ends.empty()) return;
+  DIR* directory = ::opendir("/proc/self/fd");
+  if (directory == nullptr) return;
+  const auto same = [](const sockaddr_storage& a, const sockaddr_storage& b) {
+    if (a.ss_family != b.ss_family) return false;
+    if (a.ss_family == AF_INET) {
+      const auto& x = reinterpret_cast<const sockaddr_in&>(a);
+      const auto& y = reinterpret_cast<const sockaddr_in&>(b);
+      return x.sin_port == y.sin_port && x.sin_addr.s_addr == y.sin_addr.s_addr;
+    }
+    if (a.ss_family == AF_INET6) {
+      const auto& x = reinterpret_cast<const sockaddr_in6&>(a);
+      const auto& y = reinterpret_cast<const sockaddr_in6&>(b);
+      return x.sin6_port == y.sin6_port && std::memcmp(&x.sin6_addr, &y.sin6_addr, sizeof x.sin6_addr) == 0;
+    }
+    return false;
+  };
+  while (const dirent* entry = ::readdir(directory)) {
+    char* end = nullptr;
+    const long fd = std::strtol(entry->d_name, &end, 10);
+    if (end == entry->d_name || *end != '\0' || fd == ::dirfd(directory)) continue;
+    sockaddr_storage local{};
+    socklen_t length = sizeof local;
+    if (::getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&local), &length) != 0) continue;
+    for (const auto& wanted : ends)
+      if (same(local, wanted)) {
+        ::shutdown(static_cast<int>(fd), SHUT_RDWR);
+        break;
+      }
+  }
+  ::closedir(directory);
+}
+
 COHORT_DECL gloo_p2p::gloo_p2p() = default;
 COHORT_DECL gloo_p2p::~gloo_p2p() = default;
 
@@ -193,8 +236,19 @@ COHORT_DECL gloo::gloo(std::shared_ptr<cohort::store> store, const launch_env& e
 }
 
 COHORT_DECL gloo::~gloo() {
-  watchdog_.reset();  // the group is going away: what is left to fail is the destructor's
+  // Queued work runs first (its buffers are the caller's); the watchdog still watches it, so
+  // a drain that waits for ranks in another call ends as any call does.
   if (worker_) worker_->shutdown();
+  // Said before the connections close: a rank still waiting for this one reads that it left,
+  // and how many collectives it issued, instead of only seeing its connection close.
+  if (board_) {
+    auto left = status(detail::rank_activity::left);
+    left.call = detail::newest_collective(recorder_);
+    left.note = std::uncaught_exceptions() > 0 ? "its process group was destroyed while an exception unwound its stack"
+                                               : "its process group was destroyed";
+    board_->try_publish_on_group_store(left);
+  }
+  watchdog_.reset();  // the group is going away: what is left to fail is the destructor's
   // Point-to-point operations still unmatched would keep the completion worker waiting
   // for up to the timeout: end them, the group is going away.
   {
@@ -277,14 +331,33 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
   store_->set_within(keys[static_cast<std::size_t>(rank_)],
                      std::span<const std::uint8_t>(detail::encode_gloo_peer(mine)), options_.timeout);
   std::vector<bytes> published;
-  try {
-    published = store_->multi_get(std::span<const std::string>(keys), options_.timeout);
-  } catch (const timeout_error& failure) {
-    throw timeout_error(rank_, "gloo.rendezvous",
-                        detail::text(missing_at_rendezvous(*store_), " (world of ", std::to_string(size_),
-                                     "; this rank published ", address_, "): ", failure.detail()),
-                        "a rank never arrived: is every rank started with the same WORLD_SIZE "
-                        "and MASTER_ADDR/MASTER_PORT?");
+  // In slices of the progress interval, each ended by a line saying what it waits for.
+  detail::progress_clock lines(options_.progress_interval);
+  for (;;) {
+    const auto now = std::chrono::steady_clock::now();
+    const auto slice =
+        std::max(std::chrono::duration_cast<std::chrono::milliseconds>(std::min(deadline, lines.next()) - now),
+                 std::chrono::milliseconds(1));
+    try {
+      published = store_->multi_get(std::span<const std::string>(keys), slice);
+      break;
+    } catch (const timeout_error& failure) {
+      if (std::chrono::steady_clock::now() >= deadline)
+        throw timeout_error(
+            rank_, "gloo.rendezvous",
+            detail::text(missing_at_rendezvous(*store_), " (world of ", std::to_string(size_), "; this rank published ",
+                         address_, ") within ", detail::format_duration(options_.timeout)),
+            "a rank never arrived: is every rank started with the same WORLD_SIZE "
+            "and MASTER_ADDR/MASTER_PORT?");
+      if (lines.due())
+        detail::progress_line(
+            rank_,
+            detail::text(detail::group_name(*store_), " rendezvous: waiting ", detail::format_seconds(lines.elapsed()),
+                         " of its ", detail::format_duration(options_.timeout), " timeout: ",
+                         (rank_ == 0 ? missing_at_rendezvous(*store_)
+                                     : detail::text("not every one of the ", std::to_string(size_),
+                                                    " ranks has published its address (rank 0 names them)"))));
+    }
   }
   peers_.assign(static_cast<std::size_t>(size_), {});
   for (int peer = 0; peer < size_; ++peer) {
@@ -304,6 +377,8 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
   context_ = std::move(context);
   worker_ = std::make_shared<worker_type>([this](detail::gloo_task& task) { run(task); });
   p2p_worker_ = std::make_shared<worker_type>([this](detail::gloo_task& task) { run(task); });
+  board_ = std::make_unique<detail::status_board>(store_, rank_, size_, options_.timeout);
+  board_->try_publish_on_group_store(status(detail::rank_activity::joined));
   start_watchdog();
 }
 
@@ -392,8 +467,59 @@ COHORT_DECL auto gloo::connect_mesh(::gloo::transport::Context& transport,
 
 COHORT_DECL auto gloo::start_watchdog() -> void {
   if (options_.watchdog_interval.count() <= 0) return;
-  watchdog_ = std::make_unique<detail::watchdog>(rank_, detail::group_name(*store_), options_.on_async_error,
-                                                 options_.watchdog_interval, [this] { return unreported_failure(); });
+  const std::string group = detail::group_name(*store_);
+  if (options_.compare_calls_after.count() > 0 || options_.progress_interval.count() > 0)
+    monitor_ = std::make_unique<detail::progress_monitor>(
+        *board_, group, detail::progress_monitor::settings{options_.compare_calls_after, options_.progress_interval});
+  watchdog_ = std::make_unique<detail::watchdog>(rank_, group, options_.on_async_error, options_.watchdog_interval,
+                                                 [this] { return watch(); });
+}
+
+COHORT_DECL auto gloo::watch() -> std::exception_ptr {
+  if (monitor_) {
+    std::optional<detail::pending_call> pending;
+    {
+      std::lock_guard lock(running_mutex_);  // run() clears running_ under it before the task goes
+      if (running_) pending = detail::pending_call{as_call(*running_), running_since_};
+    }
+    std::string verdict = monitor_->tick(pending, status(detail::rank_activity::in_call));
+    if (!verdict.empty()) {
+      {
+        std::lock_guard lock(verdict_mutex_);
+        if (!verdict_.empty()) return unreported_failure();  // ended already
+        verdict_ = verdict;
+      }
+      // Said first, then the call ended: the other ranks read why this one stopped.
+      auto failed = status(detail::rank_activity::failed);
+      failed.call = pending->call;
+      failed.note = std::move(verdict);
+      board_->try_publish(failed);
+      abort_transport();
+    }
+  }
+  return unreported_failure();
+}
+
+COHORT_DECL auto gloo::status(detail::rank_activity activity) const -> detail::rank_status {
+  detail::rank_status now;
+  now.activity = activity;
+  now.issued = collectives_issued_.load(std::memory_order_relaxed);
+  now.completed = collectives_completed_.load(std::memory_order_relaxed);
+  for (std::size_t k = 0; k < call_kinds; ++k) now.by_kind[k] = issued_by_kind_[k].load(std::memory_order_relaxed);
+  return now;
+}
+
+COHORT_DECL auto gloo::abort_transport() noexcept -> void {
+  if (!context_) return;
+  try {
+    std::vector<sockaddr_storage> ends;
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == rank_) continue;
+      const auto& pair = context_->getPair(peer);
+      if (pair) ends.push_back(::gloo::transport::tcp::Address(pair->address().bytes()).getSockaddr());
+    }
+    detail::shut_down_sockets_at(ends);
+  } catch (...) {}
 }
 
 COHORT_DECL auto gloo::unreported_failure() const -> std::exception_ptr {
@@ -434,8 +560,11 @@ COHORT_DECL auto gloo::task(task_kind what, dtype type, op reduce, const void* i
 COHORT_DECL auto gloo::submit(detail::gloo_task queued) -> work {
   if (watchdog_) watchdog_->rethrow_if_failed();
   if (queued.what != task_kind::function) {
+    queued.context = call_context_;
     queued.sequence = collectives_issued_.fetch_add(1) + 1;
-    queued.record = recorder_.issued(as_call(queued));
+    const call_record call = as_call(queued);
+    issued_by_kind_[static_cast<std::size_t>(call.kind)].fetch_add(1, std::memory_order_relaxed);
+    queued.record = recorder_.issued(call);
   }
   const std::uint64_t seq = worker_->submit(std::move(queued));
   return work(worker_, seq);
@@ -451,6 +580,7 @@ COHORT_DECL auto gloo::post(detail::gloo_task operation) -> work {
     // A send to B with tag t is matched by B's recv from this rank with tag t, in order.
     operation.sequence = ++p2p_issued_[{operation.peer, operation.tag, operation.what == task_kind::send}];
   }
+  operation.context = call_context_;
   operation.record = recorder_.issued(as_call(operation));
   if (debug_checks_.load(std::memory_order_relaxed))
     store_->set(p2p_debug_key(operation, true),
@@ -459,6 +589,7 @@ COHORT_DECL auto gloo::post(detail::gloo_task operation) -> work {
                          operation.peer, operation.tag);
   completion.sequence = operation.sequence;
   completion.record = operation.record;
+  completion.context = operation.context;
   completion.p2p = pending;
   operation.p2p = pending;
   pending->sending = operation.what == task_kind::send;
@@ -488,6 +619,7 @@ COHORT_DECL auto gloo::as_call(const detail::gloo_task& task) -> call_record {
   call.count = task.count;
   call.tag = task.tag;
   call.peer = call.kind == call_kind::broadcast || detail::is_point_to_point(call.kind) ? task.peer : -1;
+  call.context = task.context;
   return call;
 }
 
@@ -499,6 +631,26 @@ COHORT_DECL auto gloo::describe(const detail::gloo_task& task) -> std::string {
 COHORT_DECL auto gloo::run(detail::gloo_task& task) -> void {
   // A point-to-point call starts when posted and completes when its wait does.
   if (task.what != task_kind::p2p_wait) recorder_.started(task.record);
+  const bool collective = task.what != task_kind::function && task.what != task_kind::send &&
+                          task.what != task_kind::recv && task.what != task_kind::p2p_wait;
+  // What the progress monitor watches: the collective running now, by its task (described
+  // only when the monitor asks), under one uncontended lock at its start and end.
+  struct running_scope {
+    gloo& group;
+    bool active;
+    running_scope(gloo& g, bool on, const detail::gloo_task& task) : group(g), active(on) {
+      if (!active) return;
+      const auto now = std::chrono::steady_clock::now();
+      std::lock_guard lock(group.running_mutex_);
+      group.running_ = &task;
+      group.running_since_ = now;
+    }
+    ~running_scope() {
+      if (!active) return;
+      std::lock_guard lock(group.running_mutex_);
+      group.running_ = nullptr;
+    }
+  } running{*this, collective, task};
   try {
     if (task.what == task_kind::function || size_ == 1) {
       execute(task);
@@ -514,6 +666,7 @@ COHORT_DECL auto gloo::run(detail::gloo_task& task) -> void {
     keep_trace(failure);
     std::rethrow_exception(failure);
   }
+  if (collective) collectives_completed_.fetch_add(1, std::memory_order_relaxed);
   if (task.what == task_kind::p2p_wait)
     recorder_.completed(task.record, 0);
   else if (task.what != task_kind::send && task.what != task_kind::recv)
@@ -527,14 +680,28 @@ COHORT_DECL auto gloo::explain(const detail::gloo_task& task, std::exception_ptr
     return std::current_exception();
   } catch (const ::gloo::IoException& failure) {
     const std::string what = failure.what();
-    if (what.find("Timed out") != std::string::npos || what.find("timed out") != std::string::npos)
+    std::string verdict;
+    {
+      std::lock_guard lock(verdict_mutex_);
+      verdict = verdict_;
+    }
+    if (!verdict.empty())  // the progress monitor ended the call: the ranks are in different calls
+      return std::make_exception_ptr(
+          error(rank_, detail::text("gloo.", describe(task)), verdict, detail::different_calls_hint));
+    const bool timed_out = what.find("Timed out") != std::string::npos || what.find("timed out") != std::string::npos;
+    const std::string culprit = name_the_culprit(task, !timed_out);
+    // The peers' statuses may show the cause themselves: ranks in different calls.
+    if (culprit.find(detail::different_calls) != std::string::npos)
+      return std::make_exception_ptr(error(rank_, detail::text("gloo.", describe(task)),
+                                           detail::text(culprit, " [", what, "]"), detail::different_calls_hint));
+    if (timed_out)
       return std::make_exception_ptr(timeout_error(
-          rank_, detail::text("gloo.", describe(task)), detail::text(name_the_culprit(task, false), " [", what, "]"),
+          rank_, detail::text("gloo.", describe(task)), detail::text(culprit, " [", what, "]"),
           detail::text("a peer did not enter the same call within ", detail::format_duration(options_.timeout),
                        ": it hangs, crashed, issued calls in another order, or "
                        "passed another size or dtype (COHORT_DEBUG=1 names the calls)")));
     return std::make_exception_ptr(error(rank_, detail::text("gloo.", describe(task)),
-                                         detail::text(name_the_culprit(task, true), " [", what, "]"),
+                                         detail::text(culprit, " [", what, "]"),
                                          "a peer closed its connection: it crashed or exited early, or sizes differ "
                                          "across ranks"));
   } catch (const std::exception& failure) {
@@ -617,15 +784,44 @@ COHORT_DECL auto gloo::name_the_culprit(const detail::gloo_task& task, bool conn
                           task.what != task_kind::p2p_wait && task.what != task_kind::function;
   const bool point_to_point =
       task.what == task_kind::send || task.what == task_kind::recv || task.what == task_kind::p2p_wait;
-  if (point_to_point && connection_lost)  // one peer: its connection is the one that closed
+  if (point_to_point && connection_lost) {  // one peer: its connection is the one that closed
+    abort_transport();
     return detail::text("rank ", std::to_string(task.peer),
                         " (the peer) closed its connection: it died or exited during ", mine);
-  if (!store_ || !collective) return detail::text("this rank is in ", mine);
-  return detail::name_the_culprit(*store_, rank_, size_, options_.timeout, mine, connection_lost,
-                                  [this](int peer, bool thorough) { return probe_peer(peer, thorough); });
+  }
+  if (!board_ || !collective) {
+    abort_transport();
+    return detail::text("this rank is in ", mine);
+  }
+  // What each peer is, as its connection tells it now; then the connections close, so that
+  // every rank in this call (or entering one) stops at once and reports, instead of waiting
+  // for this one until its own timeout.
+  std::vector<detail::peer_status> known(static_cast<std::size_t>(size_));
+  for (int peer = 0; peer < size_; ++peer)
+    if (peer != rank_) known[static_cast<std::size_t>(peer)] = probe_peer(peer);
+  // Ranks that die together (a node) close their connections within milliseconds of each
+  // other, and Gloo's event loop takes a moment to see each: asked once more after a moment,
+  // those that still look alive are, as far as their connections can tell.
+  if (std::any_of(known.begin(), known.end(),
+                  [](const detail::peer_status& seen) { return seen.state != detail::peer_state::died; })) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    for (int peer = 0; peer < size_; ++peer)
+      if (peer != rank_ && known[static_cast<std::size_t>(peer)].state != detail::peer_state::died)
+        known[static_cast<std::size_t>(peer)] = probe_peer(peer);
+  }
+  auto failed = status(detail::rank_activity::failed);
+  failed.call = as_call(task);
+  failed.note = connection_lost ? "a connection closed"
+                                : detail::text("timed out after ", detail::format_duration(options_.timeout));
+  // Said before the connections close (a SET waits for no answer): a peer that fails because
+  // they closed reads that this rank failed, not that it died.
+  board_->try_publish_on_group_store(failed);
+  abort_transport();
+  return detail::name_the_culprit(*board_, failed.call, failed, connection_lost, known,
+                                  [this](int peer) { return probe_host(peer); });
 }
 
-COHORT_DECL auto gloo::probe_peer(int peer, bool thorough) const -> detail::peer_status {
+COHORT_DECL auto gloo::probe_peer(int peer) const -> detail::peer_status {
   using detail::peer_state;
   if (!context_ || peer < 0 || peer >= size_ || peers_.size() != static_cast<std::size_t>(size_)) return {};
   const auto& theirs = peers_[static_cast<std::size_t>(peer)];
@@ -652,9 +848,14 @@ COHORT_DECL auto gloo::probe_peer(int peer, bool thorough) const -> detail::peer
   if (failure.empty()) return {peer_state::alive, "connected"};
   for (const char* closed_by_peer : {"closed by peer", "reset by peer", "Broken pipe", "Socket closed"})
     if (failure.find(closed_by_peer) != std::string::npos) return {peer_state::died, "its connection closed"};
-  // The pair failed on this side (a timeout): alive but silent, or cut off?
+  // The pair failed on this side (a timeout): alive but silent, or cut off? (probe_host)
   if (same_host) return {peer_state::alive, "its process runs"};
-  if (!thorough) return {};
+  return {};
+}
+
+COHORT_DECL auto gloo::probe_host(int peer) const -> detail::peer_status {
+  using detail::peer_state;
+  if (!context_ || peer < 0 || peer >= size_ || peers_.size() != static_cast<std::size_t>(size_)) return {};
   // A host that answers a connection attempt at all (refused counts) is reachable.
   const auto bound = std::min<std::chrono::milliseconds>(options_.timeout, std::chrono::seconds(1));
   std::string why;

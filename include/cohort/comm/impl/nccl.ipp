@@ -8,8 +8,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -135,8 +137,10 @@ COHORT_DECL auto detail::nccl_state::issued(call_record call, const std::shared_
   std::lock_guard lock(watch_mutex);
   if (detail::is_point_to_point(call.kind))
     call.sequence = ++p2p_issued[{call.peer, call.kind == call_kind::send}];
-  else
+  else {
     call.sequence = ++collectives_issued;
+    ++issued_by_kind[static_cast<std::size_t>(call.kind)];
+  }
   const auto now = std::chrono::steady_clock::now();
   const std::uint64_t record = recorder ? recorder->issued(call, now) : 0;
   if (!watched) return;
@@ -168,12 +172,35 @@ COHORT_DECL auto detail::nccl_state::watch() -> std::exception_ptr {
       }
       if (recorder)
         recorder->completed(oldest.record, detail::is_point_to_point(oldest.call.kind) ? 0 : oldest.call.sequence);
+      if (!detail::is_point_to_point(oldest.call.kind)) ++collectives_completed;
       finished.push_back(std::move(oldest));
       outstanding.pop_front();
     }
     if (!failure && !outstanding.empty() && std::chrono::steady_clock::now() - outstanding.front().issued > timeout) {
       overdue = describe(outstanding.front().call);
       if (recorder) recorder->failed(outstanding.front().record);
+    }
+  }
+  if (!failure && overdue.empty() && monitor) {
+    std::optional<pending_call> pending;
+    {
+      std::lock_guard lock(watch_mutex);
+      for (const auto& call : outstanding)
+        if (!is_point_to_point(call.call.kind)) {
+          pending = pending_call{call.call, call.issued};
+          break;
+        }
+    }
+    std::string verdict = monitor->tick(pending, status(rank_activity::in_call));
+    if (!verdict.empty()) {
+      // Said first, then the communicator aborted: the other ranks read why this one stopped.
+      auto failed = status(rank_activity::failed);
+      failed.call = pending->call;
+      failed.note = verdict;
+      board->try_publish(failed);
+      abort(verdict, std::chrono::milliseconds(0));
+      failure = std::make_exception_ptr(
+          error(rank, detail::text("nccl.", describe(pending->call)), verdict, different_calls_hint));
     }
   }
   if (!overdue.empty()) {
@@ -211,13 +238,27 @@ COHORT_DECL auto detail::nccl_state::watch() -> std::exception_ptr {
 }
 
 COHORT_DECL auto detail::nccl_state::name_the_culprit(const std::string& operation) -> std::string {
-  std::string call = operation;
+  std::optional<call_record> call;
   {
     std::lock_guard lock(watch_mutex);
-    if (!outstanding.empty()) call = describe(outstanding.front().call);
+    if (!outstanding.empty()) call = outstanding.front().call;
   }
-  if (!store) return detail::text("this rank is in ", call);
-  return detail::name_the_culprit(*store, rank, size, timeout, call, false);
+  if (!board || !call) return detail::text("this rank is in ", operation);
+  auto failed = status(rank_activity::failed);
+  failed.call = *call;
+  failed.note = detail::text("timed out after ", format_duration(timeout));
+  // No probes: NCCL shows nothing of its peers' connections. A silent rank is unknown.
+  return detail::name_the_culprit(*board, *call, failed, false);
+}
+
+COHORT_DECL auto detail::nccl_state::status(rank_activity activity) -> rank_status {
+  rank_status now;
+  now.activity = activity;
+  std::lock_guard lock(watch_mutex);
+  now.issued = collectives_issued;
+  now.completed = collectives_completed;
+  now.by_kind = issued_by_kind;
+  return now;
 }
 
 COHORT_DECL auto detail::nccl_state::keep_trace(std::string_view failure) -> void {
@@ -262,8 +303,16 @@ COHORT_DECL auto nccl::start_failure_reporting(std::shared_ptr<cohort::store> gr
   state.group = group_store ? detail::group_name(*group_store) : std::string("group");
   state.store = std::move(group_store);
   state.trace_dir = options_.trace_dir;
+  if (state.store) {
+    state.board = std::make_unique<detail::status_board>(state.store, state.rank, state.size, state.timeout);
+    state.board->try_publish_on_group_store(state.status(detail::rank_activity::joined));
+  }
   if (options_.watchdog_interval.count() <= 0) return;
   state.watched = true;
+  if (state.board && (options_.compare_calls_after.count() > 0 || options_.progress_interval.count() > 0))
+    state.monitor = std::make_unique<detail::progress_monitor>(
+        *state.board, state.group,
+        detail::progress_monitor::settings{options_.compare_calls_after, options_.progress_interval});
   watchdog_ =
       std::make_unique<detail::watchdog>(state.rank, state.group, options_.on_async_error, options_.watchdog_interval,
                                          [state = state_] { return state->watch(); });
@@ -304,6 +353,15 @@ COHORT_DECL auto nccl::split(nccl& parent, std::shared_ptr<cohort::store> sub_st
 
 COHORT_DECL nccl::~nccl() {
   watchdog_.reset();
+  // Said before the communicator goes: a rank still waiting reads that this one left.
+  if (state_->board) {
+    auto left = state_->status(detail::rank_activity::left);
+    if (state_->recorder) left.call = detail::newest_collective(*state_->recorder);
+    left.note = std::uncaught_exceptions() > 0 ? "its process group was destroyed while an exception unwound its stack"
+                                               : "its process group was destroyed";
+    state_->board->try_publish_on_group_store(left);
+  }
+  state_->monitor.reset();
   // The watched calls hold events, whose owner is the state: let them go (a cycle otherwise).
   detail::fifo_queue<detail::nccl_state::outstanding_call> watched;
   {

@@ -497,6 +497,7 @@ COHORT_DECL launch_env launch_env::detect(const getenv_fn& getenv) {
   const launch_reader in{getenv, source};
   detail::validate_ranks(env, names, [&](const std::string& what, const std::string& hint) { in.fail(what, hint); });
   detail::read_master(in, env);
+  if (const auto job = in.get("COHORT_JOB_ID")) env.run_id = *job;
   return env;
 }
 

@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <charconv>
@@ -23,8 +24,10 @@
 #include <thread>
 #include <utility>
 #include <vector>
+#include "cohort/detail/progress.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
+#include "cohort/rendezvous/detail/job_identity.hpp"
 #include "cohort/rendezvous/detail/sha256.hpp"
 #include "cohort/rendezvous/detail/tcp_socket.hpp"
 #include "cohort/rendezvous/detail/tcp_store_protocol.hpp"
@@ -75,6 +78,7 @@ COHORT_DECL auto tcp_store::set_within(std::string_view key, std::span<const std
 COHORT_DECL auto tcp_store::get(std::string_view key, std::chrono::milliseconds timeout) -> bytes {
   const std::string name(key);
   std::lock_guard lock(mutex_);
+  const reply_bound bound(request_limit_, timeout);
   wait_locked(std::span<const std::string>(&name, 1), timeout, "get");
   return get_locked(wire_key("get", key), key);
 }
@@ -103,6 +107,7 @@ COHORT_DECL auto tcp_store::check(std::span<const std::string> keys) -> bool {
 
 COHORT_DECL auto tcp_store::wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) -> void {
   std::lock_guard lock(mutex_);
+  const reply_bound bound(request_limit_, timeout);
   wait_locked(keys, timeout, "wait");
 }
 
@@ -138,6 +143,7 @@ COHORT_DECL auto tcp_store::append(std::string_view key, std::span<const std::ui
 COHORT_DECL auto tcp_store::multi_get(std::span<const std::string> keys, std::chrono::milliseconds timeout)
     -> std::vector<bytes> {
   std::lock_guard lock(mutex_);
+  const reply_bound bound(request_limit_, timeout);
   wait_locked(keys, timeout, "multi_get");
   std::vector<bytes> values;
   values.reserve(keys.size());
@@ -352,19 +358,22 @@ COHORT_DECL auto tcp_store::wait_locked(std::span<const std::string> keys, std::
   writer out(message);
   write_key_list(out, command::wait, keys, operation);
   const auto start = clock::now();
-  send_message(operation, message, start + std::max(limit, timeout()));
+  // Every step past the wait itself (sending, the server's answer to a cancel) is bounded by
+  // request_timeout(): a caller's bound when it gave one (reply_bound), so that a store gone
+  // silent ends a bounded wait soon after its bound, not after the store's own timeout.
+  send_message(operation, message, start + std::max(limit, request_timeout()));
   const std::uint8_t stop = static_cast<std::uint8_t>(wait_reply::stop_waiting);
   const std::uint8_t canceled = static_cast<std::uint8_t>(wait_reply::wait_canceled);
   if (inbox_start_ < inbox_end_ || detail::tcp::poll_until(socket_.get(), POLLIN, start + limit)) {
-    const auto reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + timeout());
+    const auto reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + request_timeout());
     if (reply != stop) fail(operation, detail::text("the store server answered WAIT with ", std::to_string(reply)));
     return;
   }
   message.assign(1, static_cast<std::uint8_t>(command::cancel_wait));
-  send_message(operation, message, clock::now() + timeout());
-  auto reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + timeout());
+  send_message(operation, message, clock::now() + request_timeout());
+  auto reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + request_timeout());
   const bool arrived = reply == stop;
-  if (arrived) reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + timeout());
+  if (arrived) reply = receive_value<std::uint8_t>(operation, first_key(keys), clock::now() + request_timeout());
   if (reply != canceled)
     fail(operation, detail::text("the store server answered CANCEL_WAIT with ", std::to_string(reply)));
   if (arrived) return;
@@ -407,13 +416,67 @@ COHORT_DECL auto tcp_store::read_ping_echo(std::uint32_t nonce, clock::time_poin
          detail::text("the store server at ", endpoint(),
                       " requires a token (COHORT_STORE_TOKEN) and this rank has none, so it refused the connection"));
   }
-  fail(operation, detail::text("the server at ", endpoint(), " echoed PING ", std::to_string(nonce), " as ",
-                               std::to_string(echoed), "; it does not speak TCPStore"));
+  // Bytes, but not the protocol's: whatever answered is no TCPStore of PyTorch 2.x, and no
+  // retry changes that. Say what it was.
+  std::string answered(reinterpret_cast<const char*>(&echoed), sizeof echoed);
+  answered += read_available(std::chrono::milliseconds(300));
+  handshake_ = handshake::fatal;
+  fatal_hint_ = "MASTER_PORT is another program's: pick a free port for the job (and check MASTER_ADDR)";
+  fail(operation, not_a_store(answered));
+}
+
+COHORT_DECL auto tcp_store::await_answer(clock::time_point deadline) -> void {
+  if (inbox_start_ < inbox_end_ || detail::tcp::poll_until(socket_.get(), POLLIN, deadline)) return;
+  // No answer. A program that reads whole request lines (an HTTP server) waits for the end of
+  // the request: say there is no more, and take what it answers then.
+  if (::shutdown(socket_.get(), SHUT_WR) == 0) {
+    const std::string answered = read_available(std::chrono::seconds(1));
+    if (!answered.empty()) {
+      handshake_ = handshake::fatal;
+      fatal_hint_ = "MASTER_PORT is another program's: pick a free port for the job (and check MASTER_ADDR)";
+      fail("connect", not_a_store(answered));
+    }
+  }
+  fail_timeout("connect", detail::text("the server at ", endpoint(),
+                                       " accepted the connection and never answered "
+                                       "cohort's handshake within ",
+                                       detail::format_duration(request_timeout())));
+}
+
+COHORT_DECL auto tcp_store::read_available(std::chrono::milliseconds within) -> std::string {
+  std::string more(inbox_.begin() + static_cast<std::ptrdiff_t>(inbox_start_),
+                   inbox_.begin() + static_cast<std::ptrdiff_t>(inbox_end_));
+  inbox_start_ = inbox_end_ = 0;
+  const auto until = clock::now() + within;
+  char chunk[256];
+  while (more.size() < 256 && socket_ && detail::tcp::poll_until(socket_.get(), POLLIN, until)) {
+    const ssize_t got = ::recv(socket_.get(), chunk, sizeof chunk, 0);
+    if (got <= 0) break;
+    more.append(chunk, static_cast<std::size_t>(got));
+  }
+  return more;
+}
+
+COHORT_DECL auto tcp_store::not_a_store(std::string_view answered) const -> std::string {
+  std::string shown;
+  for (const unsigned char c : answered.substr(0, 64)) {
+    if (c >= 0x20 && c < 0x7f && c != '\\') {
+      shown += static_cast<char>(c);
+    } else {
+      static constexpr char digits[] = "0123456789abcdef";
+      shown += detail::text("\\x", std::string_view(&digits[c >> 4], 1), std::string_view(&digits[c & 15], 1));
+    }
+  }
+  if (answered.size() > 64) shown += "...";
+  return detail::text("the server at ", endpoint(), " answered cohort's handshake with '", shown, "' (",
+                      std::to_string(answered.size()),
+                      " bytes), which is not the TCPStore protocol (PyTorch 2.x): another program holds this port");
 }
 
 COHORT_DECL auto tcp_store::connect() -> void {
   const auto start = clock::now();
   const auto deadline = start + options_.connect_timeout;
+  detail::progress_clock lines(options_.progress_interval, start);
   auto backoff = std::max(options_.initial_backoff, std::chrono::milliseconds(1));
   std::string last_error;
   int attempts = 0;
@@ -424,7 +487,11 @@ COHORT_DECL auto tcp_store::connect() -> void {
     handshake_ = handshake::not_reached;
     last_error = try_connect(deadline);
     if (last_error.empty()) return;
-    if (handshake_ == handshake::fatal) throw error(rank(), "tcp_store.connect", last_error, fatal_hint_);
+    if (handshake_ == handshake::fatal)
+      throw error(rank(), "tcp_store.connect",
+                  detail::text(last_error, " (after ", detail::format_seconds(clock::now() - start), ", attempt ",
+                               std::to_string(attempts), ")"),
+                  fatal_hint_);
     if (handshake_ == handshake::busy) ++busy;
     // A server that accepts the connection and then closes it at cohort's first message is
     // an answer, not a server still starting: after a few, say what it means.
@@ -434,8 +501,8 @@ COHORT_DECL auto tcp_store::connect() -> void {
           rank(), "tcp_store.connect",
           detail::text("the server at ", endpoint(),
                        " accepted the connection and closed it during cohort's token handshake 3 times in a row "
-                       "(last: ",
-                       last_error,
+                       "in ",
+                       detail::format_seconds(clock::now() - start), " (last: ", last_error,
                        "): it checks no token. PyTorch's TCPStore (torchrun's agent store among them) has no "
                        "authentication"),
           "a token needs rank 0 to serve the store with cohort (connect_store without torchrun's agent "
@@ -444,12 +511,18 @@ COHORT_DECL auto tcp_store::connect() -> void {
       throw error(rank(), "tcp_store.connect",
                   detail::text("the server at ", endpoint(),
                                " accepted the connection and closed it during cohort's "
-                               "handshake (VALIDATE, then PING) 3 times in a row (last: ",
-                               last_error, "): ", detail::tcp::other_protocol),
+                               "handshake (VALIDATE, then PING) 3 times in a row in ",
+                               detail::format_seconds(clock::now() - start), " (last: ", last_error,
+                               "): ", detail::tcp::other_protocol),
                   "run a PyTorch >= 2.0 TCPStore (torchrun of torch 2.x), or let cohort's rank 0 host the "
                   "store; check that MASTER_PORT is not another service's port");
     const auto now = clock::now();
     if (now >= deadline) break;
+    if (lines.due(now))
+      detail::progress_line(rank(), detail::text("tcp_store: still connecting to the store server at ", endpoint(),
+                                                 " (", detail::format_seconds(now - start), " of ",
+                                                 detail::format_duration(options_.connect_timeout), ", ",
+                                                 std::to_string(attempts), " attempts; last: ", last_error, ")"));
     std::this_thread::sleep_for(std::min<clock::duration>(backoff, deadline - now));
     backoff = std::min(backoff * 2, std::max(options_.max_backoff, backoff));
   }
@@ -463,9 +536,10 @@ COHORT_DECL auto tcp_store::connect() -> void {
     why = detail::text("; the server accepted the connection but never answered the handshake: ",
                        detail::tcp::other_protocol);
   throw timeout_error(rank(), "tcp_store.connect",
-                      detail::text("could not connect to the store server at ", endpoint(), " within ",
-                                   detail::format_duration(options_.connect_timeout), " (", std::to_string(attempts),
-                                   " attempts; last error: ", last_error, ")", why),
+                      detail::text("could not connect to the store server at ", endpoint(), " in ",
+                                   detail::format_seconds(clock::now() - start),
+                                   " (its connect timeout: ", detail::format_duration(options_.connect_timeout), "; ",
+                                   std::to_string(attempts), " attempts; last error: ", last_error, ")", why),
                       "check MASTER_ADDR and MASTER_PORT, that rank 0 (or the launcher's "
                       "agent) is running, and that no firewall blocks the port");
 }
@@ -504,8 +578,16 @@ COHORT_DECL auto tcp_store::try_connect(clock::time_point deadline) -> std::stri
     socket_ = std::move(fd);
     broken_.clear();
     try {
-      // A just-accepted connection gets a moment to answer even at the connect deadline.
-      handshake_locked(std::max(deadline, clock::now() + std::chrono::seconds(2)));
+      // A store answers the handshake at once; a just-accepted connection gets 2 to 5 s, even
+      // at the connect deadline. (The bound is what its errors name, not the store's timeout.)
+      const auto answer =
+          std::clamp<clock::duration>(deadline - clock::now(), std::chrono::seconds(2), std::chrono::seconds(5));
+      request_limit_ = std::chrono::duration_cast<std::chrono::milliseconds>(answer);
+      struct reset {
+        std::chrono::milliseconds& limit;
+        ~reset() { limit = std::chrono::milliseconds(0); }
+      } back_to_timeout{request_limit_};
+      handshake_locked(clock::now() + answer);
       return {};
     } catch (const timeout_error& failure) {
       drop_connection();
@@ -532,6 +614,7 @@ COHORT_DECL auto tcp_store::handshake_locked(clock::time_point deadline) -> void
   if (options_.token.empty()) {
     const std::uint32_t nonce = append_ping(out);
     send_message("connect", message, deadline, 2);
+    await_answer(deadline);
     return read_ping_echo(nonce, deadline, "connect");
   }
   protocol::nonce client{};
@@ -541,6 +624,7 @@ COHORT_DECL auto tcp_store::handshake_locked(clock::time_point deadline) -> void
   out.u8(protocol::auth_version);
   out.raw_bytes(client);
   send_message("connect", message, deadline, 2);
+  await_answer(deadline);
   const auto status = receive_value<std::uint8_t>("connect", {}, deadline);
   if (status == protocol::busy_first_byte) fail_busy("connect");
   if (status == static_cast<std::uint8_t>(protocol::auth_reply::no_token)) {
@@ -648,6 +732,117 @@ COHORT_DECL std::string store_token_from_environment(int rank) {
   return text;
 }
 
+namespace detail {
+
+// This process as a job's rank describes itself at the rendezvous.
+inline job_identity this_rank_of_job(const launch_env& env) {
+  job_identity mine;
+  mine.id = env.run_id;
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0) host[0] = '?';
+  mine.host = host;
+  mine.pid = static_cast<long>(::getpid());
+  mine.rank = env.rank;
+  mine.world = env.world_size;
+  return mine;
+}
+
+// A job id of rank 0's making, for a job launched without one.
+inline std::string random_job_id() {
+  std::array<std::uint8_t, 8> bits{};
+  if (!random_bytes(bits)) {
+    const auto now = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+    for (std::size_t k = 0; k < bits.size(); ++k) bits[k] = static_cast<std::uint8_t>((now ^ ::getpid()) >> (8 * k));
+  }
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string id = "cohort-";
+  for (const auto b : bits) {
+    id += digits[b >> 4];
+    id += digits[b & 15];
+  }
+  return id;
+}
+
+// Rank 0 could not listen on MASTER_PORT: who holds it? A store client with a short bound asks
+// (a cohort job's rank 0 says which job; anything else says what it is).
+inline std::string who_holds_the_port(tcp_store_options options) {
+  options.is_server = false;
+  options.num_workers.reset();
+  options.connect_timeout = std::chrono::seconds(2);
+  options.timeout = std::chrono::seconds(2);
+  options.max_backoff = std::chrono::milliseconds(250);
+  options.progress_interval = std::chrono::milliseconds(0);
+  try {
+    tcp_store holder(options);
+    std::string record;
+    try {
+      record = to_string(holder.get(job_key, std::chrono::seconds(1)));
+    } catch (const timeout_error&) {
+      return "a TCPStore server that serves no cohort job (another program's, a PyTorch one for instance)";
+    }
+    job_identity theirs;
+    if (decode_job(record, theirs)) return detail::text("rank 0 of another cohort job: ", describe_job(theirs));
+    return "a TCPStore server whose cohort/job key holds something cohort does not write";
+  } catch (const error& failure) {
+    return detail::text("a program that is no store cohort can use: ", failure.detail());
+  } catch (const std::exception& failure) {
+    return failure.what();
+  }
+}
+
+// The rendezvous of one job: every rank reads the job's identity (rank 0's server holds it
+// from its start; under torchrun's agent store the first rank to come writes it), refuses a
+// store of another job, claims its rank, and keeps its keys under the job's own prefix.
+inline std::shared_ptr<store> join_job(std::shared_ptr<store> shared, const job_identity& mine, const launch_env& env) {
+  const std::string where = shared->location();
+  const std::string key(job_key);
+  const bytes record = shared->compare_set(key, {}, to_bytes(encode_job(mine)));
+  job_identity theirs;
+  if (!decode_job(to_string(record), theirs))
+    throw malformed_store_value(env.rank, "connect_store", key, record,
+                                "a cohort job's identity (cohort-job-1, then id, host, pid, rank and world)");
+  const std::string self = detail::text("this rank (rank ", std::to_string(env.rank), " of job ",
+                                        (mine.id.empty() ? std::string("(no id)") : mine.id), ", on ", mine.host,
+                                        ", pid ", std::to_string(mine.pid), ")");
+  const char* shared_port =
+      "give each job its own MASTER_PORT (or MASTER_ADDR): two jobs on one port mix their ranks otherwise";
+  if (!mine.id.empty() && !theirs.id.empty() && mine.id != theirs.id)
+    throw error(env.rank, "connect_store",
+                detail::text(self, " reached the store at ", where, ", which serves ", describe_job(theirs),
+                             ": another job holds MASTER_ADDR:MASTER_PORT, and this rank was refused before it "
+                             "wrote anything there"),
+                shared_port);
+  if (theirs.world != env.world_size)
+    throw error(env.rank, "connect_store",
+                detail::text(self, " was started with a world of ", std::to_string(env.world_size),
+                             ", but the store at ", where, " serves ", describe_job(theirs),
+                             ": another job, or a rank started with another "
+                             "WORLD_SIZE"),
+                detail::text(shared_port, "; start every rank of a job with the same WORLD_SIZE"));
+  const std::string prefix = theirs.id.empty() ? std::string() : detail::text("job/", theirs.id, "/");
+  // One process per rank: a second claimant is another job's rank without a job id, or a
+  // rank started twice.
+  std::array<std::uint8_t, 8> nonce{};
+  random_bytes(nonce);
+  std::string claim = detail::text(mine.host, "|", std::to_string(mine.pid), "|");
+  for (const auto b : nonce) claim += std::to_string(b);
+  const std::string claimed_key = detail::text(prefix, "cohort/rank_claimed/", std::to_string(env.rank));
+  const std::string holder = to_string(shared->compare_set(claimed_key, {}, to_bytes(claim)));
+  if (holder != claim)
+    throw error(env.rank, "connect_store",
+                detail::text(self, " is the second process to join ", describe_job(theirs), " as rank ",
+                             std::to_string(env.rank), " (the first: ", holder.substr(0, holder.rfind('|')),
+                             "): another job without a job id shares MASTER_ADDR:MASTER_PORT, or rank ",
+                             std::to_string(env.rank), " was started twice"),
+                detail::text(shared_port,
+                             "; a job id (COHORT_JOB_ID, or the launcher's: TORCHELASTIC_RUN_ID, "
+                             "SLURM_JOB_ID, Open MPI's) lets a stranger be refused before it joins"));
+  if (prefix.empty()) return shared;
+  return std::make_shared<prefix_store>(std::move(shared), prefix);
+}
+
+}  // namespace detail
+
 COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_store_options options) {
   options.host = env.master_addr;
   options.port = env.master_port;
@@ -655,6 +850,7 @@ COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_stor
   if (options.token.empty()) options.token = store_token_from_environment(env.rank);
   if (options.server.reserved_connections == 0 && env.world_size > 0)
     options.server.reserved_connections = static_cast<std::size_t>(env.world_size);
+  detail::job_identity mine = detail::this_rank_of_job(env);
   if (env.use_agent_store) {
     if (!options.token.empty())
       throw error(env.rank, "connect_store",
@@ -664,10 +860,27 @@ COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_stor
                   "so that rank 0 serves a cohort store that checks it (SECURITY.md)");
     options.is_server = false;
     auto agent_store = std::make_shared<tcp_store>(std::move(options));
-    return std::make_shared<prefix_store>(std::move(agent_store), env.store_prefix());
+    return detail::join_job(std::make_shared<prefix_store>(std::move(agent_store), env.store_prefix()), mine, env);
   }
   options.is_server = env.rank == 0;
-  return std::make_shared<tcp_store>(std::move(options));
+  if (options.is_server) {
+    if (mine.id.empty()) mine.id = detail::random_job_id();
+    options.server.job = detail::encode_job(mine);
+  }
+  std::shared_ptr<tcp_store> handle;
+  try {
+    handle = std::make_shared<tcp_store>(options);
+  } catch (const error& failure) {
+    if (!options.is_server || failure.operation() != "tcp_store_server" ||
+        failure.detail().find("in use") == std::string::npos)
+      throw;
+    throw error(env.rank, "connect_store",
+                detail::text("rank 0 of job ", mine.id, " (on ", mine.host,
+                             ") cannot serve the job's store: ", detail::tcp::endpoint(options.host, options.port),
+                             " is in use, held by ", detail::who_holds_the_port(options)),
+                "pick another MASTER_PORT for this job (the same on every rank), or stop the program that holds it");
+  }
+  return detail::join_job(std::move(handle), mine, env);
 }
 
 }  // namespace cohort::inline v0

@@ -33,6 +33,7 @@
 #include "cohort/rendezvous/detail/tcp_store_protocol.hpp"
 
 #include "cohort/config.hpp"
+#include "cohort/rendezvous/detail/job_identity.hpp"
 #include "cohort/rendezvous/tcp_store_server.hpp"
 
 namespace cohort::inline v0 {
@@ -90,6 +91,11 @@ COHORT_DECL tcp_store_server::tcp_store_server(std::string host, std::uint16_t p
       ::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, listener_.get(), &listen) != 0)
     throw error(rank_, "tcp_store_server", detail::text("epoll_ctl failed: ", detail::tcp::errno_text(errno)));
   spare_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  if (!options_.job.empty()) {  // there before any client can ask
+    const std::string key = detail::text("/", detail::job_key);
+    data_.emplace(key, make_value(bytes_t(options_.job.begin(), options_.job.end())));
+    held_ += key.size() + entry_overhead;
+  }
   thread_ = std::thread([this] { serve(); });
 }
 
@@ -531,6 +537,9 @@ COHORT_DECL auto tcp_store_server::handle(connection& conn, detail::tcp_store_pr
         write.data(expected);
         break;
       }
+      if (!options_.job.empty() && !replace && key.size() == detail::job_key.size() + 1 &&
+          key.compare(1, std::string::npos, detail::job_key) == 0)
+        note_stranger(conn, desired);
       if (replace && !store_value(conn, key, std::move(desired))) return;
       found = data_.find(key);
       write.u64(found->second->bytes.size());
@@ -770,6 +779,22 @@ COHORT_DECL auto tcp_store_server::close_now(connection& conn) -> void {
   // The descriptor goes at once (it leaves the epoll set with it), so a flood of refused
   // connections never holds descriptors until the end of the round.
   if (const int fd = conn.socket.release(); fd >= 0) drain_and_close(fd);
+}
+
+COHORT_DECL auto tcp_store_server::note_stranger(const connection& conn, std::span<const std::uint8_t> presented)
+    -> void {
+  detail::job_identity theirs, ours;
+  if (!detail::decode_job(std::string_view(reinterpret_cast<const char*>(presented.data()), presented.size()),
+                          theirs) ||
+      !detail::decode_job(options_.job, ours) || theirs.id.empty() || theirs.id == ours.id)
+    return;
+  // The stranger refuses itself when it reads this job's record; said here too, on the job
+  // that holds the port, so that both jobs' logs show the collision.
+  std::fprintf(stderr,
+               "cohort%s tcp_store_server %s: a rank of another job connected from %s: %s, while this store serves "
+               "%s; it was refused (the two jobs share MASTER_ADDR:MASTER_PORT: give each its own MASTER_PORT)\n",
+               rank_ >= 0 ? (detail::text(" [rank ", std::to_string(rank_), "]")).c_str() : "", endpoint().c_str(),
+               conn.peer.c_str(), detail::describe_job(theirs).c_str(), detail::describe_job(ours).c_str());
 }
 
 COHORT_DECL auto tcp_store_server::log_refusal(const std::string& peer, const std::string& reason) -> void {
