@@ -18,7 +18,7 @@ case "$launcher" in
     # torchrun of torch 1.x (Debian's python3-torch) crashes on Python 3.11; 2.x is needed.
     version=$(python3 -c "import torch; print(torch.__version__.split('.')[0])" 2>/dev/null)
     [ "${version:-0}" -ge 2 ] 2>/dev/null || { echo "SKIPPED: torchrun needs torch >= 2 (found '${version:-none}')"; exit 77; }
-    exec torchrun --nproc-per-node "$ranks" --no-python "$@"
+    exec torchrun --nproc-per-node "$ranks" --master-port "${MASTER_PORT:-29500}" --no-python "$@"
     ;;
   *) echo "unknown launcher $launcher"; exit 2 ;;
 esac

@@ -23,7 +23,7 @@ case "$mode" in
     # torchrun itself relaunches: --max-restarts 1 is the loop, so one launch must complete.
     python3 -c "import torch, sys; sys.exit(int(torch.__version__.split('.')[0]) < 2)" 2>/dev/null ||
       { echo "SKIPPED: torchrun --max-restarts needs PyTorch 2.x (python3 -m torch.distributed.run); not installed"; exit 77; }
-    launch() { python3 -m torch.distributed.run --nproc-per-node "$ranks" --max-restarts 1 --no-python "$train" "$@"; } ;;
+    launch() { python3 -m torch.distributed.run --nproc-per-node "$ranks" --max-restarts 1 --master-port "${MASTER_PORT:-29500}" --no-python "$train" "$@"; } ;;
   *) echo "usage: train_relaunch.sh threads|mpirun|torchrun TRAIN DIR"; exit 2 ;;
 esac
 [ "$mode" = mpirun ] && ! command -v mpirun >/dev/null 2>&1 &&
