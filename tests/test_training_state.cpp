@@ -433,6 +433,7 @@ TEST_CASE("at zero3 a tied layer on one rank's schedule only fails every rank wi
   });
   CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(15));
   // Each names the other's call: gathers of other buckets (other sizes), the same number.
+  INFO("rank 0: " << errors[0] << "\nrank 1: " << errors[1]);
   CHECK_THAT(errors[0], Catch::Contains("rank 1 is in all_gather #"));
   CHECK_THAT(errors[1], Catch::Contains("rank 0 is in all_gather #"));
 }

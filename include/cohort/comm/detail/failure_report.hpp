@@ -136,7 +136,9 @@ class status_board {
   // Never throws (destructors, and paths on which an error is already on its way).
   COHORT_DECL bool try_publish(const rank_status& status) noexcept;
   // Through the group's own handle, which a SET does not wait on (no reply): for what is said
-  // when the group is made and destroyed, without a connection of the board's own.
+  // when the group is made and destroyed, without a connection of the board's own. A `left`
+  // after a `failed` is not written: the failure says more (a peer still in the call that
+  // reads it later learns the call and the cause, not that a group was destroyed).
   COHORT_DECL bool try_publish_on_group_store(const rank_status& status) noexcept;
   // The keys of `ranks` (every rank when empty), in that order: nullopt where a rank wrote
   // none or something that does not parse. Throws when the store cannot be reached.
@@ -154,6 +156,7 @@ class status_board {
   bool own_made_ = false;
   std::string unreachable_;  // why the last attempt to make `own_` failed, and when
   std::chrono::steady_clock::time_point unreachable_at_{};
+  std::atomic<bool> failed_said_{false};
 };
 
 // What the other ranks' statuses prove about `mine`, this rank's oldest collective not yet

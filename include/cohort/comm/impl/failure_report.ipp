@@ -337,6 +337,7 @@ COHORT_DECL void status_board::publish(const rank_status& status) {
     if (own_) own_made_ = false;  // a broken connection: the next request makes a new one
     throw;
   }
+  if (status.activity == rank_activity::failed) failed_said_.store(true);
 }
 
 COHORT_DECL bool status_board::try_publish(const rank_status& status) noexcept {
@@ -349,8 +350,10 @@ COHORT_DECL bool status_board::try_publish(const rank_status& status) noexcept {
 }
 
 COHORT_DECL bool status_board::try_publish_on_group_store(const rank_status& status) noexcept {
+  if (status.activity == rank_activity::left && failed_said_.load()) return false;
   try {
     store_->set(status_key(rank_), encode_status(status));
+    if (status.activity == rank_activity::failed) failed_said_.store(true);
     return true;
   } catch (...) {
     return false;

@@ -30,8 +30,9 @@
 namespace cohort::inline v0 {
 namespace detail {
 
-// What one of a rank's process groups said when it was destroyed (its status key); nullopt
-// for a group that has not said it (still alive, or its creation failed).
+// What one of a rank's process groups said when it was destroyed or failed (its status key:
+// a group that failed keeps that status, its counts final); nullopt for a group that has said
+// neither (still alive, or its creation failed).
 using group_end = std::optional<rank_status>;
 
 // The process groups `rank` made on `rendezvous` (process_group numbers them per rank:
@@ -44,7 +45,8 @@ inline std::vector<group_end> groups_of(store& rendezvous, int rank, std::chrono
     const std::string key = detail::text("cohort/pg", std::to_string(n), "/status/", std::to_string(rank));
     rank_status status;
     if (rendezvous.check(std::span<const std::string>(&key, 1)) &&
-        decode_status(to_string(rendezvous.get(key, bound)), status) && status.activity == rank_activity::left)
+        decode_status(to_string(rendezvous.get(key, bound)), status) &&
+        (status.activity == rank_activity::left || status.activity == rank_activity::failed))
       groups.emplace_back(std::move(status));
     else
       groups.emplace_back();
