@@ -8,15 +8,18 @@
 #include <catch2/catch.hpp>
 
 #include <cohort/parallel/training_state.hpp>
+#include <cohort/run/run_ranks.hpp>
 
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -272,4 +275,63 @@ TEST_CASE("join(loop) passes the loop's error on and leaves the join, and evalua
     RANK_CHECK_THROWS(cohort::error, state.mark_ready(0), "mark_ready() inside evaluation()");
     RANK_CHECK_THROWS(cohort::error, state.step(), "step() inside evaluation()");
   });
+}
+
+// llm.c's `if (rank == 0) sample()` at zero3, through cohort::run_ranks as a trainer runs its
+// ranks: rank 0 gathers in evaluation() alone, while the others start the next step (their
+// forward's gathers) or have finished. Every rank fails within seconds (the group's timeout
+// is 60 s), and the errors name the evaluation, not only call numbers.
+TEST_CASE("at zero3 an evaluation on one rank only fails every rank within seconds, naming it",
+          "[training_state][adopted][gloo][faults]") {
+  for (const bool others_finish : {false, true}) {
+    INFO((others_finish ? "ranks 1, 2 finished" : "ranks 1, 2 start the next step"));
+    std::vector<std::string> errors(3);
+    std::mutex mutex;
+    const auto started = std::chrono::steady_clock::now();
+    try {
+      cohort::run_ranks(3, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+        cohort::gloo::options opts;
+        opts.timeout = std::chrono::seconds(60);  // what ends the calls must not be the timeout
+        cohort::process_group<cohort::gloo> pg{store, env, opts};
+        std::vector<float> params(4 * 30, 0.5f), grads(params.size());
+        state_type state(pg, std::span(params), std::span(grads), one_per_layer(4, 30), sgd_at_lr_one(strategy::zero3, 64));
+        const auto train_step = [&] {
+          for (std::size_t l = 0; l < 4; ++l) (void)state.gather(l);
+          for (std::size_t l = 4; l-- > 0;) {
+            auto layer = state.gather(l);
+            std::fill(grads.begin(), grads.end(), 0.01f);
+            state.mark_ready(l);
+          }
+          state.step();
+        };
+        try {
+          train_step();
+          if (env.rank == 0) {
+            auto scope = pg.call_context("sample");
+            auto evaluating = state.evaluation();
+            for (std::size_t l = 0; l < 4; ++l) (void)state.gather(l);
+          } else if (!others_finish) {
+            train_step();
+          }
+        } catch (const cohort::error& failure) {
+          std::lock_guard lock(mutex);
+          errors[static_cast<std::size_t>(env.rank)] = failure.what();
+          throw;
+        }
+      });
+    } catch (const std::exception&) {}
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    for (const auto& text : errors) UNSCOPED_INFO(text);
+    CHECK(took < 15.0);
+    CHECK_THAT(errors[0], Catch::Contains("[sample: evaluation() agreement]"));
+    if (others_finish) {
+      CHECK_THAT(errors[0], Catch::Contains("ranks 1, 2 left the group"));
+    } else {
+      for (const int rank : {1, 2}) {
+        INFO("rank " << rank);
+        CHECK_THAT(errors[static_cast<std::size_t>(rank)], Catch::Contains("[step 2 gather of layer 0]"));
+        CHECK_THAT(errors[static_cast<std::size_t>(rank)], Catch::Contains("evaluation() agreement"));
+      }
+    }
+  }
 }

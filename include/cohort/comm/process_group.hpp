@@ -390,10 +390,20 @@ class process_group {
   //   { auto scope = pg.call_context("sample"); auto layer = state.gather(0); ... }
   class context_scope {
    public:
-    context_scope(B& engine, std::string_view what) noexcept : engine_(&engine) {
+    context_scope(B& engine, std::string_view what, bool within = false) noexcept : engine_(&engine) {
       if constexpr (labels_calls) {
         previous_ = engine.call_context();
-        engine.set_call_context(call_label(what));
+        if (!within || previous_.empty()) {
+          engine.set_call_context(call_label(what));
+          return;
+        }
+        // "sample: gather of layer 3": the caller's context first, kept whole where it fits.
+        char joined[call_label::capacity];
+        const std::string_view outer = previous_.view();
+        std::size_t size = outer.copy(joined, sizeof joined);
+        size += std::string_view(": ").copy(joined + size, sizeof joined - size);
+        size += what.copy(joined + size, sizeof joined - size);
+        engine.set_call_context(call_label(std::string_view(joined, size)));
       }
     }
     context_scope(const context_scope&) = delete;
@@ -407,6 +417,11 @@ class process_group {
     call_label previous_;
   };
   [[nodiscard]] context_scope call_context(std::string_view what) noexcept { return context_scope(*backend_, what); }
+  // Inside the caller's context rather than in its place: "sample: gather of layer 3" (what a
+  // library over the group, such as the training state, labels its own calls with).
+  [[nodiscard]] context_scope call_context_within(std::string_view what) noexcept {
+    return context_scope(*backend_, what, true);
+  }
 
   // --- grouped calls -----------------------------------------------------------------------
   // Calls issued while the scope lives are launched together when it ends: on NCCL one

@@ -317,13 +317,18 @@ class training_state {
   // not a training step's (at zero3 they do not count as a forward or a backward, and their
   // wire bytes go to evaluation_wire_bytes(), not wire_bytes_per_step()); gradient(),
   // mark_ready() and step() are refused inside it. At zero3 every rank must gather alike here
-  // too: the gathers are collectives.
+  // too: the gathers are collectives. The scope's first gather there begins with a small
+  // agreement (one all-reduce of 3 integers), so a rank that samples alone while the others go
+  // on training fails on every rank within the group's timeout, named as an evaluation,
+  // instead of pairing its gathers with their forward's.
   class evaluation_scope {
    public:
     explicit evaluation_scope(training_state& state) : state_(&state) { ++state_->evaluating_; }
     evaluation_scope(const evaluation_scope&) = delete;
     evaluation_scope& operator=(const evaluation_scope&) = delete;
-    ~evaluation_scope() { --state_->evaluating_; }
+    ~evaluation_scope() {
+      if (--state_->evaluating_ == 0) state_->evaluation_agreed_ = false;
+    }
 
    private:
     training_state* state_;
@@ -581,6 +586,8 @@ class training_state {
   enum class joined_call : std::int64_t { gather = 1, reduce = 2, step = 3 };
   static constexpr std::int64_t agreement_mark = 36090;  // "cohortJN" % 1000003
   static constexpr std::int64_t announcement_mark = 999983;
+  static constexpr std::int64_t evaluation_mark = 999979;
+  void agree_on_evaluation(std::size_t layer);
   void exchange(std::int64_t (&values)[3]);
   // The agreement, as a rank with data. Returns how many ranks have data.
   int agree();
@@ -679,6 +686,7 @@ class training_state {
   std::vector<std::pair<G*, std::size_t>> kept_;  // a launch's reduced parts, for the replicas
   int no_sync_depth_ = 0;
   int evaluating_ = 0;
+  bool evaluation_agreed_ = false;  // zero3: this evaluation() scope's agreement is done
   bool publish_due_ = false;     // trainer_optimizer: step() returned, publish_parameters() not yet called
   bool skipped_update_ = false;  // the last step was skipped: nothing to publish
   bool warned_overlap_ = false;

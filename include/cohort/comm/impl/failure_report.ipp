@@ -551,8 +551,9 @@ COHORT_DECL std::string name_the_culprit(status_board& board, const call_record&
   if (text.empty()) text = detail::text("every rank reports ", call);
   std::sort(in_call.begin(), in_call.end());
   const bool lost = connection_lost || !died.empty();
-  text = detail::text(text, "; ", format_ranks(in_call), (in_call.size() == 1 ? " is" : " are"),
-                      (lost ? " in " : " waiting in "), call);
+  if (text.find(different_calls) == std::string::npos)  // that part already says who is in which call
+    text = detail::text(text, "; ", format_ranks(in_call), (in_call.size() == 1 ? " is" : " are"),
+                        (lost ? " in " : " waiting in "), call);
   if (unreachable_store.empty()) {  // the whole story, for ranks that read it later
     rank_status told = failed;
     told.note = text;

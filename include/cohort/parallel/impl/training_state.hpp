@@ -353,6 +353,7 @@ auto training_state<B, P, G>::gather(std::size_t layer) -> layer_view {
     return layer_view(this, layer);
   }
   if (evaluating_ > 0) {
+    if (!evaluation_agreed_ && !announcing_) agree_on_evaluation(layer);
     // Not a step's: no forward or backward, no reduction; its bytes are evaluation's.
     const std::size_t before = wire_bytes_;
     for (std::size_t b = layout_.first_bucket_of_layer[layer]; b < layout_.first_bucket_of_layer[layer + 1]; ++b) {
@@ -430,6 +431,12 @@ void training_state<B, P, G>::gather_bucket(std::size_t b) {
       done = copy_in_step(gathered + range.packed + n * range.chunk, params_ + range.owned + range.chunk,
                           range.remainder * sizeof(P));
   {
+    // Named in errors, progress lines and traces: a gather one rank issues alone (sampling on
+    // rank 0 only) is recognised as such by every rank.
+    const auto labelled = group_->call_context_within(
+        evaluating_ > 0 ? detail::text("evaluation gather of layer ", std::to_string(bucket.layer))
+                        : detail::text("step ", std::to_string(steps_ + 1), " gather of layer ",
+                                       std::to_string(bucket.layer)));
     auto together = group_->grouped();
     for (const auto& range : bucket.ranges)
       if (range.chunk > 0) {
@@ -572,6 +579,9 @@ void training_state<B, P, G>::launch(std::size_t b) {
   kept_.clear();
   work reduced;
   {
+    const auto labelled = group_->call_context_within(detail::text(
+        "step ", std::to_string(steps_ + 1), " reduction of bucket ", std::to_string(b), " (layer ",
+        std::to_string(bucket.layer), ")"));
     auto together = group_->grouped();
     for (const auto& range : bucket.ranges) {
       G* source = flat_gradients() ? grads_ + range.offset : pooled_gradients + range.packed;
@@ -667,6 +677,30 @@ void training_state<B, P, G>::exchange(std::int64_t (&values)[3]) {
     group_->all_reduce(std::span<std::int64_t>(staged, 3), op::sum);
     engine.copy(values, staged, sizeof values).wait();
   }
+}
+
+// Every rank enters evaluation() at zero3 with the same first gather after the same step: sums
+// of n times {the mark, the layer, the steps}. A rank that evaluates alone pairs this small
+// all-reduce with the others' gathers or agreement instead (another call, which the group
+// names on every rank, or sums that are not n times these).
+template <backend B, element P, element G>
+void training_state<B, P, G>::agree_on_evaluation(std::size_t layer) {
+  const std::int64_t mine[3] = {evaluation_mark, static_cast<std::int64_t>(layer), static_cast<std::int64_t>(steps_)};
+  std::int64_t sum[3] = {mine[0], mine[1], mine[2]};
+  {
+    const auto labelled = group_->call_context_within("evaluation() agreement");
+    exchange(sum);
+  }
+  const auto n = static_cast<std::int64_t>(world());
+  if (sum[0] != mine[0] * n || sum[1] != mine[1] * n || sum[2] != mine[2] * n)
+    fail("evaluation",
+         detail::text("this rank began evaluation() with a gather of layer ", std::to_string(layer), " after step ",
+                      std::to_string(steps_), ", but not every rank did",
+                      (sum[0] == mine[0] * n ? " (a layer or a step differs)"
+                                             : " (one is in another call of the state's, or of its own)")),
+         "at zero3 evaluation and sampling gather parameters, which are collectives: run them on every rank "
+         "(only rank 0 need print the output)");
+  evaluation_agreed_ = true;
 }
 
 // The micro-step's agreement, as a rank with data: every such rank adds {1, ends with step(),
