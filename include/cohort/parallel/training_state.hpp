@@ -140,8 +140,12 @@ constexpr std::optional<strategy> parse_strategy(std::string_view text) noexcept
 struct training_options {
   cohort::strategy strategy = strategy::ddp;
   std::size_t bucket_bytes = std::size_t{25} << 20;  // of gradients, per bucket
-  adam_options adam = {};                            // AdamW, the default optimizer
-  std::optional<sgd_options> sgd = {};               // set: SGD (with momentum) instead
+  // ddp, zero1, zero2: the first bucket to launch (the last layers') closes once it holds
+  // this much, so that the reduction starts early in the backward, as DDP's 1 MiB first bucket
+  // (capped at bucket_bytes; 0: bucket_bytes). Buckets fill in the backward's order.
+  std::size_t first_bucket_bytes = std::size_t{1} << 20;
+  adam_options adam = {};               // AdamW, the default optimizer
+  std::optional<sgd_options> sgd = {};  // set: SGD (with momentum) instead
   // The trainer updates the parameters with its own optimizer: step() reduces, measures and
   // decides (the global norm, the clip factor, the skip every rank takes), and the trainer
   // updates owned_spans() then calls publish_parameters(). The state keeps no optimizer state.

@@ -69,8 +69,9 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::optional<a
   agree_on_layout(refusal, elements);
   if (replicas_) agree_on_replicas();
 
-  layout_ = detail::plan_layout(regions_, group.world_size(),
-                                std::max<std::size_t>(options_.bucket_bytes / sizeof(G), 1), !sharded_parameters());
+  layout_ =
+      detail::plan_layout(regions_, group.world_size(), std::max<std::size_t>(options_.bucket_bytes / sizeof(G), 1),
+                          !sharded_parameters(), options_.first_bucket_bytes / sizeof(G));
   owned_ = sharded() ? layout_.owned : layout_.elements;
   if (sharded()) {
     update_segments_ = detail::chunk_segments(regions_, layout_, group.rank(), true, false);
@@ -158,6 +159,7 @@ void training_state<B, P, G>::agree_on_layout(const std::string& refusal, std::s
   std::size_t flat = elements;
   for (const auto& r : regions_) flat = std::max(flat, r.offset + r.count);
   fingerprint_ = detail::layout_fingerprint(regions_, flat, options_.bucket_bytes / sizeof(G),
+                                            options_.first_bucket_bytes / sizeof(G),
                                             static_cast<int>(options_.strategy) + (options_.trainer_optimizer ? 16 : 0),
                                             static_cast<int>(dtype_v<P>), static_cast<int>(dtype_v<G>));
   const std::int64_t row[4] = {refusal.empty() ? 0 : 1, fingerprint_, static_cast<std::int64_t>(regions_.size()),
