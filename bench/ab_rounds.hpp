@@ -91,7 +91,8 @@ inline std::string sample_list(const std::vector<double>& values, const char* fo
 }
 
 // "what: A / B = 0.87 [0.84-0.91] over 3 rounds (target <= 0.90: met)", then every sample.
-inline void print_result(const ab_result& r, const char* unit = "ms", std::FILE* out = stdout) {
+inline void print_result(const ab_result& r, const char* unit = "ms", const char* format = "%.1f",
+                         std::FILE* out = stdout) {
   std::string target;
   if (r.at_most || r.at_least) {
     char text[96];
@@ -104,8 +105,8 @@ inline void print_result(const ab_result& r, const char* unit = "ms", std::FILE*
   }
   std::fprintf(out, "%s: %s / %s = %.3f [%.3f-%.3f] over %zu rounds%s\n", r.what.c_str(), r.a.c_str(), r.b.c_str(),
                r.median_ratio, r.min_ratio, r.max_ratio, r.ratios.size(), target.c_str());
-  std::fprintf(out, "    A %-34s %s: %s\n", r.a.c_str(), unit, sample_list(r.a_samples).c_str());
-  std::fprintf(out, "    B %-34s %s: %s\n", r.b.c_str(), unit, sample_list(r.b_samples).c_str());
+  std::fprintf(out, "    A %-34s %s: %s\n", r.a.c_str(), unit, sample_list(r.a_samples, format).c_str());
+  std::fprintf(out, "    B %-34s %s: %s\n", r.b.c_str(), unit, sample_list(r.b_samples, format).c_str());
   std::fprintf(out, "    ratio per round (A1+A2)/(B1+B2): %s\n", sample_list(r.ratios, "%.3f").c_str());
 }
 
