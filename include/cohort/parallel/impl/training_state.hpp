@@ -375,18 +375,21 @@ auto training_state<B, P, G>::gather(std::size_t layer) -> layer_view {
   // The gathers are collectives, so all of this is the same on every rank.
   if (!backward_phase_ && last_gathered_ && layer <= *last_gathered_) backward_phase_ = true;
   if (backward_phase_ && !accumulating()) mark_due_above(layer);
-  if (!accumulating()) launch_ready();  // what the backward finished so far, before this gather
   backward_gathered_[layer] = backward_phase_;
+  for (std::size_t b = layout_.first_bucket_of_layer[layer]; b < layout_.first_bucket_of_layer[layer + 1]; ++b)
+    gather_bucket(b);
+  // The next layers' gathers go out before the reductions the backward has made due, as FSDP's
+  // backward prefetch orders them: on the group's one queue the next gather would otherwise
+  // wait behind this layer's reductions, and the next layer's compute with it.
+  prefetch_after(layer);
+  if (!accumulating()) launch_ready();  // what the backward finished so far
   // The straggler report counts the time the caller waits here for the gathers.
   straggler_report* const report = options_.straggler && options_.straggler->enabled() ? options_.straggler : nullptr;
   const auto entered = report ? straggler_report::clock::now() : straggler_report::clock::time_point{};
-  for (std::size_t b = layout_.first_bucket_of_layer[layer]; b < layout_.first_bucket_of_layer[layer + 1]; ++b) {
-    gather_bucket(b);
+  for (std::size_t b = layout_.first_bucket_of_layer[layer]; b < layout_.first_bucket_of_layer[layer + 1]; ++b)
     hand_to_caller(bucket_gathered_[b]);
-  }
   if (report) report->add_wait(wait_kind::gather, straggler_report::clock::now() - entered);
   ++layer_users_[layer];
-  prefetch_after(layer);
   last_gathered_ = layer;
   return layer_view(this, layer);
 }
@@ -495,17 +498,20 @@ G* training_state<B, P, G>::bucket_gradients(std::size_t b, bool for_caller) {
     auto& engine = group_->backend();
     const std::size_t bytes = layout_.buckets[b].elements * sizeof(G);
     const std::size_t before = gradient_pool_.allocations();
-    bucket_grads_[b] = gradient_pool_.take(bytes);
-    if (gradient_pool_.allocations() != before) gradient_pool_bytes_ += bytes;
-    if constexpr (B::space == memory_space::host) {
-      // Here, after only the reduction that last read a reused buffer: a fill queued on the
-      // worker would wait for every reduction in flight, and the backward with it.
-      bucket_grads_[b].last_use.wait();
-      std::memset(bucket_grads_[b].data, 0, bytes);
-    } else {
-      // In the stream's order, after the reduction that last read a reused buffer.
-      const work zeroed = fill(engine, bucket_grads_[b].data, layout_.buckets[b].elements, dtype_v<G>, 0.0);
-      if (for_caller) hand_to_caller(zeroed);
+    bucket_grads_[b] = gradient_pool_.take(bytes, B::space == memory_space::host);  // the host waits for reuse
+    if (gradient_pool_.allocations() != before) {
+      gradient_pool_bytes_ += bytes;
+      // A new buffer is zeroed here (on the host by the caller: a fill queued on the worker
+      // would wait for every reduction in flight, and the backward with it).
+      if constexpr (B::space == memory_space::host) {
+        std::memset(bucket_grads_[b].data, 0, bytes);
+      } else {
+        const work zeroed = fill(engine, bucket_grads_[b].data, layout_.buckets[b].elements, dtype_v<G>, 0.0);
+        if (for_caller) hand_to_caller(zeroed);
+      }
+    } else if (for_caller) {
+      // A pooled one was zeroed right after the reduction that last read it (launch()).
+      hand_to_caller(bucket_grads_[b].last_use);
     }
   }
   return static_cast<G*>(bucket_grads_[b].data);
@@ -600,9 +606,12 @@ void training_state<B, P, G>::launch(std::size_t b) {
     }
     together.end();
   }
-  // The bucket buffer's last reader is the group's reduction, whatever follows.
+  // The bucket buffer goes back to the pool zeroed for its next bucket, in the backend's order
+  // right after the reduction that read it: the backward that takes it next neither zeroes it
+  // nor waits for that reduction (the pool prefers a buffer whose zeroing is done).
   if (pooled_gradients) {
-    bucket_grads_[b].last_use = reduced;
+    bucket_grads_[b].last_use =
+        fill(engine, bucket_grads_[b].data, bucket_grads_[b].capacity / sizeof(G), dtype_v<G>, 0.0);
     gradient_pool_.put(std::exchange(bucket_grads_[b], pooled{}));
   }
   if (!replicated()) return;
