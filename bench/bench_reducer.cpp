@@ -40,7 +40,11 @@
 // the stem, the 16 bottlenecks, the classifier), as FSDP's auto-wrap by module would; --units
 // tensors makes every tensor its own (161 gathers each way at zero3).
 //
-//   bench_reducer [--ranks 2] [--iterations 4] [--rounds 3] [--compute-ms 120]
+// --forward-ms adds a simulated forward to every whole step, before its backward, on both sides
+// (no calibration: a sleep or spin of that length, shared by the tensors): what zero3's forward
+// gathers hide behind in a real model (default 0, a step of backward and update only).
+//
+//   bench_reducer [--ranks 2] [--iterations 4] [--rounds 3] [--compute-ms 120] [--forward-ms 0]
 //                 [--compute-mode spin|sleep|both] [--units blocks|tensors] [--pairs a,b,...]
 //                 [--json FILE] [--torch-peer bench/peers/torch_ddp.py] [--python python3]
 #include <cohort/comm/gloo.hpp>
@@ -153,6 +157,7 @@ struct settings {
   int iterations = 4;  // steps per sample (its median)
   int rounds = 3;
   double compute_ms = 120;
+  double forward_ms = 0;                 // a simulated forward before the backward, every whole step alike
   std::vector<bool> modes{false, true};  // sleep? spin first
   bool blocks = true;                    // --units
   std::vector<std::string> pairs;        // empty: all
@@ -170,13 +175,14 @@ class torch_peer {
     int to_peer[2], from_peer[2];
     if (::pipe2(to_peer, O_CLOEXEC) != 0 || ::pipe2(from_peer, O_CLOEXEC) != 0) throw std::runtime_error("pipe failed");
     const std::string ranks = std::to_string(s.ranks), compute = std::to_string(s.compute_ms),
-                      iterations = std::to_string(s.iterations);
+                      forward = std::to_string(s.forward_ms), iterations = std::to_string(s.iterations);
     pid_ = ::fork();
     if (pid_ == 0) {
       ::dup2(to_peer[0], 0);
       ::dup2(from_peer[1], 1);
       ::execlp(s.python.c_str(), s.python.c_str(), s.torch_peer.c_str(), "--serve", "--ranks", ranks.c_str(),
-               "--compute-ms", compute.c_str(), "--iterations", iterations.c_str(), static_cast<char*>(nullptr));
+               "--compute-ms", compute.c_str(), "--forward-ms", forward.c_str(), "--iterations", iterations.c_str(),
+               static_cast<char*>(nullptr));
       std::perror("exec of the PyTorch peer");
       ::_exit(127);
     }
@@ -363,16 +369,20 @@ class bench {
     bool leader() const { return pg.rank() == 0; }
   };
 
-  // One layer's share of the backward: its share of the busy time, then its gradient written.
-  void layer_backward(const rank_context& me, std::size_t t, std::span<float> gradient) const {
+  // Tensor t's share of `total_ms` of compute (spun or slept, by the mode).
+  void spend(const rank_context& me, std::size_t t, double total_ms) const {
     const auto share = std::chrono::nanoseconds(static_cast<std::int64_t>(
-        me.budget_ms * 1e6 * static_cast<double>(shapes_[t].count) / static_cast<double>(total_)));
+        total_ms * 1e6 * static_cast<double>(shapes_[t].count) / static_cast<double>(total_)));
     if (me.sleep) {
       std::this_thread::sleep_for(share);
     } else {
       const auto until = clock_type::now() + share;
       while (clock_type::now() < until) {}
     }
+  }
+  // One layer's share of the backward: its share of the busy time, then its gradient written.
+  void layer_backward(const rank_context& me, std::size_t t, std::span<float> gradient) const {
+    spend(me, t, me.budget_ms);
     std::fill(gradient.begin(), gradient.end(), 1e-3f * static_cast<float>(t % 7));
   }
 
@@ -459,8 +469,11 @@ class bench {
     const bool zero_first = kind.adopted && !kind.gradients_only;  // the trainer's zero_grad
     s.step = [this, &me, &s, &state, kind, zero_first] {
       if (zero_first) std::memset(s.gradients.data(), 0, s.gradients.size() * sizeof(float));
-      if (kind.kind == strategy::zero3)
-        for (std::size_t u = 0; u < units_.size(); ++u) (void)state.gather(u);  // the forward
+      if (kind.kind == strategy::zero3 || (settings_.forward_ms > 0 && !kind.gradients_only))
+        for (std::size_t u = 0; u < units_.size(); ++u) {  // the forward
+          auto view = state.gather(u);
+          for (const std::size_t t : units_[u]) spend(me, t, settings_.forward_ms);
+        }
       for (std::size_t u = units_.size(); u-- > 0;) {
         auto view = state.gather(u);
         for (auto t = units_[u].rbegin(); t != units_[u].rend(); ++t) {
@@ -577,6 +590,8 @@ int main(int argc, char** argv) try {
       s.rounds = std::stoi(args.value());
     } else if (args.is("--compute-ms")) {
       s.compute_ms = std::stod(args.value());
+    } else if (args.is("--forward-ms")) {
+      s.forward_ms = std::stod(args.value());
     } else if (args.is("--compute-mode")) {
       const std::string mode = args.value();
       if (mode != "spin" && mode != "sleep" && mode != "both")
@@ -599,7 +614,7 @@ int main(int argc, char** argv) try {
       s.python = args.value();
     } else {
       std::string usage =
-          "usage: bench_reducer [--ranks N] [--iterations I] [--rounds R] [--compute-ms MS] "
+          "usage: bench_reducer [--ranks N] [--iterations I] [--rounds R] [--compute-ms MS] [--forward-ms MS] "
           "[--compute-mode spin|sleep|both] [--units blocks|tensors] [--pairs a,b,...] [--json FILE] "
           "[--torch-peer bench/peers/torch_ddp.py] [--python python3]\npairs:";
       for (const auto& p : all_pairs()) usage += std::string(" ") + p.key;
@@ -657,6 +672,7 @@ int main(int argc, char** argv) try {
     document.set("units", shape.units());
     document.set("parameters", shape.parameters());
     document.set("compute_ms_target", s.compute_ms);
+    document.set("forward_ms", s.forward_ms);
     document.set("iterations_per_sample", s.iterations);
     document.set("rounds", s.rounds);
     if (peer && !peer->version().empty()) document.set("torch_version", peer->version());

@@ -29,7 +29,7 @@ buffers; DDP's default copies them into its buckets, with its own calibrated com
 Without --serve it runs `mode`, then one sample of each variant, and prints the replies.
 Exits with status 77 (skipped) when torch is not installed.
 
-    python3 bench/peers/torch_ddp.py [--serve] [--ranks 2] [--compute-ms 120] [--iterations 4]
+    python3 bench/peers/torch_ddp.py [--serve] [--ranks 2] [--compute-ms 120] [--forward-ms 0] [--iterations 4]
 """
 import argparse
 import datetime
@@ -85,6 +85,7 @@ class Compute:
     GPU trainer's host thread, idle while its kernels run); its budget per gradient mode."""
     sleep = False
     budget = {"plain": 0.0, "views": 0.0}  # seconds per step, shared by the layers
+    forward = 0.0  # --forward-ms: a simulated forward, seconds per step, in the variants with an optimizer
 
 
 def spend(seconds):
@@ -102,6 +103,9 @@ class SimulatedLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, share, gradient, kind):
+        if kind == "step":
+            spend(Compute.forward * share)
+            kind = "views"
         ctx.share = share
         ctx.kind = kind
         ctx.gradient = gradient
@@ -199,7 +203,9 @@ class Peer:
                 ddp.zero_grad(set_to_none=True)
                 ddp(x).backward()  # returns once DDP's all-reduces have finished
             return default_step
-        ddp = torch.nn.parallel.DistributedDataParallel(Model(self.sizes, "views"), bucket_cap_mb=25,
+        # The whole steps run the simulated forward (--forward-ms), as bench_reducer's do.
+        kind = "views" if name == "ddp_views" else "step"
+        ddp = torch.nn.parallel.DistributedDataParallel(Model(self.sizes, kind), bucket_cap_mb=25,
                                                         gradient_as_bucket_view=True)
         if name == "ddp_views":
             return lambda: ddp(x).backward()
@@ -234,6 +240,7 @@ class Peer:
 
 
 def worker(rank, world, port, args, commands, replies):
+    Compute.forward = args.forward_ms / 1e3
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # The peer waits between commands while cohort's side runs: a long timeout.
@@ -307,6 +314,7 @@ def main():
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=4, help="per calibration round (and per sample alone)")
     parser.add_argument("--compute-ms", type=float, default=120.0)
+    parser.add_argument("--forward-ms", type=float, default=0.0)
     parser.add_argument("--compute-mode", choices=["spin", "sleep"], default="spin", help="without --serve")
     args = parser.parse_args()
     ranks = Ranks(args)
