@@ -641,9 +641,9 @@ class training_state {
   bool adopted_ = false;
   std::int64_t fingerprint_ = 0;  // of what the collectives pair up by, the same on every rank
   detail::state_layout layout_;
-  std::vector<shard_segment> update_segments_;  // the optimizer's: owned pieces joined by group
-  std::vector<shard_segment> norm_segments_;    // the norm's: each element counted once over the ranks
-  std::vector<owned_span> owned_spans_;         // trainer_optimizer: the owned pieces, by region
+  std::vector<shard_segment> update_segments_;              // the optimizer's: owned pieces joined by group
+  std::vector<std::vector<shard_segment>> norm_by_bucket_;  // the norm's, by bucket: each element once over the ranks
+  std::vector<owned_span> owned_spans_;                     // trainer_optimizer: the owned pieces, by region
   std::size_t owned_ = 0;
 
   P* params_ = nullptr;                   // the flat parameters (adopted or owned), or zero3's shard
@@ -655,7 +655,7 @@ class training_state {
   detail::backend_buffer<B> first_;       // owned numbering: Adam's first moment, or SGD's momentum
   detail::backend_buffer<B> second_;      // owned numbering: Adam's second moment
   detail::backend_buffer<B> scratch_;     // owned numbering: gradients cast to the master type
-  detail::backend_buffer<B> stats_;       // the non-finite count and the sum of squares
+  detail::backend_buffer<B> stats_;       // the non-finite count and the step's sum of squares so far
   pool_type gradient_pool_;
   pool_type parameter_pool_;
   std::size_t gradient_pool_bytes_ = 0, parameter_pool_bytes_ = 0;  // allocated by each pool

@@ -73,17 +73,23 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::optional<a
       detail::plan_layout(regions_, group.world_size(), std::max<std::size_t>(options_.bucket_bytes / sizeof(G), 1),
                           !sharded_parameters(), options_.first_bucket_bytes / sizeof(G));
   owned_ = sharded() ? layout_.owned : layout_.elements;
+  // The norm's pieces, by bucket: each element counted once over the ranks. Sharded, each
+  // rank's chunks (the remainders, which every rank holds alike, in rank 0's part only); under
+  // ddp every rank measures the whole, each bucket's ranges.
+  norm_by_bucket_.assign(layout_.buckets.size(), {});
   if (sharded()) {
     update_segments_ = detail::chunk_segments(regions_, layout_, group.rank(), true, false);
-    // The remainders, which every rank holds alike, count in rank 0's part of the norm only.
-    norm_segments_ = detail::joined_segments(
-        detail::chunk_segments(regions_, layout_, group.rank(), group.rank() == 0, false), regions_, false);
+    for (const auto& piece : detail::chunk_segments(regions_, layout_, group.rank(), group.rank() == 0, false))
+      norm_by_bucket_[layout_.regions[piece.region].bucket].push_back(piece);
+    for (auto& pieces : norm_by_bucket_) pieces = detail::joined_segments(pieces, regions_, false);
   } else {
     for (std::size_t r = 0; r < regions_.size(); ++r)
       update_segments_.push_back({regions_[r].offset, regions_[r].offset, regions_[r].count, r});
     std::sort(update_segments_.begin(), update_segments_.end(),
               [](const shard_segment& a, const shard_segment& b) { return a.offset < b.offset; });
-    norm_segments_.push_back({0, 0, layout_.elements, 0});  // every rank measures the whole
+    for (std::size_t b = 0; b < layout_.buckets.size(); ++b)
+      for (const auto& range : layout_.buckets[b].ranges)
+        norm_by_bucket_[b].push_back({range.offset, range.offset, range.count, layout_.buckets[b].regions.front()});
   }
   const std::vector<shard_segment> pieces = update_segments_;  // by region, for owned_spans()
   update_segments_ = detail::joined_segments(update_segments_, regions_, true);
@@ -251,7 +257,7 @@ void training_state<B, P, G>::allocate_buffers() {
     if (adam) allocate_zeroed<master_type>(second_, owned_);
     if (!std::is_same_v<G, master_type>) allocate_zeroed<master_type>(scratch_, owned_);
   }
-  stats_ = detail::backend_buffer<B>(group_->backend(), 2 * sizeof(double));
+  allocate_zeroed<double>(stats_, 2);  // the non-finite count and this step's sum of squares
   group_->backend().record().wait();
 }
 
@@ -614,19 +620,26 @@ void training_state<B, P, G>::launch(std::size_t b) {
         fill(engine, bucket_grads_[b].data, bucket_grads_[b].capacity / sizeof(G), dtype_v<G>, 0.0);
     gradient_pool_.put(std::exchange(bucket_grads_[b], pooled{}));
   }
-  if (!replicated()) return;
-  // The replicas' queue waits for the group's reduction, and the group's later work (the next
-  // reductions, the step's norm and update) for the average. On a host backend both waits
-  // block the caller: the average is synchronous there, while NCCL orders it on the streams.
-  reduced.make_stream_wait(replicas_->backend().stream());
-  {
-    auto together = replicas_->grouped();
-    for (const auto& [data, count] : kept_) reduced = replicas_->all_reduce(std::span<G>(data, count), op::avg);
-    together.end();
+  if (replicated()) {
+    // The replicas' queue waits for the group's reduction, and the group's later work (the
+    // next reductions, the norm, the step's update) for the average. On a host backend both
+    // waits block the caller: the average is synchronous there, while NCCL orders it on the
+    // streams.
+    reduced.make_stream_wait(replicas_->backend().stream());
+    {
+      auto together = replicas_->grouped();
+      for (const auto& [data, count] : kept_) reduced = replicas_->all_reduce(std::span<G>(data, count), op::avg);
+      together.end();
+    }
+    reduced.make_stream_wait(engine.stream());
+    const auto copies = static_cast<std::size_t>(replicas_->world_size());
+    for (const auto& part : kept_) wire_bytes_ += 2 * (copies - 1) * part.second * sizeof(G) / copies;
   }
-  reduced.make_stream_wait(engine.stream());
-  const auto copies = static_cast<std::size_t>(replicas_->world_size());
-  for (const auto& part : kept_) wire_bytes_ += 2 * (copies - 1) * part.second * sizeof(G) / copies;
+  // This rank's part of the norm, as the bucket's gradients are final: in the backend's order
+  // after its reduction, while the backward goes on, rather than in a pass of step()'s own
+  // after the last bucket.
+  auto* squares = static_cast<double*>(stats_.data()) + 1;
+  for (const auto& s : norm_by_bucket_[b]) sum_of_squares(engine, reduced_gradient_at(s), s.count, dtype_v<G>, squares);
 }
 
 template <backend B, element P, element G>
@@ -638,6 +651,8 @@ void training_state<B, P, G>::reset_marks() {
   std::fill(backward_gathered_.begin(), backward_gathered_.end(), std::uint8_t{0});
   backward_phase_ = false;
   launched_ = 0;
+  // The next step's norm adds its buckets' squares to zero, each as it is reduced.
+  if (stats_.data()) fill(group_->backend(), stats_.data(), 2, dtype::float64, 0.0);
   last_gathered_.reset();  // a micro-step's end: the next gather is a forward's
   agreed_ = false;         // and under a join, the next call agrees again
   announcing_ = false;
@@ -806,15 +821,12 @@ std::size_t training_state<B, P, G>::region_index(std::string_view name) const {
 template <backend B, element P, element G>
 void training_state<B, P, G>::measure(step_result& result) {
   auto& engine = group_->backend();
+  // Every bucket has been launched, and added its squares as it was (launch()).
   detail::agree_on_gradient_statistics(
       *group_, stats_.data(), sharded(),
-      [&](double* squares) {
-        for (const auto& s : norm_segments_)
-          sum_of_squares(engine, reduced_gradient_at(s), s.count, dtype_v<G>, squares);
-      },
       [&](std::int64_t* count) {
-        for (const auto& s : norm_segments_)
-          count_nonfinite(engine, reduced_gradient_at(s), s.count, dtype_v<G>, count);
+        for (const auto& pieces : norm_by_bucket_)
+          for (const auto& s : pieces) count_nonfinite(engine, reduced_gradient_at(s), s.count, dtype_v<G>, count);
       },
       result);
 }
