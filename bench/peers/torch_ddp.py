@@ -158,19 +158,28 @@ class Peer:
 
     def calibrate(self, kind, compute_step):
         """Sets the budget of `kind` so that compute_step (the backward alone) takes
-        --compute-ms: rank 0's median decides for every rank. Returns (compute ms, budget ms)."""
+        --compute-ms: rank 0's median decides for every rank. Up to 12 rounds, each moving the
+        budget by the miss; a round that misses by more than the last keeps the better budget
+        (a noisy sample must not throw the calibration off). Returns (compute ms, budget ms)."""
         target = self.args.compute_ms
         Compute.budget[kind] = target / 1e3
         compute_step()  # warm-up
-        for round_index in range(8):
-            compute_ms, _ = timed(compute_step, self.args.iterations)
-            state = torch.tensor([compute_ms, max(0.0, Compute.budget[kind] + (target - compute_ms) / 1e3)],
-                                 dtype=torch.float64)
+        best = None  # (miss ms, compute ms, budget s)
+        for round_index in range(12):
+            compute_ms, _ = timed(compute_step, max(4, self.args.iterations))
+            state = torch.tensor([compute_ms], dtype=torch.float64)
             dist.broadcast(state, 0)
-            met = abs(state[0].item() - target) <= 0.01 * target
-            if met or round_index == 7 or (Compute.budget[kind] == 0 and state[1].item() == 0):
-                return state[0].item(), Compute.budget[kind] * 1e3
-            Compute.budget[kind] = state[1].item()
+            compute_ms = state[0].item()
+            miss = abs(compute_ms - target)
+            if best is None or miss < best[0]:
+                best = (miss, compute_ms, Compute.budget[kind])
+            if miss <= 0.01 * target:
+                break
+            Compute.budget[kind] = max(0.0, best[2] + (target - best[1]) / 1e3)
+            if Compute.budget[kind] == 0 and best[2] == 0:
+                break
+        Compute.budget[kind] = best[2]
+        return best[1], best[2] * 1e3
 
     def mode(self, kind):
         Compute.sleep = kind == "sleep"
