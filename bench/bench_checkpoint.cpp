@@ -1,28 +1,31 @@
 // Checkpoints of a training state (cohort/parallel/checkpoint.hpp) against this disk, on Gloo
 // ranks as threads over loopback.
 //
-//   bench_checkpoint [--ranks 4] [--bytes 256M] [--block-bytes 1M] [--repeat 5] [--between-ms 1000]
+//   bench_checkpoint [--ranks 4] [--bytes 256M] [--block-bytes 1M] [--rounds 3] [--between-ms 1000]
 //                    [--compute-ms 200] [--dir DIR] [--json FILE]
 //
 // The state is --bytes in total over the ranks: fp32 parameters and Adam's two moments (a
-// third each), sharded (zero3) so that each rank holds and writes a quarter. Measured in one
-// run, on the file system of --dir (default: the temporary directory):
-//   - this disk's sequential write rate: one file of the checkpoint's size written and
-//     fsynced, as `dd bs=64M conv=fsync` does; the synchronous save's throughput against it
-//     (--repeat times each, alternating and in ABBA order so that a drift of the disk's rate
-//     favours neither, the medians and every pair's ratio: a virtual disk's rate wanders);
-//   - asynchronous saves (async_checkpointer), --repeat + 1 in a row by one checkpointer as a
-//     trainer makes them, --between-ms apart (the training between two saves: the ranks sleep,
-//     as a host does while its GPU computes). save() starts the copy into staging and returns;
-//     the next step() waits for the copy to end (the state's checkpoint fence). Blocked is
-//     save()'s own time (the agreement on the previous save included) plus that wait, after a
-//     simulated forward and backward of --compute-ms (a sleep) and without one (0 ms), against
-//     the synchronous save's; the first save (its staging faulted in) apart from the median of
-//     the others; the time
-//     until rank 0's writer committed it (the directory polled every millisecond); the host
-//     memory held: staging_peak_bytes and the process's resident set above what it was before
-//     (sampled every millisecond; getrusage's ru_maxrss too), against the configured staging
-//     bound; once with the default bound and once with a quarter of it;
+// third each), sharded (zero3) so that each rank holds and writes a quarter. Every ratio is
+// measured in A/B rounds (bench/ab_rounds.hpp: A B B A per round, --rounds rounds, every
+// sample printed, the median of the rounds' ratios with its min-max spread), on the file
+// system of --dir (default: the temporary directory):
+//   - this disk's sequential write rate against the synchronous save's: one file of the
+//     checkpoint's size written and fsynced, as `dd bs=64M conv=fsync` does (A), and a
+//     save_checkpoint of the state (B), the same bytes; disk time / save time is the save's
+//     share of the disk's rate (a virtual disk's rate wanders: hence the rounds);
+//   - asynchronous saves (async_checkpointer) against the synchronous save: one checkpointer
+//     saves as a trainer does, --between-ms apart (the training between two saves: the ranks
+//     sleep, as a host does while its GPU computes). save() starts the copy into staging and
+//     returns; the next step() waits for the copy to end (the state's checkpoint fence).
+//     Blocked (A) is save()'s own time (the agreement on the previous save included) plus that
+//     wait, after a simulated forward and backward of --compute-ms (a sleep) and without one
+//     (0 ms), against the synchronous save (B); with the default staging bound and with a
+//     quarter of it. Before a synchronous save the asynchronous write in flight is waited for
+//     (untimed), so the two never share the disk. Also: the first save (its staging faulted
+//     in, before the rounds), the time until rank 0's writer committed each save (the
+//     directory polled every millisecond), and the host memory held: staging_peak_bytes and
+//     the process's resident set above what it was before (sampled every millisecond;
+//     getrusage's ru_maxrss too), against the configured staging bound;
 //   - a load at other world sizes (saved at --ranks, loaded at 2 under ddp and 3 under zero3,
 //     the files' pages dropped from the page cache first): bytes read in all against the
 //     checkpoint's size, 1.00x: a rank reads exactly the bytes of its new shard, and a
@@ -52,6 +55,7 @@
 #include <vector>
 
 #include "../examples/command_line.hpp"
+#include "ab_rounds.hpp"
 #include "cohort/comm/gloo.hpp"
 #include "cohort/comm/process_group.hpp"
 #include "cohort/error.hpp"
@@ -72,7 +76,7 @@ struct config {
   int ranks = 4;
   std::size_t bytes = std::size_t{256} << 20;
   std::size_t block_bytes = cohort::checkpoint_options{}.block_bytes;
-  int repeat = 5;
+  int rounds = 3;
   int between_ms = 1000;
   int compute_ms = 200;
   std::string dir, json_path;
@@ -102,8 +106,8 @@ config parse(int argc, char** argv) {
       cfg.bytes = parse_bytes(args.value());
     else if (arg == "--block-bytes")
       cfg.block_bytes = parse_bytes(args.value());
-    else if (arg == "--repeat")
-      cfg.repeat = std::stoi(args.value());
+    else if (arg == "--rounds")
+      cfg.rounds = std::stoi(args.value());
     else if (arg == "--between-ms")
       cfg.between_ms = std::stoi(args.value());
     else if (arg == "--compute-ms")
@@ -118,10 +122,10 @@ config parse(int argc, char** argv) {
       throw std::runtime_error(
           "unknown option " + arg +
           " (bench_checkpoint [--ranks N] [--bytes 256M] "
-          "[--block-bytes 1M] [--repeat 5] [--between-ms 1000] [--compute-ms 200] [--dir DIR] [--json FILE] "
+          "[--block-bytes 1M] [--rounds 3] [--between-ms 1000] [--compute-ms 200] [--dir DIR] [--json FILE] "
           "[--index-only])");
   }
-  if (cfg.ranks < 1 || cfg.repeat < 1) throw std::runtime_error("--ranks and --repeat must be at least 1");
+  if (cfg.ranks < 1 || cfg.rounds < 1) throw std::runtime_error("--ranks and --rounds must be at least 1");
   return cfg;
 }
 
@@ -228,23 +232,19 @@ group make_group(const std::shared_ptr<cohort::store>& store, const cohort::laun
 }
 
 struct async_result {
-  std::size_t bound = 0;         // staging bound per rank (configured; 0 resolved to the state)
-  int compute_ms = 0;            // the simulated forward and backward before the next step()
-  double first_blocked = 0;      // slowest rank's first save: its staging faulted in
-  double blocked = 0;            // the median of the later saves' save() + the next step()'s wait, slowest rank each
-  double committed = 0;          // the median of save() until rank 0's writer committed it
-  std::size_t staging_peak = 0;  // staging_peak_bytes, summed over the ranks
-  std::size_t rss_peak = 0;      // sampled resident set above the one before
-  double save_call = 0, fence_wait = 0;              // medians of the later saves' two parts
-  std::vector<double> blocked_runs, committed_runs;  // every save, the first included
-  std::vector<double> save_call_runs, fence_wait_runs;
+  std::size_t bound = 0;                 // staging bound per rank (configured; 0 resolved to the state)
+  int compute_ms = 0;                    // the simulated forward and backward before the next step()
+  double first_blocked = 0;              // slowest rank's first save, before the rounds: its staging faulted in
+  cohort_bench::ab_result against_sync;  // blocked (slowest rank) against the synchronous save, seconds
+  std::size_t staging_peak = 0;          // staging_peak_bytes, summed over the ranks
+  std::size_t rss_peak = 0;              // sampled resident set above the one before
+  std::vector<double> committed_runs;    // every asynchronous save: save() until committed
+  std::vector<double> save_call_runs, fence_wait_runs;  // the two parts of blocked, every save in the rounds
 };
 
 struct results {
-  std::size_t checkpoint_bytes = 0;  // every rank's file
-  double disk_seconds = 0, sync_seconds = 0;
-  std::vector<double> disk_runs, sync_runs;  // the medians' samples: how much the disk wanders
-  std::vector<double> ratio_runs;            // each alternation's save rate / disk rate
+  std::size_t checkpoint_bytes = 0;           // every rank's file
+  cohort_bench::ab_result disk_against_sync;  // disk write+fsync against the synchronous save, seconds
   std::vector<async_result> async;
   std::size_t maxrss_before = 0, maxrss_after_async = 0;
   struct load {
@@ -258,11 +258,6 @@ struct results {
 
 // Every rank's largest value (threads of one process: a shared slot per rank).
 double slowest(const std::vector<double>& per_rank) { return *std::max_element(per_rank.begin(), per_rank.end()); }
-
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
-}
 
 results run(const config& cfg) {
   results out;
@@ -279,15 +274,29 @@ results run(const config& cfg) {
   // Slots per rank, shared by the rank threads; rank 0 reads them between barriers.
   std::vector<double> blocked(ranks), save_call(ranks), fence_wait(ranks), sync_seconds(ranks);
   std::vector<std::size_t> staging(ranks);
-  auto& disk_runs = out.disk_runs;
-  auto& sync_runs = out.sync_runs;
   std::string saved;
-  const cohort::checkpoint_options save_options{.keep_last = 0, .block_bytes = cfg.block_bytes};
+  const std::string async_dir = cfg.dir + "/async", sync_dir = cfg.dir + "/sync";
   cohort::run_ranks(cfg.ranks, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
     auto pg = make_group(store, env);
     const auto rank = static_cast<std::size_t>(env.rank);
+    const bool leader = rank == 0;
     state_type state(pg, regions, {.strategy = cohort::strategy::zero3});
     state.load_parameters(initial);
+    std::uint64_t step = 1;  // every save's step number, the same on every rank
+    // The synchronous save (slowest rank); an asynchronous write in flight is finished first,
+    // untimed, so that the two never share the disk.
+    cohort::async_checkpointer<cohort::gloo, float, float>* in_flight = nullptr;
+    const auto sync_sample = [&] {
+      if (in_flight) in_flight->wait();
+      pg.barrier().wait();
+      const auto started = clock_type::now();
+      const auto info =
+          cohort::save_checkpoint(state, sync_dir, step++, {.keep_last = 1, .block_bytes = cfg.block_bytes});
+      sync_seconds[rank] = seconds_since(started);
+      pg.barrier().wait();
+      if (leader) saved = info.path;
+      return slowest(sync_seconds);
+    };
     // Asynchronous saves first, while the resident set is only the state's: with the
     // default bound (the rank's state once) and with a quarter of it, which the checkpointer
     // meets by streaming the state through it while save() waits.
@@ -297,94 +306,80 @@ results run(const config& cfg) {
       a.compute_ms = compute_ms;
       std::unique_ptr<rss_sampler> sampler;
       pg.barrier().wait();
-      if (rank == 0) {
+      if (leader) {
         if (out.async.empty()) out.maxrss_before = max_resident_bytes();
         sampler = std::make_unique<rss_sampler>();
       }
       pg.barrier().wait();
       {
         cohort::async_checkpointer saver(state);
-        auto options = save_options;
+        cohort::checkpoint_options options{.keep_last = 2, .block_bytes = cfg.block_bytes};
         options.staging_bytes = bound;
         std::thread watcher;
-        for (int run = 0; run <= cfg.repeat; ++run) {
-          const std::uint64_t step = out.async.size() * 100 + static_cast<std::uint64_t>(run) + 1;
+        // One save as a trainer makes it: save(), the next forward and backward, the next
+        // step()'s wait for the copy; then the training until the next save.
+        const auto async_sample = [&] {
+          const std::uint64_t this_step = step++;
           pg.barrier().wait();
           const auto started = clock_type::now();
-          saver.save(cfg.dir + "/ckpt", step, options);
+          saver.save(async_dir, this_step, options);
+          in_flight = &saver;
           save_call[rank] = seconds_since(started);
           std::this_thread::sleep_for(std::chrono::milliseconds(compute_ms));  // the next forward and backward
           fence_wait[rank] = state.checkpoint_fence().wait();                  // what the next step() waits
           blocked[rank] = save_call[rank] + fence_wait[rank];
-          if (rank == 0) {
+          if (leader) {
             // Committed by rank 0's writer with no call of the trainer's: seen in the directory.
             if (watcher.joinable()) watcher.join();
-            watcher = std::thread([&, started, step] {
-              const std::string path = cfg.dir + "/ckpt/step-" + std::to_string(step);
-              while (cohort::newest_checkpoint(cfg.dir + "/ckpt") != path && seconds_since(started) < 600)
+            watcher = std::thread([&, started, this_step] {
+              const std::string path = async_dir + "/step-" + std::to_string(this_step);
+              while (cohort::newest_checkpoint(async_dir) != path && seconds_since(started) < 600)
                 std::this_thread::sleep_for(std::chrono::milliseconds(1));
               a.committed_runs.push_back(seconds_since(started));
             });
           }
           std::this_thread::sleep_for(std::chrono::milliseconds(cfg.between_ms));  // the training between saves
           pg.barrier().wait();
-          if (rank == 0) {
-            a.blocked_runs.push_back(slowest(blocked));
+          if (leader) {
             a.save_call_runs.push_back(slowest(save_call));
             a.fence_wait_runs.push_back(slowest(fence_wait));
           }
-        }
+          return slowest(blocked);
+        };
+        a.first_blocked = async_sample();
+        if (leader) a.save_call_runs.clear(), a.fence_wait_runs.clear();
+        char what[128];
+        std::snprintf(what, sizeof what, "asynchronous save (bound %.1f MiB/rank, %d ms compute) against synchronous",
+                      static_cast<double>(bound == 0 ? rank_bytes : bound) / mib, compute_ms);
+        a.against_sync = cohort_bench::ab_rounds(what, "blocked (save() + step()'s wait)", "synchronous save",
+                                                 cfg.rounds, async_sample, sync_sample);
         saver.wait();
-        if (rank == 0) {
-          watcher.join();  // the last save's commit, at the latest by wait()
-        }
+        in_flight = nullptr;
+        if (leader) watcher.join();
         staging[rank] = saver.staging_peak_bytes();
       }
       pg.barrier().wait();
-      if (rank == 0) {
+      if (leader) {
         a.bound = bound == 0 ? rank_bytes : bound;
         a.rss_peak = sampler->finish();
-        a.first_blocked = a.blocked_runs.front();
-        a.committed = median(a.committed_runs);
-        const auto later = [](const std::vector<double>& runs) {
-          return median(std::vector<double>(runs.begin() + 1, runs.end()));
-        };
-        a.blocked = later(a.blocked_runs);
-        a.save_call = later(a.save_call_runs);
-        a.fence_wait = later(a.fence_wait_runs);
         for (const auto s : staging) a.staging_peak += s;
-        out.async.push_back(a);
+        out.async.push_back(std::move(a));
         out.maxrss_after_async = max_resident_bytes();
       }
       pg.barrier().wait();
     }
-    // The asynchronous series' checkpoints (kept: keep_last 0) removed first: otherwise the
-    // first synchronous save's pruning deletes them all inside the time measured.
-    if (rank == 0) fs::remove_all(cfg.dir + "/ckpt");
-    pg.barrier().wait();
-    // The disk and the synchronous save alternately, in ABBA order.
-    for (int run = 0; run < cfg.repeat; ++run) {
-      const bool disk_first = run % 4 == 0 || run % 4 == 3;
-      double disk = 0;
-      if (rank == 0 && disk_first) disk = sequential_write_seconds(cfg.dir + "/dd.bin", out.checkpoint_bytes);
-      pg.barrier().wait();
-      const auto started = clock_type::now();
-      const auto info = cohort::save_checkpoint(state, cfg.dir + "/ckpt", 1000 + static_cast<std::uint64_t>(run),
-                                                {.keep_last = 1, .block_bytes = cfg.block_bytes});
-      sync_seconds[rank] = seconds_since(started);
-      pg.barrier().wait();
-      if (rank == 0) {
-        if (!disk_first) disk = sequential_write_seconds(cfg.dir + "/dd.bin", out.checkpoint_bytes);
-        disk_runs.push_back(disk);
-        sync_runs.push_back(slowest(sync_seconds));
-        out.ratio_runs.push_back(disk / sync_runs.back());
-        saved = info.path;
-      }
-      pg.barrier().wait();
-    }
+    // The disk against the synchronous save, the same bytes.
+    auto disk_against_sync = cohort_bench::ab_rounds(
+        "this disk's write+fsync against the synchronous save", "disk (dd conv=fsync)", "synchronous save", cfg.rounds,
+        [&] {
+          std::vector<double> disk{0};
+          if (leader) disk[0] = sequential_write_seconds(cfg.dir + "/dd.bin", out.checkpoint_bytes);
+          pg.barrier().wait();
+          return disk[0];
+        },
+        sync_sample);
+    if (leader) out.disk_against_sync = std::move(disk_against_sync);
   });
-  out.disk_seconds = median(disk_runs);
-  out.sync_seconds = median(sync_runs);
 
   // At other world sizes, each under another strategy than the save's.
   for (const auto& [world, strategy] : {std::pair{2, cohort::strategy::ddp}, std::pair{3, cohort::strategy::zero3}}) {
@@ -447,7 +442,7 @@ std::vector<index_row> index_rows() {
         if (back.metadata.size() != m.metadata.size() || back.files[0].segments.size() != file.segments.size())
           throw std::runtime_error("the index read back differs");
       }
-      rows.push_back({kind, entries, text.size(), median(runs)});
+      rows.push_back({kind, entries, text.size(), cohort_bench::median_of(runs)});
     }
   return rows;
 }
@@ -479,54 +474,38 @@ int main(int argc, char** argv) {
     if (own_dir) fs::remove_all(cfg.dir);
 
     const double size = static_cast<double>(r.checkpoint_bytes);
-    const double disk_rate = size / r.disk_seconds, sync_rate = size / r.sync_seconds;
-    const auto list = [](const std::vector<double>& values, double scale) {
-      std::string text;
-      for (const double v : values) {
-        char one[32];
-        std::snprintf(one, sizeof one, "%s%.3f", text.empty() ? "" : ", ", v * scale);
-        text += one;
-      }
-      return text;
-    };
     std::printf(
-        "checkpoint of a %.0f MiB training state (fp32 parameters + Adam m, v), %d ranks (zero3) in %s, "
-        "%.0f KiB blocks; disk and synchronous save: medians of %d, alternating (ABBA); asynchronous saves: "
-        "%d in a row, %d ms apart\n",
-        size / mib, cfg.ranks, cfg.dir.c_str(), static_cast<double>(cfg.block_bytes) / 1024, cfg.repeat, cfg.repeat + 1,
+        "checkpoint of a %.0f MiB training state (fp32 parameters + Adam m, v), %d ranks (zero3) in %s, %.0f KiB "
+        "blocks; A/B rounds: %d, A B B A each; asynchronous saves %d ms apart\n\n",
+        size / mib, cfg.ranks, cfg.dir.c_str(), static_cast<double>(cfg.block_bytes) / 1024, cfg.rounds,
         cfg.between_ms);
-    std::printf("%-44s %10s %12s %s\n", "measurement", "seconds", "MiB/s", "against");
-    std::printf("%-44s %10.3f %12.1f runs %s s\n", "disk: write + fsync, one file (dd conv=fsync)", r.disk_seconds,
-                disk_rate / mib, list(r.disk_runs, 1).c_str());
-    std::printf("%-44s %10.3f %12.1f %.0f%% of the disk's rate (medians); runs %s s\n", "synchronous save",
-                r.sync_seconds, sync_rate / mib, 100 * sync_rate / disk_rate, list(r.sync_runs, 1).c_str());
-    std::printf("%-44s %10s %12s each alternation's save/disk: %s%%, median %.0f%%\n", "", "", "",
-                list(r.ratio_runs, 100).c_str(), 100 * median(r.ratio_runs));
+    const auto& disk = r.disk_against_sync;
+    cohort_bench::print_result(disk, "s", "%.3f");
+    const double disk_rate = size / cohort_bench::median_of(disk.a_samples) / mib;
+    const double sync_rate = size / cohort_bench::median_of(disk.b_samples) / mib;
+    std::printf(
+        "    the synchronous save writes at %.0f%% of this disk's rate [%.0f%%-%.0f%%] (%.0f MiB/s against %.0f MiB/s, "
+        "medians)\n\n",
+        100 * disk.median_ratio, 100 * disk.min_ratio, 100 * disk.max_ratio, sync_rate, disk_rate);
     for (const auto& a : r.async) {
-      char name[64];
-      std::snprintf(name, sizeof name, "asynchronous save, bound %.1f MiB/rank: blocked",
-                    static_cast<double>(a.bound) / mib);
-      std::printf("%-44s %10.3f %12s %.1f%% of the synchronous save (median of saves 2..%d); runs %s s\n", name,
-                  a.blocked, "", 100 * a.blocked / r.sync_seconds, cfg.repeat + 1, list(a.blocked_runs, 1).c_str());
-      std::printf("%-44s %10.3f %12s median of save() %.3f s + the next step()'s wait %.3f s; runs of the wait %s s\n",
-                  "  its parts", a.save_call + a.fence_wait, "", a.save_call, a.fence_wait,
-                  list(a.fence_wait_runs, 1).c_str());
-      std::printf("%-44s %10.3f %12s %.1f%% of the synchronous save\n", "  the first save (staging faulted in)",
-                  a.first_blocked, "", 100 * a.first_blocked / r.sync_seconds);
-      std::printf("%-44s %10.3f %12.1f runs %s s\n", "  until committed by rank 0's writer", a.committed,
-                  size / a.committed / mib, list(a.committed_runs, 1).c_str());
-      std::printf("%-44s %10s %12s %.1f MiB staged, %.1f MiB resident above before; bound %.1f MiB (all ranks)\n",
-                  "  host memory", "", "", static_cast<double>(a.staging_peak) / mib,
-                  static_cast<double>(a.rss_peak) / mib, static_cast<double>(a.bound) * cfg.ranks / mib);
+      cohort_bench::print_result(a.against_sync, "s", "%.3f");
+      std::printf("    blocked is %.1f%% of the synchronous save [%.1f%%-%.1f%%]; of it save() %s s, the wait %s s\n",
+                  100 * a.against_sync.median_ratio, 100 * a.against_sync.min_ratio, 100 * a.against_sync.max_ratio,
+                  cohort_bench::sample_list(a.save_call_runs, "%.3f").c_str(),
+                  cohort_bench::sample_list(a.fence_wait_runs, "%.3f").c_str());
+      std::printf("    the first save (staging faulted in, before the rounds): %.3f s\n", a.first_blocked);
+      std::printf("    until committed by rank 0's writer, every save: %s s\n",
+                  cohort_bench::sample_list(a.committed_runs, "%.2f").c_str());
+      std::printf("    host memory: %.1f MiB staged, %.1f MiB resident above before; bound %.1f MiB (all ranks)\n\n",
+                  static_cast<double>(a.staging_peak) / mib, static_cast<double>(a.rss_peak) / mib,
+                  static_cast<double>(a.bound) * cfg.ranks / mib);
     }
-    std::printf("%-44s %10s %12s ru_maxrss %.1f MiB before the saves, %.1f MiB after (+%.1f MiB)\n",
-                "  peak RSS (getrusage)", "", "", static_cast<double>(r.maxrss_before) / mib,
-                static_cast<double>(r.maxrss_after_async) / mib,
+    std::printf("peak RSS (getrusage): ru_maxrss %.1f MiB before the saves, %.1f MiB after (+%.1f MiB)\n",
+                static_cast<double>(r.maxrss_before) / mib, static_cast<double>(r.maxrss_after_async) / mib,
                 static_cast<double>(r.maxrss_after_async - r.maxrss_before) / mib);
     for (const auto& l : r.loads)
-      std::printf("%-44s %10.3f %12.1f read %.1f MiB in all, %.3fx the checkpoint\n",
-                  ("load at " + std::to_string(l.world) + " ranks (" + l.strategy + ")").c_str(), l.seconds,
-                  size / l.seconds / mib, static_cast<double>(l.bytes_read) / mib,
+      std::printf("load at %d ranks (%s): %.3f s, %.1f MiB/s; read %.1f MiB in all, %.3fx the checkpoint\n", l.world,
+                  l.strategy.c_str(), l.seconds, size / l.seconds / mib, static_cast<double>(l.bytes_read) / mib,
                   static_cast<double>(l.bytes_read) / size);
     print_index_rows(index);
 
@@ -539,20 +518,11 @@ int main(int argc, char** argv) {
       doc.set("strategy", "zero3");
       doc.set("checkpoint_bytes", static_cast<unsigned long>(r.checkpoint_bytes));
       doc.set("block_bytes", static_cast<unsigned long>(cfg.block_bytes));
-      doc.set("repeat", cfg.repeat);
-      doc.set("disk_write_fsync_seconds", r.disk_seconds);
-      doc.set("disk_bytes_per_second", disk_rate);
-      doc.set("sync_save_seconds", r.sync_seconds);
-      doc.set("sync_save_bytes_per_second", sync_rate);
-      doc.set("sync_save_fraction_of_disk", sync_rate / disk_rate);
+      doc.set("rounds", cfg.rounds);
       const auto samples = [](const std::vector<double>& values) {
-        json list = json::make_array();
-        for (const double v : values) list.push_back(v);
-        return list;
+        return json(json::array(values.begin(), values.end()));
       };
-      doc.set("disk_write_fsync_seconds_runs", samples(r.disk_runs));
-      doc.set("sync_save_seconds_runs", samples(r.sync_runs));
-      doc.set("sync_save_fraction_of_disk_runs", samples(r.ratio_runs));
+      doc.set("disk_against_sync_save", cohort_bench::to_json(r.disk_against_sync));
       doc.set("between_saves_ms", cfg.between_ms);
       json async = json::make_array();
       for (const auto& a : r.async) {
@@ -560,14 +530,9 @@ int main(int argc, char** argv) {
         row.set("staging_bound_bytes_per_rank", static_cast<unsigned long>(a.bound));
         row.set("simulated_compute_ms", a.compute_ms);
         row.set("first_blocked_seconds", a.first_blocked);
-        row.set("save_call_seconds", a.save_call);
-        row.set("fence_wait_seconds", a.fence_wait);
+        row.set("blocked_against_sync_save", cohort_bench::to_json(a.against_sync));
         row.set("save_call_seconds_runs", samples(a.save_call_runs));
         row.set("fence_wait_seconds_runs", samples(a.fence_wait_runs));
-        row.set("blocked_seconds", a.blocked);
-        row.set("blocked_fraction_of_sync", a.blocked / r.sync_seconds);
-        row.set("committed_seconds", a.committed);
-        row.set("blocked_seconds_runs", samples(a.blocked_runs));
         row.set("committed_seconds_runs", samples(a.committed_runs));
         row.set("staging_peak_bytes_all_ranks", static_cast<unsigned long>(a.staging_peak));
         row.set("rss_peak_above_before_bytes", static_cast<unsigned long>(a.rss_peak));

@@ -1,26 +1,51 @@
-// Bucketed, overlapped gradient all-reduce on Gloo ranks (threads of this process) with a
-// ResNet-50-shaped gradient set (161 tensors, 25.6 M parameters):
-//  1. communication alone: one raw all-reduce of everything, one all-reduce per tensor, and
-//     training_state under ddp at bucket caps 1 .. 100 MiB (its step a plain SGD pass at lr 0:
-//     the one pass over the gradients a step needs, nothing else);
-//  2. a simulated backward (per-layer compute proportional to the layer's size, plus
-//     writing its gradient), without and with overlap: step time, compute time and exposed
-//     communication (step - compute); then the training state under every strategy with AdamW.
-// --compute-ms is what the whole backward takes alone, gradient writes included: each side
-// (this program and the PyTorch peer) calibrates its per-layer busy time until its own
-// "compute alone" meets it, since the framework around the compute costs each side a
-// different amount (autograd and AccumulateGrad's copy into .grad on PyTorch's). The two
-// step times then compare like for like, and exposed communication is shown beside them.
-// The simulated compute comes in two kinds, each its own table: `spin` busy-waits (a CPU
-// trainer: the backward occupies the cores the communication needs too) and `sleep` idles
-// (a GPU trainer: the host thread only launches kernels). Every row also reports the CPU
-// time the whole process spent per step (all ranks: they are threads of this process), from
-// which a floor follows: on C cores no schedule finishes a step in less than
-// (compute CPU + communication CPU) / C, however well it overlaps.
-// Optionally runs bench/peers/torch_ddp.py (PyTorch DDP over Gloo, same shapes, same
-// simulated backward) in the same run and prints the ratio of step times.
+// Data parallelism on a host engine, side by side with PyTorch, in A/B rounds.
 //
-//   bench_reducer [--ranks 2] [--iterations 8] [--compute-ms 120] [--compute-mode spin|sleep|both]
+// ResNet-50's gradient set (161 tensors, 25.6 M fp32 parameters) on Gloo ranks (threads of
+// this process) and a simulated backward: per layer, a share of the compute time in proportion
+// to its size, then its gradient written, last layer first. Every comparison is a pair of
+// sides measured in A/B rounds (bench/ab_rounds.hpp: A B B A per round, every sample printed,
+// the median of the rounds' ratios with its min-max spread), in each of two kinds of compute:
+// `spin` busy-waits (a CPU trainer: the backward occupies the cores the communication needs
+// too) and `sleep` idles (a GPU trainer, whose host thread only launches kernels).
+//
+// PyTorch's side is bench/peers/torch_ddp.py, a long-lived peer (DDP over Gloo, same shapes,
+// same simulated backward) that this program drives sample by sample through a pipe, so that
+// its samples and cohort's alternate within the same rounds; while one side runs, the other
+// waits idle. --compute-ms is what the whole backward takes alone, gradient writes and
+// framework included: each side calibrates its busy time until its own backward alone meets
+// it (autograd and AccumulateGrad cost PyTorch's side time of its own), so the steps compare
+// like for like.
+//
+// The pairs (--pairs picks some; targets from issue 36, and issue 33's for the adopted path):
+//   raw-avg           one all-reduce of every gradient, average against sum (<= 1.15)
+//   raw-torch         the same sum, cohort against PyTorch's dist.all_reduce
+//   gradients-torch   the gradient-only step (the backward, its buckets all-reduced as it
+//                     goes; the state's step measures the norm and leaves the update to the
+//                     trainer) against DDP with gradient_as_bucket_view (<= 0.90)
+//   gradients-serial  that step overlapped against the backward followed by the reduction (<= 1)
+//   step-torch        a whole step, training_state ddp with AdamW and clipping at 1.0, against
+//                     DDP (bucket views) + torch.optim.AdamW(foreach) + clip_grad_norm_ (<= 0.90)
+//   step-serial       the whole step overlapped against not (<= 1)
+//   zero1-torch       zero1 / zero2 against DDP + ZeroRedundancyOptimizer(AdamW)
+//   zero2-torch
+//   zero1-ddp         zero1 / zero2 against ddp, whole steps (<= 1)
+//   zero2-ddp
+//   zero2-serial      zero2 overlapped against not (<= 1)
+//   adopted-ddp       the adopting constructor over the trainer's own buffers (which the
+//   adopted-zero2     trainer zeroes itself) against the state's own buffers (0.95-1.05)
+//   zero3-p0          zero3 (units gathered in the forward and again in the backward) at
+//   zero3-p1          prefetch 0, 1, 2 against ddp's whole step (<= 1.30)
+//   zero3-p2
+// --units blocks (the default) makes each of ResNet-50's blocks a unit (a layer of the state:
+// the stem, the 16 bottlenecks, the classifier), as FSDP's auto-wrap by module would; --units
+// tensors makes every tensor its own (161 gathers each way at zero3).
+//
+// --forward-ms adds a simulated forward to every whole step, before its backward, on both sides
+// (no calibration: a sleep or spin of that length, shared by the tensors): what zero3's forward
+// gathers hide behind in a real model (default 0, a step of backward and update only).
+//
+//   bench_reducer [--ranks 2] [--iterations 4] [--rounds 3] [--compute-ms 120] [--forward-ms 0]
+//                 [--compute-mode spin|sleep|both] [--units blocks|tensors] [--pairs a,b,...]
 //                 [--json FILE] [--torch-peer bench/peers/torch_ddp.py] [--python python3]
 #include <cohort/comm/gloo.hpp>
 #include <cohort/parallel/training_state.hpp>
@@ -32,40 +57,53 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <fstream>
 #include <functional>
+#include <memory>
+#include <optional>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
 
+#include <fcntl.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
-#include <vector>
+
+#include "../examples/command_line.hpp"
+#include "ab_rounds.hpp"
 
 namespace {
 
 using clock_type = std::chrono::steady_clock;
 using group = cohort::process_group<cohort::gloo>;
+using state_type = cohort::training_state<cohort::gloo>;
+using cohort::strategy;
 using cohort::detail::json;
 
 struct tensor_shape {
   std::string name;
   std::size_t count;
+  std::size_t block;  // ResNet-50's module it belongs to: stem 0, bottlenecks 1-16, classifier 17
 };
 
 // torchvision's resnet50 parameters in declaration order: conv weights (no bias), batch-norm
 // weight and bias, and the classifier.
 std::vector<tensor_shape> resnet50() {
   std::vector<tensor_shape> shapes;
+  std::size_t block = 0;
   auto conv = [&](const std::string& name, std::size_t out, std::size_t in, std::size_t k) {
-    shapes.push_back({name + ".weight", out * in * k * k});
+    shapes.push_back({name + ".weight", out * in * k * k, block});
   };
   auto bn = [&](const std::string& name, std::size_t channels) {
-    shapes.push_back({name + ".weight", channels});
-    shapes.push_back({name + ".bias", channels});
+    shapes.push_back({name + ".weight", channels, block});
+    shapes.push_back({name + ".bias", channels, block});
   };
   conv("conv1", 64, 3, 7);
   bn("bn1", 64);
@@ -74,29 +112,26 @@ std::vector<tensor_shape> resnet50() {
   const int blocks[] = {3, 4, 6, 3};
   for (int stage = 0; stage < 4; ++stage) {
     const std::size_t width = widths[stage];
-    for (int block = 0; block < blocks[stage]; ++block) {
-      const std::string prefix = "layer" + std::to_string(stage + 1) + "." + std::to_string(block) + ".";
+    for (int b = 0; b < blocks[stage]; ++b) {
+      ++block;
+      const std::string prefix = "layer" + std::to_string(stage + 1) + "." + std::to_string(b) + ".";
       conv(prefix + "conv1", width, in, 1);
       bn(prefix + "bn1", width);
       conv(prefix + "conv2", width, width, 3);
       bn(prefix + "bn2", width);
       conv(prefix + "conv3", width * 4, width, 1);
       bn(prefix + "bn3", width * 4);
-      if (block == 0) {
+      if (b == 0) {
         conv(prefix + "downsample.0", width * 4, in, 1);
         bn(prefix + "downsample.1", width * 4);
       }
       in = width * 4;
     }
   }
-  shapes.push_back({"fc.weight", 1000 * 2048});
-  shapes.push_back({"fc.bias", 1000});
+  ++block;
+  shapes.push_back({"fc.weight", 1000 * 2048, block});
+  shapes.push_back({"fc.bias", 1000, block});
   return shapes;
-}
-
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
 }
 
 double ms_since(clock_type::time_point start) {
@@ -111,436 +146,560 @@ double process_cpu_ms() {
   return ms(usage.ru_utime) + ms(usage.ru_stime);
 }
 
-// Cores this process may run on.
 int usable_cores() {
   cpu_set_t set;
   if (::sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
-// spin: the compute occupies this thread's core (a CPU trainer); sleep: the thread is idle
-// while the compute runs elsewhere (a GPU trainer, whose host thread only launches kernels).
-void simulate_compute(std::chrono::nanoseconds duration, bool sleep) {
-  if (sleep) {
-    std::this_thread::sleep_for(duration);
-    return;
-  }
-  const auto until = clock_type::now() + duration;
-  while (clock_type::now() < until) {}
-}
-
 struct settings {
   int ranks = 2;
-  int iterations = 8;
+  int iterations = 4;  // steps per sample (its median)
+  int rounds = 3;
   double compute_ms = 120;
-  bool sleep_compute = false;  // --compute-mode sleep
-  bool both_modes = true;      // --compute-mode both (the default): a table for each
+  double forward_ms = 0;                 // a simulated forward before the backward, every whole step alike
+  std::vector<bool> modes{false, true};  // sleep? spin first
+  bool blocks = true;                    // --units
+  std::vector<std::string> pairs;        // empty: all
   std::string json_path;
   std::string torch_peer;
   std::string python = "python3";
 };
 
-struct row {
-  std::string what;
-  double cap_mib = 0;
-  std::size_t buckets = 0;
-  double step_ms = 0;
-  double compute_ms = 0;
-  double cpu_ms = 0;     // process CPU per step, all ranks
-  double budget_ms = 0;  // compute alone: the calibrated busy time within compute_ms
+// --- the PyTorch peer, driven through its standard input ----------------------------------------
+class torch_peer {
+ public:
+  // Starts `python peer --serve`; unavailable() says why when it could not (no torch: the
+  // peer exits with status 77 at once).
+  torch_peer(const settings& s) {
+    int to_peer[2], from_peer[2];
+    if (::pipe2(to_peer, O_CLOEXEC) != 0 || ::pipe2(from_peer, O_CLOEXEC) != 0) throw std::runtime_error("pipe failed");
+    const std::string ranks = std::to_string(s.ranks), compute = std::to_string(s.compute_ms),
+                      forward = std::to_string(s.forward_ms), iterations = std::to_string(s.iterations);
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::dup2(to_peer[0], 0);
+      ::dup2(from_peer[1], 1);
+      ::execlp(s.python.c_str(), s.python.c_str(), s.torch_peer.c_str(), "--serve", "--ranks", ranks.c_str(),
+               "--compute-ms", compute.c_str(), "--forward-ms", forward.c_str(), "--iterations", iterations.c_str(),
+               static_cast<char*>(nullptr));
+      std::perror("exec of the PyTorch peer");
+      ::_exit(127);
+    }
+    ::close(to_peer[0]);
+    ::close(from_peer[1]);
+    in_ = to_peer[1];
+    out_ = ::fdopen(from_peer[0], "r");
+  }
+  torch_peer(const torch_peer&) = delete;
+  torch_peer& operator=(const torch_peer&) = delete;
+  ~torch_peer() {
+    if (in_ >= 0) {
+      (void)!::write(in_, "quit\n", 5);
+      ::close(in_);
+    }
+    if (out_) std::fclose(out_);
+    if (pid_ > 0) {
+      int status = 0;
+      ::waitpid(pid_, &status, 0);
+    }
+  }
+  bool available() const { return !failed_; }
+  const std::string& failure() const { return failure_; }
+
+  // One command, its reply (null once the peer has failed).
+  json ask(const std::string& command) {
+    if (failed_) return {};
+    const std::string line = command + "\n";
+    if (::write(in_, line.data(), line.size()) != static_cast<ssize_t>(line.size())) return fail("the pipe closed");
+    char buffer[65536];
+    while (std::fgets(buffer, sizeof buffer, out_)) {
+      const std::string text = buffer;
+      if (text.rfind("reply ", 0) != 0) {
+        std::fputs(("  [peer] " + text).c_str(), stdout);
+        continue;
+      }
+      json reply = cohort::detail::parse_json(text.substr(6));
+      if (const json* error = reply.find("error")) return fail(error->as_string());
+      if (const json* version = reply.find("torch_version")) version_ = version->as_string();
+      return reply;
+    }
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return fail(WIFEXITED(status) && WEXITSTATUS(status) == 77 ? "torch is not installed"
+                                                               : "it exited (status " + std::to_string(status) + ")");
+  }
+  const std::string& version() const { return version_; }
+
+ private:
+  json fail(const std::string& why) {
+    failed_ = true;
+    failure_ = why;
+    return {};
+  }
+  pid_t pid_ = -1;
+  int in_ = -1;
+  std::FILE* out_ = nullptr;
+  bool failed_ = false;
+  std::string failure_, version_;
 };
 
-struct timing {
-  double wall_ms = 0;
-  double cpu_ms = 0;
+// --- the pairs ------------------------------------------------------------------------------------
+struct pair_spec {
+  const char* key;
+  const char* what;
+  const char* a;
+  const char* b;
+  std::optional<double> at_most = {};
+  std::optional<double> at_least = {};
+};
+
+const std::vector<pair_spec>& all_pairs() {
+  static const std::vector<pair_spec> pairs = {
+      {"raw-avg", "one all-reduce of every gradient: average against sum", "avg", "sum", 1.15},
+      {"raw-torch", "one all-reduce of every gradient (sum): cohort against PyTorch", "sum", "torch raw_sum"},
+      {"gradients-torch", "gradient-only step, overlapped: cohort ddp against DDP with bucket views", "gradients",
+       "torch ddp_views", 0.90},
+      {"gradients-serial", "gradient-only step: overlapped against the backward, then the reduction", "gradients",
+       "gradients serial", 1.0},
+      {"step-torch", "whole step: ddp + AdamW + clipping against DDP + AdamW(foreach) + clip_grad_norm_", "ddp",
+       "torch ddp_adamw", 0.90},
+      {"step-serial", "whole step, ddp: overlapped against not", "ddp", "ddp serial", 1.0},
+      {"zero1-torch", "whole step: zero1 against DDP + ZeroRedundancyOptimizer(AdamW)", "zero1", "torch ddp_zero"},
+      {"zero2-torch", "whole step: zero2 against DDP + ZeroRedundancyOptimizer(AdamW)", "zero2", "torch ddp_zero"},
+      {"zero1-ddp", "whole step: zero1 against ddp", "zero1", "ddp", 1.0},
+      {"zero2-ddp", "whole step: zero2 against ddp", "zero2", "ddp", 1.0},
+      {"zero2-serial", "whole step, zero2: overlapped against not", "zero2", "zero2 serial", 1.0},
+      {"adopted-ddp", "whole step, ddp: the trainer's buffers adopted against the state's own", "ddp adopted", "ddp",
+       1.05, 0.95},
+      {"adopted-zero2", "whole step, zero2: the trainer's buffers adopted against the state's own", "zero2 adopted",
+       "zero2", 1.05, 0.95},
+      {"zero3-p0", "whole step: zero3 (prefetch 0) against ddp", "zero3 prefetch 0", "ddp", 1.30},
+      {"zero3-p1", "whole step: zero3 (prefetch 1) against ddp", "zero3 prefetch 1", "ddp", 1.30},
+      {"zero3-p2", "whole step: zero3 (prefetch 2) against ddp", "zero3 prefetch 2", "ddp", 1.30},
+  };
+  return pairs;
+}
+
+bool is_torch(const std::string& side) { return side.rfind("torch ", 0) == 0; }
+
+// What one side is, parsed from its name: "ddp", "zero2 adopted", "gradients serial", ...
+struct side_kind {
+  strategy kind = strategy::ddp;
+  bool adopted = false;
+  bool serial = false;
+  bool gradients_only = false;  // trainer_optimizer with nothing to update: the reduction and the norm
+  int prefetch = 1;
+};
+
+side_kind parse_side(const std::string& name) {
+  side_kind s;
+  std::istringstream words(name);
+  std::string word;
+  words >> word;
+  if (word == "gradients") {
+    s.gradients_only = s.adopted = true;
+  } else if (const auto parsed = cohort::parse_strategy(word)) {
+    s.kind = *parsed;
+  } else {
+    throw std::runtime_error("unknown side " + name);
+  }
+  while (words >> word) {
+    if (word == "adopted") s.adopted = true;
+    if (word == "serial") s.serial = true;
+    if (word == "prefetch") words >> s.prefetch;
+  }
+  return s;
+}
+
+struct pair_result {
+  std::string mode, key;
+  cohort_bench::ab_result rounds;
+  double a_cpu_ms = 0, b_cpu_ms = 0;  // median CPU per step over the samples (all ranks)
+};
+
+struct mode_result {
+  std::string mode;
+  double compute_ms = 0, budget_ms = 0;  // cohort's backward alone, and its busy share
+  json torch_compute;                    // the peer's calibration
+  std::vector<pair_result> pairs;
 };
 
 class bench {
  public:
   bench(const settings& s) : settings_(s), shapes_(resnet50()) {
-    for (const auto& shape : shapes_) {
-      sizes_.push_back(shape.count);
-      total_ += shape.count;
+    for (const auto& shape : shapes_) total_ += shape.count;
+    // Units: the state's layers. A unit's tensors are consecutive in declaration order.
+    for (std::size_t t = 0, offset = 0; t < shapes_.size(); offset += shapes_[t++].count) {
+      const std::size_t unit = s.blocks ? shapes_[t].block : t;
+      regions_.push_back({shapes_[t].name, offset, shapes_[t].count, unit});
+      if (units_.size() <= unit) units_.resize(unit + 1);
+      units_[unit].push_back(t);
     }
   }
 
   std::size_t tensors() const { return shapes_.size(); }
   std::size_t parameters() const { return total_; }
+  std::size_t units() const { return units_.size(); }
 
-  // Runs every measurement on `ranks` threads; rank 0 records.
-  std::vector<row> run() {
-    std::vector<row> rows;
+  std::vector<mode_result> run(torch_peer* peer) {
+    std::vector<mode_result> results;
     cohort::run_ranks(settings_.ranks, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
       cohort::gloo::options options;
-      options.timeout = std::chrono::seconds(60);
+      options.timeout = std::chrono::minutes(10);  // a rank waits while the peer runs its samples
       group pg(store, env, options);
-      measure_all(pg, env.rank == 0 ? &rows : nullptr);
+      rank_context me{pg, env.rank == 0 ? peer : nullptr};
+      for (const bool sleep : settings_.modes) {
+        me.sleep = sleep;
+        mode_result mode = measure_mode(me);
+        if (env.rank == 0) results.push_back(std::move(mode));
+      }
     });
-    return rows;
+    return results;
   }
 
  private:
-  // Medians over iterations of fn's wall time and of the process's CPU time meanwhile, every
-  // rank starting together (the CPU window is rank 0's; the ranks start and end together).
-  timing timed(group& pg, const std::function<void()>& fn) {
-    std::vector<double> times, cpu;
-    for (int i = 0; i < settings_.iterations + 2; ++i) {
-      pg.barrier().wait();
-      const double cpu_start = process_cpu_ms();
-      const auto start = clock_type::now();
-      fn();
-      if (i >= 2) {  // two warm-up iterations
-        times.push_back(ms_since(start));
-        cpu.push_back(process_cpu_ms() - cpu_start);
-      }
-    }
-    return {median(times), median(cpu)};
-  }
+  // One rank's thread: its group, and (rank 0) the peer.
+  struct rank_context {
+    group& pg;
+    torch_peer* peer;
+    bool sleep = false;
+    double budget_ms = 0;  // per-step busy time the layers share (calibrated; rank 0's for all)
+    bool leader() const { return pg.rank() == 0; }
+  };
 
-  // One layer's share of the backward: busy-wait for its share of the compute budget and
-  // write its gradient.
-  void layer_backward(std::size_t t, std::span<float> gradient) const {
-    simulate_compute(std::chrono::nanoseconds(static_cast<std::int64_t>(
-                         budget_ms_ * 1e6 * static_cast<double>(sizes_[t]) / static_cast<double>(total_))),
-                     settings_.sleep_compute);
+  // Tensor t's share of `total_ms` of compute (spun or slept, by the mode).
+  void spend(const rank_context& me, std::size_t t, double total_ms) const {
+    const auto share = std::chrono::nanoseconds(static_cast<std::int64_t>(
+        total_ms * 1e6 * static_cast<double>(shapes_[t].count) / static_cast<double>(total_)));
+    if (me.sleep) {
+      std::this_thread::sleep_for(share);
+    } else {
+      const auto until = clock_type::now() + share;
+      while (clock_type::now() < until) {}
+    }
+  }
+  // One layer's share of the backward: its share of the busy time, then its gradient written.
+  void layer_backward(const rank_context& me, std::size_t t, std::span<float> gradient) const {
+    spend(me, t, me.budget_ms);
     std::fill(gradient.begin(), gradient.end(), 1e-3f * static_cast<float>(t % 7));
   }
 
-  // Sets the per-layer budget so that the whole backward alone takes --compute-ms (rank 0's
-  // median; every rank uses rank 0's budget). Returns the measured time.
-  timing calibrate(group& pg, const std::function<void()>& backward) {
-    // The ranks are threads sharing budget_ms_ (every one writes the same value): each decides
-    // by its own copy, which another rank's write for the next round cannot change under it.
-    double budget = settings_.compute_ms;
-    budget_ms_ = budget;
-    timing measured{};
-    constexpr int rounds = 6;
-    for (int round = 0;; ++round) {
-      measured = timed(pg, backward);
-      // Rank 0's measurement decides, for every rank: {measured, next budget}.
-      std::vector<double> state{measured.wall_ms, std::max(0.0, budget + settings_.compute_ms - measured.wall_ms)};
-      pg.broadcast(std::span<double>(state), 0).wait();
-      const bool met = std::abs(state[0] - settings_.compute_ms) <= 0.01 * settings_.compute_ms;
-      if (met || round + 1 == rounds || (budget == 0 && state[1] == 0)) break;
-      budget = state[1];
-      budget_ms_ = budget;
+  struct sample_value {
+    double ms = 0, cpu_ms = 0;
+  };
+  // Rank 0's median over --iterations steps, every rank starting each together, and the
+  // process's CPU per step (all ranks: they are threads of this process).
+  sample_value timed(rank_context& me, const std::function<void()>& step, int iterations = 0) const {
+    std::vector<double> times, cpu;
+    for (int i = 0; i < (iterations > 0 ? iterations : settings_.iterations); ++i) {
+      me.pg.barrier().wait();
+      const double cpu_start = process_cpu_ms();
+      const auto start = clock_type::now();
+      step();
+      times.push_back(ms_since(start));
+      cpu.push_back(process_cpu_ms() - cpu_start);
     }
-    return measured;
+    return {cohort_bench::median_of(times), cohort_bench::median_of(cpu)};
   }
 
-  void measure_all(group& pg, std::vector<row>* rows) {
-    auto record = [&](std::string what, double cap, std::size_t buckets, timing t, double compute) {
-      if (rows) rows->push_back({std::move(what), cap, buckets, t.wall_ms, compute, t.cpu_ms});
-    };
-    const std::size_t n = sizes_.size();
-    // Communication alone.
-    {
-      std::vector<float> everything(total_, 1.0f);
-      // Sum, in place: what the PyTorch peer's raw row does. Averaging on Gloo is the sum
-      // and then a pass dividing the result (Gloo has no average), shown separately.
-      record("raw all-reduce of all gradients (sum)", 0, 1,
-             timed(pg, [&] { pg.all_reduce(std::span<float>(everything), cohort::op::sum).wait(); }), 0);
-      record("raw all-reduce of all gradients (avg)", 0, 1,
-             timed(pg, [&] { pg.all_reduce(std::span<float>(everything), cohort::op::avg).wait(); }), 0);
-      std::vector<std::span<float>> per_tensor;
-      std::size_t offset = 0;
-      for (auto count : sizes_) {
-        per_tensor.emplace_back(everything.data() + offset, count);
-        offset += count;
-      }
-      record("per-tensor all-reduce (161 calls)", 0, n,
-             timed(pg,
-                   [&] {
-                     cohort::gloo::work last;
-                     for (std::size_t t = n; t-- > 0;) last = pg.all_reduce(per_tensor[t], cohort::op::avg);
-                     last.wait();
-                   }),
-             0);
-    }
-    const double caps[] = {1, 5, 10, 25, 50, 100};
-    // Every tensor its own layer, back to back in declaration order: under ddp the buckets fill
-    // to the cap across layers and launch as the backward marks them, last to first.
-    std::vector<cohort::region> layers;
-    for (std::size_t t = 0, offset = 0; t < n; offset += sizes_[t++])
-      layers.push_back({"t" + std::to_string(t), offset, sizes_[t], t});
-    const std::vector<float> initial(total_, 0.01f);
-    const auto ddp_options = [](std::size_t bytes) {
-      return cohort::training_options{.bucket_bytes = bytes, .sgd = cohort::sgd_options{.lr = 0}};
-    };
-    for (double cap : caps) {
-      const auto bytes = static_cast<std::size_t>(cap * (1 << 20));
-      cohort::training_state<cohort::gloo> ddp(pg, layers, ddp_options(bytes));
-      ddp.load_parameters(initial);
-      record("ddp all-reduce + step, no compute", cap, ddp.bucket_count(),
-             timed(pg,
-                   [&] {
-                     for (std::size_t t = n; t-- > 0;) ddp.mark_ready(t);
-                     ddp.step();
-                   }),
-             0);
-    }
-    // Simulated backward.
+  // Sets the busy time so that the backward alone takes --compute-ms (rank 0's median
+  // decides for every rank): up to 12 rounds, each moving the budget by the miss of the best
+  // round so far, so that one noisy sample cannot throw it off; the best round's budget is
+  // kept. Returns that round's time (the peer calibrates its side the same way).
+  double calibrate(rank_context& me) {
     std::vector<float> scratch(total_);
-    const timing compute_alone = calibrate(pg, [&] {
+    const auto backward = [&] {
       std::size_t offset = total_;
-      for (std::size_t t = n; t-- > 0;) {
-        offset -= sizes_[t];
-        layer_backward(t, std::span<float>(scratch.data() + offset, sizes_[t]));
+      for (std::size_t t = shapes_.size(); t-- > 0;) {
+        offset -= shapes_[t].count;
+        layer_backward(me, t, std::span<float>(scratch.data() + offset, shapes_[t].count));
       }
-    });
-    const double compute = compute_alone.wall_ms;
-    record("backward compute alone", 0, 0, compute_alone, compute);
-    if (rows) rows->back().budget_ms = budget_ms_;
-    {
-      cohort::training_state<cohort::gloo> ddp(pg, layers, ddp_options(std::size_t{25} << 20));
-      ddp.load_parameters(initial);
-      record("backward, then all-reduce (no overlap)", 25, ddp.bucket_count(),
-             timed(pg,
-                   [&] {
-                     for (std::size_t t = n; t-- > 0;) layer_backward(t, ddp.gradient(t));
-                     for (std::size_t t = n; t-- > 0;) ddp.mark_ready(t);
-                     ddp.step();
-                   }),
-             compute);
+    };
+    const double target = settings_.compute_ms;
+    me.budget_ms = target;
+    backward();
+    double best_miss = -1, best_ms = 0, best_budget = target;
+    for (int round = 0; round < 12; ++round) {
+      std::vector<double> measured{timed(me, backward, std::max(4, settings_.iterations)).ms};
+      me.pg.broadcast(std::span<double>(measured), 0).wait();
+      const double miss = std::abs(measured[0] - target);
+      if (best_miss < 0 || miss < best_miss) best_miss = miss, best_ms = measured[0], best_budget = me.budget_ms;
+      if (miss <= 0.01 * target) break;
+      me.budget_ms = std::max(0.0, best_budget + target - best_ms);
+      if (me.budget_ms == 0 && best_budget == 0) break;
     }
-    for (double cap : caps) {
-      const auto bytes = static_cast<std::size_t>(cap * (1 << 20));
-      cohort::training_state<cohort::gloo> overlapped(pg, layers, ddp_options(bytes));
-      overlapped.load_parameters(initial);
-      record("backward overlapped with ddp's all-reduce", cap, overlapped.bucket_count(),
-             timed(pg,
-                   [&] {
-                     for (std::size_t t = n; t-- > 0;) {
-                       layer_backward(t, overlapped.gradient(t));
-                       overlapped.mark_ready(t);
-                     }
-                     overlapped.step();
-                   }),
-             compute);
+    me.budget_ms = best_budget;
+    return best_ms;
+  }
+
+  // A side: whatever it holds, and one step of it.
+  struct side {
+    std::unique_ptr<state_type> state;
+    std::vector<float> parameters, gradients;  // adopted: the trainer's own
+    std::function<void()> step;
+    std::string torch_variant;  // a PyTorch side: the peer's
+  };
+
+  std::unique_ptr<side> make_side(rank_context& me, const std::string& name) {
+    auto made = std::make_unique<side>();
+    if (is_torch(name)) {
+      made->torch_variant = name.substr(6);
+      return made;
     }
-    // The one training state under each strategy, the same backward and AdamW (at zero3 every
-    // tensor is a layer, gathered in the forward and the backward).
-    for (const auto kind :
-         {cohort::strategy::ddp, cohort::strategy::zero1, cohort::strategy::zero2, cohort::strategy::zero3}) {
-      cohort::training_state<cohort::gloo> state(
-          pg, layers, {.strategy = kind, .bucket_bytes = std::size_t{25} << 20, .adam = {.lr = 1e-4}});
-      state.load_parameters(initial);
-      record("training_state " + std::string(cohort::to_string(kind)) + ": backward + AdamW", 25, state.bucket_count(),
-             timed(pg,
-                   [&] {
-                     if (kind == cohort::strategy::zero3)
-                       for (std::size_t t = 0; t < n; ++t) (void)state.gather(t);
-                     for (std::size_t t = n; t-- > 0;) {
-                       auto layer = state.gather(t);
-                       layer_backward(t, state.gradient(t));
-                       state.mark_ready(t);
-                     }
-                     state.step();
-                   }),
-             compute);
+    side& s = *made;
+    if (name == "sum" || name == "avg") {
+      s.gradients.assign(total_, 1.0f);
+      const auto reduce = name == "sum" ? cohort::op::sum : cohort::op::avg;
+      s.step = [&me, &s, reduce] { me.pg.all_reduce(std::span<float>(s.gradients), reduce).wait(); };
+      return made;
     }
+    const side_kind kind = parse_side(name);
+    cohort::training_options options{.strategy = kind.kind,
+                                     .adam = {.lr = 1e-4, .weight_decay = 0.01},
+                                     .trainer_optimizer = kind.gradients_only,
+                                     .max_grad_norm = kind.gradients_only ? 0.0 : 1.0,
+                                     .prefetch = kind.prefetch};
+    if (kind.adopted) {
+      s.parameters.assign(total_, 0.01f);
+      s.gradients.assign(total_, 0.0f);
+      s.state = std::make_unique<state_type>(me.pg, std::span<float>(s.parameters), std::span<float>(s.gradients),
+                                             regions_, options);
+    } else {
+      s.state = std::make_unique<state_type>(me.pg, regions_, options);
+      s.state->load_parameters(std::vector<float>(total_, 0.01f));
+    }
+    state_type& state = *s.state;
+    const bool zero_first = kind.adopted && !kind.gradients_only;  // the trainer's zero_grad
+    s.step = [this, &me, &s, &state, kind, zero_first] {
+      if (zero_first) std::memset(s.gradients.data(), 0, s.gradients.size() * sizeof(float));
+      if (kind.kind == strategy::zero3 || (settings_.forward_ms > 0 && !kind.gradients_only))
+        for (std::size_t u = 0; u < units_.size(); ++u) {  // the forward
+          auto view = state.gather(u);
+          for (const std::size_t t : units_[u]) spend(me, t, settings_.forward_ms);
+        }
+      for (std::size_t u = units_.size(); u-- > 0;) {
+        auto view = state.gather(u);
+        for (auto t = units_[u].rbegin(); t != units_[u].rend(); ++t) {
+          layer_backward(me, *t, state.gradient(*t));
+          if (!kind.serial) state.mark_ready(*t);
+        }
+      }
+      if (kind.serial)
+        for (std::size_t t = shapes_.size(); t-- > 0;) state.mark_ready(t);
+      state.step();
+      if (kind.gradients_only) state.publish_parameters();
+    };
+    return made;
+  }
+
+  sample_value sample(rank_context& me, side& s) {
+    if (s.torch_variant.empty()) return timed(me, s.step);
+    sample_value value;
+    if (me.leader()) {
+      const json reply = me.peer->ask("sample " + s.torch_variant + " " + std::to_string(settings_.iterations));
+      if (!reply.is_null()) value = {reply.at("ms").as_number(), reply.at("cpu_ms").as_number()};
+    }
+    me.pg.barrier().wait();
+    return value;
+  }
+
+  mode_result measure_mode(rank_context& me) {
+    mode_result out;
+    out.mode = me.sleep ? "sleep" : "spin";
+    if (me.leader())
+      std::printf("\n== simulated backward: %s (%s), %d ranks, %zu units ==\n", out.mode.c_str(),
+                  me.sleep ? "the host thread idles, as under a GPU's kernels" : "busy-waits, as a CPU trainer",
+                  settings_.ranks, units_.size());
+    out.compute_ms = calibrate(me);
+    out.budget_ms = me.budget_ms;
+    // Every rank learns whether the peer is there (only rank 0 talks to it).
+    std::vector<int> peer_ok{0};
+    if (me.leader() && me.peer) {
+      out.torch_compute = me.peer->ask("mode " + out.mode);
+      peer_ok[0] = me.peer->available() ? 1 : 0;
+      if (!peer_ok[0]) std::printf("PyTorch peer unavailable (%s): its pairs skipped\n", me.peer->failure().c_str());
+    }
+    me.pg.broadcast(std::span<int>(peer_ok), 0).wait();
+    if (me.leader()) {
+      std::printf("backward alone, calibrated to %.0f ms: cohort %.1f ms (%.1f ms busy)", settings_.compute_ms,
+                  out.compute_ms, out.budget_ms);
+      if (peer_ok[0])
+        std::printf("; PyTorch %.1f ms with bucket views (%.1f ms busy), %.1f ms by default",
+                    out.torch_compute.at("bucket_view_compute_ms").as_number(),
+                    out.torch_compute.at("bucket_view_compute_budget_ms").as_number(),
+                    out.torch_compute.at("compute_ms").as_number());
+      std::printf("\n\n");
+      std::fflush(stdout);
+    }
+    for (const auto& spec : all_pairs()) {
+      if (!settings_.pairs.empty() &&
+          std::find(settings_.pairs.begin(), settings_.pairs.end(), spec.key) == settings_.pairs.end())
+        continue;
+      const bool torch = is_torch(spec.a) || is_torch(spec.b);
+      if (torch && !peer_ok[0]) continue;
+      auto a = make_side(me, spec.a);
+      auto b = make_side(me, spec.b);
+      // Warm-up: buffers faulted in, pools filled, optimizer state allocated.
+      for (side* s : {a.get(), b.get()})
+        if (s->step) {
+          s->step();
+          s->step();
+        }
+      std::vector<double> a_cpu, b_cpu;
+      auto result = cohort_bench::ab_rounds(
+          spec.what, spec.a, spec.b, settings_.rounds,
+          [&] {
+            const auto v = sample(me, *a);
+            a_cpu.push_back(v.cpu_ms);
+            return v.ms;
+          },
+          [&] {
+            const auto v = sample(me, *b);
+            b_cpu.push_back(v.cpu_ms);
+            return v.ms;
+          });
+      result.at_most = spec.at_most;
+      result.at_least = spec.at_least;
+      if (torch && me.leader()) me.peer->ask("drop");
+      me.pg.barrier().wait();
+      if (!me.leader()) continue;
+      std::printf("[%s] ", out.mode.c_str());
+      cohort_bench::print_result(result);
+      const double a_cpu_ms = cohort_bench::median_of(a_cpu), b_cpu_ms = cohort_bench::median_of(b_cpu);
+      std::printf("    CPU per step, all ranks (median): A %.1f ms, B %.1f ms\n", a_cpu_ms, b_cpu_ms);
+      std::fflush(stdout);
+      out.pairs.push_back({out.mode, spec.key, std::move(result), a_cpu_ms, b_cpu_ms});
+    }
+    return out;
   }
 
   settings settings_;
-  double budget_ms_ = 0;  // per-step busy time the layers share (calibrated)
   std::vector<tensor_shape> shapes_;
-  std::vector<std::size_t> sizes_;
+  std::vector<cohort::region> regions_;
+  std::vector<std::vector<std::size_t>> units_;  // tensor indices of each unit (a layer of the state)
   std::size_t total_ = 0;
 };
-
-// Runs the PyTorch peer; returns its JSON, or null when it is skipped (no torch) or fails.
-json run_torch_peer(const settings& s) {
-  if (s.torch_peer.empty()) return {};
-  const std::string out = "/tmp/cohort_bench_reducer_torch_" + std::to_string(::getpid()) + ".json";
-  std::ostringstream command;
-  command << s.python << " " << s.torch_peer << " --ranks " << s.ranks << " --iterations " << s.iterations
-          << " --compute-ms " << s.compute_ms << " --compute-mode " << (s.sleep_compute ? "sleep" : "spin")
-          << " --json " << out;
-  std::printf("\nrunning the PyTorch DDP peer: %s\n", command.str().c_str());
-  std::fflush(stdout);
-  const int status = std::system(command.str().c_str());
-  if (status != 0) {
-    std::printf("PyTorch peer skipped or failed (exit status %d)\n", WEXITSTATUS(status));
-    return {};
-  }
-  std::ifstream file(out);
-  std::stringstream text;
-  text << file.rdbuf();
-  std::remove(out.c_str());
-  return cohort::detail::parse_json(text.str());
-}
-
-// One compute mode: cohort's table, the floor, and the PyTorch peer beside it.
-json run_mode(const settings& s) {
-  const char* mode = s.sleep_compute ? "sleep" : "spin";
-  bench b(s);
-  std::printf(
-      "\n== simulated backward: %s (%s) ==\n", mode,
-      s.sleep_compute ? "the host thread idles, as under a GPU's kernels" : "busy-waits on the core, as a CPU trainer");
-  const auto rows = b.run();
-  std::printf("\n%-46s %8s %8s %10s %10s %12s %10s\n", "measurement", "cap MiB", "buckets", "step ms", "compute",
-              "exposed comm", "CPU ms");
-  json results = json::make_array();
-  const row* overlapped = nullptr;
-  const row* compute_alone = nullptr;
-  const row* comm_alone = nullptr;
-  for (const auto& r : rows) {
-    const double exposed = r.compute_ms > 0 ? r.step_ms - r.compute_ms : r.step_ms;
-    std::printf("%-46s %8s %8zu %10.1f %10.1f %12.1f %10.1f\n", r.what.c_str(),
-                r.cap_mib > 0 ? std::to_string(static_cast<int>(r.cap_mib)).c_str() : "-", r.buckets, r.step_ms,
-                r.compute_ms, exposed, r.cpu_ms);
-    if (r.what.find("overlapped") != std::string::npos && r.cap_mib == 25) overlapped = &r;
-    if (r.what.find("compute alone") != std::string::npos) compute_alone = &r;
-    if (r.what.find("no compute") != std::string::npos && r.cap_mib == 25) comm_alone = &r;
-    json entry = json::make_object();
-    entry.set("measurement", r.what);
-    entry.set("cap_mib", r.cap_mib);
-    entry.set("buckets", r.buckets);
-    entry.set("step_ms", r.step_ms);
-    entry.set("compute_ms", r.compute_ms);
-    entry.set("exposed_comm_ms", exposed);
-    entry.set("cpu_ms", r.cpu_ms);
-    results.push_back(std::move(entry));
-  }
-  json document = json::make_object();
-  document.set("compute_mode", mode);
-  document.set("results", std::move(results));
-  if (!overlapped || !compute_alone || !comm_alone) return document;
-  // No schedule beats the longer of the two parts alone. On a host backend both also share
-  // the cores: with idle compute (sleep) the CPU the two need over the cores there are is a
-  // floor too; busy-waiting compute is elastic (a preempted spin ends on time all the same),
-  // so there it is not.
-  const int cores = usable_cores();
-  const double cpu_bound = (compute_alone->cpu_ms + comm_alone->cpu_ms) / cores;
-  double floor = std::max(compute_alone->step_ms, comm_alone->step_ms);
-  std::printf("\nfloor: compute alone %.1f ms, communication alone %.1f ms (25 MiB buckets; CPU %.1f ms on %d cores)",
-              compute_alone->step_ms, comm_alone->step_ms, comm_alone->cpu_ms, cores);
-  if (s.sleep_compute) {
-    floor = std::max(floor, cpu_bound);
-    std::printf(", CPU of both (%.1f + %.1f ms) / %d cores = %.1f ms", compute_alone->cpu_ms, comm_alone->cpu_ms, cores,
-                cpu_bound);
-  }
-  std::printf("\n  -> no overlap finishes a step in less than %.1f ms; the overlapped step is %.1f ms = %.2f x that\n",
-              floor, overlapped->step_ms, overlapped->step_ms / floor);
-  document.set("cores", cores);
-  document.set("floor_ms", floor);
-  document.set("overlapped_step_ms", overlapped->step_ms);
-  const row* raw_sum = nullptr;
-  for (const auto& r : rows)
-    if (r.what.find("(sum)") != std::string::npos) raw_sum = &r;
-  std::printf(
-      "calibrated compute: %.1f ms busy + %.1f ms writing gradients and looping = %.1f ms alone (target %.1f)\n",
-      compute_alone->budget_ms, compute_alone->step_ms - compute_alone->budget_ms, compute_alone->step_ms,
-      s.compute_ms);
-  const json torch = run_torch_peer(s);
-  if (!torch.is_null()) {
-    // cohort's ddp against DDP's gradient_as_bucket_view (the same memory layout: the backward
-    // writes into the buckets), and DDP's default (copied into its buckets) beside it. cohort's
-    // step also makes one SGD pass (lr 0) over the gradients, which the peer's does not.
-    const double views_step = torch.at("ddp_bucket_view_step_ms").as_number();
-    const double views_compute = torch.at("bucket_view_compute_ms").as_number();
-    const double default_step = torch.at("ddp_step_ms").as_number();
-    const double default_compute = torch.at("compute_ms").as_number();
-    const double exposed = overlapped->step_ms - compute_alone->step_ms;
-    const double views_exposed = views_step - views_compute;
-    std::printf("\nside by side, compute %s, %d ranks, 25 MiB buckets (PyTorch %s DDP over Gloo):\n", mode, s.ranks,
-                torch.at("torch_version").as_string().c_str());
-    std::printf("  %-50s %9s %14s %12s\n", "", "cohort", "DDP bucket", "DDP default");
-    std::printf("  %-50s %9s %14s %12s\n", "", "ddp", "views", "");
-    const auto line = [](const char* what, double a, double b, double c) {
-      std::printf("  %-50s %9.1f %14.1f %12.1f\n", what, a, b, c);
-    };
-    line("backward compute alone, ms (calibrated to target)", compute_alone->step_ms, views_compute, default_compute);
-    line("  of which busy time, ms", compute_alone->budget_ms, torch.at("bucket_view_compute_budget_ms").as_number(),
-         torch.at("compute_budget_ms").as_number());
-    line("overlapped step, ms", overlapped->step_ms, views_step, default_step);
-    line("exposed communication = step - compute, ms", exposed, views_exposed, default_step - default_compute);
-    line("CPU per step, ms (all ranks)", overlapped->cpu_ms, torch.at("ddp_bucket_view_step_cpu_ms").as_number(),
-         torch.at("ddp_step_cpu_ms").as_number());
-    if (raw_sum)
-      std::printf("  %-50s %9.1f %14.1f\n", "one all-reduce of every gradient (sum, in place)", raw_sum->step_ms,
-                  torch.at("raw_all_reduce_ms").as_number());
-    std::printf("  cohort / DDP with bucket views: step %.2f, exposed communication %.2f\n",
-                overlapped->step_ms / views_step, exposed / views_exposed);
-    document.set("torch", torch);
-    document.set("ratio_to_torch_ddp", overlapped->step_ms / views_step);
-    document.set("exposed_comm_ms", exposed);
-    document.set("torch_exposed_comm_ms", views_exposed);
-    document.set("exposed_ratio_to_torch_ddp", exposed / views_exposed);
-  }
-  return document;
-}
 
 }  // namespace
 
 int main(int argc, char** argv) try {
   settings s;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&] {
-      return i + 1 < argc ? std::string(argv[++i]) : throw std::runtime_error(arg + " needs a value");
-    };
-    if (arg == "--ranks")
-      s.ranks = std::stoi(value());
-    else if (arg == "--iterations")
-      s.iterations = std::stoi(value());
-    else if (arg == "--compute-ms")
-      s.compute_ms = std::stod(value());
-    else if (arg == "--compute-mode") {
-      const std::string mode = value();
+  for (cohort_examples::command_line args(argc, argv); args.next();) {
+    if (args.is("--ranks")) {
+      s.ranks = std::stoi(args.value());
+    } else if (args.is("--iterations")) {
+      s.iterations = std::stoi(args.value());
+    } else if (args.is("--rounds")) {
+      s.rounds = std::stoi(args.value());
+    } else if (args.is("--compute-ms")) {
+      s.compute_ms = std::stod(args.value());
+    } else if (args.is("--forward-ms")) {
+      s.forward_ms = std::stod(args.value());
+    } else if (args.is("--compute-mode")) {
+      const std::string mode = args.value();
       if (mode != "spin" && mode != "sleep" && mode != "both")
         throw std::runtime_error("--compute-mode is spin, sleep or both");
-      s.both_modes = mode == "both";
-      s.sleep_compute = mode == "sleep";
-    } else if (arg == "--json")
-      s.json_path = value();
-    else if (arg == "--torch-peer")
-      s.torch_peer = value();
-    else if (arg == "--python")
-      s.python = value();
-    else {
-      std::printf(
-          "usage: bench_reducer [--ranks N] [--iterations I] [--compute-ms MS] [--compute-mode spin|sleep|both] "
-          "[--json FILE] [--torch-peer bench/peers/torch_ddp.py] [--python python3]\n");
-      return arg == "--help" ? 0 : 2;
+      s.modes = mode == "both" ? std::vector<bool>{false, true} : std::vector<bool>{mode == "sleep"};
+    } else if (args.is("--units")) {
+      const std::string units = args.value();
+      if (units != "blocks" && units != "tensors") throw std::runtime_error("--units is blocks or tensors");
+      s.blocks = units == "blocks";
+    } else if (args.is("--pairs")) {
+      s.pairs = args.list();
+      for (const auto& key : s.pairs)
+        if (std::none_of(all_pairs().begin(), all_pairs().end(), [&](const pair_spec& p) { return key == p.key; }))
+          throw std::runtime_error("--pairs: no pair named " + key);
+    } else if (args.is("--json")) {
+      s.json_path = args.value();
+    } else if (args.is("--torch-peer")) {
+      s.torch_peer = args.value();
+    } else if (args.is("--python")) {
+      s.python = args.value();
+    } else {
+      std::string usage =
+          "usage: bench_reducer [--ranks N] [--iterations I] [--rounds R] [--compute-ms MS] [--forward-ms MS] "
+          "[--compute-mode spin|sleep|both] [--units blocks|tensors] [--pairs a,b,...] [--json FILE] "
+          "[--torch-peer bench/peers/torch_ddp.py] [--python python3]\npairs:";
+      for (const auto& p : all_pairs()) usage += std::string(" ") + p.key;
+      args.usage((usage + "\n").c_str());
     }
   }
+  if (s.iterations < 1 || s.rounds < 1 || s.ranks < 1) throw std::runtime_error("--iterations, --rounds, --ranks >= 1");
+  ::signal(SIGPIPE, SIG_IGN);  // a peer that died: its pipe's write fails instead
   const bench shape(s);
   std::printf(
-      "ResNet-50 gradient set: %zu tensors, %zu parameters (%.1f MB), %d Gloo ranks (threads), median of %d, "
-      "%d usable cores\n",
-      shape.tensors(), shape.parameters(), static_cast<double>(shape.parameters()) * 4 / 1e6, s.ranks, s.iterations,
-      usable_cores());
-  json modes = json::make_array();
-  struct ratio_pair {
-    std::string mode;
-    double step, exposed;
-  };
-  std::vector<ratio_pair> ratios;
-  for (const bool sleep : {false, true}) {
-    if (!s.both_modes && sleep != s.sleep_compute) continue;
-    settings one = s;
-    one.sleep_compute = sleep;
-    json result = run_mode(one);
-    if (const json* ratio = result.find("ratio_to_torch_ddp"))
-      ratios.push_back(
-          {sleep ? "sleep" : "spin", ratio->as_number(), result.at("exposed_ratio_to_torch_ddp").as_number()});
-    modes.push_back(std::move(result));
+      "ResNet-50 gradient set: %zu tensors in %zu units, %zu parameters (%.1f MB), %d Gloo ranks (threads), "
+      "%d usable cores; A/B rounds: %d, A B B A each, a sample the median of %d steps\n",
+      shape.tensors(), shape.units(), shape.parameters(), static_cast<double>(shape.parameters()) * 4 / 1e6, s.ranks,
+      usable_cores(), s.rounds, s.iterations);
+  std::unique_ptr<torch_peer> peer;
+  if (!s.torch_peer.empty()) peer = std::make_unique<torch_peer>(s);
+  bench b(s);
+  const auto modes = b.run(peer.get());
+
+  std::printf("\nsummary: median ratio [min-max] over %d rounds\n", s.rounds);
+  std::printf("%-18s", "pair");
+  for (const auto& m : modes) std::printf(" %24s", m.mode.c_str());
+  std::printf("  target\n");
+  for (const auto& spec : all_pairs()) {
+    std::string line;
+    bool any = false;
+    for (const auto& m : modes) {
+      char cell[64] = "-";
+      for (const auto& p : m.pairs)
+        if (p.key == spec.key) {
+          std::snprintf(cell, sizeof cell, "%.3f [%.3f-%.3f]%s", p.rounds.median_ratio, p.rounds.min_ratio,
+                        p.rounds.max_ratio, p.rounds.met() ? "" : " *");
+          any = true;
+        }
+      char padded[80];
+      std::snprintf(padded, sizeof padded, " %24s", cell);
+      line += padded;
+    }
+    if (!any) continue;
+    std::string target;
+    if (spec.at_least && spec.at_most) {
+      target = std::to_string(*spec.at_least).substr(0, 4) + "-" + std::to_string(*spec.at_most).substr(0, 4);
+    } else if (spec.at_most) {
+      target = "<= " + std::to_string(*spec.at_most).substr(0, 4);
+    }
+    std::printf("%-18s%s  %s\n", spec.key, line.c_str(), target.c_str());
   }
-  if (!ratios.empty()) {
-    std::printf("\ncohort / PyTorch DDP with bucket views, same calibrated compute:");
-    for (const auto& r : ratios)
-      std::printf("  %s: step %.2f, exposed communication %.2f", r.mode.c_str(), r.step, r.exposed);
-    std::printf("\n");
-  }
-  json document = json::make_object();
-  document.set("benchmark", "bench_reducer");
-  document.set("ranks", s.ranks);
-  document.set("tensors", shape.tensors());
-  document.set("parameters", shape.parameters());
-  document.set("compute_ms_target", s.compute_ms);
-  document.set("modes", std::move(modes));
+  std::printf("(* target not met)\n");
+
   if (!s.json_path.empty()) {
+    json document = json::make_object();
+    document.set("benchmark", "bench_reducer");
+    document.set("ranks", s.ranks);
+    document.set("tensors", shape.tensors());
+    document.set("units", shape.units());
+    document.set("parameters", shape.parameters());
+    document.set("compute_ms_target", s.compute_ms);
+    document.set("forward_ms", s.forward_ms);
+    document.set("iterations_per_sample", s.iterations);
+    document.set("rounds", s.rounds);
+    if (peer && !peer->version().empty()) document.set("torch_version", peer->version());
+    json list = json::make_array();
+    for (const auto& m : modes) {
+      json mode = json::make_object();
+      mode.set("compute_mode", m.mode);
+      mode.set("compute_alone_ms", m.compute_ms);
+      mode.set("compute_busy_ms", m.budget_ms);
+      if (!m.torch_compute.is_null()) mode.set("torch_compute", m.torch_compute);
+      json pairs = json::make_array();
+      for (const auto& p : m.pairs) {
+        json item = cohort_bench::to_json(p.rounds);
+        item.set("pair", p.key);
+        item.set("a_cpu_ms_per_step", p.a_cpu_ms);
+        item.set("b_cpu_ms_per_step", p.b_cpu_ms);
+        pairs.push_back(std::move(item));
+      }
+      mode.set("pairs", std::move(pairs));
+      list.push_back(std::move(mode));
+    }
+    document.set("modes", std::move(list));
     std::ofstream(s.json_path) << document.dump(2) << "\n";
     std::printf("wrote %s\n", s.json_path.c_str());
   }

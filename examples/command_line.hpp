@@ -7,8 +7,10 @@
 //     else args.usage("usage: train [--ranks N]\n");
 #include <cstdio>
 #include <cstdlib>
+#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace cohort_examples {
 
@@ -28,6 +30,14 @@ class command_line {
   std::string value() {
     if (at_ + 1 >= argc_) throw std::runtime_error(flag_ + " needs a value");
     return argv_[++at_];
+  }
+  // The current flag's value as a comma-separated list ("a,b,c"), empty items left out.
+  std::vector<std::string> list() {
+    std::vector<std::string> items;
+    std::stringstream in(value());
+    for (std::string item; std::getline(in, item, ',');)
+      if (!item.empty()) items.push_back(item);
+    return items;
   }
   // Prints `text` and ends the program: status 0 when the flag asked for help, else 2.
   [[noreturn]] void usage(const char* text) const {

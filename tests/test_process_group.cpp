@@ -141,6 +141,51 @@ TEMPLATE_TEST_CASE("reduce_scatter leaves each rank its reduced chunk", "[proces
   }
 }
 
+// Gloo averages floats by dividing each rank's part as it first reads it (no pass over the
+// result), and a reduce-scatter divides in its last addition: the result must still be the
+// sum divided by the world, at sizes Gloo cuts into many segments per rank (over 1 MiB per
+// rank's chunk) as well as at small ones, in place and out of place.
+TEMPLATE_TEST_CASE("an average is the sum divided by the world, whatever the size", "[process_group][gloo]", float,
+                   double, cohort::half, std::int32_t) {
+  for (int world : {2, 3, 4}) {
+    auto store = fresh_store();
+    cohort_test::run_ranks(world, [&](int rank) {
+      auto pg = make_group(store, rank, world);
+      const auto w = static_cast<std::size_t>(world);
+      for (const std::size_t n : {std::size_t{5}, std::size_t{1} << 12, (std::size_t{12} << 20) / sizeof(TestType)}) {
+        // Values that are not multiples of the world, different on every rank.
+        std::vector<TestType> in(n), averaged(n), in_place(n), summed(n);
+        for (std::size_t i = 0; i < n; ++i) in[i] = make<TestType>(static_cast<double>((i * 7 + rank * 5) % 23) + 0.25);
+        in_place = in;
+        pg.all_reduce(std::span<const TestType>(in), std::span<TestType>(averaged), op::avg).wait();
+        pg.all_reduce(std::span<TestType>(in_place), op::avg).wait();
+        pg.all_reduce(std::span<const TestType>(in), std::span<TestType>(summed), op::sum).wait();
+        const std::size_t chunk = n / w;
+        std::vector<TestType> scattered(chunk);
+        pg.reduce_scatter(std::span<const TestType>(in.data(), chunk * w), std::span<TestType>(scattered), op::avg)
+            .wait();
+        // Floats: within rounding of the sum's quotient (exact for a world that is a power of two,
+        // where dividing first loses nothing); integers: the truncated quotient exactly.
+        const auto close = [&](double got, double sum) {
+          const double want = std::is_integral_v<TestType> ? std::trunc(sum / world) : sum / world;
+          double tolerance = 0;
+          if constexpr (!std::is_integral_v<TestType>)
+            if ((world & (world - 1)) != 0 || sizeof(TestType) == 2)
+              tolerance = (sizeof(TestType) == 2 ? 4e-3 : 1e-6) * std::abs(want);
+          return std::abs(got - want) <= tolerance;
+        };
+        std::size_t wrong = 0;
+        for (std::size_t i = 0; i < n; ++i)
+          wrong +=
+              !close(value_of(averaged[i]), value_of(summed[i])) || !close(value_of(in_place[i]), value_of(summed[i]));
+        for (std::size_t i = 0; i < chunk; ++i)
+          wrong += !close(value_of(scattered[i]), value_of(summed[static_cast<std::size_t>(rank) * chunk + i]));
+        RANK_CHECK(wrong == 0, "world " << world << " n " << n << ": " << wrong << " elements off");
+      }
+    });
+  }
+}
+
 TEMPLATE_TEST_CASE("all_gather, broadcast and all_to_all move every rank's data", "[process_group][gloo]", float,
                    double, cohort::half, cohort::bfloat16, std::int32_t, std::int64_t, std::uint8_t) {
   for (int world : {2, 3, 4}) {

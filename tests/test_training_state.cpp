@@ -553,11 +553,13 @@ TEST_CASE(
   CHECK(stacked[1].layer == 2);
   CHECK(stacked[5].name == "b.1");
   CHECK(stacked[5].offset == 23 + 4 * 37 + 5);
-  // A bucket of one layer (w.1 and b.1) is two ranges of the buffer; of layers 1 and 2 merged, too.
+  // A bucket of one layer (w.1 and b.1) is two ranges of the buffer; of layers 1 and 2 merged, too
+  // (merged buckets fill from the last layer down: layers 3 and 4, then 1 and 2, then the rest).
   const auto one_layer = cohort::detail::plan_layout(regions, 2, 42, false);
   CHECK(one_layer.buckets[2].ranges.size() == 2);
   const auto merged = cohort::detail::plan_layout(regions, 2, 84, true);
-  CHECK(merged.buckets[1].regions == std::vector<std::size_t>({2, 3, 6, 7}));  // layers 2 and 3
+  CHECK(merged.buckets[2].regions == std::vector<std::size_t>({3, 4, 7, 8}));  // layers 3 and 4
+  CHECK(merged.buckets[1].regions == std::vector<std::size_t>({1, 2, 5, 6}));  // layers 1 and 2
   CHECK(merged.buckets[1].ranges.size() == 2);
   CHECK(merged.buckets[1].ranges[0].count == 74);
 }

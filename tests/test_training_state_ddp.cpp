@@ -288,6 +288,45 @@ TEST_CASE("ddp misuse names the rank and the region: marked twice in one step, o
                                      "offsets, layers, strategy, bucket_bytes or dtypes differ)"));
 }
 
+TEST_CASE("buckets fill in the backward's order, the first to launch closing at first_bucket_bytes, as DDP's",
+          "[training_state][ddp]") {
+  // Five layers of 10 floats, adjacent. A cap of 30 and a first bucket of 15: the last two
+  // layers launch first, together (they reach 15), and the other three follow in one bucket.
+  const auto five = one_per_layer(5, 10);
+  const auto small_first = cohort::detail::plan_layout(five, 2, 30, true, 15);
+  REQUIRE(small_first.buckets.size() == 2);
+  CHECK(small_first.buckets[1].regions == std::vector<std::size_t>({3, 4}));  // launches first
+  CHECK(small_first.buckets[0].regions == std::vector<std::size_t>({0, 1, 2}));
+  // Without a first bucket of its own (0, or one at least the cap), the last to launch holds
+  // what is left over, as DDP's last bucket does.
+  for (const std::size_t first : {std::size_t{0}, std::size_t{30}, std::size_t{1000}}) {
+    const auto even = cohort::detail::plan_layout(five, 2, 30, true, first);
+    REQUIRE(even.buckets.size() == 2);
+    CHECK(even.buckets[1].regions == std::vector<std::size_t>({2, 3, 4}));
+    CHECK(even.buckets[0].regions == std::vector<std::size_t>({0, 1}));
+  }
+  // A first bucket smaller than the last layer's region still holds that region whole: it
+  // closes once it holds the target. Here the classifier of a ResNet-50 (2,048,000 + 1,000
+  // floats) against DDP's 1 MiB: the first bucket is the classifier, as DDP's is.
+  std::vector<region> resnet_tail{
+      {"layer4.2.bn3.bias", 0, 2048, 0}, {"fc.weight", 2048, 2048000, 1}, {"fc.bias", 2050048, 1000, 2}};
+  const auto tail = cohort::detail::plan_layout(resnet_tail, 2, (std::size_t{25} << 20) / 4, true, (1u << 20) / 4);
+  REQUIRE(tail.buckets.size() == 2);
+  CHECK(tail.buckets[1].regions == std::vector<std::size_t>({1, 2}));
+  CHECK(tail.buckets[1].elements == 2049000);
+  // Layers stay whole while they fit: two layers of two regions (6 + 6 floats) under a cap of
+  // 16 are two buckets, not 16 + 8; a layer past the cap is cut between its regions.
+  const std::vector<region> pairs{{"a0", 0, 6, 0}, {"b0", 6, 6, 0}, {"a1", 12, 6, 1}, {"b1", 18, 6, 1}};
+  const auto whole = cohort::detail::plan_layout(pairs, 1, 16, true, 16);
+  REQUIRE(whole.buckets.size() == 2);
+  CHECK(whole.buckets[1].regions == std::vector<std::size_t>({2, 3}));
+  const auto cut = cohort::detail::plan_layout(pairs, 1, 10, true);
+  CHECK(cut.buckets.size() == 4);
+  // The state's default is DDP's: a 1 MiB first bucket under 25 MiB buckets.
+  CHECK(cohort::training_options{}.first_bucket_bytes == std::size_t{1} << 20);
+  CHECK(cohort::training_options{}.bucket_bytes == std::size_t{25} << 20);
+}
+
 TEST_CASE("the bucketing rule: regions fill a bucket up to bucket_bytes, and a larger region has one of its own",
           "[training_state][ddp]") {
   // Floats in six layers, adjacent in the buffer; a cap of 500 elements (2000 bytes).

@@ -3,15 +3,19 @@
 // llm.c's stacked layout against a single-process AdamW in double, with clipping, per-tensor
 // weight decay and an inf on one rank only that every rank skips; a bucket launched as soon as
 // its last region is marked; a rank with another bucket size refused on every rank; overlapping
-// regions and a parameter buffer of the wrong size refused, naming them.
+// regions and a parameter buffer of the wrong size refused, naming them; the bucket buffer
+// pool's choice of a buffer whose last use is done.
 #include <catch2/catch.hpp>
 
 #include <cohort/parallel/training_state.hpp>
 
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <limits>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -214,4 +218,46 @@ TEST_CASE(
   cohort::training_state<cohort::gloo, float> state{single, {{"a", 0, 6}, {"b", 6, 4}}, {.strategy = strategy::zero2}};
   REQUIRE_THROWS_WITH(state.load_parameters(std::vector<float>(9)),
                       Catch::Contains("9 elements for regions covering 10"));
+}
+
+// The pooled bucket buffers of zero2/zero3 on a host backend: the caller waits for a reused
+// buffer's last use before writing into it, so the pool hands out one whose last use is done,
+// even a larger one, rather than the smallest that fits while its reduction is in flight.
+TEST_CASE("the bucket buffer pool prefers a buffer whose last use is done", "[training_state][gloo]") {
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(1, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 1);
+    auto& engine = pg.backend();
+    cohort::detail::buffer_pool<cohort::gloo> pool(engine);
+    std::mutex mutex;
+    std::condition_variable released;
+    bool go = false;
+    // A reduction still in flight: a task on the group's worker that waits until released.
+    const auto in_flight = engine.enqueue([&] {
+      std::unique_lock lock(mutex);
+      released.wait(lock, [&] { return go; });
+    });
+    auto busy = pool.take(64);
+    auto idle = pool.take(256);
+    busy.last_use = in_flight;
+    const void* busy_data = busy.data;
+    const void* idle_data = idle.data;
+    pool.put(std::move(busy));
+    pool.put(std::move(idle));
+    RANK_CHECK(pool.fit(32) == std::optional<std::size_t>(64));         // the smallest that fits
+    RANK_CHECK(pool.fit(32, true) == std::optional<std::size_t>(256));  // the idle one
+    auto taken = pool.take(32, true);
+    RANK_CHECK(taken.data == idle_data);
+    RANK_CHECK(pool.allocations() == 2);  // no new allocation for it
+    {
+      std::lock_guard lock(mutex);
+      go = true;
+    }
+    released.notify_all();
+    in_flight.wait();
+    auto next = pool.take(32, true);  // the first buffer's last use is done now
+    RANK_CHECK(next.data == busy_data);
+    pool.put(std::move(taken));
+    pool.put(std::move(next));
+  });
 }

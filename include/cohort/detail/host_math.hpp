@@ -50,6 +50,39 @@ inline reduce_fn reduce_function(dtype type, op value) {
   return visit_dtype(type, [&](auto sample) { return reduce_function<decltype(sample)>(value); });
 }
 
+// Averaging on Gloo without a pass of its own (cohort/comm/impl/gloo.ipp). Gloo's all-reduce
+// is given a rank's buffer as two inputs, which it combines once per element before that
+// element is first sent or added to a peer's: that local step (both operands the same memory)
+// divides, and adding a peer's part sums, so the contributions are averaged as they are read,
+// as NCCL's average pre-multiplies.
+template <class T>
+void average_step_into(void* out, const void* a, const void* b, std::size_t n, int divisor) {
+  if (a != b) return reduce_into<T, op::sum>(out, a, b, n);
+  auto* o = static_cast<T*>(out);
+  const auto* x = static_cast<const T*>(a);
+  for (std::size_t i = 0; i < n; ++i) o[i] = divided(x[i], divisor);
+}
+
+// out = (a + b) / divisor: the addition that completes a sum and its average in one pass (a
+// reduce-scatter's last, or any of an all-reduce's between two ranks).
+template <class T>
+void sum_divided_into(void* out, const void* a, const void* b, std::size_t n, int divisor) {
+  auto* o = static_cast<T*>(out);
+  const auto* x = static_cast<const T*>(a);
+  const auto* y = static_cast<const T*>(b);
+  for (std::size_t i = 0; i < n; ++i) o[i] = divided(combine<T, op::sum>(x[i], y[i]), divisor);
+}
+
+using divided_reduce_fn = void (*)(void*, const void*, const void*, std::size_t, int);
+
+// The two above for a run-time dtype.
+inline divided_reduce_fn average_step_function(dtype type) {
+  return visit_dtype(type, [](auto sample) -> divided_reduce_fn { return &average_step_into<decltype(sample)>; });
+}
+inline divided_reduce_fn sum_divided_function(dtype type) {
+  return visit_dtype(type, [](auto sample) -> divided_reduce_fn { return &sum_divided_into<decltype(sample)>; });
+}
+
 // data[i] /= divisor, with detail::divided's rules (integers truncate).
 template <class T>
 void divide(T* data, std::size_t n, int divisor) {

@@ -94,7 +94,7 @@ struct bucket {
 
 struct state_layout {
   std::vector<placed_region> regions;                      // by region index
-  std::vector<bucket> buckets;                             // by layer; they launch last to first
+  std::vector<bucket> buckets;                             // by layer, upward; they launch last to first
   std::vector<std::size_t> first_bucket_of_layer;          // by layer, and one past the last layer
   std::vector<std::vector<std::size_t>> regions_of_layer;  // region indices, declaration order
   std::size_t elements = 0;                                // of the trainer's flat buffer
@@ -108,11 +108,17 @@ struct state_layout {
 // as text (naming regions and element ranges), or empty.
 std::string check_regions(const std::vector<region>& regions, std::size_t elements = 0);
 
-// Buckets of whole regions, layer by layer (declaration order inside a layer), up to
-// `bucket_elements` (a larger region gets its own; `merge_layers`: consecutive small layers
-// share one, which ZeRO-3 does not, since it gathers layer by layer); each bucket's regions
-// joined into ranges where they are adjacent in the buffer.
-state_layout plan_layout(const std::vector<region>& regions, int world, std::size_t bucket_elements, bool merge_layers);
+// Buckets of whole regions, numbered by layer upward (they launch last to first). Merged
+// (`merge_layers`: ddp, zero1, zero2) they fill in the backward's order, from the last layer's
+// last region down, across layers, as DDP's do: each closes once it holds `bucket_elements`,
+// the first to launch once it holds `first_bucket_elements` (0: the same; capped at
+// bucket_elements), so that the reduction starts early in the backward; none grows past
+// bucket_elements (a larger region gets a bucket of its own), and the last to launch holds
+// what is left. Layer by layer (ZeRO-3, which gathers layer by layer): a layer's regions in
+// declaration order, up to bucket_elements. Each bucket's regions are joined into ranges
+// where they are adjacent in the buffer.
+state_layout plan_layout(const std::vector<region>& regions, int world, std::size_t bucket_elements, bool merge_layers,
+                         std::size_t first_bucket_elements = 0);
 
 // The pieces of `rank`'s chunks, by region, in the rank's owned numbering (`flat`: the flat
 // buffer's offsets instead, as under ddp), with the remainders too where `remainders` says.
@@ -127,7 +133,7 @@ std::vector<shard_segment> joined_segments(const std::vector<shard_segment>& seg
 
 // A fingerprint of what must match across ranks for the collectives to pair up.
 std::int64_t layout_fingerprint(const std::vector<region>& regions, std::size_t elements, std::size_t bucket_elements,
-                                int strategy, int parameter_type, int gradient_type);
+                                std::size_t first_bucket_elements, int strategy, int parameter_type, int gradient_type);
 
 }  // namespace detail
 }  // namespace cohort::inline v0

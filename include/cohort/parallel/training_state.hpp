@@ -140,8 +140,12 @@ constexpr std::optional<strategy> parse_strategy(std::string_view text) noexcept
 struct training_options {
   cohort::strategy strategy = strategy::ddp;
   std::size_t bucket_bytes = std::size_t{25} << 20;  // of gradients, per bucket
-  adam_options adam = {};                            // AdamW, the default optimizer
-  std::optional<sgd_options> sgd = {};               // set: SGD (with momentum) instead
+  // ddp, zero1, zero2: the first bucket to launch (the last layers') closes once it holds
+  // this much, so that the reduction starts early in the backward, as DDP's 1 MiB first bucket
+  // (capped at bucket_bytes; 0: bucket_bytes). Buckets fill in the backward's order.
+  std::size_t first_bucket_bytes = std::size_t{1} << 20;
+  adam_options adam = {};               // AdamW, the default optimizer
+  std::optional<sgd_options> sgd = {};  // set: SGD (with momentum) instead
   // The trainer updates the parameters with its own optimizer: step() reduces, measures and
   // decides (the global norm, the clip factor, the skip every rank takes), and the trainer
   // updates owned_spans() then calls publish_parameters(). The state keeps no optimizer state.
@@ -651,9 +655,9 @@ class training_state {
   bool adopted_ = false;
   std::int64_t fingerprint_ = 0;  // of what the collectives pair up by, the same on every rank
   detail::state_layout layout_;
-  std::vector<shard_segment> update_segments_;  // the optimizer's: owned pieces joined by group
-  std::vector<shard_segment> norm_segments_;    // the norm's: each element counted once over the ranks
-  std::vector<owned_span> owned_spans_;         // trainer_optimizer: the owned pieces, by region
+  std::vector<shard_segment> update_segments_;              // the optimizer's: owned pieces joined by group
+  std::vector<std::vector<shard_segment>> norm_by_bucket_;  // the norm's, by bucket: each element once over the ranks
+  std::vector<owned_span> owned_spans_;                     // trainer_optimizer: the owned pieces, by region
   std::size_t owned_ = 0;
 
   P* params_ = nullptr;                   // the flat parameters (adopted or owned), or zero3's shard
@@ -665,7 +669,7 @@ class training_state {
   detail::backend_buffer<B> first_;       // owned numbering: Adam's first moment, or SGD's momentum
   detail::backend_buffer<B> second_;      // owned numbering: Adam's second moment
   detail::backend_buffer<B> scratch_;     // owned numbering: gradients cast to the master type
-  detail::backend_buffer<B> stats_;       // the non-finite count and the sum of squares
+  detail::backend_buffer<B> stats_;       // the non-finite count and the step's sum of squares so far
   pool_type gradient_pool_;
   pool_type parameter_pool_;
   std::size_t gradient_pool_bytes_ = 0, parameter_pool_bytes_ = 0;  // allocated by each pool

@@ -2,8 +2,12 @@
 // Buffers in a backend's memory reused across operations (training_state's gathered layers
 // and bucket gradients): take() hands out the smallest pooled buffer that fits, or allocates;
 // trim_while() frees pooled buffers oldest first. Each buffer remembers the work that last
-// used it and is freed only after that work completes; reuse needs no wait, since every
-// later use is queued in the same backend order. Not thread-safe: the owner locks.
+// used it and is freed only after that work completes; reuse needs no wait where every later
+// use is queued in the same backend order (a device stream). A host caller that writes into a
+// reused buffer itself waits for its last use first: take(bytes, true) prefers a buffer whose
+// last use is done, larger if need be, to the smallest that fits, so that a backward asking
+// for the next bucket's buffer does not wait for the reduction of the bucket it just marked.
+// Not thread-safe: the owner locks.
 
 #include <cstddef>
 #include <optional>
@@ -27,14 +31,15 @@ class buffer_pool {
   ~buffer_pool() { clear(); }
 
   // The capacity take(bytes) would hand out from the pool, if any buffer fits.
-  std::optional<std::size_t> fit(std::size_t bytes) const {
-    if (const auto i = best_fit(bytes)) return free_[*i].capacity;
+  std::optional<std::size_t> fit(std::size_t bytes, bool prefer_idle = false) const {
+    if (const auto i = best_fit(bytes, prefer_idle)) return free_[*i].capacity;
     return std::nullopt;
   }
 
-  // A pooled buffer of at least `bytes` (the smallest), else a new allocation.
-  buffer take(std::size_t bytes) {
-    if (const auto i = best_fit(bytes)) {
+  // A pooled buffer of at least `bytes` (the smallest; with `prefer_idle` the smallest whose
+  // last use is done, if any), else a new allocation.
+  buffer take(std::size_t bytes, bool prefer_idle = false) {
+    if (const auto i = best_fit(bytes, prefer_idle)) {
       buffer b = std::move(free_[*i]);
       free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(*i));
       pooled_ -= b.capacity;
@@ -83,11 +88,23 @@ class buffer_pool {
   std::size_t allocations() const noexcept { return allocations_; }
 
  private:
-  std::optional<std::size_t> best_fit(std::size_t bytes) const {
-    std::optional<std::size_t> best;
-    for (std::size_t i = 0; i < free_.size(); ++i)
-      if (free_[i].capacity >= bytes && (!best || free_[i].capacity < free_[*best].capacity)) best = i;
-    return best;
+  std::optional<std::size_t> best_fit(std::size_t bytes, bool prefer_idle) const {
+    std::optional<std::size_t> best, best_idle;
+    for (std::size_t i = 0; i < free_.size(); ++i) {
+      if (free_[i].capacity < bytes) continue;
+      if (!best || free_[i].capacity < free_[*best].capacity) best = i;
+      if (prefer_idle && idle(free_[i]) && (!best_idle || free_[i].capacity < free_[*best_idle].capacity))
+        best_idle = i;
+    }
+    return best_idle ? best_idle : best;
+  }
+  // Its last use is done (or failed: the failure is the group's, reported where it is waited for).
+  static bool idle(const buffer& b) noexcept {
+    try {
+      return b.last_use.test();
+    } catch (...) {
+      return true;
+    }
   }
 
   B* engine_;

@@ -932,14 +932,36 @@ COHORT_DECL auto gloo::execute_sized(detail::gloo_task& task) -> void {
     case task_kind::all_reduce: {
       ::gloo::AllreduceOptions opts(context_);
       opts.setTag(collective_tag(task));
-      // Out of place, Gloo copies each input segment just before it sends or reduces it,
-      // while it is hot; a copy of the whole input first would be a cold pass of its own.
-      if (in != out) opts.setInput(const_cast<T*>(in), n);
+      // An average divides where Gloo completes each element's sum, not in a pass of its own
+      // over the result. With two ranks every addition Gloo makes completes its elements' sum
+      // (two parts, one addition, whatever the algorithm), so it divides as it adds, exactly
+      // as the sum's quotient. With more, floats are divided as Gloo first reads them
+      // (detail::average_step_into: the input given twice, whose local combination divides),
+      // as NCCL's average pre-multiplies; integers sum and then divide, keeping the truncation
+      // exact.
+      const bool average = task.reduce == op::avg && size_ > 1;
+      const bool divide_first = average && size_ > 2 && is_floating(task.type);
+      if (average && size_ == 2) {
+        if (in != out) opts.setInput(const_cast<T*>(in), n);
+        opts.setReduceFunction(
+            [divided = detail::sum_divided_function(task.type)](void* o, const void* a, const void* b,
+                                                                std::size_t count) { divided(o, a, b, count, 2); });
+      } else if (divide_first) {
+        T* input = const_cast<T*>(in);
+        opts.setInputs(std::vector<T*>{input, input}, n);
+        opts.setReduceFunction(
+            [step = detail::average_step_function(task.type), world = size_](
+                void* o, const void* a, const void* b, std::size_t count) { step(o, a, b, count, world); });
+      } else {
+        // Out of place, Gloo copies each input segment just before it sends or reduces it,
+        // while it is hot; a copy of the whole input first would be a cold pass of its own.
+        if (in != out) opts.setInput(const_cast<T*>(in), n);
+        opts.setReduceFunction(detail::reduce_function(task.type, task.reduce));
+      }
       opts.setOutput(out, n);
-      opts.setReduceFunction(detail::reduce_function(task.type, task.reduce));
       opts.setTimeout(options_.timeout);
       ::gloo::allreduce(opts);
-      if (task.reduce == op::avg) detail::host::divide(out, n, task.type, size_);
+      if (average && size_ > 2 && !divide_first) detail::host::divide(out, n, task.type, size_);
       return;
     }
     case task_kind::reduce_scatter: {
@@ -959,8 +981,13 @@ COHORT_DECL auto gloo::execute_sized(detail::gloo_task& task) -> void {
       }
       std::memmove(out, gathered, n * sizeof(T));
       const auto reduce = detail::reduce_function(task.type, task.reduce);
-      for (std::size_t r = 1; r < world; ++r) reduce(out, out, gathered + r * n, n);
-      if (task.reduce == op::avg) detail::host::divide(out, n, task.type, size_);
+      // An average divides in the last addition's pass, not in a pass of its own.
+      const bool average = task.reduce == op::avg && world > 1;
+      for (std::size_t r = 1; r < world; ++r)
+        if (average && r + 1 == world)
+          detail::sum_divided_function(task.type)(out, out, gathered + r * n, n, size_);
+        else
+          reduce(out, out, gathered + r * n, n);
       return;
     }
     case task_kind::all_gather: {

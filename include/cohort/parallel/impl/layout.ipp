@@ -102,7 +102,7 @@ COHORT_DECL std::string check_regions(const std::vector<region>& regions, std::s
 }
 
 COHORT_DECL state_layout plan_layout(const std::vector<region>& regions, int world, std::size_t bucket_elements,
-                                     bool merge_layers) {
+                                     bool merge_layers, std::size_t first_bucket_elements) {
   state_layout layout;
   layout.world = std::max(world, 1);
   layout.regions.resize(regions.size());
@@ -112,56 +112,75 @@ COHORT_DECL state_layout plan_layout(const std::vector<region>& regions, int wor
   }
   const auto n = static_cast<std::size_t>(layout.world);
   bucket_elements = std::max<std::size_t>(bucket_elements, 1);
-  // Layer by layer; inside a layer, declaration order.
+  first_bucket_elements =
+      first_bucket_elements == 0 ? bucket_elements : std::min(first_bucket_elements, bucket_elements);
   layout.regions_of_layer.assign(layout.layers, {});
   for (std::size_t i = 0; i < regions.size(); ++i) layout.regions_of_layer[regions[i].layer].push_back(i);
 
+  // Buckets fill layer by layer. Merged (ddp, zero1, zero2), in the backward's order: from the
+  // last layer down, a layer's regions last to first, as DDP fills its buckets in reverse
+  // parameter order, so that the bucket that launches first is the one that fills first and
+  // only the last to launch holds what is left. A bucket takes whole layers while they fit,
+  // closes once it holds its target (first_bucket_elements for the first to launch, so that
+  // the reduction starts early in the backward; bucket_elements for the others) and never
+  // grows past bucket_elements: a layer larger than that is cut between its regions, and a
+  // region larger than that gets a bucket of its own. Layer by layer (zero3, which gathers
+  // layer by layer): each layer's regions in declaration order, in buckets of its own.
+  std::vector<bucket> planned;
   bucket open;
-  bool has_open = false;
-  // A bucket's regions in buffer order, joined into ranges where adjacent, each range cut into
-  // chunks and a remainder; owned positions run on from the buckets before.
+  std::size_t open_elements = 0;
   const auto close = [&] {
-    if (!has_open) return;
-    std::sort(open.regions.begin(), open.regions.end(),
-              [&](std::size_t a, std::size_t b) { return regions[a].offset < regions[b].offset; });
-    const std::size_t b = layout.buckets.size();
-    for (const std::size_t i : open.regions) {
-      const region& r = regions[i];
-      if (open.ranges.empty() || open.ranges.back().offset + open.ranges.back().count != r.offset)
-        open.ranges.push_back({r.offset, 0, open.elements, 0, 0, 0});
-      layout.regions[i] = {b, open.ranges.size() - 1, open.elements};
-      open.ranges.back().count += r.count;
-      open.elements += r.count;
+    if (open.regions.empty()) return;
+    planned.push_back(std::move(open));
+    open = bucket{};
+    open_elements = 0;
+  };
+  const auto target = [&] { return merge_layers && planned.empty() ? first_bucket_elements : bucket_elements; };
+  for (std::size_t k = 0; k < layout.layers; ++k) {
+    const std::size_t l = merge_layers ? layout.layers - 1 - k : k;
+    std::vector<std::size_t> in_layer = layout.regions_of_layer[l];
+    if (merge_layers) std::reverse(in_layer.begin(), in_layer.end());
+    std::size_t layer_elements = 0;
+    for (const std::size_t i : in_layer) layer_elements += regions[i].count;
+    if (!merge_layers || open_elements + layer_elements > bucket_elements) close();
+    const bool whole = layer_elements <= bucket_elements;
+    for (const std::size_t i : in_layer) {
+      if (!whole && open_elements + regions[i].count > bucket_elements) close();
+      open.layer = open.regions.empty() ? l : std::min(open.layer, l);
+      open.regions.push_back(i);
+      open_elements += regions[i].count;
+      if (!whole && open_elements >= target()) close();
     }
-    for (auto& range : open.ranges) {
+    if (whole && open_elements >= target()) close();
+  }
+  close();
+  if (merge_layers) std::reverse(planned.begin(), planned.end());  // buckets are numbered by layer, upward
+
+  // Each bucket's regions in buffer order, joined into ranges where adjacent, each range cut
+  // into chunks and a remainder; owned positions run on from bucket to bucket.
+  for (auto& b : planned) {
+    std::sort(b.regions.begin(), b.regions.end(),
+              [&](std::size_t x, std::size_t y) { return regions[x].offset < regions[y].offset; });
+    const std::size_t index = layout.buckets.size();
+    for (const std::size_t i : b.regions) {
+      const region& r = regions[i];
+      if (b.ranges.empty() || b.ranges.back().offset + b.ranges.back().count != r.offset)
+        b.ranges.push_back({r.offset, 0, b.elements, 0, 0, 0});
+      layout.regions[i] = {index, b.ranges.size() - 1, b.elements};
+      b.ranges.back().count += r.count;
+      b.elements += r.count;
+    }
+    for (auto& range : b.ranges) {
       range.chunk = range.count / n;
       range.remainder = range.count - range.chunk * n;
       range.owned = layout.owned;
       layout.owned += range.chunk + range.remainder;
     }
-    layout.buckets.push_back(std::move(open));
-    open = bucket{};
-    has_open = false;
-  };
-  std::size_t open_elements = 0;
-  layout.first_bucket_of_layer.assign(layout.layers + 1, 0);
-  for (std::size_t l = 0; l < layout.layers; ++l) {
-    if (!merge_layers) close();
-    for (const std::size_t i : layout.regions_of_layer[l]) {
-      if (has_open && open_elements + regions[i].count > bucket_elements) close();
-      if (!has_open) {
-        open.layer = l;
-        open_elements = 0;
-        has_open = true;
-      }
-      open.regions.push_back(i);
-      open_elements += regions[i].count;
-      if (open_elements >= bucket_elements) close();
-    }
+    layout.buckets.push_back(std::move(b));
   }
-  close();
   // A layer's buckets are those holding its regions, from the first to the last (with merging
   // a bucket may hold several layers); an empty layer starts where the next one does.
+  layout.first_bucket_of_layer.assign(layout.layers + 1, 0);
   layout.first_bucket_of_layer[layout.layers] = layout.buckets.size();
   for (std::size_t l = layout.layers; l-- > 0;)
     layout.first_bucket_of_layer[l] = layout.regions_of_layer[l].empty()
@@ -219,11 +238,12 @@ COHORT_DECL std::vector<shard_segment> joined_segments(const std::vector<shard_s
 }
 
 COHORT_DECL std::int64_t layout_fingerprint(const std::vector<region>& regions, std::size_t elements,
-                                            std::size_t bucket_elements, int strategy, int parameter_type,
-                                            int gradient_type) {
+                                            std::size_t bucket_elements, std::size_t first_bucket_elements,
+                                            int strategy, int parameter_type, int gradient_type) {
   fnv1a hash;
   hash.mix(elements);
   hash.mix(bucket_elements);
+  hash.mix(first_bucket_elements);
   hash.mix(static_cast<std::uint64_t>(strategy));
   hash.mix(static_cast<std::uint64_t>(parameter_type));
   hash.mix(static_cast<std::uint64_t>(gradient_type));

@@ -69,20 +69,27 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::optional<a
   agree_on_layout(refusal, elements);
   if (replicas_) agree_on_replicas();
 
-  layout_ = detail::plan_layout(regions_, group.world_size(),
-                                std::max<std::size_t>(options_.bucket_bytes / sizeof(G), 1), !sharded_parameters());
+  layout_ =
+      detail::plan_layout(regions_, group.world_size(), std::max<std::size_t>(options_.bucket_bytes / sizeof(G), 1),
+                          !sharded_parameters(), options_.first_bucket_bytes / sizeof(G));
   owned_ = sharded() ? layout_.owned : layout_.elements;
+  // The norm's pieces, by bucket: each element counted once over the ranks. Sharded, each
+  // rank's chunks (the remainders, which every rank holds alike, in rank 0's part only); under
+  // ddp every rank measures the whole, each bucket's ranges.
+  norm_by_bucket_.assign(layout_.buckets.size(), {});
   if (sharded()) {
     update_segments_ = detail::chunk_segments(regions_, layout_, group.rank(), true, false);
-    // The remainders, which every rank holds alike, count in rank 0's part of the norm only.
-    norm_segments_ = detail::joined_segments(
-        detail::chunk_segments(regions_, layout_, group.rank(), group.rank() == 0, false), regions_, false);
+    for (const auto& piece : detail::chunk_segments(regions_, layout_, group.rank(), group.rank() == 0, false))
+      norm_by_bucket_[layout_.regions[piece.region].bucket].push_back(piece);
+    for (auto& pieces : norm_by_bucket_) pieces = detail::joined_segments(pieces, regions_, false);
   } else {
     for (std::size_t r = 0; r < regions_.size(); ++r)
       update_segments_.push_back({regions_[r].offset, regions_[r].offset, regions_[r].count, r});
     std::sort(update_segments_.begin(), update_segments_.end(),
               [](const shard_segment& a, const shard_segment& b) { return a.offset < b.offset; });
-    norm_segments_.push_back({0, 0, layout_.elements, 0});  // every rank measures the whole
+    for (std::size_t b = 0; b < layout_.buckets.size(); ++b)
+      for (const auto& range : layout_.buckets[b].ranges)
+        norm_by_bucket_[b].push_back({range.offset, range.offset, range.count, layout_.buckets[b].regions.front()});
   }
   const std::vector<shard_segment> pieces = update_segments_;  // by region, for owned_spans()
   update_segments_ = detail::joined_segments(update_segments_, regions_, true);
@@ -158,6 +165,7 @@ void training_state<B, P, G>::agree_on_layout(const std::string& refusal, std::s
   std::size_t flat = elements;
   for (const auto& r : regions_) flat = std::max(flat, r.offset + r.count);
   fingerprint_ = detail::layout_fingerprint(regions_, flat, options_.bucket_bytes / sizeof(G),
+                                            options_.first_bucket_bytes / sizeof(G),
                                             static_cast<int>(options_.strategy) + (options_.trainer_optimizer ? 16 : 0),
                                             static_cast<int>(dtype_v<P>), static_cast<int>(dtype_v<G>));
   const std::int64_t row[4] = {refusal.empty() ? 0 : 1, fingerprint_, static_cast<std::int64_t>(regions_.size()),
@@ -249,7 +257,7 @@ void training_state<B, P, G>::allocate_buffers() {
     if (adam) allocate_zeroed<master_type>(second_, owned_);
     if (!std::is_same_v<G, master_type>) allocate_zeroed<master_type>(scratch_, owned_);
   }
-  stats_ = detail::backend_buffer<B>(group_->backend(), 2 * sizeof(double));
+  allocate_zeroed<double>(stats_, 2);  // the non-finite count and this step's sum of squares
   group_->backend().record().wait();
 }
 
@@ -374,18 +382,21 @@ auto training_state<B, P, G>::gather(std::size_t layer) -> layer_view {
   // The gathers are collectives, so all of this is the same on every rank.
   if (!backward_phase_ && last_gathered_ && layer <= *last_gathered_) backward_phase_ = true;
   if (backward_phase_ && !accumulating()) mark_due_above(layer);
-  if (!accumulating()) launch_ready();  // what the backward finished so far, before this gather
   backward_gathered_[layer] = backward_phase_;
+  for (std::size_t b = layout_.first_bucket_of_layer[layer]; b < layout_.first_bucket_of_layer[layer + 1]; ++b)
+    gather_bucket(b);
+  // The next layers' gathers go out before the reductions the backward has made due, as FSDP's
+  // backward prefetch orders them: on the group's one queue the next gather would otherwise
+  // wait behind this layer's reductions, and the next layer's compute with it.
+  prefetch_after(layer);
+  if (!accumulating()) launch_ready();  // what the backward finished so far
   // The straggler report counts the time the caller waits here for the gathers.
   straggler_report* const report = options_.straggler && options_.straggler->enabled() ? options_.straggler : nullptr;
   const auto entered = report ? straggler_report::clock::now() : straggler_report::clock::time_point{};
-  for (std::size_t b = layout_.first_bucket_of_layer[layer]; b < layout_.first_bucket_of_layer[layer + 1]; ++b) {
-    gather_bucket(b);
+  for (std::size_t b = layout_.first_bucket_of_layer[layer]; b < layout_.first_bucket_of_layer[layer + 1]; ++b)
     hand_to_caller(bucket_gathered_[b]);
-  }
   if (report) report->add_wait(wait_kind::gather, straggler_report::clock::now() - entered);
   ++layer_users_[layer];
-  prefetch_after(layer);
   last_gathered_ = layer;
   return layer_view(this, layer);
 }
@@ -500,17 +511,20 @@ G* training_state<B, P, G>::bucket_gradients(std::size_t b, bool for_caller) {
     auto& engine = group_->backend();
     const std::size_t bytes = layout_.buckets[b].elements * sizeof(G);
     const std::size_t before = gradient_pool_.allocations();
-    bucket_grads_[b] = gradient_pool_.take(bytes);
-    if (gradient_pool_.allocations() != before) gradient_pool_bytes_ += bytes;
-    if constexpr (B::space == memory_space::host) {
-      // Here, after only the reduction that last read a reused buffer: a fill queued on the
-      // worker would wait for every reduction in flight, and the backward with it.
-      bucket_grads_[b].last_use.wait();
-      std::memset(bucket_grads_[b].data, 0, bytes);
-    } else {
-      // In the stream's order, after the reduction that last read a reused buffer.
-      const work zeroed = fill(engine, bucket_grads_[b].data, layout_.buckets[b].elements, dtype_v<G>, 0.0);
-      if (for_caller) hand_to_caller(zeroed);
+    bucket_grads_[b] = gradient_pool_.take(bytes, B::space == memory_space::host);  // the host waits for reuse
+    if (gradient_pool_.allocations() != before) {
+      gradient_pool_bytes_ += bytes;
+      // A new buffer is zeroed here (on the host by the caller: a fill queued on the worker
+      // would wait for every reduction in flight, and the backward with it).
+      if constexpr (B::space == memory_space::host) {
+        std::memset(bucket_grads_[b].data, 0, bytes);
+      } else {
+        const work zeroed = fill(engine, bucket_grads_[b].data, layout_.buckets[b].elements, dtype_v<G>, 0.0);
+        if (for_caller) hand_to_caller(zeroed);
+      }
+    } else if (for_caller) {
+      // A pooled one was zeroed right after the reduction that last read it (launch()).
+      hand_to_caller(bucket_grads_[b].last_use);
     }
   }
   return static_cast<G*>(bucket_grads_[b].data);
@@ -608,24 +622,34 @@ void training_state<B, P, G>::launch(std::size_t b) {
     }
     together.end();
   }
-  // The bucket buffer's last reader is the group's reduction, whatever follows.
+  // The bucket buffer goes back to the pool zeroed for its next bucket, in the backend's order
+  // right after the reduction that read it: the backward that takes it next neither zeroes it
+  // nor waits for that reduction (the pool prefers a buffer whose zeroing is done).
   if (pooled_gradients) {
-    bucket_grads_[b].last_use = reduced;
+    bucket_grads_[b].last_use =
+        fill(engine, bucket_grads_[b].data, bucket_grads_[b].capacity / sizeof(G), dtype_v<G>, 0.0);
     gradient_pool_.put(std::exchange(bucket_grads_[b], pooled{}));
   }
-  if (!replicated()) return;
-  // The replicas' queue waits for the group's reduction, and the group's later work (the next
-  // reductions, the step's norm and update) for the average. On a host backend both waits
-  // block the caller: the average is synchronous there, while NCCL orders it on the streams.
-  reduced.make_stream_wait(replicas_->backend().stream());
-  {
-    auto together = replicas_->grouped();
-    for (const auto& [data, count] : kept_) reduced = replicas_->all_reduce(std::span<G>(data, count), op::avg);
-    together.end();
+  if (replicated()) {
+    // The replicas' queue waits for the group's reduction, and the group's later work (the
+    // next reductions, the norm, the step's update) for the average. On a host backend both
+    // waits block the caller: the average is synchronous there, while NCCL orders it on the
+    // streams.
+    reduced.make_stream_wait(replicas_->backend().stream());
+    {
+      auto together = replicas_->grouped();
+      for (const auto& [data, count] : kept_) reduced = replicas_->all_reduce(std::span<G>(data, count), op::avg);
+      together.end();
+    }
+    reduced.make_stream_wait(engine.stream());
+    const auto copies = static_cast<std::size_t>(replicas_->world_size());
+    for (const auto& part : kept_) wire_bytes_ += 2 * (copies - 1) * part.second * sizeof(G) / copies;
   }
-  reduced.make_stream_wait(engine.stream());
-  const auto copies = static_cast<std::size_t>(replicas_->world_size());
-  for (const auto& part : kept_) wire_bytes_ += 2 * (copies - 1) * part.second * sizeof(G) / copies;
+  // This rank's part of the norm, as the bucket's gradients are final: in the backend's order
+  // after its reduction, while the backward goes on, rather than in a pass of step()'s own
+  // after the last bucket.
+  auto* squares = static_cast<double*>(stats_.data()) + 1;
+  for (const auto& s : norm_by_bucket_[b]) sum_of_squares(engine, reduced_gradient_at(s), s.count, dtype_v<G>, squares);
 }
 
 template <backend B, element P, element G>
@@ -637,6 +661,8 @@ void training_state<B, P, G>::reset_marks() {
   std::fill(backward_gathered_.begin(), backward_gathered_.end(), std::uint8_t{0});
   backward_phase_ = false;
   launched_ = 0;
+  // The next step's norm adds its buckets' squares to zero, each as it is reduced.
+  if (stats_.data()) fill(group_->backend(), stats_.data(), 2, dtype::float64, 0.0);
   last_gathered_.reset();  // a micro-step's end: the next gather is a forward's
   agreed_ = false;         // and under a join, the next call agrees again
   announcing_ = false;
@@ -846,15 +872,12 @@ std::size_t training_state<B, P, G>::region_index(std::string_view name) const {
 template <backend B, element P, element G>
 void training_state<B, P, G>::measure(step_result& result) {
   auto& engine = group_->backend();
+  // Every bucket has been launched, and added its squares as it was (launch()).
   detail::agree_on_gradient_statistics(
       *group_, stats_.data(), sharded(),
-      [&](double* squares) {
-        for (const auto& s : norm_segments_)
-          sum_of_squares(engine, reduced_gradient_at(s), s.count, dtype_v<G>, squares);
-      },
       [&](std::int64_t* count) {
-        for (const auto& s : norm_segments_)
-          count_nonfinite(engine, reduced_gradient_at(s), s.count, dtype_v<G>, count);
+        for (const auto& pieces : norm_by_bucket_)
+          for (const auto& s : pieces) count_nonfinite(engine, reduced_gradient_at(s), s.count, dtype_v<G>, count);
       },
       result);
 }
