@@ -45,9 +45,10 @@
 // What each strategy keeps per rank (N ranks, P bytes of parameters):
 //   ddp    parameters, gradients and optimizer state in full; gradients all-reduced per
 //          bucket as the backward marks them; every rank updates everything.
-//   zero1  optimizer state 1/N: buckets reduce-scattered in step(), this rank's part updated,
-//          the parameters all-gathered back in place.
-//   zero2  the same, reduce-scattered during the backward; owned gradients 1/N as well: a
+//   zero1  optimizer state 1/N: buckets reduce-scattered during the backward (in place in the
+//          flat gradient buffer), this rank's part updated, the parameters all-gathered back
+//          in place.
+//   zero2  the same; owned gradients 1/N as well: a
 //          bucket's gradients live in a pooled buffer from its first gradient() to its
 //          reduction (adopted gradients are the trainer's, in full).
 //   zero3  parameters 1/N as well: gather(layer) all-gathers a layer into a pooled buffer
@@ -267,8 +268,8 @@ class training_state {
   // under ddp and zero1), or at zero2 and zero3 with owned buffers the bucket's pooled buffer,
   // valid from this call until r's bucket is reduced: ask right before writing.
   std::span<G> gradient(std::size_t r);
-  // Region r's gradient is final (once per step). ddp and zero2 launch every bucket this
-  // completes, in the order all ranks share; zero1 reduces in step(); zero3 reduces a layer's
+  // Region r's gradient is final (once per step). ddp, zero1 and zero2 launch every bucket this
+  // completes, in the order all ranks share; zero3 reduces a layer's
   // buckets once the backward has moved below the layer (at its next gather of a lower layer,
   // or step()), so that its gathers and reductions interleave alike on every rank whatever
   // each marked.

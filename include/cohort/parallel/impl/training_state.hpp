@@ -117,8 +117,7 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::optional<a
   // Nothing overlaps the backward when one bucket holds everything: say so once, where it
   // costs (a model of more than a few MiB), instead of leaving bucket_count() to tell.
   const std::size_t gradient_bytes = layout_.elements * sizeof(G);
-  if (buckets == 1 && group.world_size() > 1 && group.rank() == 0 && gradient_bytes > (std::size_t{4} << 20) &&
-      options_.strategy != strategy::zero1)
+  if (buckets == 1 && group.world_size() > 1 && group.rank() == 0 && gradient_bytes > (std::size_t{4} << 20))
     std::fprintf(stderr,
                  "[cohort rank 0] training_state: one bucket holds all %zu gradient bytes, so its reduction "
                  "cannot overlap the backward; lower bucket_bytes (now %zu) to overlap\n",
@@ -554,10 +553,10 @@ void training_state<B, P, G>::mark_ready(std::size_t r) {
          "mark each region once per backward pass");
   marked_[r] = 1;
   --pending_[layout_.regions[r].bucket];
-  // ddp and zero2 launch as marks complete buckets; zero1 reduces in step(); zero3 as the
+  // ddp, zero1 and zero2 launch as marks complete buckets; zero3 as the
   // backward's gathers move below a layer, since its gathers interleave with the reductions
   // and marks differ across ranks (a region one rank leaves unused), while gathers do not.
-  if (!accumulating() && (options_.strategy == strategy::ddp || options_.strategy == strategy::zero2)) launch_ready();
+  if (!accumulating() && !sharded_parameters()) launch_ready();
 }
 
 template <backend B, element P, element G>
@@ -996,8 +995,7 @@ step_result training_state<B, P, G>::step() {
 // with the likely cause, instead of a step that is silently slower.
 template <backend B, element P, element G>
 void training_state<B, P, G>::warn_if_overlap_lost() {
-  if (warned_overlap_ || launched_ > 0 || layout_.buckets.size() < 2 || world() < 2 || rank() != 0 ||
-      options_.strategy == strategy::zero1 || join_)
+  if (warned_overlap_ || launched_ > 0 || layout_.buckets.size() < 2 || world() < 2 || rank() != 0 || join_)
     return;
   warned_overlap_ = true;
   std::fprintf(stderr,
