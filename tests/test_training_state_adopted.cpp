@@ -294,7 +294,8 @@ TEST_CASE("at zero3 an evaluation on one rank only fails every rank within secon
         opts.timeout = std::chrono::seconds(60);  // what ends the calls must not be the timeout
         cohort::process_group<cohort::gloo> pg{store, env, opts};
         std::vector<float> params(4 * 30, 0.5f), grads(params.size());
-        state_type state(pg, std::span(params), std::span(grads), one_per_layer(4, 30), sgd_at_lr_one(strategy::zero3, 64));
+        state_type state(pg, std::span(params), std::span(grads), one_per_layer(4, 30),
+                         sgd_at_lr_one(strategy::zero3, 64));
         const auto train_step = [&] {
           for (std::size_t l = 0; l < 4; ++l) (void)state.gather(l);
           for (std::size_t l = 4; l-- > 0;) {

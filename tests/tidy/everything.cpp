@@ -67,7 +67,10 @@ void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_en
   {
     const std::vector<cohort::region> regions{{"w", 0, 300, 0}, {"b", 300, 20, 1, false}};
     std::vector<float> params(320, 1.0f), grads(320);
-    cohort::training_state<cohort::gloo> adopted{pg, std::span(params), std::span(grads), regions,
+    cohort::training_state<cohort::gloo> adopted{pg,
+                                                 std::span(params),
+                                                 std::span(grads),
+                                                 regions,
                                                  {.strategy = cohort::strategy::zero1, .trainer_optimizer = true}};
     adopted.join([&] {
       for (std::size_t l = 2; l-- > 0;) adopted.mark_layer_ready(l);

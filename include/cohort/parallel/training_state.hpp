@@ -692,8 +692,8 @@ class training_state {
   int no_sync_depth_ = 0;
   int evaluating_ = 0;
   bool evaluation_agreed_ = false;  // zero3: this evaluation() scope's agreement is done
-  bool publish_due_ = false;     // trainer_optimizer: step() returned, publish_parameters() not yet called
-  bool skipped_update_ = false;  // the last step was skipped: nothing to publish
+  bool publish_due_ = false;        // trainer_optimizer: step() returned, publish_parameters() not yet called
+  bool skipped_update_ = false;     // the last step was skipped: nothing to publish
   bool warned_overlap_ = false;
   // The join's options while one runs; whether this micro-step's agreement is done, and how
   // many ranks it found with data.

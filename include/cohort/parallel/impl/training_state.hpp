@@ -444,9 +444,9 @@ void training_state<B, P, G>::gather_bucket(std::size_t b) {
     // Named in errors, progress lines and traces: a gather one rank issues alone (sampling on
     // rank 0 only) is recognised as such by every rank.
     const auto labelled = group_->call_context_within(
-        evaluating_ > 0 ? detail::text("evaluation gather of layer ", std::to_string(bucket.layer))
-                        : detail::text("step ", std::to_string(steps_ + 1), " gather of layer ",
-                                       std::to_string(bucket.layer)));
+        evaluating_ > 0
+            ? detail::text("evaluation gather of layer ", std::to_string(bucket.layer))
+            : detail::text("step ", std::to_string(steps_ + 1), " gather of layer ", std::to_string(bucket.layer)));
     auto together = group_->grouped();
     for (const auto& range : bucket.ranges)
       if (range.chunk > 0) {
@@ -592,9 +592,9 @@ void training_state<B, P, G>::launch(std::size_t b) {
   kept_.clear();
   work reduced;
   {
-    const auto labelled = group_->call_context_within(detail::text(
-        "step ", std::to_string(steps_ + 1), " reduction of bucket ", std::to_string(b), " (layer ",
-        std::to_string(bucket.layer), ")"));
+    const auto labelled =
+        group_->call_context_within(detail::text("step ", std::to_string(steps_ + 1), " reduction of bucket ",
+                                                 std::to_string(b), " (layer ", std::to_string(bucket.layer), ")"));
     auto together = group_->grouped();
     for (const auto& range : bucket.ranges) {
       G* source = flat_gradients() ? grads_ + range.offset : pooled_gradients + range.packed;
@@ -995,8 +995,7 @@ step_result training_state<B, P, G>::step() {
 // with the likely cause, instead of a step that is silently slower.
 template <backend B, element P, element G>
 void training_state<B, P, G>::warn_if_overlap_lost() {
-  if (warned_overlap_ || launched_ > 0 || layout_.buckets.size() < 2 || world() < 2 || rank() != 0 || join_)
-    return;
+  if (warned_overlap_ || launched_ > 0 || layout_.buckets.size() < 2 || world() < 2 || rank() != 0 || join_) return;
   warned_overlap_ = true;
   std::fprintf(stderr,
                "[cohort rank 0] training_state: 0 of %zu buckets were reduced during the backward (%s): the step "
