@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cohort/run/run_ranks.hpp"
+#include "rank_failures.hpp"
 
 TEST_CASE("run_thread_ranks runs every rank as a thread over one shared store", "[run_ranks]") {
   // Catch's assertions are not thread-safe: the ranks record, the test checks afterwards.
@@ -73,17 +74,13 @@ TEST_CASE("run_ranks with a positive count runs the ranks as threads", "[run_ran
 TEST_CASE("a collective one rank issues alone fails within seconds on every rank, naming it", "[run_ranks][faults]") {
   for (const bool finished : {false, true}) {
     INFO((finished ? "ranks 1, 2 finished their run" : "ranks 1, 2 are in a barrier"));
-    std::vector<std::string> errors(3);
-    std::mutex mutex;
-    const auto started = std::chrono::steady_clock::now();
-    try {
-      cohort::run_ranks(3, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
-        cohort::gloo::options opts;
-        opts.timeout = std::chrono::seconds(60);  // what ends the calls is not the timeout
-        cohort::process_group<cohort::gloo> pg{store, env, opts};
-        std::vector<float> mine(4, static_cast<float>(env.rank)), all(12);
-        pg.all_reduce(mine).wait();
-        try {
+    const auto [errors, took] = cohort_test::run_ranks_keeping_errors(
+        3, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+          cohort::gloo::options opts;
+          opts.timeout = std::chrono::seconds(60);  // what ends the calls is not the timeout
+          cohort::process_group<cohort::gloo> pg{store, env, opts};
+          std::vector<float> mine(4, static_cast<float>(env.rank)), all(12);
+          pg.all_reduce(mine).wait();
           if (env.rank == 0) {
             auto scope = pg.call_context("sample");
             pg.all_gather(mine, all).wait();
@@ -91,14 +88,7 @@ TEST_CASE("a collective one rank issues alone fails within seconds on every rank
             auto scope = pg.call_context("end of epoch");
             pg.barrier().wait();
           }
-        } catch (const cohort::error& failure) {
-          std::lock_guard lock(mutex);
-          errors[static_cast<std::size_t>(env.rank)] = failure.what();
-          throw;
-        }
-      });
-    } catch (const std::exception&) {}
-    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+        });
     for (const auto& text : errors) UNSCOPED_INFO(text);
     CHECK(took < 10.0);
     CHECK_THAT(errors[0], Catch::Contains("all_gather #2 (float x 4) [sample]"));

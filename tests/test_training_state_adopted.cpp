@@ -8,7 +8,6 @@
 #include <catch2/catch.hpp>
 
 #include <cohort/parallel/training_state.hpp>
-#include <cohort/run/run_ranks.hpp>
 
 #include <signal.h>
 #include <sys/wait.h>
@@ -19,13 +18,13 @@
 #include <csignal>
 #include <cstdio>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "flat_fixtures.hpp"
+#include "rank_failures.hpp"
 #include "support.hpp"
 
 namespace {
@@ -288,27 +287,23 @@ TEST_CASE("at zero3 an evaluation on one rank only fails every rank within secon
           "[training_state][adopted][gloo][faults]") {
   for (const bool others_finish : {false, true}) {
     INFO((others_finish ? "ranks 1, 2 finished" : "ranks 1, 2 start the next step"));
-    std::vector<std::string> errors(3);
-    std::mutex mutex;
-    const auto started = std::chrono::steady_clock::now();
-    try {
-      cohort::run_ranks(3, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
-        cohort::gloo::options opts;
-        opts.timeout = std::chrono::seconds(60);  // what ends the calls must not be the timeout
-        cohort::process_group<cohort::gloo> pg{store, env, opts};
-        std::vector<float> params(4 * 30, 0.5f), grads(params.size());
-        state_type state(pg, std::span(params), std::span(grads), one_per_layer(4, 30),
-                         sgd_at_lr_one(strategy::zero3, 64));
-        const auto train_step = [&] {
-          for (std::size_t l = 0; l < 4; ++l) (void)state.gather(l);
-          for (std::size_t l = 4; l-- > 0;) {
-            auto layer = state.gather(l);
-            for (auto& g : state.gradient(l)) g = 0.01f;  // region l is layer l
-            state.mark_ready(l);
-          }
-          state.step();
-        };
-        try {
+    const auto [errors, took] = cohort_test::run_ranks_keeping_errors(
+        3, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+          cohort::gloo::options opts;
+          opts.timeout = std::chrono::seconds(60);  // what ends the calls must not be the timeout
+          cohort::process_group<cohort::gloo> pg{store, env, opts};
+          std::vector<float> params(4 * 30, 0.5f), grads(params.size());
+          state_type state(pg, std::span(params), std::span(grads), one_per_layer(4, 30),
+                           sgd_at_lr_one(strategy::zero3, 64));
+          const auto train_step = [&] {
+            for (std::size_t l = 0; l < 4; ++l) (void)state.gather(l);
+            for (std::size_t l = 4; l-- > 0;) {
+              auto layer = state.gather(l);
+              for (auto& g : state.gradient(l)) g = 0.01f;  // region l is layer l
+              state.mark_ready(l);
+            }
+            state.step();
+          };
           train_step();
           if (env.rank == 0) {
             auto scope = pg.call_context("sample");
@@ -317,14 +312,7 @@ TEST_CASE("at zero3 an evaluation on one rank only fails every rank within secon
           } else if (!others_finish) {
             train_step();
           }
-        } catch (const cohort::error& failure) {
-          std::lock_guard lock(mutex);
-          errors[static_cast<std::size_t>(env.rank)] = failure.what();
-          throw;
-        }
-      });
-    } catch (const std::exception&) {}
-    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+        });
     for (const auto& text : errors) UNSCOPED_INFO(text);
     CHECK(took < 15.0);
     CHECK_THAT(errors[0], Catch::Contains("[sample: evaluation() agreement]"));

@@ -443,10 +443,13 @@ void training_state<B, P, G>::gather_bucket(std::size_t b) {
   {
     // Named in errors, progress lines and traces: a gather one rank issues alone (sampling on
     // rank 0 only) is recognised as such by every rank.
-    const auto labelled = group_->call_context_within(
-        evaluating_ > 0
-            ? detail::text("evaluation gather of layer ", std::to_string(bucket.layer))
-            : detail::text("step ", std::to_string(steps_ + 1), " gather of layer ", std::to_string(bucket.layer)));
+    char label[96];  // on the stack: a gather is on the step's path, a label costs no allocation
+    if (evaluating_ > 0)
+      std::snprintf(label, sizeof label, "evaluation gather of layer %zu", bucket.layer);
+    else
+      std::snprintf(label, sizeof label, "step %llu gather of layer %zu", static_cast<unsigned long long>(steps_ + 1),
+                    bucket.layer);
+    const auto labelled = group_->call_context_within(label);
     auto together = group_->grouped();
     for (const auto& range : bucket.ranges)
       if (range.chunk > 0) {
@@ -592,9 +595,10 @@ void training_state<B, P, G>::launch(std::size_t b) {
   kept_.clear();
   work reduced;
   {
-    const auto labelled =
-        group_->call_context_within(detail::text("step ", std::to_string(steps_ + 1), " reduction of bucket ",
-                                                 std::to_string(b), " (layer ", std::to_string(bucket.layer), ")"));
+    char label[96];
+    std::snprintf(label, sizeof label, "step %llu reduction of bucket %zu (layer %zu)",
+                  static_cast<unsigned long long>(steps_ + 1), b, bucket.layer);
+    const auto labelled = group_->call_context_within(label);
     auto together = group_->grouped();
     for (const auto& range : bucket.ranges) {
       G* source = flat_gradients() ? grads_ + range.offset : pooled_gradients + range.packed;
