@@ -447,7 +447,7 @@ void training_state<B, P, G>::gather_bucket(std::size_t b) {
     if (evaluating_ > 0)
       std::snprintf(label, sizeof label, "evaluation gather of layer %zu", bucket.layer);
     else
-      std::snprintf(label, sizeof label, "step %llu gather of layer %zu", static_cast<unsigned long long>(steps_ + 1),
+      std::snprintf(label, sizeof label, "step %llu gather of layer %zu", static_cast<unsigned long long>(steps_) + 1,
                     bucket.layer);
     const auto labelled = group_->call_context_within(label);
     auto together = group_->grouped();
@@ -597,7 +597,7 @@ void training_state<B, P, G>::launch(std::size_t b) {
   {
     char label[96];
     std::snprintf(label, sizeof label, "step %llu reduction of bucket %zu (layer %zu)",
-                  static_cast<unsigned long long>(steps_ + 1), b, bucket.layer);
+                  static_cast<unsigned long long>(steps_) + 1, b, bucket.layer);
     const auto labelled = group_->call_context_within(label);
     auto together = group_->grouped();
     for (const auto& range : bucket.ranges) {
