@@ -461,6 +461,9 @@ class bench {
     cohort::training_options options{.strategy = kind.kind,
                                      .adam = {.lr = 1e-4, .weight_decay = 0.01},
                                      .trainer_optimizer = kind.gradients_only,
+                                     // This trainer reads its parameters through gather(), so
+                                     // its own buffers may be published as the state's are.
+                                     .defer_publication = kind.adopted,
                                      .max_grad_norm = kind.gradients_only ? 0.0 : 1.0,
                                      .prefetch = kind.prefetch};
     if (kind.adopted) {

@@ -53,14 +53,14 @@ constexpr int steps = 5;
 constexpr cohort::adam_options adam{.lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 0.05, .weight_decay = 0.1};
 constexpr double max_norm = 0.5;
 
-// The same training on one process, in double: the reference.
-std::vector<double> reference(int world) {
+// The same training on one process, in double, over its first `upto` steps: the reference.
+std::vector<double> reference(int world, int upto = steps) {
   const auto regions = stacked_model();
   const std::size_t n = elements(regions);
   std::vector<double> p(n), m(n, 0.0), v(n, 0.0);
   for (std::size_t e = 0; e < n; ++e) p[e] = initial_parameter(e);
   int t = 0;
-  for (int step = 0; step < steps; ++step) {
+  for (int step = 0; step < upto; ++step) {
     if (step == inf_step) continue;  // skipped on every rank (the gradients' scale cancels out)
     std::vector<double> g(n, 0.0);
     double squares = 0;
@@ -84,7 +84,17 @@ std::vector<double> reference(int world) {
   return p;
 }
 
-void train(int world, strategy kind) {
+// The regions of layer l: the embedding alone, then a_l and b_l.
+std::vector<std::size_t> regions_of(std::size_t l) {
+  return l == 0 ? std::vector<std::size_t>{0} : std::vector<std::size_t>{l, l + layers};
+}
+
+// With `forward`, each step begins with a forward that reads every parameter through the
+// views and compares it with the reference after the steps so far, each rank in another
+// order: rank 0 from the first layer (the order the step publishes in), rank 1 from the
+// last, rank 2 through views it kept from before the last step. The state's own buffers at
+// zero1/zero2 are published while step() returns: a layer's read must wait for its part.
+void train(int world, strategy kind, bool forward = false) {
   const auto regions = stacked_model();
   const std::size_t n = elements(regions);
   const auto expected = reference(world);
@@ -106,12 +116,39 @@ void train(int world, strategy kind) {
     RANK_CHECK(state.owned_elements() * static_cast<std::size_t>(world) >= n);
     RANK_CHECK(state.owned_elements() * static_cast<std::size_t>(world) < 2 * n + 8 * state.bucket_count() * world);
     RANK_CHECK(state.memory().optimizer_state == 2 * state.owned_elements() * sizeof(float));
+    std::vector<decltype(state.gather(0))> kept;  // rank 2's views, from before the step
     for (int step = 0; step < steps; ++step) {
       const double loss_scale = scaler.scale();
+      if (forward) {
+        const auto now = reference(world, step);
+        const auto read = [&](auto& view, std::size_t l) {
+          for (const std::size_t r : regions_of(l)) {
+            const auto p = view.param(r);
+            for (std::size_t j = 0; j < p.size(); ++j) {
+              const double want = now[regions[r].offset + j];
+              RANK_CHECK(std::abs(p[j] - want) <= 1e-5 * std::max(1.0, std::abs(want)),
+                         "step " << step << " layer " << l << " element " << regions[r].offset + j << ": " << p[j]
+                                 << " vs " << want);
+            }
+          }
+        };
+        if (rank == 2 && !kept.empty()) {
+          for (std::size_t l = 0; l <= layers; ++l) read(kept[l], l);
+        } else {
+          for (std::size_t i = 0; i <= layers; ++i) {
+            const std::size_t l = rank == 1 ? layers - i : i;
+            auto view = state.gather(l);
+            read(view, l);
+          }
+        }
+        if (rank == 2 && kept.empty())
+          for (std::size_t l = 0; l <= layers; ++l) kept.push_back(state.gather(l));
+      }
       // Backward: last layer first; rank 2 marks each layer's two tensors the other way round.
       for (std::size_t l = layers + 1; l-- > 0;) {
         auto layer = state.gather(l);
-        std::vector<std::size_t> mine = l == 0 ? std::vector<std::size_t>{0} : std::vector<std::size_t>{l + layers, l};
+        std::vector<std::size_t> mine = regions_of(l);
+        std::reverse(mine.begin(), mine.end());
         if (rank == 2) std::reverse(mine.begin(), mine.end());
         for (const std::size_t r : mine) {
           auto g = state.gradient(r);
@@ -126,6 +163,7 @@ void train(int world, strategy kind) {
       RANK_CHECK(result.loss_scale == loss_scale);
       if (!result.skipped) RANK_CHECK(result.clip_factor < 1.0, "the norm " << result.grad_norm << " is not clipped");
     }
+    kept.clear();
     RANK_CHECK(scaler.skipped_steps() == 1);
     RANK_CHECK(state.steps() == steps - 1);
     const auto params = state.gather_parameters();
@@ -152,6 +190,16 @@ TEST_CASE("ZeRO-2 (buckets reduce-scattered during the backward) equals the same
   for (int world : {2, 3, 4}) {
     INFO("world " << world);
     train(world, strategy::zero2);
+  }
+}
+
+TEST_CASE(
+    "ZeRO-1 and ZeRO-2 publish while the step returns: the next forward reads the reference through its views, "
+    "from either end or through views kept from before the step",
+    "[training_state][zero][gloo]") {
+  for (const strategy kind : {strategy::zero1, strategy::zero2}) {
+    INFO(to_string(kind));
+    train(3, kind, true);
   }
 }
 
@@ -222,7 +270,8 @@ TEST_CASE(
 
 // The pooled bucket buffers of zero2/zero3 on a host backend: the caller waits for a reused
 // buffer's last use before writing into it, so the pool hands out one whose last use is done,
-// even a larger one, rather than the smallest that fits while its reduction is in flight.
+// even a larger one, rather than the smallest that fits while its reduction is in flight, and
+// tells the owner when none is idle (training_state then allocates, up to reductions_in_flight).
 TEST_CASE("the bucket buffer pool prefers a buffer whose last use is done", "[training_state][gloo]") {
   auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(1, [&](int rank) {
@@ -249,15 +298,22 @@ TEST_CASE("the bucket buffer pool prefers a buffer whose last use is done", "[tr
     auto taken = pool.take(32, true);
     RANK_CHECK(taken.data == idle_data);
     RANK_CHECK(pool.allocations() == 2);  // no new allocation for it
+    // Only the busy one is left: the owner sees it, and may take a new one instead of waiting.
+    RANK_CHECK(!pool.idle_fits(32));
+    auto fresh = pool.take_new(32);
+    RANK_CHECK(fresh.data != busy_data && pool.allocations() == 3);
+    RANK_CHECK(!in_flight.test());  // nothing waited for the reduction in flight
     {
       std::lock_guard lock(mutex);
       go = true;
     }
     released.notify_all();
     in_flight.wait();
+    RANK_CHECK(pool.idle_fits(32));
     auto next = pool.take(32, true);  // the first buffer's last use is done now
     RANK_CHECK(next.data == busy_data);
     pool.put(std::move(taken));
     pool.put(std::move(next));
+    pool.put(std::move(fresh));
   });
 }

@@ -132,4 +132,32 @@ typename B::work adam_step(B& engine, T* parameters, const T* gradients, T* firs
   return detail::elementwise<B::space>::adam_step(engine, parameters, gradients, first, second, count, coefficients);
 }
 
+// The same in the caller's order (as divide_in_caller_order): on the calling thread now
+// (host), or kernels on the caller's stream (device). The group's later work waits for them
+// only through the backend's wait_for_caller.
+template <backend B>
+void cast_in_caller_order(B& engine, typename B::stream_type caller, const void* in, dtype from, void* out, dtype to,
+                          std::size_t count) {
+  detail::require_floating("cast", from);
+  detail::require_floating("cast", to);
+  detail::elementwise<B::space>::convert_in_caller_order(engine, caller, in, from, out, to, count);
+}
+template <backend B>
+void fill_in_caller_order(B& engine, typename B::stream_type caller, void* data, std::size_t count, dtype type,
+                          double value) {
+  detail::elementwise<B::space>::fill_in_caller_order(engine, caller, data, count, type, value);
+}
+template <backend B, class T>
+void sgd_step_in_caller_order(B& engine, typename B::stream_type caller, T* parameters, const T* gradients, T* momentum,
+                              std::size_t count, const detail::sgd_coefficients& coefficients) {
+  detail::elementwise<B::space>::sgd_step_in_caller_order(engine, caller, parameters, gradients, momentum, count,
+                                                          coefficients);
+}
+template <backend B, class T>
+void adam_step_in_caller_order(B& engine, typename B::stream_type caller, T* parameters, const T* gradients, T* first,
+                               T* second, std::size_t count, const detail::adam_coefficients& coefficients) {
+  detail::elementwise<B::space>::adam_step_in_caller_order(engine, caller, parameters, gradients, first, second, count,
+                                                           coefficients);
+}
+
 }  // namespace cohort::inline v0

@@ -151,11 +151,22 @@ struct training_options {
   // decides (the global norm, the clip factor, the skip every rank takes), and the trainer
   // updates owned_spans() then calls publish_parameters(). The state keeps no optimizer state.
   bool trainer_optimizer = false;
+  // zero1/zero2 over the trainer's parameter buffer: the step (or publish_parameters) returns
+  // before the updated chunks are all-gathered back, and each layer's are waited for at its
+  // next gather(layer), in the next forward, as the state's own buffers always are. Set it
+  // only where the trainer reads its parameters through gather() (as zero3 needs anyway): a
+  // read that bypasses it may see a chunk still in flight.
+  bool defer_publication = false;
   double max_grad_norm = 0;  // > 0: clip the global norm to this
   // fp16: the trainer scales its loss by scaler->scale(); step() unscales, and skips on every
   // rank when any rank's gradients hold an inf or a NaN. It must outlive the state.
   loss_scaler* scaler = nullptr;
   int prefetch = 1;  // zero3: layers gathered ahead, in the direction of travel
+  // zero2/zero3 with the state's gradient buffers on a host backend: the bucket reductions that
+  // may be in flight, each holding its bucket's buffer, before the backward waits for the
+  // oldest to reuse its buffer. Gradient memory is the shard plus (1 + this) buckets at most;
+  // on a device buffers are reused in stream order and never waited for.
+  int reductions_in_flight = 2;
   // Called as each bucket's reduction is queued (bucket index): to see the overlap.
   std::function<void(std::size_t bucket)> on_launch = {};
   // Straggler report (cohort/diagnostics/straggler.hpp; it must outlive the state): each step() ends a
@@ -259,8 +270,10 @@ class training_state {
 
   class layer_view;
   // A layer's parameters while the view lives: free where parameters stay resident (ddp,
-  // zero1, zero2: spans into the flat parameter buffer, adopted or not); at zero3 an
-  // all-gather into a pooled buffer, released at the view's end.
+  // zero1, zero2: spans into the flat parameter buffer, adopted or not; at zero1/zero2 it
+  // first waits for the layer's part of the last step's all-gather, which the step did not
+  // wait for with the state's own buffers or defer_publication); at zero3 an all-gather into
+  // a pooled buffer, released at the view's end.
   [[nodiscard]] layer_view gather(std::size_t layer);
 
   // --- gradients and the step ----------------------------------------------------------------
@@ -619,10 +632,28 @@ class training_state {
   void answer_step();
   void measure(step_result& result);
   void warn_if_overlap_lost();
-  void update(double grad_scale);
-  // The updated parameters where the forward reads them: masters cast into narrower
-  // parameters, and at zero1/zero2 every rank's chunks all-gathered back.
-  void share_updated_parameters();
+  // The state's own optimizer, bucket by bucket in the caller's order, each bucket's
+  // parameters published (publish_bucket) as soon as its update is queued.
+  void update_and_publish(double grad_scale);
+  // Bucket b's owned segments updated, masters cast into narrower parameters, and the flat
+  // gradients it read zeroed for the next step (`zero_gradients`), all in the caller's order.
+  void update_bucket(std::size_t b, double grad_scale, bool zero_gradients);
+  // zero1/zero2: every rank's updated chunks of bucket b all-gathered back into the flat
+  // parameters, as one grouped launch on the group; deferred (defers_publication), its work
+  // is kept for the bucket's next reader.
+  void publish_bucket(std::size_t b);
+  bool publishes_parameters() const noexcept {
+    return (options_.strategy == strategy::zero1 || options_.strategy == strategy::zero2) && world() > 1;
+  }
+  // Where only the state hands out the parameters (its own buffer), or the trainer says it
+  // reads them through gather() (defer_publication), a step returns before its publication
+  // is done: each bucket's is waited for where its parameters are next read (gather, param),
+  // any other reader waits for all.
+  bool defers_publication() const noexcept {
+    return publishes_parameters() && (!adopted_ || options_.defer_publication);
+  }
+  void await_parameters(std::size_t b);
+  void await_all_parameters();
   // Every range's chunks of `base` all-gathered in place (`flat`: a flat buffer, where each
   // rank wrote its own chunks) and the remainders broadcast from rank 0 (`remainders`; `base`
   // in the flat or the owned numbering), so that every rank's copy is whole.
@@ -657,6 +688,7 @@ class training_state {
   std::int64_t fingerprint_ = 0;  // of what the collectives pair up by, the same on every rank
   detail::state_layout layout_;
   std::vector<shard_segment> update_segments_;              // the optimizer's: owned pieces joined by group
+  std::vector<std::size_t> update_first_;                   // bucket b's are [update_first_[b], update_first_[b + 1])
   std::vector<std::vector<shard_segment>> norm_by_bucket_;  // the norm's, by bucket: each element once over the ranks
   std::vector<owned_span> owned_spans_;                     // trainer_optimizer: the owned pieces, by region
   std::size_t owned_ = 0;
@@ -675,11 +707,13 @@ class training_state {
   pool_type parameter_pool_;
   std::size_t gradient_pool_bytes_ = 0, parameter_pool_bytes_ = 0;  // allocated by each pool
 
-  std::vector<pooled> bucket_grads_;   // owned zero2/3: held gradient buffers
-  std::vector<pooled> bucket_params_;  // zero3: gathered parameter buffers
-  std::vector<work> bucket_gathered_;  // zero3: the gather of each held buffer
-  std::vector<int> layer_users_;       // live views per layer
-  layer_view* views_ = nullptr;        // the live views, to name and detach at the state's end
+  std::vector<pooled> bucket_grads_;                        // owned zero2/3: held gradient buffers
+  std::vector<pooled> bucket_params_;                       // zero3: gathered parameter buffers
+  std::vector<work> bucket_gathered_;                       // zero3: the gather of each held buffer
+  std::vector<std::optional<work>> deferred_publications_;  // zero1/zero2: by bucket, not yet waited for
+  std::size_t deferred_count_ = 0;
+  std::vector<int> layer_users_;  // live views per layer
+  layer_view* views_ = nullptr;   // the live views, to name and detach at the state's end
   std::optional<std::size_t> last_gathered_;
   bool backward_phase_ = false;                  // zero3: a gather went at or below the last one
   std::vector<std::uint8_t> backward_gathered_;  // zero3: by layer, its latest gather was the backward's

@@ -5,8 +5,9 @@
 // used it and is freed only after that work completes; reuse needs no wait where every later
 // use is queued in the same backend order (a device stream). A host caller that writes into a
 // reused buffer itself waits for its last use first: take(bytes, true) prefers a buffer whose
-// last use is done, larger if need be, to the smallest that fits, so that a backward asking
-// for the next bucket's buffer does not wait for the reduction of the bucket it just marked.
+// last use is done, larger if need be, to the smallest that fits, and the owner may allocate
+// another (take_new) rather than wait, so that a backward asking for the next bucket's buffer
+// does not wait for the reductions in flight.
 // Not thread-safe: the owner locks.
 
 #include <cstddef>
@@ -35,6 +36,11 @@ class buffer_pool {
     if (const auto i = best_fit(bytes, prefer_idle)) return free_[*i].capacity;
     return std::nullopt;
   }
+  // Whether a pooled buffer of at least `bytes` is free to write now (its last use is done).
+  bool idle_fits(std::size_t bytes) const {
+    const auto i = best_fit(bytes, true);
+    return i && idle(free_[*i]);
+  }
 
   // A pooled buffer of at least `bytes` (the smallest; with `prefer_idle` the smallest whose
   // last use is done, if any), else a new allocation.
@@ -45,6 +51,10 @@ class buffer_pool {
       pooled_ -= b.capacity;
       return b;
     }
+    return take_new(bytes);
+  }
+  // A new allocation, whatever the pool holds (counted in allocations()).
+  buffer take_new(std::size_t bytes) {
     buffer b;
     b.data = engine_->allocate(bytes);
     b.capacity = bytes;

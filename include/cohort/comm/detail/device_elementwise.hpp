@@ -130,6 +130,37 @@ struct elementwise<memory_space::device> {
     return engine.record();
   }
 
+  // The optimizer's work in the caller's order (kernels on the caller's stream), while the
+  // group's stream sends what was updated before (training_state's update-then-publish pipeline).
+  template <class B>
+  static void convert_in_caller_order(B& engine, typename B::stream_type stream, const void* in, dtype from, void* out,
+                                      dtype to, std::size_t count) {
+    const device_scope on_group_device(engine.device());
+    device::launch_convert(stream, in, from, out, to, count, false);
+  }
+  template <class B>
+  static void fill_in_caller_order(B& engine, typename B::stream_type stream, void* data, std::size_t count, dtype type,
+                                   double value) {
+    const device_scope on_group_device(engine.device());
+    device::launch_fill(stream, data, count, type, value);
+  }
+  template <class B, class T>
+  static void sgd_step_in_caller_order(B& engine, typename B::stream_type stream, T* parameters, const T* gradients,
+                                       T* momentum, std::size_t count, const sgd_coefficients& c) {
+    static_assert(!separately_compiled || std::is_same_v<T, float> || std::is_same_v<T, double>,
+                  "cohort: with COHORT_SEPARATE_COMPILATION the library compiles device SGD for float and double");
+    const device_scope on_group_device(engine.device());
+    device::launch_sgd(stream, parameters, gradients, momentum, count, c);
+  }
+  template <class B, class T>
+  static void adam_step_in_caller_order(B& engine, typename B::stream_type stream, T* parameters, const T* gradients,
+                                        T* first, T* second, std::size_t count, const adam_coefficients& c) {
+    static_assert(!separately_compiled || std::is_same_v<T, float> || std::is_same_v<T, double>,
+                  "cohort: with COHORT_SEPARATE_COMPILATION the library compiles device Adam for float and double");
+    const device_scope on_group_device(engine.device());
+    device::launch_adam(stream, parameters, gradients, first, second, count, c);
+  }
+
  private:
 #if defined(COHORT_SEPARATE_COMPILATION)
   static constexpr bool separately_compiled = true;

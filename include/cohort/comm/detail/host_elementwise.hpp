@@ -103,6 +103,30 @@ struct elementwise<memory_space::host> {
                                     std::size_t count, const adam_coefficients& c) {
     return engine.enqueue([=] { host::adam(parameters, gradients, first, second, count, c); });
   }
+
+  // The optimizer's work in the caller's order (the calling thread, now), while the group's
+  // worker sends what was updated before (training_state's update-then-publish pipeline).
+  template <class B>
+  static void convert_in_caller_order(B&, typename B::stream_type, const void* in, dtype from, void* out, dtype to,
+                                      std::size_t count) {
+    host::convert(in, from, out, to, count, false);
+  }
+  template <class B>
+  static void fill_in_caller_order(B&, typename B::stream_type, void* data, std::size_t count, dtype type,
+                                   double value) {
+    host::fill(data, count, type, value);
+  }
+  template <class B, class T>
+  static void sgd_step_in_caller_order(B&, typename B::stream_type, T* parameters, const T* gradients, T* momentum,
+                                       std::size_t count, const sgd_coefficients& c) {
+    for (std::size_t i = 0; i < count; ++i)
+      sgd_update(parameters[i], gradients[i], momentum ? momentum + i : nullptr, c);
+  }
+  template <class B, class T>
+  static void adam_step_in_caller_order(B&, typename B::stream_type, T* parameters, const T* gradients, T* first,
+                                        T* second, std::size_t count, const adam_coefficients& c) {
+    host::adam(parameters, gradients, first, second, count, c);
+  }
 };
 
 }  // namespace cohort::inline v0::detail

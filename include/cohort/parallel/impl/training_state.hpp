@@ -66,6 +66,8 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::optional<a
     refusal = detail::text("bucket_bytes ", std::to_string(options_.bucket_bytes), " is below one gradient element");
   if (refusal.empty() && options_.prefetch < 0)
     refusal = detail::text("prefetch ", std::to_string(options_.prefetch), " < 0");
+  if (refusal.empty() && options_.reductions_in_flight < 0)
+    refusal = detail::text("reductions_in_flight ", std::to_string(options_.reductions_in_flight), " < 0");
   agree_on_layout(refusal, elements);
   if (replicas_) agree_on_replicas();
 
@@ -92,9 +94,18 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::optional<a
         norm_by_bucket_[b].push_back({range.offset, range.offset, range.count, layout_.buckets[b].regions.front()});
   }
   const std::vector<shard_segment> pieces = update_segments_;  // by region, for owned_spans()
-  update_segments_ = detail::joined_segments(update_segments_, regions_, true);
-
+  // Joined within a bucket only: each bucket's update is published before the next is done.
   const std::size_t buckets = layout_.buckets.size();
+  std::vector<std::vector<shard_segment>> by_bucket(buckets);
+  for (const auto& piece : pieces) by_bucket[layout_.regions[piece.region].bucket].push_back(piece);
+  update_segments_.clear();
+  update_first_.assign(1, 0);
+  for (const auto& in_bucket : by_bucket) {
+    for (const auto& joined : detail::joined_segments(in_bucket, regions_, true)) update_segments_.push_back(joined);
+    update_first_.push_back(update_segments_.size());
+  }
+
+  deferred_publications_.resize(buckets);
   bucket_grads_.resize(buckets);
   bucket_params_.resize(buckets);
   bucket_gathered_.resize(buckets);
@@ -293,6 +304,7 @@ void training_state<B, P, G>::load_parameters(std::span<const P> flat) {
                 : "pass the trainer's whole flat parameter buffer");
   }
   check_training_call("load_parameters");
+  await_all_parameters();
   auto& engine = group_->backend();
   engine.wait_for_caller(caller_stream_);
   if (sharded_parameters()) {
@@ -322,6 +334,7 @@ void training_state<B, P, G>::load_parameters(std::span<const P> flat) {
 
 template <backend B, element P, element G>
 std::vector<P> training_state<B, P, G>::gather_parameters() {
+  await_all_parameters();
   auto& engine = group_->backend();
   engine.wait_for_caller(caller_stream_);
   const std::size_t step_wire_bytes = wire_bytes_, step_copied_bytes = copied_bytes_;  // a check's, not a step's
@@ -356,6 +369,8 @@ auto training_state<B, P, G>::gather(std::size_t layer) -> layer_view {
   check_published("gather");
   if (!sharded_parameters()) {
     if (evaluating_ == 0) begin_call();
+    if (deferred_count_ > 0)
+      for (const std::size_t r : layout_.regions_of_layer[layer]) await_parameters(layout_.regions[r].bucket);
     ++layer_users_[layer];
     return layer_view(this, layer);
   }
@@ -415,8 +430,11 @@ std::span<P> training_state<B, P, G>::parameter_span(std::size_t layer, std::siz
          detail::text(describe(r), " is in layer ", std::to_string(regions_[r].layer), ", not layer ",
                       std::to_string(layer)),
          "gather the region's own layer");
-  if (!sharded_parameters()) return {params_ + regions_[r].offset, regions_[r].count};
   const auto& placed = layout_.regions[r];
+  if (!sharded_parameters()) {
+    if (deferred_count_ > 0) await_parameters(placed.bucket);  // a view kept from before the step
+    return {params_ + regions_[r].offset, regions_[r].count};
+  }
   return {static_cast<P*>(bucket_params_[placed.bucket].data) + placed.packed, regions_[r].count};
 }
 
@@ -513,7 +531,13 @@ G* training_state<B, P, G>::bucket_gradients(std::size_t b, bool for_caller) {
     auto& engine = group_->backend();
     const std::size_t bytes = layout_.buckets[b].elements * sizeof(G);
     const std::size_t before = gradient_pool_.allocations();
-    bucket_grads_[b] = gradient_pool_.take(bytes, B::space == memory_space::host);  // the host waits for reuse
+    // The host's backward writes the buffer itself: rather than wait for a reduction in
+    // flight to reuse its buffer, it takes a new one while reductions_in_flight allow.
+    const bool host = B::space == memory_space::host;
+    const auto buffers = static_cast<std::size_t>(options_.reductions_in_flight) + 1;
+    bucket_grads_[b] = host && !gradient_pool_.idle_fits(bytes) && gradient_pool_.allocations() < buffers
+                           ? gradient_pool_.take_new(bytes)
+                           : gradient_pool_.take(bytes, host);  // the host waits for reuse
     if (gradient_pool_.allocations() != before) {
       gradient_pool_bytes_ += bytes;
       // A new buffer is zeroed here (on the host by the caller: a fill queued on the worker
@@ -885,41 +909,98 @@ void training_state<B, P, G>::measure(step_result& result) {
       result);
 }
 
+// The update runs in the caller's order and each bucket's parameters are all-gathered on the
+// group as soon as its update is queued: on the host the calling thread updates bucket b + 1
+// while the group's worker sends bucket b, on a device the caller's stream computes while the
+// group's sends. Buckets go in the forward's order (bucket 0 holds the first layers), so a
+// deferred publication (defers_publication) is done first where the next forward reads first.
 template <backend B, element P, element G>
-void training_state<B, P, G>::update(double grad_scale) {
+void training_state<B, P, G>::update_and_publish(double grad_scale) {
+  auto& engine = group_->backend();
+  hand_to_caller(engine.record());  // the reductions the update reads
+  const bool zero_gradients = !adopted_ && flat_gradients();
+  for (std::size_t b = 0; b < layout_.buckets.size(); ++b) {
+    update_bucket(b, grad_scale, zero_gradients);
+    if (!publishes_parameters()) continue;
+    engine.wait_for_caller(caller_stream_);  // the bucket's update
+    publish_bucket(b);
+  }
+  engine.wait_for_caller(caller_stream_);  // the group's next work after the update's reads and writes
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::update_bucket(std::size_t b, double grad_scale, bool zero_gradients) {
   auto& engine = group_->backend();
   master_type* first = first_.data() ? first_.template as<master_type>() : nullptr;
   master_type* second = second_.data() ? second_.template as<master_type>() : nullptr;
-  for (const auto& s : update_segments_) {
+  for (std::size_t i = update_first_[b]; i < update_first_[b + 1]; ++i) {
+    const shard_segment& s = update_segments_[i];
     const region& r = regions_[s.region];
     const master_type* gradient = nullptr;
     if constexpr (std::is_same_v<G, master_type>) {
       gradient = reduced_gradient_at(s);
     } else {
       master_type* widened = scratch_.template as<master_type>() + s.owned;
-      cast(engine, reduced_gradient_at(s), dtype_v<G>, widened, dtype_v<master_type>, s.count);
+      cast_in_caller_order(engine, caller_stream_, reduced_gradient_at(s), dtype_v<G>, widened, dtype_v<master_type>,
+                           s.count);
       gradient = widened;
     }
     if (options_.sgd) {
       const auto& o = *options_.sgd;
       const detail::sgd_coefficients c{o.lr * r.lr_scale, o.momentum, r.decay ? o.weight_decay : 0.0, grad_scale};
-      sgd_step(engine, master_at(s), gradient, first ? first + s.owned : nullptr, s.count, c);
+      sgd_step_in_caller_order(engine, caller_stream_, master_at(s), gradient, first ? first + s.owned : nullptr,
+                               s.count, c);
     } else {
       detail::adam_coefficients c = detail::adam_coefficients_at(options_.adam, steps_, grad_scale);
       c.lr *= r.lr_scale;
       c.weight_decay = r.decay ? options_.adam.weight_decay : 0.0;
-      adam_step(engine, master_at(s), gradient, first + s.owned, second + s.owned, s.count, c);
+      adam_step_in_caller_order(engine, caller_stream_, master_at(s), gradient, first + s.owned, second + s.owned,
+                                s.count, c);
     }
+    if (separate_master())
+      cast_in_caller_order(engine, caller_stream_, master_at(s), dtype_v<master_type>, parameter_at(s), dtype_v<P>,
+                           s.count);
+  }
+  if (zero_gradients)
+    for (const auto& range : layout_.buckets[b].ranges)
+      fill_in_caller_order(engine, caller_stream_, grads_ + range.offset, range.count, dtype_v<G>, 0.0);
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::publish_bucket(std::size_t b) {
+  const auto& bucket = layout_.buckets[b];
+  const std::size_t n = world(), k = my_rank();
+  char label[96];
+  std::snprintf(label, sizeof label, "step %llu publication of bucket %zu (layer %zu)",
+                static_cast<unsigned long long>(steps_), b, bucket.layer);
+  const auto labelled = group_->call_context_within(label);
+  work done;
+  auto together = group_->grouped();
+  for (const auto& range : bucket.ranges)
+    if (range.chunk > 0) {
+      P* whole = params_ + range.offset;
+      done = group_->all_gather(std::span<const P>(whole + k * range.chunk, range.chunk),
+                                std::span<P>(whole, n * range.chunk));
+      count_wire(n * range.chunk * sizeof(P), false);
+    }
+  together.end();
+  if (defers_publication()) {
+    if (!deferred_publications_[b]) ++deferred_count_;
+    deferred_publications_[b] = std::move(done);
   }
 }
 
 template <backend B, element P, element G>
-void training_state<B, P, G>::share_updated_parameters() {
-  auto& engine = group_->backend();
-  if (separate_master())
-    for (const auto& s : update_segments_)
-      cast(engine, master_at(s), dtype_v<master_type>, parameter_at(s), dtype_v<P>, s.count);
-  if (options_.strategy == strategy::zero1 || options_.strategy == strategy::zero2) spread(params_, true, false);
+void training_state<B, P, G>::await_parameters(std::size_t b) {
+  if (!deferred_publications_[b]) return;
+  hand_to_caller(*deferred_publications_[b]);
+  deferred_publications_[b].reset();
+  --deferred_count_;
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::await_all_parameters() {
+  for (std::size_t b = 0; deferred_count_ > 0 && b < deferred_publications_.size(); ++b) await_parameters(b);
 }
 
 template <backend B, element P, element G>
@@ -931,9 +1012,13 @@ void training_state<B, P, G>::publish_parameters() {
     fail("publish_parameters", "no step() to publish: it was called already, or before the first step()",
          "call it once after each step(), after updating owned_spans()");
   publish_due_ = false;
-  group_->backend().wait_for_caller(caller_stream_);  // the trainer's update
-  if (!skipped_update_) share_updated_parameters();
-  hand_to_caller(group_->backend().record());
+  auto& engine = group_->backend();
+  engine.wait_for_caller(caller_stream_);  // the trainer's update
+  // Owned flat gradients start the next step at zero once the trainer's update has read them.
+  const work zeroed = !adopted_ && flat_gradients() ? fill(engine, grads_, layout_.elements, dtype_v<G>, 0.0) : work{};
+  if (!skipped_update_ && publishes_parameters())
+    for (std::size_t b = 0; b < layout_.buckets.size(); ++b) publish_bucket(b);
+  hand_to_caller(deferred_count_ > 0 ? zeroed : engine.record());
   last_step_wire_bytes_ += std::exchange(wire_bytes_, 0);
 }
 
@@ -941,6 +1026,7 @@ template <backend B, element P, element G>
 step_result training_state<B, P, G>::step() {
   snapshot_.wait();  // a checkpoint's copy of the masters and moments in flight
   check_training_call("step");
+  await_all_parameters();  // the last publication: the update writes where it reads
   if (no_sync_depth_ > 0)
     fail("step", "step() inside no_sync: this micro-step's gradients were not reduced",
          "end the no_sync scope before the last micro-step's backward, then step()");
@@ -973,15 +1059,15 @@ step_result training_state<B, P, G>::step() {
     result.clip_factor = detail::clip_factor(result.grad_norm, options_.max_grad_norm);
     result.gradient_scale = result.clip_factor * divisor_fix / result.loss_scale;
     ++steps_;
-    if (!options_.trainer_optimizer) {
-      update(result.gradient_scale);
-      share_updated_parameters();
-    }
+    if (!options_.trainer_optimizer) update_and_publish(result.gradient_scale);
   }
-  // Owned flat gradients start the next step at zero; adopted ones are the trainer's (its
-  // optimizer reads them after this returns).
-  if (!adopted_ && flat_gradients()) fill(engine, grads_, layout_.elements, dtype_v<G>, 0.0);
-  hand_to_caller(engine.record());
+  // Owned flat gradients start the next step at zero: update_and_publish zeroes each bucket's
+  // once updated, publish_parameters once the trainer's optimizer has read them, and a skipped
+  // step's are dropped here. Adopted ones are the trainer's to zero.
+  if (result.skipped && !adopted_ && flat_gradients() && !options_.trainer_optimizer)
+    fill(engine, grads_, layout_.elements, dtype_v<G>, 0.0);
+  // A deferred publication is waited for where its parameters are read; all else is done.
+  if (deferred_count_ == 0) hand_to_caller(engine.record());
   reset_marks();
   publish_due_ = options_.trainer_optimizer;
   skipped_update_ = result.skipped;
@@ -1018,6 +1104,7 @@ void training_state<B, P, G>::warn_if_overlap_lost() {
 template <backend B, element P, element G>
 auto training_state<B, P, G>::checkpoint_data(std::size_t t, const shard_segment& s) -> master_type* {
   snapshot_.wait();  // a load writes through it
+  await_all_parameters();
   switch (t) {
     case 0:
       if (!separate_master() && !std::is_same_v<P, master_type>)
@@ -1042,6 +1129,7 @@ template <backend B, element P, element G>
 void training_state<B, P, G>::finish_checkpoint_load(std::uint64_t optimizer_steps) {
   snapshot_.wait();
   check_published("finish_checkpoint_load");
+  await_all_parameters();
   auto& engine = group_->backend();
   engine.wait_for_caller(caller_stream_);
   drop_gathered();
