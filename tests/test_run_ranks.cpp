@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "cohort/comm/detail/failure_report.hpp"
 #include "cohort/run/run_ranks.hpp"
 #include "rank_failures.hpp"
 
@@ -101,4 +102,33 @@ TEST_CASE("a collective one rank issues alone fails within seconds on every rank
                                    "[end of epoch]"));
     }
   }
+}
+
+// A group that failed says so in its status key, and its destructor's `left` does not
+// overwrite that: a peer reading the key late (run_ranks' end counts, a culprit search) would
+// otherwise take a rank that failed in a call for one that left the group early, and blame it.
+TEST_CASE("a rank's failed status is kept when its group is destroyed after, and a clean end says left",
+          "[run_ranks][faults]") {
+  using cohort::detail::rank_activity;
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort::detail::status_board failing(store, 0, 2, std::chrono::seconds(2));
+  cohort::detail::status_board clean(store, 1, 2, std::chrono::seconds(2));
+  const auto status = [](rank_activity activity, std::uint64_t completed, std::string note) {
+    cohort::detail::rank_status out;
+    out.activity = activity;
+    out.issued = 3;
+    out.completed = completed;
+    out.note = std::move(note);
+    return out;
+  };
+  failing.publish(status(rank_activity::failed, 2, "timed out"));
+  CHECK_FALSE(failing.try_publish_on_group_store(status(rank_activity::left, 2, "")));
+  CHECK(clean.try_publish_on_group_store(status(rank_activity::left, 3, "")));
+  const auto statuses = clean.read();
+  REQUIRE(statuses.size() == 2);
+  REQUIRE(statuses[0]);
+  REQUIRE(statuses[1]);
+  CHECK(statuses[0]->activity == rank_activity::failed);
+  CHECK(statuses[0]->note == "timed out");
+  CHECK(statuses[1]->activity == rank_activity::left);
 }
