@@ -659,6 +659,10 @@ class training_state {
   // in the flat or the owned numbering), so that every rank's copy is whole.
   template <class T>
   void spread(T* base, bool flat, bool remainders);
+  // Bucket b's ranges of the flat buffer `base`: each rank's chunk all-gathered in place (no
+  // grouping of its own). Returns the last call's work.
+  template <class T>
+  work all_gather_chunks(std::size_t b, T* base);
   // A copy of parameters or gradients on a step's path (counted: copied_bytes_per_step).
   work copy_in_step(void* to, const void* from, std::size_t bytes) {
     copied_bytes_ += bytes;

@@ -83,8 +83,7 @@ struct elementwise<memory_space::device> {
 
   template <class B>
   static typename B::work fill(B& engine, void* data, std::size_t count, dtype type, double value) {
-    const device_scope on_group_device(engine.device());
-    device::launch_fill(engine.stream(), data, count, type, value);
+    fill_in_caller_order(engine, engine.stream(), data, count, type, value);
     return engine.record();
   }
 
@@ -110,23 +109,18 @@ struct elementwise<memory_space::device> {
     return engine.record();
   }
 
+  // The group's order: the caller-order launch below on the group's stream.
   template <class B, class T>
   static typename B::work sgd_step(B& engine, T* parameters, const T* gradients, T* momentum, std::size_t count,
                                    const sgd_coefficients& c) {
-    static_assert(!separately_compiled || std::is_same_v<T, float> || std::is_same_v<T, double>,
-                  "cohort: with COHORT_SEPARATE_COMPILATION the library compiles device SGD for float and double");
-    const device_scope on_group_device(engine.device());
-    device::launch_sgd(engine.stream(), parameters, gradients, momentum, count, c);
+    sgd_step_in_caller_order(engine, engine.stream(), parameters, gradients, momentum, count, c);
     return engine.record();
   }
 
   template <class B, class T>
   static typename B::work adam_step(B& engine, T* parameters, const T* gradients, T* first, T* second,
                                     std::size_t count, const adam_coefficients& c) {
-    static_assert(!separately_compiled || std::is_same_v<T, float> || std::is_same_v<T, double>,
-                  "cohort: with COHORT_SEPARATE_COMPILATION the library compiles device Adam for float and double");
-    const device_scope on_group_device(engine.device());
-    device::launch_adam(engine.stream(), parameters, gradients, first, second, count, c);
+    adam_step_in_caller_order(engine, engine.stream(), parameters, gradients, first, second, count, c);
     return engine.record();
   }
 

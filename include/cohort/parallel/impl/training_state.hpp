@@ -968,21 +968,12 @@ void training_state<B, P, G>::update_bucket(std::size_t b, double grad_scale, bo
 
 template <backend B, element P, element G>
 void training_state<B, P, G>::publish_bucket(std::size_t b) {
-  const auto& bucket = layout_.buckets[b];
-  const std::size_t n = world(), k = my_rank();
   char label[96];
   std::snprintf(label, sizeof label, "step %llu publication of bucket %zu (layer %zu)",
-                static_cast<unsigned long long>(steps_), b, bucket.layer);
+                static_cast<unsigned long long>(steps_), b, layout_.buckets[b].layer);
   const auto labelled = group_->call_context_within(label);
-  work done;
   auto together = group_->grouped();
-  for (const auto& range : bucket.ranges)
-    if (range.chunk > 0) {
-      P* whole = params_ + range.offset;
-      done = group_->all_gather(std::span<const P>(whole + k * range.chunk, range.chunk),
-                                std::span<P>(whole, n * range.chunk));
-      count_wire(n * range.chunk * sizeof(P), false);
-    }
+  work done = all_gather_chunks(b, params_);
   together.end();
   if (defers_publication()) {
     if (!deferred_publications_[b]) ++deferred_count_;
@@ -1152,23 +1143,34 @@ void training_state<B, P, G>::finish_checkpoint_load(std::uint64_t optimizer_ste
 template <backend B, element P, element G>
 template <class T>
 void training_state<B, P, G>::spread(T* base, bool flat, bool remainders) {
-  const std::size_t n = world(), k = my_rank();
+  const std::size_t n = world();
   if (n == 1) return;
   auto together = group_->grouped();
-  for (const auto& bucket : layout_.buckets)
-    for (const auto& range : bucket.ranges) {
-      if (flat && range.chunk > 0) {
-        T* whole = base + range.offset;
-        group_->all_gather(std::span<const T>(whole + k * range.chunk, range.chunk),
-                           std::span<T>(whole, n * range.chunk));
-        count_wire(n * range.chunk * sizeof(T), false);
-      }
-      if (remainders && range.remainder > 0)
-        group_->broadcast(
-            std::span<T>(base + (flat ? range.offset + n * range.chunk : range.owned + range.chunk), range.remainder),
-            0);
-    }
+  for (std::size_t b = 0; b < layout_.buckets.size(); ++b) {
+    if (flat) all_gather_chunks(b, base);
+    if (remainders)
+      for (const auto& range : layout_.buckets[b].ranges)
+        if (range.remainder > 0)
+          group_->broadcast(
+              std::span<T>(base + (flat ? range.offset + n * range.chunk : range.owned + range.chunk), range.remainder),
+              0);
+  }
   together.end();
+}
+
+template <backend B, element P, element G>
+template <class T>
+auto training_state<B, P, G>::all_gather_chunks(std::size_t b, T* base) -> work {
+  const std::size_t n = world(), k = my_rank();
+  work done;
+  for (const auto& range : layout_.buckets[b].ranges)
+    if (range.chunk > 0) {
+      T* whole = base + range.offset;
+      done = group_->all_gather(std::span<const T>(whole + k * range.chunk, range.chunk),
+                                std::span<T>(whole, n * range.chunk));
+      count_wire(n * range.chunk * sizeof(T), false);
+    }
+  return done;
 }
 
 template <backend B, element P, element G>
