@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -175,6 +176,55 @@ TEST_CASE("ddp: every rank gets the norm of the averaged gradients and clips as 
         RANK_CHECK(result.clip_factor == 1.0);  // a bound above the norm leaves the gradients alone
       }
     }
+  });
+}
+
+TEST_CASE("ddp: an inf in any rank's share of the measured gradients skips the step on every rank, counted once",
+          "[training_state][ddp][gloo][faults]") {
+  // Each rank measures 1/N of every bucket (the remainder in rank 0's share) and the shares
+  // are summed: an inf wherever it lands is seen by exactly one rank and reaches every rank.
+  // 3 ranks, one bucket of 238 elements: chunks of 79 at 0, 79 and 158, the remainder 237.
+  const int world = 3;
+  const std::vector<std::size_t> sizes{33, 5, 200};
+  std::vector<region> regions;
+  for (std::size_t t = 0, at = 0; t < sizes.size(); at += sizes[t++])
+    regions.push_back({"t" + std::to_string(t), at, sizes[t], t});
+  const std::vector<std::size_t> positions{0, 78, 79, 157, 158, 236, 237};
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(world, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
+    auto options = sgd_at_lr_one(std::size_t{25} << 20);
+    options.max_grad_norm = 1.0;
+    cohort::training_state<cohort::gloo> state{pg, regions, options};
+    state.load_parameters(std::vector<float>(238, 0.0f));
+    RANK_CHECK(state.bucket_count() == 1);
+    for (std::size_t step = 0; step <= positions.size(); ++step) {
+      // One rank, a different one each step, writes the inf; the last step has none.
+      const bool poisoned = step < positions.size() && static_cast<int>(step % world) == rank;
+      for (std::size_t t = sizes.size(); t-- > 0;) {
+        auto g = state.gradient(t);
+        for (std::size_t i = 0; i < g.size(); ++i) {
+          const std::size_t e = regions[t].offset + i;
+          g[i] = poisoned && e == positions[step] ? std::numeric_limits<float>::infinity() : 0.25f;
+        }
+        state.mark_ready(t);
+      }
+      const auto result = state.step();
+      if (step < positions.size()) {
+        RANK_CHECK(result.skipped, "the inf at element " << positions[step] << " was missed");
+        RANK_CHECK(result.nonfinite == 1, "element " << positions[step] << ": counted " << result.nonfinite);
+        RANK_CHECK(std::isnan(result.grad_norm));
+      } else {
+        RANK_CHECK(!result.skipped);
+        RANK_CHECK(result.nonfinite == 0);
+        RANK_CHECK(std::abs(result.grad_norm - 0.25 * std::sqrt(238.0)) <= 1e-12, "norm " << result.grad_norm);
+      }
+    }
+    // The skipped steps left the parameters alone; the last one applied its clipped gradient.
+    const auto params = state.gather_parameters();
+    const float want = -static_cast<float>(0.25 * (1.0 / (0.25 * std::sqrt(238.0) + 1e-6)));
+    for (std::size_t e = 0; e < params.size(); ++e)
+      RANK_CHECK(std::abs(params[e] - want) <= 1e-6f, "element " << e << ": " << params[e] << " vs " << want);
   });
 }
 

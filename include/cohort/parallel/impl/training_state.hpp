@@ -75,23 +75,21 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::optional<a
       detail::plan_layout(regions_, group.world_size(), std::max<std::size_t>(options_.bucket_bytes / sizeof(G), 1),
                           !sharded_parameters(), options_.first_bucket_bytes / sizeof(G));
   owned_ = sharded() ? layout_.owned : layout_.elements;
-  // The norm's pieces, by bucket: each element counted once over the ranks. Sharded, each
-  // rank's chunks (the remainders, which every rank holds alike, in rank 0's part only); under
-  // ddp every rank measures the whole, each bucket's ranges.
+  // The norm's pieces, by bucket: each element counted once over the ranks, whose parts the
+  // step sums. Sharded, each rank's chunks; under ddp, where every rank holds the whole
+  // averaged bucket, the same cut: each rank reads 1/N of the gradients, not all of them, for
+  // one scalar all-reduce a step. The remainders, alike on every rank, count in rank 0's part.
   norm_by_bucket_.assign(layout_.buckets.size(), {});
+  for (const auto& piece : detail::chunk_segments(regions_, layout_, group.rank(), group.rank() == 0, !sharded()))
+    norm_by_bucket_[layout_.regions[piece.region].bucket].push_back(piece);
+  for (auto& pieces : norm_by_bucket_) pieces = detail::joined_segments(pieces, regions_, false);
   if (sharded()) {
     update_segments_ = detail::chunk_segments(regions_, layout_, group.rank(), true, false);
-    for (const auto& piece : detail::chunk_segments(regions_, layout_, group.rank(), group.rank() == 0, false))
-      norm_by_bucket_[layout_.regions[piece.region].bucket].push_back(piece);
-    for (auto& pieces : norm_by_bucket_) pieces = detail::joined_segments(pieces, regions_, false);
   } else {
     for (std::size_t r = 0; r < regions_.size(); ++r)
       update_segments_.push_back({regions_[r].offset, regions_[r].offset, regions_[r].count, r});
     std::sort(update_segments_.begin(), update_segments_.end(),
               [](const shard_segment& a, const shard_segment& b) { return a.offset < b.offset; });
-    for (std::size_t b = 0; b < layout_.buckets.size(); ++b)
-      for (const auto& range : layout_.buckets[b].ranges)
-        norm_by_bucket_[b].push_back({range.offset, range.offset, range.count, layout_.buckets[b].regions.front()});
   }
   const std::vector<shard_segment> pieces = update_segments_;  // by region, for owned_spans()
   // Joined within a bucket only: each bucket's update is published before the next is done.
@@ -891,17 +889,18 @@ std::size_t training_state<B, P, G>::region_index(std::string_view name) const {
   fail("region_index", detail::text("no region is named '", name, "'"), "use a name the regions were given");
 }
 
-// Sharded, each rank measures its chunks (rank 0 the remainders too) and the ranks' parts are
-// summed (every element counted once); under ddp every rank holds the same averaged gradients
-// and measures them whole, in one pass. With replicas every copy of the group holds the same
-// averaged gradients (an inf anywhere made its average inf or NaN in every copy): the group's
-// sum is the global one, the same everywhere.
+// Each rank measures its chunks of every bucket (rank 0 the remainders too) and the ranks'
+// parts are summed, every element counted once: sharded, those are the gradients it owns;
+// under ddp every rank holds the same averaged gradients, and reading 1/N of them each costs
+// one scalar all-reduce where measuring all on every rank would read N times as much. With
+// replicas every copy of the group holds the same averaged gradients (an inf anywhere made its
+// average inf or NaN in every copy): the group's sum is the global one, the same everywhere.
 template <backend B, element P, element G>
 void training_state<B, P, G>::measure(step_result& result) {
   auto& engine = group_->backend();
   // Every bucket has been launched, and added its squares as it was (launch()).
   detail::agree_on_gradient_statistics(
-      *group_, stats_.data(), sharded(),
+      *group_, stats_.data(), world() > 1,
       [&](std::int64_t* count) {
         for (const auto& pieces : norm_by_bucket_)
           for (const auto& s : pieces) count_nonfinite(engine, reduced_gradient_at(s), s.count, dtype_v<G>, count);
