@@ -39,6 +39,18 @@ std::vector<region> model_regions() {
   return regions;
 }
 
+// The bus bytes of gathering model_regions()'s top layer at zero3: its regions sit apart in
+// the buffer (a stacked w and b), each its own range, whose chunks (count / world) every rank
+// all-gathers: (world - 1) chunks received per range.
+std::size_t top_layer_gather_bytes(std::size_t world) {
+  const auto regions = model_regions();
+  std::size_t top = 0, bytes = 0;
+  for (const auto& r : regions) top = std::max(top, r.layer);
+  for (const auto& r : regions)
+    if (r.layer == top) bytes += (world - 1) * (r.count / world) * sizeof(double);
+  return bytes;
+}
+
 constexpr std::size_t samples_per_rank = 3;
 
 double target(std::size_t sample, std::size_t element) {
@@ -381,10 +393,11 @@ TEST_CASE("hybrid sharding 2 x 2 under every strategy equals one process on 4 ra
         CHECK(max_difference(results[rank], expected) < 1e-9);
         // Each rank's group traffic at 2 ranks: the flat buffer's bytes F (ddp's all-reduce; or the
         // reduce-scatter of the chunks and all-reduce of the remainders, F - C, and the
-        // all-gather of the chunks, C, where C = F - kept), at zero3 one more gather of C; then
-        // the average of its kept gradients across 2 replicas: 2 (R - 1) / R x kept.
+        // all-gather of the chunks, C, where C = F - kept), at zero3 one more gather of C but the
+        // top layer's (held from the forward into the backward); then the average of its kept
+        // gradients across 2 replicas: 2 (R - 1) / R x kept.
         const std::size_t flat = 191 * sizeof(double), chunks = flat - kept[rank] * sizeof(double);
-        const std::size_t group = kind == strategy::zero3 ? flat + chunks : flat;
+        const std::size_t group = kind == strategy::zero3 ? flat + chunks - top_layer_gather_bytes(2) : flat;
         CHECK(wire[rank] == group + kept[rank] * sizeof(double));
       }
     }
@@ -467,8 +480,9 @@ TEST_CASE("evaluation passes between steps leave training one process's, their b
         CHECK(max_difference(results[rank], expected) < 1e-9);
         CHECK(wire[rank] == plain_wire[rank]);
         // zero3: 3 passes a step, each gathering every range's chunks once, C bytes (a step at 2
-        // ranks: C for the reduce-scatter, the remainders' all-reduce, 2 C of gathers = F + C).
-        const std::size_t gathered = plain_wire[rank] - 191 * sizeof(double);
+        // ranks: C for the reduce-scatter, the remainders' all-reduce, 2 C of gathers less the
+        // top layer's backward one = F + C - top).
+        const std::size_t gathered = plain_wire[rank] - 191 * sizeof(double) + top_layer_gather_bytes(2);
         if (kind == strategy::zero3)
           CHECK(evaluation[rank] == static_cast<std::size_t>(s.steps) * 3 * gathered);
         else
@@ -689,11 +703,12 @@ TEST_CASE("memory and wire bytes per rank are what each strategy promises", "[tr
   CHECK(zero3.optimizer_state == 2 * P / n);
   CHECK(zero3.parameters <= P / n + 3 * P / 4);
   CHECK(zero3.parameters < P);
-  // Bus bytes: 2(N-1)/N x P, and 3(N-1)/N x P with the gathers of forward and backward.
+  // Bus bytes: 2(N-1)/N x P, and at zero3 the gathers of forward and backward besides, less
+  // the top layer's backward gather (held from the forward's end): (N-1)/N x (3P - P/4).
   CHECK(wire[0] == 2 * (n - 1) * P / n);
   CHECK(wire[1] == 2 * (n - 1) * P / n);
   CHECK(wire[2] == 2 * (n - 1) * P / n);
-  CHECK(wire[3] == 3 * (n - 1) * P / n);
+  CHECK(wire[3] == (n - 1) * (3 * P - P / 4) / n);
 }
 
 TEST_CASE("bfloat16 parameters train from fp32 masters, close to the fp32 run", "[training_state][gloo]") {
@@ -960,7 +975,9 @@ TEST_CASE(
 
 TEST_CASE("at zero3 ranks with data that gather differently while a rank sits out fail together, naming the calls",
           "[training_state][join][gloo][faults]") {
-  // Rank 1 reduces layer 4 where rank 0 gathers it again: announced, neither call is issued.
+  // Rank 1 kept the forward's views; rank 0 ended them, so at its forward's top layer (4, held
+  // into the backward) it prefetches layer 3 for the backward, where rank 1 next reduces layer
+  // 4: announced, neither call is issued.
   const uneven u{{2, 2, 0}, strategy::zero3, 1, false, gathers::usual, 1};
   std::vector<std::string> errors(3);
   auto store = std::make_shared<cohort::memory_store>();
@@ -976,7 +993,7 @@ TEST_CASE("at zero3 ranks with data that gather differently while a rank sits ou
   // At the announcement, not at the group's timeout (5 s).
   CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(4));
   CHECK_THAT(errors[0], Catch::Contains("[rank 0] training_state.join") &&
-                            Catch::Contains("this rank's next call at zero3 is the gather of bucket 4, but not every "
+                            Catch::Contains("this rank's next call at zero3 is the gather of bucket 3, but not every "
                                             "rank with data (2, this one included) announced it"));
   CHECK_THAT(errors[1], Catch::Contains("this rank's next call at zero3 is the reduction of bucket 4"));
   CHECK_THAT(errors[2], Catch::Contains("[rank 2] training_state.join") &&

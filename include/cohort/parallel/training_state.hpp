@@ -54,7 +54,8 @@
 //   zero3  parameters 1/N as well: gather(layer) all-gathers a layer into a pooled buffer
 //          (prefetching the next in the direction of travel) and the view's end releases it.
 // Wire bytes per step (nccl-tests bus bytes): 2(N-1)/N x P for ddp, zero1 and zero2,
-// 3(N-1)/N x P for zero3 (the gathers of the forward and of the backward, the reduce-scatter).
+// 3(N-1)/N x P for zero3 (the gathers of the forward and of the backward, the reduce-scatter),
+// less the top layer's backward gather: it stays gathered from the forward's end.
 //
 // Hybrid sharding (HSDP): pass `replicas`, the ranks that hold this rank's place in copies of
 // the state's group (one rank per copy, e.g. a node-local group with the ranks of the same

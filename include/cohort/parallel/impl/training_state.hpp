@@ -480,7 +480,9 @@ void training_state<B, P, G>::gather_bucket(std::size_t b) {
 
 template <backend B, element P, element G>
 void training_state<B, P, G>::prefetch_after(std::size_t layer) {
-  const bool backward = last_gathered_ && layer < *last_gathered_;
+  // From the top layer the next gathers can only be the backward's, downward: at the forward's
+  // last layer they go out while it computes, as at the backward's first.
+  const bool backward = (last_gathered_ && layer < *last_gathered_) || layer + 1 == layout_.layers;
   for (int ahead = 1; ahead <= options_.prefetch; ++ahead) {
     const auto step = static_cast<std::size_t>(ahead);
     if (backward ? layer < step : layer + step >= layout_.layers) break;
@@ -493,6 +495,11 @@ void training_state<B, P, G>::prefetch_after(std::size_t layer) {
 template <backend B, element P, element G>
 void training_state<B, P, G>::release_layer(std::size_t layer) noexcept {
   if (--layer_users_[layer] > 0 || !sharded_parameters()) return;
+  // The forward's top layer is the backward's first: it stays gathered into the backward
+  // rather than be gathered again at once (FSDP2 keeps its root unsharded after the forward
+  // alike). step() drops it with every other gathered layer. The same on every rank: which
+  // layers are held decides which gathers are issued.
+  if (!backward_phase_ && evaluating_ == 0 && layer + 1 == layout_.layers) return;
   for (std::size_t b = layout_.first_bucket_of_layer[layer]; b < layout_.first_bucket_of_layer[layer + 1]; ++b) {
     if (!bucket_params_[b].data) continue;
     try {
