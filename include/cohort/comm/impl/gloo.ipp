@@ -979,15 +979,23 @@ COHORT_DECL auto gloo::execute_sized(detail::gloo_task& task) -> void {
       } else {
         std::memcpy(gathered, in, n * sizeof(T));
       }
-      std::memmove(out, gathered, n * sizeof(T));
+      if (world == 1) {
+        std::memmove(out, gathered, n * sizeof(T));
+        return;
+      }
+      // The first addition reads the first two contributions where they lie and writes the
+      // result (out may be inside `in`: the all-to-all has read it all), rather than a copy
+      // of the first into out and then an addition: one pass over the chunk fewer. An average
+      // divides in the last addition's pass, not in a pass of its own.
       const auto reduce = detail::reduce_function(task.type, task.reduce);
-      // An average divides in the last addition's pass, not in a pass of its own.
-      const bool average = task.reduce == op::avg && world > 1;
-      for (std::size_t r = 1; r < world; ++r)
+      const bool average = task.reduce == op::avg;
+      for (std::size_t r = 1; r < world; ++r) {
+        const T* left = r == 1 ? gathered : out;
         if (average && r + 1 == world)
-          detail::sum_divided_function(task.type)(out, out, gathered + r * n, n, size_);
+          detail::sum_divided_function(task.type)(out, left, gathered + r * n, n, size_);
         else
-          reduce(out, out, gathered + r * n, n);
+          reduce(out, left, gathered + r * n, n);
+      }
       return;
     }
     case task_kind::all_gather: {
