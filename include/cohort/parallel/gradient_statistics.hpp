@@ -18,8 +18,8 @@ namespace cohort::inline v0::detail {
 // added each bucket's part, in the backend's order, as its reduction completed);
 // `count_nonfinite` adds this rank's count of infs and NaNs. With `across_ranks` all-reduces
 // sum the ranks' parts (each rank measured its share of the elements, each element in one
-// share), else this rank measured every element (one rank). Fills result.nonfinite and result.grad_norm (NaN when any
-// is non-finite; unscaled by result.loss_scale).
+// share), else this rank measured every element (one rank). Fills result.nonfinite and
+// result.grad_norm (NaN when any is non-finite; unscaled by result.loss_scale).
 //
 // One pass in the common case, and that one overlaps the backward: an inf or a NaN makes the
 // sum of squares (accumulated in double) non-finite, so the count is only taken, in a second
