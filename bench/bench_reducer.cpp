@@ -46,9 +46,14 @@
 // (no calibration: a sleep or spin of that length, shared by the tensors): what zero3's forward
 // gathers hide behind in a real model (default 0, a step of backward and update only).
 //
+// --reductions-in-flight sets cohort's training_options::reductions_in_flight (default: the
+// option's own, 2) on every side: how many bucket reductions a host backward may leave in
+// flight, each holding a new bucket buffer, before it waits for the oldest (zero2, zero3).
+//
 //   bench_reducer [--ranks 2] [--iterations 4] [--rounds 3] [--compute-ms 120] [--forward-ms 0]
 //                 [--compute-mode spin|sleep|both] [--units blocks|tensors] [--pairs a,b,...]
-//                 [--json FILE] [--torch-peer bench/peers/torch_ddp.py] [--python python3]
+//                 [--reductions-in-flight N] [--json FILE] [--torch-peer bench/peers/torch_ddp.py]
+//                 [--python python3]
 #include <cohort/comm/gloo.hpp>
 #include <cohort/parallel/training_state.hpp>
 #include <cohort/rendezvous/store.hpp>
@@ -159,10 +164,11 @@ struct settings {
   int iterations = 4;  // steps per sample (its median)
   int rounds = 3;
   double compute_ms = 120;
-  double forward_ms = 0;                 // a simulated forward before the backward, every whole step alike
-  std::vector<bool> modes{false, true};  // sleep? spin first
-  bool blocks = true;                    // --units
-  std::vector<std::string> pairs;        // empty: all
+  double forward_ms = 0;                    // a simulated forward before the backward, every whole step alike
+  std::optional<int> reductions_in_flight;  // cohort's sides; unset: the option's default
+  std::vector<bool> modes{false, true};     // sleep? spin first
+  bool blocks = true;                       // --units
+  std::vector<std::string> pairs;           // empty: all
   std::string json_path;
   std::string torch_peer;
   std::string python = "python3";
@@ -466,6 +472,7 @@ class bench {
                                      .defer_publication = kind.adopted,
                                      .max_grad_norm = kind.gradients_only ? 0.0 : 1.0,
                                      .prefetch = kind.prefetch};
+    if (settings_.reductions_in_flight) options.reductions_in_flight = *settings_.reductions_in_flight;
     if (kind.adopted) {
       s.parameters.assign(total_, 0.01f);
       s.gradients.assign(total_, 0.0f);
@@ -602,6 +609,9 @@ int main(int argc, char** argv) try {
       s.compute_ms = std::stod(args.value());
     } else if (args.is("--forward-ms")) {
       s.forward_ms = std::stod(args.value());
+    } else if (args.is("--reductions-in-flight")) {
+      s.reductions_in_flight = std::stoi(args.value());
+      if (*s.reductions_in_flight < 0) throw std::runtime_error("--reductions-in-flight >= 0");
     } else if (args.is("--compute-mode")) {
       const std::string mode = args.value();
       if (mode != "spin" && mode != "sleep" && mode != "both")
@@ -625,7 +635,8 @@ int main(int argc, char** argv) try {
     } else {
       std::string usage =
           "usage: bench_reducer [--ranks N] [--iterations I] [--rounds R] [--compute-ms MS] [--forward-ms MS] "
-          "[--compute-mode spin|sleep|both] [--units blocks|tensors] [--pairs a,b,...] [--json FILE] "
+          "[--compute-mode spin|sleep|both] [--units blocks|tensors] [--pairs a,b,...] [--reductions-in-flight N] "
+          "[--json FILE] "
           "[--torch-peer bench/peers/torch_ddp.py] [--python python3]\npairs:";
       for (const auto& p : all_pairs()) usage += std::string(" ") + p.key;
       args.usage((usage + "\n").c_str());
@@ -639,6 +650,7 @@ int main(int argc, char** argv) try {
       "%d usable cores; A/B rounds: %d, A B B A each, a sample the median of %d steps\n",
       shape.tensors(), shape.units(), shape.parameters(), static_cast<double>(shape.parameters()) * 4 / 1e6, s.ranks,
       usable_cores(), s.rounds, s.iterations);
+  if (s.reductions_in_flight) std::printf("cohort's reductions in flight: %d\n", *s.reductions_in_flight);
   std::unique_ptr<torch_peer> peer;
   if (!s.torch_peer.empty()) peer = std::make_unique<torch_peer>(s);
   bench b(s);
@@ -683,6 +695,7 @@ int main(int argc, char** argv) try {
     document.set("parameters", shape.parameters());
     document.set("compute_ms_target", s.compute_ms);
     document.set("forward_ms", s.forward_ms);
+    if (s.reductions_in_flight) document.set("reductions_in_flight", *s.reductions_in_flight);
     document.set("iterations_per_sample", s.iterations);
     document.set("rounds", s.rounds);
     if (peer && !peer->version().empty()) document.set("torch_version", peer->version());
