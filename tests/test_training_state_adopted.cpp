@@ -18,6 +18,7 @@
 #include <csignal>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -126,6 +127,42 @@ TEST_CASE("a step copies no parameter or gradient bytes under any strategy, at z
         const std::size_t expected = kind == strategy::zero3 && world == 3 ? (2 * 4 - 1) * sizeof(float) : 0;
         for (const std::size_t bytes : copied) CHECK(bytes == expected);
       }
+}
+
+TEST_CASE("at zero3 the forward's top layer is the backward's first, whether a rank keeps its view or ends it",
+          "[training_state][zero3][gloo]") {
+  // Rank 1 keeps its view of the top layer from the forward into the backward; ranks 0 and 2
+  // end it, and the state holds the layer for them. Either way no rank gathers it again, so
+  // the collectives pair up and every rank moves the same bytes.
+  const int world = 3;
+  const auto regions = one_per_layer(4, 64);
+  auto store = std::make_shared<cohort::memory_store>();
+  std::vector<std::size_t> wire(world);
+  cohort_test::run_ranks(world, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
+    state_type state(pg, regions, sgd_at_lr_one(strategy::zero3, 256));
+    state.load_parameters(std::vector<float>(256, 0.0f));
+    for (int step = 0; step < 2; ++step) {
+      std::optional<state_type::layer_view> kept;
+      for (std::size_t l = 0; l < 4; ++l) {
+        auto layer = state.gather(l);
+        if (rank == 1 && l == 3) kept = std::move(layer);
+      }
+      for (std::size_t l = 4; l-- > 0;) {
+        auto layer = state.gather(l);
+        for (auto& g : state.gradient(l)) g = static_cast<float>(rank + 1);
+        state.mark_ready(l);
+        if (l == 3) kept.reset();
+      }
+      state.step();
+    }
+    const auto params = state.gather_parameters();
+    for (std::size_t e = 0; e < params.size(); ++e)
+      RANK_CHECK(params[e] == -4.0f, "element " << e << ": " << params[e]);  // two steps of the average, 2
+    wire[static_cast<std::size_t>(rank)] = state.wire_bytes_per_step();
+  });
+  CHECK(wire[0] == wire[1]);
+  CHECK(wire[1] == wire[2]);
 }
 
 TEST_CASE("the trainer's optimizer must publish each step before the state goes on, and only it publishes",

@@ -965,23 +965,22 @@ COHORT_DECL auto gloo::execute_sized(detail::gloo_task& task) -> void {
       return;
     }
     case task_kind::reduce_scatter: {
+      // One rank's chunk is its input (out may overlap it).
+      if (world == 1) {
+        if (out != in) std::memmove(out, in, n * sizeof(T));
+        return;
+      }
       // All-to-all puts every rank's contribution to my chunk side by side, then one
       // local pass reduces them: (n-1)/n of the input crosses the wire.
       auto& scratch = scratch_bytes(world * n * sizeof(T));
       T* gathered = reinterpret_cast<T*>(scratch.data());
-      if (world > 1) {
+      {
         ::gloo::AlltoallOptions opts(context_);
         opts.setTag(collective_tag(task));
         opts.setInput(const_cast<T*>(in), world * n);
         opts.setOutput(gathered, world * n);
         opts.setTimeout(options_.timeout);
         ::gloo::alltoall(opts);
-      } else {
-        std::memcpy(gathered, in, n * sizeof(T));
-      }
-      if (world == 1) {
-        std::memmove(out, gathered, n * sizeof(T));
-        return;
       }
       // The first addition reads the first two contributions where they lie and writes the
       // result (out may be inside `in`: the all-to-all has read it all), rather than a copy
