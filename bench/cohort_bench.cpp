@@ -311,6 +311,17 @@ int run_rank(const command_line& cl, std::shared_ptr<cohort::store> store, const
     std::printf("#\n# Using devices\n");
     for (int r = 0; r < env.world_size; ++r)
       std::printf("#  Rank %2d on %s device %s\n", r, hosts[std::size_t(r)].c_str(), gpus[std::size_t(r)].c_str());
+    if constexpr (std::is_same_v<B, cohort::gloo>) {
+      const bool shared_memory = pg.backend().uses_shared_memory();
+      const bool moved_there = o.what == cohort_bench::operation::all_reduce ||
+                               o.what == cohort_bench::operation::reduce_scatter ||
+                               o.what == cohort_bench::operation::all_gather;
+      if (shared_memory && moved_there)
+        std::printf(
+            "#\n# cohort's group moves this collective through shared memory (its ranks share a host); the raw\n"
+            "# columns are Gloo's own TCP, so cohort / raw is the transport's gain here, not the wrapper's cost\n"
+            "# (COHORT_GLOO_SHARED_MEMORY=0 measures the wrapper over the same transport)\n");
+    }
     std::printf("#\n%s", cohort_bench::header(o).c_str());
     std::fflush(stdout);
     auto rows = cohort_bench::run(pg, control, o, [&](const cohort_bench::row& r) {

@@ -32,6 +32,7 @@
 
 #if __has_include(<gloo/context.h>)
 #include "cohort/comm/impl/gloo.ipp"
+#include "cohort/comm/impl/shared_memory_channel.ipp"
 #endif
 #if defined(COHORT_HAS_NCCL) && COHORT_HAS_NCCL
 #include "cohort/comm/impl/nccl.ipp"

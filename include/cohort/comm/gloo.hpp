@@ -1,5 +1,7 @@
 #pragma once
-// Host backend on Gloo (Debian libgloo-dev): collectives over TCP on host memory.
+// Host backend on Gloo (Debian libgloo-dev): collectives over TCP on host memory, and over
+// shared memory between the ranks of one host for the bulk collectives (all-reduce,
+// reduce-scatter, all-gather; cohort/comm/detail/shared_memory_channel.hpp).
 //
 // Each backend instance owns one Gloo context and one FIFO worker thread; every call is
 // queued on the worker and returns a work handle at once, so collectives run
@@ -57,6 +59,8 @@ struct element_bytes {
   unsigned char bytes[N];
 };
 
+class shared_memory_channel;
+
 // A posted point-to-point operation, waited for separately (see gloo::send).
 struct gloo_p2p {
   std::mutex mutex;  // guards buffer against abort() from the group's destructor
@@ -74,10 +78,11 @@ struct gloo_p2p {
 // What a rank published at the rendezvous (gloo::connect): where it runs and listens, for
 // connecting and for errors and failure reports that name it.
 struct gloo_peer {
-  std::string host;         // its gethostname()
-  long pid = 0;             // its process id
-  std::string address;      // the numeric address it listens on
-  std::vector<char> pairs;  // its pairs' addresses (Gloo's bytes), one per other rank in order
+  std::string host;           // its gethostname()
+  long pid = 0;               // its process id
+  std::string address;        // the numeric address it listens on
+  std::vector<char> pairs;    // its pairs' addresses (Gloo's bytes), one per other rank in order
+  std::string shared_memory;  // where its shared-memory segment is; empty: it has none (TCP only)
 };
 
 struct gloo_task {
@@ -151,6 +156,12 @@ class gloo {
     // How often a waiting call (and the rendezvous) prints what it waits for and for whom; 0:
     // never. Default: COHORT_PROGRESS_INTERVAL (seconds), else 30 s.
     std::chrono::milliseconds progress_interval = detail::default_progress_interval();
+    // When every rank of the group runs on one host, all-reduce, reduce-scatter and all-gather
+    // meet in shared memory rather than in TCP over loopback (the others stay on Gloo): the
+    // same results, without the kernel's copies and system calls. Used only where every rank
+    // asks for it and can map every peer's segment; off here or COHORT_GLOO_SHARED_MEMORY=0 on
+    // any rank keeps the whole group on TCP.
+    bool shared_memory = true;
   };
 
   // The engine's own worker queue: its work handles point into it.
@@ -201,10 +212,7 @@ class gloo {
   COHORT_DECL gloo(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts);
 
   // A new context over an existing device (subgroups).
-  gloo(const gloo& parent, std::shared_ptr<cohort::store> store, int rank, int size)
-      : rank_(rank), size_(size), options_(parent.options_), address_(parent.address_), device_(parent.device_) {
-    connect(std::move(store));
-  }
+  COHORT_DECL gloo(const gloo& parent, std::shared_ptr<cohort::store> store, int rank, int size);
 
   gloo(const gloo&) = delete;
   gloo& operator=(const gloo&) = delete;
@@ -232,6 +240,9 @@ class gloo {
   const call_label& call_context() const noexcept { return call_context_; }
   void set_call_context(const call_label& label) noexcept { call_context_ = label; }
   const std::shared_ptr<::gloo::Context>& context() const noexcept { return context_; }
+  // Whether all-reduce, reduce-scatter and all-gather go through shared memory (the whole
+  // group on this host, options::shared_memory on every rank); false: Gloo's TCP.
+  bool uses_shared_memory() const noexcept { return shared_memory_ != nullptr; }
 
   // --- collectives (type-erased; process_group<gloo> adds the typed, checked surface) -----
   work all_reduce(const void* in, void* out, std::size_t count, dtype type, op reduce) {
@@ -293,6 +304,9 @@ class gloo {
   // multi_get, and connects the full mesh (connect_mesh), all within options.timeout.
   COHORT_DECL void connect(std::shared_ptr<cohort::store> store);
   COHORT_DECL void connect_mesh(::gloo::transport::Context& transport, std::chrono::steady_clock::time_point deadline);
+  // Keeps shared_memory_ where every rank is on this host and mapped every peer's segment
+  // (they agree over the mesh); drops it otherwise, on every rank alike.
+  COHORT_DECL void agree_on_shared_memory(const detail::gloo_peer& mine);
   // The address `peer` published for its pair with this rank (Gloo's bytes).
   COHORT_DECL std::vector<char> peer_pair_address(int peer) const;
   // "rank 3 published 10.0.0.4 (host node1, pid 812, its pair for this rank at [10.0.0.4]:40123)".
@@ -334,6 +348,12 @@ class gloo {
   // The collectives for elements of sizeof(T) bytes (T: detail::element_bytes<N>).
   template <class T>
   void execute_sized(detail::gloo_task& task);
+  // The bulk collectives through shared_memory_; false where the call stays on Gloo.
+  COHORT_DECL bool execute_in_shared_memory(detail::gloo_task& task);
+  // The error a failed transport call becomes (Gloo's I/O failure, or shared memory's):
+  // the monitor's verdict, the culprit, and whether it timed out.
+  [[gnu::cold]] COHORT_DECL std::exception_ptr explain_transport_failure(const detail::gloo_task& task,
+                                                                         const std::string& what, bool timed_out);
 
   // Gloo matches messages by slot, and a message larger than the receiver expects aborts
   // the process from Gloo's I/O thread. Deriving the tag from what the call moves (kind,
@@ -380,6 +400,8 @@ class gloo {
   std::atomic<bool> debug_checks_{false};
   std::map<std::tuple<int, std::uint64_t, bool>, std::uint64_t> p2p_issued_;  // guarded by p2p_mutex_
   std::vector<std::byte> scratch_;                                            // used by the worker thread only
+  // The intra-host transport, when the whole group is on one host (connect); null: TCP only.
+  std::unique_ptr<detail::shared_memory_channel> shared_memory_;
   std::shared_ptr<worker_type> worker_;  // last: their threads run run(), which uses the above
   std::shared_ptr<worker_type> p2p_worker_;
   std::mutex p2p_mutex_;

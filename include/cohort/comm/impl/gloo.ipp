@@ -46,6 +46,7 @@
 #include "cohort/comm/detail/fifo_worker.hpp"
 #include "cohort/comm/detail/host_address.hpp"
 #include "cohort/comm/detail/host_elementwise.hpp"
+#include "cohort/comm/detail/shared_memory_channel.hpp"
 #include "cohort/detail/fnv1a.hpp"
 #include "cohort/detail/host_math.hpp"
 #include "cohort/detail/progress.hpp"
@@ -76,9 +77,9 @@ class gloo_mesh_context final : public ::gloo::Context {
 };
 
 // What a rank publishes at the rendezvous, under "gloo/<rank>": a text header (format tag,
-// host name, process id, listen address), then the bytes of its pairs' addresses, one per
-// other rank in rank order.
-inline constexpr std::string_view gloo_peer_format = "cohort-gloo-1";
+// host name, process id, listen address, whether it would use shared memory), then the bytes
+// of its pairs' addresses, one per other rank in rank order.
+inline constexpr std::string_view gloo_peer_format = "cohort-gloo-2";
 
 inline std::string this_host_name() {
   char name[256] = {};
@@ -88,7 +89,8 @@ inline std::string this_host_name() {
 
 inline bytes encode_gloo_peer(const gloo_peer& mine) {
   const std::string header =
-      detail::text(gloo_peer_format, "\n", mine.host, "\n", std::to_string(mine.pid), "\n", mine.address, "\n");
+      detail::text(gloo_peer_format, "\n", mine.host, "\n", std::to_string(mine.pid), "\n", mine.address, "\n",
+                   (mine.shared_memory.empty() ? std::string("tcp") : mine.shared_memory), "\n");
   bytes value(header.begin(), header.end());
   value.insert(value.end(), mine.pairs.begin(), mine.pairs.end());
   return value;
@@ -97,7 +99,7 @@ inline bytes encode_gloo_peer(const gloo_peer& mine) {
 // False when `value` is not what encode_gloo_peer writes for a world of `size`.
 inline bool decode_gloo_peer(const bytes& value, int size, gloo_peer& out) {
   std::size_t at = 0;
-  std::string fields[4];
+  std::string fields[5];
   for (auto& field : fields) {
     const auto end = std::find(value.begin() + static_cast<std::ptrdiff_t>(at), value.end(), '\n');
     if (end == value.end()) return false;
@@ -112,6 +114,7 @@ inline bool decode_gloo_peer(const bytes& value, int size, gloo_peer& out) {
   out.host = fields[1];
   out.pid = pid;
   out.address = fields[3];
+  out.shared_memory = fields[4] == "tcp" ? std::string() : fields[4];
   out.pairs.assign(value.begin() + static_cast<std::ptrdiff_t>(at), value.end());
   return true;
 }
@@ -235,6 +238,11 @@ COHORT_DECL gloo::gloo(std::shared_ptr<cohort::store> store, const launch_env& e
   connect(std::move(store));
 }
 
+COHORT_DECL gloo::gloo(const gloo& parent, std::shared_ptr<cohort::store> store, int rank, int size)
+    : rank_(rank), size_(size), options_(parent.options_), address_(parent.address_), device_(parent.device_) {
+  connect(std::move(store));
+}
+
 COHORT_DECL gloo::~gloo() {
   // Queued work runs first (its buffers are the caller's); the watchdog still watches it, so
   // a drain that waits for ranks in another call ends as any call does.
@@ -320,6 +328,12 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
   mine.host = detail::this_host_name();
   mine.pid = static_cast<long>(::getpid());
   mine.address = address_;
+  const char* shared_memory_env = std::getenv("COHORT_GLOO_SHARED_MEMORY");
+  // Made before the rendezvous, so that where it is travels with the addresses.
+  if (size_ > 1 && options_.shared_memory &&
+      !(shared_memory_env != nullptr && std::string_view(shared_memory_env) == "0"))
+    shared_memory_ = detail::shared_memory_channel::create(rank_, size_);
+  if (shared_memory_) mine.shared_memory = shared_memory_->published();
   for (int peer = 0; peer < size_; ++peer) {
     if (peer == rank_) continue;
     const std::vector<char> pair = transport->createPair(peer)->address().bytes();
@@ -375,11 +389,49 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
   auto context = std::make_shared<detail::gloo_mesh_context>(rank_, size_, device_, std::move(transport));
   context->setTimeout(options_.timeout);
   context_ = std::move(context);
+  agree_on_shared_memory(mine);
   worker_ = std::make_shared<worker_type>([this](detail::gloo_task& task) { run(task); });
   p2p_worker_ = std::make_shared<worker_type>([this](detail::gloo_task& task) { run(task); });
   board_ = std::make_unique<detail::status_board>(store_, rank_, size_, options_.timeout);
   board_->try_publish_on_group_store(status(detail::rank_activity::joined));
   start_watchdog();
+}
+
+COHORT_DECL auto gloo::agree_on_shared_memory(const detail::gloo_peer& mine) -> void {
+  // Tried where every rank is on this host and made a segment: every rank reads the same
+  // published records, so all try or none does. Host names are unique within a job; a name
+  // shared across pid namespaces fails the segment's token check and leaves the group on TCP.
+  const bool every_rank_here = std::all_of(peers_.begin(), peers_.end(), [&](const detail::gloo_peer& peer) {
+    return peer.host == mine.host && !peer.shared_memory.empty();
+  });
+  if (!every_rank_here) {
+    shared_memory_.reset();
+    return;
+  }
+  std::vector<std::string> published;
+  std::vector<detail::shared_memory_channel::peer_process> processes;
+  for (const auto& peer : peers_) {
+    published.push_back(peer.shared_memory);
+    processes.push_back({peer.pid});
+  }
+  // Whether all of them mapped every segment, agreed over the mesh just connected (no store
+  // request): the minimum of everyone's answer, on a tag no call of the group uses.
+  std::int32_t mapped = shared_memory_->map_peers(published, processes) ? 1 : 0;
+  try {
+    ::gloo::AllreduceOptions opts(context_);
+    opts.setTag(0x7fffffffu);
+    opts.setOutput(&mapped, 1);
+    opts.setReduceFunction(detail::reduce_function(dtype::int32, op::min));
+    opts.setTimeout(options_.timeout);
+    ::gloo::allreduce(opts);
+  } catch (const std::exception& failure) {
+    throw error(rank_, "gloo.rendezvous", detail::text("the ranks could not agree on shared memory: ", failure.what()),
+                "a rank died or stopped during the rendezvous");
+  }
+  if (mapped == 1)
+    shared_memory_->release_descriptor();  // every peer has mapped it
+  else
+    shared_memory_.reset();
 }
 
 COHORT_DECL auto gloo::peer_pair_address(int peer) const -> std::vector<char> {
@@ -510,6 +562,7 @@ COHORT_DECL auto gloo::status(detail::rank_activity activity) const -> detail::r
 }
 
 COHORT_DECL auto gloo::abort_transport() noexcept -> void {
+  if (shared_memory_) shared_memory_->shut_down();
   if (!context_) return;
   try {
     std::vector<sockaddr_storage> ends;
@@ -680,36 +733,43 @@ COHORT_DECL auto gloo::explain(const detail::gloo_task& task, std::exception_ptr
     return std::current_exception();
   } catch (const ::gloo::IoException& failure) {
     const std::string what = failure.what();
-    std::string verdict;
-    {
-      std::lock_guard lock(verdict_mutex_);
-      verdict = verdict_;
-    }
-    if (!verdict.empty())  // the progress monitor ended the call: the ranks are in different calls
-      return std::make_exception_ptr(
-          error(rank_, detail::text("gloo.", describe(task)), verdict, detail::different_calls_hint));
-    const bool timed_out = what.find("Timed out") != std::string::npos || what.find("timed out") != std::string::npos;
-    const std::string culprit = name_the_culprit(task, !timed_out);
-    // The peers' statuses may show the cause themselves: ranks in different calls.
-    if (culprit.find(detail::different_calls) != std::string::npos)
-      return std::make_exception_ptr(error(rank_, detail::text("gloo.", describe(task)),
-                                           detail::text(culprit, " [", what, "]"), detail::different_calls_hint));
-    if (timed_out)
-      return std::make_exception_ptr(timeout_error(
-          rank_, detail::text("gloo.", describe(task)), detail::text(culprit, " [", what, "]"),
-          detail::text("a peer did not enter the same call within ", detail::format_duration(options_.timeout),
-                       ": it hangs, crashed, issued calls in another order, or "
-                       "passed another size or dtype (COHORT_DEBUG=1 names the calls)")));
-    return std::make_exception_ptr(error(rank_, detail::text("gloo.", describe(task)),
-                                         detail::text(culprit, " [", what, "]"),
-                                         "a peer closed its connection: it crashed or exited early, or sizes differ "
-                                         "across ranks"));
+    return explain_transport_failure(
+        task, what, what.find("Timed out") != std::string::npos || what.find("timed out") != std::string::npos);
+  } catch (const detail::shared_memory_failure& failure) {
+    return explain_transport_failure(task, failure.what(), failure.timed_out());
   } catch (const std::exception& failure) {
     return std::make_exception_ptr(error(rank_, detail::text("gloo.", describe(task)), failure.what(),
                                          "sizes or dtypes may differ across ranks (set COHORT_DEBUG=1 to check)"));
   } catch (...) {
     return std::current_exception();
   }
+}
+
+COHORT_DECL auto gloo::explain_transport_failure(const detail::gloo_task& task, const std::string& what, bool timed_out)
+    -> std::exception_ptr {
+  std::string verdict;
+  {
+    std::lock_guard lock(verdict_mutex_);
+    verdict = verdict_;
+  }
+  if (!verdict.empty())  // the progress monitor ended the call: the ranks are in different calls
+    return std::make_exception_ptr(
+        error(rank_, detail::text("gloo.", describe(task)), verdict, detail::different_calls_hint));
+  const std::string culprit = name_the_culprit(task, !timed_out);
+  // The peers' statuses may show the cause themselves: ranks in different calls.
+  if (culprit.find(detail::different_calls) != std::string::npos)
+    return std::make_exception_ptr(error(rank_, detail::text("gloo.", describe(task)),
+                                         detail::text(culprit, " [", what, "]"), detail::different_calls_hint));
+  if (timed_out)
+    return std::make_exception_ptr(timeout_error(
+        rank_, detail::text("gloo.", describe(task)), detail::text(culprit, " [", what, "]"),
+        detail::text("a peer did not enter the same call within ", detail::format_duration(options_.timeout),
+                     ": it hangs, crashed, issued calls in another order, or "
+                     "passed another size or dtype (COHORT_DEBUG=1 names the calls)")));
+  return std::make_exception_ptr(error(rank_, detail::text("gloo.", describe(task)),
+                                       detail::text(culprit, " [", what, "]"),
+                                       "a peer closed its connection: it crashed or exited early, or sizes differ "
+                                       "across ranks"));
 }
 
 COHORT_DECL auto gloo::execute(detail::gloo_task& task) -> void {
@@ -746,6 +806,7 @@ COHORT_DECL auto gloo::execute(detail::gloo_task& task) -> void {
     default: break;
   }
   if (task.count == 0) return;  // nothing moves; every rank agrees on that without talking
+  if (shared_memory_ && execute_in_shared_memory(task)) return;
   // Gloo's buffers care about the element's width only; the arithmetic is the reduce
   // function's. Four widths, not seven dtypes, of the code below.
   switch (size_of(task.type)) {
@@ -753,6 +814,45 @@ COHORT_DECL auto gloo::execute(detail::gloo_task& task) -> void {
     case 2: return execute_sized<detail::element_bytes<2>>(task);
     case 4: return execute_sized<detail::element_bytes<4>>(task);
     default: return execute_sized<detail::element_bytes<8>>(task);
+  }
+}
+
+COHORT_DECL auto gloo::execute_in_shared_memory(detail::gloo_task& task) -> bool {
+  const std::size_t element = size_of(task.type);
+  const std::size_t world = static_cast<std::size_t>(size_);
+  const auto* in = static_cast<const std::byte*>(task.in);
+  auto* out = static_cast<std::byte*>(task.out);
+  // Whether [a, a + a_bytes) and [b, b + b_bytes) share a byte.
+  const auto overlap = [](const std::byte* a, std::size_t a_bytes, const std::byte* b, std::size_t b_bytes) {
+    return a < b + b_bytes && b < a + a_bytes;
+  };
+  detail::shared_memory_channel::reduction reduce;
+  reduce.combine = detail::reduce_function(task.type, task.reduce);
+  reduce.divided = detail::sum_divided_function(task.type);
+  reduce.divisor = task.reduce == op::avg ? size_ : 1;
+  const std::uint64_t call = signature(task) | 1;  // never 0, which means "any call"
+  const std::size_t bytes = task.count * element;
+  // Overlaps other than the documented ones (in place; a reduce-scatter's output inside its
+  // input's blocks; an all-gather's input as its own block) stay on Gloo, which reads all of
+  // its input before it writes.
+  switch (task.what) {
+    case task_kind::all_reduce:
+      if (in != out && overlap(in, bytes, out, bytes)) return false;
+      shared_memory_->all_reduce(in, out, task.count, element, reduce, call, options_.timeout);
+      return true;
+    case task_kind::reduce_scatter: {
+      const bool aligned = out >= in && static_cast<std::size_t>(out - in) % bytes == 0;
+      if (overlap(in, world * bytes, out, bytes) && !aligned) return false;
+      shared_memory_->reduce_scatter(in, out, task.count, element, reduce, call, options_.timeout);
+      return true;
+    }
+    case task_kind::all_gather: {
+      const std::byte* own_block = out + static_cast<std::size_t>(rank_) * bytes;
+      if (in != own_block && overlap(in, bytes, out, world * bytes)) return false;
+      shared_memory_->all_gather(in, out, task.count, element, call, options_.timeout);
+      return true;
+    }
+    default: return false;
   }
 }
 
