@@ -1,5 +1,6 @@
 // process_group<gloo>: every collective x dtype x op on 2, 3 and 4 ranks (threads, each
-// with its own Gloo context over loopback), against expectations computed here
+// with its own Gloo context over loopback; the bulk collectives through shared memory, or,
+// as test_process_group_tcp, over TCP), against expectations computed here
 // independently; then the faults: a rank that never arrives, a rank that dies, mismatched
 // sizes, collectives inside on_main; then the conveniences: collectives on any contiguous
 // range, stream-ordered calls (pg.on(stream)) and one host value across ranks.

@@ -137,7 +137,7 @@ class shared_memory_channel {
   COHORT_DECL void post();
   // Until every peer has posted `phase`; `signature`: and is in the same call (0: any call).
   COHORT_DECL void wait_for_all(std::uint32_t phase, std::uint64_t signature, std::chrono::milliseconds timeout);
-  [[gnu::cold]] COHORT_DECL void check_peers_or_throw(int waiting_for, std::uint32_t phase,
+  [[gnu::cold]] COHORT_DECL void check_peers_or_throw(int waiting_for, std::uint32_t phase, std::uint64_t signature,
                                                       std::chrono::steady_clock::time_point started,
                                                       std::chrono::milliseconds timeout) const;
   std::byte* own_slot() const noexcept { return segments_[static_cast<std::size_t>(rank_)].slot(); }

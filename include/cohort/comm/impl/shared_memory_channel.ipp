@@ -6,6 +6,7 @@
 #include <linux/futex.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -16,7 +17,6 @@
 #include <cstdio>
 #include <cstring>
 #include <new>
-#include <random>
 #include <span>
 #include <string>
 
@@ -134,8 +134,13 @@ COHORT_DECL auto shared_memory_channel::create(int rank, int size, std::size_t s
   if (base == MAP_FAILED) return nullptr;
   channel->segments_[static_cast<std::size_t>(rank)] = mapping(base, segment_bytes);
   auto* head = new (base) header{};
-  std::random_device entropy;
-  for (auto& word : head->token) word = (std::uint64_t{entropy()} << 32) ^ entropy();
+  // Random, from the kernel (not <random>: a heavy header for every trainer that includes
+  // cohort header-only); where that fails, what this segment alone has (its address and pid)
+  // and the time, still unlikely to be met by a descriptor of another process.
+  if (::getrandom(head->token, sizeof head->token, 0) != static_cast<ssize_t>(sizeof head->token)) {
+    head->token[0] = reinterpret_cast<std::uintptr_t>(base) ^ static_cast<std::uint64_t>(channel->own_pid_);
+    head->token[1] = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  }
   head->slot_bytes = slot_bytes;
   return channel;
 }
@@ -216,7 +221,7 @@ COHORT_DECL void shared_memory_channel::wait_for_all(std::uint32_t phase, std::u
       seen = theirs.posted.load(std::memory_order_acquire);
     }
     while (!arrived(seen)) {
-      check_peers_or_throw(peer, phase, started, timeout);
+      check_peers_or_throw(peer, phase, signature, started, timeout);
       const auto left = timeout - (std::chrono::steady_clock::now() - started);
       shm::wait_while(theirs.posted, seen,
                       std::min<std::chrono::nanoseconds>(
@@ -227,6 +232,7 @@ COHORT_DECL void shared_memory_channel::wait_for_all(std::uint32_t phase, std::u
 }
 
 COHORT_DECL void shared_memory_channel::check_peers_or_throw(int waiting_for, std::uint32_t phase,
+                                                             std::uint64_t signature,
                                                              std::chrono::steady_clock::time_point started,
                                                              std::chrono::milliseconds timeout) const {
   if (shut_.load(std::memory_order_acquire))
@@ -234,14 +240,19 @@ COHORT_DECL void shared_memory_channel::check_peers_or_throw(int waiting_for, st
   for (int peer = 0; peer < size_; ++peer) {
     if (peer == rank_) continue;
     const header& theirs = segments_[static_cast<std::size_t>(peer)].head();
-    // A peer posts before it closes: one that closed after posting what is waited for has
-    // not failed this call (read again after the flag, which orders after its posts).
+    // A peer posts before it closes: one that closed (or ended) after posting what this wait
+    // needs of it, in this call, has not failed it: it may have finished the call and left
+    // while another peer is slower (its counter is read again after the flag, which orders
+    // after its posts). A later wait it cannot meet fails then. One that posted in another
+    // call and closed has failed this one: it will post nothing more.
     const bool closed = theirs.closed.load(std::memory_order_acquire) != 0;
     const long pid = processes_[static_cast<std::size_t>(peer)].pid;
     const bool gone =
         !closed && pid > 0 && pid != own_pid_ && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
     if (!closed && !gone) continue;
-    if (peer == waiting_for && shared_memory::reached(theirs.posted.load(std::memory_order_acquire), phase)) continue;
+    if (shared_memory::reached(theirs.posted.load(std::memory_order_acquire), phase) &&
+        (signature == 0 || theirs.signature.load(std::memory_order_relaxed) == signature))
+      continue;
     throw shared_memory_failure(text("rank ", std::to_string(peer),
                                      gone ? "'s process is gone: connection closed by peer (shared memory)"
                                           : " closed its connection: connection closed by peer (shared memory)"),
