@@ -77,8 +77,8 @@ class gloo_mesh_context final : public ::gloo::Context {
 };
 
 // What a rank publishes at the rendezvous, under "gloo/<rank>": a text header (format tag,
-// host name, process id, listen address, whether it would use shared memory), then the bytes
-// of its pairs' addresses, one per other rank in rank order.
+// host name, process id, listen address, where its shared-memory segment is or "tcp"), then
+// the bytes of its pairs' addresses, one per other rank in rank order.
 inline constexpr std::string_view gloo_peer_format = "cohort-gloo-2";
 
 inline std::string this_host_name() {
