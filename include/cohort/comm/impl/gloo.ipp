@@ -704,15 +704,14 @@ COHORT_DECL auto gloo::run(detail::gloo_task& task) -> void {
       group.running_ = nullptr;
     }
   } running{*this, collective, task};
+  // The caller's thread runs queued calls when it waits (fifo_worker): Gloo writes from it
+  // too, and so does the failure path (explain probes each peer's pair, which may write to
+  // a socket whose peer is gone: a shared-memory wait can fail before Gloo's event loop has
+  // seen the connection close). A no-op on cohort's own threads, which block SIGPIPE for good.
+  std::optional<detail::sigpipe_blocked> writes_fail_with_epipe;
+  if (task.what != task_kind::function && size_ > 1) writes_fail_with_epipe.emplace();
   try {
-    if (task.what == task_kind::function || size_ == 1) {
-      execute(task);
-    } else {
-      // The caller's thread runs queued calls when it waits (fifo_worker): Gloo writes from
-      // it too. A no-op on cohort's own threads, which block SIGPIPE for good.
-      const detail::sigpipe_blocked writes_fail_with_epipe;
-      execute(task);
-    }
+    execute(task);
   } catch (...) {
     recorder_.failed(task.record);
     const std::exception_ptr failure = explain(task, std::current_exception());
