@@ -74,7 +74,7 @@ std::vector<float> train_zero3(cohort::process_group<cohort::gloo>& pg, const sh
     (void)state.gather(0);  // the input layer's backward reads no parameter, but is the backward's
     backward_input(s, x, g.in_w, g.in_b, batch, a);
     const auto result = state.step();
-    if (!options.trainer_optimizer) continue;
+    if (!*options.trainer_optimizer) continue;
     if (!result.skipped)
       for (const auto& o : state.owned_spans())
         adamw(o.parameters.data(), o.gradients.data(), &m[o.owned], &v[o.owned], o.parameters.size(), step + 1, r.adam,
@@ -145,11 +145,11 @@ int main(int argc, char** argv) try {
   const bool match = worst < 1e-4 && std::abs(loss - reference_loss) < 1e-5;
   std::printf("trained %zu parameters at %d rank(s), %s, %s optimizer; max |parameter difference| %.2e\n",
               reference.size(), world, std::string(cohort::to_string(options.strategy)).c_str(),
-              options.trainer_optimizer ? "the trainer's own" : "cohort's", worst);
+              *options.trainer_optimizer ? "the trainer's own" : "cohort's", worst);
   std::printf("final loss: %s %.9f, single process %.9f, |difference| %.2e: %s\n",
               std::string(cohort::to_string(options.strategy)).c_str(), loss, reference_loss,
               std::abs(loss - reference_loss), match ? "match" : "MISMATCH");
-  if (!options.trainer_optimizer) return match ? 0 : 1;
+  if (!*options.trainer_optimizer) return match ? 0 : 1;
   // One rank with the trainer's own optimizer must be the trainer without cohort, bit for bit.
   std::vector<float> alone;
   cohort::run_thread_ranks(1, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {

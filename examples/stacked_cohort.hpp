@@ -54,7 +54,7 @@ inline std::vector<float> train_cohort(cohort::process_group<cohort::gloo>& pg, 
     }
     backward_input(s, x, g.in_w, g.in_b, batch, a);
     const auto result = state.step();
-    if (!options.trainer_optimizer) continue;
+    if (!*options.trainer_optimizer) continue;
     if (!result.skipped)
       for (const auto& o : state.owned_spans())
         adamw(o.parameters.data(), o.gradients.data(), &m[o.owned], &v[o.owned], o.parameters.size(), step + 1, r.adam,
