@@ -427,14 +427,13 @@ auto training_state<B, P, G>::gather(std::size_t layer) -> layer_view {
   if (evaluating_ > 0) {
     if (!evaluation_agreed_ && !announcing_) agree_on_evaluation(layer);
     // Not a step's: no forward or backward, no reduction; its bytes are evaluation's.
-    const std::size_t before = wire_bytes_, copied_before = copied_bytes_;
+    const std::size_t before = wire_bytes_;
     for (std::size_t b = layout_.first_bucket_of_layer[layer]; b < layout_.first_bucket_of_layer[layer + 1]; ++b) {
       gather_bucket(b);
       hand_to_caller(bucket_gathered_[b]);
     }
     evaluation_wire_bytes_ += wire_bytes_ - before;
     wire_bytes_ = before;
-    copied_bytes_ = copied_before;
     ++layer_users_[layer];
     return layer_view(this, layer);
   }
@@ -532,7 +531,7 @@ void training_state<B, P, G>::gather_bucket(std::size_t b) {
           done = group_->all_gather(std::span<const P>(params_ + range.owned, range.chunk),
                                     std::span<P>(gathered_range(b, range), n * range.chunk));
           count_wire(n * range.chunk * sizeof(P), false);
-          if (n == 1) copied_bytes_ += range.chunk * sizeof(P);  // a gather of one rank is a copy
+          if (n == 1 && evaluating_ == 0) copied_bytes_ += range.chunk * sizeof(P);  // one rank's gather: a copy
         }
     }
     together.end();
