@@ -3,8 +3,9 @@
 // buffer, each block tensor stacked over the blocks ([W_0 .. W_{L-1}] then [b_0 .. b_{L-1}])
 // and reached by pointer arithmetic (block_w + l * width * width), the gradients in a second
 // buffer of the same layout, and its own AdamW with clipping by the global norm. A residual
-// MLP: h_0 = W_in x + b_in, h_{l+1} = h_l + tanh(W_l h_l + b_l), y = W_out h_L + b_out, mean
-// squared error. Nothing here knows cohort: stacked_plain.hpp trains it alone, and
+// MLP whose output layer is tied to its input layer, as GPT-2's logits are to its token
+// embedding: h_0 = W_in x + b_in, h_{l+1} = h_l + tanh(W_l h_l + b_l), y = W_in^T h_L + b_out,
+// mean squared error. Nothing here knows cohort: stacked_plain.hpp trains it alone, and
 // stacked_cohort.hpp is that same trainer converted to cohort.
 #include <cmath>
 #include <cstddef>
@@ -16,7 +17,7 @@
 namespace cohort_examples::stacked {
 
 struct shape {
-  std::size_t in = 16, width = 64, blocks = 6, out = 4;
+  std::size_t in = 16, width = 64, blocks = 6;  // the output has `in` values (tied to the input layer)
 };
 
 // Where each tensor starts in a flat buffer (parameters or gradients): the buffer's layout.
@@ -25,12 +26,11 @@ struct tensors {
   float* in_b;     // [width]
   float* block_w;  // [blocks][width x width]
   float* block_b;  // [blocks][width]
-  float* out_w;    // [out x width]
-  float* out_b;    // [out]
+  float* out_b;    // [in]: the output layer's weights are in_w's, transposed
 };
 
 inline std::size_t parameter_count(const shape& s) {
-  return s.width * s.in + s.width + s.blocks * (s.width * s.width + s.width) + s.out * s.width + s.out;
+  return s.width * s.in + s.width + s.blocks * (s.width * s.width + s.width) + s.in;
 }
 
 inline tensors point(const shape& s, float* base) {
@@ -39,8 +39,7 @@ inline tensors point(const shape& s, float* base) {
   t.in_b = t.in_w + s.width * s.in;
   t.block_w = t.in_b + s.width;
   t.block_b = t.block_w + s.blocks * s.width * s.width;
-  t.out_w = t.block_b + s.blocks * s.width;
-  t.out_b = t.out_w + s.out * s.width;
+  t.out_b = t.block_b + s.blocks * s.width;
   return t;
 }
 
@@ -53,8 +52,7 @@ inline void initialize(const shape& s, float* params, std::uint64_t seed) {
   fill(p.in_b, s.width, 0.1, 2);
   fill(p.block_w, s.blocks * s.width * s.width, 0.5 / std::sqrt(static_cast<double>(s.width)), 3);
   fill(p.block_b, s.blocks * s.width, 0.1, 4);
-  fill(p.out_w, s.out * s.width, 1.0 / std::sqrt(static_cast<double>(s.width)), 5);
-  fill(p.out_b, s.out, 0.0, 6);
+  fill(p.out_b, s.in, 0.0, 6);
 }
 
 // Rows `first` .. of each step's batch: inputs in [-1, 1), targets a smooth function of them.
@@ -65,20 +63,20 @@ struct dataset {
   dataset(const shape& model, std::size_t rows_per_step, int steps) : s(model), batch(rows_per_step) {
     const std::size_t rows = batch * static_cast<std::size_t>(steps);
     x.resize(rows * s.in);
-    y.resize(rows * s.out);
+    y.resize(rows * s.in);
     for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(uniform(7, i));
     for (std::size_t r = 0; r < rows; ++r)
-      for (std::size_t o = 0; o < s.out; ++o) {
+      for (std::size_t o = 0; o < s.in; ++o) {
         double sum = 0;
         for (std::size_t i = 0; i < s.in; ++i) sum += std::sin(0.3 * static_cast<double>(o + 1) * x[r * s.in + i]);
-        y[r * s.out + o] = static_cast<float>(sum / static_cast<double>(s.in));
+        y[r * s.in + o] = static_cast<float>(sum / static_cast<double>(s.in));
       }
   }
   const float* inputs(int step, std::size_t first) const {
     return &x[(static_cast<std::size_t>(step) * batch + first) * s.in];
   }
   const float* targets(int step, std::size_t first) const {
-    return &y[(static_cast<std::size_t>(step) * batch + first) * s.out];
+    return &y[(static_cast<std::size_t>(step) * batch + first) * s.in];
   }
 };
 
@@ -87,18 +85,20 @@ struct activations {
   std::vector<float> h;      // [(blocks + 1) x batch x width]: each block's input, then the last
   std::vector<float> t;      // [blocks x batch x width]: each block's tanh
   std::vector<float> delta;  // [batch x width]: the loss gradient at the current h
-  std::vector<float> dy;     // [batch x out]
+  std::vector<float> dy;     // [batch x in]
   activations(const shape& s, std::size_t batch)
-      : h((s.blocks + 1) * batch * s.width), t(s.blocks * batch * s.width), delta(batch * s.width), dy(batch * s.out) {}
+      : h((s.blocks + 1) * batch * s.width), t(s.blocks * batch * s.width), delta(batch * s.width), dy(batch * s.in) {}
 };
 
-// out[r] = W in[r] + b for `batch` rows; W is [n_out x n_in], row-major.
+// out[r] = W in[r] + b for `batch` rows; W is [n_out x n_in], row-major, or `transposed`
+// [n_in x n_out] (the tied output layer reads the input layer's weights so).
 inline void linear(const float* w, const float* b, const float* in, float* out, std::size_t batch, std::size_t n_in,
-                   std::size_t n_out) {
+                   std::size_t n_out, bool transposed = false) {
+  const std::size_t along_out = transposed ? 1 : n_in, along_in = transposed ? n_out : 1;
   for (std::size_t r = 0; r < batch; ++r)
     for (std::size_t o = 0; o < n_out; ++o) {
       float sum = b[o];
-      for (std::size_t i = 0; i < n_in; ++i) sum += w[o * n_in + i] * in[r * n_in + i];
+      for (std::size_t i = 0; i < n_in; ++i) sum += w[o * along_out + i * along_in] * in[r * n_in + i];
       out[r * n_out + o] = sum;
     }
 }
@@ -106,14 +106,15 @@ inline void linear(const float* w, const float* b, const float* in, float* out, 
 // The gradients of W and b (added) from the output gradient `d` and the input, and the input's
 // gradient (added into `d_in`, when given).
 inline void linear_backward(const float* w, const float* in, const float* d, float* gw, float* gb, float* d_in,
-                            std::size_t batch, std::size_t n_in, std::size_t n_out) {
+                            std::size_t batch, std::size_t n_in, std::size_t n_out, bool transposed = false) {
+  const std::size_t along_out = transposed ? 1 : n_in, along_in = transposed ? n_out : 1;
   for (std::size_t r = 0; r < batch; ++r)
     for (std::size_t o = 0; o < n_out; ++o) {
       const float dv = d[r * n_out + o];
       gb[o] += dv;
       for (std::size_t i = 0; i < n_in; ++i) {
-        gw[o * n_in + i] += dv * in[r * n_in + i];
-        if (d_in) d_in[r * n_in + i] += dv * w[o * n_in + i];
+        gw[o * along_out + i * along_in] += dv * in[r * n_in + i];
+        if (d_in) d_in[r * n_in + i] += dv * w[o * along_out + i * along_in];
       }
     }
 }
@@ -135,13 +136,14 @@ inline void forward_block(const shape& s, std::size_t l, const float* w, const f
     out[i] = in[i] + t[i];
   }
 }
-// The mean squared error of the output layer, and the loss gradient at the last h.
+// The mean squared error of the output layer (w: the input layer's weights, tied), and the loss
+// gradient at the last h.
 inline float forward_output(const shape& s, const float* w, const float* b, const float* target, std::size_t batch,
                             activations& a) {
   const float* h = &a.h[s.blocks * batch * s.width];
-  linear(w, b, h, a.dy.data(), batch, s.width, s.out);
+  linear(w, b, h, a.dy.data(), batch, s.width, s.in, true);
   double loss = 0;
-  const std::size_t n = batch * s.out;
+  const std::size_t n = batch * s.in;
   for (std::size_t k = 0; k < n; ++k) {
     const float diff = a.dy[k] - target[k];
     loss += static_cast<double>(diff) * diff;
@@ -149,9 +151,10 @@ inline float forward_output(const shape& s, const float* w, const float* b, cons
   }
   return static_cast<float>(loss / static_cast<double>(n));
 }
+// gw: the input layer's weight gradients, which the input layer's backward adds to later.
 inline void backward_output(const shape& s, const float* w, float* gw, float* gb, std::size_t batch, activations& a) {
   std::fill(a.delta.begin(), a.delta.end(), 0.0f);
-  linear_backward(w, &a.h[s.blocks * batch * s.width], a.dy.data(), gw, gb, a.delta.data(), batch, s.width, s.out);
+  linear_backward(w, &a.h[s.blocks * batch * s.width], a.dy.data(), gw, gb, a.delta.data(), batch, s.width, s.in, true);
 }
 inline void backward_block(const shape& s, std::size_t l, const float* w, float* gw, float* gb, std::size_t batch,
                            activations& a) {
@@ -185,11 +188,14 @@ inline void adamw(float* p, const float* g, float* m, float* v, std::size_t n, i
   }
 }
 
-// Clipping by the global norm, as PyTorch's clip_grad_norm_: max / (norm + 1e-6) past the max.
-inline double clip_scale(const float* g, std::size_t n, double max_norm) {
+// The gradients' global norm, and clipping by it as PyTorch's clip_grad_norm_: max / (norm +
+// 1e-6) past the max.
+inline double gradient_norm(const float* g, std::size_t n) {
   double squares = 0;
   for (std::size_t i = 0; i < n; ++i) squares += static_cast<double>(g[i]) * g[i];
-  const double norm = std::sqrt(squares);
+  return std::sqrt(squares);
+}
+inline double clip_scale(double norm, double max_norm) {
   return max_norm > 0 && norm > max_norm ? max_norm / (norm + 1e-6) : 1.0;
 }
 
@@ -199,6 +205,7 @@ struct run {
   std::size_t batch = 48;  // rows per step, over all ranks
   adamw_settings adam;
   double max_grad_norm = 0.05;  // clips the first steps' gradients
+  int sample_every = 10;        // steps between forward-only samples, which the trainer prints
 };
 
 }  // namespace cohort_examples::stacked

@@ -99,6 +99,7 @@ outcome train(const run& spec, cohort_test::gloo_group& pg, cohort_test::gloo_gr
   options.adam = {.lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.1};
   options.max_grad_norm = 0.4;
   options.scaler = &scaler;
+  options.trainer_optimizer = false;  // the state's AdamW, whose moments the checkpoints carry
   std::vector<double> initial(n), gradients(n);
   for (std::size_t i = 0; i < n; ++i) initial[i] = 0.5 * std::cos(0.7 * static_cast<double>(i));
   std::optional<cohort::training_state<cohort::gloo, double>> held;

@@ -229,8 +229,11 @@ std::vector<double> train(const scenario& s, cohort_test::gloo_group& pg, std::v
   if (launches) options.on_launch = [launches](std::size_t b) { launches->push_back(b); };
   using state_type = cohort::training_state<cohort::gloo, double>;
   auto& group = hybrid.shards ? *hybrid.shards : pg;
-  // Adopted: the trainer's buffers, in its order, the parameters already initialised.
-  std::vector<double> parameters = initial_parameters(n), gradients(n, 0.0);
+  const int rank = pg.rank();
+  // Adopted: the trainer's buffers, in its order, the parameters already initialised. Rank 1
+  // allocates its gradients in its first backward, as many C trainers do, and binds them then.
+  const bool lazy_gradients = s.adopted && rank == 1;
+  std::vector<double> parameters = initial_parameters(n), gradients(lazy_gradients ? 0 : n, 0.0);
   std::optional<state_type> held;
   if (s.adopted)
     held.emplace(group, std::span<double>(parameters), std::span<double>(gradients), regions, options, hybrid.replicas);
@@ -240,7 +243,6 @@ std::vector<double> train(const scenario& s, cohort_test::gloo_group& pg, std::v
   if (!s.adopted) state.load_parameters(initial_parameters(n));
   trainer_optimizer own{options, regions, std::vector<double>(state.owned_elements()),
                         std::vector<double>(state.owned_elements())};
-  const int rank = pg.rank();
   std::vector<std::size_t> layers(state.layer_count());
   std::iota(layers.begin(), layers.end(), std::size_t{0});
   std::reverse(layers.begin(), layers.end());
@@ -257,6 +259,10 @@ std::vector<double> train(const scenario& s, cohort_test::gloo_group& pg, std::v
         if (regions[r].layer == l) checksum += layer.param(r)[0];
     }
     RANK_CHECK(std::isfinite(checksum));
+    if (gradients.empty()) {  // the first backward
+      gradients.assign(n, 0.0);
+      state.bind_gradients(gradients);
+    }
     const bool tied = s.tied && (s.tied_rank < 0 || s.tied_rank == rank);
     if (tied) (void)state.gather(0).param(0);  // the logits read the embedding again
     std::optional<state_type::layer_view> logits;
@@ -271,9 +277,9 @@ std::vector<double> train(const scenario& s, cohort_test::gloo_group& pg, std::v
         if (rank == 1 && r == s.unused_region && s.world > 1) continue;
         auto gradient = state.gradient(r);
         const auto p = layer.param(r);
-        if (s.adopted) {  // the trainer's own pointers: its buffers, in its order
+        if (s.adopted) {  // the trainer's own pointers: its buffers, in its order (zero3: gathered there)
           RANK_CHECK(gradient.data() == gradients.data() + regions[r].offset);
-          if (s.kind != strategy::zero3) RANK_CHECK(p.data() == parameters.data() + regions[r].offset);
+          RANK_CHECK(p.data() == parameters.data() + regions[r].offset);
         }
         scratch.resize(regions[r].count);
         rank_gradient(static_cast<std::size_t>(step * s.accumulation + micro), rank, s.world, p.data(),
@@ -300,6 +306,11 @@ std::vector<double> train(const scenario& s, cohort_test::gloo_group& pg, std::v
     }
     RANK_CHECK(result.skipped == (step == s.inf_step));
     RANK_CHECK(result.clip_factor <= 1.0);
+    if (s.adopted && s.kind == strategy::zero3) {
+      // Outside a gather the trainer's buffer holds what this rank holds; the rest is NaN.
+      const auto poisoned = std::count_if(parameters.begin(), parameters.end(), [](double p) { return std::isnan(p); });
+      RANK_CHECK(static_cast<std::size_t>(poisoned) == n - state.owned_elements());
+    }
     if (hybrid.overlapped) *hybrid.overlapped = std::min(*hybrid.overlapped, state.overlapped_buckets());
     if (s.evaluation_passes > 0) {  // forward-only: not a step's, whatever it gathers
       auto evaluating = state.evaluation();
@@ -722,7 +733,7 @@ TEST_CASE("bfloat16 parameters train from fp32 masters, close to the fp32 run", 
       for (std::size_t i = 0; i < initial.size(); ++i) initial[i] = P(0.5f + 0.001f * static_cast<float>(i));
       std::vector<float> gradients(420);  // adopted: the trainer's fp32 gradients beside its bf16 parameters
       std::optional<cohort::training_state<cohort::gloo, P, float>> held;
-      const cohort::training_options options{.strategy = kind, .adam = {.lr = 0.01}};
+      const cohort::training_options options{.strategy = kind, .adam = {.lr = 0.01}, .trainer_optimizer = false};
       if (adopted)
         held.emplace(pg, std::span(initial), std::span(gradients), regions, options);
       else

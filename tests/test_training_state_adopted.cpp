@@ -15,13 +15,16 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flat_fixtures.hpp"
@@ -41,8 +44,28 @@ std::vector<region> one_per_layer(std::size_t count, std::size_t per_region) {
   return regions;
 }
 
+// The state's SGD, chosen explicitly: over adopted buffers the default is the trainer's.
 cohort::training_options sgd_at_lr_one(strategy kind, std::size_t bucket_bytes) {
-  return {.strategy = kind, .bucket_bytes = bucket_bytes, .sgd = cohort::sgd_options{.lr = 1}};
+  return {
+      .strategy = kind, .bucket_bytes = bucket_bytes, .sgd = cohort::sgd_options{.lr = 1}, .trainer_optimizer = false};
+}
+
+// Each of 3 ranks adopts the buffers `buffers(rank)` gives (parameters, gradients; kept alive
+// by the caller) over 4 layers of 25 floats at zero2; what each rank's construction threw.
+std::vector<std::string> adoption_errors(
+    const std::function<std::pair<std::span<float>, std::span<float>>(int rank)>& buffers) {
+  auto store = std::make_shared<cohort::memory_store>();
+  std::vector<std::string> errors(3);
+  cohort_test::run_ranks(3, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 3);
+    const auto [parameters, gradients] = buffers(rank);
+    try {
+      state_type state(pg, parameters, gradients, one_per_layer(4, 25), {.strategy = strategy::zero2});
+    } catch (const cohort::error& e) {
+      errors[static_cast<std::size_t>(rank)] = e.what();
+    }
+  });
+  return errors;
 }
 
 }  // namespace
@@ -50,17 +73,11 @@ cohort::training_options sgd_at_lr_one(strategy kind, std::size_t bucket_bytes) 
 TEST_CASE("the adopted buffer's length refuses elements no region covers on every rank, naming them",
           "[training_state][adopted][gloo][faults]") {
   const auto regions = one_per_layer(4, 25);  // 100 elements
-  auto store = std::make_shared<cohort::memory_store>();
-  std::vector<std::string> errors(3);
-  cohort_test::run_ranks(3, [&](int rank) {
-    auto pg = cohort_test::make_gloo_group(store, rank, 3);
-    // Rank 2's buffers hold a tensor more, which its regions forgot.
-    std::vector<float> params(rank == 2 ? 110 : 100), grads(params.size());
-    try {
-      state_type state(pg, std::span(params), std::span(grads), regions, {.strategy = strategy::zero2});
-    } catch (const cohort::error& e) {
-      errors[static_cast<std::size_t>(rank)] = e.what();
-    }
+  // Rank 2's buffers hold a tensor more, which its regions forgot.
+  std::vector<std::vector<float>> buffers{std::vector<float>(100), std::vector<float>(100), std::vector<float>(110)};
+  auto errors = adoption_errors([&](int rank) {
+    auto& mine = buffers[static_cast<std::size_t>(rank)];
+    return std::pair{std::span(mine), std::span(mine)};
   });
   CHECK_THAT(errors[2], Catch::Contains("elements 100..110 of the 110-element flat buffer belong to no region") &&
                             Catch::Contains("a tensor at the buffer's end left out of the regions?"));
@@ -69,7 +86,7 @@ TEST_CASE("the adopted buffer's length refuses elements no region covers on ever
 
   // Parameters and gradients of other lengths; a buffer shorter than the regions; no
   // parameters where the state updates them in place.
-  store = std::make_shared<cohort::memory_store>();
+  auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(1, [&](int rank) {
     auto pg = cohort_test::make_gloo_group(store, rank, 1);
     std::vector<float> params(90), grads(100), shorter(80);
@@ -90,11 +107,11 @@ TEST_CASE("the adopted buffer's length refuses elements no region covers on ever
   });
 }
 
-TEST_CASE("a step copies no parameter or gradient bytes under any strategy, at zero3 only remainders",
+TEST_CASE("a step copies no parameter or gradient bytes but zero3's over owned shards: remainders, at 1 rank all",
           "[training_state][adopted][gloo]") {
   for (const bool adopted : {false, true})
     for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3})
-      for (const int world : {2, 3}) {
+      for (const int world : {1, 2, 3}) {
         // 4 layers of 64 floats: at 2 ranks every range divides; at 3 each leaves 1 element.
         const auto regions = one_per_layer(4, 64);
         auto store = std::make_shared<cohort::memory_store>();
@@ -121,10 +138,15 @@ TEST_CASE("a step copies no parameter or gradient bytes under any strategy, at z
           copied[static_cast<std::size_t>(rank)] = state.copied_bytes_per_step();
         });
         INFO(cohort::to_string(kind) << " at " << world << " ranks, " << (adopted ? "adopted" : "owned"));
-        // zero3 at 3 ranks: each layer's one remaining float copied into its gathered buffer,
-        // by the forward's gather and the backward's, but the top layer's once (held from the
-        // forward's end into the backward).
-        const std::size_t expected = kind == strategy::zero3 && world == 3 ? (2 * 4 - 1) * sizeof(float) : 0;
+        // zero3 over the state's shards at 3 ranks: each layer's one remaining float copied into
+        // its gathered buffer, by the forward's gather and the backward's, but the top layer's
+        // once (held from the forward's end into the backward); at 1 rank each such gather is a
+        // copy of the whole layer. Over the trainer's buffer a layer is gathered in place, where
+        // this rank's chunks and the remainders already are: nothing is copied.
+        const std::size_t gathers = 2 * 4 - 1;
+        std::size_t expected = 0;
+        if (kind == strategy::zero3 && !adopted && world == 3) expected = gathers * sizeof(float);
+        if (kind == strategy::zero3 && !adopted && world == 1) expected = gathers * 64 * sizeof(float);
         for (const std::size_t bytes : copied) CHECK(bytes == expected);
       }
 }
@@ -364,4 +386,175 @@ TEST_CASE("at zero3 an evaluation on one rank only fails every rank within secon
       }
     }
   }
+}
+
+// A trainer that allocates its gradients in its first backward (as many C trainers do) has
+// only a null pointer at construction: taken for "the state owns the gradients", it trained
+// nothing, silently. Refused now, naming the buffer; such a trainer passes an empty span and
+// binds its buffer once it has one.
+TEST_CASE("a null adopted buffer is refused on every rank, naming it; gradients allocated later are bound then",
+          "[training_state][adopted][gloo][faults]") {
+  const auto regions = one_per_layer(4, 25);  // 100 elements
+  // Rank 1 passes its not-yet-allocated gradients.
+  std::vector<std::vector<float>> buffers(3, std::vector<float>(100));
+  const auto errors = adoption_errors([&](int rank) {
+    auto& mine = buffers[static_cast<std::size_t>(rank)];
+    return std::pair{std::span(mine),
+                     rank == 1 ? std::span<float>(static_cast<float*>(nullptr), 100) : std::span(mine)};
+  });
+  CHECK_THAT(errors[1], Catch::Contains("the adopted gradient buffer is null (100 elements)") &&
+                            Catch::Contains("bind_gradients"));
+  CHECK_THAT(errors[0], Catch::Contains("rank 1 refused its regions or options"));
+  CHECK_THAT(errors[2], Catch::Contains("rank 1 refused its regions or options"));
+
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(1, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 1);
+    std::vector<float> params(100), grads(100), shorter(90);
+    RANK_CHECK_THROWS(cohort::error,
+                      state_type(pg, std::span<float>(static_cast<float*>(nullptr), 100), std::span(grads), regions),
+                      "the adopted parameter buffer is null (100 elements)");
+    // No gradient buffer yet: every call that writes or reduces gradients says what to do.
+    state_type lazy(pg, std::span(params), std::span<float>(), regions, sgd_at_lr_one(strategy::zero2, 200));
+    RANK_CHECK_THROWS(cohort::error, lazy.gradient(0), "gradient() with no gradient buffer");
+    RANK_CHECK_THROWS(cohort::error, lazy.mark_ready(0), "mark_ready() with no gradient buffer");
+    RANK_CHECK_THROWS(cohort::error, lazy.step(), "call state.bind_gradients(the trainer's flat gradient buffer)");
+    RANK_CHECK_THROWS(cohort::error, lazy.bind_gradients(std::span(shorter)),
+                      "a gradient buffer of 90 elements for a flat buffer of 100");
+    lazy.bind_gradients(std::span(grads));
+    RANK_CHECK(lazy.gradient(3).data() == grads.data() + 75);
+    RANK_CHECK_THROWS(cohort::error, lazy.bind_gradients(std::span(grads)), "a gradient buffer is bound already");
+    state_type owned(pg, regions);
+    RANK_CHECK_THROWS(cohort::error, owned.bind_gradients(std::span(grads)), "the state keeps its own gradients");
+  });
+
+  // Ranks 1 and 2 allocate their gradients in their first backward (rank 2 with its own
+  // optimizer's spans asked for before), rank 0 passes them at construction: all train alike.
+  for (const strategy kind : {strategy::ddp, strategy::zero2, strategy::zero3}) {
+    store = std::make_shared<cohort::memory_store>();
+    cohort_test::run_ranks(3, [&](int rank) {
+      auto pg = cohort_test::make_gloo_group(store, rank, 3);
+      std::vector<float> params(100, 0.0f), grads(rank == 0 ? 100 : 0);
+      state_type state(pg, std::span(params), std::span(grads), regions, sgd_at_lr_one(kind, 100));
+      for (int step = 0; step < 2; ++step) {
+        for (std::size_t l = 0; l < 4; ++l) (void)state.gather(l);
+        if (grads.empty()) {
+          grads.assign(100, 0.0f);
+          state.bind_gradients(std::span(grads));
+        }
+        std::fill(grads.begin(), grads.end(), 0.0f);
+        for (std::size_t l = 4; l-- > 0;) {
+          auto layer = state.gather(l);
+          for (std::size_t j = 0; j < 25; ++j) grads[l * 25 + j] = static_cast<float>(rank + 1);  // its own pointers
+          state.mark_ready(l);
+        }
+        const auto result = state.step();
+        RANK_CHECK(result.grad_norm == Approx(20.0));  // the average, 2, over 100 elements
+      }
+      for (const float p : state.gather_parameters()) RANK_CHECK(p == -4.0f, cohort::to_string(kind) << ": " << p);
+    });
+  }
+}
+
+// DDP's contract: a trainer that hands over its buffers keeps its update. The adopting
+// constructor used to run the state's AdamW (lr 1e-3) on them unless told otherwise.
+TEST_CASE("over adopted buffers the trainer's optimizer is the default: step() reduces and updates nothing",
+          "[training_state][adopted][gloo]") {
+  for (const strategy kind : {strategy::ddp, strategy::zero2}) {
+    auto store = std::make_shared<cohort::memory_store>();
+    cohort_test::run_ranks(2, [&](int rank) {
+      auto pg = cohort_test::make_gloo_group(store, rank, 2);
+      const auto regions = one_per_layer(2, 8);
+      std::vector<float> params(16, 1.0f), grads(16, static_cast<float>(rank + 1));
+      state_type state(pg, std::span(params), std::span(grads), regions, {.strategy = kind});
+      RANK_CHECK(state.options().trainer_optimizer == true);
+      RANK_CHECK(state.checkpoint_tensors() == std::vector<std::string>({"parameters"}));
+      state.mark_layer_ready(1);
+      state.mark_layer_ready(0);
+      const auto result = state.step();
+      RANK_CHECK(!result.skipped);
+      for (const float p : params) RANK_CHECK(p == 1.0f, cohort::to_string(kind) << ": " << p);
+      for (const auto& span : state.owned_spans())
+        for (const float g : span.gradients) RANK_CHECK(g == 1.5f);
+      RANK_CHECK_THROWS(cohort::error, state.mark_ready(0), "publish_parameters() was not called");
+      state.publish_parameters();
+
+      // The state's own optimizer over the trainer's buffers, chosen: SGD at lr 1.
+      std::vector<float> chosen_params(16, 1.0f), chosen_grads(16, static_cast<float>(rank + 1));
+      state_type chosen(pg, std::span(chosen_params), std::span(chosen_grads), regions,
+                        sgd_at_lr_one(kind, 8 * sizeof(float)));
+      RANK_CHECK(chosen.options().trainer_optimizer == false);
+      chosen.mark_layer_ready(1);
+      chosen.mark_layer_ready(0);
+      chosen.step();
+      for (const float p : chosen.gather_parameters()) RANK_CHECK(p == -0.5f, p);
+      // The state's own buffers keep the state's optimizer.
+      state_type owned(pg, regions);
+      RANK_CHECK(owned.options().trainer_optimizer == false);
+    });
+  }
+}
+
+// zero3 over the trainer's parameter buffer: a gather of layer l lands there, at l's offsets,
+// so the trainer's own pointer arithmetic reads the current layer; outside a gather what this
+// rank does not hold is NaN (it would be stale), and an update over the whole buffer (harmless
+// under ddp..zero2, and how rank 1 and 2 update here) trains as owned_spans() do (rank 0).
+TEST_CASE("zero3 over the trainer's buffer: gathers land at its offsets, the rest is NaN, a whole-buffer update trains",
+          "[training_state][adopted][zero3][gloo]") {
+  const int world = 3;
+  const std::size_t per_layer = 31, n = 4 * per_layer;  // 31 = 3 x 10 + 1: a remainder in every range
+  const auto regions = one_per_layer(4, per_layer);
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(world, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
+    std::vector<float> params(n), grads(n), expected(n);
+    for (std::size_t i = 0; i < n; ++i) expected[i] = params[i] = 0.01f * static_cast<float>(i);
+    state_type state(pg, std::span(params), std::span(grads), regions,
+                     {.strategy = strategy::zero3, .bucket_bytes = per_layer * sizeof(float)});
+    const float lr = 0.25f;
+    for (int step = 0; step < 3; ++step) {
+      for (std::size_t l = 0; l < 4; ++l) {
+        auto layer = state.gather(l);
+        const float* own = params.data() + l * per_layer;  // the trainer's pointer arithmetic
+        RANK_CHECK(layer.param(l).data() == own);
+        for (std::size_t j = 0; j < per_layer; ++j)
+          RANK_CHECK(own[j] == expected[l * per_layer + j], "step " << step << ", element " << l * per_layer + j);
+      }
+      std::fill(grads.begin(), grads.end(), 0.0f);
+      for (std::size_t l = 4; l-- > 0;) {
+        auto layer = state.gather(l);
+        for (std::size_t j = 0; j < per_layer; ++j) grads[l * per_layer + j] = 0.5f * static_cast<float>(rank + 1);
+        state.mark_ready(l);
+      }
+      const auto result = state.step();
+      if (rank == 0) {
+        for (const auto& o : state.owned_spans())
+          for (std::size_t j = 0; j < o.parameters.size(); ++j)
+            o.parameters[j] -= lr * o.gradients[j] * static_cast<float>(result.gradient_scale);
+      } else {
+        for (std::size_t i = 0; i < n; ++i) params[i] -= lr * grads[i] * static_cast<float>(result.gradient_scale);
+      }
+      state.publish_parameters();
+      for (float& e : expected) e -= lr * 1.0f;  // the average of 0.5, 1 and 1.5
+      // Outside a gather: this rank's chunks and the remainders, current; the rest NaN.
+      std::size_t poisoned = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        if (std::isnan(params[i])) {
+          ++poisoned;
+          continue;
+        }
+        RANK_CHECK(params[i] == expected[i], "step " << step << ", element " << i);
+      }
+      RANK_CHECK(poisoned == n - state.owned_elements());
+      RANK_CHECK(poisoned == 4 * 2 * 10);
+    }
+    RANK_CHECK(state.gather_parameters() == expected);
+    // What this training holds: the trainer's two buffers, named as the trainer's, and no
+    // parameter memory of the state's own (no shard, no gathered buffer).
+    const auto memory = state.memory();
+    RANK_CHECK(memory.adopted_parameters == n * sizeof(float));
+    RANK_CHECK(memory.adopted_gradients == n * sizeof(float));
+    RANK_CHECK(memory.parameters == 0);
+    RANK_CHECK(memory.total() == memory.allocated() + 2 * n * sizeof(float));
+  });
 }

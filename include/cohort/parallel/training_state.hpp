@@ -11,7 +11,7 @@
 //
 //   std::vector<cohort::region> regions = ...;     // the model's tensors in its flat buffer
 //   cohort::training_state<cohort::nccl> state{pg, std::span(params, n), std::span(grads, n), regions,
-//       {.strategy = cohort::strategy::zero2, .trainer_optimizer = true, .max_grad_norm = 1.0}};
+//       {.strategy = cohort::strategy::zero2, .max_grad_norm = 1.0}};   // the trainer's optimizer updates
 //   forward(params); zero(grads);                  // the trainer's own code, its own pointers
 //   backward(...); state.mark_layer_ready(l);      // as each block's gradients are final
 //   auto result = state.step();                    // reduced, norm, clip factor, skip decision
@@ -36,11 +36,12 @@
 // Both keep one layout (cohort/parallel/layout.hpp): the trainer's buffer order, nothing moved
 // or padded. With adopted buffers, under ddp, zero1 and zero2 the trainer's own pointers stay
 // valid for the whole run (gather() and gradient() return spans into its buffers); at zero3
-// the parameters are sharded, so the forward and backward read them through gather()'s views
-// (the trainer's parameter buffer is read once, at construction), while gradients are written
-// into the trainer's gradient buffer. Adopted gradients are the trainer's: the state never
-// zeroes them (zero them before each backward, as a trainer does); owned ones are zero at the
-// start of each step.
+// the trainer's parameter buffer holds this rank's chunks, a gather(layer) lands the layer
+// there at its own offsets (the trainer's pointers read it while the view lives), and the
+// view's end fills what this rank does not hold with NaN, so that a read outside a gather is
+// loud rather than stale. Adopted gradients are the trainer's: the state never zeroes them
+// (zero them before each backward, as a trainer does); owned ones are zero at the start of
+// each step.
 //
 // What each strategy keeps per rank (N ranks, P bytes of parameters):
 //   ddp    parameters, gradients and optimizer state in full; gradients all-reduced per
@@ -52,7 +53,9 @@
 //          bucket's gradients live in a pooled buffer from its first gradient() to its
 //          reduction (adopted gradients are the trainer's, in full).
 //   zero3  parameters 1/N as well: gather(layer) all-gathers a layer into a pooled buffer
-//          (prefetching the next in the direction of travel) and the view's end releases it.
+//          (prefetching the next in the direction of travel) and the view's end releases it;
+//          over an adopted parameter buffer, in place in it (which stays whole: no memory
+//          saved over zero2; pass an empty parameter span for the state to keep the shards).
 // Wire bytes per step (nccl-tests bus bytes): 2(N-1)/N x P for ddp, zero1 and zero2,
 // 3(N-1)/N x P for zero3 (the gathers of the forward and of the backward, the reduce-scatter),
 // less the top layer's backward gather: it stays gathered from the forward's end.
@@ -148,10 +151,13 @@ struct training_options {
   std::size_t first_bucket_bytes = std::size_t{1} << 20;
   adam_options adam = {};               // AdamW, the default optimizer
   std::optional<sgd_options> sgd = {};  // set: SGD (with momentum) instead
-  // The trainer updates the parameters with its own optimizer: step() reduces, measures and
-  // decides (the global norm, the clip factor, the skip every rank takes), and the trainer
-  // updates owned_spans() then calls publish_parameters(). The state keeps no optimizer state.
-  bool trainer_optimizer = false;
+  // Whose optimizer updates the parameters. true: the trainer's own: step() reduces, measures
+  // and decides (the global norm, the clip factor, the skip every rank takes), and the trainer
+  // updates owned_spans() then calls publish_parameters(); the state keeps no optimizer state.
+  // false: the state's (adam, or sgd). Unset: the buffers' owner's: the trainer's over adopted
+  // buffers (DDP's reduce-only contract: a trainer that hands over its buffers keeps its
+  // update), the state's over its own. The state's options() say what was chosen.
+  std::optional<bool> trainer_optimizer = {};
   // zero1/zero2 over the trainer's parameter buffer: the step (or publish_parameters) returns
   // before the updated chunks are all-gathered back, and each layer's are waited for at its
   // next gather(layer), in the next forward, as the state's own buffers always are. Set it
@@ -175,13 +181,17 @@ struct training_options {
   straggler_report* straggler = nullptr;
 };
 
-// Bytes one rank's state allocated, by kind; pooled buffers count at their peak. Adopted
-// buffers are the trainer's and not counted.
+// Bytes one rank's training holds, by kind: what the state allocated (pooled buffers at their
+// peak) and the trainer's buffers it adopted, which stay whole under every strategy (zero3's
+// gathers land in an adopted parameter buffer).
 struct training_memory {
-  std::size_t parameters = 0;       // resident parameters (zero3: the shard) and gathered layers
-  std::size_t gradients = 0;        // resident gradients (zero2/3: the shard) and bucket buffers
-  std::size_t optimizer_state = 0;  // masters (where apart from the parameters), moments, scratch
-  std::size_t total() const noexcept { return parameters + gradients + optimizer_state; }
+  std::size_t parameters = 0;          // resident parameters (zero3: the shard) and gathered layers
+  std::size_t gradients = 0;           // resident gradients (zero2/3: the shard) and bucket buffers
+  std::size_t optimizer_state = 0;     // masters (where apart from the parameters), moments, scratch
+  std::size_t adopted_parameters = 0;  // the trainer's parameter buffer, adopted (not allocated here)
+  std::size_t adopted_gradients = 0;   // the trainer's gradient buffer, adopted (once bound)
+  std::size_t allocated() const noexcept { return parameters + gradients + optimizer_state; }
+  std::size_t total() const noexcept { return allocated() + adopted_parameters + adopted_gradients; }
 };
 
 // A copy of the saved state in flight on another thread (an async_checkpointer's snapshot):
@@ -243,10 +253,16 @@ class training_state {
                  process_group<B>* replicas = nullptr);
   // The trainer's own flat buffers, adopted where they are (host memory on a host backend,
   // device memory on a device one; they must outlive the state). Their length is the flat
-  // buffer's: elements no region covers are refused, naming them. The parameters are
-  // loaded as load_parameters() does (under ddp, zero1 and zero2 rank 0's are everyone's); at
-  // zero3 `parameters` is read here only, and may be empty (then load_parameters() or a
-  // checkpoint gives them).
+  // buffer's: elements no region covers are refused, naming them; so is a null buffer of
+  // non-zero length. The parameters are loaded as load_parameters() does (under ddp, zero1 and
+  // zero2 rank 0's are everyone's). At zero3 `parameters` may be empty: the state then keeps
+  // the shards, load_parameters() or a checkpoint gives them, and the layers are read
+  // through gather()'s views only. An adopted parameter buffer at zero3 stays the trainer's:
+  // gather(layer) lands the layer there, at its own offsets, and the view's end poisons what
+  // this rank does not hold (see gather). Unless options.trainer_optimizer says otherwise, the
+  // trainer's optimizer updates (owned_spans(), publish_parameters()). `gradients` may be
+  // empty where the trainer allocates them later (in its first backward): bind_gradients()
+  // then, before the first gradient() or mark; until then those refuse.
   training_state(process_group<B>& group, std::span<P> parameters, std::span<G> gradients, std::vector<region> regions,
                  training_options options = {}, process_group<B>* replicas = nullptr);
   training_state(const training_state&) = delete;
@@ -274,10 +290,17 @@ class training_state {
   // zero1, zero2: spans into the flat parameter buffer, adopted or not; at zero1/zero2 it
   // first waits for the layer's part of the last step's all-gather, which the step did not
   // wait for with the state's own buffers or defer_publication); at zero3 an all-gather into
-  // a pooled buffer, released at the view's end.
+  // a pooled buffer, released at the view's end, or in place into an adopted parameter
+  // buffer, at the layer's own offsets, whose elements other ranks hold are NaN again from
+  // the end of the layer's last view (in every build: stale otherwise).
   [[nodiscard]] layer_view gather(std::size_t layer);
 
   // --- gradients and the step ----------------------------------------------------------------
+  // The trainer's flat gradient buffer, where the adopting constructor was given none: a
+  // trainer that allocates it in its first backward binds it there, before its first mark.
+  // Not collective (each rank binds its own, when it has it); once per state, at the flat
+  // buffer's length.
+  void bind_gradients(std::span<G> gradients);
   // Where the backward writes region r's gradient: the flat gradient buffer (adopted, or owned
   // under ddp and zero1), or at zero2 and zero3 with owned buffers the bucket's pooled buffer,
   // valid from this call until r's bucket is reduced: ask right before writing.
@@ -311,8 +334,9 @@ class training_state {
   };
   const std::vector<owned_span>& owned_spans() const noexcept { return owned_spans_; }
   // After the trainer's update (or a skipped step): zero1/zero2 all-gather every rank's
-  // updated part into every rank's parameters; ddp and zero3 need nothing. Called once after
-  // every step() under trainer_optimizer: the state's next call refuses to go on without it.
+  // updated part into every rank's parameters; ddp and zero3 move nothing. Called once after
+  // every step() under trainer_optimizer, whatever the strategy (one trainer source for
+  // all): the state's next call refuses to go on without it.
   void publish_parameters();
 
   // Gradient-accumulation micro-steps: while the scope lives, mark_ready only bookkeeps.
@@ -416,8 +440,9 @@ class training_state {
   // Bytes every evaluation() gather so far put on the wire.
   std::size_t evaluation_wire_bytes() const noexcept { return evaluation_wire_bytes_; }
   // Parameter and gradient bytes the last step copied in memory rather than communicated: 0,
-  // except at zero3 the few elements of a range the world does not divide, which every rank
-  // holds and copies into a gathered layer.
+  // except at zero3 over the state's own shards the few elements of a range the world does
+  // not divide, which every rank holds and copies into a gathered layer, and at one rank
+  // every gather, a copy of the layer (an adopted buffer is gathered in place: nothing).
   std::size_t copied_bytes_per_step() const noexcept { return last_step_copied_bytes_; }
   std::uint64_t steps() const noexcept { return steps_; }
   void set_lr(double lr) noexcept {
@@ -446,7 +471,7 @@ class training_state {
   // trainer_optimizer only the parameters (the trainer's optimizer keeps its own state).
   std::vector<std::string> checkpoint_tensors() const {
     std::vector<std::string> names{"parameters"};
-    if (options_.trainer_optimizer) return names;
+    if (trainer_optimizer()) return names;
     if (!options_.sgd)
       names.insert(names.end(), {"adam.exp_avg", "adam.exp_avg_sq"});
     else if (options_.sgd->momentum != 0)
@@ -544,10 +569,18 @@ class training_state {
 
   bool sharded() const noexcept { return options_.strategy != strategy::ddp; }
   bool sharded_parameters() const noexcept { return options_.strategy == strategy::zero3; }
+  // The parameters in a flat buffer, in the trainer's numbering: every strategy but zero3 over
+  // the state's own shards (an adopted buffer at zero3 holds this rank's chunks in place, and
+  // its gathers land there).
+  bool flat_parameters() const noexcept { return !sharded_parameters() || adopted_parameters_; }
   // Gradients in a flat buffer (adopted; owned under ddp and zero1), reduced in place; else
   // (owned zero2, zero3) in pooled bucket buffers, reduced into the owned shard.
-  bool flat_gradients() const noexcept { return grads_ != nullptr; }
-  bool separate_master() const noexcept { return !options_.trainer_optimizer && !std::is_same_v<P, master_type>; }
+  bool flat_gradients() const noexcept {
+    return adopted_ || options_.strategy == strategy::ddp || options_.strategy == strategy::zero1;
+  }
+  // Resolved at construction: the option, or the buffers' owner's.
+  bool trainer_optimizer() const noexcept { return options_.trainer_optimizer.value_or(adopted_); }
+  bool separate_master() const noexcept { return !trainer_optimizer() && !std::is_same_v<P, master_type>; }
   std::size_t world() const noexcept { return static_cast<std::size_t>(group_->world_size()); }
   std::size_t my_rank() const noexcept { return static_cast<std::size_t>(group_->rank()); }
 
@@ -567,6 +600,10 @@ class training_state {
   // trainer published its update.
   void check_training_call(std::string_view operation) const;
   void check_published(std::string_view operation) const;
+  // Adopted gradients given at construction or bound since (bind_gradients).
+  void check_gradients_bound(std::string_view operation) const;
+  // trainer_optimizer: the owned pieces by region, where the trainer updates them.
+  void build_owned_spans();
 
   void agree_on_layout(const std::string& refusal, std::size_t elements);
   void agree_on_replicas();
@@ -586,6 +623,18 @@ class training_state {
 
   std::span<P> parameter_span(std::size_t layer, std::size_t r);
   void release_layer(std::size_t layer) noexcept;
+  // zero3: whether bucket b's parameters are gathered (held, or prefetched); where range's
+  // gathered parameters lie (the flat buffer, or the bucket's pooled buffer); their end.
+  bool is_gathered(std::size_t b) const {
+    return flat_parameters() ? gathered_in_place_[b] != 0 : bucket_params_[b].data != nullptr;
+  }
+  P* gathered_range(std::size_t b, const detail::bucket_range& range) const {
+    return flat_parameters() ? params_ + range.offset : static_cast<P*>(bucket_params_[b].data) + range.packed;
+  }
+  void end_gathered(std::size_t b, work last_use);
+  // zero3 over an adopted buffer: bucket b's elements this rank does not hold made NaN, so
+  // that a read of them outside a gather is loud, not stale.
+  void poison_unheld(std::size_t b);
   void gather_bucket(std::size_t b);
   void prefetch_after(std::size_t layer);
   void drop_gathered();
@@ -670,9 +719,7 @@ class training_state {
     return group_->backend().copy(to, from, bytes);
   }
 
-  P* parameter_at(const shard_segment& s) const {
-    return sharded_parameters() ? params_ + s.owned : params_ + s.offset;
-  }
+  P* parameter_at(const shard_segment& s) const { return flat_parameters() ? params_ + s.offset : params_ + s.owned; }
   master_type* master_at(const shard_segment& s) {
     if (separate_master()) return master_.template as<master_type>() + s.owned;
     return reinterpret_cast<master_type*>(parameter_at(s));
@@ -690,16 +737,18 @@ class training_state {
   std::vector<region> regions_;
   training_options options_;
   bool adopted_ = false;
-  std::int64_t fingerprint_ = 0;  // of what the collectives pair up by, the same on every rank
+  bool adopted_parameters_ = false;  // an adopted parameter buffer (zero3 may go without)
+  std::int64_t fingerprint_ = 0;     // of what the collectives pair up by, the same on every rank
   detail::state_layout layout_;
   std::vector<shard_segment> update_segments_;              // the optimizer's: owned pieces joined by group
   std::vector<std::size_t> update_first_;                   // bucket b's are [update_first_[b], update_first_[b + 1])
   std::vector<std::vector<shard_segment>> norm_by_bucket_;  // the norm's, by bucket: each element once over the ranks
+  std::vector<shard_segment> owned_pieces_;                 // this rank's update, by region
   std::vector<owned_span> owned_spans_;                     // trainer_optimizer: the owned pieces, by region
   std::size_t owned_ = 0;
 
-  P* params_ = nullptr;                   // the flat parameters (adopted or owned), or zero3's shard
-  G* grads_ = nullptr;                    // the flat gradients (adopted, or owned under ddp/zero1)
+  P* params_ = nullptr;                   // the flat parameters (adopted or owned), or zero3's owned shard
+  G* grads_ = nullptr;                    // the flat gradients (adopted, or owned under ddp/zero1); null until bound
   detail::backend_buffer<B> own_params_;  // owned flat parameters, or zero3's shard
   detail::backend_buffer<B> own_grads_;   // owned flat gradients (ddp, zero1)
   detail::backend_buffer<B> grad_shard_;  // owned zero2/zero3: the reduced chunks and remainders
@@ -715,6 +764,7 @@ class training_state {
   std::vector<pooled> bucket_grads_;                        // owned zero2/3: held gradient buffers
   std::vector<pooled> bucket_params_;                       // zero3: gathered parameter buffers
   std::vector<work> bucket_gathered_;                       // zero3: the gather of each held buffer
+  std::vector<std::uint8_t> gathered_in_place_;             // zero3 over an adopted buffer: by bucket
   std::vector<std::optional<work>> deferred_publications_;  // zero1/zero2: by bucket, not yet waited for
   std::size_t deferred_count_ = 0;
   std::vector<int> layer_users_;  // live views per layer

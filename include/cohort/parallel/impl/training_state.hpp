@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <span>
 #include <string>
 #include <utility>
@@ -41,20 +42,32 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::optional<a
       regions_(std::move(regions)),
       options_(std::move(options)),
       adopted_(adopted.has_value()),
+      adopted_parameters_(adopted && !adopted->parameters.empty()),
       gradient_pool_(group.backend()),
       parameter_pool_(group.backend()) {
-  // The adopted buffers' length is the flat buffer's: the gradients' (the parameters', the
-  // same, may be absent at zero3 only).
-  const std::size_t elements = adopted ? adopted->gradients.size() : 0;
+  options_.trainer_optimizer = trainer_optimizer();  // what options() says from here
+  // The adopted buffers' length is the flat buffer's: the gradients', or where they come later
+  // (bind_gradients) the parameters' (the same; absent at zero3 only), or the regions' extent.
+  std::size_t elements = 0;
+  if (adopted) elements = adopted->gradients.empty() ? adopted->parameters.size() : adopted->gradients.size();
+  if (adopted && elements == 0)
+    for (const auto& r : regions_) elements = std::max(elements, r.offset + r.count);
   P* const parameters = adopted ? adopted->parameters.data() : nullptr;
   G* const gradients = adopted ? adopted->gradients.data() : nullptr;
   std::string refusal;
-  if (adopted && adopted->gradients.empty())
-    refusal = "the adopted gradient buffer is empty: pass the trainer's flat gradient buffer";
+  if (adopted && !adopted->parameters.empty() && !parameters)
+    refusal = detail::text("the adopted parameter buffer is null (", std::to_string(adopted->parameters.size()),
+                           " elements): pass the trainer's allocated parameters (at zero3 an empty span lets the "
+                           "state keep them)");
+  else if (adopted && !adopted->gradients.empty() && !gradients)
+    refusal = detail::text("the adopted gradient buffer is null (", std::to_string(adopted->gradients.size()),
+                           " elements): a trainer that allocates its gradients in its first backward passes an empty "
+                           "span here and bind_gradients(its buffer) once allocated, before its first mark");
   else if (adopted && adopted->parameters.empty() && options_.strategy != strategy::zero3)
     refusal = detail::text("no adopted parameter buffer under ", to_string(options_.strategy),
                            ": the state updates the trainer's parameters in place (only zero3 may go without)");
-  else if (adopted && !adopted->parameters.empty() && adopted->parameters.size() != elements)
+  else if (adopted && !adopted->parameters.empty() && !adopted->gradients.empty() &&
+           adopted->parameters.size() != elements)
     refusal = detail::text("the adopted parameter buffer has ", std::to_string(adopted->parameters.size()),
                            " elements, the gradient buffer ", std::to_string(elements),
                            ": they hold the same tensors at the same offsets");
@@ -112,17 +125,13 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::optional<a
   marked_.assign(regions_.size(), 0);
   pending_.assign(buckets, 0);
   due_.assign(buckets, 0);
+  gathered_in_place_.assign(buckets, 0);
   reset_marks();
-  params_ = sharded_parameters() ? nullptr : parameters;
+  params_ = flat_parameters() ? parameters : nullptr;
   grads_ = gradients;
   allocate_buffers();
-  if (options_.trainer_optimizer)
-    for (const auto& piece : pieces)
-      owned_spans_.push_back({piece.region,
-                              piece.offset,
-                              piece.owned,
-                              {parameter_at(piece), piece.count},
-                              {reduced_gradient_at(piece), piece.count}});
+  owned_pieces_ = pieces;
+  build_owned_spans();
   // Nothing overlaps the backward when one bucket holds everything: say so once, where it
   // costs (a model of more than a few MiB), instead of leaving bucket_count() to tell.
   const std::size_t gradient_bytes = layout_.elements * sizeof(G);
@@ -174,7 +183,7 @@ void training_state<B, P, G>::agree_on_layout(const std::string& refusal, std::s
   for (const auto& r : regions_) flat = std::max(flat, r.offset + r.count);
   fingerprint_ = detail::layout_fingerprint(regions_, flat, options_.bucket_bytes / sizeof(G),
                                             options_.first_bucket_bytes / sizeof(G),
-                                            static_cast<int>(options_.strategy) + (options_.trainer_optimizer ? 16 : 0),
+                                            static_cast<int>(options_.strategy) + (trainer_optimizer() ? 16 : 0),
                                             static_cast<int>(dtype_v<P>), static_cast<int>(dtype_v<G>));
   const std::int64_t row[4] = {refusal.empty() ? 0 : 1, fingerprint_, static_cast<std::int64_t>(regions_.size()),
                                static_cast<std::int64_t>(flat)};
@@ -251,14 +260,10 @@ template <backend B, element P, element G>
 void training_state<B, P, G>::allocate_buffers() {
   // What the trainer did not lend: the flat parameters (zero3: the shard), the flat gradients
   // (ddp, zero1) or the reduced shard (zero2, zero3).
-  if (sharded_parameters())
-    params_ = allocate_zeroed<P>(own_params_, owned_);
-  else if (!params_)
-    params_ = allocate_zeroed<P>(own_params_, layout_.elements);
-  if (!grads_ && !(options_.strategy == strategy::zero2 || sharded_parameters()))
-    grads_ = allocate_zeroed<G>(own_grads_, layout_.elements);
+  if (!params_) params_ = allocate_zeroed<P>(own_params_, flat_parameters() ? layout_.elements : owned_);
+  if (!adopted_ && flat_gradients()) grads_ = allocate_zeroed<G>(own_grads_, layout_.elements);
   if (!flat_gradients()) allocate_zeroed<G>(grad_shard_, owned_);
-  if (!options_.trainer_optimizer) {
+  if (!trainer_optimizer()) {
     if (separate_master()) allocate_zeroed<master_type>(master_, owned_);
     const bool adam = !options_.sgd;
     if (adam || options_.sgd->momentum != 0) allocate_zeroed<master_type>(first_, owned_);
@@ -282,7 +287,50 @@ template <backend B, element P, element G>
 void training_state<B, P, G>::check_published(std::string_view operation) const {
   if (publish_due_)
     fail(operation, "the last step's update was not published (publish_parameters() was not called)",
-         "with trainer_optimizer, call publish_parameters() after updating owned_spans(), after every step()");
+         "with the trainer's optimizer (trainer_optimizer, the default over adopted buffers), call "
+         "publish_parameters() after updating owned_spans(), after every step(); or pass trainer_optimizer = false "
+         "for the state's");
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::check_gradients_bound(std::string_view operation) const {
+  if (!grads_ && flat_gradients())
+    fail(operation,
+         detail::text(operation,
+                      "() with no gradient buffer: the adopting constructor was given an empty one, and "
+                      "bind_gradients() was not called"),
+         "call state.bind_gradients(the trainer's flat gradient buffer) once it is allocated, before the first "
+         "gradient() or mark_ready()");
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::build_owned_spans() {
+  owned_spans_.clear();
+  if (!trainer_optimizer() || (!grads_ && flat_gradients())) return;
+  for (const auto& piece : owned_pieces_)
+    owned_spans_.push_back({piece.region,
+                            piece.offset,
+                            piece.owned,
+                            {parameter_at(piece), piece.count},
+                            {reduced_gradient_at(piece), piece.count}});
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::bind_gradients(std::span<G> gradients) {
+  const char* const hint =
+      "pass an empty gradient span to the adopting constructor, then bind the trainer's flat gradient buffer once, "
+      "before its first mark";
+  if (!adopted_) fail("bind_gradients", "the state keeps its own gradients (it adopted no buffers)", hint);
+  if (grads_)
+    fail("bind_gradients", "a gradient buffer is bound already (given at construction, or bound before)", hint);
+  if (gradients.size() != layout_.elements || !gradients.data())
+    fail("bind_gradients",
+         detail::text("a gradient buffer of ", std::to_string(gradients.size()), " elements",
+                      gradients.data() ? "" : " at a null pointer", " for a flat buffer of ",
+                      std::to_string(layout_.elements)),
+         "bind the trainer's allocated flat gradient buffer, the parameters' length");
+  grads_ = gradients.data();
+  build_owned_spans();
 }
 
 // --- parameters ------------------------------------------------------------------------------
@@ -305,19 +353,23 @@ void training_state<B, P, G>::load_parameters(std::span<const P> flat) {
   await_all_parameters();
   auto& engine = group_->backend();
   engine.wait_for_caller(caller_stream_);
-  if (sharded_parameters()) {
+  if (!flat_parameters()) {
     // This rank's chunks; the remainders every rank holds come from rank 0.
     for (const auto& s : update_segments_) engine.copy(params_ + s.owned, flat.data() + s.offset, s.count * sizeof(P));
     spread(params_, false, true);
   } else {
     if (flat.data() != params_) engine.copy(params_, flat.data(), layout_.elements * sizeof(P));
     // Where every rank holds the parameters whole, rank 0's are everyone's (as DDP broadcasts
-    // at construction): ranks initialised with different seeds still start as one model.
-    if (world() > 1) group_->broadcast(std::span<P>(params_, layout_.elements), 0);
+    // at construction): ranks initialised with different seeds still start as one model. At
+    // zero3 each chunk is its holder's, the remainders rank 0's.
+    if (sharded_parameters())
+      spread(params_, true, true);
+    else if (world() > 1)
+      group_->broadcast(std::span<P>(params_, layout_.elements), 0);
   }
   // Hybrid: the first copy's parameters are every copy's, whatever each copy was given.
   if (replicated()) {
-    const std::size_t held = sharded_parameters() ? owned_ : layout_.elements;
+    const std::size_t held = flat_parameters() ? layout_.elements : owned_;
     work copied = group_->backend().record();
     copied.make_stream_wait(replicas_->backend().stream());
     copied = replicas_->broadcast(std::span<P>(params_, held), 0);
@@ -327,6 +379,8 @@ void training_state<B, P, G>::load_parameters(std::span<const P> flat) {
     for (const auto& s : update_segments_)
       cast(engine, parameter_at(s), dtype_v<P>, master_at(s), dtype_v<master_type>, s.count);
   drop_gathered();
+  if (sharded_parameters() && flat_parameters())
+    for (std::size_t b = 0; b < layout_.buckets.size(); ++b) poison_unheld(b);
   engine.record().wait();  // the caller's buffer may go once this returns
 }
 
@@ -344,13 +398,11 @@ std::vector<P> training_state<B, P, G>::gather_parameters() {
   for (std::size_t b = 0; b < layout_.buckets.size(); ++b) {
     const auto& bucket = layout_.buckets[b];
     gather_bucket(b);
-    const P* gathered = static_cast<const P*>(bucket_params_[b].data);
     for (const auto& range : bucket.ranges)
-      engine.copy(flat.data() + range.offset, gathered + range.packed, range.count * sizeof(P));
+      engine.copy(flat.data() + range.offset, gathered_range(b, range), range.count * sizeof(P));
     if (layer_users_[bucket.layer] == 0) {
       engine.record().wait();
-      bucket_params_[b].last_use = engine.record();
-      parameter_pool_.put(std::exchange(bucket_params_[b], pooled{}));
+      end_gathered(b, engine.record());
     }
   }
   engine.record().wait();
@@ -429,33 +481,37 @@ std::span<P> training_state<B, P, G>::parameter_span(std::size_t layer, std::siz
                       std::to_string(layer)),
          "gather the region's own layer");
   const auto& placed = layout_.regions[r];
-  if (!sharded_parameters()) {
-    if (deferred_count_ > 0) await_parameters(placed.bucket);  // a view kept from before the step
-    return {params_ + regions_[r].offset, regions_[r].count};
-  }
+  if (deferred_count_ > 0) await_parameters(placed.bucket);  // a view kept from before the step
+  if (flat_parameters()) return {params_ + regions_[r].offset, regions_[r].count};
   return {static_cast<P*>(bucket_params_[placed.bucket].data) + placed.packed, regions_[r].count};
 }
 
-// A bucket's ranges all-gathered into a pooled buffer, end to end: each rank's chunks, then
-// the remainder every rank holds, copied in.
+// A bucket's ranges all-gathered: over the state's shards into a pooled buffer, end to end
+// (each rank's chunks, then the remainder every rank holds, copied in); over an adopted
+// buffer in place, at the ranges' own offsets, where this rank's chunks and the remainders
+// already are.
 template <backend B, element P, element G>
 void training_state<B, P, G>::gather_bucket(std::size_t b) {
-  if (bucket_params_[b].data) return;  // held, or prefetched
+  if (is_gathered(b)) return;  // held, or prefetched
   announce(joined_call::gather, b);
   auto& engine = group_->backend();
   const auto& bucket = layout_.buckets[b];
-  const std::size_t bytes = bucket.elements * sizeof(P);
-  const std::size_t before = parameter_pool_.allocations();
-  bucket_params_[b] = parameter_pool_.take(bytes);
-  if (parameter_pool_.allocations() != before) parameter_pool_bytes_ += bytes;
-  engine.wait_for_caller(caller_stream_);  // a reused buffer's last readers are done
-  P* gathered = static_cast<P*>(bucket_params_[b].data);
   const std::size_t n = world();
+  if (flat_parameters()) {
+    gathered_in_place_[b] = 1;
+  } else {
+    const std::size_t bytes = bucket.elements * sizeof(P);
+    const std::size_t before = parameter_pool_.allocations();
+    bucket_params_[b] = parameter_pool_.take(bytes);
+    if (parameter_pool_.allocations() != before) parameter_pool_bytes_ += bytes;
+  }
+  engine.wait_for_caller(caller_stream_);  // a reused buffer's last readers (the trainer's own: its writes) are done
   work done;
-  for (const auto& range : bucket.ranges)
-    if (range.remainder > 0)
-      done = copy_in_step(gathered + range.packed + n * range.chunk, params_ + range.owned + range.chunk,
-                          range.remainder * sizeof(P));
+  if (!flat_parameters())
+    for (const auto& range : bucket.ranges)
+      if (range.remainder > 0)
+        done = copy_in_step(gathered_range(b, range) + n * range.chunk, params_ + range.owned + range.chunk,
+                            range.remainder * sizeof(P));
   {
     // Named in errors, progress lines and traces: a gather one rank issues alone (sampling on
     // rank 0 only) is recognised as such by every rank.
@@ -467,12 +523,17 @@ void training_state<B, P, G>::gather_bucket(std::size_t b) {
                     bucket.layer);
     const auto labelled = group_->call_context_within(label);
     auto together = group_->grouped();
-    for (const auto& range : bucket.ranges)
-      if (range.chunk > 0) {
-        done = group_->all_gather(std::span<const P>(params_ + range.owned, range.chunk),
-                                  std::span<P>(gathered + range.packed, n * range.chunk));
-        count_wire(n * range.chunk * sizeof(P), false);
-      }
+    if (flat_parameters()) {
+      if (n > 1) done = all_gather_chunks(b, params_);  // at 1 rank the buffer is whole already
+    } else {
+      for (const auto& range : bucket.ranges)
+        if (range.chunk > 0) {
+          done = group_->all_gather(std::span<const P>(params_ + range.owned, range.chunk),
+                                    std::span<P>(gathered_range(b, range), n * range.chunk));
+          count_wire(n * range.chunk * sizeof(P), false);
+          if (n == 1 && evaluating_ == 0) copied_bytes_ += range.chunk * sizeof(P);  // one rank's gather: a copy
+        }
+    }
     together.end();
   }
   bucket_gathered_[b] = std::move(done);
@@ -501,14 +562,48 @@ void training_state<B, P, G>::release_layer(std::size_t layer) noexcept {
   // layers are held decides which gathers are issued.
   if (!backward_phase_ && evaluating_ == 0 && layer + 1 == layout_.layers) return;
   for (std::size_t b = layout_.first_bucket_of_layer[layer]; b < layout_.first_bucket_of_layer[layer + 1]; ++b) {
-    if (!bucket_params_[b].data) continue;
+    if (!is_gathered(b)) continue;
     try {
-      bucket_params_[b].last_use = group_->backend().record();
+      end_gathered(b, group_->backend().record());
     } catch (...) {
-      // A failed group: the buffer is freed once its gather is done, whatever happened.
+      // A failed group: the buffer is freed once its gather is done, whatever happened (an
+      // adopted buffer's bytes are left as they are: the group can gather no more).
+      gathered_in_place_[b] = 0;
+      if (!bucket_params_[b].data) continue;
       bucket_params_[b].last_use = bucket_gathered_[b];
+      parameter_pool_.put(std::exchange(bucket_params_[b], pooled{}));
     }
-    parameter_pool_.put(std::exchange(bucket_params_[b], pooled{}));
+  }
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::end_gathered(std::size_t b, work last_use) {
+  if (flat_parameters()) {
+    gathered_in_place_[b] = 0;
+    poison_unheld(b);
+    return;
+  }
+  bucket_params_[b].last_use = std::move(last_use);
+  parameter_pool_.put(std::exchange(bucket_params_[b], pooled{}));
+}
+
+// Outside a gather the other ranks' chunks in the trainer's buffer would be stale from the
+// first step on (they were last gathered before it): NaN instead, in every build, so that a
+// read through the trainer's own pointers outside gather() shows in its loss at once. A
+// trainer's update over the whole buffer writes NaN there and its real update in this rank's
+// chunks, which the next gather spreads: nothing is lost. One fill of what the gather wrote.
+template <backend B, element P, element G>
+void training_state<B, P, G>::poison_unheld(std::size_t b) {
+  const std::size_t n = world(), k = my_rank();
+  if (n == 1) return;  // every element is this rank's
+  auto& engine = group_->backend();
+  engine.wait_for_caller(caller_stream_);  // the trainer's reads of the layer
+  const double poison = std::numeric_limits<double>::quiet_NaN();
+  for (const auto& range : layout_.buckets[b].ranges) {
+    if (range.chunk == 0) continue;
+    P* whole = params_ + range.offset;
+    if (k > 0) fill(engine, whole, k * range.chunk, dtype_v<P>, poison);
+    if (k + 1 < n) fill(engine, whole + (k + 1) * range.chunk, (n - k - 1) * range.chunk, dtype_v<P>, poison);
   }
 }
 
@@ -518,12 +613,11 @@ template <backend B, element P, element G>
 void training_state<B, P, G>::drop_gathered() {
   if (!sharded_parameters()) return;
   for (std::size_t b = 0; b < bucket_params_.size(); ++b) {
-    if (!bucket_params_[b].data) continue;
+    if (!is_gathered(b)) continue;
     if (layer_users_[layout_.buckets[b].layer] > 0)
       fail("step", detail::text("layer ", std::to_string(layout_.buckets[b].layer), " is still gathered"),
            "end the layer's view (it goes out of scope, or reset()) before step(): its parameters change");
-    bucket_params_[b].last_use = group_->backend().record();
-    parameter_pool_.put(std::exchange(bucket_params_[b], pooled{}));
+    end_gathered(b, group_->backend().record());
   }
   last_gathered_.reset();
 }
@@ -565,6 +659,7 @@ template <backend B, element P, element G>
 std::span<G> training_state<B, P, G>::gradient(std::size_t r) {
   check_region("gradient", r);
   check_training_call("gradient");
+  check_gradients_bound("gradient");
   begin_call();
   const auto& placed = layout_.regions[r];
   const std::size_t position = layout_.buckets.size() - 1 - placed.bucket;  // in launch order
@@ -579,6 +674,7 @@ template <backend B, element P, element G>
 void training_state<B, P, G>::mark_ready(std::size_t r) {
   check_region("mark_ready", r);
   check_training_call("mark_ready");
+  check_gradients_bound("mark_ready");
   begin_call();
   if (marked_[r])
     fail("mark_ready", detail::text(describe(r), " marked twice in one step"),
@@ -612,6 +708,7 @@ void training_state<B, P, G>::launch_ready() {
 // replicas, every part this rank keeps is averaged across the copies.
 template <backend B, element P, element G>
 void training_state<B, P, G>::launch(std::size_t b) {
+  check_gradients_bound("reduce");  // zero3 reduces as the backward's gathers move down
   announce(joined_call::reduce, b);
   auto& engine = group_->backend();
   const auto& bucket = layout_.buckets[b];
@@ -706,7 +803,7 @@ void training_state<B, P, G>::join(Loop&& loop, join_options options) {
     fail("join", "a join with replicas (hybrid sharding) is not supported",
          "give every rank the same number of batches (e.g. the sampler's even_batches), or train without replicas");
   if (join_) fail("join", "a join is already running", "run one join around the training loop");
-  if (options_.trainer_optimizer && !options.update)
+  if (trainer_optimizer() && !options.update)
     fail("join", "with trainer_optimizer, a rank that ran out of data still updates its part of the others' steps",
          "pass join_options::update: your update of owned_spans(), given the step's result");
   join_ = std::move(options);
@@ -824,7 +921,12 @@ void training_state<B, P, G>::answer_until_all_joined() {
          "end the join's loop after step(), when this rank has no more batches");
   const std::size_t buckets = layout_.buckets.size();
   auto& engine = group_->backend();
-  // Nothing of this rank's is reduced from here: its adopted gradients start at zero.
+  // Nothing of this rank's is reduced from here: its adopted gradients start at zero (a rank
+  // with no batch at all may never have bound any: the state's zeros stand in).
+  if (adopted_ && !grads_) {
+    grads_ = allocate_zeroed<G>(own_grads_, layout_.elements);
+    build_owned_spans();
+  }
   if (adopted_) fill(engine, grads_, layout_.elements, dtype_v<G>, 0.0);
   for (;;) {
     std::int64_t sum[3] = {0, 0, 0};
@@ -847,8 +949,7 @@ void training_state<B, P, G>::answer_until_all_joined() {
     const auto bucket = static_cast<std::size_t>(b);
     if (whole && what == static_cast<std::int64_t>(joined_call::gather)) {
       gather_bucket(bucket);  // this rank's shard for the others; nothing here reads it
-      bucket_params_[bucket].last_use = bucket_gathered_[bucket];
-      parameter_pool_.put(std::exchange(bucket_params_[bucket], pooled{}));
+      end_gathered(bucket, bucket_gathered_[bucket]);
     } else if (whole && what == static_cast<std::int64_t>(joined_call::reduce) && launched_ < buckets &&
                bucket == buckets - 1 - launched_) {
       launch(buckets - 1 - launched_++);  // zeros
@@ -873,7 +974,7 @@ void training_state<B, P, G>::answer_until_all_joined() {
 template <backend B, element P, element G>
 void training_state<B, P, G>::answer_step() {
   const step_result result = step();
-  if (options_.trainer_optimizer) {
+  if (trainer_optimizer()) {
     if (!result.skipped) join_->update(result);
     publish_parameters();
   }
@@ -1002,7 +1103,7 @@ void training_state<B, P, G>::await_all_parameters() {
 
 template <backend B, element P, element G>
 void training_state<B, P, G>::publish_parameters() {
-  if (!options_.trainer_optimizer)
+  if (!trainer_optimizer())
     fail("publish_parameters", "the state's own optimizer publishes its updates in step()",
          "call publish_parameters() only with training_options::trainer_optimizer");
   if (!publish_due_)
@@ -1023,6 +1124,7 @@ template <backend B, element P, element G>
 step_result training_state<B, P, G>::step() {
   snapshot_.wait();  // a checkpoint's copy of the masters and moments in flight
   check_training_call("step");
+  check_gradients_bound("step");
   await_all_parameters();  // the last publication: the update writes where it reads
   if (no_sync_depth_ > 0)
     fail("step", "step() inside no_sync: this micro-step's gradients were not reduced",
@@ -1056,17 +1158,17 @@ step_result training_state<B, P, G>::step() {
     result.clip_factor = detail::clip_factor(result.grad_norm, options_.max_grad_norm);
     result.gradient_scale = result.clip_factor * divisor_fix / result.loss_scale;
     ++steps_;
-    if (!options_.trainer_optimizer) update_and_publish(result.gradient_scale);
+    if (!trainer_optimizer()) update_and_publish(result.gradient_scale);
   }
   // Owned flat gradients start the next step at zero: update_and_publish zeroes each bucket's
   // once updated, publish_parameters once the trainer's optimizer has read them, and a skipped
   // step's are dropped here. Adopted ones are the trainer's to zero.
-  if (result.skipped && !adopted_ && flat_gradients() && !options_.trainer_optimizer)
+  if (result.skipped && !adopted_ && flat_gradients() && !trainer_optimizer())
     fill(engine, grads_, layout_.elements, dtype_v<G>, 0.0);
   // A deferred publication is waited for where its parameters are read; all else is done.
   if (deferred_count_ == 0) hand_to_caller(engine.record());
   reset_marks();
-  publish_due_ = options_.trainer_optimizer;
+  publish_due_ = trainer_optimizer();
   skipped_update_ = result.skipped;
   last_step_wire_bytes_ = std::exchange(wire_bytes_, 0);
   last_step_copied_bytes_ = std::exchange(copied_bytes_, 0);
@@ -1133,8 +1235,11 @@ void training_state<B, P, G>::finish_checkpoint_load(std::uint64_t optimizer_ste
   if (separate_master())
     for (const auto& s : checkpoint_segments(rank()))
       cast(engine, master_at(s), dtype_v<master_type>, parameter_at(s), dtype_v<P>, s.count);
-  // What each rank read is its chunks (rank 0: the remainders too): every copy made whole.
-  spread(params_, !sharded_parameters(), true);
+  // What each rank read is its chunks (rank 0: the remainders too): every copy made whole
+  // (zero3 over an adopted buffer: then what it does not hold poisoned again).
+  spread(params_, flat_parameters(), true);
+  if (sharded_parameters() && flat_parameters())
+    for (std::size_t b = 0; b < layout_.buckets.size(); ++b) poison_unheld(b);
   const bool flat_state = !sharded();
   if (separate_master()) spread(master_.template as<master_type>(), flat_state, true);
   if (first_.data()) spread(first_.template as<master_type>(), flat_state, true);
@@ -1185,6 +1290,8 @@ training_memory training_state<B, P, G>::memory() const noexcept {
   m.parameters = own_params_.bytes() + parameter_pool_bytes_;
   m.gradients = own_grads_.bytes() + grad_shard_.bytes() + gradient_pool_bytes_;
   m.optimizer_state = master_.bytes() + first_.bytes() + second_.bytes() + scratch_.bytes();
+  if (adopted_parameters_) m.adopted_parameters = layout_.elements * sizeof(P);
+  if (adopted_ && grads_ && own_grads_.bytes() == 0) m.adopted_gradients = layout_.elements * sizeof(G);
   return m;
 }
 
