@@ -263,7 +263,9 @@ template <backend B, element P, element G>
 std::optional<checkpoint_info> resume_checkpoint(training_state<B, P, G>& state, const std::string& directory,
                                                  const resume_options& options = {});
 
-// The newest committed checkpoint in `directory`: DIR/step-<N> with a cohort index, largest N.
+// The newest committed checkpoint in `directory`: DIR/step-<N> with a cohort index, largest N
+// (in a directory cohort saved to, with any manifest.json: one whose index cannot be read is
+// damaged, which verify and load then say).
 std::optional<std::string> newest_checkpoint(const std::string& directory);
 
 // Reads every byte of the checkpoint at `checkpoint` (file after file, a few MiB at a time)
@@ -378,8 +380,9 @@ std::string checkpoint_step_name(std::uint64_t step);  // step-<N>
 std::string checkpoint_staging_path(const std::string& directory, std::uint64_t step, std::uint64_t nonce);
 
 // DIR's committed checkpoints, by step, and what looks like one without being cohort's
-// (step-* names that are not a canonical step number, or hold no cohort index; symlinks):
-// those are never loaded, renamed or deleted.
+// (step-* names that are not a canonical step number, or hold no manifest.json, or, where DIR
+// has no DIR/.cohort, one that does not begin as a cohort index; symlinks): those are never
+// loaded, renamed or deleted.
 struct checkpoint_listing {
   std::vector<std::pair<std::uint64_t, std::string>> committed;  // step, DIR/step-<N>; oldest first
   std::vector<std::string> ignored;                              // "DIR/name: why"

@@ -311,9 +311,8 @@ COHORT_DECL void check_checkpoint_run(const std::string& directory, const std::s
   constexpr std::string_view operation = "resume_checkpoint";
   if (loaded.run.empty()) {
     checkpoint_warning(
-        rank,
-        detail::text(checkpoint, " was saved before checkpoints recorded their run (index version ",
-                     "3): loaded without checking that it is ", directory, "'s run's; the next save records the run"));
+        rank, detail::text(checkpoint, " was saved before checkpoints recorded their run (index version 3): loaded ",
+                           "without checking that it is ", directory, "'s run's; the next save records the run"));
     return;
   }
   const std::string ours = read_checkpoint_run(directory);
