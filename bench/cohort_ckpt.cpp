@@ -65,9 +65,17 @@ int main(int argc, char** argv) {
     }
     return usage();
   } catch (const cohort::checkpoint_damaged_error& failure) {
-    // Its own words once: the library's message already names the operation.
+    // The tool's prefix once (the library's what() carries its own), then, for a directory,
+    // the older checkpoints a resume would fall back to, each to be checked by name.
+    std::string older;
+    if (checkpoint != argv[2])
+      for (const auto& [step, path] : cohort::detail::list_checkpoints(argv[2]).committed)
+        if (path != checkpoint) older += " " + path;
     std::fprintf(stderr, "cohort-ckpt %s: %s is damaged: %s (hint: %s)\n", verb.c_str(), checkpoint.c_str(),
                  failure.detail().c_str(), failure.hint().c_str());
+    if (!older.empty())
+      std::fprintf(stderr, "cohort-ckpt %s: older checkpoints, which a resume falls back to:%s\n", verb.c_str(),
+                   older.c_str());
   } catch (const cohort::error& failure) {
     std::string text = failure.detail();
     if (!failure.hint().empty()) text += " (hint: " + failure.hint() + ")";

@@ -944,6 +944,8 @@ TEST_CASE("damage in an index's first bytes marks the checkpoint damaged, never 
     INFO(verify->first);
     CHECK(verify->second == 1);
     CHECK(verify->first.find((dir / "step-9").string() + " is damaged") != std::string::npos);
+    CHECK(verify->first.find("older checkpoints, which a resume falls back to: " + (dir / "step-4").string()) !=
+          std::string::npos);
     const auto consolidate = run_tool("consolidate " + dir.string() + " " + (dir / "out.safetensors").string());
     INFO(consolidate->first);
     CHECK(consolidate->second == 1);
