@@ -606,46 +606,45 @@ TEST_CASE("a second job on the directory is refused in under a second, naming th
 
 TEST_CASE("a lock holder killed while writing who it is leaves holder.<pid>: the next resume and save remove it",
           "[checkpoint][integrity][directory]") {
-  const auto dir = checkpoint_scratch("stale-holder");
-  const auto own = dir / ".cohort";
-  // A process that dies (SIGKILL) after writing its temporary, before renaming it: its pid is
-  // then a dead one's, and the lock it held went with it.
-  const auto killed_holder = [&] {
+  const auto root = checkpoint_scratch("stale-holder");
+  const auto resumed = root / "resumed", saved = root / "saved";
+  // A process that dies (SIGKILL) after writing its temporary into `dir`'s own folder, before
+  // renaming it: its pid is then a dead one's, and the lock it held went with it. Both are
+  // made before this process starts any rank thread (a fork then copies none).
+  const auto killed_holder = [&](const fs::path& dir) {
     std::fflush(nullptr);
     const pid_t child = ::fork();
     REQUIRE(child >= 0);
     if (child == 0) {
-      fs::create_directories(own);
+      fs::create_directories(dir / ".cohort");
       const auto pid = std::to_string(::getpid());
-      write_file(own / ("holder." + pid), "host here\npid " + pid + "\nstart 1\nprogram killed\nsince then\n");
+      const auto text = "host here\npid " + pid + "\nstart 1\nprogram killed\nsince then\n";
+      write_file(dir / ".cohort" / ("holder." + pid), text);
+      write_file(dir / ".cohort" / "holder", text);  // the holder file names the dead process too
       ::raise(SIGKILL);
     }
     int status = 0;
     REQUIRE(::waitpid(child, &status, 0) == child);
     REQUIRE(WIFSIGNALED(status));
-    const auto left = own / ("holder." + std::to_string(child));
+    const auto left = dir / ".cohort" / ("holder." + std::to_string(child));
     REQUIRE(fs::exists(left));
     return left;
   };
+  const auto left_by_resumed = killed_holder(resumed), left_by_saved = killed_holder(saved);
   const auto me = "pid " + std::to_string(::getpid()) + "\n";
-  const auto stale = killed_holder();
   auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(2, [&](int rank) {
     auto pg = cohort_test::make_gloo_group(store, rank, 2);
     state_type state(pg, small_regions(), {.strategy = strategy::zero2});
-    RANK_CHECK(!cohort::resume_checkpoint(state, dir.string()).has_value());
+    RANK_CHECK(!cohort::resume_checkpoint(state, resumed.string()).has_value());
   });
-  CHECK_FALSE(fs::exists(stale));
-  CHECK(read_file(own / "holder").find(me) != std::string::npos);
-  // And a save, where the holder file still names the dead process: both replaced by this one.
-  fs::remove_all(dir);
-  const auto stale_again = killed_holder();
-  write_file(own / "holder", read_file(stale_again));
-  save_steps(dir, {1});
-  CHECK(read_file(own / "holder").find(me) != std::string::npos);
-  CHECK_FALSE(fs::exists(stale_again));
-  CHECK(fs::exists(dir / "step-1" / "manifest.json"));
-  fs::remove_all(dir);
+  CHECK_FALSE(fs::exists(left_by_resumed));
+  CHECK(read_file(resumed / ".cohort" / "holder").find(me) != std::string::npos);
+  save_steps(saved, {1});
+  CHECK_FALSE(fs::exists(left_by_saved));
+  CHECK(read_file(saved / ".cohort" / "holder").find(me) != std::string::npos);
+  CHECK(fs::exists(saved / "step-1" / "manifest.json"));
+  fs::remove_all(root);
 }
 
 TEST_CASE(
