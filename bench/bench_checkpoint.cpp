@@ -414,6 +414,7 @@ std::vector<index_row> index_rows() {
   for (const char* kind : {"metadata keys", "segments"})
     for (const std::size_t entries : {std::size_t{10000}, std::size_t{40000}, std::size_t{160000}}) {
       cohort::detail::checkpoint_manifest m;
+      m.run = "0123456789abcdef";  // a save records its directory's run
       m.world_size = 1;
       m.strategy = "zero3";
       m.parameter_dtype = m.dtype = "float";

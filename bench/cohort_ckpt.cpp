@@ -10,8 +10,9 @@
 //
 // Each reads the index only after its checksum and its checks passed, and opens nothing but
 // the regular files of the checkpoint's directory; a damaged checkpoint exits 1 naming the
-// file. Entries of DIR named like a checkpoint that are not cohort's are named on stderr and
-// never read.
+// file ("cohort-ckpt VERB: DIR/step-<N> is damaged: why"). In a directory cohort saved to, a
+// step-<N> whose index cannot be read is damaged, never skipped for an older one. Entries of
+// DIR named like a checkpoint that are not cohort's are named on stderr and never read.
 #include <cohort/parallel/checkpoint.hpp>
 
 #include <chrono>
@@ -38,30 +39,49 @@ int usage() {
 
 }  // namespace
 
-int main(int argc, char** argv) try {
+int main(int argc, char** argv) {
   if (argc < 3) return usage();
   const std::string verb = argv[1];
-  const std::string checkpoint = checkpoint_in(argv[2]);
-  if (verb == "inspect" && argc == 3) {
-    const auto manifest = cohort::detail::read_checkpoint_manifest(checkpoint, -1, "cohort-ckpt inspect");
-    std::fputs(cohort::detail::describe_checkpoint(checkpoint, manifest).c_str(), stdout);
-    return 0;
+  std::string checkpoint;
+  try {
+    checkpoint = checkpoint_in(argv[2]);
+    if (verb == "inspect" && argc == 3) {
+      const auto manifest = cohort::detail::read_checkpoint_manifest(checkpoint, -1, "cohort-ckpt inspect");
+      std::fputs(cohort::detail::describe_checkpoint(checkpoint, manifest).c_str(), stdout);
+      return 0;
+    }
+    if (verb == "verify" && argc == 3) {
+      const auto started = std::chrono::steady_clock::now();
+      const auto bytes = cohort::verify_checkpoint(checkpoint);
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      std::printf("%s: the index and every checksum match (%llu bytes read in %.3f s)\n", checkpoint.c_str(),
+                  static_cast<unsigned long long>(bytes), seconds);
+      return 0;
+    }
+    if (verb == "consolidate" && argc == 4) {
+      cohort::consolidate_checkpoint(checkpoint, argv[3]);
+      std::printf("%s -> %s\n", checkpoint.c_str(), argv[3]);
+      return 0;
+    }
+    return usage();
+  } catch (const cohort::checkpoint_damaged_error& failure) {
+    // The tool's prefix once (the library's what() carries its own), then, for a directory,
+    // the older checkpoints a resume would fall back to, each to be checked by name.
+    std::string older;
+    if (checkpoint != argv[2])
+      for (const auto& [step, path] : cohort::detail::list_checkpoints(argv[2]).committed)
+        if (path != checkpoint) older += " " + path;
+    std::fprintf(stderr, "cohort-ckpt %s: %s is damaged: %s (hint: %s)\n", verb.c_str(), checkpoint.c_str(),
+                 failure.detail().c_str(), failure.hint().c_str());
+    if (!older.empty())
+      std::fprintf(stderr, "cohort-ckpt %s: older checkpoints, which a resume falls back to:%s\n", verb.c_str(),
+                   older.c_str());
+  } catch (const cohort::error& failure) {
+    std::string text = failure.detail();
+    if (!failure.hint().empty()) text += " (hint: " + failure.hint() + ")";
+    std::fprintf(stderr, "cohort-ckpt %s: %s\n", verb.c_str(), text.c_str());
+  } catch (const std::exception& failure) {
+    std::fprintf(stderr, "cohort-ckpt %s: %s\n", verb.c_str(), failure.what());
   }
-  if (verb == "verify" && argc == 3) {
-    const auto started = std::chrono::steady_clock::now();
-    const auto bytes = cohort::verify_checkpoint(checkpoint);
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-    std::printf("%s: the index and every checksum match (%llu bytes read in %.3f s)\n", checkpoint.c_str(),
-                static_cast<unsigned long long>(bytes), seconds);
-    return 0;
-  }
-  if (verb == "consolidate" && argc == 4) {
-    cohort::consolidate_checkpoint(checkpoint, argv[3]);
-    std::printf("%s -> %s\n", checkpoint.c_str(), argv[3]);
-    return 0;
-  }
-  return usage();
-} catch (const std::exception& failure) {
-  std::fprintf(stderr, "cohort-ckpt: %s\n", failure.what());
   return 1;
 }

@@ -289,6 +289,16 @@ TEST_CASE("a forged index (its checksum recomputed) is refused by its checks, na
          m.regions[0].count = std::uint64_t{1} << 50, m.regions[0].shape = {m.regions[0].count};
        }},
       {"a loss scale of 0", "loss scale 0 is not positive", [](checkpoint_manifest& m) { m.scaler->scale = 0; }},
+      {"a strategy cohort has not", "strategy 'zero9' is not one of cohort's",
+       [](checkpoint_manifest& m) { m.strategy = "zero9"; }},
+      {"Adam with one moment", "tensors [parameters, adam.exp_avg] are not a set cohort writes",
+       [](checkpoint_manifest& m) { m.tensors.pop_back(); }},
+      {"masters narrower than the parameters", "dtype 'float' is not the masters' dtype of parameter_dtype 'double'",
+       [](checkpoint_manifest& m) { m.dtype = "float"; }},
+      {"a run that is not one", "run 'run-1' is not 16 lowercase hex digits",
+       [](checkpoint_manifest& m) { m.run = "run-1"; }},
+      {"a job id with a line break", "job 'a\nb' (3 bytes) is not a launcher's job id",
+       [](checkpoint_manifest& m) { m.job = "a\nb"; }},
   };
   for (const auto& f : forgeries) {
     auto forged = manifest;
@@ -594,6 +604,49 @@ TEST_CASE("a second job on the directory is refused in under a second, naming th
   fs::remove_all(dir);
 }
 
+TEST_CASE("a lock holder killed while writing who it is leaves holder.<pid>: the next resume and save remove it",
+          "[checkpoint][integrity][directory]") {
+  const auto root = checkpoint_scratch("stale-holder");
+  const auto resumed = root / "resumed", saved = root / "saved";
+  // A process that dies (SIGKILL) after writing its temporary into `dir`'s own folder, before
+  // renaming it: its pid is then a dead one's, and the lock it held went with it. Both are
+  // made before this process starts any rank thread (a fork then copies none).
+  const auto killed_holder = [&](const fs::path& dir) {
+    std::fflush(nullptr);
+    const pid_t child = ::fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {
+      fs::create_directories(dir / ".cohort");
+      const auto pid = std::to_string(::getpid());
+      const auto text = "host here\npid " + pid + "\nstart 1\nprogram killed\nsince then\n";
+      write_file(dir / ".cohort" / ("holder." + pid), text);
+      write_file(dir / ".cohort" / "holder", text);  // the holder file names the dead process too
+      ::raise(SIGKILL);
+    }
+    int status = 0;
+    REQUIRE(::waitpid(child, &status, 0) == child);
+    REQUIRE(WIFSIGNALED(status));
+    const auto left = dir / ".cohort" / ("holder." + std::to_string(child));
+    REQUIRE(fs::exists(left));
+    return left;
+  };
+  const auto left_by_resumed = killed_holder(resumed), left_by_saved = killed_holder(saved);
+  const auto me = "pid " + std::to_string(::getpid()) + "\n";
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(2, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 2);
+    state_type state(pg, small_regions(), {.strategy = strategy::zero2});
+    RANK_CHECK(!cohort::resume_checkpoint(state, resumed.string()).has_value());
+  });
+  CHECK_FALSE(fs::exists(left_by_resumed));
+  CHECK(read_file(resumed / ".cohort" / "holder").find(me) != std::string::npos);
+  save_steps(saved, {1});
+  CHECK_FALSE(fs::exists(left_by_saved));
+  CHECK(read_file(saved / ".cohort" / "holder").find(me) != std::string::npos);
+  CHECK(fs::exists(saved / "step-1" / "manifest.json"));
+  fs::remove_all(root);
+}
+
 TEST_CASE(
     "a kill at every step of a commit and of pruning leaves no loadable half-checkpoint, and no leftover after "
     "the next save",
@@ -654,7 +707,7 @@ TEST_CASE(
       for (const auto& [step, path] : next.committed) CHECK(cohort::verify_checkpoint(path) > 0);
       std::set<std::string> own;
       for (const auto& entry : fs::directory_iterator(dir / ".cohort")) own.insert(entry.path().filename().string());
-      CHECK(own == std::set<std::string>{"holder", "lock"});
+      CHECK(own == std::set<std::string>{"holder", "lock", "run"});
       fs::remove_all(dir);
       if (!killed) break;
       ++points;
@@ -698,7 +751,9 @@ TEST_CASE("FIFOs and symlinks in a checkpoint are refused at once, naming them",
   fs::rename(index, dir / "index.json");
   REQUIRE(::mkfifo(index.c_str(), 0644) == 0);
   CHECK_THAT(verify_error(), Catch::Contains(index.string() + ": is a FIFO, not a regular file"));
-  CHECK_FALSE(cohort::newest_checkpoint(dir.string()).has_value());  // not taken for a checkpoint
+  // In cohort's own directory, a checkpoint whose index cannot be read is a damaged one (that
+  // verify and resume refuse, naming it), never a stranger's to skip.
+  CHECK(cohort::newest_checkpoint(dir.string()) == checkpoint.string());
   fs::remove_all(dir);
 }
 
@@ -845,6 +900,193 @@ TEST_CASE("resume falls back past a damaged checkpoint naming it, refuses when a
     }
   }
   fs::remove_all(dir);
+}
+
+// The first bytes of `file` overwritten with `bytes` (what a torn sector or a stray write does).
+void overwrite_head(const fs::path& file, const std::string& bytes) {
+  std::fstream out(file, std::ios::binary | std::ios::in | std::ios::out);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  REQUIRE(out.good());
+}
+
+// What cohort-ckpt wrote (stdout and stderr) and its exit status, where the tool was built.
+std::optional<std::pair<std::string, int>> run_tool(const std::string& arguments) {
+#if defined(COHORT_CKPT_TOOL)
+  const std::string command = std::string(COHORT_CKPT_TOOL) + " " + arguments + " 2>&1";
+  std::FILE* pipe = ::popen(command.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::string text;
+  char buffer[4096];
+  for (std::size_t got; (got = std::fread(buffer, 1, sizeof buffer, pipe)) > 0;) text.append(buffer, got);
+  const int status = ::pclose(pipe);
+  return std::pair{text, WIFEXITED(status) ? WEXITSTATUS(status) : -1};
+#else
+  (void)arguments;
+  return std::nullopt;
+#endif
+}
+
+TEST_CASE("damage in an index's first bytes marks the checkpoint damaged, never foreign, in cohort's directory",
+          "[checkpoint][integrity][resume]") {
+  const auto dir = checkpoint_scratch("damaged-head");
+  save_steps(dir, {4, 9});
+  overwrite_head(dir / "step-9" / "manifest.json", "<<garbage>>");
+  // Listed as cohort's (its directory carries cohort's contract), and refused by its reader.
+  const auto listing = cohort::detail::list_checkpoints(dir.string());
+  CHECK(listing.ignored.empty());
+  REQUIRE(listing.committed.size() == 2);
+  CHECK(cohort::newest_checkpoint(dir.string()) == (dir / "step-9").string());
+  CHECK_THROWS_AS(cohort::verify_checkpoint((dir / "step-9").string()), cohort::checkpoint_damaged_error);
+  CHECK_THROWS_WITH(cohort::verify_checkpoint((dir / "step-9").string()),
+                    Catch::Contains((dir / "step-9" / "manifest.json").string()));
+  if (const auto verify = run_tool("verify " + dir.string())) {
+    INFO(verify->first);
+    CHECK(verify->second == 1);
+    CHECK(verify->first.find((dir / "step-9").string() + " is damaged") != std::string::npos);
+    CHECK(verify->first.find("older checkpoints, which a resume falls back to: " + (dir / "step-4").string()) !=
+          std::string::npos);
+    const auto consolidate = run_tool("consolidate " + dir.string() + " " + (dir / "out.safetensors").string());
+    INFO(consolidate->first);
+    CHECK(consolidate->second == 1);
+    CHECK(consolidate->first.find((dir / "step-9").string() + " is damaged") != std::string::npos);
+    CHECK_FALSE(fs::exists(dir / "out.safetensors"));
+  }
+  // Resume falls back to step 4 and names step 9 as skipped; the next save at step 9 replaces it.
+  const auto regions = small_regions();
+  const std::size_t n = regions.back().offset + regions.back().count;
+  std::vector<cohort::checkpoint_info> infos(2);
+  std::vector<std::string> errors(2);
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(2, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 2);
+    state_type state(pg, regions, {.strategy = strategy::zero3});
+    errors[static_cast<std::size_t>(rank)] = error_of([&] {
+      infos[static_cast<std::size_t>(rank)] = cohort::resume_checkpoint(state, dir.string()).value();
+      RANK_CHECK(state.gather_parameters() == parameters_for(n, 4.0));
+      state.load_parameters(parameters_for(n, 9.5));
+      cohort::save_checkpoint(state, dir.string(), 9);
+    });
+  });
+  CHECK(errors == std::vector<std::string>(2));
+  CHECK(infos[0].step == 4);
+  REQUIRE(infos[0].skipped.size() == 1);
+  CHECK(infos[0].skipped[0].find((dir / "step-9").string() + ": ") == 0);
+  CHECK(cohort::verify_checkpoint((dir / "step-9").string()) > 0);
+  // The only checkpoint, damaged so: resume refuses on every rank rather than start from step 0.
+  const auto alone = checkpoint_scratch("damaged-head-alone");
+  save_steps(alone, {3});
+  overwrite_head(alone / "step-3" / "manifest.json", "[");
+  auto other_store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(2, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(other_store, rank, 2);
+    state_type state(pg, regions, {.strategy = strategy::zero2});
+    errors[static_cast<std::size_t>(rank)] = error_of([&] { (void)cohort::resume_checkpoint(state, alone.string()); });
+  });
+  for (const auto& text : errors) {
+    INFO(text);
+    CHECK(text.find("no intact checkpoint in " + alone.string()) != std::string::npos);
+    CHECK(text.find((alone / "step-3").string() + ": ") != std::string::npos);
+  }
+  fs::remove_all(dir);
+  fs::remove_all(alone);
+}
+
+TEST_CASE("consolidate's errors carry consolidate's hint, and cohort-ckpt names itself once",
+          "[checkpoint][integrity][messages]") {
+  const auto dir = checkpoint_scratch("messages");
+  save_steps(dir, {2});
+  const auto text = error_of([&] {
+    cohort::consolidate_checkpoint((dir / "step-2").string(), (dir / "no-such-folder" / "out.safetensors").string());
+  });
+  INFO(text);
+  CHECK(text.find("cohort consolidate_checkpoint: cannot create") == 0);
+  CHECK(text.find("the checkpoint is only read") != std::string::npos);
+  CHECK(text.find("previous checkpoint") == std::string::npos);  // save's words
+  if (const auto tool = run_tool("verify " + (dir / "empty").string())) {
+    INFO(tool->first);
+    CHECK(tool->second == 1);
+    CHECK(tool->first.find("cohort-ckpt verify: no committed checkpoint in") == 0);
+    CHECK(tool->first.find("cohort-ckpt", 1) == std::string::npos);  // its prefix once
+    const auto export_error = run_tool("consolidate " + dir.string() + " " + (dir / "no-such-folder" / "x").string());
+    INFO(export_error->first);
+    CHECK(export_error->second == 1);
+    CHECK(export_error->first.find("cohort-ckpt consolidate: cannot create") == 0);
+    CHECK(export_error->first.find("cohort ") == std::string::npos);
+  }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a checkpoint records its run and job: another run's, copied in, is refused at resume (or warned of)",
+          "[checkpoint][integrity][resume]") {
+  const auto root = checkpoint_scratch("runs");
+  const auto ours = root / "ours", theirs = root / "theirs", older = root / "older";
+  save_steps(ours, {2, 5});
+  save_steps(theirs, {7});  // another job, the same model
+  const auto run_of = [](const fs::path& checkpoint) {
+    return cohort::detail::read_checkpoint_manifest(checkpoint.string(), -1).run;
+  };
+  const std::string our_run = cohort::detail::read_checkpoint_run(ours.string());
+  REQUIRE(our_run.size() == 16);
+  CHECK(run_of(ours / "step-2") == our_run);
+  CHECK(run_of(ours / "step-5") == our_run);  // kept from save to save
+  CHECK(run_of(theirs / "step-7") != our_run);
+  CHECK_THAT(cohort::detail::describe_checkpoint(
+                 (ours / "step-5").string(), cohort::detail::read_checkpoint_manifest((ours / "step-5").string(), -1)),
+             Catch::Contains("run " + our_run + ", job "));
+  fs::copy(theirs / "step-7", ours / "step-7");
+  const auto resume = [&](const fs::path& dir, const cohort::resume_options& options) {
+    std::vector<std::string> errors(2);
+    std::vector<cohort::checkpoint_info> infos(2);
+    auto store = std::make_shared<cohort::memory_store>();
+    cohort_test::run_ranks(2, [&](int rank) {
+      auto pg = cohort_test::make_gloo_group(store, rank, 2);
+      state_type state(pg, small_regions(), {.strategy = strategy::zero2});
+      try {
+        infos[static_cast<std::size_t>(rank)] = cohort::resume_checkpoint(state, dir.string(), options).value();
+        cohort::save_checkpoint(state, dir.string(), infos[static_cast<std::size_t>(rank)].step + 1);
+      } catch (const cohort::checkpoint_mismatch_error& failure) {
+        errors[static_cast<std::size_t>(rank)] = failure.what();
+      }
+    });
+    return std::pair{errors, infos};
+  };
+  {
+    const auto [errors, infos] = resume(ours, {});
+    for (const auto& text : errors) {
+      INFO(text);
+      CHECK(text.find((ours / "step-7").string() + " was saved by run " + run_of(theirs / "step-7")) !=
+            std::string::npos);
+      CHECK(text.find(ours.string() + " belongs to run " + our_run) != std::string::npos);
+    }
+  }
+  {
+    const auto [errors, infos] = resume(ours, {.refuse_other_run = false});  // a deliberate copy
+    CHECK(errors == std::vector<std::string>(2));
+    CHECK(infos[1].step == 7);
+    CHECK(infos[1].run == run_of(theirs / "step-7"));
+    CHECK(run_of(ours / "step-8") == our_run);  // the directory's run goes on
+  }
+  // An index of version 3 (no run, no job) in a directory without a run: loads, and the next
+  // save records one.
+  save_steps(older, {3});
+  fs::remove(older / ".cohort" / "run");
+  std::string text = read_file(older / "step-3" / "manifest.json");
+  const auto from = text.find(" \"run\": "), to = text.find(" \"step\": ");
+  REQUIRE((from != std::string::npos && to != std::string::npos));
+  text.erase(from, to - from);
+  text.replace(text.find("\"version\": 4"), 12, "\"version\": 3");
+  write_file(older / "step-3" / "manifest.json", reseal(text));
+  CHECK(run_of(older / "step-3").empty());
+  {
+    const auto [errors, infos] = resume(older, {});
+    CHECK(errors == std::vector<std::string>(2));
+    CHECK(infos[0].step == 3);
+    CHECK(infos[0].run.empty());
+  }
+  const std::string new_run = cohort::detail::read_checkpoint_run(older.string());
+  CHECK(new_run.size() == 16);
+  CHECK(run_of(older / "step-4") == new_run);
+  fs::remove_all(root);
 }
 
 TEST_CASE("regions carry shapes: checked, kept in the index, listed by inspect, exported and loaded by PyTorch",

@@ -277,6 +277,31 @@ TEST_CASE("RANK and WORLD_SIZE left in the shell are refused when a launcher dis
   CHECK(agreeing.world_size == 2);
 }
 
+TEST_CASE("stale torchrun variables under mpirun or srun: the refusal names both launchers' variables", "[launch]") {
+  const variables mpirun_rank1{{"OMPI_COMM_WORLD_RANK", "1"},
+                               {"OMPI_COMM_WORLD_SIZE", "2"},
+                               {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                               {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}};
+  // Only part of torchrun's set left in the shell: named beside mpirun's, not as a partial launch.
+  const auto partial = detection_error(merged({{"RANK", "0"}, {"LOCAL_RANK", "0"}}, mpirun_rank1));
+  CHECK_THAT(partial, Contains("torchrun's RANK=0 LOCAL_RANK=0"));
+  CHECK_THAT(partial, Contains("Open MPI's OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=2 "
+                               "OMPI_COMM_WORLD_LOCAL_RANK=1 OMPI_COMM_WORLD_LOCAL_SIZE=2"));
+  CHECK_THAT(partial, Contains("unset RANK LOCAL_RANK"));
+  const auto slurm = detection_error(merged({{"WORLD_SIZE", "1"}}, slurm_vars));
+  CHECK_THAT(slurm, Contains("torchrun's WORLD_SIZE=1"));
+  CHECK_THAT(slurm, Contains("Slurm's SLURM_PROCID=6 SLURM_NTASKS=7"));
+  CHECK_THAT(slurm, Contains("unset WORLD_SIZE"));
+  // The whole set, disagreeing: every variable of both, and which to unset.
+  const auto whole = detection_error(
+      merged({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "1"}}, mpirun_rank1));
+  CHECK_THAT(whole, Contains("torchrun's RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1"));
+  CHECK_THAT(whole, Contains("OMPI_COMM_WORLD_LOCAL_SIZE=2"));
+  CHECK_THAT(whole, Contains("unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE"));
+  // A partial set alone (no other launcher) is still torchrun's partial launch.
+  CHECK_THAT(detection_error({{"RANK", "0"}}), Contains("partial environment"));
+}
+
 TEST_CASE("srun's PMI plugin alone (PMI_RANK, PMI_SIZE, no MPI_LOCAL*) is read as Slurm", "[launch]") {
   const auto env = detect(merged(slurm_vars, {{"PMI_RANK", "6"}, {"PMI_SIZE", "7"}}));
   CHECK(env.source == launcher::slurm);

@@ -22,7 +22,11 @@
 //
 // The directory contract (docs/design.md "Checkpoints"): cohort creates, renames and deletes
 // only DIR/step-<N> directories holding a cohort index and what lies in DIR/.cohort/, its own
-// folder; every other entry of DIR is never touched. One job at a time: rank 0 holds an
+// folder; every other entry of DIR is never touched. Where DIR/.cohort exists, a step-<N>
+// holding a manifest.json is cohort's whatever its bytes: an unreadable index is a damaged
+// checkpoint, never a stranger's. DIR/.cohort/run names the run DIR belongs to (made at the
+// first save, kept across relaunches); each index records it and the launcher's job id, and
+// a resume refuses a checkpoint of another run (resume_options::refuse_other_run). One job at a time: rank 0 holds an
 // flock on DIR/.cohort/lock for as long as its process lives (the kernel releases it when
 // the process ends, however it ends), and a second job's save or resume is refused at once,
 // naming the first (host, pid, program, since when).
@@ -100,6 +104,11 @@ struct checkpoint_info {
   int world_size = 0;                 // of the run that saved it
   std::string strategy;               // of the run that saved it
   std::map<std::string, std::string> metadata;
+  // load and resume: the run that saved it (its directory's DIR/.cohort/run, kept across the
+  // run's relaunches) and the launcher's job id of the job that saved it (COHORT_JOB_ID,
+  // TORCHELASTIC_RUN_ID, SLURM_JOB_ID, Open MPI's; empty without one). Both empty for a
+  // checkpoint of index version 3, which recorded neither.
+  std::string run, job;
   std::uint64_t bytes_written = 0;  // by this rank (save)
   std::uint64_t bytes_read = 0;     // by this rank (load): its new shard; over all ranks, the checkpoint once
   double seconds = 0;               // this call, on this rank
@@ -129,6 +138,11 @@ struct resume_options {
   // ones skipped (checkpoint_info::skipped, and a warning on rank 0); false refuses with the
   // newest one's checkpoint_damaged_error.
   bool fall_back = true;
+  // When the checkpoint to load was saved by another run than the directory's (another job's
+  // checkpoint copied in): true refuses it, on every rank, with a checkpoint_mismatch_error
+  // naming both runs and the job that saved it; false loads it with a warning on rank 0 (a
+  // deliberate copy to continue from). A checkpoint older than run ids loads with a note.
+  bool refuse_other_run = true;
 };
 
 // Collective. Saves the state after `step` (the trainer's count) as DIR/step-<step>; returns
@@ -249,7 +263,9 @@ template <backend B, element P, element G>
 std::optional<checkpoint_info> resume_checkpoint(training_state<B, P, G>& state, const std::string& directory,
                                                  const resume_options& options = {});
 
-// The newest committed checkpoint in `directory`: DIR/step-<N> with a cohort index, largest N.
+// The newest committed checkpoint in `directory`: DIR/step-<N> with a cohort index, largest N
+// (in a directory cohort saved to, with any manifest.json: one whose index cannot be read is
+// damaged, which verify and load then say).
 std::optional<std::string> newest_checkpoint(const std::string& directory);
 
 // Reads every byte of the checkpoint at `checkpoint` (file after file, a few MiB at a time)
@@ -289,6 +305,9 @@ struct checkpoint_region {
   std::vector<std::uint64_t> shape;  // row-major; its product is count
 };
 struct checkpoint_manifest {
+  // The run that saved it (16 hex digits: its directory's DIR/.cohort/run) and the launcher's
+  // job id of the job that saved it (may be empty); both empty in an index of version 3.
+  std::string run, job;
   std::uint64_t step = 0, optimizer_steps = 0, block_bytes = 0;
   std::uint64_t element_bytes = 0;  // of dtype (derived)
   int world_size = 0;
@@ -332,8 +351,10 @@ checkpoint_manifest parse_checkpoint_manifest(std::string_view text, const std::
 // The index's version and its block checksums' kind: an index of another is refused by name.
 // Version 1 kept FNV-1a block checksums; version 2 no checksum of the index itself and each
 // piece's offset; version 3 the index checksum, segments whose offsets follow from their
-// counts, region shapes.
-inline constexpr int checkpoint_format_version = 3;
+// counts, region shapes; version 4 (written) adds the run and the job that saved it. Versions
+// 3 and 4 are read.
+inline constexpr int checkpoint_format_version = 4;
+inline constexpr int checkpoint_oldest_readable_version = 3;
 inline constexpr const char* checkpoint_checksum_kind = "linear32";
 
 // A block's checksum, linear so that a block read in parts by several ranks is verified
@@ -359,8 +380,9 @@ std::string checkpoint_step_name(std::uint64_t step);  // step-<N>
 std::string checkpoint_staging_path(const std::string& directory, std::uint64_t step, std::uint64_t nonce);
 
 // DIR's committed checkpoints, by step, and what looks like one without being cohort's
-// (step-* names that are not a canonical step number, or hold no cohort index; symlinks):
-// those are never loaded, renamed or deleted.
+// (step-* names that are not a canonical step number, or hold no manifest.json, or, where DIR
+// has no DIR/.cohort, one that does not begin as a cohort index; symlinks): those are never
+// loaded, renamed or deleted.
 struct checkpoint_listing {
   std::vector<std::pair<std::uint64_t, std::string>> committed;  // step, DIR/step-<N>; oldest first
   std::vector<std::string> ignored;                              // "DIR/name: why"
@@ -374,18 +396,36 @@ checkpoint_listing list_checkpoints(const std::string& directory);
 // false): no job of this user can change it.
 bool lock_checkpoint_directory(const std::string& directory, int rank, std::string_view operation,
                                bool required = true);
+// The run a checkpoint directory belongs to: DIR/.cohort/run (16 hex digits), made at the
+// first save into DIR and kept across the run's relaunches; empty where there is none yet.
+std::string read_checkpoint_run(const std::string& directory);
+// Rank 0 holding DIR's lock: DIR/.cohort/run, written as `run` (a fresh random one when empty)
+// where there is none yet; the run it holds.
+std::string claim_checkpoint_run(const std::string& directory, int rank, std::string_view operation,
+                                 const std::string& run = {});
+// The launcher's job id of this process's job (launch_env::run_id); empty without one.
+std::string launcher_job_id();
+// The leader of a resume, once `checkpoint` (DIR/step-<N>) loaded as `loaded`: is it DIR's
+// run's? Another run's is a checkpoint_mismatch_error naming both runs and the job that saved
+// it, or, `refuse_other_run` false, a warning; one older than run ids is a note. A DIR without
+// a run yet takes the checkpoint's (where `locked`: DIR is this job's), so the run keeps it.
+void check_checkpoint_run(const std::string& directory, const std::string& checkpoint, const checkpoint_info& loaded,
+                          bool locked, bool refuse_other_run, int rank);
 // Rank 0, before a save: DIR created and locked, what interrupted saves and prunes left in
-// DIR/.cohort removed, the staging directory created. A DIR/step-<step> that is not a cohort
-// checkpoint is refused (never replaced).
-void begin_checkpoint(const std::string& directory, const std::string& staging, std::uint64_t step, int rank);
+// DIR/.cohort removed, the staging directory created; the directory's run (claimed). A
+// DIR/step-<step> that is not a cohort checkpoint is refused (never replaced).
+std::string begin_checkpoint(const std::string& directory, const std::string& staging, std::uint64_t step, int rank);
 // One rank's file, written as it streams in: created by the constructor, appended chunk by
 // chunk (each a whole number of blocks but the last; its write-back started at once, so the
 // final fsync finds little left), finished by fsync and close. A failure is a cohort::error
 // naming the path and the errno.
 class checkpoint_file_writer {
  public:
-  // `failed_errno` receives the errno of a failure, for the other ranks' errors.
-  checkpoint_file_writer(std::string path, std::size_t block_bytes, int rank, int& failed_errno);
+  // `failed_errno` receives the errno of a failure, for the other ranks' errors. `operation`
+  // and `hint` are what a failure names: each caller knows what is left intact when it fails.
+  checkpoint_file_writer(std::string path, std::size_t block_bytes, int rank, int& failed_errno,
+                         std::string_view operation = "save_checkpoint",
+                         std::string_view hint = "free space or fix permissions; the previous checkpoint is intact");
   checkpoint_file_writer(const checkpoint_file_writer&) = delete;
   checkpoint_file_writer& operator=(const checkpoint_file_writer&) = delete;
   ~checkpoint_file_writer();
@@ -398,6 +438,7 @@ class checkpoint_file_writer {
   std::string path_;
   std::size_t block_bytes_;
   int rank_;
+  std::string operation_, hint_;
   int fd_ = -1;
   std::uint64_t written_ = 0;
   std::vector<std::uint64_t> blocks_;

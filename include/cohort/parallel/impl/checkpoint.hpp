@@ -329,8 +329,12 @@ auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& di
   pending->file = detail::text(pending->staging, "/", checkpoint_file_name(rank));
   pending->keys = group.group_store();
   pending->key_prefix = detail::text("checkpoint/", std::to_string(nonce), "/");
+  // Rank 0 alone writes the index: the run and the job are its.
+  std::string run, job;
   checkpoint_together(group, "save_checkpoint", [&] {
-    if (rank == 0) begin_checkpoint(directory, pending->staging, step, rank);
+    if (rank != 0) return;
+    run = begin_checkpoint(directory, pending->staging, step, rank);
+    job = launcher_job_id();
   });
 
   // This rank's file: each tensor's elements of its segments.
@@ -344,6 +348,8 @@ auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& di
   // The index as of this step. Every rank's file is a function of the layout, so rank 0 names
   // every file's segments and the checksums travel in rows of one length.
   auto& m = pending->manifest;
+  m.run = std::move(run);
+  m.job = std::move(job);
   m.step = step;
   m.optimizer_steps = state.steps();
   m.block_bytes = pending->block_bytes;
@@ -655,6 +661,8 @@ checkpoint_info load_checkpoint(training_state<B, P, G>& state, const std::strin
   info.world_size = manifest.world_size;
   info.strategy = manifest.strategy;
   info.metadata = manifest.metadata;
+  info.run = manifest.run;
+  info.job = manifest.job;
   info.bytes_read = bytes_read;
   info.seconds = detail::seconds_since(started);
   return info;
@@ -677,6 +685,7 @@ std::optional<checkpoint_info> resume_checkpoint(training_state<B, P, G>& state,
     return failure;
   };
   std::vector<std::uint64_t> candidates;  // the leader's, newest first
+  bool locked = false;                    // the leader's: DIR is this job's to write
   {
     std::exception_ptr failure;
     if (leader) try {
@@ -685,7 +694,7 @@ std::optional<checkpoint_info> resume_checkpoint(training_state<B, P, G>& state,
         // change under it: resumed from without a lock.
         std::error_code ec;
         std::filesystem::create_directories(directory, ec);
-        detail::lock_checkpoint_directory(directory, group.rank(), operation, false);
+        locked = detail::lock_checkpoint_directory(directory, group.rank(), operation, false);
         const auto listing = detail::list_checkpoints(directory);
         for (const auto& ignored : listing.ignored) detail::checkpoint_warning(group.rank(), ignored);
         for (auto it = listing.committed.rbegin(); it != listing.committed.rend(); ++it)
@@ -713,6 +722,14 @@ std::optional<checkpoint_info> resume_checkpoint(training_state<B, P, G>& state,
     // With replicas each copy loads on its own: one that failed makes every copy go on.
     if (replicas) failure = detail::agree_on_failure(*replicas, operation, failure);
     if (!failure) {
+      // Whose it is, judged by the leader against the directory's run; a refusal is every rank's.
+      std::exception_ptr other_run;
+      if (leader) try {
+          detail::check_checkpoint_run(directory, path, info, locked, options.refuse_other_run, group.rank());
+        } catch (...) {
+          other_run = std::current_exception();
+        }
+      if (const auto agreed = agree(other_run)) std::rethrow_exception(agreed);
       info.skipped = std::move(skipped);
       return info;
     }

@@ -25,6 +25,7 @@
 #include <filesystem>
 #include <map>
 #include <optional>
+#include <random>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -37,6 +38,7 @@
 #include "cohort/error.hpp"
 #include "cohort/parallel/checkpoint.hpp"
 #include "cohort/parallel/impl/checkpoint_index.ipp"
+#include "cohort/rendezvous/launch.hpp"
 #include "cohort/tools/detail/json_cursor.hpp"
 
 namespace cohort::inline v0 {
@@ -46,17 +48,28 @@ namespace cohort::inline v0 {
 namespace detail {
 namespace {
 
+// Whether DIR carries cohort's contract: its own folder DIR/.cohort (a real directory), which
+// every save and every resume that could write made. There, a step-<N> directory with an index
+// is cohort's whatever the index's bytes say: damage in its first bytes is damage, which the
+// index's reader names, never a reason to take the checkpoint for a stranger's and skip it.
+bool carries_cohort_contract(int directory_fd) {
+  struct stat status {};
+  return ::fstatat(directory_fd, checkpoint_own_folder, &status, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(status.st_mode);
+}
+
 // Why DIR/<name> is not a committed cohort checkpoint, or nullptr when it is one: a directory
-// (not a symlink) holding a regular manifest.json that begins as every cohort index has, of
-// any version. Only those are loaded, replaced or pruned.
-const char* not_a_checkpoint(int directory_fd, const std::string& name) {
+// (not a symlink) holding a manifest.json that, in a directory carrying cohort's contract, is
+// there at all, and elsewhere is a regular file that begins as every cohort index has, of any
+// version. Only those are loaded, replaced or pruned; a damaged one is refused by its reader.
+const char* not_a_checkpoint(int directory_fd, const std::string& name, bool cohort_directory) {
   struct stat status {};
   if (::fstatat(directory_fd, name.c_str(), &status, AT_SYMLINK_NOFOLLOW) != 0) return "cannot be read";
   if (!S_ISDIR(status.st_mode)) return S_ISLNK(status.st_mode) ? "is a symbolic link" : "is not a directory";
   checkpoint_fd checkpoint(::openat(directory_fd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
   if (checkpoint.get() < 0) return "cannot be read";
-  if (::fstatat(checkpoint.get(), "manifest.json", &status, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(status.st_mode))
-    return "holds no cohort index";
+  if (::fstatat(checkpoint.get(), "manifest.json", &status, AT_SYMLINK_NOFOLLOW) != 0) return "holds no cohort index";
+  if (cohort_directory) return nullptr;
+  if (!S_ISREG(status.st_mode)) return "holds no cohort index";
   checkpoint_fd index(::openat(checkpoint.get(), "manifest.json", O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
   constexpr std::string_view head = "{\n \"format\": \"cohort-checkpoint\"";
   char start[head.size()];
@@ -111,6 +124,20 @@ std::string read_small_file(const std::string& path) {
   char buffer[4096];
   const ssize_t got = ::read(fd.get(), buffer, sizeof buffer);
   return got > 0 ? std::string(buffer, static_cast<std::size_t>(got)) : std::string();
+}
+
+// `text` as `path`, whole or not at all: a temporary sibling (<path>.<pid>) renamed over it.
+// False on a failure (errno says which), the temporary removed.
+bool write_small_file(const std::string& path, const std::string& text) {
+  const std::string temporary = detail::text(path, ".", std::to_string(::getpid()));
+  checkpoint_fd out(::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644));
+  if (out.get() >= 0 && ::write(out.get(), text.data(), text.size()) == static_cast<ssize_t>(text.size()) &&
+      out.close() == 0 && ::rename(temporary.c_str(), path.c_str()) == 0)
+    return true;
+  const int code = errno;
+  ::unlink(temporary.c_str());
+  errno = code;
+  return false;
 }
 
 lock_holder this_process() {
@@ -178,6 +205,7 @@ COHORT_DECL checkpoint_listing list_checkpoints(const std::string& directory) {
   directory_stream entries(directory);
   if (!entries.stream) return out;
   const int directory_fd = ::dirfd(entries.stream);
+  const bool cohort_directory = carries_cohort_contract(directory_fd);
   for (std::string name = entries.next(); !name.empty(); name = entries.next()) {
     if (name.rfind("step-", 0) != 0) continue;
     std::uint64_t step = 0;
@@ -187,7 +215,7 @@ COHORT_DECL checkpoint_listing list_checkpoints(const std::string& directory) {
                                          "below 2^56); never loaded, renamed or deleted"));
       continue;
     }
-    if (const char* why = not_a_checkpoint(directory_fd, name))
+    if (const char* why = not_a_checkpoint(directory_fd, name, cohort_directory))
       out.ignored.push_back(detail::text(path_in(directory, name), ": ", why,
                                          ", so not a cohort checkpoint; never loaded, renamed or deleted"));
     else
@@ -226,16 +254,19 @@ COHORT_DECL bool lock_checkpoint_directory(const std::string& directory, int ran
     throw error(rank, operation, detail::text("cannot lock ", lock_path, ": ", std::strerror(code)),
                 "the file system must support flock (NFS with locking, Lustre mounted with -o flock)");
   }
-  // Who holds it, for the next job's error: written whole (a temporary renamed over it).
-  const std::string temporary = detail::text(holder_path, ".", me.pid);
+  // What a holder killed between writing a temporary and renaming it left (holder.<pid>,
+  // run.<pid> of a process that is gone): the lock is this process's now, so no other one
+  // writes there.
   {
-    checkpoint_fd out(::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644));
-    const std::string text = me.text();
-    if (out.get() < 0 || ::write(out.get(), text.data(), text.size()) != static_cast<ssize_t>(text.size()) ||
-        ::rename(temporary.c_str(), holder_path.c_str()) != 0)
-      throw error(rank, operation, detail::text("cannot write ", holder_path, ": ", std::strerror(errno)),
-                  "the checkpoint directory must be writable by rank 0");
+    directory_stream entries(folder);
+    for (std::string name = entries.next(); !name.empty(); name = entries.next())
+      if (name.rfind("holder.", 0) == 0 || name.rfind("run.", 0) == 0)
+        ::unlinkat(::dirfd(entries.stream), name.c_str(), 0);
   }
+  // Who holds it, for the next job's error: written whole.
+  if (!write_small_file(holder_path, me.text()))
+    throw error(rank, operation, detail::text("cannot write ", holder_path, ": ", std::strerror(errno)),
+                "the checkpoint directory must be writable by rank 0");
   // Held for as long as this process lives: no object of a trainer's spans a whole job (saves
   // and resumes are calls), and the kernel releases it however the process ends, so no stale
   // lock outlives its job.
@@ -243,14 +274,80 @@ COHORT_DECL bool lock_checkpoint_directory(const std::string& directory, int ran
   return true;
 }
 
-COHORT_DECL void begin_checkpoint(const std::string& directory, const std::string& staging, std::uint64_t step,
-                                  int rank) {
+COHORT_DECL std::string read_checkpoint_run(const std::string& directory) {
+  std::string run = read_small_file(path_in(path_in(directory, checkpoint_own_folder), "run"));
+  while (!run.empty() && run.back() == '\n') run.pop_back();
+  std::uint64_t value = 0;
+  return parse_hex64(run, value) ? run : std::string();
+}
+
+COHORT_DECL std::string claim_checkpoint_run(const std::string& directory, int rank, std::string_view operation,
+                                             const std::string& run) {
+  if (auto held = read_checkpoint_run(directory); !held.empty()) return held;
+  std::string claimed = run;
+  if (claimed.empty()) {
+    std::random_device random;
+    claimed = hex64(std::uint64_t{random()} << 32 | random());
+  }
+  const std::string path = path_in(path_in(directory, checkpoint_own_folder), "run");
+  if (!write_small_file(path, claimed + "\n"))
+    throw error(rank, operation, detail::text("cannot write ", path, ": ", std::strerror(errno)),
+                "the checkpoint directory must be writable by rank 0");
+  return claimed;
+}
+
+COHORT_DECL std::string launcher_job_id() {
+  // Detection refuses an inconsistent environment, which the job's rendezvous reported
+  // already: the checkpoint then records no job id rather than failing the save.
+  try {
+    return launch_env::detect().run_id;
+  } catch (const error&) {
+    return {};
+  }
+}
+
+COHORT_DECL void check_checkpoint_run(const std::string& directory, const std::string& checkpoint,
+                                      const checkpoint_info& loaded, bool locked, bool refuse_other_run, int rank) {
+  constexpr std::string_view operation = "resume_checkpoint";
+  if (loaded.run.empty()) {
+    checkpoint_warning(
+        rank, detail::text(checkpoint, " was saved before checkpoints recorded their run (index version 3): loaded ",
+                           "without checking that it is ", directory, "'s run's; the next save records the run"));
+    return;
+  }
+  const std::string ours = read_checkpoint_run(directory);
+  if (ours.empty()) {
+    if (locked) claim_checkpoint_run(directory, rank, operation, loaded.run);
+    return;
+  }
+  if (ours == loaded.run) return;
+  const std::string why = detail::text(checkpoint, " was saved by run ", loaded.run,
+                                       (loaded.job.empty() ? std::string(" (a job without a launcher's job id)")
+                                                           : detail::text(" (job ", loaded.job, ")")),
+                                       ", but ", directory, " belongs to run ", ours, " (",
+                                       path_in(path_in(directory, checkpoint_own_folder), "run"),
+                                       "): another job's checkpoint, copied in?");
+  if (refuse_other_run)
+    throw checkpoint_mismatch_error(rank, operation, why,
+                                    "move it out of the directory (this run's newest then resumes), or pass "
+                                    "resume_options{.refuse_other_run = false} to continue from it deliberately");
+  checkpoint_warning(rank, detail::text(why, " Loaded anyway (resume_options::refuse_other_run is false)."));
+}
+
+COHORT_DECL std::string begin_checkpoint(const std::string& directory, const std::string& staging, std::uint64_t step,
+                                         int rank) {
   constexpr std::string_view operation = "save_checkpoint";
   std::error_code ec;
   std::filesystem::create_directories(directory, ec);
   if (ec)
     throw error(rank, operation, detail::text("cannot create ", directory, ": ", ec.message()),
                 "the checkpoint directory must be writable by the ranks that save");
+  // Judged before the lock makes DIR/.cohort: a directory cohort never saved to keeps the
+  // stricter test for an entry of the step's name.
+  const bool cohort_directory = [&] {
+    checkpoint_fd dir(::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    return dir.get() >= 0 && carries_cohort_contract(dir.get());
+  }();
   lock_checkpoint_directory(directory, rank, operation);
   // What interrupted saves and prunes of this directory left: cohort's own (the lock says no
   // other job uses the directory, and saves are collective, so none of this job is under way).
@@ -265,7 +362,7 @@ COHORT_DECL void begin_checkpoint(const std::string& directory, const std::strin
   struct stat status {};
   if (::lstat(target.c_str(), &status) == 0) {
     checkpoint_fd dir(::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-    if (const char* why = not_a_checkpoint(dir.get(), checkpoint_step_name(step)))
+    if (const char* why = not_a_checkpoint(dir.get(), checkpoint_step_name(step), cohort_directory))
       throw error(rank, operation,
                   detail::text(target, " exists and ", why, ": cohort replaces only its own checkpoints"),
                   "move it away, or save into another directory");
@@ -273,6 +370,7 @@ COHORT_DECL void begin_checkpoint(const std::string& directory, const std::strin
   if (::mkdir(staging.c_str(), 0755) != 0)
     throw error(rank, operation, detail::text("cannot create ", staging, ": ", std::strerror(errno)),
                 "the checkpoint directory must be writable by the ranks that save");
+  return claim_checkpoint_run(directory, rank, operation);
 }
 
 COHORT_DECL checkpoint_staging::checkpoint_staging(std::size_t bytes) : size_(bytes) {
@@ -305,8 +403,14 @@ COHORT_DECL checkpoint_staging::~checkpoint_staging() {
 }
 
 COHORT_DECL checkpoint_file_writer::checkpoint_file_writer(std::string path, std::size_t block_bytes, int rank,
-                                                           int& failed_errno)
-    : path_(std::move(path)), block_bytes_(block_bytes), rank_(rank), failed_errno_(failed_errno) {
+                                                           int& failed_errno, std::string_view operation,
+                                                           std::string_view hint)
+    : path_(std::move(path)),
+      block_bytes_(block_bytes),
+      rank_(rank),
+      operation_(operation),
+      hint_(hint),
+      failed_errno_(failed_errno) {
   fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd_ < 0) throw failure("cannot create");
 }
@@ -317,10 +421,10 @@ COHORT_DECL checkpoint_file_writer::~checkpoint_file_writer() {
 
 COHORT_DECL error checkpoint_file_writer::failure(const std::string& what) {
   failed_errno_ = errno;
-  return error(rank_, "save_checkpoint",
+  return error(rank_, operation_,
                detail::text(what, " ", path_, ": ", std::strerror(failed_errno_), " (errno ",
                             std::to_string(failed_errno_), ")"),
-               "free space or fix permissions; the previous checkpoint is intact");
+               hint_);
 }
 
 COHORT_DECL void checkpoint_file_writer::append(const char* data, std::size_t bytes) {
@@ -412,7 +516,7 @@ COHORT_DECL void commit_checkpoint(const std::string& directory, const std::stri
   struct stat status {};
   if (::lstat(target.c_str(), &status) == 0) {
     checkpoint_fd dir(::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-    if (const char* why = not_a_checkpoint(dir.get(), name))
+    if (const char* why = not_a_checkpoint(dir.get(), name, carries_cohort_contract(dir.get())))
       throw error(rank, operation,
                   detail::text(target, " exists and ", why, ": cohort replaces only its own checkpoints"),
                   "move it away, or save into another directory");
@@ -710,6 +814,8 @@ COHORT_DECL std::string describe_checkpoint(const std::string& checkpoint, const
                                  std::to_string(m.optimizer_steps), "), saved by ", std::to_string(m.world_size),
                                  " ranks under ", m.strategy, "; parameters ", m.parameter_dtype, ", masters ", m.dtype,
                                  "\n  tensors per element: ", tensors, "\n");
+  out += m.run.empty() ? std::string("  run: not recorded (index version 3)\n")
+                       : detail::text("  run ", m.run, ", job ", (m.job.empty() ? std::string("(none)") : m.job), "\n");
   if (m.scaler)
     out +=
         detail::text("  loss scale ", json_format_number(m.scaler->scale), " (", std::to_string(m.scaler->good_steps),
@@ -840,6 +946,11 @@ COHORT_DECL std::uint64_t verify_checkpoint(const std::string& checkpoint) {
 
 COHORT_DECL void consolidate_checkpoint(const std::string& checkpoint, const std::string& safetensors_path) {
   constexpr std::string_view operation = "consolidate_checkpoint";
+  // What a failure to write the export leaves: the checkpoint is only read, and the output's
+  // path keeps what it held (the export goes to a temporary sibling, renamed once complete).
+  constexpr std::string_view output_hint =
+      "free space or fix permissions where the output goes; the checkpoint is only read and unchanged, and the "
+      "output's path keeps what it held";
   const auto manifest = detail::read_checkpoint_manifest(checkpoint, -1, operation);
   const std::string dtype = detail::safetensors_dtype(manifest.dtype);
   if (dtype.empty())
@@ -896,7 +1007,7 @@ COHORT_DECL void consolidate_checkpoint(const std::string& checkpoint, const std
   ::unlink(temporary.path.c_str());
   {
     int code = 0;
-    detail::checkpoint_file_writer out(temporary.path, std::size_t{1} << 20, -1, code);
+    detail::checkpoint_file_writer out(temporary.path, std::size_t{1} << 20, -1, code, operation, output_hint);
     out.append(length, sizeof length);
     out.append(header.data(), header.size());
     out.append(data.data(), data.size());
@@ -907,7 +1018,8 @@ COHORT_DECL void consolidate_checkpoint(const std::string& checkpoint, const std
                 detail::text("cannot rename ", temporary.path, " to ", safetensors_path, ": ", std::strerror(errno)),
                 "the output's directory must be writable");
   temporary.placed = true;
-  detail::sync_directory(parent, -1);
+  detail::sync_directory(parent, -1, operation,
+                         "the export is in place but its rename may not survive a power loss on this file system");
 }
 
 }  // namespace cohort::inline v0

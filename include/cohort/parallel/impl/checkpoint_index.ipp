@@ -173,12 +173,13 @@ inline void read_exactly(int fd, std::vector<iovec> pieces, std::uint64_t offset
 }
 
 // Some file systems cannot fsync a directory (EINVAL): the rename is still atomic there.
-inline void sync_directory(const std::string& directory, int rank) {
+inline void sync_directory(
+    const std::string& directory, int rank, std::string_view operation = "save_checkpoint",
+    std::string_view hint = "the checkpoint's rename may not survive a power loss on this file system") {
   checkpoint_fd fd(::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (fd.get() < 0 || (::fsync(fd.get()) != 0 && errno != EINVAL))
-    throw error(rank, "save_checkpoint",
-                detail::text("fsync of the directory ", directory, " failed: ", std::strerror(errno)),
-                "the checkpoint's rename may not survive a power loss on this file system");
+    throw error(rank, operation, detail::text("fsync of the directory ", directory, " failed: ", std::strerror(errno)),
+                hint);
 }
 
 COHORT_DECL void checkpoint_warning(int rank, std::string_view message) {
@@ -286,6 +287,17 @@ constexpr std::string_view index_trailer_lead = ",\n \"index_checksum\": \"";
 constexpr std::string_view index_trailer_tail = "\"\n}\n";
 constexpr std::size_t index_trailer_bytes = index_trailer_lead.size() + 16 + index_trailer_tail.size();
 
+// What an index may name: the strategies, and the tensors per element as
+// training_state::checkpoint_tensors() names them (the parameters, then the optimizer's
+// moments or momentum where the optimizer is cohort's).
+constexpr strategy checkpoint_strategies[] = {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3};
+bool is_checkpoint_tensor_set(const std::vector<std::string>& tensors) {
+  if (tensors.empty() || tensors[0] != "parameters") return false;
+  if (tensors.size() == 2) return tensors[1] == "sgd.momentum";
+  if (tensors.size() == 3) return tensors[1] == "adam.exp_avg" && tensors[2] == "adam.exp_avg_sq";
+  return tensors.size() == 1;
+}
+
 std::uint64_t dtype_bytes(std::string_view dtype) {
   if (dtype == "double") return 8;
   if (dtype == "float") return 4;
@@ -314,6 +326,8 @@ COHORT_DECL std::string checkpoint_manifest_json(const checkpoint_manifest& m) {
   string_member("format", "cohort-checkpoint");
   number_member("version", checkpoint_format_version);
   string_member("checksum", checkpoint_checksum_kind);
+  string_member("run", m.run);
+  string_member("job", m.job);
   number_member("step", m.step);
   number_member("optimizer_steps", m.optimizer_steps);
   number_member("world_size", static_cast<std::uint64_t>(m.world_size));
@@ -456,7 +470,8 @@ COHORT_DECL checkpoint_manifest parse_checkpoint_manifest(std::string_view text,
   constexpr std::string_view damaged_hint =
       "the index is damaged, truncated or edited; load an earlier checkpoint (resume_checkpoint falls back to it)";
   const auto other_version = [&](std::uint64_t version) {
-    return damaged(detail::text("index version ", std::to_string(version), ", this build reads version ",
+    return damaged(detail::text("index version ", std::to_string(version), ", this build reads versions ",
+                                std::to_string(checkpoint_oldest_readable_version), " to ",
                                 std::to_string(checkpoint_format_version),
                                 (version == 1   ? " (version 1 kept FNV-1a block checksums)"
                                  : version == 2 ? " (version 2 had no checksum of the index itself)"
@@ -483,7 +498,8 @@ COHORT_DECL checkpoint_manifest parse_checkpoint_manifest(std::string_view text,
         version = in.unsigned_integer();
       }
     } catch (const error&) {}
-    if (version && *version != checkpoint_format_version) throw other_version(*version);
+    if (version && (*version < checkpoint_oldest_readable_version || *version > checkpoint_format_version))
+      throw other_version(*version);
     throw damaged("its last line is not the index checksum line (damaged, truncated, or not a cohort index)",
                   damaged_hint);
   }
@@ -517,7 +533,9 @@ COHORT_DECL checkpoint_manifest parse_checkpoint_manifest(std::string_view text,
     if (in.string() != "cohort-checkpoint") refuse_index("its format is not cohort-checkpoint");
     in.comma();
     in.key("version");
-    if (const auto version = in.unsigned_integer(); version != checkpoint_format_version) throw other_version(version);
+    const auto version = in.unsigned_integer();
+    if (version < checkpoint_oldest_readable_version || version > checkpoint_format_version)
+      throw other_version(version);
     in.comma();
     in.key("checksum");
     if (const auto kind = in.string(); kind != checkpoint_checksum_kind)
@@ -525,6 +543,19 @@ COHORT_DECL checkpoint_manifest parse_checkpoint_manifest(std::string_view text,
           detail::text("block checksums of kind '", kind, "', this build knows '", checkpoint_checksum_kind, "'"),
           "read it with the cohort version that wrote it");
     in.comma();
+    if (version >= 4) {
+      in.key("run");
+      m.run = in.string();
+      if (std::uint64_t run = 0; !parse_hex64(m.run, run))
+        refuse_index(detail::text("run '", m.run.substr(0, 64), "' is not 16 lowercase hex digits"));
+      in.comma();
+      in.key("job");
+      m.job = in.string();
+      if (m.job.size() > 256 || !std::all_of(m.job.begin(), m.job.end(), [](char c) { return c >= 0x20 && c < 0x7f; }))
+        refuse_index(detail::text("job '", m.job.substr(0, 64), "' (", std::to_string(m.job.size()),
+                                  " bytes) is not a launcher's job id: at most 256 printable characters"));
+      in.comma();
+    }
     in.key("step");
     m.step = number_in("step", 0, limits::max_count);
     in.comma();
@@ -536,10 +567,10 @@ COHORT_DECL checkpoint_manifest parse_checkpoint_manifest(std::string_view text,
     in.comma();
     in.key("strategy");
     m.strategy = in.string();
-    if (m.strategy.empty() || m.strategy.size() > 32 || !std::all_of(m.strategy.begin(), m.strategy.end(), [](char c) {
-          return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_';
-        }))
-      refuse_index(detail::text("strategy '", m.strategy, "' is not a strategy's name"));
+    if (std::none_of(std::begin(checkpoint_strategies), std::end(checkpoint_strategies),
+                     [&](strategy known) { return m.strategy == to_string(known); }))
+      refuse_index(
+          detail::text("strategy '", m.strategy.substr(0, 64), "' is not one of cohort's (ddp, zero1, zero2, zero3)"));
     in.comma();
     in.key("parameter_dtype");
     m.parameter_dtype = in.string();
@@ -550,6 +581,10 @@ COHORT_DECL checkpoint_manifest parse_checkpoint_manifest(std::string_view text,
     m.dtype = in.string();
     m.element_bytes = dtype_bytes(m.dtype);
     if (m.element_bytes == 0) refuse_index(detail::text("dtype '", m.dtype, "' is not a dtype cohort writes"));
+    // The masters are double for double parameters, float for every narrower one.
+    if (const std::string_view masters = m.parameter_dtype == "double" ? "double" : "float"; m.dtype != masters)
+      refuse_index(detail::text("dtype '", m.dtype, "' is not the masters' dtype of parameter_dtype '",
+                                m.parameter_dtype, "' (", masters, ")"));
     in.comma();
     in.key("block_bytes");
     m.block_bytes = number_in("block_bytes", limits::min_block, limits::max_block);
@@ -564,6 +599,13 @@ COHORT_DECL checkpoint_manifest parse_checkpoint_manifest(std::string_view text,
         if (m.tensors[t] == m.tensors.back()) refuse_index(detail::text("tensor '", m.tensors[t], "' is named twice"));
     }
     if (m.tensors.empty() || m.tensors[0] != "parameters") refuse_index("its first tensor is not 'parameters'");
+    if (!is_checkpoint_tensor_set(m.tensors)) {
+      std::string named;
+      for (const auto& t : m.tensors) named += detail::text((named.empty() ? "" : ", "), t);
+      refuse_index(detail::text("tensors [", named,
+                                "] are not a set cohort writes (parameters, then adam.exp_avg and adam.exp_avg_sq, "
+                                "or sgd.momentum, or nothing)"));
+    }
     in.comma();
     in.key("loss_scaler");
     if (!in.null()) {

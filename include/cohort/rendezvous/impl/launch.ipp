@@ -3,6 +3,7 @@
 // <cohort/src.hpp> under COHORT_SEPARATE_COMPILATION (see config.hpp).
 
 #include <algorithm>
+#include <array>
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
@@ -414,28 +415,53 @@ inline void read_slurm(const launch_reader& in, launch_env& env, rank_names& nam
 }
 
 // RANK/WORLD_SIZE set by something other than torchrun, beside a launcher that started this
-// process: see the precedence notes at the top.
-inline void refuse_stale_torchrun_names(const launch_reader& in, const launch_env& env) {
+// process: see the precedence notes at the top. Read before torchrun's own checks, so that a
+// stale set that is also partial is named beside the launcher's, not alone as a partial launch.
+inline void refuse_stale_torchrun_names(const launch_reader& in) {
   if (in.has_any({"TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "GROUP_RANK", "ROLE_RANK"})) return;
   struct family {
     launcher source;
-    std::string_view rank, world_size;
+    std::array<std::string_view, 4> names;  // rank, world size, then the rest ("" for none)
   };
-  for (const family& other :
-       {family{launcher::open_mpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
-        family{launcher::mpich, "PMI_RANK", "PMI_SIZE"}, family{launcher::slurm, "SLURM_PROCID", "SLURM_NTASKS"}}) {
-    const auto rank_text = in.get(other.rank), world_text = in.get(other.world_size);
+  constexpr std::array<std::string_view, 4> torchrun_names{"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"};
+  // "NAME=value ..." of the family's variables that are set.
+  const auto seen = [&](const std::array<std::string_view, 4>& names) {
+    std::string text;
+    for (const auto name : names)
+      if (!name.empty())
+        if (const auto value = in.get(name)) text += detail::text((text.empty() ? "" : " "), name, "=", *value);
+    return text;
+  };
+  const auto set_names = [&](const std::array<std::string_view, 4>& names) {
+    std::string text;
+    for (const auto name : names)
+      if (!name.empty() && in.has(name)) text += detail::text((text.empty() ? "" : " "), name);
+    return text;
+  };
+  const bool complete = std::all_of(torchrun_names.begin(), torchrun_names.end(), [&](auto n) { return in.has(n); });
+  const auto rank = complete ? parse_integer(*in.get("RANK")) : std::nullopt;
+  const auto world = complete ? parse_integer(*in.get("WORLD_SIZE")) : std::nullopt;
+  for (const family& other : {family{launcher::open_mpi,
+                                     {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                      "OMPI_COMM_WORLD_LOCAL_SIZE"}},
+                              family{launcher::mpich, {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"}},
+                              family{launcher::slurm, {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", ""}}}) {
+    const auto rank_text = in.get(other.names[0]), world_text = in.get(other.names[1]);
     if (!rank_text || !world_text) continue;
-    const auto rank = parse_integer(*rank_text), world = parse_integer(*world_text);
-    if (!rank || !world || (*rank == env.rank && *world == env.world_size)) continue;
-    throw error(-1, "launch detection",
-                detail::text("RANK=", std::to_string(env.rank), " WORLD_SIZE=", std::to_string(env.world_size),
-                             " (torchrun's names, but none of torchrun's own variables such as TORCHELASTIC_RUN_ID "
-                             "are set) disagree with ",
-                             to_string(other.source), "'s ", other.rank, "=", *rank_text, " ", other.world_size, "=",
-                             *world_text, ", which started this process"),
-                "RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE look left over in the shell: unset them "
-                "(or make them agree with the launcher), then launch again");
+    if (complete) {
+      // An unreadable number is torchrun's own check's to name; an agreeing set, a wrapper's.
+      const auto their_rank = parse_integer(*rank_text), their_world = parse_integer(*world_text);
+      if (!rank || !world || !their_rank || !their_world || (*their_rank == *rank && *their_world == *world)) continue;
+    }
+    throw error(
+        -1, "launch detection",
+        detail::text("torchrun's ", seen(torchrun_names),
+                     " (but none of torchrun's own variables such as TORCHELASTIC_RUN_ID are set",
+                     (complete ? "" : ", and not all four of them"), ") ",
+                     (complete ? "disagree with " : "are set beside "), to_string(other.source), "'s ",
+                     seen(other.names), ", which started this process"),
+        detail::text("torchrun's variables look left over in the shell: unset them (unset ", set_names(torchrun_names),
+                     ") or make them agree with ", to_string(other.source), "'s, then launch again"));
   }
 }
 
@@ -479,6 +505,7 @@ COHORT_DECL launch_env launch_env::detect(const getenv_fn& getenv) {
     detail::read_explicit_overrides(launch_reader{getenv, source}, env, names);
   } else if (probe.has_any({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"})) {
     source = launcher::torchrun;
+    detail::refuse_stale_torchrun_names(probe);
     detail::read_torchrun(launch_reader{getenv, source}, env, names);
   } else if (probe.has_any({"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
                             "OMPI_COMM_WORLD_LOCAL_SIZE"})) {
@@ -492,7 +519,6 @@ COHORT_DECL launch_env launch_env::detect(const getenv_fn& getenv) {
     detail::read_slurm(launch_reader{getenv, source}, env, names);
   }
   env.source = source;
-  if (source == launcher::torchrun) detail::refuse_stale_torchrun_names(probe, env);
 
   const launch_reader in{getenv, source};
   detail::validate_ranks(env, names, [&](const std::string& what, const std::string& hint) { in.fail(what, hint); });
