@@ -584,10 +584,12 @@ int env_int(const char* name, int fallback) {
 // A trainer's loop through run_ranks: COHORT_TEST_STEPS all-reduces (default 20), each checked
 // and followed by COHORT_TEST_COMPUTE_MS of compute (default 50), on a Gloo group whose
 // timeout is COHORT_TEST_TIMEOUT seconds (default 3). With COHORT_TEST_FLAGS each rank flags
-// itself ready after 3 steps. Prints "OK" and returns 0 when run_ranks returns; prints
-// "FAILED: <error>" and returns 1 when it throws.
+// itself ready after 3 steps. After the last step rank 0 works alone (saves, evaluates,
+// uploads) for COHORT_TEST_RANK0_ALONE_S seconds (default 0). Prints "OK" and returns 0 when
+// run_ranks returns; prints "FAILED: <error>" and returns 1 when it throws.
 int run_job() {
   const int steps = env_int("COHORT_TEST_STEPS", 20);
+  const auto rank0_alone = std::chrono::seconds(env_int("COHORT_TEST_RANK0_ALONE_S", 0));
   const auto compute = std::chrono::milliseconds(env_int("COHORT_TEST_COMPUTE_MS", 50));
   const auto timeout = std::chrono::seconds(env_int("COHORT_TEST_TIMEOUT", 3));
   const char* flags = std::getenv("COHORT_TEST_FLAGS");
@@ -606,6 +608,7 @@ int run_job() {
         if (step == 3 && flags) std::ofstream(std::string(flags) + "/ready" + std::to_string(env.rank)).put('1');
         std::this_thread::sleep_for(compute);
       }
+      if (env.rank == 0) std::this_thread::sleep_for(rank0_alone);
     });
   } catch (const std::exception& failure) {
     std::fprintf(stderr, "FAILED: %s\n", failure.what());
@@ -1058,4 +1061,23 @@ TEST_CASE("targets: a rank never started, group timeout 100 s: no minutes of sil
       "%.1f s\n",
       out[0].exited, silence.longest);
   CHECK(silence.longest < 35.0);
+}
+
+// Rank 0 works alone past the store's timeout (300 s) after the last collective: the others
+// wait for its verdict for as long as it lives, with progress lines, and every rank exits 0.
+TEST_CASE("targets: rank 0 works alone 330 s after training, every rank exits 0", "[.][targets]") {
+  auto nodes = make_cluster(2);
+  hosts_name_every_node(*nodes);
+  auto ranks = job_ranks(*nodes, 2, "alone");
+  for (auto& rank : ranks) rank.env["COHORT_TEST_RANK0_ALONE_S"] = "330";
+  const auto out = run_jobs(*nodes, ranks, std::chrono::seconds(420));
+  silence_meter silence;
+  for (const auto& rank : out) silence.add(rank, 1.0);
+  std::printf(
+      "rank 0 alone for 330 s after training: exit statuses %d %d %d %d, at %.0f %.0f %.0f %.0f s; "
+      "longest silence %.1f s\n",
+      out[0].code, out[1].code, out[2].code, out[3].code, out[0].exited, out[1].exited, out[2].exited, out[3].exited,
+      silence.longest);
+  INFO(shown(out));
+  for (const auto& rank : out) CHECK(rank.code == 0);
 }
