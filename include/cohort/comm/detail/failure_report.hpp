@@ -170,6 +170,16 @@ inline constexpr std::string_view different_calls_hint =
     "every rank must issue the same collectives in the same order; the calls named (and their call_context) show "
     "where each rank was";
 
+// The call context of the small all-reduce that opens evaluation() at zero3 (training_state):
+// a rank found in it while the others are in another call, or have left the group, entered
+// evaluation() alone, and the disagreement says so (its gathers are collectives the others
+// never issue), with what to do instead.
+inline constexpr std::string_view evaluation_agreement = "evaluation() agreement";
+inline constexpr std::string_view evaluation_alone_hint =
+    "at zero3 evaluation() and sampling gather parameters, which are collectives: run evaluation() and its "
+    "gathers on every rank (only rank 0 need print the output), or gather the whole model on every rank first and "
+    "sample from that copy on one";
+
 COHORT_DECL std::string find_disagreement(int rank, const call_record& mine,
                                           std::span<const std::optional<rank_status>> statuses);
 

@@ -204,6 +204,23 @@ inline disagreement disagree(int rank, const call_record& mine, std::span<const 
   }
   // A rank that failed in this very call says why; when the calls differ, that is why.
   if (!differ) failed.insert(failed.begin(), victims.begin(), victims.end());
+  // Ranks that entered evaluation() while the others are in another call or left: the cause,
+  // said before the calls (which alone read as a generic mismatch).
+  std::vector<int> evaluating, elsewhere;
+  for (const auto& [call, ranks] : calls) {
+    const bool in_evaluation = call.context.view().ends_with(evaluation_agreement);
+    if (!in_evaluation && !differ) continue;  // the same call: it pairs with the agreement
+    auto& into = in_evaluation ? evaluating : elsewhere;
+    into.insert(into.end(), ranks.begin(), ranks.end());
+  }
+  for (const auto& [how, ranks] : left) elsewhere.insert(elsewhere.end(), ranks.begin(), ranks.end());
+  if (!evaluating.empty() && !elsewhere.empty()) {
+    std::sort(evaluating.begin(), evaluating.end());
+    std::sort(elsewhere.begin(), elsewhere.end());
+    found.parts.push_back(detail::text(format_ranks(evaluating),
+                                       " entered evaluation() (sampling or evaluating) alone, without ",
+                                       format_ranks(elsewhere), ": ", evaluation_alone_hint));
+  }
   if (differ) {
     std::string text = detail::text(different_calls, std::to_string(mine.sequence), ": ");
     for (std::size_t k = 0; k < calls.size(); ++k) {
