@@ -883,14 +883,23 @@ COHORT_DECL auto gloo::name_the_culprit(const detail::gloo_task& task, bool conn
                           task.what != task_kind::p2p_wait && task.what != task_kind::function;
   const bool point_to_point =
       task.what == task_kind::send || task.what == task_kind::recv || task.what == task_kind::p2p_wait;
-  if (point_to_point && connection_lost) {  // one peer: its connection is the one that closed
+  if (point_to_point && board_) {
+    // One peer: what it said of itself, after this rank said what failed (before the
+    // connections close, as for a collective below).
+    auto failed = status(detail::rank_activity::failed);
+    failed.call = as_call(task);
+    failed.note = connection_lost ? "a connection closed"
+                                  : detail::text("timed out after ", detail::format_duration(options_.timeout));
+    board_->try_publish_on_group_store(failed);
     abort_transport();
-    return detail::text("rank ", std::to_string(task.peer),
-                        " (the peer) closed its connection: it died or exited during ", mine);
+    return detail::name_the_peer(*board_, failed.call, connection_lost);
   }
   if (!board_ || !collective) {
     abort_transport();
-    return detail::text("this rank is in ", mine);
+    return point_to_point && connection_lost
+               ? detail::text("rank ", std::to_string(task.peer),
+                              " (the peer) closed its connection: it died or exited during ", mine)
+               : detail::text("this rank is in ", (point_to_point ? detail::describe_with_peer(as_call(task)) : mine));
   }
   // What each peer is, as its connection tells it now; then the connections close, so that
   // every rank in this call (or entering one) stops at once and reports, instead of waiting
