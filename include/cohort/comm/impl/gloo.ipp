@@ -54,6 +54,7 @@
 #include "cohort/error.hpp"
 #include "cohort/rendezvous/launch.hpp"
 #include "cohort/rendezvous/store.hpp"
+#include "cohort/rendezvous/tcp_store.hpp"
 #include "cohort/types.hpp"
 
 #include "cohort/comm/gloo.hpp"
@@ -234,7 +235,7 @@ COHORT_DECL void gloo_p2p::abort() {
 
 COHORT_DECL gloo::gloo(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts)
     : rank_(env.rank), size_(env.world_size), options_(opts) {
-  device_ = make_device(env, opts, address_);
+  device_ = make_device(env, opts, *store, address_);
   connect(std::move(store));
 }
 
@@ -286,8 +287,8 @@ COHORT_DECL auto gloo::copy(void* destination, const void* source, std::size_t b
   });
 }
 
-COHORT_DECL auto gloo::make_device(const launch_env& env, const options& opts, std::string& address)
-    -> std::shared_ptr<::gloo::transport::Device> {
+COHORT_DECL auto gloo::make_device(const launch_env& env, const options& opts, cohort::store& rendezvous,
+                                   std::string& address) -> std::shared_ptr<::gloo::transport::Device> {
   detail::listen_request request;
   request.rank = env.rank;
   request.hostname = opts.hostname;
@@ -296,6 +297,7 @@ COHORT_DECL auto gloo::make_device(const launch_env& env, const options& opts, s
   request.master_addr = env.master_addr;
   request.world_size = env.world_size;
   request.local_world_size = env.local_world_size;
+  request.reached_by_other_nodes = [&] { return detail::store_reached_at(rendezvous, opts.timeout); };
   const detail::listen_choice choice = detail::choose_listen_address(request);
   if (detail::debug_from_environment())
     std::fprintf(stderr, "cohort [rank %d] gloo: listening on %s (%s)\n", env.rank, choice.address.c_str(),
