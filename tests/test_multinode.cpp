@@ -1105,3 +1105,32 @@ TEST_CASE("targets: rank 0 works alone 330 s after training, every rank exits 0"
   INFO(shown(out));
   for (const auto& rank : out) CHECK(rank.code == 0);
 }
+
+// The examples' trainer (its path in COHORT_TEST_TRAIN, e.g. build/examples/train) on 2 nodes
+// x 2 ranks with MASTER_ADDR as node 0's own name and Debian's /etc/hosts: rank 0's last line
+// is its match against one process.
+TEST_CASE("targets: examples/train with MASTER_ADDR=node0 on Debian-style /etc/hosts ends in match", "[.][targets]") {
+  const char* trainer = std::getenv("COHORT_TEST_TRAIN");
+  if (!trainer || !std::filesystem::exists(trainer)) cohort_test::skip("set COHORT_TEST_TRAIN to examples' train");
+  auto nodes = make_cluster(2);
+  hosts_as_debian_writes_them(*nodes);
+  auto ranks = torchrun_ranks(*nodes, 2);
+  for (auto& rank : ranks) rank.env["MASTER_ADDR"] = nodes->nodes()[0].hostname;
+  std::vector<int> outputs;
+  const auto start = std::chrono::steady_clock::now();
+  const std::string path = trainer;
+  auto children = nodes->start(
+      ranks,
+      [&] {
+        ::execl(path.c_str(), path.c_str(), "--strategy", "zero2", "--steps", "12", static_cast<char*>(nullptr));
+        return 127;
+      },
+      &outputs);
+  const auto out = cohort_test::collect(children, outputs, start, std::chrono::seconds(120));
+  INFO(shown(out));
+  std::printf("examples/train, MASTER_ADDR=%s on Debian-style hosts: exit statuses %d %d %d %d after %.1f s; %s\n",
+              nodes->nodes()[0].hostname.c_str(), out[0].code, out[1].code, out[2].code, out[3].code, out[0].exited,
+              out[0].says(": match") ? "rank 0 ends in match" : "rank 0 does not end in match");
+  for (const auto& rank : out) CHECK(rank.code == 0);
+  CHECK(out[0].says(": match"));
+}
