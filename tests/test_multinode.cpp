@@ -73,6 +73,16 @@ void hosts_name_every_node(cluster& nodes) {
     for (const auto& other : nodes.nodes()) n.hosts.emplace_back(other.hostname, other.address);
 }
 
+// Every node's /etc/hosts as Debian's installer writes it: its own name on 127.0.1.1 (the
+// others by their addresses).
+void hosts_as_debian_writes_them(cluster& nodes) {
+  for (auto& n : nodes.nodes()) {
+    n.hosts.emplace_back(n.hostname, "127.0.1.1");
+    for (const auto& other : nodes.nodes())
+      if (other.hostname != n.hostname) n.hosts.emplace_back(other.hostname, other.address);
+  }
+}
+
 cohort::gloo::options group_options(std::chrono::milliseconds timeout) {
   cohort::gloo::options opts;
   opts.timeout = timeout;
@@ -126,14 +136,28 @@ TEST_CASE("nodes whose names resolve to their addresses train with no interface 
 // interface was named: the other nodes were refused or hung.
 TEST_CASE("nodes whose own names resolve to 127.0.1.1 train with no interface named", "[multinode]") {
   auto nodes = make_cluster(3);
-  for (auto& n : nodes->nodes()) {
-    n.hosts.emplace_back(n.hostname, "127.0.1.1");
-    for (const auto& other : nodes->nodes())
-      if (other.hostname != n.hostname) n.hosts.emplace_back(other.hostname, other.address);
-  }
+  hosts_as_debian_writes_them(*nodes);
   const auto codes =
       cohort_test::wait_children(nodes->start(torchrun_ranks(*nodes, 2), train), std::chrono::seconds(60));
   REQUIRE(codes == std::vector<int>(6, 0));
+}
+
+// MASTER_ADDR as node 0's host name, each node's /etc/hosts as Debian writes it (its own name
+// on 127.0.1.1, the others by address): node 0's ranks refused in 5 s (Gloo had no address
+// for them) and node 1's waited 60 s on "connection refused" (the store listened on
+// 127.0.1.1). The store listens on every interface, node 0's Gloo takes the address node 1
+// reached it at, and the job trains and matches the reference within seconds.
+TEST_CASE("MASTER_ADDR as node 0's own name on Debian-style /etc/hosts: the job trains", "[multinode]") {
+  auto nodes = make_cluster(2);
+  hosts_as_debian_writes_them(*nodes);
+  auto ranks = torchrun_ranks(*nodes, 2);
+  for (auto& rank : ranks) rank.env["MASTER_ADDR"] = nodes->nodes()[0].hostname;
+  const auto started = std::chrono::steady_clock::now();
+  const auto codes = cohort_test::wait_children(nodes->start(ranks, train), std::chrono::seconds(30));
+  const double took = seconds_since(started);
+  INFO("took " << took << " s");
+  REQUIRE(codes == std::vector<int>(4, 0));
+  CHECK(took < 10.0);
 }
 
 // A host name that resolves nowhere: Gloo's device creation looked it up (and, in some
@@ -584,10 +608,12 @@ int env_int(const char* name, int fallback) {
 // A trainer's loop through run_ranks: COHORT_TEST_STEPS all-reduces (default 20), each checked
 // and followed by COHORT_TEST_COMPUTE_MS of compute (default 50), on a Gloo group whose
 // timeout is COHORT_TEST_TIMEOUT seconds (default 3). With COHORT_TEST_FLAGS each rank flags
-// itself ready after 3 steps. Prints "OK" and returns 0 when run_ranks returns; prints
-// "FAILED: <error>" and returns 1 when it throws.
+// itself ready after 3 steps. After the last step rank 0 works alone (saves, evaluates,
+// uploads) for COHORT_TEST_RANK0_ALONE_S seconds (default 0). Prints "OK" and returns 0 when
+// run_ranks returns; prints "FAILED: <error>" and returns 1 when it throws.
 int run_job() {
   const int steps = env_int("COHORT_TEST_STEPS", 20);
+  const auto rank0_alone = std::chrono::seconds(env_int("COHORT_TEST_RANK0_ALONE_S", 0));
   const auto compute = std::chrono::milliseconds(env_int("COHORT_TEST_COMPUTE_MS", 50));
   const auto timeout = std::chrono::seconds(env_int("COHORT_TEST_TIMEOUT", 3));
   const char* flags = std::getenv("COHORT_TEST_FLAGS");
@@ -606,6 +632,7 @@ int run_job() {
         if (step == 3 && flags) std::ofstream(std::string(flags) + "/ready" + std::to_string(env.rank)).put('1');
         std::this_thread::sleep_for(compute);
       }
+      if (env.rank == 0) std::this_thread::sleep_for(rank0_alone);
     });
   } catch (const std::exception& failure) {
     std::fprintf(stderr, "FAILED: %s\n", failure.what());
@@ -1058,4 +1085,52 @@ TEST_CASE("targets: a rank never started, group timeout 100 s: no minutes of sil
       "%.1f s\n",
       out[0].exited, silence.longest);
   CHECK(silence.longest < 35.0);
+}
+
+// Rank 0 works alone past the store's timeout (300 s) after the last collective: the others
+// wait for its verdict for as long as it lives, with progress lines, and every rank exits 0.
+TEST_CASE("targets: rank 0 works alone 330 s after training, every rank exits 0", "[.][targets]") {
+  auto nodes = make_cluster(2);
+  hosts_name_every_node(*nodes);
+  auto ranks = job_ranks(*nodes, 2, "alone");
+  for (auto& rank : ranks) rank.env["COHORT_TEST_RANK0_ALONE_S"] = "330";
+  const auto out = run_jobs(*nodes, ranks, std::chrono::seconds(420));
+  silence_meter silence;
+  for (const auto& rank : out) silence.add(rank, 1.0);
+  std::printf(
+      "rank 0 alone for 330 s after training: exit statuses %d %d %d %d, at %.0f %.0f %.0f %.0f s; "
+      "longest silence %.1f s\n",
+      out[0].code, out[1].code, out[2].code, out[3].code, out[0].exited, out[1].exited, out[2].exited, out[3].exited,
+      silence.longest);
+  INFO(shown(out));
+  for (const auto& rank : out) CHECK(rank.code == 0);
+}
+
+// The examples' trainer (its path in COHORT_TEST_TRAIN, e.g. build/examples/train) on 2 nodes
+// x 2 ranks with MASTER_ADDR as node 0's own name and Debian's /etc/hosts: rank 0's last line
+// is its match against one process.
+TEST_CASE("targets: examples/train with MASTER_ADDR=node0 on Debian-style /etc/hosts ends in match", "[.][targets]") {
+  const char* trainer = std::getenv("COHORT_TEST_TRAIN");
+  if (!trainer || !std::filesystem::exists(trainer)) cohort_test::skip("set COHORT_TEST_TRAIN to examples' train");
+  auto nodes = make_cluster(2);
+  hosts_as_debian_writes_them(*nodes);
+  auto ranks = torchrun_ranks(*nodes, 2);
+  for (auto& rank : ranks) rank.env["MASTER_ADDR"] = nodes->nodes()[0].hostname;
+  std::vector<int> outputs;
+  const auto start = std::chrono::steady_clock::now();
+  const std::string path = trainer;
+  auto children = nodes->start(
+      ranks,
+      [&] {
+        ::execl(path.c_str(), path.c_str(), "--strategy", "zero2", "--steps", "12", static_cast<char*>(nullptr));
+        return 127;
+      },
+      &outputs);
+  const auto out = cohort_test::collect(children, outputs, start, std::chrono::seconds(120));
+  INFO(shown(out));
+  std::printf("examples/train, MASTER_ADDR=%s on Debian-style hosts: exit statuses %d %d %d %d after %.1f s; %s\n",
+              nodes->nodes()[0].hostname.c_str(), out[0].code, out[1].code, out[2].code, out[3].code, out[0].exited,
+              out[0].says(": match") ? "rank 0 ends in match" : "rank 0 does not end in match");
+  for (const auto& rank : out) CHECK(rank.code == 0);
+  CHECK(out[0].says(": match"));
 }

@@ -382,6 +382,58 @@ TEST_CASE("run_ranks under a launcher: a peer that never arrives ends every rank
   REQUIRE(took < 2.0 + cohort::run_ranks_failure_grace.count() + 10.0);
 }
 
+namespace {
+
+// A launched job whose rank 0 goes on alone after the last collective (saves, evaluates,
+// uploads) for twice the store's timeout (2 s here, 300 s by default), then ends with
+// `rank0_exit` (-1: returns normally). Exit codes: 0 when run_ranks returned, 3 when it threw
+// an error that names rank 0's end (`expected`), 1 for any other error.
+int rank0_works_alone(int rank0_exit, std::string_view expected) {
+  try {
+    cohort::run_ranks(0, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+      store->set_timeout(std::chrono::seconds(2));
+      cohort::gloo::options opts;
+      opts.timeout = std::chrono::seconds(2);
+      cohort::process_group<cohort::gloo> pg{store, env, opts};
+      std::vector<float> data(256, 1.0f);
+      pg.all_reduce(std::span<float>(data)).wait();
+      if (env.rank != 0) return;
+      std::this_thread::sleep_for(std::chrono::seconds(4));
+      if (rank0_exit >= 0) ::_exit(rank0_exit);
+    });
+  } catch (const cohort::error& failure) {
+    std::fprintf(stderr, "rank saw: %s\n", failure.what());
+    return !expected.empty() && std::string_view(failure.what()).find(expected) != std::string_view::npos ? 3 : 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+// The others wait for rank 0's verdict for as long as rank 0 lives (its store answers), not
+// the store's timeout: a healthy job whose rank 0 works alone longer ends 0 on every rank.
+TEST_CASE("run_ranks under a launcher: rank 0 working alone past the store's timeout ends every rank well",
+          "[multiprocess][faults]") {
+  const auto started = std::chrono::steady_clock::now();
+  const auto codes =
+      run_children(torchrun_envs(3, 3, std::to_string(free_port())), [] { return rank0_works_alone(-1, {}); });
+  INFO("took " << seconds_since(started) << " s; rank 0 works 4 s alone, the store's timeout is 2 s");
+  REQUIRE(codes == std::vector<int>{0, 0, 0});
+}
+
+// ... and a rank 0 that dies while working alone is still named by each of them.
+TEST_CASE("run_ranks under a launcher: rank 0 dying while it works alone is named by the others",
+          "[multiprocess][faults]") {
+  const auto started = std::chrono::steady_clock::now();
+  const auto codes = run_children(torchrun_envs(3, 3, std::to_string(free_port())), [] {
+    return rank0_works_alone(42, "rank 0 ended without saying how the run ended");
+  });
+  const double took = seconds_since(started);
+  INFO("took " << took << " s; rank 0 works 4 s alone, then exits 42");
+  REQUIRE(codes == std::vector<int>{42, 3, 3});
+  CHECK(took < 4.0 + 10.0);
+}
+
 // A collective one rank issues alone (rank 0 gathering to sample at ZeRO-3 while the others
 // are in a barrier), launched: every rank's process fails within seconds, not the group's
 // timeout, and its error names rank 0's call with its context.

@@ -442,6 +442,60 @@ TEST_CASE("mismatched sizes across ranks: a clear error with debug checks, never
   }
 }
 
+// Without debug checks a point-to-point call still knows its peer and its size: a mismatch
+// names both on each side (the size, and the peer's call where its status says it).
+TEST_CASE("a send/recv size or peer mismatch names the peer and the bytes without debug checks",
+          "[process_group][gloo][faults]") {
+  SECTION("sizes differ") {
+    auto store = fresh_store();
+    std::vector<std::string> messages(2);
+    cohort_test::run_ranks(2, [&](int rank) {
+      auto pg = make_group(store, rank, 2, 2s);
+      std::vector<float> data(rank == 0 ? 100 : 50, 1.0f);
+      try {
+        if (rank == 0)
+          pg.send(std::span<float>(data), 1, 3).wait();
+        else
+          pg.recv(std::span<float>(data), 0, 3).wait();
+        pg.barrier().wait();  // the sender learns of the failure here at the latest
+      } catch (const cohort::error& failure) {
+        messages[static_cast<std::size_t>(rank)] = failure.what();
+      }
+    });
+    INFO(messages[0]);
+    INFO(messages[1]);
+    CHECK_THAT(messages[1], Catch::Contains("this rank is in recv #1 from rank 0 of 200 bytes (float x 50, tag 3); "
+                                            "rank 0 failed in send #1 to rank 1 of 400 bytes (float x 100, tag 3): "
+                                            "the sizes differ"));
+    CHECK_THAT(messages[0], Catch::Contains("this rank is in send #1 to rank 1 of 400 bytes (float x 100, tag 3); "
+                                            "rank 1 failed in recv #1 from rank 0 of 200 bytes (float x 50, tag 3): "
+                                            "the sizes differ"));
+  }
+  SECTION("peers differ") {
+    auto store = fresh_store();
+    std::vector<std::string> messages(3);
+    cohort_test::run_ranks(3, [&](int rank) {
+      auto pg = make_group(store, rank, 3, 2s);
+      std::vector<float> data(16, 1.0f);
+      try {
+        if (rank == 0) pg.send(std::span<float>(data), 2, 3).wait();  // rank 1 waits for it
+        if (rank == 1) pg.recv(std::span<float>(data), 0, 3).wait();
+        if (rank == 2) pg.recv(std::span<float>(data), 1, 3).wait();  // rank 1 never sends
+      } catch (const cohort::error& failure) {
+        messages[static_cast<std::size_t>(rank)] = failure.what();
+      }
+    });
+    for (const auto& text : messages) UNSCOPED_INFO(text);
+    CHECK_THAT(messages[1], Catch::Contains("this rank is in recv #1 from rank 0 of 64 bytes") &&
+                                Catch::Contains("rank 0 failed in send #1 to rank 2 of 64 bytes (float x 16, tag 3), "
+                                                "not the send that pairs with this recv"));
+    CHECK_THAT(messages[2], Catch::Contains("this rank is in recv #1 from rank 1 of 64 bytes") &&
+                                Catch::Contains("rank 1 failed in recv #1 from rank 0 of 64 bytes"));
+    CHECK_THAT(messages[0], Catch::Contains("this rank is in send #1 to rank 2 of 64 bytes") &&
+                                Catch::Contains("rank 2 failed in recv #1 from rank 1 of 64 bytes"));
+  }
+}
+
 TEST_CASE("local checks reject impossible calls with the sizes in the message", "[process_group][gloo]") {
   auto store = fresh_store();
   cohort_test::run_ranks(2, [&](int rank) {

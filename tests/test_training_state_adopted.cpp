@@ -376,6 +376,14 @@ TEST_CASE("at zero3 an evaluation on one rank only fails every rank within secon
     for (const auto& text : errors) UNSCOPED_INFO(text);
     CHECK(took < 15.0);
     CHECK_THAT(errors[0], Catch::Contains("[sample: evaluation() agreement]"));
+    // The cause, and what to do, on every rank that failed (finished ranks have no error).
+    for (const int rank : (others_finish ? std::vector<int>{0} : std::vector<int>{0, 1, 2})) {
+      INFO("rank " << rank);
+      CHECK_THAT(errors[static_cast<std::size_t>(rank)],
+                 Catch::Contains("rank 0 entered evaluation() (sampling or evaluating) alone, without ranks 1, 2: at "
+                                 "zero3 evaluation() and sampling gather parameters") &&
+                     Catch::Contains("run evaluation() and its gathers on every rank"));
+    }
     if (others_finish) {
       CHECK_THAT(errors[0], Catch::Contains("ranks 1, 2 left the group"));
     } else {

@@ -296,8 +296,10 @@ class gloo {
  private:
   using task_kind = detail::gloo_task::kind;
 
-  // Chooses the address to listen on (detail::choose_listen_address) into `address`.
+  // Chooses the address to listen on (detail::choose_listen_address) into `address`; asks
+  // `rendezvous` where the other nodes reached this host where MASTER_ADDR cannot say.
   COHORT_DECL static std::shared_ptr<::gloo::transport::Device> make_device(const launch_env& env, const options& opts,
+                                                                            cohort::store& rendezvous,
                                                                             std::string& address);
 
   // The rendezvous: publishes this rank's pair addresses, reads every rank's with one

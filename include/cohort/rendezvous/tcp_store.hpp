@@ -334,7 +334,11 @@ class tcp_store final : public store {
 //  - Otherwise rank 0 hosts a server on MASTER_ADDR:MASTER_PORT (that address only) and every
 //    rank, rank 0 included, is a client of it. Rank 0's handle owns the server: keep it alive
 //    until every rank is done with the store. The server keeps room for env.world_size ranks
-//    (options.server.reserved_connections, unless set).
+//    (options.server.reserved_connections, unless set). Where MASTER_ADDR is a name (not a
+//    loopback address as written) that resolves to a loopback address here while the world
+//    spans nodes (Debian's /etc/hosts maps the host's own name to 127.0.1.1), the server
+//    listens on every interface, as PyTorch's does: the other nodes reach this host by the
+//    name's address in their own /etc/hosts or DNS (options.server.listen_on_every_interface).
 // host, port, is_server and rank come from env; the token from options.token or else the
 // environment (store_token_from_environment); timeouts, limits and num_workers from options.
 COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_store_options options = {});
@@ -342,6 +346,17 @@ COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_stor
 inline std::shared_ptr<store> tcp_store::connect(const launch_env& env, tcp_store_options options) {
   return connect_store(env, std::move(options));
 }
+
+namespace detail {
+
+// The address of this host at which ranks of other hosts reached the cohort server behind
+// `rendezvous` (a connect_store handle, or a prefix_store over one): the local address of the
+// first connection the server accepted on an address that is not loopback. Waits at most
+// `limit` for one; empty when none came, or the store is not served by cohort (torchrun's
+// agent, a memory_store).
+COHORT_DECL std::string store_reached_at(store& rendezvous, std::chrono::milliseconds limit);
+
+}  // namespace detail
 
 }  // namespace cohort::inline v0
 

@@ -132,6 +132,9 @@ class tcp_store_server {
   COHORT_DECL void serve();
   COHORT_DECL void accept_all();
   COHORT_DECL void place(int fd);
+  // Holds the connection's local address under store_reached_key (tcp_store_protocol.hpp)
+  // unless it is a loopback (or link-local) one: where ranks of other hosts reach this one.
+  COHORT_DECL void note_reached_address(int fd);
   COHORT_DECL bool evict_untrusted(const char* why);
   COHORT_DECL void refuse_busy(int fd);
   COHORT_DECL void drain_and_close(int fd);
@@ -198,6 +201,7 @@ class tcp_store_server {
   // Owned by the server thread once it runs. held_ is declared before everything that holds
   // value blocks, which count themselves out of it when destroyed.
   std::uint64_t held_ = 0;
+  bool reached_ = false;  // store_reached_key is held
   std::unordered_map<std::string, value_ptr> data_;
   std::unordered_map<std::string, std::vector<std::uint64_t>> waiters_;
   std::unordered_map<std::uint64_t, connection> connections_;

@@ -57,6 +57,12 @@ struct tcp_store_server_options {
   // rank of another job that reaches this store reads it when it connects and refuses itself;
   // the server prints each such stranger (its job, host and address). Empty: no job.
   std::string job;
+  // Listen on every interface instead of the address given. connect_store sets it where
+  // MASTER_ADDR names this host by a name that resolves to a loopback address here (Debian's
+  // /etc/hosts maps the host's own name to 127.0.1.1) while the world spans nodes: the other
+  // nodes reach this host by that name's address in their own /etc/hosts or DNS, as
+  // PyTorch's TCPStore listens on every interface.
+  bool listen_on_every_interface = false;
 };
 
 }  // namespace cohort::inline v0

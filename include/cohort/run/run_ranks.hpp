@@ -23,12 +23,15 @@
 // Launched: each rank reports its end (and, failing, why) to rank 0's store. A rank that
 // failed leaves at once with its own error. One that did not waits for rank 0's verdict on
 // the run (the failures and counts of every rank) and throws it unless every rank ended well:
-// so the exit codes of all ranks say the run failed. Rank 0, which serves the store, stays
-// until every rank has reported and read the verdict: as long as the store's timeout while
-// everyone is well (naming the ranks it waits for every progress interval), at most
-// run_ranks_failure_grace after the first failure it knows of. Every store request on the way
-// out waits at most run_ranks_exit_bound for an answer: a rank cut off from rank 0's node (or
-// orphaned by its loss) leaves within seconds, saying so, not after the store's timeout.
+// so the exit codes of all ranks say the run failed. It waits the store's timeout, then for
+// as long as rank 0 lives (its store answers: rank 0 may save, evaluate or upload alone after
+// the last collective for longer), and a rank 0 that dies meanwhile is named. Rank 0, which
+// serves the store, stays until every rank has reported and read the verdict: as long as the
+// store's timeout while everyone is well (naming the ranks it waits for every progress
+// interval), at most run_ranks_failure_grace after the first failure it knows of. Every store
+// request on the way out waits at most run_ranks_exit_bound for an answer: a rank cut off from
+// rank 0's node (or orphaned by its loss) leaves within seconds, saying so, not after the
+// store's timeout.
 //
 // run_thread_ranks(threads, fn) is the threads > 0 half alone (threads must be positive). A
 // program whose ranks are always threads (tests, one-box tools) calls it instead: run_ranks

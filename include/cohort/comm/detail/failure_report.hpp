@@ -170,8 +170,29 @@ inline constexpr std::string_view different_calls_hint =
     "every rank must issue the same collectives in the same order; the calls named (and their call_context) show "
     "where each rank was";
 
+// The call context of the small all-reduce that opens evaluation() at zero3 (training_state):
+// a rank found in it while the others are in another call, or have left the group, entered
+// evaluation() alone, and the disagreement says so (its gathers are collectives the others
+// never issue), with what to do instead.
+inline constexpr std::string_view evaluation_agreement = "evaluation() agreement";
+inline constexpr std::string_view evaluation_alone_hint =
+    "at zero3 evaluation() and sampling gather parameters, which are collectives: run evaluation() and its "
+    "gathers on every rank (only rank 0 need print the output), or gather the whole model on every rank first and "
+    "sample from that copy on one";
+
 COHORT_DECL std::string find_disagreement(int rank, const call_record& mine,
                                           std::span<const std::optional<rank_status>> statuses);
+
+// "recv #1 from rank 0 of 200 bytes (float x 50, tag 3)": a send or recv as its peer and size
+// name it (describe() for any other call).
+COHORT_DECL std::string describe_with_peer(const call_record& call);
+
+// After point-to-point call `mine` failed on this rank (its status `failed` already
+// published): what its peer said of itself, read for at most the report window (once, and
+// again after a moment, when `connection_lost`): "rank 0 is in send #1 to rank 1 of 400 bytes
+// (float x 100, tag 3): the sizes differ", a collective, a failure or its leaving; else that
+// it closed its connection (`connection_lost`) or said nothing.
+[[gnu::cold]] COHORT_DECL std::string name_the_peer(status_board& board, const call_record& mine, bool connection_lost);
 
 // After `mine` failed on this rank: publishes `failed` (this rank's status) in the group's
 // store, reads the other ranks' statuses for at most the report window and says who is at

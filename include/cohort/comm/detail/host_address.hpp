@@ -11,11 +11,17 @@
 //   3. else, when the world spans nodes: the local address that routes to MASTER_ADDR (the
 //      source address the kernel picks for a connected UDP socket; connect() on a datagram
 //      socket sends nothing), or, where that is a loopback address (MASTER_ADDR is this
-//      host), the first non-loopback address of an interface that is up;
+//      host), the first non-loopback address of an interface that is up; where MASTER_ADDR
+//      itself resolves to a loopback address (this host's own name on Debian, 127.0.1.1),
+//      the address at which the other nodes reached the store on this host (its server
+//      records it), which is the one they reach;
 //   4. else (one node): 127.0.0.1, so no port is exposed beyond the host.
 // A loopback address is never published when the world spans nodes: that is an error naming
 // the address and where it came from.
 
+#include <sys/socket.h>
+
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -31,6 +37,10 @@ struct listen_request {
   std::string master_addr;
   int world_size = 1;
   int local_world_size = 1;
+  // Where ranks of other nodes reached this host's store (tcp_store.hpp, store_reached_at),
+  // waiting as long as the group may; empty when unknown. Asked only where MASTER_ADDR
+  // resolves to a loopback address while the world spans nodes.
+  std::function<std::string()> reached_by_other_nodes;
 };
 
 struct listen_choice {
@@ -45,6 +55,10 @@ COHORT_DECL bool world_spans_nodes(const listen_request& request);
 
 // True for 127.0.0.0/8, ::1, ::ffff:127.x.y.z and "localhost".
 COHORT_DECL bool is_loopback_address(std::string_view address);
+
+// The numeric text of `address` (an IPv4-mapped IPv6 address as the IPv4 one); empty for a
+// link-local address (useless to another host) or one that cannot be written out.
+COHORT_DECL std::string reachable_numeric_address(const sockaddr* address, socklen_t length);
 
 // The numeric address `name` resolves to (IPv4 first), with getaddrinfo's result checked:
 // an unresolvable name is a cohort::error naming it, for rank `rank`, in `operation`.

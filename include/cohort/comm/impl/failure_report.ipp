@@ -44,6 +44,17 @@ COHORT_DECL std::string describe(const call_record& call) {
   return detail::text(text, ")", context);
 }
 
+COHORT_DECL std::string describe_with_peer(const call_record& call) {
+  if (!detail::is_point_to_point(call.kind)) return describe(call);
+  const bool sending = call.kind == call_kind::send;
+  return detail::text(
+      to_string(call.kind), (call.sequence != 0 ? detail::text(" #", std::to_string(call.sequence)) : ""),
+      (sending ? " to rank " : " from rank "), std::to_string(call.peer), " of ",
+      std::to_string(call.count * cohort::size_of(call.type)), " bytes (", cohort::to_string(call.type), " x ",
+      std::to_string(call.count), (call.tag != 0 ? detail::text(", tag ", std::to_string(call.tag)) : ""), ")",
+      (call.context.empty() ? "" : detail::text(" [", call.context.view(), "]")));
+}
+
 COHORT_DECL std::string group_name(const store& group_store) {
   // A subgroup's prefix_store wraps its parent's: the full prefix is the chain's, outermost last.
   std::string prefix;
@@ -204,6 +215,23 @@ inline disagreement disagree(int rank, const call_record& mine, std::span<const 
   }
   // A rank that failed in this very call says why; when the calls differ, that is why.
   if (!differ) failed.insert(failed.begin(), victims.begin(), victims.end());
+  // Ranks that entered evaluation() while the others are in another call or left: the cause,
+  // said before the calls (which alone read as a generic mismatch).
+  std::vector<int> evaluating, elsewhere;
+  for (const auto& [call, ranks] : calls) {
+    const bool in_evaluation = call.context.view().ends_with(evaluation_agreement);
+    if (!in_evaluation && !differ) continue;  // the same call: it pairs with the agreement
+    auto& into = in_evaluation ? evaluating : elsewhere;
+    into.insert(into.end(), ranks.begin(), ranks.end());
+  }
+  for (const auto& [how, ranks] : left) elsewhere.insert(elsewhere.end(), ranks.begin(), ranks.end());
+  if (!evaluating.empty() && !elsewhere.empty()) {
+    std::sort(evaluating.begin(), evaluating.end());
+    std::sort(elsewhere.begin(), elsewhere.end());
+    found.parts.push_back(detail::text(format_ranks(evaluating),
+                                       " entered evaluation() (sampling or evaluating) alone, without ",
+                                       format_ranks(elsewhere), ": ", evaluation_alone_hint));
+  }
   if (differ) {
     std::string text = detail::text(different_calls, std::to_string(mine.sequence), ": ");
     for (std::size_t k = 0; k < calls.size(); ++k) {
@@ -401,6 +429,49 @@ COHORT_DECL std::vector<std::optional<rank_status>> status_board::read(std::span
 COHORT_DECL std::string find_disagreement(int rank, const call_record& mine,
                                           std::span<const std::optional<rank_status>> statuses) {
   return join_parts(disagree(rank, mine, statuses, true).parts);
+}
+
+COHORT_DECL std::string name_the_peer(status_board& board, const call_record& mine, bool connection_lost) {
+  const int peer = mine.peer;
+  const std::string call = describe_with_peer(mine);
+  const std::string own = detail::text("this rank is in ", call);
+  if (peer < 0 || peer >= board.size() || peer == board.rank()) return own;
+  // A rank says what it does when a call of its fails or waits long, and when it leaves: its
+  // `joined` says nothing of this call. A peer that failed with this one says so within
+  // moments; a closed connection was said before it closed (or its process is gone).
+  const auto until = std::chrono::steady_clock::now() +
+                     (connection_lost ? std::chrono::milliseconds(250) : std::chrono::milliseconds(board.window()));
+  std::optional<rank_status> said;
+  try {
+    const int asked[1] = {peer};
+    for (;;) {
+      said = board.read(std::span<const int>(asked)).front();
+      if ((said && said->activity != rank_activity::joined) || std::chrono::steady_clock::now() >= until) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(connection_lost ? 250 : 100));
+    }
+  } catch (const std::exception& failure) {
+    return detail::text(own, "; what rank ", std::to_string(peer), " does is unknown: the store cannot be reached (",
+                        first_line_of(failure.what()), ")");
+  }
+  const std::string who = detail::text("rank ", std::to_string(peer));
+  if (!said || said->activity == rank_activity::joined)
+    return connection_lost
+               ? detail::text(who, " (the peer) closed its connection: it died or exited during ", call)
+               : detail::text(own, "; ", who, " said nothing of a call within ", format_duration(board.window()),
+                              " (computing, or in a call that has not failed or waited long)");
+  if (said->activity == rank_activity::left) return detail::text(own, "; ", who, " ", left_how(*said));
+  const call_record& theirs = said->call;
+  std::string text = detail::text(own, "; ", who, (said->activity == rank_activity::failed ? " failed in " : " is in "),
+                                  describe_with_peer(theirs));
+  // The peer's call is this one's pair (each names the other, same tag): then what differs.
+  const bool paired = detail::is_point_to_point(theirs.kind) && theirs.kind != mine.kind &&
+                      theirs.peer == board.rank() && theirs.tag == mine.tag;
+  if (paired && (theirs.type != mine.type || theirs.count != mine.count))
+    text += theirs.type != mine.type ? ": the dtypes differ" : ": the sizes differ";
+  else if (!paired)
+    text += detail::text(", not the ", (mine.kind == call_kind::send ? "recv" : "send"), " that pairs with this ",
+                         to_string(mine.kind));
+  return text;
 }
 
 COHORT_DECL call_record newest_collective(const flight_recorder& recorder) {

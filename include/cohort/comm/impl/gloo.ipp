@@ -54,6 +54,7 @@
 #include "cohort/error.hpp"
 #include "cohort/rendezvous/launch.hpp"
 #include "cohort/rendezvous/store.hpp"
+#include "cohort/rendezvous/tcp_store.hpp"
 #include "cohort/types.hpp"
 
 #include "cohort/comm/gloo.hpp"
@@ -234,7 +235,7 @@ COHORT_DECL void gloo_p2p::abort() {
 
 COHORT_DECL gloo::gloo(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts)
     : rank_(env.rank), size_(env.world_size), options_(opts) {
-  device_ = make_device(env, opts, address_);
+  device_ = make_device(env, opts, *store, address_);
   connect(std::move(store));
 }
 
@@ -286,8 +287,8 @@ COHORT_DECL auto gloo::copy(void* destination, const void* source, std::size_t b
   });
 }
 
-COHORT_DECL auto gloo::make_device(const launch_env& env, const options& opts, std::string& address)
-    -> std::shared_ptr<::gloo::transport::Device> {
+COHORT_DECL auto gloo::make_device(const launch_env& env, const options& opts, cohort::store& rendezvous,
+                                   std::string& address) -> std::shared_ptr<::gloo::transport::Device> {
   detail::listen_request request;
   request.rank = env.rank;
   request.hostname = opts.hostname;
@@ -296,6 +297,7 @@ COHORT_DECL auto gloo::make_device(const launch_env& env, const options& opts, s
   request.master_addr = env.master_addr;
   request.world_size = env.world_size;
   request.local_world_size = env.local_world_size;
+  request.reached_by_other_nodes = [&] { return detail::store_reached_at(rendezvous, opts.timeout); };
   const detail::listen_choice choice = detail::choose_listen_address(request);
   if (detail::debug_from_environment())
     std::fprintf(stderr, "cohort [rank %d] gloo: listening on %s (%s)\n", env.rank, choice.address.c_str(),
@@ -883,14 +885,23 @@ COHORT_DECL auto gloo::name_the_culprit(const detail::gloo_task& task, bool conn
                           task.what != task_kind::p2p_wait && task.what != task_kind::function;
   const bool point_to_point =
       task.what == task_kind::send || task.what == task_kind::recv || task.what == task_kind::p2p_wait;
-  if (point_to_point && connection_lost) {  // one peer: its connection is the one that closed
+  if (point_to_point && board_) {
+    // One peer: what it said of itself, after this rank said what failed (before the
+    // connections close, as for a collective below).
+    auto failed = status(detail::rank_activity::failed);
+    failed.call = as_call(task);
+    failed.note = connection_lost ? "a connection closed"
+                                  : detail::text("timed out after ", detail::format_duration(options_.timeout));
+    board_->try_publish_on_group_store(failed);
     abort_transport();
-    return detail::text("rank ", std::to_string(task.peer),
-                        " (the peer) closed its connection: it died or exited during ", mine);
+    return detail::name_the_peer(*board_, failed.call, connection_lost);
   }
   if (!board_ || !collective) {
     abort_transport();
-    return detail::text("this rank is in ", mine);
+    return point_to_point && connection_lost
+               ? detail::text("rank ", std::to_string(task.peer),
+                              " (the peer) closed its connection: it died or exited during ", mine)
+               : detail::text("this rank is in ", (point_to_point ? detail::describe_with_peer(as_call(task)) : mine));
   }
   // What each peer is, as its connection tells it now; then the connections close, so that
   // every rank in this call (or entering one) stops at once and reports, instead of waiting

@@ -52,6 +52,13 @@ COHORT_DECL bool is_loopback_address(std::string_view address) {
          address.rfind("::ffff:127.", 0) == 0;
 }
 
+COHORT_DECL std::string reachable_numeric_address(const sockaddr* address, socklen_t length) {
+  if (host_address_detail::is_link_local(address)) return {};
+  std::string numeric = host_address_detail::numeric_text(address, length);
+  if (numeric.rfind("::ffff:", 0) == 0 && numeric.find('.') != std::string::npos) numeric.erase(0, 7);
+  return numeric;
+}
+
 COHORT_DECL bool world_spans_nodes(const listen_request& request) {
   return request.local_world_size < request.world_size && !is_loopback_address(request.master_addr);
 }
@@ -178,12 +185,21 @@ COHORT_DECL listen_choice choose_listen_address(const listen_request& request) {
     return choice;
   } else {
     const std::string master = resolve_numeric(request.master_addr, request.rank, operation);
-    if (is_loopback_address(master))
-      throw error(request.rank, operation,
-                  detail::text("MASTER_ADDR ", request.master_addr, " resolves to ", master,
-                               ", a loopback address, but ", world),
-                  "set MASTER_ADDR to an address the other nodes reach (check /etc/hosts: Debian maps the "
-                  "host's own name to 127.0.1.1)");
+    if (is_loopback_address(master)) {
+      // This host's own name on Debian: the other nodes reach it by another address, which
+      // the store they connected to saw.
+      choice.address = request.reached_by_other_nodes ? request.reached_by_other_nodes() : std::string();
+      if (choice.address.empty())
+        throw error(
+            request.rank, operation,
+            detail::text("MASTER_ADDR ", request.master_addr, " resolves to ", master, ", a loopback address, but ",
+                         world, ", and no rank of another node reached this host's store to say at which address"),
+            "set MASTER_ADDR to an address the other nodes reach (check /etc/hosts: Debian maps the "
+            "host's own name to 127.0.1.1)");
+      choice.reason = detail::text("the address at which the other nodes reached the store (MASTER_ADDR ",
+                                   request.master_addr, " resolves to ", master, " here)");
+      return choice;
+    }
     std::string why;
     choice.address = route_source_address(master, why);
     choice.reason = detail::text("the address that routes to MASTER_ADDR ", request.master_addr,

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "cohort/comm/detail/failure_report.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/parallel/training_state.hpp"
 
@@ -843,7 +844,7 @@ void training_state<B, P, G>::agree_on_evaluation(std::size_t layer) {
   const std::int64_t mine[3] = {evaluation_mark, static_cast<std::int64_t>(layer), static_cast<std::int64_t>(steps_)};
   std::int64_t sum[3] = {mine[0], mine[1], mine[2]};
   {
-    const auto labelled = group_->call_context_within("evaluation() agreement");
+    const auto labelled = group_->call_context_within(detail::evaluation_agreement);
     exchange(sum);
   }
   const auto n = static_cast<std::int64_t>(world());
@@ -853,8 +854,7 @@ void training_state<B, P, G>::agree_on_evaluation(std::size_t layer) {
                       std::to_string(steps_), ", but not every rank did",
                       (sum[0] == mine[0] * n ? " (a layer or a step differs)"
                                              : " (one is in another call of the state's, or of its own)")),
-         "at zero3 evaluation and sampling gather parameters, which are collectives: run them on every rank "
-         "(only rank 0 need print the output)");
+         std::string(detail::evaluation_alone_hint));
   evaluation_agreed_ = true;
 }
 

@@ -24,6 +24,7 @@
 #include <thread>
 #include <utility>
 #include <vector>
+#include "cohort/comm/detail/host_address.hpp"
 #include "cohort/detail/progress.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
@@ -843,6 +844,21 @@ inline std::shared_ptr<store> join_job(std::shared_ptr<store> shared, const job_
 
 }  // namespace detail
 
+COHORT_DECL std::string detail::store_reached_at(store& rendezvous, std::chrono::milliseconds limit) {
+  store* level = &rendezvous;
+  while (auto* prefixed = dynamic_cast<prefix_store*>(level)) level = prefixed->inner().get();
+  auto* handle = dynamic_cast<tcp_store*>(level);
+  // cohort's server holds the job's record at the top from its start; torchrun's agent holds
+  // it under the attempt's prefix (and writes no reached address).
+  const std::string served_by_cohort(job_key);
+  if (!handle || !handle->check(std::span<const std::string>(&served_by_cohort, 1))) return {};
+  try {
+    return to_string(handle->get(tcp_store_protocol::store_reached_key, limit));
+  } catch (const timeout_error&) {
+    return {};
+  }
+}
+
 COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_store_options options) {
   options.host = env.master_addr;
   options.port = env.master_port;
@@ -866,6 +882,17 @@ COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_stor
   if (options.is_server) {
     if (mine.id.empty()) mine.id = detail::random_job_id();
     options.server.job = detail::encode_job(mine);
+    detail::listen_request listening;
+    listening.master_addr = env.master_addr;
+    listening.world_size = env.world_size;
+    listening.local_world_size = env.local_world_size;
+    if (detail::world_spans_nodes(listening)) {
+      detail::tcp::address_list addresses;  // a name that does not resolve: the server says so
+      if (detail::tcp::resolve(env.master_addr, options.port, true, addresses).empty())
+        for (const addrinfo* entry = addresses.head; entry; entry = entry->ai_next)
+          if (detail::is_loopback_address(detail::reachable_numeric_address(entry->ai_addr, entry->ai_addrlen)))
+            options.server.listen_on_every_interface = true;
+    }
   }
   std::shared_ptr<tcp_store> handle;
   try {

@@ -26,6 +26,7 @@
 #include <unordered_map>
 #include <utility>
 #include <vector>
+#include "cohort/comm/detail/host_address.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
 #include "cohort/rendezvous/detail/sha256.hpp"
@@ -112,7 +113,8 @@ COHORT_DECL auto tcp_store_server::last_rejection() const -> std::string {
 
 COHORT_DECL auto tcp_store_server::listen_on(std::uint16_t port) -> void {
   detail::tcp::address_list addresses;
-  const std::string failure = detail::tcp::resolve(host_, port, true, addresses);
+  const std::string failure =
+      detail::tcp::resolve(options_.listen_on_every_interface ? std::string() : host_, port, true, addresses);
   if (!failure.empty())
     throw error(rank_, "tcp_store_server",
                 detail::text("cannot resolve listen address ", detail::tcp::endpoint(host_, port), ": ", failure),
@@ -271,12 +273,31 @@ COHORT_DECL auto tcp_store_server::place(int fd) -> void {
   conn.socket.reset(fd);
   conn.peer = detail::tcp::peer_of(fd);
   conn.accepted = conn.last_input = conn.last_output = clock::now();
+  if (!reached_) note_reached_address(fd);
   epoll_event interest{};
   interest.events = EPOLLIN;
   interest.data.u64 = id;
   if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &interest) != 0) return;  // conn closes fd
   conn.interest = EPOLLIN;
   connections_.emplace(id, std::move(conn));
+}
+
+COHORT_DECL auto tcp_store_server::note_reached_address(int fd) -> void {
+  sockaddr_storage local{};
+  socklen_t length = sizeof(local);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) != 0) return;
+  const std::string address = detail::reachable_numeric_address(reinterpret_cast<const sockaddr*>(&local), length);
+  if (address.empty() || detail::is_loopback_address(address)) return;
+  const std::string key = detail::text("/", detail::tcp_store_protocol::store_reached_key);
+  auto value = make_value(bytes_t(address.begin(), address.end()));
+  if (const auto found = data_.find(key); found != data_.end()) {
+    found->second = std::move(value);
+  } else {
+    data_.emplace(key, std::move(value));
+    held_ += key.size() + entry_overhead;
+  }
+  reached_ = true;
+  wake_waiters(key);
 }
 
 COHORT_DECL auto tcp_store_server::evict_untrusted(const char* why) -> bool {

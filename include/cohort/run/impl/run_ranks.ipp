@@ -153,12 +153,15 @@ COHORT_DECL void finish_launched_rank(store& rendezvous, const launch_env& env, 
   const auto bound = std::min<std::chrono::milliseconds>(run_ranks_exit_bound, rendezvous.timeout());
   const std::string base(run_ranks_keys);
   const std::string where = rendezvous.location();
-  const auto unreachable = [&](const std::exception& cause, std::string_view doing) {
+  const auto unreachable = [&](const std::exception& cause, std::string_view doing,
+                               std::string_view hint =
+                                   "rank 0's node is lost or cut off from this one, or rank 0 "
+                                   "ended first") {
     const auto* known = dynamic_cast<const error*>(&cause);
     return error(env.rank, "run_ranks",
                  detail::text("cannot reach rank 0's store", (where.empty() ? "" : detail::text(" at ", where)), " to ",
                               doing, " (", (known ? known->detail() : std::string(cause.what())), ")"),
-                 "rank 0's node is lost or cut off from this one, or rank 0 ended first");
+                 std::string(hint));
   };
   std::string reason;
   if (failure) {
@@ -193,40 +196,63 @@ COHORT_DECL void finish_launched_rank(store& rendezvous, const launch_env& env, 
       std::fflush(stderr);
     }
     // Rank 0's verdict on the whole run, in slices each bounded (a store gone silent ends this
-    // within a slice): as long as the store's timeout while this rank is well (the others may
-    // still be training), rank 0's grace when it failed (then the verdict is only news).
+    // within a slice). A failed rank waits rank 0's grace at most (the verdict is only news).
+    // A rank that ended well waits the store's timeout, then for as long as rank 0 lives: its
+    // store answers from a thread of its own, so a rank 0 that saves, evaluates or uploads
+    // alone after the last collective for longer is told from one that died (its store
+    // closes, or stops answering within a request's bound) and the job ends well.
     progress_clock lines(lines_every, started);
     const auto give_up =
         started + (failure ? std::chrono::duration_cast<std::chrono::milliseconds>(run_ranks_failure_grace + bound)
                            : rendezvous.timeout());
+    bool rank0_works_alone = false;
+    const auto rank0_ended = [&](const std::exception& cause) {
+      return unreachable(cause,
+                         detail::text("learn how the run ended, after waiting ", format_seconds(lines.elapsed()),
+                                      " while rank 0 worked alone (its store answered until now)"),
+                         "rank 0 ended without saying how the run ended (it died or was killed, or its node was "
+                         "lost): its own exit status and output say why");
+    };
     std::string verdict;
     for (;;) {
       const auto now = clock::now();
-      const auto slice =
-          std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(std::min(give_up, lines.next()) - now),
-                     std::chrono::milliseconds(1), bound);
+      const auto slice_ends = rank0_works_alone ? lines.next() : std::min(give_up, lines.next());
+      const auto slice = std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(slice_ends - now),
+                                    std::chrono::milliseconds(1), bound);
       try {
         verdict = to_string(rendezvous.get(detail::text(base, "verdict"), slice));
         break;
       } catch (const timeout_error&) {
         if (clock::now() >= give_up) {
           if (failure) return;
-          throw timeout_error(env.rank, "run_ranks",
-                              detail::text("finished, but rank 0 said nothing of the whole run's end within ",
-                                           format_duration(rendezvous.timeout()), " (the store's timeout)"),
-                              "another rank is still running (its progress lines say what it waits for), or rank 0 "
-                              "is stuck");
+          try {
+            rendezvous.add_within(detail::text(base, "reported"), 0, bound);  // rank 0 lives: its store answers
+          } catch (const std::exception& cause) {
+            throw rank0_ended(cause);
+          }
+          rank0_works_alone = true;
         }
         if (lines.due())
-          progress_line(env.rank,
-                        detail::text("run_ranks: ", (failure ? "failed" : "finished"), "; waiting ",
-                                     format_seconds(lines.elapsed()), " for rank 0 to hear from every rank (at most ",
-                                     (failure ? format_duration(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                    run_ranks_failure_grace + bound))
-                                              : detail::text("the store's ", format_duration(rendezvous.timeout()))),
-                                     ")"));
+          progress_line(
+              env.rank,
+              rank0_works_alone
+                  ? detail::text("run_ranks: finished; rank 0 has not said how the run ended after ",
+                                 format_seconds(lines.elapsed()), " (past the store's ",
+                                 format_duration(rendezvous.timeout()),
+                                 "), but lives (its store answers): it works alone, or waits for a rank; "
+                                 "waiting for as long as it lives")
+                  : detail::text(
+                        "run_ranks: ", (failure ? "failed" : "finished"), "; waiting ", format_seconds(lines.elapsed()),
+                        " for rank 0 to hear from every rank (",
+                        (failure ? detail::text("at most ",
+                                                format_duration(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                    run_ranks_failure_grace + bound)))
+                                 : detail::text("the store's ", format_duration(rendezvous.timeout()),
+                                                ", then as long as rank 0 lives")),
+                        ")"));
       } catch (const std::exception& cause) {
         if (failure) return;
+        if (rank0_works_alone) throw rank0_ended(cause);
         throw unreachable(cause, "learn how the run ended");
       }
     }
