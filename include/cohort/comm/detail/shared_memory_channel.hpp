@@ -15,9 +15,9 @@
 // which it no longer reads this rank's slot.
 //
 // A message that fits a small slot (an all-reduce up to small_bytes) takes one phase, not
-// three: every rank writes its whole input, posts, and reduces every rank's contribution
-// itself, in rank order (the same bits everywhere). Its small slots alternate by the phase's
-// parity, so a rank may write the next call's while a slower peer still reads this one's.
+// three, and its wait spins longer before it sleeps: every rank writes its whole input, posts, and reduces every rank's
+// contribution itself, in rank order (the same bits everywhere). Its small slots alternate by the phase's parity, so a
+// rank may write the next call's while a slower peer still reads this one's.
 //
 // Waits are bounded like a Gloo call: a short spin (a peer a moment behind posts within
 // microseconds), then a futex wait (no CPU while waiting, the cores are the trainer's) in
@@ -181,7 +181,9 @@ class shared_memory_channel {
   // Whether rank `peer`'s process has ended (a zombie, not yet reaped, has).
   COHORT_DECL bool peer_process_ended(int peer) const;
   // Until every peer has posted `phase`; `signature`: and is in the same call (0: any call).
-  COHORT_DECL void wait_for_all(std::uint32_t phase, std::uint64_t signature, std::chrono::milliseconds timeout);
+  // Spins for up to `spin` before it sleeps.
+  COHORT_DECL void wait_for_all(std::uint32_t phase, std::uint64_t signature, std::chrono::milliseconds timeout,
+                                std::chrono::microseconds spin);
   [[gnu::cold]] COHORT_DECL void check_peers_or_throw(int waiting_for, std::uint32_t phase, std::uint64_t signature,
                                                       std::chrono::steady_clock::time_point started,
                                                       std::chrono::milliseconds timeout) const;

@@ -54,10 +54,12 @@ inline constexpr std::string_view format = "cohort-shm-2";
 // How long a futex wait sleeps before it looks again at what can end the wait (a peer gone,
 // the timeout); a post wakes it at once.
 inline constexpr std::chrono::milliseconds look_again{100};
-// How long a wait spins before it sleeps: a peer a moment behind posts within microseconds,
-// and a sleep and its wake-up cost tens of them (most of a small message's time); longer
-// would take the core from the trainer's own threads while a peer computes.
-inline constexpr std::chrono::microseconds spin_for{50};
+// How long a wait spins before it sleeps. A peer a moment behind posts within microseconds,
+// and a sleep and its wake-up cost tens of them: most of a small all-reduce's time, so its
+// one wait spins long. A chunk's phases take 100 us and more, and on a host with few cores a
+// long spin takes the core from the peer that is still copying (or the trainer's threads).
+inline constexpr std::chrono::microseconds spin_small{50};
+inline constexpr std::chrono::microseconds spin_chunk{10};
 
 inline void pause() noexcept {
 #if defined(__x86_64__) || defined(__i386__)
@@ -251,7 +253,8 @@ COHORT_DECL void shared_memory_channel::post(std::uint64_t signature) {
 }
 
 COHORT_DECL void shared_memory_channel::wait_for_all(std::uint32_t phase, std::uint64_t signature,
-                                                     std::chrono::milliseconds timeout) {
+                                                     std::chrono::milliseconds timeout,
+                                                     std::chrono::microseconds spin) {
   namespace shm = shared_memory;
   std::chrono::steady_clock::time_point started{};  // read only once a wait has to sleep
   for (int peer = 0; peer < size_; ++peer) {
@@ -263,7 +266,7 @@ COHORT_DECL void shared_memory_channel::wait_for_all(std::uint32_t phase, std::u
     };
     std::uint32_t seen = theirs.posted.load(std::memory_order_acquire);
     if (arrived(seen)) continue;
-    const auto spin_until = std::chrono::steady_clock::now() + shm::spin_for;
+    const auto spin_until = std::chrono::steady_clock::now() + spin;
     do {
       for (int spin = 0; spin < 64 && !arrived(seen); ++spin) {
         shm::pause();
@@ -375,11 +378,11 @@ COHORT_DECL void shared_memory_channel::all_reduce(const void* in, void* out, st
     std::byte* chunk_out = target + first * element;
     // 1: the peers' parts of this rank's input into its slot (its own part stays: its own
     // reduction reads it from the input).
-    wait_for_all(posted_, 0, timeout);
+    wait_for_all(posted_, 0, timeout, shared_memory::spin_chunk);
     std::memcpy(own_slot(), chunk_in, mine_begin * element);
     std::memcpy(own_slot() + mine_end * element, chunk_in + mine_end * element, (m - mine_end) * element);
     post(signature);
-    wait_for_all(posted_, signature, timeout);
+    wait_for_all(posted_, signature, timeout, shared_memory::spin_chunk);
     // 2: this rank's part reduced, into its slot (where its own part is not) and its output.
     if (mine_end > mine_begin) {
       for (std::size_t p = 0; p < world; ++p)
@@ -394,7 +397,7 @@ COHORT_DECL void shared_memory_channel::all_reduce(const void* in, void* out, st
       std::memcpy(chunk_out + mine_begin * element, reduced, (mine_end - mine_begin) * element);
     }
     post(signature);
-    wait_for_all(posted_, signature, timeout);
+    wait_for_all(posted_, signature, timeout, shared_memory::spin_chunk);
     // 3: the peers' reduced parts, from their slots.
     for (std::size_t p = 0; p < world; ++p)
       if (p != me)
@@ -410,10 +413,10 @@ COHORT_DECL void shared_memory_channel::all_reduce_small(const std::byte* in, st
   const std::size_t world = static_cast<std::size_t>(size_);
   // Every peer has posted this rank's last phase (free after a small call, which waited for
   // it): none is more than one phase ahead, and none still reads the small slot written next.
-  wait_for_all(posted_, 0, timeout);
+  wait_for_all(posted_, 0, timeout, shared_memory::spin_small);
   std::memcpy(segments_[static_cast<std::size_t>(rank_)].small_slot(slot_bytes_, posted_ + 1), in, count * element);
   post(signature);
-  wait_for_all(posted_, signature, timeout);
+  wait_for_all(posted_, signature, timeout, shared_memory::spin_small);
   // Every contribution from the slots (this rank's too: `out` may be `in`), in rank order.
   std::vector<const std::byte*> parts(world);
   for (std::size_t p = 0; p < world; ++p) parts[p] = segments_[p].small_slot(slot_bytes_, posted_);
@@ -435,12 +438,12 @@ COHORT_DECL void shared_memory_channel::reduce_scatter(const void* in, void* out
   for (std::size_t first = 0; first < count_per_rank; first += block) {
     const std::size_t m = std::min(block, count_per_rank - first);
     // 1: every peer's share of this rank's input, side by side in its slot.
-    wait_for_all(posted_, 0, timeout);
+    wait_for_all(posted_, 0, timeout, shared_memory::spin_chunk);
     for (std::size_t p = 0; p < world; ++p)
       if (p != me)
         std::memcpy(own_slot() + p * m * element, source + (p * count_per_rank + first) * element, m * element);
     post(signature);
-    wait_for_all(posted_, signature, timeout);
+    wait_for_all(posted_, signature, timeout, shared_memory::spin_chunk);
     // 2: this rank's share, reduced from its input and the peers' slots. (Out may be inside
     // the input: at most the elements this chunk has read already.)
     for (std::size_t p = 0; p < world; ++p)
@@ -468,10 +471,10 @@ COHORT_DECL void shared_memory_channel::all_gather(const void* in, void* out, st
   if (own_block != source) std::memcpy(own_block, source, count_per_rank * element);
   for (std::size_t first = 0; first < count_per_rank; first += block) {
     const std::size_t m = std::min(block, count_per_rank - first);
-    wait_for_all(posted_, 0, timeout);
+    wait_for_all(posted_, 0, timeout, shared_memory::spin_chunk);
     std::memcpy(own_slot(), source + first * element, m * element);
     post(signature);
-    wait_for_all(posted_, signature, timeout);
+    wait_for_all(posted_, signature, timeout, shared_memory::spin_chunk);
     for (std::size_t p = 0; p < world; ++p)
       if (p != me)
         std::memcpy(target + (p * count_per_rank + first) * element, peer_slot(static_cast<int>(p)), m * element);
