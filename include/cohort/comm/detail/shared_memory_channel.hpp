@@ -99,7 +99,7 @@ class shared_memory_channel {
   // This rank's segment; null where it cannot be made (no memfd, no memory).
   COHORT_DECL static std::unique_ptr<shared_memory_channel> create(int rank, int size,
                                                                    std::size_t slot_bytes = default_slot_bytes);
-  // Where this rank's segment is, for its peers ("cohort-shm-1 <pid> <fd> <token> <bytes>").
+  // Where this rank's segment is, for its peers ("cohort-shm-2 <pid> <fd> <token> <bytes>").
   COHORT_DECL std::string published() const;
   // Maps every peer's segment from what it published, through the process that owns it;
   // false where one cannot be (each rank says so to the others before any collective). A
