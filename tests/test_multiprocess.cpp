@@ -46,9 +46,11 @@ using environment = std::map<std::string, std::string>;
 
 // Forks one child per environment; each child sets its variables, runs body() and exits
 // with its return value (or 99 on an exception). Returns the exit codes; children still
-// running after `limit` are killed and reported as -1.
+// running after `limit` are killed and reported as -1. `in_order`: reaps them in rank order,
+// as a launcher that waits for each child in turn does (a later one that ends first stays a
+// zombie until those before it have ended).
 std::vector<int> run_children(const std::vector<environment>& envs, const std::function<int()>& body,
-                              std::chrono::seconds limit = std::chrono::seconds(60)) {
+                              std::chrono::seconds limit = std::chrono::seconds(60), bool in_order = false) {
   std::vector<pid_t> children;
   for (const auto& env : envs) {
     const pid_t pid = ::fork();
@@ -75,6 +77,7 @@ std::vector<int> run_children(const std::vector<environment>& envs, const std::f
   while (remaining > 0 && std::chrono::steady_clock::now() < deadline) {
     for (std::size_t i = 0; i < children.size(); ++i) {
       if (codes[i] != -1 || children[i] == 0) continue;
+      if (in_order && i + remaining != children.size()) break;  // one before it still runs
       int status = 0;
       if (::waitpid(children[i], &status, WNOHANG) == children[i]) {
         codes[i] = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
@@ -238,6 +241,40 @@ TEST_CASE("a rank process that dies is an error on the others within the timeout
   REQUIRE(codes == std::vector<int>{0, 0, 42});
   REQUIRE(std::chrono::steady_clock::now() - started < std::chrono::seconds(30));
   require_traces_blame(traces, {2});  // the survivors' traces name the same rank
+}
+
+// A launcher that waits for its children in order (rank 0 first) leaves a rank that died
+// a zombie, which the process table still lists: the survivors, waiting for it in shared
+// memory, must still see it gone and name it within seconds, not at their 20 s timeout.
+TEST_CASE("a rank that died and was not reaped yet is named within seconds", "[multiprocess][faults]") {
+  const auto envs = torchrun_envs(3, 3, std::to_string(free_port()));
+  const auto codes = run_children(
+      envs,
+      [] {
+        auto pg = launched_gloo_group(std::chrono::seconds(20));
+        const char* transport = std::getenv("COHORT_GLOO_SHARED_MEMORY");
+        if (pg.backend().uses_shared_memory() != !(transport != nullptr && std::string_view(transport) == "0"))
+          return 5;
+        std::vector<float> data(1 << 10, 1.0f);
+        pg.all_reduce(std::span<float>(data)).wait();
+        if (pg.rank() == 1) ::_exit(42);  // dies without a word; its launcher reaps it last
+        const auto started = std::chrono::steady_clock::now();
+        try {
+          for (int step = 0; step < 100; ++step) pg.all_reduce(std::span<float>(data)).wait();
+        } catch (const cohort::error& failure) {
+          const auto took = std::chrono::steady_clock::now() - started;
+          std::fprintf(stderr, "rank %d saw after %.2f s: %s\n", pg.rank(), std::chrono::duration<double>(took).count(),
+                       failure.what());
+          const bool names_culprit =
+              std::string_view(failure.what()).find("rank 1 died or exited during all_reduce #") !=
+              std::string_view::npos;
+          serve_until_named(pg, {0, 2});
+          return names_culprit && took < std::chrono::seconds(8) ? 0 : 3;
+        }
+        return 1;  // training went on without rank 1: impossible
+      },
+      std::chrono::seconds(60), /*in_order=*/true);
+  REQUIRE(codes == std::vector<int>{0, 42, 0});
 }
 
 // Both ranks of a "node" (ranks 2 and 3 of 4, two per node on loopback) die at once while

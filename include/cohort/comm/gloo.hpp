@@ -350,7 +350,10 @@ class gloo {
   // The collectives for elements of sizeof(T) bytes (T: detail::element_bytes<N>).
   template <class T>
   void execute_sized(detail::gloo_task& task);
-  // The bulk collectives through shared_memory_; false where the call stays on Gloo.
+  // A 16-bit float's all-reduce sum or average (detail::rank_order_sum_function): every
+  // contribution in rank order, added in float, rounded once.
+  COHORT_DECL void all_reduce_in_rank_order(detail::gloo_task& task);
+  // The bulk collectives through shared_memory_; false for the others, which stay on Gloo.
   COHORT_DECL bool execute_in_shared_memory(detail::gloo_task& task);
   // The error a failed transport call becomes (Gloo's I/O failure, or shared memory's):
   // the monitor's verdict, the culprit, and whether it timed out.

@@ -83,6 +83,42 @@ inline divided_reduce_fn sum_divided_function(dtype type) {
   return visit_dtype(type, [](auto sample) -> divided_reduce_fn { return &sum_divided_into<decltype(sample)>; });
 }
 
+// A 16-bit float's sum (divisor 1) or average of `parts` contributions (in rank order), each
+// element added in float and rounded once: the same bits whichever transport gathered the
+// parts, and an average of values near the type's maximum stays finite (as NCCL accumulates
+// in float). Reads a block of every part before it writes that block: `out` may be one of
+// the parts.
+template <class T>
+void sum_in_rank_order(void* out, const void* const* parts, std::size_t count, std::size_t n, int divisor) {
+  constexpr std::size_t block = 512;
+  float sum[block];
+  auto* o = static_cast<T*>(out);
+  const float scale = 1.0f / static_cast<float>(divisor);
+  for (std::size_t first = 0; first < n; first += block) {
+    const std::size_t m = std::min(block, n - first);
+    const T* part = static_cast<const T*>(parts[0]) + first;
+    for (std::size_t i = 0; i < m; ++i) sum[i] = static_cast<float>(part[i]);
+    for (std::size_t p = 1; p < count; ++p) {
+      part = static_cast<const T*>(parts[p]) + first;
+      for (std::size_t i = 0; i < m; ++i) sum[i] += static_cast<float>(part[i]);
+    }
+    if (divisor > 1)
+      for (std::size_t i = 0; i < m; ++i) o[first + i] = T(sum[i] * scale);
+    else
+      for (std::size_t i = 0; i < m; ++i) o[first + i] = T(sum[i]);
+  }
+}
+
+using rank_order_sum_fn = void (*)(void*, const void* const*, std::size_t, std::size_t, int);
+
+// sum_in_rank_order for a 16-bit float's sum or average; null for every other reduction.
+inline rank_order_sum_fn rank_order_sum_function(dtype type, op value) {
+  if (value != op::sum && value != op::avg) return nullptr;
+  if (type == dtype::float16) return &sum_in_rank_order<half>;
+  if (type == dtype::bfloat16) return &sum_in_rank_order<bfloat16>;
+  return nullptr;
+}
+
 // data[i] /= divisor, with detail::divided's rules (integers truncate).
 template <class T>
 void divide(T* data, std::size_t n, int divisor) {

@@ -827,29 +827,36 @@ COHORT_DECL auto gloo::execute_in_shared_memory(detail::gloo_task& task) -> bool
   const auto overlap = [](const std::byte* a, std::size_t a_bytes, const std::byte* b, std::size_t b_bytes) {
     return a < b + b_bytes && b < a + a_bytes;
   };
+  // An input that overlaps the output other than as the channel expects (in place; a
+  // reduce-scatter's output at a block of its input; an all-gather's input as its own block)
+  // is copied first, here: the transport is the group's choice, never one rank's from its own
+  // buffers (ranks that chose differently would wait on each other until the timeout).
+  const auto staged = [&](std::size_t in_bytes) -> const std::byte* {
+    auto& copy = scratch_bytes(in_bytes);
+    std::memcpy(copy.data(), in, in_bytes);
+    return copy.data();
+  };
   detail::shared_memory_channel::reduction reduce;
   reduce.combine = detail::reduce_function(task.type, task.reduce);
   reduce.divided = detail::sum_divided_function(task.type);
+  reduce.sum_in_rank_order = detail::rank_order_sum_function(task.type, task.reduce);
   reduce.divisor = task.reduce == op::avg ? size_ : 1;
   const std::uint64_t call = signature(task) | 1;  // never 0, which means "any call"
   const std::size_t bytes = task.count * element;
-  // Overlaps other than the documented ones (in place; a reduce-scatter's output inside its
-  // input's blocks; an all-gather's input as its own block) stay on Gloo, which reads all of
-  // its input before it writes.
   switch (task.what) {
     case task_kind::all_reduce:
-      if (in != out && overlap(in, bytes, out, bytes)) return false;
+      if (in != out && overlap(in, bytes, out, bytes)) in = staged(bytes);
       shared_memory_->all_reduce(in, out, task.count, element, reduce, call, options_.timeout);
       return true;
     case task_kind::reduce_scatter: {
       const bool aligned = out >= in && static_cast<std::size_t>(out - in) % bytes == 0;
-      if (overlap(in, world * bytes, out, bytes) && !aligned) return false;
+      if (overlap(in, world * bytes, out, bytes) && !aligned) in = staged(world * bytes);
       shared_memory_->reduce_scatter(in, out, task.count, element, reduce, call, options_.timeout);
       return true;
     }
     case task_kind::all_gather: {
       const std::byte* own_block = out + static_cast<std::size_t>(rank_) * bytes;
-      if (in != own_block && overlap(in, bytes, out, world * bytes)) return false;
+      if (in != own_block && overlap(in, bytes, out, world * bytes)) in = staged(bytes);
       shared_memory_->all_gather(in, out, task.count, element, call, options_.timeout);
       return true;
     }
@@ -1032,6 +1039,40 @@ COHORT_DECL auto gloo::scratch_bytes(std::size_t bytes) -> std::vector<std::byte
   return scratch_;
 }
 
+COHORT_DECL auto gloo::all_reduce_in_rank_order(detail::gloo_task& task) -> void {
+  // A 16-bit float's sum or average: Gloo's ring would round every partial sum to 16 bits, in
+  // an order of its own. Instead each rank gathers every rank's contributions to its block
+  // (an all-to-all), adds them in rank order in float, rounds once, and the blocks are
+  // gathered: the bits the shared-memory channel gives, and the same bytes on the wire as the
+  // ring's reduce-scatter and all-gather.
+  const auto sum = detail::rank_order_sum_function(task.type, task.reduce);
+  const std::size_t element = size_of(task.type);
+  const std::size_t world = static_cast<std::size_t>(size_);
+  const std::size_t block = (task.count + world - 1) / world;
+  const std::size_t bytes = world * block * element;
+  auto& scratch = scratch_bytes(2 * bytes);
+  std::byte* blocks = scratch.data();  // this rank's input, padded to `world` blocks
+  std::byte* gathered = blocks + bytes;
+  std::memcpy(blocks, task.in, task.count * element);
+  std::memset(blocks + task.count * element, 0, bytes - task.count * element);
+  ::gloo::AlltoallOptions spread(context_);
+  spread.setTag(collective_tag(task));
+  spread.setInput(blocks, bytes);
+  spread.setOutput(gathered, bytes);
+  spread.setTimeout(options_.timeout);
+  ::gloo::alltoall(spread);
+  std::vector<const void*> parts(world);
+  for (std::size_t r = 0; r < world; ++r) parts[r] = gathered + r * block * element;
+  std::byte* mine = blocks + static_cast<std::size_t>(rank_) * block * element;
+  sum(mine, parts.data(), world, block, task.reduce == op::avg ? size_ : 1);
+  ::gloo::AllgatherOptions collect(context_);
+  collect.setTag(collective_tag(task));
+  collect.setOutput(blocks, bytes);
+  collect.setTimeout(options_.timeout);
+  ::gloo::allgather(collect);
+  std::memcpy(task.out, blocks, task.count * element);
+}
+
 template <class T>
 COHORT_DECL auto gloo::execute_sized(detail::gloo_task& task) -> void {
   T* out = static_cast<T*>(task.out);
@@ -1040,6 +1081,9 @@ COHORT_DECL auto gloo::execute_sized(detail::gloo_task& task) -> void {
   const std::size_t world = static_cast<std::size_t>(size_);
   switch (task.what) {
     case task_kind::all_reduce: {
+      // A 16-bit float's sum or average: not the ring (see all_reduce_in_rank_order).
+      if (detail::rank_order_sum_function(task.type, task.reduce) != nullptr && size_ > 1)
+        return all_reduce_in_rank_order(task);
       ::gloo::AllreduceOptions opts(context_);
       opts.setTag(collective_tag(task));
       // An average divides where Gloo completes each element's sum, not in a pass of its own
@@ -1095,7 +1139,14 @@ COHORT_DECL auto gloo::execute_sized(detail::gloo_task& task) -> void {
       // The first addition reads the first two contributions where they lie and writes the
       // result (out may be inside `in`: the all-to-all has read it all), rather than a copy
       // of the first into out and then an addition: one pass over the chunk fewer. An average
-      // divides in the last addition's pass, not in a pass of its own.
+      // divides in the last addition's pass, not in a pass of its own. A 16-bit float's sum
+      // or average adds in float, rounding once, as its all-reduce does.
+      if (const auto sum_in_rank_order = detail::rank_order_sum_function(task.type, task.reduce)) {
+        std::vector<const void*> parts(world);
+        for (std::size_t r = 0; r < world; ++r) parts[r] = gathered + r * n;
+        sum_in_rank_order(out, parts.data(), world, n, task.reduce == op::avg ? size_ : 1);
+        return;
+      }
       const auto reduce = detail::reduce_function(task.type, task.reduce);
       const bool average = task.reduce == op::avg;
       for (std::size_t r = 1; r < world; ++r) {

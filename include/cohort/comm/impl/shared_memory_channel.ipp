@@ -4,6 +4,7 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/random.h>
@@ -34,7 +35,11 @@ struct shared_memory_channel::header {
   std::uint64_t slot_bytes = 0;
   alignas(64) std::atomic<std::uint32_t> posted{0};  // the owner's phases so far (a futex word)
   std::atomic<std::uint32_t> closed{0};              // 1: the owner shut its channel down or left
-  std::atomic<std::uint64_t> signature{0};           // the call the owner's last phase belongs to
+  std::atomic<std::uint32_t> waiters{0};             // peers asleep on `posted` (a post wakes them)
+  // The call each phase belongs to, by the phase's parity: a peer is at most one phase ahead
+  // of a rank that waits for it (every post follows a wait for all at the phase before), so
+  // its next phase never overwrites the one waited for.
+  std::atomic<std::uint64_t> signature[2] = {0, 0};
 };
 
 namespace shared_memory {
@@ -45,10 +50,16 @@ static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t) &&
 
 // The slot starts on the page after the header.
 inline constexpr std::size_t header_bytes = 4096;
-inline constexpr std::string_view format = "cohort-shm-1";
+inline constexpr std::string_view format = "cohort-shm-2";
 // How long a futex wait sleeps before it looks again at what can end the wait (a peer gone,
 // the timeout); a post wakes it at once.
 inline constexpr std::chrono::milliseconds look_again{100};
+// How long a wait spins before it sleeps. A peer a moment behind posts within microseconds,
+// and a sleep and its wake-up cost tens of them: most of a small all-reduce's time, so its
+// one wait spins long. A chunk's phases take 100 us and more, and on a host with few cores a
+// long spin takes the core from the peer that is still copying (or the trainer's threads).
+inline constexpr std::chrono::microseconds spin_small{50};
+inline constexpr std::chrono::microseconds spin_chunk{10};
 
 inline void pause() noexcept {
 #if defined(__x86_64__) || defined(__i386__)
@@ -71,17 +82,24 @@ inline bool reached(std::uint32_t seen, std::uint32_t phase) noexcept {
   return static_cast<std::int32_t>(seen - phase) >= 0;
 }
 
-// A file descriptor owned for the length of a scope.
-struct owned_fd {
-  int fd = -1;
-  owned_fd() = default;
-  explicit owned_fd(int f) : fd(f) {}
-  owned_fd(const owned_fd&) = delete;
-  owned_fd& operator=(const owned_fd&) = delete;
-  ~owned_fd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
+COHORT_DECL owned_fd::~owned_fd() {
+  if (fd >= 0) ::close(fd);
+}
+
+// A descriptor of process `pid` that polls readable once it has ended (zombie or reaped) and
+// never names another process that reuses the pid; -1 where the kernel has none (before 5.3).
+inline owned_fd process_handle(long pid) {
+#if defined(SYS_pidfd_open)
+  return owned_fd(static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0u)));
+#else
+  (void)pid;
+  return owned_fd();
+#endif
+}
+
+inline std::size_t segment_bytes(std::size_t slot_bytes) {
+  return header_bytes + slot_bytes + 2 * shared_memory_channel::small_bytes;
+}
 
 // Where a segment is, as its owner publishes it.
 struct published_segment {
@@ -121,13 +139,18 @@ COHORT_DECL std::byte* shared_memory_channel::mapping::slot() const noexcept {
   return static_cast<std::byte*>(base) + shared_memory::header_bytes;
 }
 
+COHORT_DECL std::byte* shared_memory_channel::mapping::small_slot(std::size_t slot_bytes,
+                                                                  std::uint32_t phase) const noexcept {
+  return slot() + slot_bytes + (phase & 1u) * small_bytes;
+}
+
 COHORT_DECL auto shared_memory_channel::create(int rank, int size, std::size_t slot_bytes)
     -> std::unique_ptr<shared_memory_channel> {
   namespace shm = shared_memory;
   std::unique_ptr<shared_memory_channel> channel(new shared_memory_channel(rank, size, slot_bytes));
   channel->own_pid_ = static_cast<long>(::getpid());
   channel->segments_.resize(static_cast<std::size_t>(size));
-  const std::size_t segment_bytes = shm::header_bytes + slot_bytes;
+  const std::size_t segment_bytes = shm::segment_bytes(slot_bytes);
   channel->own_fd_ = static_cast<int>(::syscall(SYS_memfd_create, "cohort-gloo", static_cast<unsigned>(MFD_CLOEXEC)));
   if (channel->own_fd_ < 0 || ::ftruncate(channel->own_fd_, static_cast<off_t>(segment_bytes)) != 0) return nullptr;
   void* base = ::mmap(nullptr, segment_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, channel->own_fd_, 0);
@@ -154,23 +177,46 @@ COHORT_DECL bool shared_memory_channel::map_peers(const std::vector<std::string>
                                                   const std::vector<peer_process>& processes) {
   namespace shm = shared_memory;
   processes_ = processes;
-  const std::size_t segment_bytes = shm::header_bytes + slot_bytes_;
+  peer_processes_.clear();
+  peer_processes_.resize(static_cast<std::size_t>(size_));
+  const std::size_t segment_bytes = shm::segment_bytes(slot_bytes_);
+  const auto same_file = [](const struct stat& a, const struct stat& b) {
+    return a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+  };
   for (int peer = 0; peer < size_; ++peer) {
     if (peer == rank_) continue;
     shm::published_segment theirs;
     if (!shm::decode(published[static_cast<std::size_t>(peer)], theirs) || theirs.bytes != slot_bytes_) return false;
+    // The record is followed read-only until the token proves it leads to the peer's
+    // segment: one that leads elsewhere (another pid namespace's process under the same
+    // numbers, a forged record) gets no writable descriptor of whatever it names. Only a
+    // regular file of the segment's size is opened at all (O_NONBLOCK, O_NOCTTY: a FIFO or a
+    // terminal that slipped in between neither blocks nor becomes this process's).
     const std::string path = text("/proc/", std::to_string(theirs.pid), "/fd/", std::to_string(theirs.fd));
-    const shm::owned_fd opened(::open(path.c_str(), O_RDWR | O_CLOEXEC));
-    struct stat status {};
-    if (opened.fd < 0 || ::fstat(opened.fd, &status) != 0 || static_cast<std::size_t>(status.st_size) != segment_bytes)
+    struct stat named {};
+    if (::stat(path.c_str(), &named) != 0 || !S_ISREG(named.st_mode) ||
+        static_cast<std::size_t>(named.st_size) != segment_bytes)
       return false;
-    void* base = ::mmap(nullptr, segment_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, opened.fd, 0);
+    const shm::owned_fd readable(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC));
+    struct stat opened {};
+    if (readable.fd < 0 || ::fstat(readable.fd, &opened) != 0 || !same_file(opened, named)) return false;
+    void* head_only = ::mmap(nullptr, shm::header_bytes, PROT_READ, MAP_SHARED, readable.fd, 0);
+    if (head_only == MAP_FAILED) return false;
+    const mapping head_mapping(head_only, shm::header_bytes);
+    if (head_mapping.head().token[0] != theirs.token[0] || head_mapping.head().token[1] != theirs.token[1])
+      return false;
+    // Proven: writable now, reopened through this process's own descriptor (the same file,
+    // whatever the peer's descriptor table holds by now).
+    const shm::owned_fd writable(
+        ::open(text("/proc/self/fd/", std::to_string(readable.fd)).c_str(), O_RDWR | O_CLOEXEC));
+    struct stat reopened {};
+    if (writable.fd < 0 || ::fstat(writable.fd, &reopened) != 0 || !same_file(reopened, named)) return false;
+    void* base = ::mmap(nullptr, segment_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, writable.fd, 0);
     if (base == MAP_FAILED) return false;
     segments_[static_cast<std::size_t>(peer)] = mapping(base, segment_bytes);
-    // A token that differs: the path led to another process's descriptor (another pid
-    // namespace under the same host name), not to this group's segment.
-    const header& head = segments_[static_cast<std::size_t>(peer)].head();
-    if (head.token[0] != theirs.token[0] || head.token[1] != theirs.token[1]) return false;
+    // The process that holds the segment, as a handle: its end is seen even while it is a
+    // zombie its launcher has not reaped, or after its pid went to another process.
+    if (theirs.pid != own_pid_) peer_processes_[static_cast<std::size_t>(peer)] = shm::process_handle(theirs.pid);
   }
   return true;
 }
@@ -196,39 +242,61 @@ COHORT_DECL void shared_memory_channel::shut_down() noexcept {
     if (segment.base != nullptr) shared_memory::wake_all(segment.head().posted);
 }
 
-COHORT_DECL void shared_memory_channel::post() {
+COHORT_DECL void shared_memory_channel::post(std::uint64_t signature) {
   header& own = segments_[static_cast<std::size_t>(rank_)].head();
-  own.posted.store(++posted_, std::memory_order_release);
-  shared_memory::wake_all(own.posted);
+  ++posted_;
+  own.signature[posted_ & 1u].store(signature, std::memory_order_relaxed);
+  // Sequentially consistent, with the waiter's count and its futex's look at the word: either
+  // this post sees a waiter that registered, or that waiter's futex sees this post.
+  own.posted.store(posted_, std::memory_order_seq_cst);
+  if (own.waiters.load(std::memory_order_seq_cst) != 0) shared_memory::wake_all(own.posted);
 }
 
 COHORT_DECL void shared_memory_channel::wait_for_all(std::uint32_t phase, std::uint64_t signature,
-                                                     std::chrono::milliseconds timeout) {
+                                                     std::chrono::milliseconds timeout,
+                                                     std::chrono::microseconds spin) {
   namespace shm = shared_memory;
-  const auto started = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point started{};  // read only once a wait has to sleep
   for (int peer = 0; peer < size_; ++peer) {
     if (peer == rank_) continue;
     header& theirs = segments_[static_cast<std::size_t>(peer)].head();
     const auto arrived = [&](std::uint32_t seen) {
       return shm::reached(seen, phase) &&
-             (signature == 0 || theirs.signature.load(std::memory_order_relaxed) == signature);
+             (signature == 0 || theirs.signature[phase & 1u].load(std::memory_order_relaxed) == signature);
     };
-    // A peer a moment behind posts within microseconds: a short spin saves a sleep and a
-    // wake-up, a longer one would take the core from the trainer's own threads.
     std::uint32_t seen = theirs.posted.load(std::memory_order_acquire);
-    for (int spin = 0; spin < 256 && !arrived(seen); ++spin) {
-      shm::pause();
-      seen = theirs.posted.load(std::memory_order_acquire);
-    }
+    if (arrived(seen)) continue;
+    const auto spin_until = std::chrono::steady_clock::now() + spin;
+    do {
+      for (int spin = 0; spin < 64 && !arrived(seen); ++spin) {
+        shm::pause();
+        seen = theirs.posted.load(std::memory_order_acquire);
+      }
+    } while (!arrived(seen) && std::chrono::steady_clock::now() < spin_until);
+    if (arrived(seen)) continue;
+    if (started == std::chrono::steady_clock::time_point{}) started = std::chrono::steady_clock::now();
     while (!arrived(seen)) {
       check_peers_or_throw(peer, phase, signature, started, timeout);
       const auto left = timeout - (std::chrono::steady_clock::now() - started);
+      theirs.waiters.fetch_add(1, std::memory_order_seq_cst);
       shm::wait_while(theirs.posted, seen,
                       std::min<std::chrono::nanoseconds>(
                           shm::look_again, std::max<std::chrono::nanoseconds>(left, std::chrono::nanoseconds(0))));
+      theirs.waiters.fetch_sub(1, std::memory_order_seq_cst);
       seen = theirs.posted.load(std::memory_order_acquire);
     }
   }
+}
+
+COHORT_DECL bool shared_memory_channel::peer_process_ended(int peer) const {
+  const int handle = peer_processes_.empty() ? -1 : peer_processes_[static_cast<std::size_t>(peer)].fd;
+  if (handle >= 0) {
+    pollfd ended{handle, POLLIN, 0};
+    return ::poll(&ended, 1, 0) > 0 && (ended.revents & POLLIN) != 0;
+  }
+  // No handle (a kernel without pidfds): the process table, blind to a zombie.
+  const long pid = processes_.empty() ? 0 : processes_[static_cast<std::size_t>(peer)].pid;
+  return pid > 0 && pid != own_pid_ && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
 }
 
 COHORT_DECL void shared_memory_channel::check_peers_or_throw(int waiting_for, std::uint32_t phase,
@@ -246,12 +314,10 @@ COHORT_DECL void shared_memory_channel::check_peers_or_throw(int waiting_for, st
     // after its posts). A later wait it cannot meet fails then. One that posted in another
     // call and closed has failed this one: it will post nothing more.
     const bool closed = theirs.closed.load(std::memory_order_acquire) != 0;
-    const long pid = processes_[static_cast<std::size_t>(peer)].pid;
-    const bool gone =
-        !closed && pid > 0 && pid != own_pid_ && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+    const bool gone = !closed && peer_process_ended(peer);
     if (!closed && !gone) continue;
     if (shared_memory::reached(theirs.posted.load(std::memory_order_acquire), phase) &&
-        (signature == 0 || theirs.signature.load(std::memory_order_relaxed) == signature))
+        (signature == 0 || theirs.signature[phase & 1u].load(std::memory_order_relaxed) == signature))
       continue;
     throw shared_memory_failure(text("rank ", std::to_string(peer),
                                      gone ? "'s process is gone: connection closed by peer (shared memory)"
@@ -280,6 +346,15 @@ inline void reduce_part(std::byte* out, const std::byte* own, std::span<const st
   }
 }
 
+// Every contribution but rank `me`'s, in rank order (reduce_part's peers; `parts` by rank).
+inline std::vector<const std::byte*> others_in_rank_order(const std::vector<const std::byte*>& parts, std::size_t me) {
+  std::vector<const std::byte*> others;
+  others.reserve(parts.size() - 1);
+  for (std::size_t p = 0; p < parts.size(); ++p)
+    if (p != me) others.push_back(parts[p]);
+  return others;
+}
+
 }  // namespace shared_memory
 
 COHORT_DECL void shared_memory_channel::all_reduce(const void* in, void* out, std::size_t count, std::size_t element,
@@ -287,11 +362,13 @@ COHORT_DECL void shared_memory_channel::all_reduce(const void* in, void* out, st
                                                    std::chrono::milliseconds timeout) {
   const auto* source = static_cast<const std::byte*>(in);
   auto* target = static_cast<std::byte*>(out);
+  // Decided by the call's size, the same on every rank.
+  if (count * element <= small_bytes)
+    return all_reduce_small(source, target, count, element, reduce, signature, timeout);
   const std::size_t chunk = std::max<std::size_t>(1, slot_bytes_ / element);
   const std::size_t world = static_cast<std::size_t>(size_);
   const std::size_t me = static_cast<std::size_t>(rank_);
-  std::vector<const std::byte*> parts(world - 1);
-  header& own = segments_[me].head();
+  std::vector<const std::byte*> parts(world);
   for (std::size_t first = 0; first < count; first += chunk) {
     const std::size_t m = std::min(chunk, count - first);
     // Rank p reduces elements [lo(p), lo(p + 1)) of the chunk.
@@ -301,29 +378,52 @@ COHORT_DECL void shared_memory_channel::all_reduce(const void* in, void* out, st
     std::byte* chunk_out = target + first * element;
     // 1: the peers' parts of this rank's input into its slot (its own part stays: its own
     // reduction reads it from the input).
-    wait_for_all(posted_, 0, timeout);
-    own.signature.store(signature, std::memory_order_relaxed);
+    wait_for_all(posted_, 0, timeout, shared_memory::spin_chunk);
     std::memcpy(own_slot(), chunk_in, mine_begin * element);
     std::memcpy(own_slot() + mine_end * element, chunk_in + mine_end * element, (m - mine_end) * element);
-    post();
-    wait_for_all(posted_, signature, timeout);
+    post(signature);
+    wait_for_all(posted_, signature, timeout, shared_memory::spin_chunk);
     // 2: this rank's part reduced, into its slot (where its own part is not) and its output.
     if (mine_end > mine_begin) {
-      for (std::size_t p = 0, i = 0; p < world; ++p)
-        if (p != me) parts[i++] = peer_slot(static_cast<int>(p)) + mine_begin * element;
+      for (std::size_t p = 0; p < world; ++p)
+        parts[p] = (p == me ? chunk_in : peer_slot(static_cast<int>(p))) + mine_begin * element;
       std::byte* reduced = own_slot() + mine_begin * element;
-      shared_memory::reduce_part(reduced, chunk_in + mine_begin * element, parts, mine_end - mine_begin, reduce);
+      if (reduce.sum_in_rank_order != nullptr)
+        reduce.sum_in_rank_order(reduced, reinterpret_cast<const void* const*>(parts.data()), world,
+                                 mine_end - mine_begin, reduce.divisor);
+      else
+        shared_memory::reduce_part(reduced, parts[me], shared_memory::others_in_rank_order(parts, me),
+                                   mine_end - mine_begin, reduce);
       std::memcpy(chunk_out + mine_begin * element, reduced, (mine_end - mine_begin) * element);
     }
-    post();
-    wait_for_all(posted_, signature, timeout);
+    post(signature);
+    wait_for_all(posted_, signature, timeout, shared_memory::spin_chunk);
     // 3: the peers' reduced parts, from their slots.
     for (std::size_t p = 0; p < world; ++p)
       if (p != me)
         std::memcpy(chunk_out + lo(p) * element, peer_slot(static_cast<int>(p)) + lo(p) * element,
                     (lo(p + 1) - lo(p)) * element);
-    post();
+    post(signature);
   }
+}
+
+COHORT_DECL void shared_memory_channel::all_reduce_small(const std::byte* in, std::byte* out, std::size_t count,
+                                                         std::size_t element, const reduction& reduce,
+                                                         std::uint64_t signature, std::chrono::milliseconds timeout) {
+  const std::size_t world = static_cast<std::size_t>(size_);
+  // Every peer has posted this rank's last phase (free after a small call, which waited for
+  // it): none is more than one phase ahead, and none still reads the small slot written next.
+  wait_for_all(posted_, 0, timeout, shared_memory::spin_small);
+  std::memcpy(segments_[static_cast<std::size_t>(rank_)].small_slot(slot_bytes_, posted_ + 1), in, count * element);
+  post(signature);
+  wait_for_all(posted_, signature, timeout, shared_memory::spin_small);
+  // Every contribution from the slots (this rank's too: `out` may be `in`), in rank order.
+  std::vector<const std::byte*> parts(world);
+  for (std::size_t p = 0; p < world; ++p) parts[p] = segments_[p].small_slot(slot_bytes_, posted_);
+  if (reduce.sum_in_rank_order != nullptr)
+    reduce.sum_in_rank_order(out, reinterpret_cast<const void* const*>(parts.data()), world, count, reduce.divisor);
+  else
+    shared_memory::reduce_part(out, parts[0], std::span<const std::byte* const>(parts).subspan(1), count, reduce);
 }
 
 COHORT_DECL void shared_memory_channel::reduce_scatter(const void* in, void* out, std::size_t count_per_rank,
@@ -334,25 +434,28 @@ COHORT_DECL void shared_memory_channel::reduce_scatter(const void* in, void* out
   const std::size_t world = static_cast<std::size_t>(size_);
   const std::size_t me = static_cast<std::size_t>(rank_);
   const std::size_t block = std::max<std::size_t>(1, slot_bytes_ / (element * world));
-  std::vector<const std::byte*> parts(world - 1);
-  header& own = segments_[me].head();
+  std::vector<const std::byte*> parts(world);
   for (std::size_t first = 0; first < count_per_rank; first += block) {
     const std::size_t m = std::min(block, count_per_rank - first);
     // 1: every peer's share of this rank's input, side by side in its slot.
-    wait_for_all(posted_, 0, timeout);
-    own.signature.store(signature, std::memory_order_relaxed);
+    wait_for_all(posted_, 0, timeout, shared_memory::spin_chunk);
     for (std::size_t p = 0; p < world; ++p)
       if (p != me)
         std::memcpy(own_slot() + p * m * element, source + (p * count_per_rank + first) * element, m * element);
-    post();
-    wait_for_all(posted_, signature, timeout);
+    post(signature);
+    wait_for_all(posted_, signature, timeout, shared_memory::spin_chunk);
     // 2: this rank's share, reduced from its input and the peers' slots. (Out may be inside
     // the input: at most the elements this chunk has read already.)
-    for (std::size_t p = 0, i = 0; p < world; ++p)
-      if (p != me) parts[i++] = peer_slot(static_cast<int>(p)) + me * m * element;
-    shared_memory::reduce_part(target + first * element, source + (me * count_per_rank + first) * element, parts, m,
-                               reduce);
-    post();
+    for (std::size_t p = 0; p < world; ++p)
+      parts[p] = p == me ? source + (me * count_per_rank + first) * element
+                         : peer_slot(static_cast<int>(p)) + me * m * element;
+    if (reduce.sum_in_rank_order != nullptr)
+      reduce.sum_in_rank_order(target + first * element, reinterpret_cast<const void* const*>(parts.data()), world, m,
+                               reduce.divisor);
+    else
+      shared_memory::reduce_part(target + first * element, parts[me], shared_memory::others_in_rank_order(parts, me), m,
+                                 reduce);
+    post(signature);
   }
 }
 
@@ -364,20 +467,18 @@ COHORT_DECL void shared_memory_channel::all_gather(const void* in, void* out, st
   const std::size_t world = static_cast<std::size_t>(size_);
   const std::size_t me = static_cast<std::size_t>(rank_);
   const std::size_t block = std::max<std::size_t>(1, slot_bytes_ / element);
-  header& own = segments_[me].head();
   std::byte* own_block = target + me * count_per_rank * element;
   if (own_block != source) std::memcpy(own_block, source, count_per_rank * element);
   for (std::size_t first = 0; first < count_per_rank; first += block) {
     const std::size_t m = std::min(block, count_per_rank - first);
-    wait_for_all(posted_, 0, timeout);
-    own.signature.store(signature, std::memory_order_relaxed);
+    wait_for_all(posted_, 0, timeout, shared_memory::spin_chunk);
     std::memcpy(own_slot(), source + first * element, m * element);
-    post();
-    wait_for_all(posted_, signature, timeout);
+    post(signature);
+    wait_for_all(posted_, signature, timeout, shared_memory::spin_chunk);
     for (std::size_t p = 0; p < world; ++p)
       if (p != me)
         std::memcpy(target + (p * count_per_rank + first) * element, peer_slot(static_cast<int>(p)), m * element);
-    post();
+    post(signature);
   }
 }
 
