@@ -8,6 +8,8 @@
 //   train --strategy zero3 --ranks 4            # 4 ranks as threads of this process
 //   mpirun -np 4 train --strategy zero2         # or torchrun --nproc-per-node 4 --no-python train
 //   train --ranks 3 --batches-per-rank 5,3,0    # uneven inputs: a join scope keeps them in step
+//   COHORT_TIMELINE=tl train --ranks 4           # a timeline per rank: cohort-trace timeline tl
+//   train --ranks 3 --steps 80 --slow-rank 1 --slow-from 30 --slow-ms 40   # the slowdown line
 //   train --ranks 4 --checkpoint ckpt --save-every 5 --stop-after 9   # stopped after step 9
 //   train --ranks 2 --strategy zero3 --checkpoint ckpt --resume       # continues at step 10
 //   train --ranks 4 --checkpoint ckpt --save-every 4 --resume --kill-at-step 10  # a crash, then
@@ -31,6 +33,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "train_common.hpp"
@@ -45,9 +48,20 @@ using cohort_examples::mlp;
 // --stop-after ended it early.
 std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg, const config& cfg, const mlp& model,
                          const flat_layout& layout, const cohort_examples::synthetic_data& data) {
-  cohort::training_state<cohort::gloo> state(
-      pg, cohort_examples::regions_of(model, layout),
-      {.strategy = cfg.strategy, .bucket_bytes = 64 << 10, .adam = cfg.adam, .max_grad_norm = cfg.max_grad_norm});
+  // COHORT_TIMELINE=DIR: each rank writes DIR/rank<R>.timeline.json (cohort-trace timeline
+  // DIR merges them). The straggler report's windows watch for a slowdown: rank 0 writes one
+  // line naming the rank (or every rank alike) when the step moves past 30% of its baseline
+  // for two windows in a row (slowdown_options' defaults).
+  cohort::timeline timeline(pg);
+  cohort::straggler_report stragglers(
+      pg, {.every = 4, .output = nullptr, .slowdown = cohort::slowdown_options{}, .slowdown_timeline = &timeline});
+  cohort::training_state<cohort::gloo> state(pg, cohort_examples::regions_of(model, layout),
+                                             {.strategy = cfg.strategy,
+                                              .bucket_bytes = 64 << 10,
+                                              .adam = cfg.adam,
+                                              .max_grad_norm = cfg.max_grad_norm,
+                                              .straggler = &stragglers,
+                                              .timeline = &timeline});
   state.load_parameters(cohort_examples::initial_parameters(model, layout));
   // The data is indexed by step: the sampler's position is the next step, kept in the
   // checkpoint's metadata with the data's seed.
@@ -87,6 +101,7 @@ std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg,
           static_cast<std::size_t>(step) * cfg.batch + static_cast<std::size_t>(pg.rank()) * local;
       const auto inputs = cohort_examples::rows(data.inputs, first, local, model.input_width());
       activation[0].assign(inputs.begin(), inputs.end());
+      auto forward = timeline.span("forward");
       for (std::size_t l = 0; l < layers; ++l) {  // forward
         auto layer = state.gather(l);
         activation[l + 1].assign(local * layer.param(2 * l + 1).size(), 0.0f);
@@ -95,6 +110,9 @@ std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg,
       std::vector<float> delta(activation.back().size());
       const float loss = model.output_loss(
           activation.back(), cohort_examples::rows(data.targets, first, local, model.output_width()), local, delta);
+      forward.end();
+      auto backward = timeline.span("backward");
+      if (cfg.slowed(pg.rank(), step)) std::this_thread::sleep_for(std::chrono::milliseconds(cfg.slow_ms));
       for (std::size_t l = layers; l-- > 0;) {  // backward, last layer first
         auto layer = state.gather(l);
         std::vector<float> previous(l > 0 ? activation[l].size() : 0);
@@ -103,6 +121,7 @@ std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg,
         state.mark_layer_ready(l);
         delta = std::move(previous);
       }
+      backward.end();
       const auto result = state.step();
       // Inside a join no collective of the trainer's own: a joined rank is waiting in the
       // state's agreement. Rank 0's own loss is printed there instead of the mean.
@@ -131,6 +150,7 @@ std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg,
     state.join(loop);
   else
     loop();
+  stragglers.flush();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   const auto memory = state.memory();
   std::printf("[rank %d] memory per rank: parameters %s, gradients %s, optimizer state %s\n", pg.rank(),

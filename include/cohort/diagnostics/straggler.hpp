@@ -68,6 +68,7 @@
 namespace cohort::inline v0 {
 
 class store;
+class timeline;
 
 // What a wait was for: where the report's caller was blocked.
 enum class wait_kind : std::uint8_t { reduce, gather, other };
@@ -135,6 +136,49 @@ COHORT_DECL straggler_summary summarize_stragglers(std::uint64_t first_step, std
 // The one line rank 0 prints (no newline).
 [[gnu::cold]] COHORT_DECL std::string format_straggler_report(const straggler_summary& summary);
 
+// A run that says when it slows: rank 0 compares each window with a baseline of the first
+// windows and writes ONE line when, for `sustained` windows in a row, either one rank computes
+// longer than the median rank by `threshold` of the baseline step more than it did in the
+// baseline, and that explains at least half of the step's rise (it names that rank), or every
+// rank's step moved past `threshold` of the baseline step, or the exposed share past
+// `exposed_threshold`, alike (it names no rank: the network, the input pipeline, a shared
+// cause). The same finding is not repeated until it has cleared for a window; a window with
+// missing ranks is neither baseline nor evidence.
+struct slowdown_options {
+  std::uint64_t baseline_windows = 2;  // the first complete windows after step 1
+  std::uint64_t sustained = 2;         // windows in a row past the threshold before the line
+  double threshold = 0.3;              // of the baseline step (see above)
+  double exposed_threshold = 0.25;     // a rise of the median exposed share, in [0, 1]
+  double min_ms = 2.0;                 // a change smaller than this (ms per step) is noise
+};
+
+// What a slowdown watch found in one window.
+struct slowdown_finding {
+  int rank = -1;                 // the rank that slowed alone; -1: every rank alike
+  std::uint64_t first_step = 0;  // the first window past the threshold
+  std::uint64_t last_step = 0;   // the window that made it sustained
+  std::string line;              // what rank 0 writes (no newline)
+};
+
+// Pure: fed rank 0's window summaries in order, returns a finding at most once per cause.
+class slowdown_watch {
+ public:
+  explicit slowdown_watch(slowdown_options options = {}) : options_(options) {}
+  COHORT_DECL std::optional<slowdown_finding> observe(const straggler_summary& window);
+  bool has_baseline() const noexcept { return baseline_count_ >= options_.baseline_windows; }
+
+ private:
+  slowdown_options options_;
+  std::uint64_t baseline_count_ = 0;
+  double baseline_step_ms_ = 0;  // mean of the baseline windows' median steps
+  double baseline_exposed_ = 0;  // and of their median exposed shares
+  double baseline_lead_ms_ = 0;  // and of the slowest rank's lead over the median compute
+  int candidate_ = -2;           // the cause being watched: a rank, -1 all alike, -2 none
+  std::uint64_t candidate_windows_ = 0;
+  std::uint64_t candidate_first_ = 0;
+  int reported_ = -2;  // the cause last reported, until it clears
+};
+
 struct straggler_options {
   // Steps per window; 0 turns the report off (no clock is read, nothing is exchanged).
   std::uint64_t every = 100;
@@ -147,6 +191,14 @@ struct straggler_options {
   // How long rank 0 waits for a window's reports before naming the missing ranks;
   // 0: the store's own timeout (a group's store: the group's timeout).
   std::chrono::milliseconds timeout{0};
+  // Rank 0 watches for a slowdown (slowdown_watch) and writes its one line to
+  // `slowdown_output` (stderr by default; nullptr: nowhere); the timeline, when given, keeps
+  // the steps of that window beyond its ring.
+  std::optional<slowdown_options> slowdown = {};
+  std::FILE* slowdown_output = stderr;
+  timeline* slowdown_timeline = nullptr;
+  // Called on rank 0 with each finding, after writing its line.
+  std::function<void(const slowdown_finding&)> on_slowdown = {};
 };
 
 class straggler_report {
@@ -256,6 +308,7 @@ class straggler_report {
 
   std::vector<pending_window> pending_;  // rank 0: windows still collecting, oldest first
   std::optional<straggler_summary> latest_;
+  std::optional<slowdown_watch> slowdown_;  // rank 0, when options_.slowdown
   straggler_rank_stats last_window_;
   std::string failure_;
   bool stopped_ = false;

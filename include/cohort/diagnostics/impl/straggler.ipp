@@ -18,6 +18,7 @@
 #include "cohort/config.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/diagnostics/straggler.hpp"
+#include "cohort/diagnostics/timeline.hpp"
 #include "cohort/error.hpp"
 #include "cohort/rendezvous/store.hpp"
 
@@ -195,6 +196,7 @@ COHORT_DECL straggler_report::straggler_report(std::shared_ptr<store> exchange, 
                 "pass the group's rank and size");
   // Numbered on every rank, on or off, so the n-th reports of all ranks pair up.
   id_ = store_->add(detail::text("straggler/reports/", std::to_string(rank)), 1);
+  if (rank_ == 0 && every_ > 0 && options_.slowdown) slowdown_.emplace(*options_.slowdown);
 }
 
 COHORT_DECL std::string straggler_report::key(std::uint64_t window, int rank) const {
@@ -311,6 +313,77 @@ COHORT_DECL void straggler_report::report(const pending_window& window, std::vec
     std::fflush(options_.output);
   }
   if (options_.on_report) options_.on_report(*latest_);
+  if (!slowdown_) return;
+  const auto finding = slowdown_->observe(*latest_);
+  if (!finding) return;
+  if (options_.slowdown_output) {
+    const std::string line = detail::text(finding->line, "\n");
+    std::fputs(line.c_str(), options_.slowdown_output);
+    std::fflush(options_.slowdown_output);
+  }
+  if (options_.slowdown_timeline)
+    options_.slowdown_timeline->keep(finding->first_step, finding->last_step, finding->line);
+  if (options_.on_slowdown) options_.on_slowdown(*finding);
+}
+
+COHORT_DECL std::optional<slowdown_finding> slowdown_watch::observe(const straggler_summary& window) {
+  if (!window.missing.empty() || window.ranks.empty()) return std::nullopt;
+  const double lead = window.slowest_over_median_ms;
+  if (!has_baseline()) {
+    const double n = static_cast<double>(baseline_count_);
+    baseline_step_ms_ = (baseline_step_ms_ * n + window.step.median) / (n + 1);
+    baseline_exposed_ = (baseline_exposed_ * n + window.exposed.median) / (n + 1);
+    baseline_lead_ms_ = (baseline_lead_ms_ * n + lead) / (n + 1);
+    ++baseline_count_;
+    return std::nullopt;
+  }
+  // One rank alone: it computes longer than the median rank by more than it did, and that
+  // explains at least half of the step's rise (the others wait for it). Else every rank alike:
+  // the median step, or the median exposed share, moved past the threshold.
+  const double margin = std::max(options_.threshold * baseline_step_ms_, options_.min_ms);
+  const double step_rise = window.step.median - baseline_step_ms_;
+  const double lead_rise = lead - baseline_lead_ms_;
+  int cause = -2;
+  if (window.world > 1 && window.slowest >= 0 && lead_rise > margin && lead_rise >= 0.5 * step_rise)
+    cause = window.slowest;
+  else if (step_rise > margin || window.exposed.median - baseline_exposed_ > options_.exposed_threshold)
+    cause = -1;
+  if (cause == -2) {
+    candidate_ = reported_ = -2;
+    candidate_windows_ = 0;
+    return std::nullopt;
+  }
+  if (cause != candidate_) {
+    candidate_ = cause;
+    candidate_windows_ = 0;
+    candidate_first_ = window.first_step;
+  }
+  if (++candidate_windows_ < options_.sustained || cause == reported_) return std::nullopt;
+  reported_ = cause;
+  slowdown_finding finding;
+  finding.rank = cause;
+  finding.first_step = candidate_first_;
+  finding.last_step = window.last_step;
+  char text[400];
+  if (cause >= 0) {
+    const auto* slowed = window.find(cause);
+    std::snprintf(text, sizeof text,
+                  "cohort slowdown: rank %d slowed since step %llu: it computes %.1f ms/step more than the median "
+                  "rank (baseline %+.1f); step %.1f -> %.1f ms (steps %llu-%llu)",
+                  cause, static_cast<unsigned long long>(candidate_first_), lead, baseline_lead_ms_, baseline_step_ms_,
+                  slowed ? slowed->step_ms : window.step.median, static_cast<unsigned long long>(window.first_step),
+                  static_cast<unsigned long long>(window.last_step));
+  } else {
+    std::snprintf(text, sizeof text,
+                  "cohort slowdown: every rank alike since step %llu (no single rank): step %.1f -> %.1f ms, "
+                  "exposed communication %.0f%% -> %.0f%% (steps %llu-%llu)",
+                  static_cast<unsigned long long>(candidate_first_), baseline_step_ms_, window.step.median,
+                  100 * baseline_exposed_, 100 * window.exposed.median,
+                  static_cast<unsigned long long>(window.first_step),
+                  static_cast<unsigned long long>(window.last_step));
+  }
+  finding.line = text;
+  return finding;
 }
 
 COHORT_DECL void straggler_report::stop(const std::string& what) {
