@@ -46,8 +46,15 @@ using cohort_examples::mlp;
 
 // One rank's training. The loop is the same whatever cfg.strategy says. `stopped` is set when
 // --stop-after ended it early.
-std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg, const config& cfg, const mlp& model,
-                         const flat_layout& layout, const cohort_examples::synthetic_data& data) {
+// What a run measured: its ms per step and, on rank 0, the straggler report's verdict.
+struct run_measure {
+  double ms_per_step = 0;
+  std::optional<cohort::scaling_verdict> verdict;
+};
+
+std::vector<float> train(bool& stopped, run_measure& measured, cohort::process_group<cohort::gloo>& pg,
+                         const config& cfg, const mlp& model, const flat_layout& layout,
+                         const cohort_examples::synthetic_data& data) {
   // COHORT_TIMELINE=DIR: each rank writes DIR/rank<R>.timeline.json (cohort-trace timeline
   // DIR merges them). The straggler report's windows watch for a slowdown: rank 0 writes one
   // line naming the rank (or every rank alike) when the step moves past 30% of its baseline
@@ -151,6 +158,11 @@ std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg,
   else
     loop();
   stragglers.flush();
+  // Rank 0's verdict on the run: where the step went, and what these ranks deliver against one.
+  if (const auto run = stragglers.run_summary()) {
+    measured.verdict = cohort::scaling_verdict_of(*run);
+    std::printf("%s\n", cohort::format_scaling_verdict(*measured.verdict).c_str());
+  }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   const auto memory = state.memory();
   std::printf("[rank %d] memory per rank: parameters %s, gradients %s, optimizer state %s\n", pg.rank(),
@@ -159,6 +171,7 @@ std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg,
   std::printf("[rank %d] wire bytes per step: %zu (%s, %zu buckets); %.2f ms per step\n", pg.rank(),
               state.wire_bytes_per_step(), cohort_examples::human(state.wire_bytes_per_step()).c_str(),
               state.bucket_count(), 1e3 * seconds / std::max(cfg.total_steps(), 1));
+  measured.ms_per_step = 1e3 * seconds / std::max(cfg.total_steps(), 1);
   std::fflush(stdout);
   return state.gather_parameters();
 }
@@ -172,6 +185,7 @@ int main(int argc, char** argv) try {
   const auto data = cohort_examples::synthetic_data::make(cfg.batch * static_cast<std::size_t>(cfg.total_steps()),
                                                           model.input_width(), model.output_width(), 2024);
   int status = 0;
+  run_measure measured;  // rank 0's
   cohort::run_ranks(cfg.ranks, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
     if (cfg.batch % static_cast<std::size_t>(env.world_size) != 0)
       throw std::runtime_error("--batch must be divisible by the number of ranks");
@@ -184,12 +198,29 @@ int main(int argc, char** argv) try {
           "--checkpoint with --batches-per-rank: a save is collective, and a joined rank "
           "has no step to save at");
     bool stopped = false;
-    const auto trained = train(stopped, pg, cfg, model, layout, data);
+    run_measure here;
+    const auto trained = train(stopped, here, pg, cfg, model, layout, data);
+    if (pg.rank() == 0) measured = here;
     if (pg.rank() != 0) return;
     cohort_examples::print_parameter_summary(trained);
     if (stopped) return;  // stopped as a job is: the comparison is for a finished run
     status = cohort_examples::report_against_single_process(cfg, model, layout, data, pg.world_size(), trained, 1e-5);
   });
+  // The verdict's estimate against a measured run of one rank on the same global batch.
+  if (cfg.compare_one_rank && cfg.ranks > 1 && measured.verdict && status == 0) {
+    cohort::run_ranks(1, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+      cohort::process_group<cohort::gloo> pg{store, env};
+      bool stopped = false;
+      run_measure one;
+      (void)train(stopped, one, pg, cfg, model, layout, data);
+      const double actual = one.ms_per_step / measured.ms_per_step;
+      std::printf(
+          "measured: %d ranks deliver %.2fx one rank's throughput (one rank %.2f ms/step, %d ranks %.2f); the "
+          "verdict estimated %.2fx, %+.0f%% off\n",
+          cfg.ranks, actual, one.ms_per_step, cfg.ranks, measured.ms_per_step, measured.verdict->speedup,
+          100 * (measured.verdict->speedup - actual) / actual);
+    });
+  }
   return status;
 } catch (const std::exception& failure) {
   std::fprintf(stderr, "train: %s\n", failure.what());

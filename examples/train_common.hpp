@@ -42,6 +42,7 @@ struct config {
   int slow_rank = -2;  // -2: none
   int slow_from = 0;
   int slow_ms = 0;
+  bool compare_one_rank = false;  // after the run, one rank on the same batch: the verdict's check
   bool slowed(int rank, int step) const {
     return slow_ms > 0 && step >= slow_from && (slow_rank == -1 || slow_rank == rank);
   }
@@ -154,6 +155,8 @@ inline config parse_train_options(int argc, char** argv) {
       cfg.slow_from = std::stoi(args.value());
     else if (arg == "--slow-ms")
       cfg.slow_ms = std::stoi(args.value());
+    else if (arg == "--compare-one-rank")
+      cfg.compare_one_rank = true;
     else if (arg == "--batches-per-rank") {
       const std::string list = args.value();
       for (std::size_t at = 0; at <= list.size();) {
@@ -172,6 +175,7 @@ inline config parse_train_options(int argc, char** argv) {
           "             [--batches-per-rank B0,B1,...]\n"
           "             [--slow-rank R|-1 --slow-from S --slow-ms M]   (rank R, or every rank, sleeps M ms\n"
           "              in its backward from step S: the slowdown line names it)\n"
+          "             [--compare-one-rank]   (then one rank on the same batch: the verdict's estimate checked)\n"
           "             [--checkpoint DIR [--save-every K] [--resume] [--stop-after N] [--kill-at-step K]]\n"
           "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
     }

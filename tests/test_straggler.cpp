@@ -435,3 +435,20 @@ TEST_CASE("the slowdown watch names no rank when every rank slowed alike", "[str
   CHECK(findings[0].line.find("every rank alike") != std::string::npos);
   for (const char* named : {"rank 0", "rank 1", "rank 2"}) CHECK(findings[0].line.find(named) == std::string::npos);
 }
+
+TEST_CASE("the scaling verdict estimates one rank's step as N x the median compute", "[straggler]") {
+  // 4 ranks computing 10 ms and waiting 3 (rank 3: 12 and 1): one rank would take 40 ms.
+  auto run =
+      cohort::summarize_stragglers(2, 41, 4, {stats(0, 13, 3), stats(1, 13, 3), stats(2, 13, 3), stats(3, 13, 1)});
+  const auto verdict = cohort::scaling_verdict_of(run);
+  CHECK(verdict.world == 4);
+  CHECK(verdict.one_rank_step_ms == Approx(40));
+  CHECK(verdict.speedup == Approx(40.0 / 13));
+  CHECK(verdict.exposed == Approx(3.0 / 13));
+  CHECK(verdict.slowest == 3);
+  const auto line = cohort::format_scaling_verdict(verdict);
+  INFO(line);
+  CHECK(line.find("4 ranks: step 13.00 ms") != std::string::npos);
+  CHECK(line.find("3.08x one rank's throughput") != std::string::npos);
+  CHECK(line.find("slowest rank 3, +2") != std::string::npos);
+}

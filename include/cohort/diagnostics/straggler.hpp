@@ -179,6 +179,26 @@ class slowdown_watch {
   int reported_ = -2;  // the cause last reported, until it clears
 };
 
+// The scaling verdict: rank 0's block at the end of a run (straggler_report::run_summary()):
+// step time, the exposed communication share, the slowest rank and by how much, and what N
+// ranks deliver against one. One rank's step is estimated as the N ranks' median compute
+// times N (the whole global batch computed on one rank, with no communication to wait for);
+// the N-rank throughput against it is that estimate over the measured N-rank step. It
+// assumes compute scales with the batch and leaves out the optimizer's share, which one rank
+// pays too (it is in step()'s time: counted as waiting here).
+struct scaling_verdict {
+  int world = 0;
+  double step_ms = 0;           // the median rank's mean step
+  double exposed = 0;           // the median exposed share
+  double one_rank_step_ms = 0;  // the estimate of one rank's step on the whole batch
+  double speedup = 0;           // one_rank_step_ms / step_ms: N ranks' throughput over one's
+  int slowest = -1;
+  double slowest_over_median_ms = 0;
+  std::string advice;  // what to try, when communication is exposed
+};
+COHORT_DECL scaling_verdict scaling_verdict_of(const straggler_summary& run);
+[[gnu::cold]] COHORT_DECL std::string format_scaling_verdict(const scaling_verdict& verdict);
+
 struct straggler_options {
   // Steps per window; 0 turns the report off (no clock is read, nothing is exchanged).
   std::uint64_t every = 100;
@@ -259,6 +279,9 @@ class straggler_report {
   // still pending and reports it, naming ranks that never reported. Other ranks return at once.
   COHORT_DECL void flush();
 
+  // Rank 0: every window reported so far as one (the means over their steps, per rank);
+  // empty before the first report and on other ranks. What the scaling verdict reads.
+  COHORT_DECL std::optional<straggler_summary> run_summary() const;
   // Rank 0: the latest window's summary (empty before the first, and on other ranks).
   const std::optional<straggler_summary>& latest() const noexcept { return latest_; }
   // This rank's own numbers for its latest published window.
@@ -308,7 +331,9 @@ class straggler_report {
 
   std::vector<pending_window> pending_;  // rank 0: windows still collecting, oldest first
   std::optional<straggler_summary> latest_;
-  std::optional<slowdown_watch> slowdown_;  // rank 0, when options_.slowdown
+  std::optional<slowdown_watch> slowdown_;        // rank 0, when options_.slowdown
+  std::vector<straggler_rank_stats> run_totals_;  // rank 0: sums over the windows (ms x steps)
+  std::uint64_t run_first_step_ = 0;
   straggler_rank_stats last_window_;
   std::string failure_;
   bool stopped_ = false;

@@ -307,6 +307,21 @@ COHORT_DECL void straggler_report::report(const pending_window& window, std::vec
   summary.timeout = exchange_timeout();
   summary.host_clock_only = host_clock_only_;
   latest_ = summary;
+  if (run_totals_.empty()) {
+    run_totals_.resize(static_cast<std::size_t>(world_));
+    run_first_step_ = summary.first_step;
+  }
+  for (const auto& r : summary.ranks) {
+    auto& total = run_totals_[static_cast<std::size_t>(r.rank)];
+    const double steps = static_cast<double>(r.steps);
+    total.rank = r.rank;
+    total.steps += r.steps;
+    total.step_ms += r.step_ms * steps;
+    total.reduce_wait_ms += r.reduce_wait_ms * steps;
+    total.gather_wait_ms += r.gather_wait_ms * steps;
+    total.other_wait_ms += r.other_wait_ms * steps;
+    total.max_step_ms = std::max(total.max_step_ms, r.max_step_ms);
+  }
   if (options_.output) {
     const std::string line = detail::text(format_straggler_report(summary), "\n");
     std::fputs(line.c_str(), options_.output);
@@ -324,6 +339,64 @@ COHORT_DECL void straggler_report::report(const pending_window& window, std::vec
   if (options_.slowdown_timeline)
     options_.slowdown_timeline->keep(finding->first_step, finding->last_step, finding->line);
   if (options_.on_slowdown) options_.on_slowdown(*finding);
+}
+
+COHORT_DECL std::optional<straggler_summary> straggler_report::run_summary() const {
+  if (run_totals_.empty() || !latest_) return std::nullopt;
+  std::vector<straggler_rank_stats> ranks;
+  std::vector<int> missing;
+  for (std::size_t r = 0; r < run_totals_.size(); ++r) {
+    auto mean = run_totals_[r];
+    if (mean.steps == 0) {
+      missing.push_back(static_cast<int>(r));
+      continue;
+    }
+    const double steps = static_cast<double>(mean.steps);
+    mean.step_ms /= steps;
+    mean.reduce_wait_ms /= steps;
+    mean.gather_wait_ms /= steps;
+    mean.other_wait_ms /= steps;
+    ranks.push_back(mean);
+  }
+  auto run = summarize_stragglers(run_first_step_, latest_->last_step, world_, std::move(ranks), std::move(missing));
+  run.host_clock_only = host_clock_only_;
+  return run;
+}
+
+COHORT_DECL scaling_verdict scaling_verdict_of(const straggler_summary& run) {
+  scaling_verdict verdict;
+  verdict.world = run.world;
+  verdict.step_ms = run.step.median;
+  verdict.exposed = run.exposed.median;
+  verdict.one_rank_step_ms = run.compute.median * run.world;
+  verdict.speedup = verdict.step_ms > 0 ? verdict.one_rank_step_ms / verdict.step_ms : 0.0;
+  verdict.slowest = run.balanced ? -1 : run.slowest;
+  verdict.slowest_over_median_ms = run.slowest_over_median_ms;
+  if (verdict.slowest >= 0 && verdict.slowest_over_median_ms > 0.2 * verdict.step_ms)
+    verdict.advice = detail::text("rank ", std::to_string(verdict.slowest),
+                                  " holds the others up: look at its host, its data or its share of the work");
+  else if (verdict.exposed > 0.3)
+    verdict.advice =
+        "communication is exposed: try more accumulation (no_sync micro-steps), larger buckets, or ddp instead of "
+        "zero3 where the memory allows";
+  return verdict;
+}
+
+COHORT_DECL std::string format_scaling_verdict(const scaling_verdict& v) {
+  char text[600];
+  std::snprintf(text, sizeof text,
+                "cohort verdict, %d rank%s: step %.2f ms, communication exposed %.0f%% of the step; %s; %s "
+                "%.2fx one rank's throughput (one rank's step estimated at %.2f ms: %d x the median "
+                "compute)%s%s",
+                v.world, v.world == 1 ? "" : "s", v.step_ms, 100 * v.exposed,
+                v.slowest >= 0 ? detail::text("slowest rank ", std::to_string(v.slowest), ", +",
+                                              detail::straggler_impl::format_ms(v.slowest_over_median_ms),
+                                              " ms/step of compute over the median")
+                                     .c_str()
+                               : "the ranks balanced",
+                v.world == 1 ? "it delivers" : "they deliver", v.speedup, v.one_rank_step_ms, v.world,
+                v.advice.empty() ? "" : "; ", v.advice.c_str());
+  return text;
 }
 
 COHORT_DECL std::optional<slowdown_finding> slowdown_watch::observe(const straggler_summary& window) {
