@@ -57,8 +57,8 @@ std::vector<float> train(bool& stopped, run_measure& measured, cohort::process_g
                          const cohort_examples::synthetic_data& data) {
   // COHORT_TIMELINE=DIR: each rank writes DIR/rank<R>.timeline.json (cohort-trace timeline
   // DIR merges them). The straggler report's windows watch for a slowdown: rank 0 writes one
-  // line naming the rank (or every rank alike) when the step moves past 30% of its baseline
-  // for two windows in a row (slowdown_options' defaults).
+  // line naming the rank when its lead over the others grows by 30% of the baseline step
+  // (every rank alike: the step by 75%) for two windows in a row (slowdown_options' defaults).
   cohort::timeline timeline(pg);
   cohort::straggler_report stragglers(
       pg, {.every = 4, .output = nullptr, .slowdown = cohort::slowdown_options{}, .slowdown_timeline = &timeline});

@@ -140,14 +140,16 @@ COHORT_DECL straggler_summary summarize_stragglers(std::uint64_t first_step, std
 // windows and writes ONE line when, for `sustained` windows in a row, either one rank computes
 // longer than the median rank by `threshold` of the baseline step more than it did in the
 // baseline, and that explains at least half of the step's rise (it names that rank), or every
-// rank's step moved past `threshold` of the baseline step, or the exposed share past
-// `exposed_threshold`, alike (it names no rank: the network, the input pipeline, a shared
-// cause). The same finding is not repeated until it has cleared for a window; a window with
-// missing ranks is neither baseline nor evidence.
+// rank's step moved past `every_rank_threshold` of the baseline step, or the exposed share
+// past `exposed_threshold`, alike (it names no rank: the network, the input pipeline, a shared
+// cause; higher than a rank's threshold, since a host shared with other work moves every
+// rank's step by a third and more on its own). The same finding is not repeated until it has cleared for a window; a
+// window with missing ranks is neither baseline nor evidence.
 struct slowdown_options {
   std::uint64_t baseline_windows = 2;  // the first complete windows after step 1
   std::uint64_t sustained = 2;         // windows in a row past the threshold before the line
   double threshold = 0.3;              // of the baseline step (see above)
+  double every_rank_threshold = 0.75;  // every rank's step alike: of the baseline step
   double exposed_threshold = 0.25;     // a rise of the median exposed share, in [0, 1]
   double min_ms = 2.0;                 // a change smaller than this (ms per step) is noise
 };

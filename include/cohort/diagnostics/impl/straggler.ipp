@@ -419,7 +419,8 @@ COHORT_DECL std::optional<slowdown_finding> slowdown_watch::observe(const stragg
   int cause = -2;
   if (window.world > 1 && window.slowest >= 0 && lead_rise > margin && lead_rise >= 0.5 * step_rise)
     cause = window.slowest;
-  else if (step_rise > margin || window.exposed.median - baseline_exposed_ > options_.exposed_threshold)
+  else if (step_rise > std::max(options_.every_rank_threshold * baseline_step_ms_, options_.min_ms) ||
+           window.exposed.median - baseline_exposed_ > options_.exposed_threshold)
     cause = -1;
   if (cause == -2) {
     candidate_ = reported_ = -2;
