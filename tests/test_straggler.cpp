@@ -411,7 +411,7 @@ std::vector<cohort::slowdown_finding> watch(const std::vector<std::vector<double
 
 TEST_CASE("the slowdown watch names the one rank that slowed, once, after a sustained window", "[straggler]") {
   const std::vector<double> steady{10, 10.5, 10.2}, rank1_slow{10, 50, 10.2};
-  // Baseline 2 windows, 2 steady, then rank 1 slow for 4 windows.
+  // Baseline 3 windows, 1 steady, then rank 1 slow for 4 windows.
   const auto findings = watch({steady, steady, steady, steady, rank1_slow, rank1_slow, rank1_slow, rank1_slow});
   REQUIRE(findings.size() == 1);
   INFO(findings[0].line);
@@ -423,7 +423,7 @@ TEST_CASE("the slowdown watch names the one rank that slowed, once, after a sust
   CHECK(watch({steady, steady, steady, rank1_slow, steady, steady}).empty());
   CHECK(watch({steady, steady, steady, steady, steady, steady, steady}).empty());
   // Cleared, then slow again: a second line.
-  CHECK(watch({steady, steady, rank1_slow, rank1_slow, steady, rank1_slow, rank1_slow}).size() == 2);
+  CHECK(watch({steady, steady, steady, rank1_slow, rank1_slow, steady, rank1_slow, rank1_slow}).size() == 2);
 }
 
 TEST_CASE("the slowdown watch names no rank when every rank slowed alike", "[straggler]") {

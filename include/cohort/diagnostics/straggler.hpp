@@ -146,7 +146,7 @@ COHORT_DECL straggler_summary summarize_stragglers(std::uint64_t first_step, std
 // rank's step by a third and more on its own). The same finding is not repeated until it has cleared for a window; a
 // window with missing ranks is neither baseline nor evidence.
 struct slowdown_options {
-  std::uint64_t baseline_windows = 2;  // the first complete windows after step 1
+  std::uint64_t baseline_windows = 3;  // the first complete windows after step 1
   std::uint64_t sustained = 2;         // windows in a row past the threshold before the line
   double threshold = 0.3;              // of the baseline step (see above)
   double every_rank_threshold = 0.75;  // every rank's step alike: of the baseline step
@@ -172,7 +172,7 @@ class slowdown_watch {
  private:
   slowdown_options options_;
   std::uint64_t baseline_count_ = 0;
-  double baseline_step_ms_ = 0;  // mean of the baseline windows' median steps
+  double baseline_step_ms_ = 0;  // the least of the baseline windows' median steps (a busy host only adds)
   double baseline_exposed_ = 0;  // and of their median exposed shares
   double baseline_lead_ms_ = 0;  // and of the slowest rank's lead over the median compute
   int candidate_ = -2;           // the cause being watched: a rank, -1 all alike, -2 none

@@ -404,7 +404,7 @@ COHORT_DECL std::optional<slowdown_finding> slowdown_watch::observe(const stragg
   const double lead = window.slowest_over_median_ms;
   if (!has_baseline()) {
     const double n = static_cast<double>(baseline_count_);
-    baseline_step_ms_ = (baseline_step_ms_ * n + window.step.median) / (n + 1);
+    baseline_step_ms_ = n == 0 ? window.step.median : std::min(baseline_step_ms_, window.step.median);
     baseline_exposed_ = (baseline_exposed_ * n + window.exposed.median) / (n + 1);
     baseline_lead_ms_ = (baseline_lead_ms_ * n + lead) / (n + 1);
     ++baseline_count_;
