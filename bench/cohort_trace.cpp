@@ -50,7 +50,8 @@ cohort-trace timeline reads the timelines ranks write when COHORT_TIMELINE=DIR i
 (DIR/rank<R>.timeline.json), merges them into one Chrome trace (-o; Perfetto and
 chrome://tracing open it: one process row per rank, every rank's step k side by side) and
 prints each rank's mean step split into compute, exposed communication (waiting on the
-engine) and other; --plot writes that split as an SVG of stacked bars.
+engine) and other; --plot writes that split as an SVG of stacked bars. Exit status 1 when
+spans overlap without nesting (the files were not cohort::timeline's), 2 as below.
 
 Options
   --json      machine-readable output
@@ -101,6 +102,11 @@ int timeline_main(const std::vector<std::string>& args) {
   for (const auto& r : merged.ranks)
     std::printf("  rank %d: step %.2f = compute %.2f + exposed communication %.2f (%.0f%%) + other %.2f\n", r.rank,
                 r.step_ms, r.compute_ms, r.exposed_ms, 100 * r.exposed_share(), r.other_ms);
+  if (merged.unnested > 0) {
+    std::printf("%zu spans overlap another without nesting in it: the split above counts them twice\n",
+                merged.unnested);
+    return 1;
+  }
   return 0;
 }
 

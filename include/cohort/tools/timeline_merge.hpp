@@ -48,6 +48,7 @@ struct merged_timeline {
   std::vector<timeline_rank_split> ranks;   // in rank order
   std::uint64_t aligned_on_step = 0;        // the step whose start is common to every rank
   std::vector<std::uint64_t> common_steps;  // steps every rank recorded
+  std::size_t unnested = 0;                 // spans that overlap another without nesting in it
 };
 
 namespace detail::timeline_merge_impl {
@@ -161,6 +162,24 @@ inline timeline_rank_split split_of(const rank_file& file, const std::vector<std
 
 }  // namespace detail::timeline_merge_impl
 
+// Spans of one rank that overlap another span without lying inside it: the trace viewers
+// draw such a span wrongly, and the split above would count its time twice. Zero for the files
+// cohort::timeline writes, whose spans nest in their step.
+inline std::size_t count_unnested(std::vector<std::pair<double, double>> spans) {
+  // Begin ascending, the longer first: a parent before its children.
+  std::sort(spans.begin(), spans.end(),
+            [](const auto& a, const auto& b) { return a.first != b.first ? a.first < b.first : a.second > b.second; });
+  constexpr double slack_us = 1e-3;  // the file's precision
+  std::vector<double> open;          // ends of the spans enclosing the current one
+  std::size_t unnested = 0;
+  for (const auto& [begin, end] : spans) {
+    while (!open.empty() && open.back() <= begin + slack_us) open.pop_back();
+    if (!open.empty() && end > open.back() + slack_us) ++unnested;
+    open.push_back(end);
+  }
+  return unnested;
+}
+
 // Reads DIR/rank<R>.timeline.json for every rank present and merges them.
 inline merged_timeline merge_timelines(const std::filesystem::path& directory) {
   using namespace detail::timeline_merge_impl;
@@ -221,6 +240,9 @@ inline merged_timeline merge_timelines(const std::filesystem::path& directory) {
       events.push_back(std::move(e));
     }
     merged.ranks.push_back(split_of(file, measured));
+    std::vector<std::pair<double, double>> spans;
+    for (const auto& s : file.spans) spans.emplace_back(s.begin_us, s.end_us);
+    merged.unnested += count_unnested(std::move(spans));
   }
   merged.document.set("traceEvents", std::move(events));
   merged.document.set("displayTimeUnit", "ms");
