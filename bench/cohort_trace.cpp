@@ -11,18 +11,30 @@
 // overwritten it; and each rank's recorded error. --json prints the same as JSON.
 // Exit status: 0 nothing wrong found, 1 a finding (see --help), 2 usage or I/O error.
 // See include/cohort/diagnostics/trace.hpp.
+//
+//   COHORT_TIMELINE=/shared/timeline torchrun ... ./trainer
+//   cohort-trace timeline /shared/timeline -o merged.json --plot verdict.svg
+//
+// Merges the ranks' timelines (include/cohort/diagnostics/timeline.hpp) into one Chrome
+// trace (Perfetto, chrome://tracing: one process row per rank, aligned on the steps), prints
+// each rank's step split into compute, exposed communication and other, and with --plot
+// draws that split as an SVG of stacked bars.
 
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include "cohort/diagnostics/trace.hpp"
+#include "cohort/tools/timeline_merge.hpp"
 
 namespace {
 
 constexpr const char* usage = R"(usage: cohort-trace DIR [--json]
+       cohort-trace timeline DIR [-o merged.json] [--plot verdict.svg]
 
 Reads the flight-recorder traces ranks write when a collective fails and COHORT_TRACE_DIR=DIR
 is set (DIR/rank<R>.<group>.json, one per rank and process group) and names the rank at fault:
@@ -33,6 +45,13 @@ is set (DIR/rank<R>.<group>.json, one per rank and process group) and names the 
   - sends without their matching recv (or the reverse), and send/recv size mismatches;
   - what cannot be judged because a ring (the last `capacity` calls) no longer holds it;
   - each rank's recorded error (first line).
+
+cohort-trace timeline reads the timelines ranks write when COHORT_TIMELINE=DIR is set
+(DIR/rank<R>.timeline.json), merges them into one Chrome trace (-o; Perfetto and
+chrome://tracing open it: one process row per rank, every rank's step k side by side) and
+prints each rank's mean step split into compute, exposed communication (waiting on the
+engine) and other; --plot writes that split as an SVG of stacked bars. Exit status 1 when
+spans overlap without nesting (the files were not cohort::timeline's), 2 as below.
 
 Options
   --json      machine-readable output
@@ -50,6 +69,47 @@ Exit status
   std::exit(2);
 }
 
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+  if (!out.flush()) fail("cannot write " + path);
+}
+
+int timeline_main(const std::vector<std::string>& args) {
+  std::string directory, merged_path, plot_path;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const auto value = [&] {
+      if (i + 1 >= args.size()) fail(args[i] + " needs a file name");
+      return args[++i];
+    };
+    if (args[i] == "-o")
+      merged_path = value();
+    else if (args[i] == "--plot")
+      plot_path = value();
+    else if (args[i].rfind("-", 0) == 0 && args[i].size() > 1)
+      fail("unknown option " + args[i]);
+    else if (directory.empty())
+      directory = args[i];
+    else
+      fail("one directory only (got \"" + directory + "\" and \"" + args[i] + "\")");
+  }
+  if (directory.empty()) fail("give the timeline directory (the run's COHORT_TIMELINE)");
+  const auto merged = cohort::merge_timelines(directory);
+  if (!merged_path.empty()) write_file(merged_path, merged.document.dump());
+  if (!plot_path.empty()) write_file(plot_path, cohort::timeline_svg(merged.ranks));
+  std::printf("%zu ranks, %zu steps every rank recorded (aligned on step %llu); ms per step:\n", merged.ranks.size(),
+              merged.common_steps.size(), static_cast<unsigned long long>(merged.aligned_on_step));
+  for (const auto& r : merged.ranks)
+    std::printf("  rank %d: step %.2f = compute %.2f + exposed communication %.2f (%.0f%%) + other %.2f\n", r.rank,
+                r.step_ms, r.compute_ms, r.exposed_ms, 100 * r.exposed_share(), r.other_ms);
+  if (merged.unnested > 0) {
+    std::printf("%zu spans overlap another without nesting in it: the split above counts them twice\n",
+                merged.unnested);
+    return 1;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -57,6 +117,7 @@ int main(int argc, char** argv) {
     bool json_output = false;
     std::string directory;
     std::vector<std::string> args(argv + 1, argv + argc);
+    if (!args.empty() && args.front() == "timeline") return timeline_main({args.begin() + 1, args.end()});
     for (const auto& arg : args) {
       if (arg == "--help" || arg == "-h") {
         std::cout << usage;

@@ -8,6 +8,8 @@
 //   train --strategy zero3 --ranks 4            # 4 ranks as threads of this process
 //   mpirun -np 4 train --strategy zero2         # or torchrun --nproc-per-node 4 --no-python train
 //   train --ranks 3 --batches-per-rank 5,3,0    # uneven inputs: a join scope keeps them in step
+//   COHORT_TIMELINE=tl train --ranks 4           # a timeline per rank: cohort-trace timeline tl
+//   train --ranks 3 --steps 80 --slow-rank 1 --slow-from 30 --slow-ms 40   # the slowdown line
 //   train --ranks 4 --checkpoint ckpt --save-every 5 --stop-after 9   # stopped after step 9
 //   train --ranks 2 --strategy zero3 --checkpoint ckpt --resume       # continues at step 10
 //   train --ranks 4 --checkpoint ckpt --save-every 4 --resume --kill-at-step 10  # a crash, then
@@ -31,6 +33,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "train_common.hpp"
@@ -43,11 +46,29 @@ using cohort_examples::mlp;
 
 // One rank's training. The loop is the same whatever cfg.strategy says. `stopped` is set when
 // --stop-after ended it early.
-std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg, const config& cfg, const mlp& model,
-                         const flat_layout& layout, const cohort_examples::synthetic_data& data) {
-  cohort::training_state<cohort::gloo> state(
-      pg, cohort_examples::regions_of(model, layout),
-      {.strategy = cfg.strategy, .bucket_bytes = 64 << 10, .adam = cfg.adam, .max_grad_norm = cfg.max_grad_norm});
+// What a run measured: its ms per step and, on rank 0, the straggler report's verdict.
+struct run_measure {
+  double ms_per_step = 0;
+  std::optional<cohort::scaling_verdict> verdict;
+};
+
+std::vector<float> train(bool& stopped, run_measure& measured, cohort::process_group<cohort::gloo>& pg,
+                         const config& cfg, const mlp& model, const flat_layout& layout,
+                         const cohort_examples::synthetic_data& data) {
+  // COHORT_TIMELINE=DIR: each rank writes DIR/rank<R>.timeline.json (cohort-trace timeline
+  // DIR merges them). The straggler report's windows watch for a slowdown: rank 0 writes one
+  // line naming the rank when its lead over the others grows by 30% of the baseline step
+  // (every rank alike: the step by 75%) for two windows in a row (slowdown_options' defaults).
+  cohort::timeline timeline(pg);
+  cohort::straggler_report stragglers(
+      pg, {.every = 4, .output = nullptr, .slowdown = cohort::slowdown_options{}, .slowdown_timeline = &timeline});
+  cohort::training_state<cohort::gloo> state(pg, cohort_examples::regions_of(model, layout),
+                                             {.strategy = cfg.strategy,
+                                              .bucket_bytes = 64 << 10,
+                                              .adam = cfg.adam,
+                                              .max_grad_norm = cfg.max_grad_norm,
+                                              .straggler = &stragglers,
+                                              .timeline = &timeline});
   state.load_parameters(cohort_examples::initial_parameters(model, layout));
   // The data is indexed by step: the sampler's position is the next step, kept in the
   // checkpoint's metadata with the data's seed.
@@ -87,6 +108,7 @@ std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg,
           static_cast<std::size_t>(step) * cfg.batch + static_cast<std::size_t>(pg.rank()) * local;
       const auto inputs = cohort_examples::rows(data.inputs, first, local, model.input_width());
       activation[0].assign(inputs.begin(), inputs.end());
+      auto forward = timeline.span("forward");
       for (std::size_t l = 0; l < layers; ++l) {  // forward
         auto layer = state.gather(l);
         activation[l + 1].assign(local * layer.param(2 * l + 1).size(), 0.0f);
@@ -95,6 +117,9 @@ std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg,
       std::vector<float> delta(activation.back().size());
       const float loss = model.output_loss(
           activation.back(), cohort_examples::rows(data.targets, first, local, model.output_width()), local, delta);
+      forward.end();
+      auto backward = timeline.span("backward");
+      if (cfg.slowed(pg.rank(), step)) std::this_thread::sleep_for(std::chrono::milliseconds(cfg.slow_ms));
       for (std::size_t l = layers; l-- > 0;) {  // backward, last layer first
         auto layer = state.gather(l);
         std::vector<float> previous(l > 0 ? activation[l].size() : 0);
@@ -103,6 +128,7 @@ std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg,
         state.mark_layer_ready(l);
         delta = std::move(previous);
       }
+      backward.end();
       const auto result = state.step();
       // Inside a join no collective of the trainer's own: a joined rank is waiting in the
       // state's agreement. Rank 0's own loss is printed there instead of the mean.
@@ -131,6 +157,12 @@ std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg,
     state.join(loop);
   else
     loop();
+  stragglers.flush();
+  // Rank 0's verdict on the run: where the step went, and what these ranks deliver against one.
+  if (const auto run = stragglers.run_summary()) {
+    measured.verdict = cohort::scaling_verdict_of(*run);
+    std::printf("%s\n", cohort::format_scaling_verdict(*measured.verdict).c_str());
+  }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   const auto memory = state.memory();
   std::printf("[rank %d] memory per rank: parameters %s, gradients %s, optimizer state %s\n", pg.rank(),
@@ -139,6 +171,7 @@ std::vector<float> train(bool& stopped, cohort::process_group<cohort::gloo>& pg,
   std::printf("[rank %d] wire bytes per step: %zu (%s, %zu buckets); %.2f ms per step\n", pg.rank(),
               state.wire_bytes_per_step(), cohort_examples::human(state.wire_bytes_per_step()).c_str(),
               state.bucket_count(), 1e3 * seconds / std::max(cfg.total_steps(), 1));
+  measured.ms_per_step = 1e3 * seconds / std::max(cfg.total_steps(), 1);
   std::fflush(stdout);
   return state.gather_parameters();
 }
@@ -152,6 +185,7 @@ int main(int argc, char** argv) try {
   const auto data = cohort_examples::synthetic_data::make(cfg.batch * static_cast<std::size_t>(cfg.total_steps()),
                                                           model.input_width(), model.output_width(), 2024);
   int status = 0;
+  run_measure measured;  // rank 0's
   cohort::run_ranks(cfg.ranks, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
     if (cfg.batch % static_cast<std::size_t>(env.world_size) != 0)
       throw std::runtime_error("--batch must be divisible by the number of ranks");
@@ -164,12 +198,29 @@ int main(int argc, char** argv) try {
           "--checkpoint with --batches-per-rank: a save is collective, and a joined rank "
           "has no step to save at");
     bool stopped = false;
-    const auto trained = train(stopped, pg, cfg, model, layout, data);
+    run_measure here;
+    const auto trained = train(stopped, here, pg, cfg, model, layout, data);
+    if (pg.rank() == 0) measured = here;
     if (pg.rank() != 0) return;
     cohort_examples::print_parameter_summary(trained);
     if (stopped) return;  // stopped as a job is: the comparison is for a finished run
     status = cohort_examples::report_against_single_process(cfg, model, layout, data, pg.world_size(), trained, 1e-5);
   });
+  // The verdict's estimate against a measured run of one rank on the same global batch.
+  if (cfg.compare_one_rank && cfg.ranks > 1 && measured.verdict && status == 0) {
+    cohort::run_ranks(1, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+      cohort::process_group<cohort::gloo> pg{store, env};
+      bool stopped = false;
+      run_measure one;
+      (void)train(stopped, one, pg, cfg, model, layout, data);
+      const double actual = one.ms_per_step / measured.ms_per_step;
+      std::printf(
+          "measured: %d ranks deliver %.2fx one rank's throughput (one rank %.2f ms/step, %d ranks %.2f); the "
+          "verdict estimated %.2fx, %+.0f%% off\n",
+          cfg.ranks, actual, one.ms_per_step, cfg.ranks, measured.ms_per_step, measured.verdict->speedup,
+          100 * (measured.verdict->speedup - actual) / actual);
+    });
+  }
   return status;
 } catch (const std::exception& failure) {
   std::fprintf(stderr, "train: %s\n", failure.what());

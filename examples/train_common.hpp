@@ -37,6 +37,15 @@ struct config {
   // Uneven inputs: rank k trains batches[k] steps inside a join scope (empty: every rank
   // trains `steps`). The reference then trains on the union of the batches of each step.
   std::vector<int> batches_per_rank;
+  // A slow rank: rank slow_rank sleeps slow_ms in its backward from step slow_from on (-1:
+  // every rank alike), for the straggler report's slowdown line to name.
+  int slow_rank = -2;  // -2: none
+  int slow_from = 0;
+  int slow_ms = 0;
+  bool compare_one_rank = false;  // after the run, one rank on the same batch: the verdict's check
+  bool slowed(int rank, int step) const {
+    return slow_ms > 0 && step >= slow_from && (slow_rank == -1 || slow_rank == rank);
+  }
   int batches_of(int rank) const {
     return batches_per_rank.empty() ? steps : batches_per_rank.at(static_cast<std::size_t>(rank));
   }
@@ -140,6 +149,14 @@ inline config parse_train_options(int argc, char** argv) {
       cfg.steps = std::stoi(args.value());
     else if (arg == "--batch")
       cfg.batch = std::stoul(args.value());
+    else if (arg == "--slow-rank")
+      cfg.slow_rank = std::stoi(args.value());
+    else if (arg == "--slow-from")
+      cfg.slow_from = std::stoi(args.value());
+    else if (arg == "--slow-ms")
+      cfg.slow_ms = std::stoi(args.value());
+    else if (arg == "--compare-one-rank")
+      cfg.compare_one_rank = true;
     else if (arg == "--batches-per-rank") {
       const std::string list = args.value();
       for (std::size_t at = 0; at <= list.size();) {
@@ -156,6 +173,9 @@ inline config parse_train_options(int argc, char** argv) {
       args.usage(
           "usage: train [--strategy ddp|zero1|zero2|zero3] [--ranks N] [--steps S] [--batch B]\n"
           "             [--batches-per-rank B0,B1,...]\n"
+          "             [--slow-rank R|-1 --slow-from S --slow-ms M]   (rank R, or every rank, sleeps M ms\n"
+          "              in its backward from step S: the slowdown line names it)\n"
+          "             [--compare-one-rank]   (then one rank on the same batch: the verdict's estimate checked)\n"
           "             [--checkpoint DIR [--save-every K] [--resume] [--stop-after N] [--kill-at-step K]]\n"
           "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
     }

@@ -383,3 +383,72 @@ TEST_CASE("a rank that never reports is named within the timeout, and nothing ha
   CHECK(count_of(printed, "no report from rank 1 within 300 ms") == 2);
   std::fclose(output);
 }
+
+// ---- the slowdown watch ------------------------------------------------------------------------
+
+namespace {
+
+// A window of 3 ranks: each computes `compute[r]` ms and waits for the slowest (a step of the
+// slowest compute plus 2 ms of communication).
+cohort::straggler_summary window_of(std::uint64_t index, std::vector<double> compute) {
+  double slowest = 0;
+  for (const double c : compute) slowest = std::max(slowest, c);
+  std::vector<cohort::straggler_rank_stats> ranks;
+  for (int r = 0; r < static_cast<int>(compute.size()); ++r)
+    ranks.push_back(stats(r, slowest + 2, slowest + 2 - compute[static_cast<std::size_t>(r)]));
+  return cohort::summarize_stragglers(4 * index + 1, 4 * index + 4, static_cast<int>(compute.size()), ranks);
+}
+
+std::vector<cohort::slowdown_finding> watch(const std::vector<std::vector<double>>& windows) {
+  cohort::slowdown_watch watcher;
+  std::vector<cohort::slowdown_finding> findings;
+  for (std::size_t w = 0; w < windows.size(); ++w)
+    if (auto finding = watcher.observe(window_of(w, windows[w]))) findings.push_back(*finding);
+  return findings;
+}
+
+}  // namespace
+
+TEST_CASE("the slowdown watch names the one rank that slowed, once, after a sustained window", "[straggler]") {
+  const std::vector<double> steady{10, 10.5, 10.2}, rank1_slow{10, 50, 10.2};
+  // Baseline 3 windows, 1 steady, then rank 1 slow for 4 windows.
+  const auto findings = watch({steady, steady, steady, steady, rank1_slow, rank1_slow, rank1_slow, rank1_slow});
+  REQUIRE(findings.size() == 1);
+  INFO(findings[0].line);
+  CHECK(findings[0].rank == 1);
+  CHECK(findings[0].first_step == 17);  // the first slow window (index 4)
+  CHECK(findings[0].last_step == 24);   // the second: sustained
+  CHECK(findings[0].line.find("rank 1 slowed") != std::string::npos);
+  // A single slow window is no finding; nor is a steady run.
+  CHECK(watch({steady, steady, steady, rank1_slow, steady, steady}).empty());
+  CHECK(watch({steady, steady, steady, steady, steady, steady, steady}).empty());
+  // Cleared, then slow again: a second line.
+  CHECK(watch({steady, steady, steady, rank1_slow, rank1_slow, steady, rank1_slow, rank1_slow}).size() == 2);
+}
+
+TEST_CASE("the slowdown watch names no rank when every rank slowed alike", "[straggler]") {
+  const std::vector<double> steady{10, 10.5, 10.2}, all_slow{50, 50.5, 50.2};
+  const auto findings = watch({steady, steady, steady, all_slow, all_slow, all_slow});
+  REQUIRE(findings.size() == 1);
+  INFO(findings[0].line);
+  CHECK(findings[0].rank == -1);
+  CHECK(findings[0].line.find("every rank alike") != std::string::npos);
+  for (const char* named : {"rank 0", "rank 1", "rank 2"}) CHECK(findings[0].line.find(named) == std::string::npos);
+}
+
+TEST_CASE("the scaling verdict estimates one rank's step as N x the median compute", "[straggler]") {
+  // 4 ranks computing 10 ms and waiting 3 (rank 3: 12 and 1): one rank would take 40 ms.
+  auto run =
+      cohort::summarize_stragglers(2, 41, 4, {stats(0, 13, 3), stats(1, 13, 3), stats(2, 13, 3), stats(3, 13, 1)});
+  const auto verdict = cohort::scaling_verdict_of(run);
+  CHECK(verdict.world == 4);
+  CHECK(verdict.one_rank_step_ms == Approx(40));
+  CHECK(verdict.speedup == Approx(40.0 / 13));
+  CHECK(verdict.exposed == Approx(3.0 / 13));
+  CHECK(verdict.slowest == 3);
+  const auto line = cohort::format_scaling_verdict(verdict);
+  INFO(line);
+  CHECK(line.find("4 ranks: step 13.00 ms") != std::string::npos);
+  CHECK(line.find("3.08x one rank's throughput") != std::string::npos);
+  CHECK(line.find("slowest rank 3, +2") != std::string::npos);
+}

@@ -13,6 +13,7 @@
 #include "cohort/data/metrics.hpp"
 #include "cohort/data/sampler.hpp"
 #include "cohort/diagnostics/straggler.hpp"
+#include "cohort/diagnostics/timeline.hpp"
 #include "cohort/error.hpp"
 #include "cohort/parallel/checkpoint.hpp"
 #include "cohort/parallel/layout.hpp"

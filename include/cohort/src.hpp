@@ -16,6 +16,7 @@
 #include "cohort/data/impl/metrics.ipp"
 #include "cohort/data/impl/sampler.ipp"
 #include "cohort/diagnostics/impl/straggler.ipp"
+#include "cohort/diagnostics/impl/timeline.ipp"
 #include "cohort/parallel/impl/checkpoint.ipp"
 #include "cohort/parallel/impl/layout.ipp"
 #include "cohort/rendezvous/impl/file_store.ipp"

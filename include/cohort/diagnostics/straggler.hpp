@@ -68,6 +68,7 @@
 namespace cohort::inline v0 {
 
 class store;
+class timeline;
 
 // What a wait was for: where the report's caller was blocked.
 enum class wait_kind : std::uint8_t { reduce, gather, other };
@@ -135,6 +136,71 @@ COHORT_DECL straggler_summary summarize_stragglers(std::uint64_t first_step, std
 // The one line rank 0 prints (no newline).
 [[gnu::cold]] COHORT_DECL std::string format_straggler_report(const straggler_summary& summary);
 
+// A run that says when it slows: rank 0 compares each window with a baseline of the first
+// windows and writes ONE line when, for `sustained` windows in a row, either one rank computes
+// longer than the median rank by `threshold` of the baseline step more than it did in the
+// baseline, and that explains at least half of the step's rise (it names that rank), or every
+// rank's step moved past `every_rank_threshold` of the baseline step, or the exposed share
+// past `exposed_threshold`, alike (it names no rank: the network, the input pipeline, a shared
+// cause; higher than a rank's threshold, since a host shared with other work moves every
+// rank's step by a third and more on its own). The same finding is not repeated until it has cleared for a window; a
+// window with missing ranks is neither baseline nor evidence.
+struct slowdown_options {
+  std::uint64_t baseline_windows = 3;  // the first complete windows after step 1
+  std::uint64_t sustained = 2;         // windows in a row past the threshold before the line
+  double threshold = 0.3;              // of the baseline step (see above)
+  double every_rank_threshold = 0.75;  // every rank's step alike: of the baseline step
+  double exposed_threshold = 0.25;     // a rise of the median exposed share, in [0, 1]
+  double min_ms = 2.0;                 // a change smaller than this (ms per step) is noise
+};
+
+// What a slowdown watch found in one window.
+struct slowdown_finding {
+  int rank = -1;                 // the rank that slowed alone; -1: every rank alike
+  std::uint64_t first_step = 0;  // the first window past the threshold
+  std::uint64_t last_step = 0;   // the window that made it sustained
+  std::string line;              // what rank 0 writes (no newline)
+};
+
+// Pure: fed rank 0's window summaries in order, returns a finding at most once per cause.
+class slowdown_watch {
+ public:
+  explicit slowdown_watch(slowdown_options options = {}) : options_(options) {}
+  COHORT_DECL std::optional<slowdown_finding> observe(const straggler_summary& window);
+  bool has_baseline() const noexcept { return baseline_count_ >= options_.baseline_windows; }
+
+ private:
+  slowdown_options options_;
+  std::uint64_t baseline_count_ = 0;
+  double baseline_step_ms_ = 0;  // the least of the baseline windows' median steps (a busy host only adds)
+  double baseline_exposed_ = 0;  // and of their median exposed shares
+  double baseline_lead_ms_ = 0;  // and of the slowest rank's lead over the median compute
+  int candidate_ = -2;           // the cause being watched: a rank, -1 all alike, -2 none
+  std::uint64_t candidate_windows_ = 0;
+  std::uint64_t candidate_first_ = 0;
+  int reported_ = -2;  // the cause last reported, until it clears
+};
+
+// The scaling verdict: rank 0's block at the end of a run (straggler_report::run_summary()):
+// step time, the exposed communication share, the slowest rank and by how much, and what N
+// ranks deliver against one. One rank's step is estimated as the N ranks' median compute
+// times N (the whole global batch computed on one rank, with no communication to wait for);
+// the N-rank throughput against it is that estimate over the measured N-rank step. It
+// assumes compute scales with the batch and leaves out the optimizer's share, which one rank
+// pays too (it is in step()'s time: counted as waiting here).
+struct scaling_verdict {
+  int world = 0;
+  double step_ms = 0;           // the median rank's mean step
+  double exposed = 0;           // the median exposed share
+  double one_rank_step_ms = 0;  // the estimate of one rank's step on the whole batch
+  double speedup = 0;           // one_rank_step_ms / step_ms: N ranks' throughput over one's
+  int slowest = -1;
+  double slowest_over_median_ms = 0;
+  std::string advice;  // what to try, when communication is exposed
+};
+COHORT_DECL scaling_verdict scaling_verdict_of(const straggler_summary& run);
+[[gnu::cold]] COHORT_DECL std::string format_scaling_verdict(const scaling_verdict& verdict);
+
 struct straggler_options {
   // Steps per window; 0 turns the report off (no clock is read, nothing is exchanged).
   std::uint64_t every = 100;
@@ -147,6 +213,14 @@ struct straggler_options {
   // How long rank 0 waits for a window's reports before naming the missing ranks;
   // 0: the store's own timeout (a group's store: the group's timeout).
   std::chrono::milliseconds timeout{0};
+  // Rank 0 watches for a slowdown (slowdown_watch) and writes its one line to
+  // `slowdown_output` (stderr by default; nullptr: nowhere); the timeline, when given, keeps
+  // the steps of that window beyond its ring.
+  std::optional<slowdown_options> slowdown = {};
+  std::FILE* slowdown_output = stderr;
+  timeline* slowdown_timeline = nullptr;
+  // Called on rank 0 with each finding, after writing its line.
+  std::function<void(const slowdown_finding&)> on_slowdown = {};
 };
 
 class straggler_report {
@@ -207,6 +281,9 @@ class straggler_report {
   // still pending and reports it, naming ranks that never reported. Other ranks return at once.
   COHORT_DECL void flush();
 
+  // Rank 0: every window reported so far as one (the means over their steps, per rank);
+  // empty before the first report and on other ranks. What the scaling verdict reads.
+  COHORT_DECL std::optional<straggler_summary> run_summary() const;
   // Rank 0: the latest window's summary (empty before the first, and on other ranks).
   const std::optional<straggler_summary>& latest() const noexcept { return latest_; }
   // This rank's own numbers for its latest published window.
@@ -256,6 +333,9 @@ class straggler_report {
 
   std::vector<pending_window> pending_;  // rank 0: windows still collecting, oldest first
   std::optional<straggler_summary> latest_;
+  std::optional<slowdown_watch> slowdown_;        // rank 0, when options_.slowdown
+  std::vector<straggler_rank_stats> run_totals_;  // rank 0: sums over the windows (ms x steps)
+  std::uint64_t run_first_step_ = 0;
   straggler_rank_stats last_window_;
   std::string failure_;
   bool stopped_ = false;

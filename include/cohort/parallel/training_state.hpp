@@ -114,6 +114,7 @@
 #include "cohort/detail/scalar_math.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/diagnostics/straggler.hpp"
+#include "cohort/diagnostics/timeline.hpp"
 #include "cohort/error.hpp"
 #include "cohort/parallel/gradient_statistics.hpp"
 #include "cohort/parallel/layout.hpp"
@@ -179,6 +180,10 @@ struct training_options {
   // Straggler report (cohort/diagnostics/straggler.hpp; it must outlive the state): each step() ends a
   // step, and its time counts as waiting for communication; so does a zero3 gather()'s wait.
   straggler_report* straggler = nullptr;
+  // Timeline (cohort/diagnostics/timeline.hpp; it must outlive the state): each step() ends a
+  // step; the caller's waits (a zero3 gather's, step()'s for the reductions) and the update
+  // are its spans.
+  cohort::timeline* timeline = nullptr;
 };
 
 // Bytes one rank's training holds, by kind: what the state allocated (pooled buffers at their

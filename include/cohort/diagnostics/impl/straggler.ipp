@@ -18,6 +18,7 @@
 #include "cohort/config.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/diagnostics/straggler.hpp"
+#include "cohort/diagnostics/timeline.hpp"
 #include "cohort/error.hpp"
 #include "cohort/rendezvous/store.hpp"
 
@@ -195,6 +196,7 @@ COHORT_DECL straggler_report::straggler_report(std::shared_ptr<store> exchange, 
                 "pass the group's rank and size");
   // Numbered on every rank, on or off, so the n-th reports of all ranks pair up.
   id_ = store_->add(detail::text("straggler/reports/", std::to_string(rank)), 1);
+  if (rank_ == 0 && every_ > 0 && options_.slowdown) slowdown_.emplace(*options_.slowdown);
 }
 
 COHORT_DECL std::string straggler_report::key(std::uint64_t window, int rank) const {
@@ -305,12 +307,157 @@ COHORT_DECL void straggler_report::report(const pending_window& window, std::vec
   summary.timeout = exchange_timeout();
   summary.host_clock_only = host_clock_only_;
   latest_ = summary;
+  if (run_totals_.empty()) {
+    run_totals_.resize(static_cast<std::size_t>(world_));
+    run_first_step_ = summary.first_step;
+  }
+  for (const auto& r : summary.ranks) {
+    auto& total = run_totals_[static_cast<std::size_t>(r.rank)];
+    const double steps = static_cast<double>(r.steps);
+    total.rank = r.rank;
+    total.steps += r.steps;
+    total.step_ms += r.step_ms * steps;
+    total.reduce_wait_ms += r.reduce_wait_ms * steps;
+    total.gather_wait_ms += r.gather_wait_ms * steps;
+    total.other_wait_ms += r.other_wait_ms * steps;
+    total.max_step_ms = std::max(total.max_step_ms, r.max_step_ms);
+  }
   if (options_.output) {
     const std::string line = detail::text(format_straggler_report(summary), "\n");
     std::fputs(line.c_str(), options_.output);
     std::fflush(options_.output);
   }
   if (options_.on_report) options_.on_report(*latest_);
+  if (!slowdown_) return;
+  const auto finding = slowdown_->observe(*latest_);
+  if (!finding) return;
+  if (options_.slowdown_output) {
+    const std::string line = detail::text(finding->line, "\n");
+    std::fputs(line.c_str(), options_.slowdown_output);
+    std::fflush(options_.slowdown_output);
+  }
+  if (options_.slowdown_timeline)
+    options_.slowdown_timeline->keep(finding->first_step, finding->last_step, finding->line);
+  if (options_.on_slowdown) options_.on_slowdown(*finding);
+}
+
+COHORT_DECL std::optional<straggler_summary> straggler_report::run_summary() const {
+  if (run_totals_.empty() || !latest_) return std::nullopt;
+  std::vector<straggler_rank_stats> ranks;
+  std::vector<int> missing;
+  for (std::size_t r = 0; r < run_totals_.size(); ++r) {
+    auto mean = run_totals_[r];
+    if (mean.steps == 0) {
+      missing.push_back(static_cast<int>(r));
+      continue;
+    }
+    const double steps = static_cast<double>(mean.steps);
+    mean.step_ms /= steps;
+    mean.reduce_wait_ms /= steps;
+    mean.gather_wait_ms /= steps;
+    mean.other_wait_ms /= steps;
+    ranks.push_back(mean);
+  }
+  auto run = summarize_stragglers(run_first_step_, latest_->last_step, world_, std::move(ranks), std::move(missing));
+  run.host_clock_only = host_clock_only_;
+  return run;
+}
+
+COHORT_DECL scaling_verdict scaling_verdict_of(const straggler_summary& run) {
+  scaling_verdict verdict;
+  verdict.world = run.world;
+  verdict.step_ms = run.step.median;
+  verdict.exposed = run.exposed.median;
+  verdict.one_rank_step_ms = run.compute.median * run.world;
+  verdict.speedup = verdict.step_ms > 0 ? verdict.one_rank_step_ms / verdict.step_ms : 0.0;
+  verdict.slowest = run.balanced ? -1 : run.slowest;
+  verdict.slowest_over_median_ms = run.slowest_over_median_ms;
+  if (verdict.slowest >= 0 && verdict.slowest_over_median_ms > 0.2 * verdict.step_ms)
+    verdict.advice = detail::text("rank ", std::to_string(verdict.slowest),
+                                  " holds the others up: look at its host, its data or its share of the work");
+  else if (verdict.exposed > 0.3)
+    verdict.advice =
+        "communication is exposed: try more accumulation (no_sync micro-steps), larger buckets, or ddp instead of "
+        "zero3 where the memory allows";
+  return verdict;
+}
+
+COHORT_DECL std::string format_scaling_verdict(const scaling_verdict& v) {
+  char text[600];
+  std::snprintf(text, sizeof text,
+                "cohort verdict, %d rank%s: step %.2f ms, communication exposed %.0f%% of the step; %s; %s "
+                "%.2fx one rank's throughput (one rank's step estimated at %.2f ms: %d x the median "
+                "compute)%s%s",
+                v.world, v.world == 1 ? "" : "s", v.step_ms, 100 * v.exposed,
+                v.slowest >= 0 ? detail::text("slowest rank ", std::to_string(v.slowest), ", +",
+                                              detail::straggler_impl::format_ms(v.slowest_over_median_ms),
+                                              " ms/step of compute over the median")
+                                     .c_str()
+                               : "the ranks balanced",
+                v.world == 1 ? "it delivers" : "they deliver", v.speedup, v.one_rank_step_ms, v.world,
+                v.advice.empty() ? "" : "; ", v.advice.c_str());
+  return text;
+}
+
+COHORT_DECL std::optional<slowdown_finding> slowdown_watch::observe(const straggler_summary& window) {
+  if (!window.missing.empty() || window.ranks.empty()) return std::nullopt;
+  const double lead = window.slowest_over_median_ms;
+  if (!has_baseline()) {
+    const double n = static_cast<double>(baseline_count_);
+    baseline_step_ms_ = n == 0 ? window.step.median : std::min(baseline_step_ms_, window.step.median);
+    baseline_exposed_ = (baseline_exposed_ * n + window.exposed.median) / (n + 1);
+    baseline_lead_ms_ = (baseline_lead_ms_ * n + lead) / (n + 1);
+    ++baseline_count_;
+    return std::nullopt;
+  }
+  // One rank alone: it computes longer than the median rank by more than it did, and that
+  // explains at least half of the step's rise (the others wait for it). Else every rank alike:
+  // the median step, or the median exposed share, moved past the threshold.
+  const double margin = std::max(options_.threshold * baseline_step_ms_, options_.min_ms);
+  const double step_rise = window.step.median - baseline_step_ms_;
+  const double lead_rise = lead - baseline_lead_ms_;
+  int cause = -2;
+  if (window.world > 1 && window.slowest >= 0 && lead_rise > margin && lead_rise >= 0.5 * step_rise)
+    cause = window.slowest;
+  else if (step_rise > std::max(options_.every_rank_threshold * baseline_step_ms_, options_.min_ms) ||
+           window.exposed.median - baseline_exposed_ > options_.exposed_threshold)
+    cause = -1;
+  if (cause == -2) {
+    candidate_ = reported_ = -2;
+    candidate_windows_ = 0;
+    return std::nullopt;
+  }
+  if (cause != candidate_) {
+    candidate_ = cause;
+    candidate_windows_ = 0;
+    candidate_first_ = window.first_step;
+  }
+  if (++candidate_windows_ < options_.sustained || cause == reported_) return std::nullopt;
+  reported_ = cause;
+  slowdown_finding finding;
+  finding.rank = cause;
+  finding.first_step = candidate_first_;
+  finding.last_step = window.last_step;
+  char text[400];
+  if (cause >= 0) {
+    const auto* slowed = window.find(cause);
+    std::snprintf(text, sizeof text,
+                  "cohort slowdown: rank %d slowed since step %llu: it computes %.1f ms/step more than the median "
+                  "rank (baseline %+.1f); step %.1f -> %.1f ms (steps %llu-%llu)",
+                  cause, static_cast<unsigned long long>(candidate_first_), lead, baseline_lead_ms_, baseline_step_ms_,
+                  slowed ? slowed->step_ms : window.step.median, static_cast<unsigned long long>(window.first_step),
+                  static_cast<unsigned long long>(window.last_step));
+  } else {
+    std::snprintf(text, sizeof text,
+                  "cohort slowdown: every rank alike since step %llu (no single rank): step %.1f -> %.1f ms, "
+                  "exposed communication %.0f%% -> %.0f%% (steps %llu-%llu)",
+                  static_cast<unsigned long long>(candidate_first_), baseline_step_ms_, window.step.median,
+                  100 * baseline_exposed_, 100 * window.exposed.median,
+                  static_cast<unsigned long long>(window.first_step),
+                  static_cast<unsigned long long>(window.last_step));
+  }
+  finding.line = text;
+  return finding;
 }
 
 COHORT_DECL void straggler_report::stop(const std::string& what) {

@@ -457,10 +457,17 @@ auto training_state<B, P, G>::gather(std::size_t layer) -> layer_view {
   if (!accumulating()) launch_ready();  // what the backward finished so far
   // The straggler report counts the time the caller waits here for the gathers.
   straggler_report* const report = options_.straggler && options_.straggler->enabled() ? options_.straggler : nullptr;
-  const auto entered = report ? straggler_report::clock::now() : straggler_report::clock::time_point{};
+  timeline* const recorder = options_.timeline && options_.timeline->recording() ? options_.timeline : nullptr;
+  const auto entered = report || recorder ? straggler_report::clock::now() : straggler_report::clock::time_point{};
   for (std::size_t b = layout_.first_bucket_of_layer[layer]; b < layout_.first_bucket_of_layer[layer + 1]; ++b)
     hand_to_caller(bucket_gathered_[b]);
-  if (report) report->add_wait(wait_kind::gather, straggler_report::clock::now() - entered);
+  if (report || recorder) {
+    const auto now = straggler_report::clock::now();
+    if (report) report->add_wait(wait_kind::gather, now - entered);
+    if (recorder)
+      recorder->add_span(detail::text("gather wait layer ", std::to_string(layer)), timeline_category::communication,
+                         entered, now);
+  }
   ++layer_users_[layer];
   last_gathered_ = layer;
   return layer_view(this, layer);
@@ -1130,7 +1137,8 @@ step_result training_state<B, P, G>::step() {
     fail("step", "step() inside no_sync: this micro-step's gradients were not reduced",
          "end the no_sync scope before the last micro-step's backward, then step()");
   straggler_report* const report = options_.straggler && options_.straggler->enabled() ? options_.straggler : nullptr;
-  const auto entered = report ? straggler_report::clock::now() : straggler_report::clock::time_point{};
+  timeline* const recorder = options_.timeline && options_.timeline->recording() ? options_.timeline : nullptr;
+  const auto entered = report || recorder ? straggler_report::clock::now() : straggler_report::clock::time_point{};
   auto& engine = group_->backend();
   begin_call();
   // The reductions averaged over the world; under a join only `contributors` ranks gave
@@ -1149,7 +1157,8 @@ step_result training_state<B, P, G>::step() {
   announce(joined_call::step, 0);
   step_result result;
   result.loss_scale = options_.scaler ? options_.scaler->scale() : 1.0;
-  measure(result);
+  measure(result);  // waits for every bucket's reduction
+  const auto reduced = recorder ? timeline::clock::now() : timeline::clock::time_point{};
   result.grad_norm *= divisor_fix;
   result.skipped = result.nonfinite > 0;
   if (options_.scaler) options_.scaler->update(result.skipped);
@@ -1172,11 +1181,20 @@ step_result training_state<B, P, G>::step() {
   skipped_update_ = result.skipped;
   last_step_wire_bytes_ = std::exchange(wire_bytes_, 0);
   last_step_copied_bytes_ = std::exchange(copied_bytes_, 0);
-  if (report) {
+  if (report || recorder) {
     const auto now = straggler_report::clock::now();
-    report->add_wait(wait_kind::reduce, now - entered);
-    report->end_step(now);
+    if (report) {
+      report->add_wait(wait_kind::reduce, now - entered);
+      report->end_step(now);
+    }
+    if (recorder) {
+      recorder->add_span("step: reductions", timeline_category::communication, entered, reduced);
+      recorder->add_span("step: update", timeline_category::optimizer, reduced, now);
+      recorder->end_step(now);
+    }
   }
+  // A stopped timeline still counts the steps, so that a later start() numbers them alike.
+  if (options_.timeline && !recorder) options_.timeline->end_step();
   return result;
 }
 

@@ -1,0 +1,226 @@
+// timeline: the file each rank writes is Chrome trace event JSON whose spans nest in their
+// step, the ring keeps the last steps, start()/stop() record a window; on Gloo ranks as threads
+// the training state's waits are in it, and the merged file puts every rank's step k side by
+// side (cohort-trace timeline).
+#include <catch2/catch.hpp>
+
+#include <cohort/comm/gloo.hpp>
+#include <cohort/diagnostics/timeline.hpp>
+#include <cohort/parallel/training_state.hpp>
+#include <cohort/rendezvous/store.hpp>
+#include <cohort/tools/detail/json.hpp>
+#include <cohort/tools/timeline_merge.hpp>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "support.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using group = cohort::process_group<cohort::gloo>;
+using cohort::detail::json;
+using namespace std::chrono_literals;
+
+struct scratch_dir {
+  fs::path path;
+  explicit scratch_dir(const std::string& name)
+      : path(fs::temp_directory_path() / ("cohort_test_timeline_" + std::to_string(::getpid()) + "_" + name)) {
+    fs::remove_all(path);
+  }
+  ~scratch_dir() {
+    std::error_code ignored;
+    fs::remove_all(path, ignored);
+  }
+};
+
+json read_json(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return cohort::detail::parse_json(text.str());
+}
+
+// The trace event schema's complete events, and that spans of one pid/tid nest (each lies
+// wholly inside the spans still open where it begins, or after them). Returns the X events.
+std::vector<const json*> check_trace_events(const json& document) {
+  std::vector<const json*> spans;
+  const auto& events = document.at("traceEvents").as_array();
+  REQUIRE_FALSE(events.empty());
+  for (const auto& e : events) {
+    REQUIRE(e.at("name").is_string());
+    REQUIRE(e.at("ph").is_string());
+    REQUIRE(e.at("pid").is_number());
+    REQUIRE(e.at("tid").is_number());
+    if (e.at("ph").as_string() == "M") continue;
+    REQUIRE(e.at("ph").as_string() == "X");
+    REQUIRE(e.at("cat").is_string());
+    REQUIRE(e.at("ts").is_number());
+    REQUIRE(e.at("dur").as_number() >= 0);
+    REQUIRE(e.at("args").at("step").as_int64() >= 1);
+    spans.push_back(&e);
+  }
+  std::map<std::pair<double, double>, std::vector<std::pair<double, double>>> by_thread;
+  for (const json* e : spans)
+    by_thread[{e->at("pid").as_number(), e->at("tid").as_number()}].emplace_back(
+        e->at("ts").as_number(), e->at("ts").as_number() + e->at("dur").as_number());
+  for (auto& [thread, intervals] : by_thread) {
+    INFO("pid " << thread.first);
+    CHECK(cohort::count_unnested(intervals) == 0);
+  }
+  return spans;
+}
+
+}  // namespace
+
+TEST_CASE("a timeline is trace event JSON whose spans nest in their steps, the last steps kept", "[timeline]") {
+  scratch_dir dir("ring");
+  {
+    cohort::timeline timeline(3, {.directory = dir.path.string(), .keep_steps = 4});
+    REQUIRE(timeline.enabled());
+    REQUIRE(timeline.recording());
+    for (int step = 1; step <= 10; ++step) {
+      {
+        auto forward = timeline.span("forward");
+        auto inner = timeline.span("layer \"0\"");  // quoted: escaped in the file
+      }
+      const auto now = cohort::timeline::clock::now();
+      timeline.add_span("wait", cohort::timeline_category::communication, now - 1ms, now);
+      timeline.end_step();
+    }
+    CHECK(timeline.step() == 11);
+  }
+  const json document = read_json(dir.path / "rank3.timeline.json");
+  const auto spans = check_trace_events(document);
+  CHECK(document.at("otherData").at("rank").as_int64() == 3);
+  std::map<std::int64_t, int> per_step;
+  for (const json* e : spans) {
+    CHECK(e->at("pid").as_int64() == 3);
+    ++per_step[e->at("args").at("step").as_int64()];
+  }
+  // Steps 7..10 kept, 4 spans each (the step, forward, its inner one, the wait).
+  CHECK(per_step == std::map<std::int64_t, int>{{7, 4}, {8, 4}, {9, 4}, {10, 4}});
+  // The nesting check sees a span that overlaps its neighbour.
+  CHECK(cohort::count_unnested({{0, 10}, {1, 2}, {2, 3}, {9, 12}}) == 1);
+  CHECK(cohort::count_unnested({{0, 10}, {1, 2}, {2, 3}, {10, 12}}) == 0);
+}
+
+TEST_CASE("a timeline records nothing without a directory, and only the window start() to stop()", "[timeline]") {
+  {
+    cohort::timeline off(0, {.directory = ""});
+    if (!off.enabled()) {  // COHORT_TIMELINE may be set around the test
+      auto nothing = off.span("forward");
+      off.end_step();
+      CHECK_FALSE(off.recording());
+      CHECK(off.events().empty());
+    }
+  }
+  scratch_dir dir("window");
+  cohort::timeline timeline(0, {.directory = dir.path.string(), .recording = false});
+  CHECK_FALSE(timeline.recording());
+  for (int step = 1; step <= 8; ++step) {
+    if (step == 3) timeline.start();
+    if (step == 6) timeline.stop();
+    { auto forward = timeline.span("forward"); }
+    timeline.end_step();
+  }
+  std::vector<std::uint64_t> steps;
+  for (const auto& e : timeline.events())
+    if (e.category == cohort::timeline_category::step) steps.push_back(e.step);
+  CHECK(steps == std::vector<std::uint64_t>{3, 4, 5});
+}
+
+TEST_CASE("Gloo ranks' timelines hold the state's waits and merge with step k side by side", "[timeline][gloo]") {
+  for (const int world : {2, 4}) {
+    for (const auto strategy : {cohort::strategy::ddp, cohort::strategy::zero3}) {
+      DYNAMIC_SECTION(world << " ranks, " << cohort::to_string(strategy)) {
+        constexpr int steps = 6;
+        constexpr int slow = 1;
+        scratch_dir dir("gloo_" + std::to_string(world) + std::string(cohort::to_string(strategy)));
+        auto store = std::make_shared<cohort::memory_store>();
+        cohort_test::run_ranks(world, [&](int rank) {
+          cohort::gloo::options options;
+          options.timeout = std::chrono::seconds(5);
+          group pg(store, cohort::launch_env::explicit_ranks(rank, world), options);
+          cohort::timeline timeline(pg, {.directory = dir.path.string()});
+          const std::vector<cohort::region> regions{{"a", 0, 4096, 0}, {"b", 4096, 256, 1}, {"c", 4352, 64, 2}};
+          cohort::training_state<cohort::gloo> state{pg,
+                                                     regions,
+                                                     {.strategy = strategy,
+                                                      .bucket_bytes = 4096,
+                                                      .sgd = cohort::sgd_options{.lr = 0.1},
+                                                      .timeline = &timeline}};
+          state.load_parameters(std::vector<float>(4416, 0.0f));
+          for (int step = 1; step <= steps; ++step) {
+            {
+              auto forward = timeline.span("forward");
+              for (std::size_t l = 0; l < regions.size(); ++l) (void)state.gather(l);
+            }
+            auto backward = timeline.span("backward");
+            // A slower rank: the others' waits for it are theirs to show.
+            if (rank == slow) std::this_thread::sleep_for(10ms);
+            for (std::size_t l = regions.size(); l-- > 0;) {
+              (void)state.gather(l);
+              for (auto& g : state.gradient(l)) g = 1.0f;
+              state.mark_layer_ready(l);
+            }
+            backward.end();
+            state.step();
+          }
+        });
+        for (int rank = 0; rank < world; ++rank) {
+          const json document = read_json(dir.path / ("rank" + std::to_string(rank) + ".timeline.json"));
+          const auto spans = check_trace_events(document);
+          std::map<std::string, int> names;
+          for (const json* e : spans) ++names[e->at("name").as_string()];
+          CHECK(names["step: reductions"] == steps);
+          CHECK(names["step: update"] == steps);
+          CHECK(names["forward"] == steps);
+          CHECK(names["step 3"] == 1);
+          if (strategy == cohort::strategy::zero3) CHECK(names["gather wait layer 0"] == 2 * steps);
+        }
+        const auto merged = cohort::merge_timelines(dir.path);
+        CHECK(merged.unnested == 0);
+        const auto spans = check_trace_events(merged.document);
+        CHECK(merged.common_steps.size() == steps);
+        CHECK(merged.aligned_on_step == 1);
+        REQUIRE(merged.ranks.size() == static_cast<std::size_t>(world));
+        // Step k of every rank side by side: the step spans begin within a few ms of rank 0's.
+        for (int k = 1; k <= steps; ++k) {
+          std::vector<double> begins;
+          for (const json* e : spans)
+            if (e->at("name").as_string() == "step " + std::to_string(k)) begins.push_back(e->at("ts").as_number());
+          REQUIRE(begins.size() == static_cast<std::size_t>(world));
+          const auto [low, high] = std::minmax_element(begins.begin(), begins.end());
+          CHECK(*high - *low < 5e3);  // microseconds
+        }
+        // The slowed rank computes longer; the others wait for it.
+        for (const auto& split : merged.ranks) {
+          INFO("rank " << split.rank << " step " << split.step_ms << " compute " << split.compute_ms << " exposed "
+                       << split.exposed_ms << " other " << split.other_ms);
+          CHECK(split.steps == steps - 1);
+          CHECK(std::abs(split.compute_ms + split.exposed_ms + split.other_ms - split.step_ms) <
+                1e-3 * split.step_ms + 1e-3);
+          if (split.rank == slow)
+            CHECK(split.compute_ms >= 8);
+          else
+            CHECK(split.exposed_ms >= 5);
+        }
+        const std::string svg = cohort::timeline_svg(merged.ranks);
+        CHECK(svg.find("<svg") == 0);
+        CHECK(svg.find("rank " + std::to_string(world - 1)) != std::string::npos);
+      }
+    }
+  }
+}
