@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "cohort/comm/detail/device_identity.hpp"
+#include "cohort/rendezvous/detail/job_identity.hpp"
 #include "cohort/rendezvous/detail/sha256.hpp"
 #include "cohort/rendezvous/file_store.hpp"
 #include "cohort/rendezvous/tcp_store.hpp"
@@ -85,17 +86,7 @@ int wait_child(pid_t pid, std::chrono::milliseconds limit) {
 // --- sockets -------------------------------------------------------------------------------
 
 // A port nobody listens on right now (bound once, then released).
-std::uint16_t unused_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0);
-  socklen_t length = sizeof(address);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  ::close(fd);
-  return ntohs(address.sin_port);
-}
+using cohort_test::unused_port;
 
 // A plain blocking socket to 127.0.0.1:port, reads bounded by 5 s.
 struct raw_connection {
@@ -1686,9 +1677,18 @@ TEST_CASE("store: a rank of another job is refused when it connects, naming both
                       Catch::Contains("is in use, held by rank 0 of another cohort job: job job-B") &&
                           Catch::Contains("pick another MASTER_PORT"));
   }
-  SECTION("a rank without a job id joins, but a rank claimed twice is refused") {
+  SECTION("a rank without a job id is refused by a job with one, and says why") {
     CHECK_THROWS_WITH(cohort::connect_store(rank_of_job(1, 2, port, ""), short_waits()),
-                      Catch::Contains("is the second process to join job job-B") && Catch::Contains("as rank 1"));
+                      Catch::Contains("rank 1 of job (no id)") && Catch::Contains("which serves job job-B") &&
+                          Catch::Contains("a job without an id") && Catch::Contains("never joins one with an id"));
+  }
+  SECTION("a rank of job-B started twice is the second claimant: it fails, and so does job-B's first group") {
+    CHECK_THROWS_WITH(cohort::connect_store(rank_of_job(1, 2, port, "job-B"), short_waits()),
+                      Catch::Contains("job collision") && Catch::Contains("second process to claim rank 1") &&
+                          Catch::Contains("the first: rank 1 of job job-B"));
+    CHECK_THROWS_WITH(cohort::detail::check_not_collided(*owner, 0, "the job's first group"),
+                      Catch::Contains("job collision") && Catch::Contains("two processes claimed rank 1") &&
+                          Catch::Contains("before its first collective"));
   }
   SECTION("a rank started with another world size is refused") {
     CHECK_THROWS_WITH(cohort::connect_store(rank_of_job(2, 4, port, "job-B"), short_waits()),
@@ -1703,6 +1703,22 @@ TEST_CASE("store: a job launched without an id gets one from rank 0, which every
   const auto& prefix = dynamic_cast<cohort::prefix_store&>(*owner).prefix();
   CHECK_THAT(prefix, Catch::StartsWith("job/cohort-"));
   CHECK(dynamic_cast<cohort::prefix_store&>(*member).prefix() == prefix);
+  CHECK_NOTHROW(cohort::detail::check_not_collided(*owner, 0, "the job's first group"));
+
+  // Another job without an id is told apart by nothing: its ranks claim ranks already taken.
+  SECTION("a second rank 1 fails naming the collision, and the job it met is marked") {
+    CHECK_THROWS_WITH(cohort::connect_store(rank_of_job(1, 2, port, ""), short_waits()),
+                      Catch::Contains("job collision") && Catch::Contains("second process to claim rank 1") &&
+                          Catch::Contains("job without an id, cohort-"));
+  }
+  SECTION("a second rank 0 finds the port in use, and the job it met is marked") {
+    CHECK_THROWS_WITH(cohort::connect_store(rank_of_job(0, 2, port, ""), short_waits()),
+                      Catch::Contains("is in use, held by rank 0 of job without an id, cohort-") &&
+                          Catch::Contains("marked collided"));
+  }
+  for (auto* rank : {owner.get(), member.get()})
+    CHECK_THROWS_WITH(cohort::detail::check_not_collided(*rank, 0, "the job's first group"),
+                      Catch::Contains("job collision") && Catch::Contains("before its first collective"));
 }
 
 // A port held by another program: the other ranks said "never answered" after a minute (an
