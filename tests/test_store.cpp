@@ -1748,3 +1748,30 @@ TEST_CASE("store: a program that is no store on the port is named by what it ans
     CHECK(std::stod(text.substr(after + 7)) <= took);
   }
 }
+
+// The other nodes gave up on a store host later than the connect limit (60 s) while the job
+// waited 600 s: now a rank waits for the store host as long as the store's timeout.
+TEST_CASE("store: a rank waits for a late store host as long as the job's timeout, not the connect limit") {
+  const std::uint16_t port = unused_port();
+  const pid_t late_host = spawn([port] {
+    std::this_thread::sleep_for(3s);
+    auto env = cohort::launch_env::explicit_ranks(0, 2);
+    env.master_port = port;
+    cohort::tcp_store_options options;
+    options.timeout = 15s;
+    auto s = cohort::connect_store(env, options);
+    s->set("from-0", "late");
+    s->wait({"done"});
+    return 0;
+  });
+  auto env = cohort::launch_env::explicit_ranks(1, 2);
+  env.master_port = port;
+  cohort::tcp_store_options options;
+  options.timeout = 15s;
+  options.connect_timeout = 1s;  // the limit a rank used to give up at, shorter than the job's wait
+  options.progress_interval = 1s;
+  auto s = cohort::connect_store(env, options);
+  CHECK(s->get_string("from-0") == "late");
+  s->add("done", 1);
+  CHECK(wait_child(late_host, 15s) == 0);
+}

@@ -357,8 +357,10 @@ class tcp_store final : public store {
 //    name's address in their own /etc/hosts or DNS (options.server.listen_on_every_interface).
 // host, port, is_server and rank come from env; the token from options.token or else the
 // environment (store_token_from_environment); timeouts, limits and num_workers from options.
-// Every rank reads the job's identity in its handshake (options.greeting), refuses another
-// job's store, and claims its rank (see rendezvous/detail/job_identity.hpp).
+// A rank waits for its store host at most the longer of options.connect_timeout and
+// options.timeout (the job's wait), with progress lines. Every rank reads the job's identity in
+// its handshake (options.greeting), refuses another job's store, and claims its rank (see
+// rendezvous/detail/job_identity.hpp).
 COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_store_options options = {});
 
 inline std::shared_ptr<store> tcp_store::connect(const launch_env& env, tcp_store_options options) {

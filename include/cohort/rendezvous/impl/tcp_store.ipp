@@ -940,6 +940,9 @@ COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_stor
   options.host = env.master_addr;
   options.port = env.master_port;
   options.rank = env.rank;
+  // Nodes of one job start minutes apart under real schedulers: a rank waits for the store
+  // host as long as the job waits for its ranks (with progress lines), not a shorter limit.
+  options.connect_timeout = std::max(options.connect_timeout, options.timeout);
   if (options.token.empty()) options.token = store_token_from_environment(env.rank);
   if (options.server.reserved_connections == 0 && env.world_size > 0)
     options.server.reserved_connections = static_cast<std::size_t>(env.world_size);
