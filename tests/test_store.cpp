@@ -1607,7 +1607,8 @@ cohort::tcp_store_options short_waits() {
 // ends its request (half-closes), and then closes.
 class http_like_server {
  public:
-  explicit http_like_server(bool at_once) : at_once_(at_once) {
+  // silent: accepts and never reads, answers or closes (a hung service on the port).
+  explicit http_like_server(bool at_once, bool silent = false) : at_once_(at_once), silent_(silent) {
     fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in address{};
     address.sin_family = AF_INET;
@@ -1625,6 +1626,7 @@ class http_like_server {
     ::shutdown(fd_, SHUT_RDWR);
     thread_.join();
     ::close(fd_);
+    for (const int client : held_) ::close(client);
   }
   std::uint16_t port() const { return port_; }
 
@@ -1633,6 +1635,10 @@ class http_like_server {
     for (;;) {
       const int client = ::accept(fd_, nullptr, nullptr);
       if (client < 0) return;
+      if (silent_) {
+        held_.push_back(client);
+        continue;
+      }
       char sink[512];
       if (at_once_) {
         (void)::recv(client, sink, sizeof sink, 0);
@@ -1645,6 +1651,8 @@ class http_like_server {
     }
   }
   bool at_once_;
+  bool silent_;
+  std::vector<int> held_;
   int fd_ = -1;
   std::uint16_t port_ = 0;
   std::thread thread_;
@@ -1747,6 +1755,29 @@ TEST_CASE("store: a program that is no store on the port is named by what it ans
     REQUIRE(after != std::string::npos);
     CHECK(std::stod(text.substr(after + 7)) <= took);
   }
+}
+
+// A listener that accepts and never answers cost every rank but rank 0 its whole connect
+// timeout (61 s); now a rank says what holds the port within seconds, even when its connect
+// wait follows a long job timeout.
+TEST_CASE("store: a silent listener on the port is named within seconds") {
+  http_like_server silent(true, true);
+  auto env = cohort::launch_env::explicit_ranks(1, 2);
+  env.master_port = silent.port();
+  cohort::tcp_store_options options;
+  options.timeout = 120s;
+  std::string text;
+  const auto started = std::chrono::steady_clock::now();
+  try {
+    cohort::connect_store(env, options);
+  } catch (const cohort::error& failure) {
+    text = failure.what();
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  INFO(text);
+  CHECK(took < 15.0);
+  CHECK_THAT(text, Catch::Contains("something listens on 127.0.0.1:" + std::to_string(silent.port())) &&
+                       Catch::Contains("does not speak the store protocol"));
 }
 
 // The other nodes gave up on a store host later than the connect limit (60 s) while the job

@@ -517,6 +517,7 @@ COHORT_DECL auto tcp_store::connect() -> void {
   std::string last_error;
   int attempts = 0;
   int refused_in_a_row = 0;
+  int unanswered_in_a_row = 0;
   int busy = 0;
   for (;;) {
     ++attempts;
@@ -529,6 +530,17 @@ COHORT_DECL auto tcp_store::connect() -> void {
                                std::to_string(attempts), ")"),
                   fatal_hint_);
     if (handshake_ == handshake::busy) ++busy;
+    // A store answers the handshake at once, even one just started: a listener that accepted
+    // twice and never answered is no store, however long the connect timeout.
+    unanswered_in_a_row = handshake_ == handshake::unanswered ? unanswered_in_a_row + 1 : 0;
+    if (unanswered_in_a_row == 2)
+      throw error(rank(), "tcp_store.connect",
+                  detail::text("something listens on ", endpoint(),
+                               " but does not speak the store protocol: it accepted the connection and never "
+                               "answered cohort's handshake, twice in a row, in ",
+                               detail::format_seconds(clock::now() - start), " (last: ", last_error, ")"),
+                  "check that MASTER_ADDR:MASTER_PORT is this job's rank 0 (or its launcher's agent store) and "
+                  "not another service's port; a rank 0 that is stopped (SIGSTOP, a debugger) looks the same");
     // A server that accepts the connection and then closes it at cohort's first message is
     // an answer, not a server still starting: after a few, say what it means.
     refused_in_a_row = handshake_ == handshake::refused ? refused_in_a_row + 1 : 0;
