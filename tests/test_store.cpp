@@ -1704,7 +1704,7 @@ TEST_CASE("store: a rank of another job is refused when it connects, naming both
   }
 }
 
-TEST_CASE("store: a job launched without an id gets one from rank 0, which every rank adopts") {
+TEST_CASE("store: a job launched without an id lives under its store host's nonce, and a second claimant stops it") {
   const std::uint16_t port = unused_port();
   auto owner = cohort::connect_store(rank_of_job(0, 2, port, ""), short_waits());
   auto member = cohort::connect_store(rank_of_job(1, 2, port, ""), short_waits());
