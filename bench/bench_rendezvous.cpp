@@ -1,8 +1,10 @@
 // bench_rendezvous: what a start costs rank 0's store, as the world grows. N simulated ranks
 // (threads of this process, each with its own TCP connection, as real ranks have) run the key
 // pattern of a real start against one TCPStore server on loopback:
-//   connect            VALIDATE + PING (connect_store)
-//   process group      ADD cohort/groups_created/<rank> (the group's prefix)
+//   connect            VALIDATE + PING (connect_store ends the handshake with the job record's
+//                      COMPARE_SET instead, then claims its rank: one request more)
+//   process group      ADD cohort/groups_created/<rank> (the group's prefix; a rank's first
+//                      group also CHECKs the job's collision mark, not part of the pattern)
 //   NCCL device check  SET device/<rank> "host|bus id", then read every rank's (select_device)
 //   NCCL unique id     rank 0 SETs nccl_unique_id (128 bytes), the others GET it
 //   split              SET split0/<rank> "color,key,node", then read every rank's (split)

@@ -2,6 +2,12 @@
 // Helpers shared by cohort's tests: skipping with a reason, checks inside rank threads, and
 // running N ranks as threads.
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -14,6 +20,23 @@
 #include <cohort/run/run_ranks.hpp>
 
 namespace cohort_test {
+
+// A loopback port free a moment ago (bound, read, closed), for a test's MASTER_PORT.
+inline std::uint16_t unused_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd < 0) throw std::runtime_error("unused_port: no socket");
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    ::close(fd);
+    throw std::runtime_error("unused_port: cannot bind a loopback socket");
+  }
+  socklen_t length = sizeof(address);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
 
 // ctest maps exit code 77 to "Skipped" (SKIP_RETURN_CODE); each TEST_CASE runs in its own
 // process under ctest, so leaving the process skips exactly this case.

@@ -104,6 +104,8 @@ TEST_CASE("COHORT_JOB_ID names the job for every launcher", "[launch]") {
   CHECK(detect(merged(torchrun_vars, {{"TORCHELASTIC_RUN_ID", "job-17"}, {"COHORT_JOB_ID", "mine"}})).run_id == "mine");
   CHECK(detect(merged(torchrun_vars, {{"TORCHELASTIC_RUN_ID", "job-17"}, {"COHORT_JOB_ID", ""}})).run_id ==
         "job-17");  // empty counts as unset
+  // torchrun's default --rdzv-id: every job started without one has it, so it names no job.
+  CHECK(detect(merged(torchrun_vars, {{"TORCHELASTIC_RUN_ID", "none"}})).run_id.empty());
 }
 
 TEST_CASE("torchrun's variables, with and without the agent store", "[launch]") {

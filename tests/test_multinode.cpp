@@ -728,6 +728,47 @@ TEST_CASE("two jobs on one port: the stranger is refused at once naming both job
   }
 }
 
+// Two jobs whose ids cannot tell them apart (no id, or torchrun's default `none` on both) on
+// one port, together and staggered: B's rank 0 printed its result with A's ranks in its group,
+// and B's own rank 2 was refused as a second rank 2. Now a second claim of a rank fails the
+// claimant and the job it met before any collective, naming the collision: a job's ranks end
+// all OK (it trained alone) or none does, and every failed rank says why.
+TEST_CASE("two jobs without distinct ids on one port never train together, and every failed rank names the collision",
+          "[multinode]") {
+  for (const std::string id : {"none", ""}) {
+    for (const bool staggered : {false, true}) {
+      auto nodes = make_cluster(2);
+      hosts_name_every_node(*nodes);
+      std::vector<cluster::rank_process> ranks;
+      for (int job = 0; job < 2; ++job)
+        for (auto rank : job_ranks(*nodes, 2, id)) {
+          if (id.empty()) rank.env.erase("TORCHELASTIC_RUN_ID");
+          if (job == 1 && staggered) rank.delay = std::chrono::milliseconds(rank.env["RANK"] == "2" ? 2000 : 500);
+          // Long enough that the late stranger meets the job, not a port nobody serves any more.
+          rank.env["COHORT_TEST_STEPS"] = "40";
+          rank.env["COHORT_TEST_COMPUTE_MS"] = "100";
+          rank.env["COHORT_TEST_TIMEOUT"] = "10";
+          ranks.push_back(rank);
+        }
+      const auto out = run_jobs(*nodes, ranks, std::chrono::seconds(30));
+      INFO("id '" << id << "', " << (staggered ? "staggered" : "together") << "\n" << shown(out));
+      for (int job = 0; job < 2; ++job) {
+        int trained = 0;
+        for (int r = 0; r < 4; ++r) {
+          const auto& rank = out[static_cast<std::size_t>(job * 4 + r)];
+          CHECK_FALSE(rank.says("wrong sum"));
+          if (rank.code == 0 && rank.says("OK")) {
+            ++trained;
+          } else {
+            CHECK((rank.says("job collision") || rank.says("is in use, held by")));
+          }
+        }
+        CHECK((trained == 0 || trained == 4));  // never a group of both jobs' ranks
+      }
+    }
+  }
+}
+
 namespace {
 
 // A job of 2 nodes x 2 ranks trains (group timeout COHORT_TEST_TIMEOUT) until every rank has

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "cohort/comm/detail/device_identity.hpp"
+#include "cohort/rendezvous/detail/job_identity.hpp"
 #include "cohort/rendezvous/detail/sha256.hpp"
 #include "cohort/rendezvous/file_store.hpp"
 #include "cohort/rendezvous/tcp_store.hpp"
@@ -85,17 +86,7 @@ int wait_child(pid_t pid, std::chrono::milliseconds limit) {
 // --- sockets -------------------------------------------------------------------------------
 
 // A port nobody listens on right now (bound once, then released).
-std::uint16_t unused_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0);
-  socklen_t length = sizeof(address);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  ::close(fd);
-  return ntohs(address.sin_port);
-}
+using cohort_test::unused_port;
 
 // A plain blocking socket to 127.0.0.1:port, reads bounded by 5 s.
 struct raw_connection {
@@ -1616,7 +1607,8 @@ cohort::tcp_store_options short_waits() {
 // ends its request (half-closes), and then closes.
 class http_like_server {
  public:
-  explicit http_like_server(bool at_once) : at_once_(at_once) {
+  // silent: accepts and never reads, answers or closes (a hung service on the port).
+  explicit http_like_server(bool at_once, bool silent = false) : at_once_(at_once), silent_(silent) {
     fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in address{};
     address.sin_family = AF_INET;
@@ -1634,6 +1626,7 @@ class http_like_server {
     ::shutdown(fd_, SHUT_RDWR);
     thread_.join();
     ::close(fd_);
+    for (const int client : held_) ::close(client);
   }
   std::uint16_t port() const { return port_; }
 
@@ -1642,6 +1635,10 @@ class http_like_server {
     for (;;) {
       const int client = ::accept(fd_, nullptr, nullptr);
       if (client < 0) return;
+      if (silent_) {
+        held_.push_back(client);
+        continue;
+      }
       char sink[512];
       if (at_once_) {
         (void)::recv(client, sink, sizeof sink, 0);
@@ -1654,6 +1651,8 @@ class http_like_server {
     }
   }
   bool at_once_;
+  bool silent_;
+  std::vector<int> held_;
   int fd_ = -1;
   std::uint16_t port_ = 0;
   std::thread thread_;
@@ -1686,9 +1685,18 @@ TEST_CASE("store: a rank of another job is refused when it connects, naming both
                       Catch::Contains("is in use, held by rank 0 of another cohort job: job job-B") &&
                           Catch::Contains("pick another MASTER_PORT"));
   }
-  SECTION("a rank without a job id joins, but a rank claimed twice is refused") {
+  SECTION("a rank without a job id is refused by a job with one, and says why") {
     CHECK_THROWS_WITH(cohort::connect_store(rank_of_job(1, 2, port, ""), short_waits()),
-                      Catch::Contains("is the second process to join job job-B") && Catch::Contains("as rank 1"));
+                      Catch::Contains("rank 1 of job (no id)") && Catch::Contains("which serves job job-B") &&
+                          Catch::Contains("a job without an id") && Catch::Contains("never joins one with an id"));
+  }
+  SECTION("a rank of job-B started twice is the second claimant: it fails, and so does job-B's first group") {
+    CHECK_THROWS_WITH(cohort::connect_store(rank_of_job(1, 2, port, "job-B"), short_waits()),
+                      Catch::Contains("job collision") && Catch::Contains("second process to claim rank 1") &&
+                          Catch::Contains("the first: rank 1 of job job-B"));
+    CHECK_THROWS_WITH(cohort::detail::check_not_collided(*owner, 0, "the job's first group"),
+                      Catch::Contains("job collision") && Catch::Contains("two processes claimed rank 1") &&
+                          Catch::Contains("before its first collective"));
   }
   SECTION("a rank started with another world size is refused") {
     CHECK_THROWS_WITH(cohort::connect_store(rank_of_job(2, 4, port, "job-B"), short_waits()),
@@ -1696,13 +1704,29 @@ TEST_CASE("store: a rank of another job is refused when it connects, naming both
   }
 }
 
-TEST_CASE("store: a job launched without an id gets one from rank 0, which every rank adopts") {
+TEST_CASE("store: a job launched without an id lives under its store host's nonce, and a second claimant stops it") {
   const std::uint16_t port = unused_port();
   auto owner = cohort::connect_store(rank_of_job(0, 2, port, ""), short_waits());
   auto member = cohort::connect_store(rank_of_job(1, 2, port, ""), short_waits());
   const auto& prefix = dynamic_cast<cohort::prefix_store&>(*owner).prefix();
   CHECK_THAT(prefix, Catch::StartsWith("job/cohort-"));
   CHECK(dynamic_cast<cohort::prefix_store&>(*member).prefix() == prefix);
+  CHECK_NOTHROW(cohort::detail::check_not_collided(*owner, 0, "the job's first group"));
+
+  // Another job without an id is told apart by nothing: its ranks claim ranks already taken.
+  SECTION("a second rank 1 fails naming the collision, and the job it met is marked") {
+    CHECK_THROWS_WITH(cohort::connect_store(rank_of_job(1, 2, port, ""), short_waits()),
+                      Catch::Contains("job collision") && Catch::Contains("second process to claim rank 1") &&
+                          Catch::Contains("job without an id, cohort-"));
+  }
+  SECTION("a second rank 0 finds the port in use, and the job it met is marked") {
+    CHECK_THROWS_WITH(cohort::connect_store(rank_of_job(0, 2, port, ""), short_waits()),
+                      Catch::Contains("is in use, held by rank 0 of job without an id, cohort-") &&
+                          Catch::Contains("marked collided"));
+  }
+  for (auto* rank : {owner.get(), member.get()})
+    CHECK_THROWS_WITH(cohort::detail::check_not_collided(*rank, 0, "the job's first group"),
+                      Catch::Contains("job collision") && Catch::Contains("before its first collective"));
 }
 
 // A port held by another program: the other ranks said "never answered" after a minute (an
@@ -1731,4 +1755,54 @@ TEST_CASE("store: a program that is no store on the port is named by what it ans
     REQUIRE(after != std::string::npos);
     CHECK(std::stod(text.substr(after + 7)) <= took);
   }
+}
+
+// A listener that accepts and never answers cost every rank but rank 0 its whole connect
+// timeout (61 s); now a rank says what holds the port within seconds, even when its connect
+// wait follows a long job timeout.
+TEST_CASE("store: a silent listener on the port is named within seconds") {
+  http_like_server silent(true, true);
+  auto env = cohort::launch_env::explicit_ranks(1, 2);
+  env.master_port = silent.port();
+  cohort::tcp_store_options options;
+  options.timeout = 120s;
+  std::string text;
+  const auto started = std::chrono::steady_clock::now();
+  try {
+    cohort::connect_store(env, options);
+  } catch (const cohort::error& failure) {
+    text = failure.what();
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  INFO(text);
+  CHECK(took < 15.0);
+  CHECK_THAT(text, Catch::Contains("something listens on 127.0.0.1:" + std::to_string(silent.port())) &&
+                       Catch::Contains("does not speak the store protocol"));
+}
+
+// The other nodes gave up on a store host later than the connect limit (60 s) while the job
+// waited 600 s: now a rank waits for the store host as long as the store's timeout.
+TEST_CASE("store: a rank waits for a late store host as long as the job's timeout, not the connect limit") {
+  const std::uint16_t port = unused_port();
+  const pid_t late_host = spawn([port] {
+    std::this_thread::sleep_for(3s);
+    auto env = cohort::launch_env::explicit_ranks(0, 2);
+    env.master_port = port;
+    cohort::tcp_store_options options;
+    options.timeout = 15s;
+    auto s = cohort::connect_store(env, options);
+    s->set("from-0", "late");
+    s->wait({"done"});
+    return 0;
+  });
+  auto env = cohort::launch_env::explicit_ranks(1, 2);
+  env.master_port = port;
+  cohort::tcp_store_options options;
+  options.timeout = 15s;
+  options.connect_timeout = 1s;  // the limit a rank used to give up at, shorter than the job's wait
+  options.progress_interval = 1s;
+  auto s = cohort::connect_store(env, options);
+  CHECK(s->get_string("from-0") == "late");
+  s->add("done", 1);
+  CHECK(wait_child(late_host, 15s) == 0);
 }

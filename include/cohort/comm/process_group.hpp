@@ -38,6 +38,7 @@
 #include "cohort/comm/call_label.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
+#include "cohort/rendezvous/detail/job_identity.hpp"
 #include "cohort/rendezvous/launch.hpp"
 #include "cohort/rendezvous/store.hpp"
 #include "cohort/types.hpp"
@@ -106,6 +107,7 @@ class process_group {
     store_->set_timeout(opts.timeout);
     backend_ = std::make_unique<B>(store_, env, opts);
     pass_debug_checks_to_backend();
+    if (index == 1) detail::check_not_collided(*rendezvous, env.rank, "the job's first group");
   }
 
   process_group(process_group&&) noexcept = default;

@@ -31,7 +31,8 @@
 //
 // MASTER_ADDR and MASTER_PORT (default 29500, valid 1..65535) are read for every launcher, and
 // COHORT_JOB_ID, which names the job (run_id) whatever the launcher says: connect_store refuses
-// a rank whose job id is not the one of the job that serves the store.
+// a rank whose job id is not the one of the job that serves the store (torchrun's default
+// TORCHELASTIC_RUN_ID, `none`, is no id).
 // Without MASTER_ADDR: Slurm uses the first host of its node list; the others use 127.0.0.1
 // only when every rank is on this node (local world size == world size) and fail otherwise,
 // since no address guess is safe across nodes.

@@ -77,6 +77,12 @@ struct tcp_store_options {
   std::string token;
   // Limits of the hosted server (is_server); its token is `token` above.
   tcp_store_server_options server;
+  // connect_store's: when set, the handshake ends with COMPARE_SET(greeting_key, "", greeting)
+  // in place of its PING, one request less per rank. Its answer proves the server speaks the
+  // protocol as the PING's echo would, and is what the key holds (the job's record):
+  // greeting_answer(). Connections made by bounded() send a PING.
+  std::string greeting_key;
+  std::string greeting;
 };
 
 // The token of SECURITY.md from the environment: COHORT_STORE_TOKEN, or the contents of the
@@ -150,6 +156,8 @@ class tcp_store final : public store {
 
   // Messages this handle has sent (the handshake's included): what bench_rendezvous counts.
   std::uint64_t requests_sent() const noexcept { return requests_.load(std::memory_order_relaxed); }
+  // What the handshake's COMPARE_SET answered (options.greeting_key); empty without one.
+  const bytes& greeting_answer() const noexcept { return greeting_answer_; }
   // Whether this handle proved the token (options.token) to its server.
   bool authenticated() const noexcept { return authenticated_; }
 
@@ -279,6 +287,13 @@ class tcp_store final : public store {
   COHORT_DECL void ping_locked(clock::time_point deadline, std::string_view operation);
   COHORT_DECL std::uint32_t append_ping(writer& out);  // returns the nonce to expect back
   COHORT_DECL void read_ping_echo(std::uint32_t nonce, clock::time_point deadline, std::string_view operation);
+  // Throws what a refusal marker in place of an answer means (busy, token required); returns
+  // for anything else.
+  COHORT_DECL void fail_on_marker(std::uint32_t first_bytes, std::string_view operation);
+  // The handshake's last request and its answer: options.greeting's COMPARE_SET, else a PING
+  // (append_ping's nonce is returned and expected back).
+  COHORT_DECL std::uint32_t append_handshake_end(writer& out);
+  COHORT_DECL void read_handshake_end(std::uint32_t nonce, clock::time_point deadline);
   // Waits for the first bytes of the server's answer to the handshake; a server silent until
   // `deadline` is told the request ended (half-close) and what it answers then is named.
   COHORT_DECL void await_answer(clock::time_point deadline);
@@ -314,6 +329,7 @@ class tcp_store final : public store {
   // zero when it is timeout().
   std::chrono::milliseconds request_limit_{0};
   std::uint32_t ping_count_ = 0;
+  bytes greeting_answer_;
   std::atomic<std::uint64_t> requests_{0};
   bool authenticated_ = false;
   // What the server said it accepts (after the token exchange; else the protocol's ceilings).
@@ -341,6 +357,10 @@ class tcp_store final : public store {
 //    name's address in their own /etc/hosts or DNS (options.server.listen_on_every_interface).
 // host, port, is_server and rank come from env; the token from options.token or else the
 // environment (store_token_from_environment); timeouts, limits and num_workers from options.
+// A rank waits for its store host at most the longer of options.connect_timeout and
+// options.timeout (the job's wait), with progress lines. Every rank reads the job's identity in
+// its handshake (options.greeting), refuses another job's store, and claims its rank (see
+// rendezvous/detail/job_identity.hpp).
 COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_store_options options = {});
 
 inline std::shared_ptr<store> tcp_store::connect(const launch_env& env, tcp_store_options options) {

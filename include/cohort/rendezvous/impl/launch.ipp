@@ -313,7 +313,9 @@ inline void read_torchrun(const launch_reader& in, launch_env& env, rank_names& 
             "the agent store's keys are prefixed with the restart attempt; set "
             "TORCHELASTIC_RESTART_COUNT (torchrun does)");
   }
+  // `none` is torchrun's default --rdzv-id: every job started without one has it, so it is no id.
   env.run_id = in.get("TORCHELASTIC_RUN_ID").value_or("");
+  if (env.run_id == "none") env.run_id.clear();
 }
 
 inline void read_open_mpi(const launch_reader& in, launch_env& env, rank_names& names) {

@@ -63,6 +63,7 @@ COHORT_DECL auto tcp_store::bounded(std::chrono::milliseconds timeout) const -> 
   options.connect_timeout = timeout;
   options.max_backoff = std::min(options.max_backoff, std::max(timeout / 4, std::chrono::milliseconds(1)));
   options.rank = rank();
+  options.greeting_key.clear();
   return std::make_shared<tcp_store>(std::move(options));
 }
 
@@ -407,8 +408,20 @@ COHORT_DECL auto tcp_store::read_ping_echo(std::uint32_t nonce, clock::time_poin
   namespace protocol = detail::tcp_store_protocol;
   const auto echoed = receive_value<std::uint32_t>(operation, {}, deadline);
   if (echoed == nonce) return;
-  if (echoed == protocol::busy_marker) fail_busy(operation);
-  if (echoed == protocol::token_required_marker) {
+  fail_on_marker(echoed, operation);
+  // Bytes, but not the protocol's: whatever answered is no TCPStore of PyTorch 2.x, and no
+  // retry changes that. Say what it was.
+  std::string answered(reinterpret_cast<const char*>(&echoed), sizeof echoed);
+  answered += read_available(std::chrono::milliseconds(300));
+  handshake_ = handshake::fatal;
+  fatal_hint_ = "MASTER_PORT is another program's: pick a free port for the job (and check MASTER_ADDR)";
+  fail(operation, not_a_store(answered));
+}
+
+COHORT_DECL auto tcp_store::fail_on_marker(std::uint32_t first_bytes, std::string_view operation) -> void {
+  namespace protocol = detail::tcp_store_protocol;
+  if (first_bytes == protocol::busy_marker) fail_busy(operation);
+  if (first_bytes == protocol::token_required_marker) {
     handshake_ = handshake::fatal;
     fatal_hint_ =
         "set the same COHORT_STORE_TOKEN (or COHORT_STORE_TOKEN_FILE) on every rank, rank 0 included "
@@ -417,13 +430,35 @@ COHORT_DECL auto tcp_store::read_ping_echo(std::uint32_t nonce, clock::time_poin
          detail::text("the store server at ", endpoint(),
                       " requires a token (COHORT_STORE_TOKEN) and this rank has none, so it refused the connection"));
   }
-  // Bytes, but not the protocol's: whatever answered is no TCPStore of PyTorch 2.x, and no
-  // retry changes that. Say what it was.
-  std::string answered(reinterpret_cast<const char*>(&echoed), sizeof echoed);
-  answered += read_available(std::chrono::milliseconds(300));
-  handshake_ = handshake::fatal;
-  fatal_hint_ = "MASTER_PORT is another program's: pick a free port for the job (and check MASTER_ADDR)";
-  fail(operation, not_a_store(answered));
+}
+
+COHORT_DECL auto tcp_store::append_handshake_end(writer& out) -> std::uint32_t {
+  if (options_.greeting_key.empty()) return append_ping(out);
+  out.command(command::compare_set);
+  out.string(wire_key("connect", options_.greeting_key));
+  out.data({});
+  out.data(std::span(reinterpret_cast<const std::uint8_t*>(options_.greeting.data()), options_.greeting.size()));
+  return 0;
+}
+
+COHORT_DECL auto tcp_store::read_handshake_end(std::uint32_t nonce, clock::time_point deadline) -> void {
+  if (options_.greeting_key.empty()) return read_ping_echo(nonce, deadline, "connect");
+  // The answer's first 4 bytes are a refusal marker, or the first half of the value's length.
+  std::array<std::uint32_t, 2> halves{};
+  halves[0] = receive_value<std::uint32_t>("connect", {}, deadline);
+  fail_on_marker(halves[0], "connect");
+  halves[1] = receive_value<std::uint32_t>("connect", {}, deadline);
+  std::uint64_t size = 0;
+  std::memcpy(&size, halves.data(), sizeof size);
+  if (size > detail::tcp_store_protocol::max_value_bytes) {
+    std::string answered(reinterpret_cast<const char*>(halves.data()), sizeof halves);
+    answered += read_available(std::chrono::milliseconds(300));
+    handshake_ = handshake::fatal;
+    fatal_hint_ = "MASTER_PORT is another program's: pick a free port for the job (and check MASTER_ADDR)";
+    fail("connect", not_a_store(answered));
+  }
+  greeting_answer_.assign(size, 0);
+  receive_exact("connect", options_.greeting_key, greeting_answer_.data(), greeting_answer_.size(), deadline);
 }
 
 COHORT_DECL auto tcp_store::await_answer(clock::time_point deadline) -> void {
@@ -482,6 +517,7 @@ COHORT_DECL auto tcp_store::connect() -> void {
   std::string last_error;
   int attempts = 0;
   int refused_in_a_row = 0;
+  int unanswered_in_a_row = 0;
   int busy = 0;
   for (;;) {
     ++attempts;
@@ -494,6 +530,17 @@ COHORT_DECL auto tcp_store::connect() -> void {
                                std::to_string(attempts), ")"),
                   fatal_hint_);
     if (handshake_ == handshake::busy) ++busy;
+    // A store answers the handshake at once, even one just started: a listener that accepted
+    // twice and never answered is no store, however long the connect timeout.
+    unanswered_in_a_row = handshake_ == handshake::unanswered ? unanswered_in_a_row + 1 : 0;
+    if (unanswered_in_a_row == 2)
+      throw error(rank(), "tcp_store.connect",
+                  detail::text("something listens on ", endpoint(),
+                               " but does not speak the store protocol: it accepted the connection and never "
+                               "answered cohort's handshake, twice in a row, in ",
+                               detail::format_seconds(clock::now() - start), " (last: ", last_error, ")"),
+                  "check that MASTER_ADDR:MASTER_PORT is this job's rank 0 (or its launcher's agent store) and "
+                  "not another service's port; a rank 0 that is stopped (SIGSTOP, a debugger) looks the same");
     // A server that accepts the connection and then closes it at cohort's first message is
     // an answer, not a server still starting: after a few, say what it means.
     refused_in_a_row = handshake_ == handshake::refused ? refused_in_a_row + 1 : 0;
@@ -613,10 +660,10 @@ COHORT_DECL auto tcp_store::handshake_locked(clock::time_point deadline) -> void
   out.command(command::validate);
   out.u32(protocol::validation_magic);
   if (options_.token.empty()) {
-    const std::uint32_t nonce = append_ping(out);
+    const std::uint32_t nonce = append_handshake_end(out);
     send_message("connect", message, deadline, 2);
     await_answer(deadline);
-    return read_ping_echo(nonce, deadline, "connect");
+    return read_handshake_end(nonce, deadline);
   }
   protocol::nonce client{};
   if (!detail::random_bytes(client))
@@ -661,7 +708,7 @@ COHORT_DECL auto tcp_store::prove_token(const detail::tcp_store_protocol::nonce&
   writer out(message);
   out.command(command::auth_proof);
   out.raw_bytes(proof);
-  const std::uint32_t nonce = append_ping(out);
+  const std::uint32_t nonce = append_handshake_end(out);
   send_message("connect", message, deadline, 2);
   const auto status = receive_value<std::uint8_t>("connect", {}, deadline);
   if (status == protocol::busy_first_byte) fail_busy("connect");
@@ -673,7 +720,7 @@ COHORT_DECL auto tcp_store::prove_token(const detail::tcp_store_protocol::nonce&
   max_key_bytes_ = std::min(receive_value<std::uint64_t>("connect", {}, deadline), protocol::max_key_bytes);
   max_value_bytes_ = std::min(receive_value<std::uint64_t>("connect", {}, deadline), protocol::max_value_bytes);
   authenticated_ = true;
-  read_ping_echo(nonce, deadline, "connect");
+  read_handshake_end(nonce, deadline);
 }
 
 COHORT_DECL auto tcp_store::join_workers(int workers) -> void {
@@ -735,10 +782,28 @@ COHORT_DECL std::string store_token_from_environment(int rank) {
 
 namespace detail {
 
+// A random name of this process's making: the store host's names a job without an id, a
+// claimant's tells its rank claim from another process's.
+inline std::string random_nonce() {
+  std::array<std::uint8_t, 8> bits{};
+  if (!random_bytes(bits)) {
+    const auto now = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+    for (std::size_t k = 0; k < bits.size(); ++k) bits[k] = static_cast<std::uint8_t>((now ^ ::getpid()) >> (8 * k));
+  }
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string nonce = "cohort-";
+  for (const auto b : bits) {
+    nonce += digits[b >> 4];
+    nonce += digits[b & 15];
+  }
+  return nonce;
+}
+
 // This process as a job's rank describes itself at the rendezvous.
 inline job_identity this_rank_of_job(const launch_env& env) {
   job_identity mine;
   mine.id = env.run_id;
+  mine.nonce = random_nonce();
   char host[256] = {};
   if (::gethostname(host, sizeof host - 1) != 0) host[0] = '?';
   mine.host = host;
@@ -748,42 +813,58 @@ inline job_identity this_rank_of_job(const launch_env& env) {
   return mine;
 }
 
-// A job id of rank 0's making, for a job launched without one.
-inline std::string random_job_id() {
-  std::array<std::uint8_t, 8> bits{};
-  if (!random_bytes(bits)) {
-    const auto now = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-    for (std::size_t k = 0; k < bits.size(); ++k) bits[k] = static_cast<std::uint8_t>((now ^ ::getpid()) >> (8 * k));
+// Where a job keeps its keys: under its id, or, without one, under its store host's nonce.
+inline std::string job_prefix(const job_identity& job) {
+  return detail::text("job/", job.id.empty() ? job.nonce : job.id, "/");
+}
+
+inline std::string describe_claimant(const job_identity& mine) {
+  return detail::text("rank ", std::to_string(mine.rank), " of job ", (mine.id.empty() ? "(no id)" : mine.id.c_str()),
+                      " on ", mine.host, ", pid ", std::to_string(mine.pid));
+}
+
+// A second process claims a rank of a job it cannot be told apart from: the job is marked
+// collided, and every rank of it stops before its first collective (check_not_collided).
+inline void mark_collided(store& job_store, const job_identity& mine, const std::string& first) {
+  const std::string what = detail::text("two processes claimed rank ", std::to_string(mine.rank), ": ", first,
+                                        ", then ", describe_claimant(mine),
+                                        " (two jobs without distinct ids share MASTER_ADDR:MASTER_PORT, or a "
+                                        "rank was started twice)");
+  try {
+    job_store.set(std::string(job_collided_key), to_bytes(what));
+  } catch (const error&) {  // the claimant fails either way; the job then meets the rank it lacks
   }
-  static constexpr char digits[] = "0123456789abcdef";
-  std::string id = "cohort-";
-  for (const auto b : bits) {
-    id += digits[b >> 4];
-    id += digits[b & 15];
-  }
-  return id;
 }
 
 // Rank 0 could not listen on MASTER_PORT: who holds it? A store client with a short bound asks
-// (a cohort job's rank 0 says which job; anything else says what it is).
-inline std::string who_holds_the_port(tcp_store_options options) {
+// (a cohort job's rank 0 says which job; anything else says what it is). A cohort job that
+// this rank 0 cannot be told apart from (the same id, or neither has one) now has two rank 0s:
+// it is marked collided.
+inline std::string who_holds_the_port(tcp_store_options options, const job_identity& mine) {
   options.is_server = false;
+  options.greeting_key.clear();  // nothing of this job is written to a store it does not hold
   options.num_workers.reset();
   options.connect_timeout = std::chrono::seconds(2);
   options.timeout = std::chrono::seconds(2);
   options.max_backoff = std::chrono::milliseconds(250);
   options.progress_interval = std::chrono::milliseconds(0);
   try {
-    tcp_store holder(options);
+    auto holder = std::make_shared<tcp_store>(options);
     std::string record;
     try {
-      record = to_string(holder.get(job_key, std::chrono::seconds(1)));
+      record = to_string(holder->get(job_key, std::chrono::seconds(1)));
     } catch (const timeout_error&) {
       return "a TCPStore server that serves no cohort job (another program's, a PyTorch one for instance)";
     }
     job_identity theirs;
-    if (decode_job(record, theirs)) return detail::text("rank 0 of another cohort job: ", describe_job(theirs));
-    return "a TCPStore server whose cohort/job key holds something cohort does not write";
+    if (!decode_job(record, theirs))
+      return "a TCPStore server whose cohort/job key holds something cohort does not write";
+    if (theirs.id != mine.id) return detail::text("rank 0 of another cohort job: ", describe_job(theirs));
+    prefix_store job_store(holder, job_prefix(theirs));
+    mark_collided(job_store, mine, describe_claimant(theirs));
+    return detail::text("rank 0 of ", describe_job(theirs),
+                        ", which this job cannot be told apart from: that job is marked collided, and its ranks stop "
+                        "before their first collective");
   } catch (const error& failure) {
     return detail::text("a program that is no store cohort can use: ", failure.detail());
   } catch (const std::exception& failure) {
@@ -793,25 +874,28 @@ inline std::string who_holds_the_port(tcp_store_options options) {
 
 // The rendezvous of one job: every rank reads the job's identity (rank 0's server holds it
 // from its start; under torchrun's agent store the first rank to come writes it), refuses a
-// store of another job, claims its rank, and keeps its keys under the job's own prefix.
-inline std::shared_ptr<store> join_job(std::shared_ptr<store> shared, const job_identity& mine, const launch_env& env) {
+// store of another job (ids differ, or one of the two has none), claims its rank, and keeps its
+// keys under the job's own prefix.
+// `record` is what the connection's handshake read (tcp_store_options::greeting).
+inline std::shared_ptr<store> join_job(std::shared_ptr<store> shared, const job_identity& mine, const launch_env& env,
+                                       const bytes& record) {
   const std::string where = shared->location();
   const std::string key(job_key);
-  const bytes record = shared->compare_set(key, {}, to_bytes(encode_job(mine)));
   job_identity theirs;
   if (!decode_job(to_string(record), theirs))
     throw malformed_store_value(env.rank, "connect_store", key, record,
-                                "a cohort job's identity (cohort-job-1, then id, host, pid, rank and world)");
-  const std::string self = detail::text("this rank (rank ", std::to_string(env.rank), " of job ",
-                                        (mine.id.empty() ? std::string("(no id)") : mine.id), ", on ", mine.host,
-                                        ", pid ", std::to_string(mine.pid), ")");
+                                "a cohort job's identity (cohort-job-2, then id, nonce, host, pid, rank and world)");
+  const std::string self = detail::text("this rank (", describe_claimant(mine), ")");
   const char* shared_port =
       "give each job its own MASTER_PORT (or MASTER_ADDR): two jobs on one port mix their ranks otherwise";
-  if (!mine.id.empty() && !theirs.id.empty() && mine.id != theirs.id)
+  if (mine.id != theirs.id)
     throw error(env.rank, "connect_store",
                 detail::text(self, " reached the store at ", where, ", which serves ", describe_job(theirs),
-                             ": another job holds MASTER_ADDR:MASTER_PORT, and this rank was refused before it "
-                             "wrote anything there"),
+                             (mine.id.empty() || theirs.id.empty()
+                                  ? ": a job without an id (none set, or torchrun's default `none`) never joins one "
+                                    "with an id, nor the reverse"
+                                  : ": another job holds MASTER_ADDR:MASTER_PORT"),
+                             "; this rank was refused before it wrote anything there"),
                 shared_port);
   if (theirs.world != env.world_size)
     throw error(env.rank, "connect_store",
@@ -820,26 +904,31 @@ inline std::shared_ptr<store> join_job(std::shared_ptr<store> shared, const job_
                              ": another job, or a rank started with another "
                              "WORLD_SIZE"),
                 detail::text(shared_port, "; start every rank of a job with the same WORLD_SIZE"));
-  const std::string prefix = theirs.id.empty() ? std::string() : detail::text("job/", theirs.id, "/");
-  // One process per rank: a second claimant is another job's rank without a job id, or a
-  // rank started twice.
-  std::array<std::uint8_t, 8> nonce{};
-  random_bytes(nonce);
-  std::string claim = detail::text(mine.host, "|", std::to_string(mine.pid), "|");
-  for (const auto b : nonce) claim += std::to_string(b);
-  const std::string claimed_key = detail::text(prefix, "cohort/rank_claimed/", std::to_string(env.rank));
-  const std::string holder = to_string(shared->compare_set(claimed_key, {}, to_bytes(claim)));
-  if (holder != claim)
+  // Under torchrun's agent store the attempt's prefix is the job's own already.
+  std::shared_ptr<store> job_store = env.use_agent_store && theirs.id.empty()
+                                         ? std::move(shared)
+                                         : std::make_shared<prefix_store>(std::move(shared), job_prefix(theirs));
+  // One process per rank: a second claimant is another job's rank that this job cannot be
+  // told apart from, or a rank started twice. Both fail, and so does the job they met.
+  const std::string claim = detail::text(describe_claimant(mine), ", claim ", mine.nonce);
+  const std::string claimed_key = detail::text("cohort/rank_claimed/", std::to_string(env.rank));
+  const std::string holder = to_string(job_store->compare_set(claimed_key, {}, to_bytes(claim)));
+  if (holder != claim) {
+    const std::string first = holder.substr(0, holder.rfind(", claim "));
+    mark_collided(*job_store, mine, first);
     throw error(env.rank, "connect_store",
-                detail::text(self, " is the second process to join ", describe_job(theirs), " as rank ",
-                             std::to_string(env.rank), " (the first: ", holder.substr(0, holder.rfind('|')),
-                             "): another job without a job id shares MASTER_ADDR:MASTER_PORT, or rank ",
-                             std::to_string(env.rank), " was started twice"),
+                detail::text("job collision: ", self, " is the second process to claim rank ", std::to_string(env.rank),
+                             " of ", describe_job(theirs), " (the first: ", first,
+                             "): another job that cannot be told apart from this one (no distinct job id) shares "
+                             "MASTER_ADDR:MASTER_PORT, or rank ",
+                             std::to_string(env.rank),
+                             " was started twice; the job is marked collided and every rank of it stops before its "
+                             "first collective"),
                 detail::text(shared_port,
-                             "; a job id (COHORT_JOB_ID, or the launcher's: TORCHELASTIC_RUN_ID, "
+                             "; a job id (COHORT_JOB_ID, or the launcher's: TORCHELASTIC_RUN_ID other than `none`, "
                              "SLURM_JOB_ID, Open MPI's) lets a stranger be refused before it joins"));
-  if (prefix.empty()) return shared;
-  return std::make_shared<prefix_store>(std::move(shared), prefix);
+  }
+  return job_store;
 }
 
 }  // namespace detail
@@ -863,10 +952,17 @@ COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_stor
   options.host = env.master_addr;
   options.port = env.master_port;
   options.rank = env.rank;
+  // Nodes of one job start minutes apart under real schedulers: a rank waits for the store
+  // host as long as the job waits for its ranks (with progress lines), not a shorter limit.
+  options.connect_timeout = std::max(options.connect_timeout, options.timeout);
   if (options.token.empty()) options.token = store_token_from_environment(env.rank);
   if (options.server.reserved_connections == 0 && env.world_size > 0)
     options.server.reserved_connections = static_cast<std::size_t>(env.world_size);
   detail::job_identity mine = detail::this_rank_of_job(env);
+  // The job's record is read (under torchrun's agent store, written by the first rank) by the
+  // handshake's own round trip.
+  options.greeting_key = detail::text(env.store_prefix(), detail::job_key);
+  options.greeting = detail::encode_job(mine);
   if (env.use_agent_store) {
     if (!options.token.empty())
       throw error(env.rank, "connect_store",
@@ -876,11 +972,12 @@ COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_stor
                   "so that rank 0 serves a cohort store that checks it (SECURITY.md)");
     options.is_server = false;
     auto agent_store = std::make_shared<tcp_store>(std::move(options));
-    return detail::join_job(std::make_shared<prefix_store>(std::move(agent_store), env.store_prefix()), mine, env);
+    const bytes record = agent_store->greeting_answer();
+    return detail::join_job(std::make_shared<prefix_store>(std::move(agent_store), env.store_prefix()), mine, env,
+                            record);
   }
   options.is_server = env.rank == 0;
   if (options.is_server) {
-    if (mine.id.empty()) mine.id = detail::random_job_id();
     options.server.job = detail::encode_job(mine);
     detail::listen_request listening;
     listening.master_addr = env.master_addr;
@@ -902,12 +999,13 @@ COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_stor
         failure.detail().find("in use") == std::string::npos)
       throw;
     throw error(env.rank, "connect_store",
-                detail::text("rank 0 of job ", mine.id, " (on ", mine.host,
-                             ") cannot serve the job's store: ", detail::tcp::endpoint(options.host, options.port),
-                             " is in use, held by ", detail::who_holds_the_port(options)),
+                detail::text("rank 0 of ", detail::describe_job(mine),
+                             " cannot serve the job's store: ", detail::tcp::endpoint(options.host, options.port),
+                             " is in use, held by ", detail::who_holds_the_port(options, mine)),
                 "pick another MASTER_PORT for this job (the same on every rank), or stop the program that holds it");
   }
-  return detail::join_job(std::move(handle), mine, env);
+  const bytes record = handle->greeting_answer();
+  return detail::join_job(std::move(handle), mine, env, record);
 }
 
 }  // namespace cohort::inline v0

@@ -433,7 +433,11 @@ COHORT_DECL auto tcp_store_server::gatekeep(connection& conn, std::uint8_t code)
       detail::text("sent ", sent, " (command byte ", std::to_string(code),
                    ") without proving the store token: this server requires COHORT_STORE_TOKEN, and refuses everything "
                    "else before reading any key (PyTorch's TCPStore clients cannot prove a token)"),
-      code == static_cast<std::uint8_t>(protocol::command::ping) ? protocol::token_required_marker : 0);
+      // connect_store's clients end their handshake with a COMPARE_SET in place of the PING.
+      code == static_cast<std::uint8_t>(protocol::command::ping) ||
+              code == static_cast<std::uint8_t>(protocol::command::compare_set)
+          ? protocol::token_required_marker
+          : 0);
   return false;
 }
 
@@ -807,7 +811,7 @@ COHORT_DECL auto tcp_store_server::note_stranger(const connection& conn, std::sp
   detail::job_identity theirs, ours;
   if (!detail::decode_job(std::string_view(reinterpret_cast<const char*>(presented.data()), presented.size()),
                           theirs) ||
-      !detail::decode_job(options_.job, ours) || theirs.id.empty() || theirs.id == ours.id)
+      !detail::decode_job(options_.job, ours) || theirs.id == ours.id)
     return;
   // The stranger refuses itself when it reads this job's record; said here too, on the job
   // that holds the port, so that both jobs' logs show the collision.
