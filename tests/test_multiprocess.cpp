@@ -639,3 +639,23 @@ TEST_CASE("run_ranks under a launcher: a subgroup's failure names the group and 
   });
   REQUIRE(codes == std::vector<int>{2, 0, 2, 42});
 }
+
+// Rank 0 publishes its verdict and serves until the ranks that reported have read it; one that
+// reported and then vanished (killed, or cut off) never reads it, and rank 0 waited the store's
+// whole timeout (300 s by default) without a line. Now a request's bound, then a line.
+TEST_CASE("run_ranks under a launcher: rank 0 does not wait for a verdict's reader that is gone",
+          "[multiprocess][faults]") {
+  cohort::memory_store store;
+  store.set_timeout(std::chrono::seconds(30));
+  store.set("cohort/run_ranks/outcome/1", std::string_view("ok"));  // rank 1 reported, then vanished
+  store.add("cohort/run_ranks/reported", 1);
+  cohort::launch_env env;
+  env.rank = 0;
+  env.world_size = 2;
+  const auto started = std::chrono::steady_clock::now();
+  cohort::detail::finish_launched_rank(store, env, nullptr);
+  const double took = seconds_since(started);
+  INFO("took " << took << " s; the store's timeout is 30 s, a request's bound " << cohort::run_ranks_exit_bound.count()
+               << " s");
+  REQUIRE(took < cohort::run_ranks_exit_bound.count() + 3.0);
+}
