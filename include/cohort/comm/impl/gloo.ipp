@@ -420,7 +420,7 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
             "and MASTER_ADDR/MASTER_PORT?");
       if (lines.due())
         detail::progress_line(
-            rank_,
+            world_rank_,
             detail::text(detail::group_name(*store_), " rendezvous: waiting ", detail::format_seconds(lines.elapsed()),
                          " of its ", detail::format_duration(options_.timeout), " timeout: ",
                          (rank_ == 0 ? missing_at_rendezvous(*store_)
@@ -998,12 +998,13 @@ COHORT_DECL auto gloo::probe_peer(int peer) const -> detail::peer_status {
   const auto& theirs = peers_[static_cast<std::size_t>(peer)];
   const auto& mine = peers_[static_cast<std::size_t>(rank_)];
   // On this host the process table is the truth: where the peer's pid is one of this table's
-  // (not merely a host of the same name) and not this process (ranks as threads share it).
+  // (a host of the same name may be a clone with a table of its own; one of another name is
+  // treated as another host, whatever it shares) and not this process (ranks as threads share it).
   using seen = detail::process_seen;
-  const seen process =
-      !mine.process_table.empty() && theirs.process_table == mine.process_table && theirs.pid != mine.pid
-          ? detail::look_up_process(theirs.pid)
-          : seen::unknown;
+  const seen process = theirs.host == mine.host && !mine.process_table.empty() &&
+                               theirs.process_table == mine.process_table && theirs.pid != mine.pid
+                           ? detail::look_up_process(theirs.pid)
+                           : seen::unknown;
   if (process == seen::gone) return {peer_state::died, "its process is gone", true};
   if (process == seen::stopped)
     return {peer_state::stopped, "its process is stopped: SIGSTOP, a debugger or a terminal's ^Z", true};
