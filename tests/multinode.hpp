@@ -14,10 +14,12 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -40,6 +42,9 @@ struct node {
   // /etc/hosts inside the node: name -> address lines; filled by the test.
   std::vector<std::pair<std::string, std::string>> hosts;
   std::vector<std::string> extra_addresses;  // added to the node's loopback (a /32 each)
+  // Each rank in a pid namespace of its own (as on another machine), its pids numbered from
+  // one this machine's namespace does not use: the same number names another process, or none.
+  bool own_pids = false;
 };
 
 class cluster {
@@ -233,6 +238,35 @@ class cluster {
     }
     if (::mount(hosts.c_str(), "/etc/hosts", nullptr, MS_BIND, nullptr) != 0) return 98;
     ::unlink(hosts.c_str());  // the bind keeps it
+    if (n.own_pids) return run_in_own_pid_namespace([&] { return run_body(n, env, body); });
+    return run_body(n, env, body);
+  }
+
+  // Runs `run` as a process of a new pid namespace (with its own /proc), whose pid is one
+  // that no process of this machine's namespace has; returns its exit status. Killing the
+  // caller kills it (and the namespace) too.
+  static int run_in_own_pid_namespace(const std::function<int()>& run) {
+    pid_t unused = 100000;
+    while (::kill(unused, 0) == 0 || errno != ESRCH) ++unused;
+    if (::unshare(CLONE_NEWPID) != 0) return 98;
+    const auto exit_status = [](pid_t child) {
+      int status = 0;
+      while (::waitpid(child, &status, 0) < 0 && errno == EINTR) {}
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    };
+    const pid_t init = ::fork();
+    if (init != 0) return init < 0 ? 98 : exit_status(init);
+    // The namespace's init (pid 1, which ignores the signals it has no handler for: a rank
+    // must not be it), with its own /proc; the rank is its child.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr) != 0) ::_exit(98);
+    std::ofstream("/proc/sys/kernel/ns_last_pid") << (unused - 1);
+    const pid_t rank = ::fork();
+    if (rank == 0) ::_exit(run());
+    ::_exit(rank < 0 ? 98 : exit_status(rank));
+  }
+
+  static int run_body(const node& n, const std::map<std::string, std::string>& env, const std::function<int()>& body) {
     for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                              "GLOO_SOCKET_IFNAME", "COHORT_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"})
       ::unsetenv(name);

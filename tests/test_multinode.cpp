@@ -872,6 +872,82 @@ bool accuses(const transcript& rank, const std::vector<int>& live) {
 
 }  // namespace
 
+// Two machines of one name (cloned images), each with its own process table: node 1's rank 2
+// (of 3) stops or dies after one call. Its pid means nothing on node 0, whose ranks looked it
+// up by the shared name: a stopped rank 2 was "died or exited (its process is gone)". Now the
+// process table answers only for the host's own pids: stopped is named as not reporting,
+// never dead; a dead one is dead (its connection closed).
+namespace {
+
+std::vector<cohort_test::transcript> twins_lose_rank_2(const std::string& fate) {
+  auto nodes = make_cluster(2);
+  for (auto& n : nodes->nodes()) {
+    n.hostname = "twin";
+    n.hosts.emplace_back("twin", n.address);
+  }
+  nodes->nodes()[1].own_pids = true;
+  auto ranks = torchrun_ranks(*nodes, 2);
+  ranks.pop_back();  // ranks 0, 1 on node 0; rank 2 on node 1
+  for (auto& rank : ranks) {
+    rank.env["WORLD_SIZE"] = "3";
+    rank.env["COHORT_TEST_FATE"] = fate;
+  }
+  ranks[2].env["LOCAL_WORLD_SIZE"] = "1";
+  std::vector<int> outputs;
+  const auto start = std::chrono::steady_clock::now();
+  auto children = nodes->start(
+      ranks,
+      [] {
+        const auto env = cohort::launch_env::detect();
+        auto pg = connected_group(env);
+        std::vector<float> data(1 << 10, 1.0f);
+        if (env.rank == 2) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(200));
+          if (std::string_view(std::getenv("COHORT_TEST_FATE")) == "stop") ::raise(SIGSTOP);
+          ::_exit(42);
+        }
+        try {
+          pg.all_reduce(std::span<float>(data)).wait();
+        } catch (const cohort::error& failure) {
+          std::fprintf(stderr, "rank %d saw: %s\n", env.rank, failure.what());
+          // Rank 0 serves the store rank 1 reads its report from: it stays until rank 1 has named.
+          auto& store = *pg.group_store();
+          if (env.rank == 1)
+            store.set("test/named", std::string_view("1"));
+          else
+            store.wait(std::vector<std::string>{"test/named"}, std::chrono::seconds(20));
+          return 0;
+        }
+        return 1;
+      },
+      &outputs);
+  return cohort_test::collect(children, outputs, start, std::chrono::seconds(30));
+}
+
+}  // namespace
+
+TEST_CASE("machines of one host name: a stopped rank on the other is never named dead", "[multinode]") {
+  const auto ranks = twins_lose_rank_2("stop");
+  INFO(shown(ranks));
+  for (int r = 0; r < 2; ++r) {
+    const auto& rank = ranks[static_cast<std::size_t>(r)];
+    CHECK(rank.code == 0);
+    CHECK(rank.says("rank 2 is unknown (no report within 3 s"));
+    CHECK_FALSE(rank.says("died"));
+  }
+}
+
+TEST_CASE("machines of one host name: a dead rank on the other is named dead", "[multinode]") {
+  const auto ranks = twins_lose_rank_2("die");
+  INFO(shown(ranks));
+  CHECK(ranks[2].code == 42);
+  for (int r = 0; r < 2; ++r) {
+    const auto& rank = ranks[static_cast<std::size_t>(r)];
+    CHECK(rank.code == 0);
+    CHECK(rank.says("rank 2 died or exited during all_reduce #2"));
+  }
+}
+
 // Node 1 SIGKILLed mid-training, at no particular moment: rank 1 said "rank 0 never issued
 // all_reduce #237" while rank 0 was in it, and blame spread one report window per hop. Now the
 // survivors name ranks 2, 3 dead and accuse no live rank.

@@ -168,6 +168,19 @@ void serve_until_named(cohort::process_group<cohort::gloo>& pg, std::initializer
   store.wait(keys, std::chrono::seconds(20));
 }
 
+// A rank that stops (SIGSTOP) and, woken by a helper `seconds` later (once the others have
+// given up, so the test can end), exits 7.
+[[noreturn]] void stop_then_exit(unsigned seconds) {
+  const pid_t self = ::getpid();
+  if (::fork() == 0) {
+    ::sleep(seconds);
+    ::kill(self, SIGCONT);
+    ::_exit(0);
+  }
+  ::raise(SIGSTOP);
+  ::_exit(7);
+}
+
 }  // namespace
 
 TEST_CASE("torchrun-style environments rendezvous through the TCP store", "[multiprocess]") {
@@ -555,9 +568,10 @@ TEST_CASE("under torchrun the failing rank's error reaches the agent's error fil
 
 TEST_CASE("a stopped rank (SIGSTOP) is named by the others within the timeout", "[multiprocess][faults]") {
   // A stopped process keeps its sockets open: nothing resets, the others only wait. They
-  // must still end within the timeout and report window, naming the stopped rank, which
-  // cannot say what it does: unknown, not accused of a call it may be about to issue (the
-  // traces, written by the others, still show it never issued it).
+  // must still end within the timeout and report window, naming the stopped rank as this
+  // host's process table shows it (it was "unknown": computing, stopped, or blocked), not
+  // accused of a call it may be about to issue (the traces, written by the others, still show
+  // it never issued it).
   auto envs = torchrun_envs(3, 3, std::to_string(free_port()));
   const std::string traces = fresh_trace_dir("stopped");
   for (auto& env : envs) env["COHORT_TRACE_DIR"] = traces;
@@ -566,17 +580,7 @@ TEST_CASE("a stopped rank (SIGSTOP) is named by the others within the timeout", 
     auto pg = launched_gloo_group(std::chrono::seconds(2));
     std::vector<float> data(1 << 12, 1.0f);
     pg.all_reduce(std::span<float>(data)).wait();
-    if (pg.rank() == 2) {
-      // A helper wakes this rank after the others have given up, so the test can end.
-      const pid_t self = ::getpid();
-      if (::fork() == 0) {
-        ::sleep(8);
-        ::kill(self, SIGCONT);
-        ::_exit(0);
-      }
-      ::raise(SIGSTOP);
-      ::_exit(7);
-    }
+    if (pg.rank() == 2) stop_then_exit(8);
     const auto issued = std::chrono::steady_clock::now();
     try {
       pg.all_reduce(std::span<float>(data)).wait();
@@ -584,8 +588,10 @@ TEST_CASE("a stopped rank (SIGSTOP) is named by the others within the timeout", 
       std::fprintf(stderr, "rank %d saw: %s\n", pg.rank(), failure.what());
       // The timeout (2 s) and the report window (2 s), with room for a loaded machine.
       if (std::chrono::steady_clock::now() - issued > std::chrono::seconds(7)) return 4;
-      const bool names_culprit =
-          std::string_view(failure.what()).find("rank 2 is unknown (no report within 2 s") != std::string_view::npos;
+      const bool names_culprit = std::string_view(failure.what())
+                                     .find(
+                                         "rank 2 is stopped during all_reduce #2 (float x 4096, sum) (its "
+                                         "process is stopped") != std::string_view::npos;
       serve_until_named(pg, {0, 1});
       return names_culprit ? 0 : 3;
     }
@@ -594,4 +600,99 @@ TEST_CASE("a stopped rank (SIGSTOP) is named by the others within the timeout", 
   REQUIRE(codes == std::vector<int>{0, 0, 7});
   REQUIRE(std::chrono::steady_clock::now() - started < std::chrono::seconds(30));
   require_traces_blame(traces, {2});
+}
+
+// Rank 0's store stopped (SIGSTOP): rank 1 times out first and closes its connections, then
+// tries the store for the report window. Rank 2, entering later, saw rank 1's connection close
+// and said "rank 1 died or exited (its connection closed)" while rank 1's process ran. Now what
+// is known is said: rank 1 closed its connection and its process runs; rank 0 is stopped.
+TEST_CASE("a store that cannot be reached: a closed connection of a running rank is not a death",
+          "[multiprocess][faults]") {
+  auto envs = torchrun_envs(3, 3, std::to_string(free_port()));
+  for (auto& env : envs) env["COHORT_GLOO_SHARED_MEMORY"] = "0";  // over TCP pairs, which close
+  const auto codes = run_children(envs, [] {
+    auto pg = launched_gloo_group(std::chrono::seconds(2));
+    std::vector<float> data(1 << 12, 1.0f);
+    pg.all_reduce(std::span<float>(data)).wait();
+    if (pg.rank() == 0) stop_then_exit(12);
+    // Rank 2 comes once rank 1 has timed out (2 s) and closed its pairs, while it still tries
+    // the store.
+    if (pg.rank() == 2) std::this_thread::sleep_for(std::chrono::milliseconds(2800));
+    const auto entered = std::chrono::steady_clock::now();
+    try {
+      pg.all_reduce(std::span<float>(data)).wait();
+    } catch (const cohort::error& failure) {
+      std::fprintf(stderr, "rank %d saw after %.1f s: %s\n", pg.rank(), seconds_since(entered), failure.what());
+      const std::string_view text = failure.what();
+      const bool zero_stopped = text.find(
+                                    "rank 0 is stopped during all_reduce #2 (float x 4096, sum) (its process is "
+                                    "stopped") != text.npos;
+      if (pg.rank() == 1) return zero_stopped ? 0 : 3;
+      const bool one_closed = text.find("rank 1 closed its connection during all_reduce #2") != text.npos &&
+                              text.find("its connection closed, but its process runs") != text.npos &&
+                              text.find("died") == text.npos;
+      return zero_stopped && one_closed ? 0 : 3;
+    }
+    return 1;
+  });
+  REQUIRE(codes == std::vector<int>{7, 0, 0});
+}
+
+// A hybrid run (2 nodes x 2 ranks, replicas split across nodes): world rank 3 dies in its
+// replicas group (world ranks 1, 3). World rank 1 said "cohort [rank 0] ... rank 1 died or
+// exited", in the group's own numbers, naming neither the group nor world rank 3. Now its error
+// is world rank 1's, names the group with its world ranks, and the dead rank by world rank.
+TEST_CASE("run_ranks under a launcher: a subgroup's failure names the group and world ranks",
+          "[multiprocess][faults]") {
+  auto envs = torchrun_envs(4, 4, std::to_string(free_port()));
+  for (int r = 0; r < 4; ++r) {
+    envs[static_cast<std::size_t>(r)]["LOCAL_RANK"] = std::to_string(r % 2);
+    envs[static_cast<std::size_t>(r)]["LOCAL_WORLD_SIZE"] = "2";
+  }
+  const auto codes = run_children(envs, [] {
+    try {
+      cohort::run_ranks(0, [](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+        cohort::gloo::options opts;
+        opts.timeout = std::chrono::seconds(3);
+        cohort::process_group<cohort::gloo> pg{store, env, opts};
+        auto replicas = pg.split(pg.local_rank(), pg.rank() - pg.local_rank());
+        std::vector<float> data(256, 1.0f);
+        replicas->all_reduce(std::span<float>(data)).wait();
+        if (env.rank == 3) ::_exit(42);
+        replicas->all_reduce(std::span<float>(data)).wait();
+      });
+    } catch (const cohort::error& failure) {
+      std::fprintf(stderr, "rank saw: %s\n", failure.what());
+      const std::string_view text = failure.what();
+      if (text.find("finished, but the run failed") != text.npos) return 2;
+      const bool named = text.starts_with("cohort [rank 1] gloo.all_reduce #2") &&
+                         text.find(
+                             " (world ranks 1, 3): world rank 3 (group rank 1) died or exited during "
+                             "all_reduce #2") != text.npos &&
+                         text.find("world rank 1 (group rank 0) is in all_reduce #2") != text.npos;
+      return named ? 0 : 3;
+    }
+    return 1;
+  });
+  REQUIRE(codes == std::vector<int>{2, 0, 2, 42});
+}
+
+// Rank 0 publishes its verdict and serves until the ranks that reported have read it; one that
+// reported and then vanished (killed, or cut off) never reads it, and rank 0 waited the store's
+// whole timeout (300 s by default) without a line. Now a request's bound, then a line.
+TEST_CASE("run_ranks under a launcher: rank 0 does not wait for a verdict's reader that is gone",
+          "[multiprocess][faults]") {
+  cohort::memory_store store;
+  store.set_timeout(std::chrono::seconds(30));
+  store.set("cohort/run_ranks/outcome/1", std::string_view("ok"));  // rank 1 reported, then vanished
+  store.add("cohort/run_ranks/reported", 1);
+  cohort::launch_env env;
+  env.rank = 0;
+  env.world_size = 2;
+  const auto started = std::chrono::steady_clock::now();
+  cohort::detail::finish_launched_rank(store, env, nullptr);
+  const double took = seconds_since(started);
+  INFO("took " << took << " s; the store's timeout is 30 s, a request's bound " << cohort::run_ranks_exit_bound.count()
+               << " s");
+  REQUIRE(took < cohort::run_ranks_exit_bound.count() + 3.0);
 }

@@ -80,6 +80,8 @@ struct gloo_p2p {
 struct gloo_peer {
   std::string host;           // its gethostname()
   long pid = 0;               // its process id
+  std::string process_table;  // where `pid` means something: boot id and pid namespace (see process_table_id)
+  int world_rank = -1;        // its rank in the world group (a subgroup's ranks are numbered anew)
   std::string address;        // the numeric address it listens on
   std::vector<char> pairs;    // its pairs' addresses (Gloo's bytes), one per other rank in order
   std::string shared_memory;  // where its shared-memory segment is; empty: it has none (TCP only)
@@ -393,6 +395,8 @@ class gloo {
 
   int rank_;
   int size_;
+  int world_rank_;         // rank_ in the world group: what this rank's errors and lines say
+  bool subgroup_ = false;  // made by split: its messages name the group and world ranks
   options options_;
   std::string address_;  // what this rank listens on and publishes (see make_device)
   std::shared_ptr<::gloo::transport::Device> device_;

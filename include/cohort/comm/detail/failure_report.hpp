@@ -67,15 +67,40 @@ COHORT_DECL std::string trace_directory(const std::string& configured);
                                                   const flight_recorder& recorder, std::string_view failure);
 
 // What a backend can tell of a peer without its help.
+// "This host" is this process table (the same kernel boot and pid namespace), not the host
+// name: cloned machines share names, and a pid means nothing in another table.
 enum class peer_state : std::uint8_t {
   unknown,      // no way to tell (a backend without probes)
   alive,        // connected (or its process runs, on this host)
-  died,         // its connection closed, or its process (on this host) is gone
+  died,         // its process (on this host) is gone, or (elsewhere) its connection closed
   unreachable,  // no connection to it and its host does not answer
+  stopped,      // its process (on this host) is stopped: SIGSTOP, a debugger, ^Z
+  closed,       // its connection closed while its process runs (on this host), or can't be seen
 };
 struct peer_status {
   peer_state state = peer_state::unknown;
-  std::string why;  // "its connection closed", "no answer from 10.0.0.3 within 1 s", ...
+  std::string why;            // "its connection closed", "no answer from 10.0.0.3 within 1 s", ...
+  bool process_seen = false;  // its process was found in this host's process table
+};
+
+// How a group's messages name its ranks: a subgroup's by world rank and its own, since the
+// group-local numbers alone name other processes than the reader thinks.
+struct rank_naming {
+  std::string group;       // "pg1.split0.color1": see group_name
+  std::vector<int> world;  // the world rank of each group rank; empty: the group is the world
+  bool is_world() const noexcept { return world.empty(); }
+  int world_rank(int group_rank) const {
+    return is_world() || group_rank < 0 || static_cast<std::size_t>(group_rank) >= world.size()
+               ? group_rank
+               : world[static_cast<std::size_t>(group_rank)];
+  }
+  // "rank 2", "ranks 0, 1"; in a subgroup "world rank 3 (group rank 1)", "world ranks 1, 3
+  // (group ranks 0, 1)".
+  COHORT_DECL std::string operator()(const std::vector<int>& group_ranks) const;
+  std::string operator()(int group_rank) const { return (*this)(std::vector<int>{group_rank}); }
+  // What every message of a subgroup starts with: "group pg1.split0.color1 (world ranks 1,
+  // 3): "; empty for the world.
+  COHORT_DECL std::string lead() const;
 };
 // Tells alive from unreachable, without the peer's help (may take up to a second).
 using peer_probe = std::function<peer_status(int peer)>;
@@ -121,9 +146,11 @@ inline std::chrono::milliseconds report_window(std::chrono::milliseconds timeout
 // share between the group's threads.
 class status_board {
  public:
-  COHORT_DECL status_board(std::shared_ptr<store> group_store, int rank, int size, std::chrono::milliseconds timeout);
+  COHORT_DECL status_board(std::shared_ptr<store> group_store, int rank, int size, std::chrono::milliseconds timeout,
+                           rank_naming names = {});
 
   int rank() const noexcept { return rank_; }
+  const rank_naming& names() const noexcept { return names_; }
   int size() const noexcept { return size_; }
   std::chrono::milliseconds timeout() const noexcept { return timeout_; }
   std::chrono::milliseconds window() const noexcept { return report_window(timeout_); }
@@ -151,6 +178,7 @@ class status_board {
   int rank_;
   int size_;
   std::chrono::milliseconds timeout_;
+  rank_naming names_;
   std::mutex mutex_;  // one request at a time on `own_`, which is made on first use
   std::shared_ptr<store> own_;
   bool own_made_ = false;
@@ -181,7 +209,8 @@ inline constexpr std::string_view evaluation_alone_hint =
     "sample from that copy on one";
 
 COHORT_DECL std::string find_disagreement(int rank, const call_record& mine,
-                                          std::span<const std::optional<rank_status>> statuses);
+                                          std::span<const std::optional<rank_status>> statuses,
+                                          const rank_naming& names = {});
 
 // "recv #1 from rank 0 of 200 bytes (float x 50, tag 3)": a send or recv as its peer and size
 // name it (describe() for any other call).

@@ -171,7 +171,7 @@ struct disagreement {
 // `victims_doom`: a rank whose group failed in this very call dooms it too (a waiting rank
 // stops waiting); a failing rank names such ranks as being in the call with it instead.
 inline disagreement disagree(int rank, const call_record& mine, std::span<const std::optional<rank_status>> statuses,
-                             bool victims_doom) {
+                             bool victims_doom, const rank_naming& names) {
   disagreement found;
   // Every call #s known: this rank's and those the others report, grouped by signature and
   // context, in rank order (so every rank lists them alike).
@@ -228,24 +228,23 @@ inline disagreement disagree(int rank, const call_record& mine, std::span<const 
   if (!evaluating.empty() && !elsewhere.empty()) {
     std::sort(evaluating.begin(), evaluating.end());
     std::sort(elsewhere.begin(), elsewhere.end());
-    found.parts.push_back(detail::text(format_ranks(evaluating),
+    found.parts.push_back(detail::text(names(evaluating),
                                        " entered evaluation() (sampling or evaluating) alone, without ",
-                                       format_ranks(elsewhere), ": ", evaluation_alone_hint));
+                                       names(elsewhere), ": ", evaluation_alone_hint));
   }
   if (differ) {
     std::string text = detail::text(different_calls, std::to_string(mine.sequence), ": ");
     for (std::size_t k = 0; k < calls.size(); ++k) {
       const auto& [call, ranks] = calls[k];
-      text += detail::text((k ? "; " : ""), format_ranks(ranks), (ranks.size() == 1 ? " is in " : " are in "),
-                           describe(call));
+      text += detail::text((k ? "; " : ""), names(ranks), (ranks.size() == 1 ? " is in " : " are in "), describe(call));
     }
     found.parts.push_back(std::move(text));
   }
   for (auto& [how, ranks] : left)
-    found.parts.push_back(detail::text(format_ranks(ranks), " ", how, ", so ", (ranks.size() == 1 ? "it" : "they"),
+    found.parts.push_back(detail::text(names(ranks), " ", how, ", so ", (ranks.size() == 1 ? "it" : "they"),
                                        " never issued ", describe(mine)));
   for (auto& [what, ranks] : failed)
-    found.parts.push_back(detail::text(format_ranks(ranks), (ranks.size() == 1 ? "'s group " : "' group "), what));
+    found.parts.push_back(detail::text(names(ranks), (ranks.size() == 1 ? "'s group " : "' group "), what));
   return found;
 }
 
@@ -329,9 +328,23 @@ COHORT_DECL bool decode_status(std::string_view text, rank_status& out) {
   return true;
 }
 
+COHORT_DECL std::string rank_naming::operator()(const std::vector<int>& group_ranks) const {
+  if (is_world()) return format_ranks(group_ranks);
+  std::vector<int> in_world;
+  for (const int r : group_ranks) in_world.push_back(world_rank(r));
+  return detail::text("world ", format_ranks(in_world), " (group ", format_ranks(group_ranks), ")");
+}
+
+COHORT_DECL std::string rank_naming::lead() const {
+  if (is_world()) return {};
+  std::string members;
+  for (const int r : world) members += detail::text((members.empty() ? "" : ", "), std::to_string(r));
+  return detail::text("group ", group, " (world ranks ", members, "): ");
+}
+
 COHORT_DECL status_board::status_board(std::shared_ptr<store> group_store, int rank, int size,
-                                       std::chrono::milliseconds timeout)
-    : store_(std::move(group_store)), rank_(rank), size_(size), timeout_(timeout) {}
+                                       std::chrono::milliseconds timeout, rank_naming names)
+    : store_(std::move(group_store)), rank_(rank), size_(size), timeout_(timeout), names_(std::move(names)) {}
 
 COHORT_DECL std::string status_board::location() const { return store_->location(); }
 
@@ -427,8 +440,9 @@ COHORT_DECL std::vector<std::optional<rank_status>> status_board::read(std::span
 }
 
 COHORT_DECL std::string find_disagreement(int rank, const call_record& mine,
-                                          std::span<const std::optional<rank_status>> statuses) {
-  return join_parts(disagree(rank, mine, statuses, true).parts);
+                                          std::span<const std::optional<rank_status>> statuses,
+                                          const rank_naming& names) {
+  return join_parts(disagree(rank, mine, statuses, true, names).parts);
 }
 
 COHORT_DECL std::string name_the_peer(status_board& board, const call_record& mine, bool connection_lost) {
@@ -450,10 +464,10 @@ COHORT_DECL std::string name_the_peer(status_board& board, const call_record& mi
       std::this_thread::sleep_for(std::chrono::milliseconds(connection_lost ? 250 : 100));
     }
   } catch (const std::exception& failure) {
-    return detail::text(own, "; what rank ", std::to_string(peer), " does is unknown: the store cannot be reached (",
+    return detail::text(own, "; what ", board.names()(peer), " does is unknown: the store cannot be reached (",
                         first_line_of(failure.what()), ")");
   }
-  const std::string who = detail::text("rank ", std::to_string(peer));
+  const std::string who = board.names()(peer);
   if (!said || said->activity == rank_activity::joined)
     return connection_lost
                ? detail::text(who, " (the peer) closed its connection: it died or exited during ", call)
@@ -515,7 +529,8 @@ COHORT_DECL std::string name_the_culprit(status_board& board, const call_record&
   // connection closed gets a moment (a peer that fails closes its connections just after it
   // says so).
   const auto gone = [&](int peer) {
-    if (seen(peer).state == peer_state::died)
+    if (seen(peer).state == peer_state::stopped) return true;  // it cannot say anything now
+    if (seen(peer).state == peer_state::died || seen(peer).state == peer_state::closed)
       return std::chrono::steady_clock::now() - started >= std::chrono::milliseconds(300);
     std::lock_guard lock(asked_mutex);
     const auto& answer = asked[static_cast<std::size_t>(peer)];
@@ -563,9 +578,9 @@ COHORT_DECL std::string name_the_culprit(status_board& board, const call_record&
   }
   join_askers();
 
-  const disagreement found = disagree(rank, mine, statuses, false);
-  std::vector<int> died, unreachable, unknown, in_call{rank};
-  std::vector<std::string> died_why, unreachable_why, unknown_why;
+  const disagreement found = disagree(rank, mine, statuses, false, board.names());
+  std::vector<int> died, unreachable, stopped, closed, unknown, in_call{rank};
+  std::vector<std::string> died_why, unreachable_why, stopped_why, closed_why, unknown_why;
   const auto note = [](std::vector<std::string>& list, const std::string& why) {
     if (!why.empty() && std::find(list.begin(), list.end(), why) == list.end()) list.push_back(why);
   };
@@ -584,6 +599,11 @@ COHORT_DECL std::string name_the_culprit(status_board& board, const call_record&
       state = *asked[static_cast<std::size_t>(peer)];
     if (state.state == peer_state::unknown && !probe && known.empty() && connection_lost)
       state.state = peer_state::died;
+    // A closed connection proves a death only where nothing else explains it: a rank that
+    // fails says so in the store before it closes, unless the store cannot be reached; and a
+    // process this host sees running is not dead.
+    if (state.state == peer_state::closed && !state.process_seen && unreachable_store.empty())
+      state.state = peer_state::died;
     switch (state.state) {
       case peer_state::died:
         died.push_back(peer);
@@ -592,6 +612,14 @@ COHORT_DECL std::string name_the_culprit(status_board& board, const call_record&
       case peer_state::unreachable:
         unreachable.push_back(peer);
         note(unreachable_why, state.why);
+        break;
+      case peer_state::stopped:
+        stopped.push_back(peer);
+        note(stopped_why, state.why);
+        break;
+      case peer_state::closed:
+        closed.push_back(peer);
+        note(closed_why, state.why);
         break;
       case peer_state::alive:
       case peer_state::unknown:
@@ -606,13 +634,23 @@ COHORT_DECL std::string name_the_culprit(status_board& board, const call_record&
   };
   std::vector<std::string> parts = found.parts;
   if (!died.empty())
-    parts.push_back(detail::text(format_ranks(died), " died or exited during ", call, reasons({}, died_why)));
+    parts.push_back(detail::text(board.names()(died), " died or exited during ", call, reasons({}, died_why)));
   if (!unreachable.empty())
-    parts.push_back(detail::text(format_ranks(unreachable), (unreachable.size() == 1 ? " is" : " are"),
+    parts.push_back(detail::text(board.names()(unreachable), (unreachable.size() == 1 ? " is" : " are"),
                                  " unreachable during ", call, reasons({}, unreachable_why)));
+  if (!stopped.empty())
+    parts.push_back(detail::text(board.names()(stopped), (stopped.size() == 1 ? " is" : " are"), " stopped during ",
+                                 call, reasons({}, stopped_why)));
+  if (!closed.empty())
+    parts.push_back(
+        detail::text(board.names()(closed), " closed ", (closed.size() == 1 ? "its connection" : "their connections"),
+                     " during ", call,
+                     reasons(unreachable_store.empty() ? std::string("no report: it fails or ends without saying so")
+                                                       : std::string("no report: the store cannot be reached"),
+                             closed_why)));
   if (!unknown.empty())
     parts.push_back(
-        detail::text(format_ranks(unknown), (unknown.size() == 1 ? " is" : " are"), " unknown",
+        detail::text(board.names()(unknown), (unknown.size() == 1 ? " is" : " are"), " unknown",
                      reasons(unreachable_store.empty() ? detail::text("no report within ", format_duration(window),
                                                                       ": computing, stopped, or blocked outside cohort")
                                                        : std::string("no report: the store cannot be reached"),
@@ -623,7 +661,7 @@ COHORT_DECL std::string name_the_culprit(status_board& board, const call_record&
   std::sort(in_call.begin(), in_call.end());
   const bool lost = connection_lost || !died.empty();
   if (text.find(different_calls) == std::string::npos)  // that part already says who is in which call
-    text = detail::text(text, "; ", format_ranks(in_call), (in_call.size() == 1 ? " is" : " are"),
+    text = detail::text(text, "; ", board.names()(in_call), (in_call.size() == 1 ? " is" : " are"),
                         (lost ? " in " : " waiting in "), call);
   if (unreachable_store.empty()) {  // the whole story, for ranks that read it later
     rank_status told = failed;
@@ -676,7 +714,7 @@ COHORT_DECL std::string progress_monitor::compare(const pending_call& pending, c
       published_ = true;
     }
     auto statuses = board_.read();
-    std::string verdict = find_disagreement(rank, mine, statuses);
+    std::string verdict = find_disagreement(rank, mine, statuses, board_.names());
     if (!verdict.empty()) {
       // Doomed. Ranks that began waiting a moment after this one say what they are in a
       // moment later: given up to a second, every rank's error names every rank's call.
@@ -695,7 +733,7 @@ COHORT_DECL std::string progress_monitor::compare(const pending_call& pending, c
         std::this_thread::sleep_for(std::chrono::milliseconds(200));
         statuses = board_.read();
       }
-      return find_disagreement(rank, mine, statuses);
+      return find_disagreement(rank, mine, statuses, board_.names());
     }
     std::vector<int> with, without;
     for (int peer = 0; peer < board_.size(); ++peer) {
@@ -704,9 +742,9 @@ COHORT_DECL std::string progress_monitor::compare(const pending_call& pending, c
       (status && status_concerns(*status, mine.sequence) ? with : without).push_back(peer);
     }
     found_.clear();
-    if (!with.empty()) found_ = detail::text(format_ranks(with), (with.size() == 1 ? " is" : " are"), " in it too");
+    if (!with.empty()) found_ = detail::text(board_.names()(with), (with.size() == 1 ? " is" : " are"), " in it too");
     if (!without.empty())
-      found_ += detail::text((found_.empty() ? "" : "; "), "waiting for ", format_ranks(without),
+      found_ += detail::text((found_.empty() ? "" : "; "), "waiting for ", board_.names()(without),
                              " (no report of this call yet: not there yet, computing, or cannot be asked)");
   } catch (const std::exception& failure) {
     const std::string where = board_.location();
@@ -718,10 +756,11 @@ COHORT_DECL std::string progress_monitor::compare(const pending_call& pending, c
 }
 
 COHORT_DECL void progress_monitor::say(const pending_call& pending, std::chrono::steady_clock::time_point now) const {
-  progress_line(board_.rank(),
-                detail::text(group_, ": ", describe(pending.call), " has waited ", format_seconds(now - pending.since),
-                             " of its ", format_duration(board_.timeout()), " timeout",
-                             (found_.empty() ? "" : detail::text("; ", found_))));
+  progress_line(
+      board_.names().world_rank(board_.rank()),
+      detail::text((board_.names().is_world() ? detail::text(group_, ": ") : board_.names().lead()),
+                   describe(pending.call), " has waited ", format_seconds(now - pending.since), " of its ",
+                   format_duration(board_.timeout()), " timeout", (found_.empty() ? "" : detail::text("; ", found_))));
 }
 
 COHORT_DECL watchdog::watchdog(int rank, std::string group, async_error_handling policy,

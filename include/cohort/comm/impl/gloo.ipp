@@ -20,6 +20,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 #include <algorithm>
@@ -32,6 +33,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -78,9 +80,10 @@ class gloo_mesh_context final : public ::gloo::Context {
 };
 
 // What a rank publishes at the rendezvous, under "gloo/<rank>": a text header (format tag,
-// host name, process id, listen address, where its shared-memory segment is or "tcp"), then
-// the bytes of its pairs' addresses, one per other rank in rank order.
-inline constexpr std::string_view gloo_peer_format = "cohort-gloo-2";
+// host name, process id, its process table, its world rank, listen address, where its
+// shared-memory segment is or "tcp"), then the bytes of its pairs' addresses, one per other
+// rank in rank order.
+inline constexpr std::string_view gloo_peer_format = "cohort-gloo-3";
 
 inline std::string this_host_name() {
   char name[256] = {};
@@ -88,9 +91,46 @@ inline std::string this_host_name() {
   return name;
 }
 
+// Where a pid names a process: this kernel's boot and this pid namespace ("<boot id>/<ns
+// device>:<ns inode>"). Host names repeat (cloned images), and two machines' pids, or two
+// pid namespaces', name different processes. Empty where it cannot be read: then no peer's
+// pid is looked up here.
+inline std::string process_table_id() {
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  struct ::stat namespace_file {};
+  if (boot.empty() || ::stat("/proc/self/ns/pid", &namespace_file) != 0) return {};
+  return detail::text(boot, "/", std::to_string(namespace_file.st_dev), ":", std::to_string(namespace_file.st_ino));
+}
+
+// What this host's process table says of `pid` (one of its own).
+enum class process_seen : std::uint8_t { unknown, running, stopped, gone };
+inline process_seen look_up_process(long pid) {
+  if (pid <= 0) return process_seen::unknown;
+  if (::kill(static_cast<pid_t>(pid), 0) != 0) return errno == ESRCH ? process_seen::gone : process_seen::running;
+  // Its state, from /proc where /proc shows this pid namespace (its /proc/self is this pid):
+  // a zombie has exited, a stopped process keeps its sockets open but answers nothing.
+  char self[32] = {};
+  const ssize_t length = ::readlink("/proc/self", self, sizeof self - 1);
+  if (length <= 0 || std::string_view(self, static_cast<std::size_t>(length)) != std::to_string(::getpid()))
+    return process_seen::running;
+  std::string stat;
+  std::getline(std::ifstream(detail::text("/proc/", std::to_string(pid), "/stat")), stat);
+  const auto name_ends = stat.rfind(')');  // the command name may hold anything, ')' included
+  if (name_ends == std::string::npos || name_ends + 2 >= stat.size()) return process_seen::running;
+  switch (stat[name_ends + 2]) {
+    case 'Z':
+    case 'X': return process_seen::gone;
+    case 'T':
+    case 't': return process_seen::stopped;
+    default: return process_seen::running;
+  }
+}
+
 inline bytes encode_gloo_peer(const gloo_peer& mine) {
   const std::string header =
-      detail::text(gloo_peer_format, "\n", mine.host, "\n", std::to_string(mine.pid), "\n", mine.address, "\n",
+      detail::text(gloo_peer_format, "\n", mine.host, "\n", std::to_string(mine.pid), "\n", mine.process_table, "\n",
+                   std::to_string(mine.world_rank), "\n", mine.address, "\n",
                    (mine.shared_memory.empty() ? std::string("tcp") : mine.shared_memory), "\n");
   bytes value(header.begin(), header.end());
   value.insert(value.end(), mine.pairs.begin(), mine.pairs.end());
@@ -100,7 +140,7 @@ inline bytes encode_gloo_peer(const gloo_peer& mine) {
 // False when `value` is not what encode_gloo_peer writes for a world of `size`.
 inline bool decode_gloo_peer(const bytes& value, int size, gloo_peer& out) {
   std::size_t at = 0;
-  std::string fields[5];
+  std::string fields[7];
   for (auto& field : fields) {
     const auto end = std::find(value.begin() + static_cast<std::ptrdiff_t>(at), value.end(), '\n');
     if (end == value.end()) return false;
@@ -109,13 +149,18 @@ inline bool decode_gloo_peer(const bytes& value, int size, gloo_peer& out) {
   }
   if (fields[0] != gloo_peer_format) return false;
   int pid = 0;
-  if (!parse_int_fields(fields[2], ',', std::span<int>(&pid, 1))) return false;
+  int world_rank = -1;
+  if (!parse_int_fields(fields[2], ',', std::span<int>(&pid, 1)) ||
+      !parse_int_fields(fields[4], ',', std::span<int>(&world_rank, 1)))
+    return false;
   const std::size_t rest = value.size() - at;
   if (size < 2 || rest == 0 || rest % static_cast<std::size_t>(size - 1) != 0) return false;
   out.host = fields[1];
   out.pid = pid;
-  out.address = fields[3];
-  out.shared_memory = fields[4] == "tcp" ? std::string() : fields[4];
+  out.process_table = fields[3];
+  out.world_rank = world_rank;
+  out.address = fields[5];
+  out.shared_memory = fields[6] == "tcp" ? std::string() : fields[6];
   out.pairs.assign(value.begin() + static_cast<std::ptrdiff_t>(at), value.end());
   return true;
 }
@@ -234,13 +279,19 @@ COHORT_DECL void gloo_p2p::abort() {
 }  // namespace detail
 
 COHORT_DECL gloo::gloo(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts)
-    : rank_(env.rank), size_(env.world_size), options_(opts) {
+    : rank_(env.rank), size_(env.world_size), world_rank_(env.rank), options_(opts) {
   device_ = make_device(env, opts, *store, address_);
   connect(std::move(store));
 }
 
 COHORT_DECL gloo::gloo(const gloo& parent, std::shared_ptr<cohort::store> store, int rank, int size)
-    : rank_(rank), size_(size), options_(parent.options_), address_(parent.address_), device_(parent.device_) {
+    : rank_(rank),
+      size_(size),
+      world_rank_(parent.world_rank_),
+      subgroup_(true),
+      options_(parent.options_),
+      address_(parent.address_),
+      device_(parent.device_) {
   connect(std::move(store));
 }
 
@@ -329,6 +380,8 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
   detail::gloo_peer mine;
   mine.host = detail::this_host_name();
   mine.pid = static_cast<long>(::getpid());
+  mine.process_table = detail::process_table_id();
+  mine.world_rank = world_rank_;
   mine.address = address_;
   const char* shared_memory_env = std::getenv("COHORT_GLOO_SHARED_MEMORY");
   // Made before the rendezvous, so that where it is travels with the addresses.
@@ -360,14 +413,14 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
     } catch (const timeout_error& failure) {
       if (std::chrono::steady_clock::now() >= deadline)
         throw timeout_error(
-            rank_, "gloo.rendezvous",
+            world_rank_, "gloo.rendezvous",
             detail::text(missing_at_rendezvous(*store_), " (world of ", std::to_string(size_), "; this rank published ",
                          address_, ") within ", detail::format_duration(options_.timeout)),
             "a rank never arrived: is every rank started with the same WORLD_SIZE "
             "and MASTER_ADDR/MASTER_PORT?");
       if (lines.due())
         detail::progress_line(
-            rank_,
+            world_rank_,
             detail::text(detail::group_name(*store_), " rendezvous: waiting ", detail::format_seconds(lines.elapsed()),
                          " of its ", detail::format_duration(options_.timeout), " timeout: ",
                          (rank_ == 0 ? missing_at_rendezvous(*store_)
@@ -384,7 +437,7 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
     const auto& value = published[static_cast<std::size_t>(peer)];
     if (!detail::decode_gloo_peer(value, size_, peers_[static_cast<std::size_t>(peer)]) ||
         peers_[static_cast<std::size_t>(peer)].pairs.size() != mine.pairs.size())
-      throw detail::malformed_store_value(rank_, "gloo.rendezvous", keys[static_cast<std::size_t>(peer)], value,
+      throw detail::malformed_store_value(world_rank_, "gloo.rendezvous", keys[static_cast<std::size_t>(peer)], value,
                                           "a Gloo rank's addresses, as cohort of this version writes them");
   }
   connect_mesh(*transport, deadline);
@@ -394,17 +447,22 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
   agree_on_shared_memory(mine);
   worker_ = std::make_shared<worker_type>([this](detail::gloo_task& task) { run(task); });
   p2p_worker_ = std::make_shared<worker_type>([this](detail::gloo_task& task) { run(task); });
-  board_ = std::make_unique<detail::status_board>(store_, rank_, size_, options_.timeout);
+  // A subgroup's messages name world ranks: the readers' logs and launchers number by them.
+  detail::rank_naming names{detail::group_name(*store_), {}};
+  if (subgroup_)
+    for (const auto& peer : peers_) names.world.push_back(peer.world_rank);
+  board_ = std::make_unique<detail::status_board>(store_, rank_, size_, options_.timeout, std::move(names));
   board_->try_publish_on_group_store(status(detail::rank_activity::joined));
   start_watchdog();
 }
 
 COHORT_DECL auto gloo::agree_on_shared_memory(const detail::gloo_peer& mine) -> void {
-  // Tried where every rank is on this host and made a segment: every rank reads the same
-  // published records, so all try or none does. Host names are unique within a job; a name
-  // shared across pid namespaces fails the segment's token check and leaves the group on TCP.
+  // Tried where every rank is on this host (its name, and its process table: cloned machines
+  // share names) and made a segment: every rank reads the same published records, so all try
+  // or none does.
   const bool every_rank_here = std::all_of(peers_.begin(), peers_.end(), [&](const detail::gloo_peer& peer) {
-    return peer.host == mine.host && !peer.shared_memory.empty();
+    return peer.host == mine.host && !mine.process_table.empty() && peer.process_table == mine.process_table &&
+           !peer.shared_memory.empty();
   });
   if (!every_rank_here) {
     shared_memory_.reset();
@@ -427,7 +485,8 @@ COHORT_DECL auto gloo::agree_on_shared_memory(const detail::gloo_peer& mine) -> 
     opts.setTimeout(options_.timeout);
     ::gloo::allreduce(opts);
   } catch (const std::exception& failure) {
-    throw error(rank_, "gloo.rendezvous", detail::text("the ranks could not agree on shared memory: ", failure.what()),
+    throw error(world_rank_, "gloo.rendezvous",
+                detail::text("the ranks could not agree on shared memory: ", failure.what()),
                 "a rank died or stopped during the rendezvous");
   }
   if (mapped == 1)
@@ -485,7 +544,7 @@ COHORT_DECL auto gloo::connect_mesh(::gloo::transport::Context& transport,
   };
   const std::string world = detail::text(" (world of ", std::to_string(size_), "; this rank published ", address_, ")");
   const auto timed_out = [&](int peer) {
-    return timeout_error(rank_, "gloo.rendezvous",
+    return timeout_error(world_rank_, "gloo.rendezvous",
                          detail::text("no connection with rank ", std::to_string(peer), " within ",
                                       detail::format_duration(options_.timeout), world, ": ", describe_peer(peer)),
                          "the published addresses must be reachable between the nodes: check that no firewall "
@@ -502,7 +561,7 @@ COHORT_DECL auto gloo::connect_mesh(::gloo::transport::Context& transport,
       stop_alarm();
       if (late) throw timed_out(peer);
       throw error(
-          rank_, "gloo.rendezvous",
+          world_rank_, "gloo.rendezvous",
           detail::text("cannot connect to rank ", std::to_string(peer), world, ": ", describe_peer(peer), ": ",
                        failure.what()),
           detail::text("rank ", std::to_string(peer),
@@ -525,8 +584,8 @@ COHORT_DECL auto gloo::start_watchdog() -> void {
   if (options_.compare_calls_after.count() > 0 || options_.progress_interval.count() > 0)
     monitor_ = std::make_unique<detail::progress_monitor>(
         *board_, group, detail::progress_monitor::settings{options_.compare_calls_after, options_.progress_interval});
-  watchdog_ = std::make_unique<detail::watchdog>(rank_, group, options_.on_async_error, options_.watchdog_interval,
-                                                 [this] { return watch(); });
+  watchdog_ = std::make_unique<detail::watchdog>(world_rank_, group, options_.on_async_error,
+                                                 options_.watchdog_interval, [this] { return watch(); });
 }
 
 COHORT_DECL auto gloo::watch() -> std::exception_ptr {
@@ -739,7 +798,7 @@ COHORT_DECL auto gloo::explain(const detail::gloo_task& task, std::exception_ptr
   } catch (const detail::shared_memory_failure& failure) {
     return explain_transport_failure(task, failure.what(), failure.timed_out());
   } catch (const std::exception& failure) {
-    return std::make_exception_ptr(error(rank_, detail::text("gloo.", describe(task)), failure.what(),
+    return std::make_exception_ptr(error(world_rank_, detail::text("gloo.", describe(task)), failure.what(),
                                          "sizes or dtypes may differ across ranks (set COHORT_DEBUG=1 to check)"));
   } catch (...) {
     return std::current_exception();
@@ -753,21 +812,23 @@ COHORT_DECL auto gloo::explain_transport_failure(const detail::gloo_task& task, 
     std::lock_guard lock(verdict_mutex_);
     verdict = verdict_;
   }
+  // A subgroup's errors say which group, and name its ranks by world rank.
+  const std::string group = board_ ? board_->names().lead() : std::string();
   if (!verdict.empty())  // the progress monitor ended the call: the ranks are in different calls
-    return std::make_exception_ptr(
-        error(rank_, detail::text("gloo.", describe(task)), verdict, detail::different_calls_hint));
-  const std::string culprit = name_the_culprit(task, !timed_out);
+    return std::make_exception_ptr(error(world_rank_, detail::text("gloo.", describe(task)),
+                                         detail::text(group, verdict), detail::different_calls_hint));
+  const std::string culprit = detail::text(group, name_the_culprit(task, !timed_out));
   // The peers' statuses may show the cause themselves: ranks in different calls.
   if (culprit.find(detail::different_calls) != std::string::npos)
-    return std::make_exception_ptr(error(rank_, detail::text("gloo.", describe(task)),
+    return std::make_exception_ptr(error(world_rank_, detail::text("gloo.", describe(task)),
                                          detail::text(culprit, " [", what, "]"), detail::different_calls_hint));
   if (timed_out)
     return std::make_exception_ptr(timeout_error(
-        rank_, detail::text("gloo.", describe(task)), detail::text(culprit, " [", what, "]"),
+        world_rank_, detail::text("gloo.", describe(task)), detail::text(culprit, " [", what, "]"),
         detail::text("a peer did not enter the same call within ", detail::format_duration(options_.timeout),
                      ": it hangs, crashed, issued calls in another order, or "
                      "passed another size or dtype (COHORT_DEBUG=1 names the calls)")));
-  return std::make_exception_ptr(error(rank_, detail::text("gloo.", describe(task)),
+  return std::make_exception_ptr(error(world_rank_, detail::text("gloo.", describe(task)),
                                        detail::text(culprit, " [", what, "]"),
                                        "a peer closed its connection: it crashed or exited early, or sizes differ "
                                        "across ranks"));
@@ -881,7 +942,7 @@ COHORT_DECL auto gloo::signature(const detail::gloo_task& task) -> std::uint64_t
 }
 
 COHORT_DECL auto gloo::throw_timeout(const detail::gloo_task& task) -> void {
-  throw timeout_error(rank_, detail::text("gloo.", describe(task)),
+  throw timeout_error(world_rank_, detail::text("gloo.", describe(task)),
                       detail::text("no matching peer operation within ", detail::format_duration(options_.timeout)),
                       "the peer never posted the matching send/recv with the same tag, size and dtype");
 }
@@ -942,10 +1003,18 @@ COHORT_DECL auto gloo::probe_peer(int peer) const -> detail::peer_status {
   using detail::peer_state;
   if (!context_ || peer < 0 || peer >= size_ || peers_.size() != static_cast<std::size_t>(size_)) return {};
   const auto& theirs = peers_[static_cast<std::size_t>(peer)];
-  const bool same_host = theirs.host == peers_[static_cast<std::size_t>(rank_)].host;
-  // On this host the process table is the truth. (Host names are unique within a job.)
-  if (same_host && theirs.pid > 0 && ::kill(static_cast<pid_t>(theirs.pid), 0) != 0 && errno == ESRCH)
-    return {peer_state::died, "its process is gone"};
+  const auto& mine = peers_[static_cast<std::size_t>(rank_)];
+  // On this host the process table is the truth: where the peer's pid is one of this table's
+  // (a host of the same name may be a clone with a table of its own; one of another name is
+  // treated as another host, whatever it shares) and not this process (ranks as threads share it).
+  using seen = detail::process_seen;
+  const seen process = theirs.host == mine.host && !mine.process_table.empty() &&
+                               theirs.process_table == mine.process_table && theirs.pid != mine.pid
+                           ? detail::look_up_process(theirs.pid)
+                           : seen::unknown;
+  if (process == seen::gone) return {peer_state::died, "its process is gone", true};
+  if (process == seen::stopped)
+    return {peer_state::stopped, "its process is stopped: SIGSTOP, a debugger or a terminal's ^Z", true};
   // Gloo's event loop watches every connected pair, busy or not: a peer whose process ended
   // has its pair failed with the reason, which any operation on the pair rethrows before
   // doing anything. On a healthy pair this zero-byte receive is posted on a slot nobody
@@ -962,11 +1031,19 @@ COHORT_DECL auto gloo::probe_peer(int peer) const -> detail::peer_status {
   } catch (const std::exception& closed) {
     failure = closed.what();
   }
-  if (failure.empty()) return {peer_state::alive, "connected"};
+  const bool runs = process == seen::running;
+  if (failure.empty()) return {peer_state::alive, "connected", runs};
+  // A closed connection with its process running: the peer is failing (or ending) itself.
   for (const char* closed_by_peer : {"closed by peer", "reset by peer", "Broken pipe", "Socket closed"})
-    if (failure.find(closed_by_peer) != std::string::npos) return {peer_state::died, "its connection closed"};
+    if (failure.find(closed_by_peer) != std::string::npos)
+      return runs ? detail::peer_status{peer_state::closed, "its connection closed, but its process runs", true}
+                  : detail::peer_status{peer_state::closed,
+                                        (process == seen::unknown && theirs.pid == mine.pid)
+                                            ? "its connection closed"
+                                            : "its connection closed; its process is on another host",
+                                        false};
   // The pair failed on this side (a timeout): alive but silent, or cut off? (probe_host)
-  if (same_host) return {peer_state::alive, "its process runs"};
+  if (runs) return {peer_state::alive, "its process runs", true};
   return {};
 }
 
@@ -1001,7 +1078,7 @@ COHORT_DECL auto gloo::check_p2p_pair(const detail::gloo_task& task) -> void {
     theirs = to_string(store_->get(p2p_debug_key(task, false), options_.timeout));
   } catch (const timeout_error&) {
     throw timeout_error(
-        rank_, detail::text("gloo.", describe(task)),
+        world_rank_, detail::text("gloo.", describe(task)),
         detail::text("rank ", std::to_string(task.peer), " never posted the ", (sending ? "recv" : "send"),
                      " matching this rank's ", pair, " within ", detail::format_duration(options_.timeout)),
         "every send needs a recv on the peer with the same tag, in the same order");
@@ -1009,7 +1086,7 @@ COHORT_DECL auto gloo::check_p2p_pair(const detail::gloo_task& task) -> void {
   if (theirs == mine) return;
   const std::string sender = std::to_string(sending ? rank_ : task.peer);
   const std::string receiver = std::to_string(sending ? task.peer : rank_);
-  throw error(rank_, detail::text("gloo.", describe(task)),
+  throw error(world_rank_, detail::text("gloo.", describe(task)),
               detail::text("rank ", sender, " sends ", (sending ? mine : theirs), " to rank ", receiver, " (tag ",
                            std::to_string(task.tag), ", #", std::to_string(task.sequence), ") but rank ", receiver,
                            "'s matching recv expects ", (sending ? theirs : mine)),

@@ -306,13 +306,23 @@ COHORT_DECL void finish_launched_rank(store& rendezvous, const launch_env& env, 
     const bytes said = to_bytes(verdict);
     rendezvous.set_within(detail::text(base, "verdict"), std::span<const std::uint8_t>(said), bound);
     if (!verdict.empty() && failure) progress_line(0, detail::text("run_ranks: the run failed: ", verdict));
-    // Every rank that reported reads the verdict: serve until they have.
+    // Every rank that reported reads the verdict: serve until they have. Each waits for it in
+    // a request the store answers as soon as it is set, so a rank that has not read it within
+    // a request's bound is gone (killed, or cut off since it reported): not waited for longer.
     const std::int64_t waiting = rendezvous.add_within(detail::text(base, "reported"), 0, bound);
     if (!grace_ends && !verdict.empty()) grace_ends = grace();
-    while (rendezvous.add_within(detail::text(base, "acknowledged"), 0, bound) < waiting && !done_waiting()) {
+    const auto read_by = clock::now() + bound;
+    std::int64_t acknowledged = 0;
+    while ((acknowledged = rendezvous.add_within(detail::text(base, "acknowledged"), 0, bound)) < waiting &&
+           !done_waiting() && clock::now() < read_by) {
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::milliseconds(50));
     }
+    if (acknowledged < waiting && clock::now() >= read_by)
+      progress_line(
+          0, detail::text("run_ranks: ", std::to_string(waiting - acknowledged), " of the ", std::to_string(waiting),
+                          " ranks that reported did not read the verdict within ", format_duration(bound),
+                          ": gone since (killed, or cut off from this node); not waiting for them"));
     if (!verdict.empty() && !failure)
       throw error(0, "run_ranks", detail::text("this rank finished, but the run failed: ", verdict),
                   "the first failing rank's error names the cause");
