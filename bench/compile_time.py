@@ -5,6 +5,8 @@ unit of twenty standard headers (bench/compile/std_headers.cpp) compiled in the 
   python3 bench/compile_time.py [--cxx g++] [--nvcc nvcc] [--runs 5] [--no-nvcc]
                                 [--no-headers] [--only TEXT] [--against DIR] [--json FILE]
   python3 bench/compile_time.py --code-by-file     where the trainer TU's code comes from
+  python3 bench/compile_time.py --check docs/benchmarks.md --runs 3
+                                                   CI: fail on a regression against the baseline
 
 Rows:
   - the umbrella header <cohort/cohort.hpp>, -fsyntax-only;
@@ -14,10 +16,11 @@ Rows:
     other TU (bench/compile/step.cpp: the step over a state main's TU built), -O2;
   - a CUDA trainer TU on NCCL (bench/compile/trainer.cu) with nvcc, and how many kernels
     it instantiates (ptxas -v names each);
-  - the umbrella header and both trainer TUs again with COHORT_SEPARATE_COMPILATION (the
-    CUDA one as a library with NCCL gives it: kernels compiled once, in cohort/src.cu),
-    and the translation units such a program adds (cohort/src.hpp, -O2, and
-    cohort/src.cu with nvcc), compiled once however many TUs the program has.
+  - "default targets (compiled once)": the umbrella header and both trainer TUs again as
+    cohort::gloo and cohort::nccl compile them, with COHORT_SEPARATE_COMPILATION (the CUDA
+    one seeing the kernels' launchers only, the kernels compiled once, in cohort/src.cu),
+    and the translation units that library adds (cohort/src.hpp, -O2, and cohort/src.cu
+    with nvcc), compiled once however many TUs the program has.
 Times are CPU seconds (user + system) of the compiler: on a shared VM the wall clock also
 counts time other guests held the core. The yardstick runs right before every run of every
 row, each run is divided by that yardstick run, and the median ratio of --runs is printed
@@ -26,6 +29,10 @@ a ratio together, where a ratio to the yardstick's fastest run of the whole run 
 drift to whichever rows met the slow minutes, and the median keeps one odd yardstick run
 from setting a row's ratio. On a noisy VM use --runs 5 or more; differences under about 5%
 are noise there.
+
+--check FILE measures only the rows of FILE's baseline (the fenced block marked
+compile-baseline, one "ratio  row name" a line) and fails when a row's median ratio exceeds
+its baseline by more than --tolerance (15%): .ci/run runs it against docs/benchmarks.md.
 
 --against DIR measures a second checkout of cohort (its include/ and bench/compile/, for
 example a `git worktree` of an older commit) in the same run, each of its runs right after
@@ -132,30 +139,30 @@ class Tree:
         src_cu = "cohort/impl/device_src.cuh" if old_layout else "cohort/src.cu"
         if os.path.exists(os.path.join(self.include, src_hpp)):
             separate = ["-DCOHORT_SEPARATE_COMPILATION=1"]
-            rows.append(("separate compilation: <cohort/cohort.hpp>, -fsyntax-only",
+            rows.append(("default targets (compiled once): <cohort/cohort.hpp>, -fsyntax-only",
                          self.base() + separate + ["-fsyntax-only", os.path.join(self.sources, "umbrella.cpp")], False))
-            rows.append(("separate compilation: trainer TU on Gloo, -O2 -c", self.base() + separate + [
+            rows.append(("default targets (compiled once): trainer TU on Gloo, -O2 -c", self.base() + separate + [
                 "-O2", "-c", os.path.join(self.sources, "trainer.cpp"), "-o", os.path.join(self.work, "trainer.o")], False))
             if os.path.exists(step):
-                rows.append(("separate compilation: trainer's step TU on Gloo, -O2 -c", self.base() + separate + [
+                rows.append(("default targets (compiled once): trainer's step TU on Gloo, -O2 -c", self.base() + separate + [
                     "-O2", "-c", step, "-o", os.path.join(self.work, "step.o")], False))
             # A library with NCCL compiles the kernels too (src.cu), and the trainer's TUs see
             # their launchers' declarations only.
             device_src = os.path.exists(os.path.join(self.include, src_cu))
             device = ["-DCOHORT_SEPARATE_DEVICE_CODE=1"] if device_src and old_layout else []
             if nvcc:
-                rows.append(("separate compilation: CUDA trainer TU, nvcc -O2 -c",
+                rows.append(("default targets (compiled once): CUDA trainer TU, nvcc -O2 -c",
                              self.nvcc_command(separate + device), True))
             source = os.path.join(self.work, "src.cpp")
             with open(source, "w") as f:
                 f.write(f"#include <{src_hpp}>\n")
-            rows.append(("separate compilation: src.hpp, -O2 -c (once per program)",
+            rows.append(("default targets (compiled once): src.hpp, -O2 -c (once per program)",
                          self.base() + separate + ["-O2", "-c", source, "-o", os.path.join(self.work, "src.o")], False))
             if nvcc and device_src:
                 source = os.path.join(self.work, "device_src.cu")
                 with open(source, "w") as f:
                     f.write(f"#include <{src_cu}>\n")
-                rows.append(("separate compilation: src.cu, nvcc -O2 -c (once per program)",
+                rows.append(("default targets (compiled once): src.cu, nvcc -O2 -c (once per program)",
                              self.nvcc_command(separate + device, source), True))
         return rows
 
@@ -194,6 +201,60 @@ def code_by_file(args):
     return 0
 
 
+BASELINE_FENCE = "```compile-baseline"
+
+
+def read_baseline(path):
+    """{row name: ratio} from the fenced compile-baseline block of `path`, in its order."""
+    baseline = {}
+    inside = False
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            line = line.strip()
+            if not inside:
+                inside = line == BASELINE_FENCE
+                continue
+            if line.startswith("```"):
+                break
+            if not line or line.startswith("#"):
+                continue
+            ratio, _, name = line.partition(" ")
+            try:
+                baseline[name.strip()] = float(ratio.rstrip("x"))
+            except ValueError:
+                raise SystemExit(f"{path}:{number}: a baseline line is 'ratio  row name', not {line!r}")
+    if not baseline:
+        raise SystemExit(f"{path} has no {BASELINE_FENCE} block with 'ratio  row name' lines")
+    return baseline
+
+
+def check(baseline, path, measured, tolerance):
+    """Each measured row against its baseline; the exit status: 1 when any regressed."""
+    print(f"against the baseline in {path} (a regression is a ratio over baseline x {1 + tolerance:.2f}):")
+    regressed = []
+    for name, allowed in baseline.items():
+        if name not in measured and "nvcc" in name:
+            print(f"  {name:58s} {'':8s} baseline {allowed:5.2f}x  not measured here (no nvcc)")
+            continue
+        if name not in measured:  # a renamed row must not leave its baseline unchecked
+            print(f"  {name:58s} no such row: rename it in {path} with the script's row")
+            regressed.append(name)
+            continue
+        ratio = measured[name]
+        verdict = "REGRESSED" if ratio > allowed * (1 + tolerance) else "ok"
+        print(f"  {name:58s} {ratio:6.2f}x baseline {allowed:5.2f}x  {ratio / allowed:5.2f}  {verdict}")
+        if verdict != "ok":
+            regressed.append(name)
+    if regressed:
+        print(f"compile-time check failed (over {tolerance:.0%} above the baseline, or no such row): "
+              f"{', '.join(regressed)}.\n"
+              f"Find the change (--against a worktree of the last good commit, --code-by-file); "
+              f"move the baseline in {path} only with a sentence there saying why.")
+        return 1
+    print("compile time: no regression")
+    return 0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cxx", default=os.environ.get("CXX", "g++"))
@@ -204,6 +265,10 @@ def main():
     parser.add_argument("--against", default="", help="a second checkout of cohort to measure beside this one")
     parser.add_argument("--only", default="", help="measure only the rows whose name contains this text")
     parser.add_argument("--json", default="")
+    parser.add_argument("--check", default="", metavar="FILE",
+                        help="measure the rows of FILE's compile-baseline block; fail on a regression")
+    parser.add_argument("--tolerance", type=float, default=0.15,
+                        help="with --check, the ratio's allowed excess over its baseline (0.15: 15%%)")
     parser.add_argument("--code-by-file", action="store_true",
                         help="print where the header-only trainer TU's -O2 code comes from, by source file, and exit")
     args = parser.parse_args()
@@ -217,7 +282,9 @@ def main():
             trees.append(Tree(args.against, args, work))
         yardstick_command = [args.cxx, "-std=c++20", "-fsyntax-only", os.path.join(HERE, "compile", "std_headers.cpp")]
         yardstick = None
-        plans = [[row for row in tree.rows() if args.only in row[0]] for tree in trees]
+        baseline = read_baseline(args.check) if args.check else None
+        plans = [[row for row in tree.rows() if args.only in row[0] and (baseline is None or row[0] in baseline)]
+                 for tree in trees]
         names = [name for name, _, _ in plans[0]]
         best = {}  # (tree index, row name) -> (fastest seconds, kernels)
         ratios = {}  # (tree index, row name) -> every run's ratio to the yardstick run before it
@@ -274,6 +341,8 @@ def main():
             json.dump({"compiler": args.cxx, "runs": args.runs, "yardstick_seconds": round(yardstick, 3), "rows": rows},
                       f, indent=1)
         print(f"wrote {args.json}")
+    if baseline is not None:
+        return check(baseline, args.check, {row["what"]: row["ratio"] for row in rows}, args.tolerance)
     return 0
 
 

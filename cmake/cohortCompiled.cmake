@@ -2,11 +2,13 @@
 # whose translation units would otherwise each compile it (see cohort/config.hpp).
 #
 #   cohort_add_compiled_library(cohort_impl)
-#   target_link_libraries(trainer PRIVATE cohort_impl)   # instead of cohort::gloo / cohort::nccl
+#   target_link_libraries(trainer PRIVATE cohort_impl)
 #
+# cohort::gloo and cohort::nccl are such a library already (cohort's own, built with cohort);
+# this makes one with the project's own compiler and flags (a sanitized build, say).
 # The library defines COHORT_SEPARATE_COMPILATION for everything that links it, so those
 # translation units see declarations only; it brings the backends whose targets exist
-# (cohort::gloo, cohort::nccl) and compiles their code too. Every translation unit of the
+# (cohort::header_only_gloo, cohort::header_only_nccl) and compiles their code too. Every translation unit of the
 # program that includes cohort must link it (mixing modes breaks the one-definition rule).
 #
 # With cohort::nccl the library also compiles the device backend's kernels, once, in a .cu of
@@ -19,11 +21,11 @@ function(cohort_add_compiled_library name)
   add_library(${name} STATIC "${source}")
   target_compile_definitions(${name} PUBLIC COHORT_SEPARATE_COMPILATION=1)
   set_target_properties(${name} PROPERTIES POSITION_INDEPENDENT_CODE ON)
-  if(TARGET cohort::gloo)
-    target_link_libraries(${name} PUBLIC cohort::gloo)
+  if(TARGET cohort::header_only_gloo)
+    target_link_libraries(${name} PUBLIC cohort::header_only_gloo)
   endif()
-  if(TARGET cohort::nccl)
-    target_link_libraries(${name} PUBLIC cohort::nccl)
+  if(TARGET cohort::header_only_nccl)
+    target_link_libraries(${name} PUBLIC cohort::header_only_nccl)
     get_property(languages GLOBAL PROPERTY ENABLED_LANGUAGES)
     if(NOT "CUDA" IN_LIST languages)
       message(FATAL_ERROR "cohort_add_compiled_library(${name}): with cohort::nccl the library compiles "
@@ -34,7 +36,7 @@ function(cohort_add_compiled_library name)
     file(CONFIGURE OUTPUT "${device_source}" CONTENT "#include <cohort/src.cu>\n" @ONLY)
     target_sources(${name} PRIVATE "${device_source}")
   endif()
-  if(NOT TARGET cohort::gloo AND NOT TARGET cohort::nccl)
+  if(NOT TARGET cohort::header_only_gloo AND NOT TARGET cohort::header_only_nccl)
     target_link_libraries(${name} PUBLIC cohort::cohort)
   endif()
 endfunction()

@@ -1,7 +1,7 @@
 // training_state on NCCL with one rank on one GPU: the device path of the same template
 // (gathers into cudaMalloc'd pooled buffers ordered with a caller stream, the gradient and
 // optimizer kernels, a checkpoint of device state). Skipped without a GPU. A plain C++ file:
-// the kernels come compiled from cohort_self_impl (COHORT_SEPARATE_COMPILATION), as a
+// the kernels come compiled from cohort_compiled (cohort::nccl, compiled once), as a
 // trainer's .cpp would use them.
 #include <catch2/catch.hpp>
 
@@ -21,7 +21,7 @@
 #include "support.hpp"
 
 #if !defined(COHORT_SEPARATE_COMPILATION) || defined(__CUDACC__)
-#error "test_training_state_nccl.cpp is the plain C++ test of the kernels cohort_self_impl compiled"
+#error "test_training_state_nccl.cpp is the plain C++ test of the kernels cohort_compiled compiled"
 #endif
 
 namespace {

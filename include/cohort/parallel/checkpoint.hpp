@@ -389,6 +389,11 @@ struct checkpoint_listing {
 };
 checkpoint_listing list_checkpoints(const std::string& directory);
 
+// DIR made, with its parents, where missing; a failure is the error_code's message, empty on
+// success. Compiled with the rest, so the checkpoint templates need not include <filesystem>.
+std::string create_checkpoint_directory(const std::string& directory);
+// 64 bits from std::random_device: a staging directory's nonce, a run's id.
+std::uint64_t random_checkpoint_bits();
 // Rank 0 of a job that saves to or resumes from DIR: DIR/.cohort made, its lock taken (or
 // found held by this process already). Another process holding it is a cohort::error naming
 // it: its host, pid, program and since when. The lock is held until the process ends.

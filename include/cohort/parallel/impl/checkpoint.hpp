@@ -10,12 +10,10 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
-#include <filesystem>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <span>
 #include <string>
 #include <thread>
@@ -322,7 +320,7 @@ auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& di
   // reaches every rank.
   std::int64_t nonce = 0;
   if (rank == 0)
-    nonce = static_cast<std::int64_t>(std::random_device{}() & 0x7fffffffu) << 20 |
+    nonce = static_cast<std::int64_t>(detail::random_checkpoint_bits() & 0x7fffffffu) << 20 |
             static_cast<std::int64_t>(step & 0xfffff);
   nonce = all_gather_values(group, std::span<const std::int64_t>(&nonce, 1))[0];
   pending->staging = checkpoint_staging_path(directory, step, static_cast<std::uint64_t>(nonce));
@@ -692,8 +690,7 @@ std::optional<checkpoint_info> resume_checkpoint(training_state<B, P, G>& state,
         // The directory is made now, so that its lock holds from the start of the job. One
         // this job cannot write (a published checkpoint to start from) no job of this user can
         // change under it: resumed from without a lock.
-        std::error_code ec;
-        std::filesystem::create_directories(directory, ec);
+        detail::create_checkpoint_directory(directory);  // a failure is the lock's to name
         locked = detail::lock_checkpoint_directory(directory, group.rank(), operation, false);
         const auto listing = detail::list_checkpoints(directory);
         for (const auto& ignored : listing.ignored) detail::checkpoint_warning(group.rank(), ignored);

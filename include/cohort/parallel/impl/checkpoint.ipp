@@ -281,14 +281,22 @@ COHORT_DECL std::string read_checkpoint_run(const std::string& directory) {
   return parse_hex64(run, value) ? run : std::string();
 }
 
+COHORT_DECL std::string create_checkpoint_directory(const std::string& directory) {
+  std::error_code ec;
+  std::filesystem::create_directories(directory, ec);
+  return ec ? ec.message() : std::string{};
+}
+
+COHORT_DECL std::uint64_t random_checkpoint_bits() {
+  std::random_device random;
+  return std::uint64_t{random()} << 32 | random();
+}
+
 COHORT_DECL std::string claim_checkpoint_run(const std::string& directory, int rank, std::string_view operation,
                                              const std::string& run) {
   if (auto held = read_checkpoint_run(directory); !held.empty()) return held;
   std::string claimed = run;
-  if (claimed.empty()) {
-    std::random_device random;
-    claimed = hex64(std::uint64_t{random()} << 32 | random());
-  }
+  if (claimed.empty()) claimed = hex64(random_checkpoint_bits());
   const std::string path = path_in(path_in(directory, checkpoint_own_folder), "run");
   if (!write_small_file(path, claimed + "\n"))
     throw error(rank, operation, detail::text("cannot write ", path, ": ", std::strerror(errno)),
@@ -337,10 +345,8 @@ COHORT_DECL void check_checkpoint_run(const std::string& directory, const std::s
 COHORT_DECL std::string begin_checkpoint(const std::string& directory, const std::string& staging, std::uint64_t step,
                                          int rank) {
   constexpr std::string_view operation = "save_checkpoint";
-  std::error_code ec;
-  std::filesystem::create_directories(directory, ec);
-  if (ec)
-    throw error(rank, operation, detail::text("cannot create ", directory, ": ", ec.message()),
+  if (const auto failure = create_checkpoint_directory(directory); !failure.empty())
+    throw error(rank, operation, detail::text("cannot create ", directory, ": ", failure),
                 "the checkpoint directory must be writable by the ranks that save");
   // Judged before the lock makes DIR/.cohort: a directory cohort never saved to keeps the
   // stricter test for an entry of the step's name.
@@ -354,6 +360,7 @@ COHORT_DECL std::string begin_checkpoint(const std::string& directory, const std
   const std::string folder = path_in(directory, checkpoint_own_folder);
   {
     directory_stream entries(folder);
+    std::error_code ec;  // what cannot be removed now is removed by the next save
     for (std::string name = entries.next(); !name.empty(); name = entries.next())
       if (name.rfind("staging-", 0) == 0 || name.rfind("pruning-", 0) == 0 || name.rfind("replaced-", 0) == 0)
         std::filesystem::remove_all(path_in(folder, name), ec);
