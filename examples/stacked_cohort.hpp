@@ -79,7 +79,7 @@ inline std::vector<float> train_cohort(cohort::process_group<cohort::gloo>& pg, 
     for (const auto& o : state.owned_spans())  // none with the state's optimizer (stacked --optimizer cohort)
       adamw(o.parameters.data(), o.gradients.data(), &m[o.owned], &v[o.owned], o.parameters.size(), step + 1, r.adam,
             scale);
-    if (*state.options().trainer_optimizer) state.publish_parameters();
+    if (state.trainer_optimizer()) state.publish_parameters();
     if (step % r.sample_every == 0) {  // a forward-only pass on one row of the step's batch
       auto evaluating = state.evaluation();
       const float sampled = forward(data.inputs(step, 0), data.targets(step, 0), 1, one);

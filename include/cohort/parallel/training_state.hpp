@@ -421,6 +421,10 @@ class training_state {
   // --- what it is and what it holds ----------------------------------------------------------
   cohort::strategy strategy() const noexcept { return options_.strategy; }
   const training_options& options() const noexcept { return options_; }
+  // Whose optimizer updates: true for the trainer's (owned_spans(), publish_parameters()),
+  // false for the state's. Resolved at construction from the option or the buffers' owner; ask
+  // here rather than test options().trainer_optimizer, an optional that is always set by then.
+  bool trainer_optimizer() const noexcept { return options_.trainer_optimizer.value_or(adopted_); }
   const std::vector<region>& regions() const noexcept { return regions_; }
   // The region named `name` (throws, naming it, when there is none).
   std::size_t region_index(std::string_view name) const;
@@ -583,8 +587,6 @@ class training_state {
   bool flat_gradients() const noexcept {
     return adopted_ || options_.strategy == strategy::ddp || options_.strategy == strategy::zero1;
   }
-  // Resolved at construction: the option, or the buffers' owner's.
-  bool trainer_optimizer() const noexcept { return options_.trainer_optimizer.value_or(adopted_); }
   bool separate_master() const noexcept { return !trainer_optimizer() && !std::is_same_v<P, master_type>; }
   std::size_t world() const noexcept { return static_cast<std::size_t>(group_->world_size()); }
   std::size_t my_rank() const noexcept { return static_cast<std::size_t>(group_->rank()); }
