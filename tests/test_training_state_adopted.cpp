@@ -400,7 +400,7 @@ TEST_CASE("at zero3 an evaluation on one rank only fails every rank within secon
 // only a null pointer at construction: taken for "the state owns the gradients", it trained
 // nothing, silently. Refused now, naming the buffer; such a trainer passes an empty span and
 // binds its buffer once it has one.
-TEST_CASE("a null adopted buffer is refused on every rank, naming it; gradients allocated later are bound then",
+TEST_CASE("a null adopted buffer is refused on every rank, naming it, and gradients allocated later are bound then",
           "[training_state][adopted][gloo][faults]") {
   const auto regions = one_per_layer(4, 25);  // 100 elements
   // Rank 1 passes its not-yet-allocated gradients.
