@@ -333,26 +333,23 @@ COHORT_DECL void shared_memory_channel::check_peers_or_throw(int waiting_for, st
 
 namespace shared_memory {
 
-// The reduction of one part: out = own (op) the peers' parts, in rank order, the last
-// addition dividing when averaging. `out` may be `own` (an in-place reduce-scatter).
-inline void reduce_part(std::byte* out, const std::byte* own, std::span<const std::byte* const> peers, std::size_t n,
+// The reduction of one part: out = parts[first] (op) every other rank's part, in rank order,
+// the last addition dividing when averaging. `out` may be parts[first] (an in-place
+// reduce-scatter).
+inline void reduce_part(std::byte* out, std::span<const std::byte* const> parts, std::size_t first, std::size_t n,
                         const shared_memory_channel::reduction& reduce) {
-  for (std::size_t i = 0; i < peers.size(); ++i) {
-    const std::byte* left = i == 0 ? own : out;
-    if (i + 1 == peers.size() && reduce.divisor > 1)
-      reduce.divided(out, left, peers[i], n, reduce.divisor);
+  // Rank `first`'s contribution, then every other rank's in rank order: an index skipped in
+  // place rather than a list of the others built per chunk (an allocation on the hot path).
+  const std::byte* left = parts[first];
+  std::size_t left_to_add = parts.size() - 1;
+  for (std::size_t p = 0; p < parts.size(); ++p) {
+    if (p == first) continue;
+    if (--left_to_add == 0 && reduce.divisor > 1)
+      reduce.divided(out, left, parts[p], n, reduce.divisor);
     else
-      reduce.combine(out, left, peers[i], n);
+      reduce.combine(out, left, parts[p], n);
+    left = out;
   }
-}
-
-// Every contribution but rank `me`'s, in rank order (reduce_part's peers; `parts` by rank).
-inline std::vector<const std::byte*> others_in_rank_order(const std::vector<const std::byte*>& parts, std::size_t me) {
-  std::vector<const std::byte*> others;
-  others.reserve(parts.size() - 1);
-  for (std::size_t p = 0; p < parts.size(); ++p)
-    if (p != me) others.push_back(parts[p]);
-  return others;
 }
 
 }  // namespace shared_memory
@@ -392,8 +389,7 @@ COHORT_DECL void shared_memory_channel::all_reduce(const void* in, void* out, st
         reduce.sum_in_rank_order(reduced, reinterpret_cast<const void* const*>(parts.data()), world,
                                  mine_end - mine_begin, reduce.divisor);
       else
-        shared_memory::reduce_part(reduced, parts[me], shared_memory::others_in_rank_order(parts, me),
-                                   mine_end - mine_begin, reduce);
+        shared_memory::reduce_part(reduced, parts, me, mine_end - mine_begin, reduce);
       std::memcpy(chunk_out + mine_begin * element, reduced, (mine_end - mine_begin) * element);
     }
     post(signature);
@@ -423,7 +419,7 @@ COHORT_DECL void shared_memory_channel::all_reduce_small(const std::byte* in, st
   if (reduce.sum_in_rank_order != nullptr)
     reduce.sum_in_rank_order(out, reinterpret_cast<const void* const*>(parts.data()), world, count, reduce.divisor);
   else
-    shared_memory::reduce_part(out, parts[0], std::span<const std::byte* const>(parts).subspan(1), count, reduce);
+    shared_memory::reduce_part(out, parts, 0, count, reduce);
 }
 
 COHORT_DECL void shared_memory_channel::reduce_scatter(const void* in, void* out, std::size_t count_per_rank,
@@ -453,8 +449,7 @@ COHORT_DECL void shared_memory_channel::reduce_scatter(const void* in, void* out
       reduce.sum_in_rank_order(target + first * element, reinterpret_cast<const void* const*>(parts.data()), world, m,
                                reduce.divisor);
     else
-      shared_memory::reduce_part(target + first * element, parts[me], shared_memory::others_in_rank_order(parts, me), m,
-                                 reduce);
+      shared_memory::reduce_part(target + first * element, parts, me, m, reduce);
     post(signature);
   }
 }
