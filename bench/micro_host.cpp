@@ -3,18 +3,21 @@
 //   store     operations per second: memory_store (thread ranks) and tcp_store over loopback
 //   ddp       training_state::mark_ready under ddp, alone (inside no_sync) and with bucket launches
 //   checksum  a checkpoint's block checksum, bytes per second, against the FNV-1a it replaced
+//   timeline  a step of 12 spans and its end, the timeline stopped (one flag test) and recording
 //
 //   ./micro_host --benchmark_min_time=0.2
 
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "cohort/data/sampler.hpp"
+#include "cohort/diagnostics/timeline.hpp"
 #include "cohort/parallel/checkpoint.hpp"
 #include "cohort/rendezvous/store.hpp"
 #include "cohort/rendezvous/tcp_store.hpp"
@@ -194,6 +197,27 @@ void checkpoint_checksum(benchmark::State& state) {
   state.SetLabel(linear ? "linear (version 2)" : "FNV-1a over 64-bit words (version 1)");
 }
 BENCHMARK(checkpoint_checksum)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
+
+// --- timeline ---------------------------------------------------------------------------------
+// What a zero3 step of examples/train records, about 12 spans and the step's end: Arg 0 with
+// no directory (the timeline off: the one flag test), Arg 1 recording into its ring (its file
+// written to $TMPDIR, or /tmp, when the recorder ends, outside the timed loop).
+void timeline_step(benchmark::State& state) {
+  cohort::timeline_options options;
+  if (state.range(0) != 0) {
+    const char* temporary = std::getenv("TMPDIR");
+    options.directory = std::string(temporary != nullptr ? temporary : "/tmp") + "/cohort-micro-timeline";
+  }
+  cohort::timeline recorder(0, options);
+  for (auto _ : state) {
+    for (int span = 0; span < 12; ++span) {
+      auto scope = recorder.span("forward");
+      benchmark::DoNotOptimize(scope);
+    }
+    recorder.end_step();
+  }
+}
+BENCHMARK(timeline_step)->Arg(0)->Arg(1)->Unit(benchmark::kNanosecond);
 
 }  // namespace
 
