@@ -1,0 +1,51 @@
+#pragma once
+// The one order of addition behind reproducible training (training_options::reproducible):
+// n values numbered 0 .. n-1 (a step's micro-batch gradients, the losses of its micro-batches,
+// the partial sums of ranks that each hold a run of them) are added pairwise, level by level:
+// at stride 1, 2, 4, ... value i takes in value i + stride for every i that is a multiple of
+// 2 x stride, an odd one out waiting for a later level. The result depends on n only, never
+// on who adds: a run of 2^j consecutive values starting at a multiple of 2^j is one node of
+// the tree, so a rank holding such a run sums it alone (for example as a binary counter, one
+// value at a time) and the partial sums of consecutive runs continue the same tree. That is
+// why N ranks, each with M / N micro-batches (a power of two, or N = 1), give the bits of one
+// rank with all M.
+
+#include <cstddef>
+#include <span>
+
+namespace cohort::inline v0 {
+
+// Calls add(into, from) for every addition of the canonical tree over n values, in an order
+// where each value is complete before it is read: value `into` becomes into + from. Value 0
+// holds the sum at the end.
+template <class Add>
+constexpr void for_each_canonical_pair(std::size_t n, Add&& add) {
+  for (std::size_t stride = 1; stride < n; stride *= 2)
+    for (std::size_t into = 0; into + stride < n; into += 2 * stride) add(into, into + stride);
+}
+
+// The sum of `values` in the canonical order (host scalars: a step's losses, say). Empty: 0.
+template <class T>
+constexpr T canonical_sum(std::span<const T> values) {
+  if (values.empty()) return T{};
+  T partial[64];           // the binary counter's levels: enough for 2^64 values
+  std::size_t filled = 0;  // values folded in so far; bit l set: partial[l] holds a full level-l node
+  for (const T& value : values) {
+    T carry = value;
+    std::size_t level = 0;
+    for (; (filled >> level) & 1; ++level) carry = partial[level] + carry;
+    partial[level] = carry;
+    ++filled;
+  }
+  // The odd ones out, smallest first: what the levels above would add them to.
+  T sum{};
+  bool started = false;
+  for (std::size_t level = 0; level < 64; ++level) {
+    if (!((filled >> level) & 1)) continue;
+    sum = started ? partial[level] + sum : partial[level];
+    started = true;
+  }
+  return sum;
+}
+
+}  // namespace cohort::inline v0
