@@ -143,6 +143,16 @@ constexpr std::optional<strategy> parse_strategy(std::string_view text) noexcept
   return std::nullopt;
 }
 
+// Reproducible training (training_options::reproducible): a step's global batch is M
+// micro-batches numbered 0 .. M-1 whatever the world size, each rank holding a contiguous run of
+// M / world of them; gradients are summed in one canonical order over the micro-batches
+// (cohort/parallel/canonical_order.hpp), so that the parameters after every step have the same
+// bits at any world size and strategy.
+struct reproducible_options {
+  std::size_t micro_batches = 0;     // M, of one global step
+  std::size_t micro_batch_size = 0;  // samples in each: every rank must pass the same (0: not checked)
+};
+
 struct training_options {
   cohort::strategy strategy = strategy::ddp;
   std::size_t bucket_bytes = std::size_t{25} << 20;  // of gradients, per bucket
@@ -184,6 +194,9 @@ struct training_options {
   // step; the caller's waits (a zero3 gather's, step()'s for the reductions) and the update
   // are its spans.
   cohort::timeline* timeline = nullptr;
+  // Set: bit-identical parameters at any world size, strategy and bucket size (see
+  // reproducible_options and docs/design.md, "Reproducible training").
+  std::optional<reproducible_options> reproducible = {};
 };
 
 // Bytes one rank's training holds, by kind: what the state allocated (pooled buffers at their
