@@ -19,6 +19,7 @@
 #include "cohort/diagnostics/impl/timeline.ipp"
 #include "cohort/impl/sha256.ipp"
 #include "cohort/parallel/impl/checkpoint.ipp"
+#include "cohort/parallel/impl/fingerprint.ipp"
 #include "cohort/parallel/impl/layout.ipp"
 #include "cohort/rendezvous/impl/file_store.ipp"
 #include "cohort/rendezvous/impl/hmac.ipp"
