@@ -1,10 +1,10 @@
 // The parameter fingerprint (cohort/parallel/fingerprint.hpp): the same parameters give the
 // same digest at 1 to 4 ranks under every strategy, over the state's buffers and the trainer's,
-// equal to the definition computed here from the flat buffer; one element that only one rank
-// holds changes it on every rank; and a checkpoint's digest (what cohort-ckpt inspect prints)
-// is the live state's, for fp32 and for bfloat16 parameters kept as fp32 masters, and stays
-// the same once the checkpoint is loaded at another world size and strategy. Real ranks:
-// threads with Gloo contexts over loopback.
+// and hybrid 2 x 2, equal to the definition computed here from the flat buffer; one element that
+// only one rank holds changes it on every rank; and a checkpoint's digest (what cohort-ckpt
+// inspect prints) is the live state's, for fp32 and for bfloat16 parameters kept as fp32
+// masters, and stays the same once the checkpoint is loaded at another world size and strategy.
+// Real ranks: threads with Gloo contexts over loopback.
 #include <catch2/catch.hpp>
 
 #include <cohort/detail/sha256.hpp>
@@ -129,6 +129,28 @@ TEST_CASE("the same parameters give the same digest at 1 to 4 ranks under ddp, z
           CHECK(digests[static_cast<std::size_t>(rank)] == expected);
         }
       }
+}
+
+TEST_CASE("hybrid sharding 2 x 2 gives the digest of one process on every rank", "[fingerprint][gloo][hybrid]") {
+  const auto regions = model_regions();
+  const auto flat = initial_parameters<float>();
+  const std::string expected = expected_digest(flat, regions);
+  for (const strategy kind : {strategy::zero1, strategy::zero3}) {
+    std::vector<std::string> digests(4);
+    auto store = std::make_shared<cohort::memory_store>();
+    cohort_test::run_ranks(4, [&](int rank) {
+      auto pg = cohort_test::make_gloo_group(store, rank, 4);
+      auto shards = pg.split(rank / 2, rank);
+      auto replicas = pg.split(rank % 2, rank);
+      cohort::training_state<cohort::gloo> state(*shards, regions, options_for(kind), &*replicas);
+      state.load_parameters(flat);
+      digests[static_cast<std::size_t>(rank)] = cohort::parameter_sha256(state);
+    });
+    for (std::size_t rank = 0; rank < 4; ++rank) {
+      INFO(cohort::to_string(kind) << ", rank " << rank);
+      CHECK(digests[rank] == expected);
+    }
+  }
 }
 
 TEST_CASE("one element of rank 1's zero3 shard, changed there alone, changes the digest on every rank",
