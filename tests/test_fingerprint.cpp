@@ -3,8 +3,9 @@
 // and hybrid 2 x 2, equal to the definition computed here from the flat buffer; one element that
 // only one rank holds changes it on every rank; and a checkpoint's digest (what cohort-ckpt
 // inspect prints) is the live state's, for fp32 and for bfloat16 parameters kept as fp32
-// masters, and stays the same once the checkpoint is loaded at another world size and strategy.
-// Real ranks: threads with Gloo contexts over loopback.
+// masters, and stays the same once the checkpoint is loaded at another world size and strategy;
+// a digest asked for on one rank alone fails on both, named, within the group's timeout. Real
+// ranks: threads with Gloo contexts over loopback.
 #include <catch2/catch.hpp>
 
 #include <cohort/detail/sha256.hpp>
@@ -13,6 +14,7 @@
 #include <cohort/parallel/training_state.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -230,4 +232,39 @@ TEMPLATE_TEST_CASE("a checkpoint's digest is the live state's, and the state's o
   for (const auto& digest : live) CHECK(digest == from_checkpoint);
   for (const auto& digest : loaded) CHECK(digest == from_checkpoint);
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a digest asked for on rank 0 alone fails on every rank within seconds, naming it, never a digest",
+          "[fingerprint][gloo]") {
+  const auto regions = model_regions();
+  const auto flat = initial_parameters<float>();
+  for (const strategy kind : {strategy::ddp, strategy::zero3}) {
+    std::vector<std::string> errors(2);
+    auto store = std::make_shared<cohort::memory_store>();
+    const auto started = std::chrono::steady_clock::now();
+    cohort_test::run_ranks(2, [&](int rank) {
+      cohort::gloo::options quick;
+      quick.timeout = std::chrono::seconds(2);  // the failure's bound: the test's length
+      cohort_test::gloo_group pg(store, cohort::launch_env::explicit_ranks(rank, 2), quick);
+      cohort::training_state<cohort::gloo> state(pg, regions, options_for(kind));
+      state.load_parameters(flat);
+      try {
+        if (rank == 0)
+          (void)cohort::parameter_sha256(state);  // printed on rank 0 only: a common slip
+        else
+          train_one_step(state);
+      } catch (const cohort::error& failure) {
+        errors[static_cast<std::size_t>(rank)] = failure.what();
+      }
+    });
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    INFO(cohort::to_string(kind) << ": " << errors[0] << " | " << errors[1]);
+    // Named on both ranks: at zero3 by the evaluation's agreement, under ddp (whose gathers are
+    // no collectives) by the digests' all-reduce's own label.
+    const std::string named = kind == strategy::zero3 ? "entered evaluation() (sampling or evaluating) alone"
+                                                      : "(int64 x 36, sum) [parameter_sha256]";
+    CHECK(errors[0].find(named) != std::string::npos);
+    CHECK(errors[1].find(named) != std::string::npos);
+    CHECK(seconds < 10);
+  }
 }
