@@ -3,7 +3,8 @@
 // and hybrid 2 x 2, equal to the definition computed here from the flat buffer; one element that
 // only one rank holds changes it on every rank; and a checkpoint's digest (what cohort-ckpt
 // inspect prints) is the live state's, for fp32 and for bfloat16 parameters kept as fp32
-// masters, and stays the same once the checkpoint is loaded at another world size and strategy;
+// masters, stays the same once the checkpoint is loaded at another world size and strategy, and
+// is what Python's hashlib makes of the checkpoint's safetensors export by the definition;
 // a digest asked for on one rank alone fails on both, named, within the group's timeout. Real
 // ranks: threads with Gloo contexts over loopback.
 #include <catch2/catch.hpp>
@@ -18,11 +19,14 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "checkpoint_fixtures.hpp"
@@ -231,6 +235,27 @@ TEMPLATE_TEST_CASE("a checkpoint's digest is the live state's, and the state's o
   CHECK(live[0] != expected_digest(initial_parameters<P>(), regions));  // the step changed them
   for (const auto& digest : live) CHECK(digest == from_checkpoint);
   for (const auto& digest : loaded) CHECK(digest == from_checkpoint);
+  // The definition as the header writes it in Python (hashlib alone), over the checkpoint's
+  // safetensors export: the regions as declared, their bytes as stored.
+  if (std::is_same_v<P, float> && std::system("python3 -c pass 2>/dev/null") == 0) {
+    const auto exported = dir / "model.safetensors", script = dir / "digest.py", result = dir / "digest.txt";
+    cohort::consolidate_checkpoint(saved_path, exported.string());
+    std::ofstream(script) << R"(import hashlib, json, struct, sys
+data = open(sys.argv[1], "rb").read()
+(length,) = struct.unpack("<Q", data[:8])
+header = json.loads(data[8:8 + length])
+digests = b""
+for begin, end in sorted(entry["data_offsets"] for name, entry in header.items() if name != "__metadata__"):
+    region = data[8 + length + begin:8 + length + end]
+    digests += b"".join(hashlib.sha256(region[at:at + 2**20]).digest() for at in range(0, len(region), 2**20))
+print(hashlib.sha256(digests).hexdigest())
+)";
+    REQUIRE(std::system(("python3 " + script.string() + " " + exported.string() + " > " + result.string()).c_str()) ==
+            0);
+    std::string from_python;
+    std::ifstream(result) >> from_python;
+    CHECK(from_python == from_checkpoint);
+  }
   std::filesystem::remove_all(dir);
 }
 
