@@ -9,7 +9,6 @@
 // ranks: threads with Gloo contexts over loopback.
 #include <catch2/catch.hpp>
 
-#include <cohort/detail/sha256.hpp>
 #include <cohort/parallel/checkpoint.hpp>
 #include <cohort/parallel/fingerprint.hpp>
 #include <cohort/parallel/training_state.hpp>
@@ -30,6 +29,7 @@
 #include <vector>
 
 #include "checkpoint_fixtures.hpp"
+#include "fingerprint_fixtures.hpp"
 #include "flat_fixtures.hpp"
 #include "support.hpp"
 
@@ -55,22 +55,6 @@ std::vector<P> initial_parameters() {
   std::vector<P> flat(model_elements);
   for (std::size_t i = 0; i < flat.size(); ++i) flat[i] = P(0.5F * std::sin(0.013F * static_cast<float>(i)));
   return flat;
-}
-
-// The definition, straight from the flat buffer: the regions as declared, each cut into 1 MiB
-// chunks of its bytes, SHA-256 of each, then SHA-256 of the digests end to end.
-template <class P>
-std::string expected_digest(const std::vector<P>& flat, const std::vector<region>& regions) {
-  std::vector<std::uint8_t> digests;
-  for (const auto& r : regions) {
-    const auto* bytes = reinterpret_cast<const std::uint8_t*>(flat.data() + r.offset);
-    const std::size_t total = r.count * sizeof(P);
-    for (std::size_t at = 0; at < total; at += std::size_t{1} << 20) {
-      const auto digest = cohort::detail::sha256::of({bytes + at, std::min(std::size_t{1} << 20, total - at)});
-      digests.insert(digests.end(), digest.begin(), digest.end());
-    }
-  }
-  return cohort::detail::sha256_hex(cohort::detail::sha256::of(digests));
 }
 
 cohort::training_options options_for(strategy kind) {
@@ -112,7 +96,7 @@ TEST_CASE("the same parameters give the same digest at 1 to 4 ranks under ddp, z
           "[fingerprint][gloo]") {
   const auto regions = model_regions();
   const auto flat = initial_parameters<float>();
-  const std::string expected = expected_digest(flat, regions);
+  const std::string expected = cohort_test::expected_parameter_sha256(flat, regions);
   for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3})
     for (const int world : {1, 2, 3, 4})
       for (const bool adopted : {false, true}) {
@@ -140,7 +124,7 @@ TEST_CASE("the same parameters give the same digest at 1 to 4 ranks under ddp, z
 TEST_CASE("hybrid sharding 2 x 2 gives the digest of one process on every rank", "[fingerprint][gloo][hybrid]") {
   const auto regions = model_regions();
   const auto flat = initial_parameters<float>();
-  const std::string expected = expected_digest(flat, regions);
+  const std::string expected = cohort_test::expected_parameter_sha256(flat, regions);
   for (const strategy kind : {strategy::zero1, strategy::zero3}) {
     std::vector<std::string> digests(4);
     auto store = std::make_shared<cohort::memory_store>();
@@ -188,14 +172,14 @@ TEST_CASE("one element of rank 1's zero3 shard, changed there alone, changes the
   });
   auto altered = flat;
   altered[changed] += 1.0F;
-  const std::string expected = expected_digest(altered, regions);
+  const std::string expected = cohort_test::expected_parameter_sha256(altered, regions);
   // The element's fingerprint chunk is hashed by another rank than 1, which saw it only
   // through the gather: the embedding's first chunk (fingerprint chunk 0, rank 0's).
   REQUIRE(changed >= regions[0].offset);
   REQUIRE((changed - regions[0].offset) * sizeof(float) < std::size_t{1} << 20);
   for (int rank = 0; rank < world; ++rank) {
     INFO("rank " << rank);
-    CHECK(before[static_cast<std::size_t>(rank)] == expected_digest(flat, regions));
+    CHECK(before[static_cast<std::size_t>(rank)] == cohort_test::expected_parameter_sha256(flat, regions));
     CHECK(after[static_cast<std::size_t>(rank)] != before[static_cast<std::size_t>(rank)]);
     CHECK(after[static_cast<std::size_t>(rank)] == expected);
   }
@@ -232,7 +216,7 @@ TEMPLATE_TEST_CASE("a checkpoint's digest is the live state's, and the state's o
       loaded[static_cast<std::size_t>(rank)] = cohort::parameter_sha256(state);
     });
   }
-  CHECK(live[0] != expected_digest(initial_parameters<P>(), regions));  // the step changed them
+  CHECK(live[0] != cohort_test::expected_parameter_sha256(initial_parameters<P>(), regions));  // the step changed them
   for (const auto& digest : live) CHECK(digest == from_checkpoint);
   for (const auto& digest : loaded) CHECK(digest == from_checkpoint);
   // The definition as the header writes it in Python (hashlib alone), over the checkpoint's
