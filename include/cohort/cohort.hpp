@@ -16,6 +16,7 @@
 #include "cohort/diagnostics/timeline.hpp"
 #include "cohort/error.hpp"
 #include "cohort/parallel/checkpoint.hpp"
+#include "cohort/parallel/fingerprint.hpp"
 #include "cohort/parallel/layout.hpp"
 #include "cohort/parallel/loss_scaler.hpp"
 #include "cohort/parallel/optimizer_options.hpp"
