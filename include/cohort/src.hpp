@@ -19,6 +19,7 @@
 #include "cohort/diagnostics/impl/timeline.ipp"
 #include "cohort/parallel/impl/checkpoint.ipp"
 #include "cohort/parallel/impl/layout.ipp"
+#include "cohort/parallel/impl/reproducible.ipp"
 #include "cohort/rendezvous/impl/file_store.ipp"
 #include "cohort/rendezvous/impl/launch.ipp"
 #include "cohort/rendezvous/impl/sha256.ipp"
