@@ -485,6 +485,7 @@ COHORT_DECL void shared_memory_channel::all_to_all(const void* in, void* out, st
   const std::size_t world = static_cast<std::size_t>(size_);
   const std::size_t me = static_cast<std::size_t>(rank_);
   const std::size_t block = std::max<std::size_t>(1, slot_bytes_ / (element * world));
+  if (count_per_rank == 0) return;  // no round: nothing posted, on every rank alike
   std::memcpy(target + me * count_per_rank * element, source + me * count_per_rank * element, count_per_rank * element);
   for (std::size_t first = 0; first < count_per_rank; first += block) {
     const std::size_t m = std::min(block, count_per_rank - first);
