@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cohort/comm/detail/failure_report.hpp"
+#include "cohort/detail/fnv1a.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/parallel/training_state.hpp"
 
@@ -197,7 +198,11 @@ void training_state<B, P, G>::agree_on_layout(const std::string& refusal, std::s
   const auto batches = static_cast<std::int64_t>(options_.reproducible ? options_.reproducible->micro_batches : 0);
   const auto batch_size =
       static_cast<std::int64_t>(options_.reproducible ? options_.reproducible->micro_batch_size : 0);
-  if (options_.reproducible) fingerprint_ = (fingerprint_ * 1000003 + batches) * 1000003 + batch_size;
+  if (options_.reproducible) {
+    detail::fnv1a hash;
+    for (const std::int64_t word : {fingerprint_, batches, batch_size}) hash.mix(static_cast<std::uint64_t>(word));
+    fingerprint_ = static_cast<std::int64_t>(hash.value());
+  }
   constexpr std::size_t width = 6;
   const std::int64_t row[width] = {
       refusal.empty() ? 0 : 1,         fingerprint_, static_cast<std::int64_t>(regions_.size()),
