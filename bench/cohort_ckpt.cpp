@@ -3,7 +3,10 @@
 //   cohort-ckpt inspect DIR                     the newest committed checkpoint in DIR (or DIR
 //                                               itself, a step-<N>): step, world, strategy,
 //                                               metadata, then each region's name, dtype,
-//                                               shape, elements and bytes, then the files
+//                                               shape, elements and bytes, then the files,
+//                                               last `parameters sha256 <hex>`: the digest
+//                                               parameter_sha256 gives the live state
+//                                               (cohort/parallel/fingerprint.hpp)
 //   cohort-ckpt verify DIR                      checks the index, reads every byte, checks every
 //                                               block's checksum
 //   cohort-ckpt consolidate DIR OUT.safetensors the parameters, one tensor per region, shaped
@@ -14,6 +17,7 @@
 // step-<N> whose index cannot be read is damaged, never skipped for an older one. Entries of
 // DIR named like a checkpoint that are not cohort's are named on stderr and never read.
 #include <cohort/parallel/checkpoint.hpp>
+#include <cohort/parallel/fingerprint.hpp>
 
 #include <chrono>
 #include <cstdio>
@@ -48,6 +52,8 @@ int main(int argc, char** argv) {
     if (verb == "inspect" && argc == 3) {
       const auto manifest = cohort::detail::read_checkpoint_manifest(checkpoint, -1, "cohort-ckpt inspect");
       std::fputs(cohort::detail::describe_checkpoint(checkpoint, manifest).c_str(), stdout);
+      // Unindented, as a run's last line is: the two compare by one grep.
+      std::printf("parameters sha256 %s\n", cohort::checkpoint_parameter_sha256(checkpoint).c_str());
       return 0;
     }
     if (verb == "verify" && argc == 3) {

@@ -28,8 +28,9 @@
 #include <vector>
 
 #include "cohort/comm/detail/device_identity.hpp"
+#include "cohort/detail/sha256.hpp"
+#include "cohort/rendezvous/detail/hmac.hpp"
 #include "cohort/rendezvous/detail/job_identity.hpp"
-#include "cohort/rendezvous/detail/sha256.hpp"
 #include "cohort/rendezvous/file_store.hpp"
 #include "cohort/rendezvous/tcp_store.hpp"
 #include "cohort/rendezvous/tcp_store_server.hpp"

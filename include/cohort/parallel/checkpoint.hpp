@@ -494,6 +494,11 @@ std::uint64_t read_checkpoint(const std::string& checkpoint, const checkpoint_ma
                               const std::vector<checkpoint_need>& needs,
                               const std::vector<checkpoint_range>& also_verify, int rank,
                               std::vector<checkpoint_part>& parts);
+// One process reading on its own (the tools, not a load): exactly what `needs` names, and
+// every block it lies in verified (a block read only in part is read whole once more). The
+// bytes read.
+std::uint64_t read_checkpoint_verified(const std::string& checkpoint, const checkpoint_manifest& manifest,
+                                       const std::vector<checkpoint_need>& needs);
 // Every rank's parts of the blocks read in parts: each block's sum must be its checksum and
 // its parts must cover it exactly. A mismatch is a checkpoint_damaged_error naming the file,
 // the rank that wrote it, the block and the ranks that read it; the same on every rank given

@@ -291,6 +291,9 @@ class training_state {
 
   // CUDA: the stream the trainer computes on (default: the legacy default stream).
   void set_stream(stream_type stream) noexcept { caller_stream_ = stream; }
+  // The stream set_stream() named: what a reader outside the state (parameter_sha256's copies)
+  // waits for.
+  stream_type stream() const noexcept { return caller_stream_; }
 
   // --- parameters ----------------------------------------------------------------------------
   // The trainer's flat buffer, the same on every rank: each rank keeps what its strategy

@@ -860,6 +860,25 @@ COHORT_DECL std::string describe_checkpoint(const std::string& checkpoint, const
   return out;
 }
 
+COHORT_DECL std::uint64_t read_checkpoint_verified(const std::string& checkpoint, const checkpoint_manifest& manifest,
+                                                   const std::vector<checkpoint_need>& needs) {
+  std::vector<checkpoint_part> parts;
+  std::uint64_t bytes_read = read_checkpoint(checkpoint, manifest, needs, {}, -1, parts);
+  // Blocks only partly read (other bytes in them): read whole once more and verified, as no
+  // other rank holds the rest.
+  std::vector<checkpoint_range> rest;
+  for (const auto& p : parts) {
+    const auto& file = manifest.files.at(p.file);
+    const std::uint64_t begin = p.block * manifest.block_bytes;
+    rest.push_back({p.file, begin, std::min(manifest.block_bytes, file.bytes - begin)});
+  }
+  if (!rest.empty()) {
+    std::vector<checkpoint_part> none;
+    bytes_read += read_checkpoint(checkpoint, manifest, {}, rest, -1, none);
+  }
+  return bytes_read;
+}
+
 namespace {
 
 // Every element of the first `tensors` tensors of every region, tensor after tensor, region
@@ -873,20 +892,7 @@ void read_whole_tensors(const std::string& checkpoint, const checkpoint_manifest
       needs.push_back({t, r, 0, manifest.regions[r].count, data.data() + at * manifest.element_bytes});
       at += manifest.regions[r].count;
     }
-  std::vector<checkpoint_part> parts;
-  bytes_read += read_checkpoint(checkpoint, manifest, needs, {}, -1, parts);
-  // Blocks only partly read (another tensor's bytes in them): read whole once more and
-  // verified, as no other rank holds the rest.
-  std::vector<checkpoint_range> rest;
-  for (const auto& p : parts) {
-    const auto& file = manifest.files.at(p.file);
-    const std::uint64_t begin = p.block * manifest.block_bytes;
-    rest.push_back({p.file, begin, std::min(manifest.block_bytes, file.bytes - begin)});
-  }
-  if (!rest.empty()) {
-    std::vector<checkpoint_part> none;
-    bytes_read += read_checkpoint(checkpoint, manifest, {}, rest, -1, none);
-  }
+  bytes_read += read_checkpoint_verified(checkpoint, manifest, needs);
 }
 
 // A file written whole or not at all: a temporary sibling, removed unless renamed into place.

@@ -68,7 +68,7 @@
 
 #include "cohort/config.hpp"
 #include "cohort/detail/text.hpp"
-#include "cohort/rendezvous/detail/sha256.hpp"
+#include "cohort/rendezvous/detail/hmac.hpp"
 
 namespace cohort::inline v0::detail::tcp_store_protocol {
 

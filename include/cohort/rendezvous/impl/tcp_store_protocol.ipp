@@ -14,7 +14,7 @@
 
 #include "cohort/config.hpp"
 #include "cohort/detail/text.hpp"
-#include "cohort/rendezvous/detail/sha256.hpp"
+#include "cohort/rendezvous/detail/hmac.hpp"
 #include "cohort/rendezvous/detail/tcp_store_protocol.hpp"
 
 namespace cohort::inline v0::detail::tcp_store_protocol {

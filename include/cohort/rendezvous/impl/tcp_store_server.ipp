@@ -29,7 +29,7 @@
 #include "cohort/comm/detail/host_address.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
-#include "cohort/rendezvous/detail/sha256.hpp"
+#include "cohort/rendezvous/detail/hmac.hpp"
 #include "cohort/rendezvous/detail/tcp_socket.hpp"
 #include "cohort/rendezvous/detail/tcp_store_protocol.hpp"
 
