@@ -21,6 +21,7 @@
 #include "cohort/parallel/impl/checkpoint.ipp"
 #include "cohort/parallel/impl/fingerprint.ipp"
 #include "cohort/parallel/impl/layout.ipp"
+#include "cohort/parallel/impl/reproducible.ipp"
 #include "cohort/rendezvous/impl/file_store.ipp"
 #include "cohort/rendezvous/impl/hmac.ipp"
 #include "cohort/rendezvous/impl/launch.ipp"

@@ -120,6 +120,22 @@ typename B::work sum_of_squares(B& engine, const void* data, std::size_t count, 
   return detail::elementwise<B::space>::sum_of_squares(engine, data, count, type, result);
 }
 
+// *result = max(*result, the largest |element|), +inf where any is an inf or a NaN (0 for
+// integer dtypes); `result` lives in the backend's memory. With fixed_point_squares, a norm
+// whose sum is exact (training_options::reproducible): each element's floor((x / *max)^2 x
+// 2^64) added to high_low[0] (its high 32 bits) and high_low[1] (its low 32 bits), integers
+// whose sum no order or cut changes (exact up to 2^32 elements). *max > 0 is read when the
+// work runs, in the backend's order; both live in the backend's memory.
+template <backend B>
+typename B::work max_magnitude(B& engine, const void* data, std::size_t count, dtype type, double* result) {
+  return detail::elementwise<B::space>::max_magnitude(engine, data, count, type, result);
+}
+template <backend B>
+typename B::work fixed_point_squares(B& engine, const void* data, std::size_t count, dtype type, const double* max,
+                                     std::uint64_t* high_low) {
+  return detail::elementwise<B::space>::fixed_point_squares(engine, data, count, type, max, high_low);
+}
+
 // One optimizer step over a shard (momentum may be null: plain SGD).
 template <backend B, class T>
 typename B::work sgd_step(B& engine, T* parameters, const T* gradients, T* momentum, std::size_t count,

@@ -34,4 +34,12 @@ inline double power(double base, double exponent) { return __builtin_pow(base, e
 
 inline double quiet_nan() { return __builtin_nan(""); }
 
+COHORT_HOST_DEVICE inline double infinity() {
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double(0x7ff0000000000000LL);
+#else
+  return __builtin_huge_val();
+#endif
+}
+
 }  // namespace cohort::inline v0::detail

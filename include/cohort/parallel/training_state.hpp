@@ -40,8 +40,8 @@
 // there at its own offsets (the trainer's pointers read it while the view lives), and the
 // view's end fills what this rank does not hold with NaN, so that a read outside a gather is
 // loud rather than stale. Adopted gradients are the trainer's: the state never zeroes them
-// (zero them before each backward, as a trainer does); owned ones are zero at the start of
-// each step.
+// (zero them before each backward, as a trainer does; the reproducible mode zeroes them after
+// each accumulated micro-step); owned ones are zero at the start of each step.
 //
 // What each strategy keeps per rank (N ranks, P bytes of parameters):
 //   ddp    parameters, gradients and optimizer state in full; gradients all-reduced per
@@ -116,6 +116,8 @@
 #include "cohort/diagnostics/straggler.hpp"
 #include "cohort/diagnostics/timeline.hpp"
 #include "cohort/error.hpp"
+#include "cohort/parallel/canonical_order.hpp"
+#include "cohort/parallel/detail/reproducible.hpp"
 #include "cohort/parallel/gradient_statistics.hpp"
 #include "cohort/parallel/layout.hpp"
 #include "cohort/parallel/loss_scaler.hpp"
@@ -148,6 +150,22 @@ constexpr std::optional<strategy> parse_strategy(std::string_view text) noexcept
 // M / world of them; gradients are summed in one canonical order over the micro-batches
 // (cohort/parallel/canonical_order.hpp), so that the parameters after every step have the same
 // bits at any world size and strategy.
+//
+// The trainer's part: rank k runs m = M / world micro-steps a step, on micro-batches
+// [k x m, (k + 1) x m) (with replicas k = replicas->rank() x group size + group rank); the
+// first m - 1 each inside its own no_sync() scope, the last outside it, then step(). Each
+// micro-step's backward writes its micro-batch's gradient (of its mean loss, not divided by
+// the accumulation count) into zeroed gradients: the state zeroes them after folding each
+// micro-step (owned and adopted alike), so a backward that adds into them needs nothing else
+// within a step; adopted ones are the trainer's to zero before a step's first backward, as
+// always. Kernels deterministic, the same micro-batch size on every rank. The state sums the M
+// gradients in the canonical tree and divides by M once, at the end. The rule, refused at
+// construction on every rank: M divisible by the ranks and M / ranks a power of two (any M at
+// one rank); with replicas a group size that is a power of two. A rank that runs another
+// number of micro-steps is refused at the step on every rank; join() is refused.
+// Memory: ceil(log2(m)) gradient buffers (none at m = 1) and one staging bucket
+// (training_memory::reproducible). Wire bytes: a ring reduce-scatter's (an all-to-all of each
+// range's chunks), under ddp with the all-gather of the chunks: a ring all-reduce's.
 struct reproducible_options {
   std::size_t micro_batches = 0;     // M, of one global step
   std::size_t micro_batch_size = 0;  // samples in each: every rank must pass the same (0: not checked)
@@ -208,7 +226,10 @@ struct training_memory {
   std::size_t optimizer_state = 0;     // masters (where apart from the parameters), moments, scratch
   std::size_t adopted_parameters = 0;  // the trainer's parameter buffer, adopted (not allocated here)
   std::size_t adopted_gradients = 0;   // the trainer's gradient buffer, adopted (once bound)
-  std::size_t allocated() const noexcept { return parameters + gradients + optimizer_state; }
+  // training_options::reproducible: the micro-step tree's gradient buffers, the staging of the
+  // ranks' partial sums, the exact norm's integers (counted in allocated()).
+  std::size_t reproducible = 0;
+  std::size_t allocated() const noexcept { return parameters + gradients + optimizer_state + reproducible; }
   std::size_t total() const noexcept { return allocated() + adopted_parameters + adopted_gradients; }
 };
 
@@ -365,15 +386,22 @@ class training_state {
   // until the synchronised micro-step, as FSDP's no_sync keeps unsharded gradients).
   class no_sync_scope {
    public:
-    explicit no_sync_scope(training_state& state) : state_(&state) { ++state_->no_sync_depth_; }
+    explicit no_sync_scope(training_state& state) : state_(&state), exceptions_(std::uncaught_exceptions()) {
+      ++state_->no_sync_depth_;
+    }
     no_sync_scope(const no_sync_scope&) = delete;
     no_sync_scope& operator=(const no_sync_scope&) = delete;
-    ~no_sync_scope() {
-      if (--state_->no_sync_depth_ == 0) state_->reset_marks();
+    // Reproducible: the micro-step's gradients are folded into the tree here (not while an
+    // exception unwinds the scope: that micro-step is abandoned), which may throw as any call.
+    ~no_sync_scope() noexcept(false) {
+      if (--state_->no_sync_depth_ > 0) return;
+      if (state_->reproducible() && std::uncaught_exceptions() == exceptions_) state_->fold_micro_step();
+      state_->reset_marks();
     }
 
    private:
     training_state* state_;
+    int exceptions_;
   };
   [[nodiscard]] no_sync_scope no_sync();
 
@@ -436,6 +464,8 @@ class training_state {
 
   // --- what it is and what it holds ----------------------------------------------------------
   cohort::strategy strategy() const noexcept { return options_.strategy; }
+  // training_options::reproducible is set: bit-identical parameters at any world size.
+  bool reproducible() const noexcept { return options_.reproducible.has_value(); }
   const training_options& options() const noexcept { return options_; }
   // Whose optimizer updates: true for the trainer's (owned_spans(), publish_parameters()),
   // false for the state's. Resolved at construction from the option or the buffers' owner; ask
@@ -669,6 +699,23 @@ class training_state {
   void launch_ready();
   void launch(std::size_t b);
   void reset_marks();
+  // Reproducible mode: micro-steps per rank (m); a no_sync scope's micro-step folded into the
+  // binary counter's levels (its gradients zeroed); the step's check that every rank ran m;
+  // bucket b summed in the canonical tree (replacing launch's reductions); the exact norm.
+  std::size_t micro_steps_per_rank() const noexcept {
+    return options_.reproducible->micro_batches / (world() * static_cast<std::size_t>(replica_count()));
+  }
+  void fold_micro_step();
+  void agree_on_micro_steps();
+  G* fold_level(std::size_t level);
+  G* gradient_source(const detail::bucket_range& range, G* pooled_gradients) const {
+    return flat_gradients() ? grads_ + range.offset : pooled_gradients + range.packed;
+  }
+  void reduce_canonically(std::size_t b, G* pooled_gradients, G* shard);
+  // The staging buffer's count elements summed as `parts` parts of `count` in the canonical
+  // order, divided by M when `divide_by_batches`, into `to`.
+  void sum_parts(G* staged, std::size_t parts, std::size_t count, bool divide_by_batches, G* to);
+  void measure_exactly(step_result& result);
   // The join's talk, all-reduces of three integers that a joined rank joins with zeros:
   // each micro-step's agreement {1, ends with step(), agreement_mark} from every rank with
   // data, and at zero3, while a rank sits out, an announcement {what, bucket,
@@ -820,6 +867,17 @@ class training_state {
   std::size_t wire_bytes_ = 0, last_step_wire_bytes_ = 0, evaluation_wire_bytes_ = 0;
   std::size_t copied_bytes_ = 0, last_step_copied_bytes_ = 0;
   stream_type caller_stream_{};
+  // Reproducible mode: the binary counter's levels (each the whole gradient, packed numbering:
+  // bucket after bucket), each bucket's start there, the micro-steps folded this step, whether
+  // this step's micro-steps were agreed on; the staging buffers of the ranks' partials; the
+  // exact norm's max and integers.
+  std::vector<detail::backend_buffer<B>> fold_levels_;
+  std::vector<std::size_t> packed_start_;
+  std::size_t folded_ = 0;
+  bool micro_steps_agreed_ = false;
+  pool_type staging_pool_;
+  std::size_t staging_pool_bytes_ = 0;
+  detail::backend_buffer<B> exact_norm_;
 };
 
 }  // namespace cohort::inline v0

@@ -136,6 +136,39 @@ __global__ void squares_kernel(const void* data, std::size_t count, dtype type, 
   if (sum != 0) atomicAdd(result, sum);
 }
 
+// The largest magnitude per thread, then one atomicMax per thread on its bits: magnitudes are
+// non-negative doubles (inf included), whose bits order as the values do.
+template <class Unique = void>
+__global__ void max_magnitude_kernel(const void* data, std::size_t count, dtype type, unsigned long long* result) {
+  double found = 0;
+  on_floating(type, [&](auto sample) {
+    using T = decltype(sample);
+    const T* x = static_cast<const T*>(data);
+    for (std::size_t i = first_index(); i < count; i += stride()) found = fmax(found, magnitude(x[i]));
+  });
+  if (found > 0) atomicMax(result, static_cast<unsigned long long>(__double_as_longlong(found)));
+}
+
+// Integer sums per thread, then two atomicAdds: exact, so the order the threads add in is moot.
+template <class Unique = void>
+__global__ void fixed_point_squares_kernel(const void* data, std::size_t count, dtype type, const double* max,
+                                           unsigned long long* high_low) {
+  const double scale = *max;
+  if (!(scale > 0)) return;
+  unsigned long long high = 0, low = 0;
+  on_floating(type, [&](auto sample) {
+    using T = decltype(sample);
+    const T* x = static_cast<const T*>(data);
+    for (std::size_t i = first_index(); i < count; i += stride()) {
+      const unsigned long long square = fixed_point_square(x[i], scale);
+      high += square >> 32;
+      low += square & 0xffffffffull;
+    }
+  });
+  if (high) atomicAdd(high_low, high);
+  if (low) atomicAdd(high_low + 1, low);
+}
+
 // Up to 64 regions per launch, passed by value (1.5 KiB of kernel parameters); blockIdx.y
 // picks the region, blocks stride over its bytes in 16-byte words when aligned.
 struct region_batch {
@@ -239,6 +272,22 @@ COHORT_DECL void launch_sum_of_squares(cudaStream_t stream, const void* data, st
   if (count == 0 || !is_floating(type)) return;
   squares_kernel<><<<blocks_for(count), 256, 0, stream>>>(data, count, type, result);
   check_launch("sum_of_squares");
+}
+
+COHORT_DECL void launch_max_magnitude(cudaStream_t stream, const void* data, std::size_t count, dtype type,
+                                      double* result) {
+  if (count == 0 || !is_floating(type)) return;
+  max_magnitude_kernel<>
+      <<<blocks_for(count), 256, 0, stream>>>(data, count, type, reinterpret_cast<unsigned long long*>(result));
+  check_launch("max_magnitude");
+}
+
+COHORT_DECL void launch_fixed_point_squares(cudaStream_t stream, const void* data, std::size_t count, dtype type,
+                                            const double* max, std::uint64_t* high_low) {
+  if (count == 0 || !is_floating(type)) return;
+  fixed_point_squares_kernel<>
+      <<<blocks_for(count), 256, 0, stream>>>(data, count, type, max, reinterpret_cast<unsigned long long*>(high_low));
+  check_launch("fixed_point_squares");
 }
 
 template <class T>

@@ -36,6 +36,10 @@ COHORT_DECL void launch_count_nonfinite(cudaStream_t stream, const void* data, s
                                         std::int64_t* result);
 COHORT_DECL void launch_sum_of_squares(cudaStream_t stream, const void* data, std::size_t count, dtype type,
                                        double* result);
+COHORT_DECL void launch_max_magnitude(cudaStream_t stream, const void* data, std::size_t count, dtype type,
+                                      double* result);
+COHORT_DECL void launch_fixed_point_squares(cudaStream_t stream, const void* data, std::size_t count, dtype type,
+                                            const double* max, std::uint64_t* high_low);
 // The optimizers' updates compute in T: a kernel per element type. Separately compiled, the
 // library instantiates them for float and double (cohort/src.cu).
 template <class T>
@@ -106,6 +110,21 @@ struct elementwise<memory_space::device> {
   static typename B::work sum_of_squares(B& engine, const void* data, std::size_t count, dtype type, double* result) {
     const device_scope on_group_device(engine.device());
     device::launch_sum_of_squares(engine.stream(), data, count, type, result);
+    return engine.record();
+  }
+
+  template <class B>
+  static typename B::work max_magnitude(B& engine, const void* data, std::size_t count, dtype type, double* result) {
+    const device_scope on_group_device(engine.device());
+    device::launch_max_magnitude(engine.stream(), data, count, type, result);
+    return engine.record();
+  }
+
+  template <class B>
+  static typename B::work fixed_point_squares(B& engine, const void* data, std::size_t count, dtype type,
+                                              const double* max, std::uint64_t* high_low) {
+    const device_scope on_group_device(engine.device());
+    device::launch_fixed_point_squares(engine.stream(), data, count, type, max, high_low);
     return engine.record();
   }
 

@@ -5,6 +5,7 @@
 // (scaling goes through double, as a factor is a double).
 
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 
 #include "cohort/detail/host_device.hpp"
@@ -77,15 +78,39 @@ COHORT_HOST_DEVICE inline bool nonfinite(T x) {
   }
 }
 
-// x * x in double: what a global gradient norm sums (16-bit floats through float).
+// x in double (16-bit floats through float).
+template <class T>
+COHORT_HOST_DEVICE inline double widened(T x) {
+  if constexpr (is_16bit_float<T>)
+    return static_cast<double>(static_cast<float>(x));
+  else
+    return static_cast<double>(x);
+}
+
+// x * x in double: what a global gradient norm sums.
 template <class T>
 COHORT_HOST_DEVICE inline double squared(T x) {
-  double value;
-  if constexpr (is_16bit_float<T>)
-    value = static_cast<double>(static_cast<float>(x));
-  else
-    value = static_cast<double>(x);
+  const double value = widened(x);
   return value * value;
+}
+
+// |x| in double, and +inf for an inf or a NaN: what a reproducible norm scales by, the ranks'
+// maxima combined by op::max (which need not carry a NaN through).
+template <class T>
+COHORT_HOST_DEVICE inline double magnitude(T x) {
+  const double value = widened(x);
+  if (!is_finite(value)) return infinity();
+  return value < 0 ? -value : value;
+}
+
+// floor((x / max)^2 x 2^64), capped at 2^64 - 1: a square in fixed point, so that sums of them
+// are exact integers whatever order and cut adds them (a reproducible norm). 0 < max, |x| <= max.
+template <class T>
+COHORT_HOST_DEVICE inline std::uint64_t fixed_point_square(T x, double max) {
+  const double ratio = widened(x) / max;
+  const double square = ratio * ratio;
+  if (!(square < 1.0)) return ~std::uint64_t{0};
+  return static_cast<std::uint64_t>(square * 18446744073709551616.0);  // x 2^64: exact, below 2^64
 }
 
 // Optimizer updates of one element of a shard. grad_scale multiplies the gradient first

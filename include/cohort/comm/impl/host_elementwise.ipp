@@ -88,6 +88,37 @@ COHORT_DECL double sum_of_squares(const void* data, std::size_t count, dtype typ
   return (sums[0] + sums[1]) + (sums[2] + sums[3]);
 }
 
+COHORT_DECL double max_magnitude(const void* data, std::size_t count, dtype type) {
+  double found = 0;
+  if (!is_floating(type)) return found;
+  visit_floating(type, [&](auto sample) {
+    using T = decltype(sample);
+    const T* x = static_cast<const T*>(data);
+    for (std::size_t i = 0; i < count; ++i) {
+      const double m = magnitude(x[i]);
+      if (m > found) found = m;
+    }
+  });
+  return found;
+}
+
+COHORT_DECL void fixed_point_squares(const void* data, std::size_t count, dtype type, double max,
+                                     std::uint64_t* high_low) {
+  if (!is_floating(type) || !(max > 0)) return;
+  std::uint64_t high = 0, low = 0;
+  visit_floating(type, [&](auto sample) {
+    using T = decltype(sample);
+    const T* x = static_cast<const T*>(data);
+    for (std::size_t i = 0; i < count; ++i) {
+      const std::uint64_t square = fixed_point_square(x[i], max);
+      high += square >> 32;
+      low += square & 0xffffffffu;
+    }
+  });
+  high_low[0] += high;
+  high_low[1] += low;
+}
+
 namespace {
 
 #if defined(__SSE2__)

@@ -45,7 +45,8 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::optional<a
       adopted_(adopted.has_value()),
       adopted_parameters_(adopted && !adopted->parameters.empty()),
       gradient_pool_(group.backend()),
-      parameter_pool_(group.backend()) {
+      parameter_pool_(group.backend()),
+      staging_pool_(group.backend()) {
   options_.trainer_optimizer = trainer_optimizer();  // what options() says from here
   // The adopted buffers' length is the flat buffer's: the gradients', or where they come later
   // (bind_gradients) the parameters' (the same; absent at zero3 only), or the regions' extent.
@@ -82,6 +83,9 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::optional<a
     refusal = detail::text("prefetch ", std::to_string(options_.prefetch), " < 0");
   if (refusal.empty() && options_.reductions_in_flight < 0)
     refusal = detail::text("reductions_in_flight ", std::to_string(options_.reductions_in_flight), " < 0");
+  if (refusal.empty() && options_.reproducible)
+    refusal = detail::reproducible_refusal(options_.reproducible->micro_batches, world(),
+                                           replicas_ ? static_cast<std::size_t>(replicas_->world_size()) : 1);
   agree_on_layout(refusal, elements);
   if (replicas_) agree_on_replicas();
 
@@ -127,6 +131,8 @@ training_state<B, P, G>::training_state(process_group<B>& group, std::optional<a
   pending_.assign(buckets, 0);
   due_.assign(buckets, 0);
   gathered_in_place_.assign(buckets, 0);
+  for (std::size_t b = 0, start = 0; b < buckets; start += layout_.buckets[b++].elements)
+    packed_start_.push_back(start);
   reset_marks();
   params_ = flat_parameters() ? parameters : nullptr;
   grads_ = gradients;
@@ -186,16 +192,35 @@ void training_state<B, P, G>::agree_on_layout(const std::string& refusal, std::s
                                             options_.first_bucket_bytes / sizeof(G),
                                             static_cast<int>(options_.strategy) + (trainer_optimizer() ? 16 : 0),
                                             static_cast<int>(dtype_v<P>), static_cast<int>(dtype_v<G>));
-  const std::int64_t row[4] = {refusal.empty() ? 0 : 1, fingerprint_, static_cast<std::int64_t>(regions_.size()),
-                               static_cast<std::int64_t>(flat)};
-  const auto all = all_gather_values(*group_, std::span<const std::int64_t>(row, 4));
-  if (!refusal.empty()) fail("layout", refusal, "describe every tensor of the flat buffer once, as a region");
+  // Reproducible: M and the micro-batch size, which every rank must share (replicas compare
+  // them through the fingerprint).
+  const auto batches = static_cast<std::int64_t>(options_.reproducible ? options_.reproducible->micro_batches : 0);
+  const auto batch_size =
+      static_cast<std::int64_t>(options_.reproducible ? options_.reproducible->micro_batch_size : 0);
+  if (options_.reproducible) fingerprint_ = (fingerprint_ * 1000003 + batches) * 1000003 + batch_size;
+  constexpr std::size_t width = 6;
+  const std::int64_t row[width] = {
+      refusal.empty() ? 0 : 1,         fingerprint_, static_cast<std::int64_t>(regions_.size()),
+      static_cast<std::int64_t>(flat), batches,      batch_size};
+  const auto all = all_gather_values(*group_, std::span<const std::int64_t>(row, width));
+  if (!refusal.empty())
+    fail("layout", refusal,
+         options_.reproducible && refusal.starts_with("reproducible")
+             ? "choose M and the world together (8 micro-batches: 1, 2, 4 or 8 ranks), or train without the mode"
+             : "describe every tensor of the flat buffer once, as a region");
   for (int r = 0; r < group_->world_size(); ++r)
-    if (all[static_cast<std::size_t>(r) * 4] != 0)
+    if (all[static_cast<std::size_t>(r) * width] != 0)
       fail("layout", detail::text("rank ", std::to_string(r), " refused its regions or options (its error says why)"),
            "build the state from the same model on every rank");
   for (int r = 1; r < group_->world_size(); ++r) {
-    const auto* theirs = &all[static_cast<std::size_t>(r) * 4];
+    const auto* theirs = &all[static_cast<std::size_t>(r) * width];
+    if (theirs[4] != all[4] || theirs[5] != all[5])
+      fail("layout",
+           detail::text("reproducible: rank ", std::to_string(r), " has ", std::to_string(theirs[4]),
+                        " micro-batches of ", std::to_string(theirs[5]), " samples, rank 0 ", std::to_string(all[4]),
+                        " of ", std::to_string(all[5])),
+           "every rank must pass the same reproducible_options (M and the micro-batch size): the same global batch "
+           "cut into the same micro-batches");
     if (theirs[1] != all[1])
       fail("layout",
            detail::text("rank ", std::to_string(r), " has ", std::to_string(theirs[2]), " regions over ",
@@ -727,6 +752,15 @@ void training_state<B, P, G>::launch(std::size_t b) {
   G* pooled_gradients = flat_gradients() ? nullptr : bucket_gradients(b, false);
   G* shard = flat_gradients() ? nullptr : grad_shard_.template as<G>();
   kept_.clear();
+  if (reproducible()) {
+    reduce_canonically(b, pooled_gradients, shard);
+    if (pooled_gradients) {
+      bucket_grads_[b].last_use =
+          fill(engine, bucket_grads_[b].data, bucket_grads_[b].capacity / sizeof(G), dtype_v<G>, 0.0);
+      gradient_pool_.put(std::exchange(bucket_grads_[b], pooled{}));
+    }
+    return;
+  }
   work reduced;
   {
     char label[96];
@@ -807,6 +841,11 @@ void training_state<B, P, G>::reset_marks() {
 template <backend B, element P, element G>
 template <class Loop>
 void training_state<B, P, G>::join(Loop&& loop, join_options options) {
+  if (reproducible())
+    fail("join",
+         "reproducible: a join changes which ranks contribute, and with them the tree of the sum and its divisor",
+         "give every rank its run of M / world micro-batches each step (the sampler's reproducible order), or train "
+         "without training_options::reproducible");
   if (replicated())
     fail("join", "a join with replicas (hybrid sharding) is not supported",
          "give every rank the same number of batches (e.g. the sampler's even_batches), or train without replicas");
@@ -1012,6 +1051,7 @@ std::size_t training_state<B, P, G>::region_index(std::string_view name) const {
 // average inf or NaN in every copy): the group's sum is the global one, the same everywhere.
 template <backend B, element P, element G>
 void training_state<B, P, G>::measure(step_result& result) {
+  if (reproducible()) return measure_exactly(result);
   auto& engine = group_->backend();
   // Every bucket has been launched, and added its squares as it was (launch()).
   detail::agree_on_gradient_statistics(
@@ -1177,6 +1217,8 @@ step_result training_state<B, P, G>::step() {
   // A deferred publication is waited for where its parameters are read; all else is done.
   if (deferred_count_ == 0) hand_to_caller(engine.record());
   reset_marks();
+  folded_ = 0;
+  micro_steps_agreed_ = false;
   publish_due_ = trainer_optimizer();
   skipped_update_ = result.skipped;
   last_step_wire_bytes_ = std::exchange(wire_bytes_, 0);
@@ -1214,6 +1256,226 @@ void training_state<B, P, G>::warn_if_overlap_lost() {
                      "backward's), and keep forward-only passes inside state.evaluation()"
                    : "Mark each region ready (mark_ready, mark_layer_ready) as soon as its gradient is final, "
                      "during the backward, not all at its end");
+}
+
+// --- reproducible training (training_options::reproducible) ------------------------------------
+
+// Level l of the binary counter over this step's micro-steps: a whole gradient in the packed
+// numbering, allocated at its first use (m = 2^j micro-steps need j levels).
+template <backend B, element P, element G>
+G* training_state<B, P, G>::fold_level(std::size_t level) {
+  while (fold_levels_.size() <= level)
+    fold_levels_.emplace_back(group_->backend(), std::max<std::size_t>(layout_.elements, 1) * sizeof(G));
+  return fold_levels_[level].template as<G>();
+}
+
+// A no_sync scope's micro-step, the t-th of the step (t micro-steps folded before it), joins
+// the canonical tree as canonical_sum's counter adds a value: carry = level[l] + carry for every
+// level l the low set bits of t name, then carry becomes the next level's node; the gradients
+// start the next micro-step at zero. In the backend's order, after the trainer's backward.
+template <backend B, element P, element G>
+void training_state<B, P, G>::fold_micro_step() {
+  auto& engine = group_->backend();
+  engine.wait_for_caller(caller_stream_);
+  std::size_t level = 0;
+  while ((folded_ >> level) & 1) ++level;
+  G* const carried_into = fold_level(level);
+  const std::size_t buckets = layout_.buckets.size();
+  for (std::size_t b = 0; b < buckets; ++b) {
+    G* const pooled_gradients = flat_gradients() ? nullptr : bucket_gradients(b, false);
+    for (const auto& range : layout_.buckets[b].ranges) {
+      G* const carry = gradient_source(range, pooled_gradients);
+      const std::size_t at = packed_start_[b] + range.packed;
+      for (std::size_t l = 0; l < level; ++l)
+        accumulate(engine, fold_level(l) + at, dtype_v<G>, carry, dtype_v<G>, range.count, true);
+      accumulate(engine, carry, dtype_v<G>, carried_into + at, dtype_v<G>, range.count, false);
+      fill(engine, carry, range.count, dtype_v<G>, 0.0);
+    }
+  }
+  ++folded_;
+  hand_to_caller(engine.record());  // the next backward writes into the zeroed gradients
+}
+
+// At the step's first reduction every rank says how many micro-steps it ran: a rank with
+// another count (one more micro-batch, one fewer) would change the tree, so every rank refuses,
+// naming each that differs. A rank still accumulating joins this exchange at its own last
+// micro-step, and fails alike.
+template <backend B, element P, element G>
+void training_state<B, P, G>::agree_on_micro_steps() {
+  micro_steps_agreed_ = true;
+  const auto mine = static_cast<std::int64_t>(folded_ + 1);
+  std::vector<std::int64_t> counts;
+  {
+    const auto labelled = group_->call_context_within("reproducible micro-step agreement");
+    counts = all_gather_values(*group_, std::span<const std::int64_t>(&mine, 1));
+  }
+  const std::string refusal =
+      detail::micro_step_disagreement(counts, micro_steps_per_rank(), options_.reproducible->micro_batches);
+  if (!refusal.empty())
+    fail("step", refusal,
+         "run the first M / world - 1 micro-steps each inside its own no_sync() scope, the last outside it, then "
+         "step(), on every rank");
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::sum_parts(G* staged, std::size_t parts, std::size_t count, bool divide_by_batches,
+                                        G* to) {
+  auto& engine = group_->backend();
+  for_each_canonical_pair(parts, [&](std::size_t into, std::size_t from) {
+    accumulate(engine, staged + from * count, dtype_v<G>, staged + into * count, dtype_v<G>, count, true);
+  });
+  if (divide_by_batches)
+    divide(engine, staged, count, dtype_v<G>, static_cast<int>(options_.reproducible->micro_batches));
+  if (to != staged) engine.copy(to, staged, count * sizeof(G));
+}
+
+// Bucket b in the canonical tree: this rank's partial (its source, with every level of the
+// counter, lowest first: canonical_sum's final loop); each range's chunk k of every rank's
+// partial brought to rank k (an all-to-all: a ring reduce-scatter's bytes) and its remainder to
+// every rank (an all-gather), summed in rank order by the tree over the ranks, divided by M once
+// (with replicas after the sum over the copies, in replica order). ddp then all-gathers the
+// chunks, as zero1 publishes. Each exchange is one grouped launch, the sums after it.
+template <backend B, element P, element G>
+void training_state<B, P, G>::reduce_canonically(std::size_t b, G* pooled_gradients, G* shard) {
+  if (!micro_steps_agreed_) agree_on_micro_steps();
+  auto& engine = group_->backend();
+  const auto& bucket = layout_.buckets[b];
+  const std::size_t n = world(), k = my_rank();
+  for (const auto& range : bucket.ranges)
+    for (std::size_t l = 0; l < fold_levels_.size(); ++l)
+      if ((folded_ >> l) & 1)
+        accumulate(engine, fold_levels_[l].template as<G>() + packed_start_[b] + range.packed, dtype_v<G>,
+                   gradient_source(range, pooled_gradients), dtype_v<G>, range.count, true);
+  std::size_t staged_elements = 0, kept_elements = 0;
+  for (const auto& range : bucket.ranges) {
+    staged_elements += n * (range.chunk + range.remainder);
+    kept_elements += range.chunk + range.remainder;
+  }
+  const std::size_t copies = static_cast<std::size_t>(replica_count());
+  const std::size_t bytes = std::max<std::size_t>(std::max(staged_elements, copies * kept_elements), 1) * sizeof(G);
+  const std::size_t before = staging_pool_.allocations();
+  auto staging = staging_pool_.take(bytes);
+  if (staging_pool_.allocations() != before) staging_pool_bytes_ += bytes;
+  G* const staged = static_cast<G*>(staging.data);
+  {
+    char label[96];
+    std::snprintf(label, sizeof label, "step %llu reproducible exchange of bucket %zu (layer %zu)",
+                  static_cast<unsigned long long>(steps_) + 1, b, bucket.layer);
+    const auto labelled = group_->call_context_within(label);
+    auto together = group_->grouped();
+    std::size_t at = 0;
+    for (const auto& range : bucket.ranges) {
+      const G* source = gradient_source(range, pooled_gradients);
+      if (range.chunk > 0) {
+        if (n == 1)
+          engine.copy(staged + at, source, range.chunk * sizeof(G));
+        else
+          group_->all_to_all(std::span<const G>(source, n * range.chunk), std::span<G>(staged + at, n * range.chunk));
+        count_wire(n * range.chunk * sizeof(G), false);
+      }
+      at += n * range.chunk;
+      if (range.remainder > 0) {
+        group_->all_gather(std::span<const G>(source + n * range.chunk, range.remainder),
+                           std::span<G>(staged + at, n * range.remainder));
+        count_wire(n * range.remainder * sizeof(G), false);
+      }
+      at += n * range.remainder;
+    }
+    together.end();
+  }
+  const bool divide_here = !replicated();
+  std::size_t at = 0;
+  for (const auto& range : bucket.ranges) {
+    G* source = gradient_source(range, pooled_gradients);
+    if (range.chunk > 0) {
+      G* chunk = flat_gradients() ? source + k * range.chunk : shard + range.owned;
+      sum_parts(staged + at, n, range.chunk, divide_here, chunk);
+      kept_.emplace_back(chunk, range.chunk);
+    }
+    at += n * range.chunk;
+    if (range.remainder > 0) {
+      G* rest = flat_gradients() ? source + n * range.chunk : shard + range.owned + range.chunk;
+      sum_parts(staged + at, n, range.remainder, divide_here, rest);
+      kept_.emplace_back(rest, range.remainder);
+    }
+    at += n * range.remainder;
+  }
+  if (replicated()) {
+    // Each copy's part is the node of its group's positions: the copies' nodes, gathered in
+    // replica order, continue the tree. The replicas' queue waits for the group's sums, and
+    // the group's later work for the gathered nodes (on a host backend both block the caller).
+    work summed = engine.record();
+    summed.make_stream_wait(replicas_->backend().stream());
+    work gathered;
+    {
+      auto together = replicas_->grouped();
+      std::size_t offset = 0;
+      for (const auto& [data, count] : kept_) {
+        gathered =
+            replicas_->all_gather(std::span<const G>(data, count), std::span<G>(staged + offset, copies * count));
+        offset += copies * count;
+        wire_bytes_ += (copies - 1) * count * sizeof(G);
+      }
+      together.end();
+    }
+    gathered.make_stream_wait(engine.stream());
+    std::size_t offset = 0;
+    for (const auto& [data, count] : kept_) {
+      sum_parts(staged + offset, copies, count, true, data);
+      offset += copies * count;
+    }
+  }
+  if (options_.strategy == strategy::ddp && n > 1) {
+    auto together = group_->grouped();
+    all_gather_chunks(b, grads_);
+    together.end();
+  }
+  staging.last_use = engine.record();
+  staging_pool_.put(std::move(staging));
+}
+
+// The norm from exact integers, the same bits whatever cut the ranks' shares: the largest
+// magnitude over the ranks (op::max: order-free), then each rank's fixed-point squares scaled by
+// it, gathered and summed in 128 bits on every rank. An inf or a NaN makes the maximum inf:
+// counted then as the default path counts them (an integer sum, invariant too).
+template <backend B, element P, element G>
+void training_state<B, P, G>::measure_exactly(step_result& result) {
+  auto& engine = group_->backend();
+  if (!exact_norm_.data()) exact_norm_ = detail::backend_buffer<B>(engine, 3 * sizeof(std::uint64_t));
+  auto* max = exact_norm_.template as<double>();
+  auto* high_low = reinterpret_cast<std::uint64_t*>(max + 1);
+  fill(engine, exact_norm_.data(), 3, dtype::int64, 0.0);  // all bits zero: 0.0 and two zero sums
+  for (const auto& pieces : norm_by_bucket_)
+    for (const auto& s : pieces) max_magnitude(engine, reduced_gradient_at(s), s.count, dtype_v<G>, max);
+  if (world() > 1) group_->all_reduce(std::span<double>(max, 1), op::max);
+  double largest = 0;
+  engine.copy(&largest, max, sizeof largest).wait();
+  if (!detail::is_finite(largest)) {
+    auto* count = static_cast<std::int64_t*>(stats_.data());
+    fill(engine, count, 1, dtype::int64, 0.0);
+    for (const auto& pieces : norm_by_bucket_)
+      for (const auto& s : pieces) count_nonfinite(engine, reduced_gradient_at(s), s.count, dtype_v<G>, count);
+    if (world() > 1) group_->all_reduce(std::span<std::int64_t>(count, 1), op::sum);
+    std::int64_t found = 0;
+    engine.copy(&found, count, sizeof found).wait();
+    result.nonfinite = found > 0 ? found : 1;
+    result.grad_norm = detail::quiet_nan();
+    return;
+  }
+  result.nonfinite = 0;
+  if (largest == 0) {
+    result.grad_norm = 0;
+    return;
+  }
+  for (const auto& pieces : norm_by_bucket_)
+    for (const auto& s : pieces)
+      fixed_point_squares(engine, reduced_gradient_at(s), s.count, dtype_v<G>, max, high_low);
+  std::uint64_t mine[2] = {0, 0};
+  engine.copy(mine, high_low, sizeof mine).wait();
+  const std::int64_t row[2] = {static_cast<std::int64_t>(mine[0]), static_cast<std::int64_t>(mine[1])};
+  const auto rows = all_gather_values(*group_, std::span<const std::int64_t>(row, 2));
+  std::vector<std::uint64_t> pairs(rows.begin(), rows.end());
+  result.grad_norm = detail::fixed_point_norm(pairs, largest) / result.loss_scale;
 }
 
 // --- checkpoints -----------------------------------------------------------------------------
@@ -1310,6 +1572,8 @@ training_memory training_state<B, P, G>::memory() const noexcept {
   m.optimizer_state = master_.bytes() + first_.bytes() + second_.bytes() + scratch_.bytes();
   if (adopted_parameters_) m.adopted_parameters = layout_.elements * sizeof(P);
   if (adopted_ && grads_ && own_grads_.bytes() == 0) m.adopted_gradients = layout_.elements * sizeof(G);
+  for (const auto& level : fold_levels_) m.reproducible += level.bytes();
+  m.reproducible += staging_pool_bytes_ + exact_norm_.bytes();
   return m;
 }
 

@@ -1,0 +1,302 @@
+// training_options::reproducible: the parameters after every step have the same bits at any
+// world size, strategy and bucket size, given the same sequence of micro-batches. Each rank
+// runs M / world micro-steps on its run of micro-batches, with clipping that bites, under
+// ddp, zero1, zero2 and zero3, over the state's buffers and AdamW and over adopted buffers with
+// the trainer's own optimizer, and hybrid 2x2; the result is compared by memcmp with one
+// rank's. Then the refusals, on every rank: the rule at construction, a rank with another
+// micro-batch size, a rank with one micro-step more, join(); and a checkpoint saved at 4 ranks
+// zero3 resumed at 2 ranks ddp.
+#include <catch2/catch.hpp>
+
+#include <cohort/parallel/checkpoint.hpp>
+#include <cohort/parallel/training_state.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "checkpoint_fixtures.hpp"
+#include "flat_fixtures.hpp"
+#include "support.hpp"
+
+namespace {
+
+using cohort::region;
+using cohort::strategy;
+
+// [embedding | a_0 .. a_3 | b_0 .. b_3]: 39 elements, sizes no world here divides evenly.
+constexpr std::size_t embedding = 7, layers = 4;
+std::vector<region> model() {
+  std::vector<region> regions{{"embedding", 0, embedding, 0, false}};
+  const auto stacked = cohort::stacked_regions({{"a", 5, true}, {"b", 3, false}}, layers, 1, embedding);
+  regions.insert(regions.end(), stacked.begin(), stacked.end());
+  return regions;
+}
+std::size_t elements(const std::vector<region>& regions) { return regions.back().offset + regions.back().count; }
+std::vector<std::size_t> regions_of(std::size_t l) {
+  return l == 0 ? std::vector<std::size_t>{0} : std::vector<std::size_t>{l, l + layers};
+}
+
+float initial_parameter(std::size_t e) { return 0.1f * static_cast<float>(e % 11) - 0.5f; }
+// Micro-batch i's gradient of element e at step s, from the parameter: the same on any rank
+// that holds micro-batch i, so any difference in the result is the reduction's.
+float micro_gradient(std::size_t i, int step, std::size_t e, float parameter) {
+  return std::sin(0.37f * static_cast<float>(e) + 1.3f * static_cast<float>(i) + 0.5f * static_cast<float>(step)) *
+             (1.0f + 0.25f * static_cast<float>(i % 3)) +
+         0.3f * parameter;
+}
+
+constexpr cohort::adam_options adam{.lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.1};
+constexpr double max_norm = 0.5;
+constexpr int steps = 4;
+
+struct run {
+  int world = 1;
+  std::size_t micro_batches = 8;
+  strategy kind = strategy::ddp;
+  bool adopted = false;
+  int group = 0;  // > 0: hybrid, groups of this size, world / group replicas
+  std::size_t bucket_bytes = 24;
+  int first_step = 0, end_step = steps;  // the steps run, [first_step, end_step)
+  std::string resume_from = {};          // a checkpoint loaded before first_step
+  std::string save_to = {};              // a directory the state is saved into after end_step
+};
+
+// One micro-step: a forward through every layer, then the backward, top first: each region's gradient written from
+// the parameters the view shows (adopted: into the trainer's buffer, which the state zeroed
+// after the last micro-step, or the trainer before the step).
+template <class State>
+void backward(State& state, const std::vector<region>& regions, std::size_t micro_batch, int step, float* grads) {
+  for (std::size_t l = 0; l <= layers; ++l) auto layer = state.gather(l);  // the forward (zero3: its gathers)
+  for (std::size_t l = layers + 1; l-- > 0;) {
+    auto view = state.gather(l);
+    for (const std::size_t r : regions_of(l)) {
+      const auto p = view.param(r);
+      const std::span<float> g =
+          grads ? std::span<float>(grads + regions[r].offset, regions[r].count) : state.gradient(r);
+      for (std::size_t j = 0; j < g.size(); ++j) g[j] += micro_gradient(micro_batch, step, regions[r].offset + j, p[j]);
+      state.mark_ready(r);
+    }
+  }
+}
+
+// The trainer's own optimizer (adopted buffers): momentum SGD, element-wise.
+template <class State>
+void trainer_update(State& state, std::vector<float>& momentum, double gradient_scale) {
+  for (const auto& s : state.owned_spans())
+    for (std::size_t j = 0; j < s.parameters.size(); ++j) {
+      float& m = momentum[s.owned + j];
+      m = 0.9f * m + static_cast<float>(s.gradients[j] * gradient_scale);
+      s.parameters[j] -= 0.05f * m;
+    }
+}
+
+// The parameters after `steps` steps of `config`, as rank 0 gathers them.
+std::vector<float> train(const run& config) {
+  const auto regions = model();
+  const std::size_t n = elements(regions);
+  std::vector<float> result;
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(config.world, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, config.world);
+    std::optional<cohort_test::gloo_group> shards, replicas;
+    cohort_test::gloo_group* group = &pg;
+    if (config.group > 0) {
+      shards = pg.split(rank / config.group, rank);
+      replicas = pg.split(rank % config.group, rank);
+      group = &*shards;
+    }
+    const cohort::training_options options{.strategy = config.kind,
+                                           .bucket_bytes = config.bucket_bytes,
+                                           .adam = adam,
+                                           .max_grad_norm = max_norm,
+                                           .reproducible = cohort::reproducible_options{config.micro_batches, 16}};
+    std::vector<float> params(n), grads(n, 0.0f);
+    for (std::size_t e = 0; e < n; ++e) params[e] = initial_parameter(e);
+    std::optional<cohort::training_state<cohort::gloo, float>> state;
+    cohort_test::gloo_group* const replica_group = replicas ? &*replicas : nullptr;
+    if (config.adopted)
+      state.emplace(*group, std::span<float>(params), std::span<float>(grads), regions, options, replica_group);
+    else
+      state.emplace(*group, regions, options, replica_group);
+    if (!config.adopted) state->load_parameters(params);
+    if (!config.resume_from.empty()) cohort::load_checkpoint(*state, config.resume_from);
+    RANK_CHECK(state->reproducible());
+    RANK_CHECK(state->bucket_count() > layers, "buckets " << state->bucket_count());
+    std::vector<float> momentum(state->owned_elements(), 0.0f);
+    const std::size_t per_rank = config.micro_batches / static_cast<std::size_t>(config.world);
+    // The position of this rank's run among the world's: hybrid, replica-major.
+    const std::size_t position = replicas
+                                     ? static_cast<std::size_t>(replicas->rank() * group->world_size() + group->rank())
+                                     : static_cast<std::size_t>(rank);
+    for (int step = config.first_step; step < config.end_step; ++step) {
+      if (config.adopted) std::fill(grads.begin(), grads.end(), 0.0f);
+      for (std::size_t t = 0; t + 1 < per_rank; ++t) {
+        auto accumulating = state->no_sync();
+        backward(*state, regions, position * per_rank + t, step, config.adopted ? grads.data() : nullptr);
+      }
+      backward(*state, regions, position * per_rank + per_rank - 1, step, config.adopted ? grads.data() : nullptr);
+      const auto stepped = state->step();
+      RANK_CHECK(!stepped.skipped);
+      RANK_CHECK(stepped.clip_factor < 1.0, "the norm " << stepped.grad_norm << " is not clipped");
+      if (config.adopted) {
+        trainer_update(*state, momentum, stepped.gradient_scale);
+        state->publish_parameters();
+      }
+    }
+    if (per_rank > 2) RANK_CHECK(state->memory().reproducible > 0);
+    if (!config.save_to.empty())
+      cohort::save_checkpoint(*state, config.save_to, static_cast<std::uint64_t>(config.end_step));
+    auto gathered = state->gather_parameters();
+    if (rank == 0) result = std::move(gathered);
+  });
+  return result;
+}
+
+std::string describe(const run& c) {
+  return std::to_string(c.world) + " ranks" + (c.group > 0 ? " (groups of " + std::to_string(c.group) + ")" : "") +
+         ", M " + std::to_string(c.micro_batches) + ", " + std::string(cohort::to_string(c.kind)) +
+         (c.adopted ? ", adopted" : ", owned") + ", buckets of " + std::to_string(c.bucket_bytes) + " bytes";
+}
+
+void expect_same_bits(const std::vector<float>& expected, const run& config) {
+  const auto got = train(config);
+  INFO(describe(config));
+  REQUIRE(got.size() == expected.size());
+  std::size_t differing = 0;
+  for (std::size_t e = 0; e < got.size(); ++e)
+    if (std::memcmp(&got[e], &expected[e], sizeof(float)) != 0) ++differing;
+  CHECK(differing == 0);
+}
+
+void every_world_and_strategy(bool adopted) {
+  for (const std::size_t micro_batches : {std::size_t{8}, std::size_t{6}}) {
+    const auto expected = train({.world = 1, .micro_batches = micro_batches, .adopted = adopted});
+    const std::vector<int> worlds = micro_batches == 8 ? std::vector<int>{1, 2, 4} : std::vector<int>{1, 3, 6};
+    for (const int world : worlds)
+      for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3})
+        expect_same_bits(expected, {.world = world,
+                                    .micro_batches = micro_batches,
+                                    .kind = kind,
+                                    .adopted = adopted,
+                                    .bucket_bytes = world == 2 ? std::size_t{40} : std::size_t{24}});
+  }
+}
+
+}  // namespace
+
+TEST_CASE(
+    "reproducible: the state's buffers and AdamW give the bits of one rank at 1, 2, 4 ranks (M 8) and 1, 3, 6 (M "
+    "6), under ddp, zero1, zero2 and zero3, clipped",
+    "[training_state][reproducible][gloo]") {
+  every_world_and_strategy(false);
+}
+
+TEST_CASE(
+    "reproducible: adopted buffers and the trainer's optimizer give the bits of one rank at every world and strategy",
+    "[training_state][reproducible][gloo]") {
+  every_world_and_strategy(true);
+}
+
+TEST_CASE("reproducible: hybrid 2x2 (groups of 2, 2 replicas) gives the bits of one rank under every strategy",
+          "[training_state][reproducible][gloo]") {
+  const auto expected = train({.world = 1, .micro_batches = 8});
+  for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3})
+    expect_same_bits(expected, {.world = 4, .micro_batches = 8, .kind = kind, .group = 2});
+}
+
+namespace {
+
+cohort::training_options reproducible_options(std::size_t micro_batches, std::size_t micro_batch_size) {
+  return {.bucket_bytes = 24, .reproducible = cohort::reproducible_options{micro_batches, micro_batch_size}};
+}
+
+}  // namespace
+
+TEST_CASE("reproducible: M and a world the rule cannot hold are refused at construction on every rank, naming the rule",
+          "[training_state][reproducible][gloo]") {
+  const auto regions = model();
+  for (const auto& [world, micro_batches] : {std::pair{4, std::size_t{6}}, std::pair{4, std::size_t{12}}}) {
+    auto store = std::make_shared<cohort::memory_store>();
+    cohort_test::run_ranks(world, [&](int rank) {
+      auto pg = cohort_test::make_gloo_group(store, rank, world);
+      const std::string text = RANK_CHECK_THROWS(
+          cohort::error,
+          (cohort::training_state<cohort::gloo, float>{pg, regions, reproducible_options(micro_batches, 8)}),
+          "each rank needs a run of 2^j of them (M divisible by the world, M / world a power of two), or one rank");
+      RANK_CHECK(text.find(std::to_string(micro_batches) + " micro-batches over 4 ranks") != std::string::npos, text);
+    });
+  }
+  // One rank sums any M itself.
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(1, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 1);
+    cohort::training_state<cohort::gloo, float> state{pg, regions, reproducible_options(6, 8)};
+    RANK_CHECK(state.reproducible());
+  });
+}
+
+TEST_CASE("reproducible: one rank's other micro-batch size is refused on every rank, naming it",
+          "[training_state][reproducible][gloo]") {
+  const auto regions = model();
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(3, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 3);
+    RANK_CHECK_THROWS(
+        cohort::error,
+        (cohort::training_state<cohort::gloo, float>{pg, regions, reproducible_options(6, rank == 1 ? 16 : 8)}),
+        "reproducible: rank 1 has 6 micro-batches of 16 samples, rank 0 6 of 8");
+  });
+}
+
+TEST_CASE("reproducible: a rank that runs one micro-step more than M / world is refused at the step on every rank",
+          "[training_state][reproducible][gloo]") {
+  const auto regions = model();
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(2, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 2);
+    cohort::training_state<cohort::gloo, float> state{pg, regions, reproducible_options(4, 8)};
+    const std::size_t micro_steps = rank == 1 ? 3 : 2;  // M / world is 2
+    RANK_CHECK_THROWS(
+        cohort::error,
+        [&] {
+          for (std::size_t t = 0; t + 1 < micro_steps; ++t) {
+            auto accumulating = state.no_sync();
+            backward(state, regions, static_cast<std::size_t>(rank) * 2 + t, 0, nullptr);
+          }
+          backward(state, regions, static_cast<std::size_t>(rank) * 2 + micro_steps - 1, 0, nullptr);
+          state.step();
+        }(),
+        "rank 1 ran 3 micro-steps this step where every rank must run 2");
+  });
+}
+
+TEST_CASE("reproducible: join() is refused on every rank", "[training_state][reproducible][gloo]") {
+  const auto regions = model();
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(2, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 2);
+    cohort::training_state<cohort::gloo, float> state{pg, regions, reproducible_options(4, 8)};
+    bool ran = false;
+    RANK_CHECK_THROWS(cohort::error, state.join([&] { ran = true; }), "reproducible: a join changes which ranks");
+    RANK_CHECK(!ran);
+  });
+}
+
+TEST_CASE("reproducible: saved at 4 ranks zero3 and resumed at 2 ranks ddp, the bits of the run that never stopped",
+          "[training_state][reproducible][checkpoint][gloo]") {
+  const auto expected = train({.world = 1, .micro_batches = 8, .end_step = 6});
+  const auto dir = cohort_test::checkpoint_scratch("reproducible");
+  train({.world = 4, .micro_batches = 8, .kind = strategy::zero3, .end_step = 3, .save_to = dir.string()});
+  expect_same_bits(expected, {.world = 2,
+                              .micro_batches = 8,
+                              .kind = strategy::ddp,
+                              .first_step = 3,
+                              .end_step = 6,
+                              .resume_from = (dir / "step-3").string()});
+  std::filesystem::remove_all(dir);
+}
