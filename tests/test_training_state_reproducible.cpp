@@ -14,9 +14,11 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "checkpoint_fixtures.hpp"
@@ -299,4 +301,40 @@ TEST_CASE("reproducible: saved at 4 ranks zero3 and resumed at 2 ranks ddp, the 
                               .end_step = 6,
                               .resume_from = (dir / "step-3").string()});
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("reproducible: the exact norm's integers are the same whatever cut the elements, and the norm is the norm",
+          "[training_state][reproducible][gloo]") {
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(1, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 1);
+    auto& engine = pg.backend();
+    std::vector<float> g(10007);
+    for (std::size_t e = 0; e < g.size(); ++e) g[e] = std::sin(0.7f * static_cast<float>(e)) * (1.0f + (e % 13));
+    double max = 0;
+    cohort::max_magnitude(engine, g.data(), g.size(), cohort::dtype::float32, &max).wait();
+    RANK_CHECK(max > 0);
+    const auto exact = [&](const std::vector<std::size_t>& cuts) {
+      std::uint64_t high_low[2] = {0, 0};
+      std::size_t from = 0;
+      for (const std::size_t to : cuts) {
+        cohort::fixed_point_squares(engine, g.data() + from, to - from, cohort::dtype::float32, &max, high_low).wait();
+        from = to;
+      }
+      return std::pair{high_low[0], high_low[1]};
+    };
+    const auto whole = exact({g.size()});
+    RANK_CHECK(exact({3, 4000, 4001, g.size()}) == whole);
+    RANK_CHECK(exact({5003, g.size()}) == whole);
+    double squares = 0;
+    for (const float x : g) squares += static_cast<double>(x) * x;
+    const std::uint64_t pairs[2] = {whole.first, whole.second};
+    const double norm = cohort::detail::fixed_point_norm(pairs, max);
+    RANK_CHECK(std::abs(norm - std::sqrt(squares)) <= 1e-9 * std::sqrt(squares), norm << " vs " << std::sqrt(squares));
+    // An inf or a NaN makes the largest magnitude inf, which op::max carries across ranks.
+    g[17] = std::numeric_limits<float>::quiet_NaN();
+    double with_nan = 0;
+    cohort::max_magnitude(engine, g.data(), g.size(), cohort::dtype::float32, &with_nan).wait();
+    RANK_CHECK(std::isinf(with_nan));
+  });
 }
