@@ -3,6 +3,7 @@
 //   store     operations per second: memory_store (thread ranks) and tcp_store over loopback
 //   ddp       training_state::mark_ready under ddp, alone (inside no_sync) and with bucket launches
 //   checksum  a checkpoint's block checksum, bytes per second, against the FNV-1a it replaced
+//   sha256    the parameter fingerprint's chunk digests, bytes per second on one core
 //   timeline  a step of 12 spans and its end, the timeline stopped (one flag test) and recording
 //
 //   ./micro_host --benchmark_min_time=0.2
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "cohort/data/sampler.hpp"
+#include "cohort/detail/sha256.hpp"
 #include "cohort/diagnostics/timeline.hpp"
 #include "cohort/parallel/checkpoint.hpp"
 #include "cohort/rendezvous/store.hpp"
@@ -197,6 +199,21 @@ void checkpoint_checksum(benchmark::State& state) {
   state.SetLabel(linear ? "linear (version 2)" : "FNV-1a over 64-bit words (version 1)");
 }
 BENCHMARK(checkpoint_checksum)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
+
+// SHA-256 of 1 MiB chunks of a 64 MiB buffer, as parameter_sha256 hashes a rank's share of the
+// parameters (cohort/parallel/fingerprint.hpp): what its time is, 1/N of the model at N ranks.
+void fingerprint_sha256(benchmark::State& state) {
+  constexpr std::size_t chunk = std::size_t{1} << 20;
+  std::vector<std::uint8_t> data(std::size_t{64} << 20);
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<std::uint8_t>(i * 131 + 7);
+  std::uint8_t sum = 0;
+  for (auto _ : state)
+    for (std::size_t at = 0; at < data.size(); at += chunk)
+      sum ^= cohort::detail::sha256::of({data.data() + at, chunk})[0];
+  benchmark::DoNotOptimize(sum);
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(data.size()));
+}
+BENCHMARK(fingerprint_sha256)->Unit(benchmark::kMillisecond);
 
 // --- timeline ---------------------------------------------------------------------------------
 // What a zero3 step of examples/train records, about 12 spans and the step's end: Arg 0 with

@@ -1,29 +1,35 @@
 // The parameter fingerprint (cohort/parallel/fingerprint.hpp): the same parameters give the
 // same digest at 1 to 4 ranks under every strategy, over the state's buffers and the trainer's,
-// equal to the definition computed here from the flat buffer; one element that only one rank
-// holds changes it on every rank; and a checkpoint's digest (what cohort-ckpt inspect prints)
-// is the live state's, for fp32 and for bfloat16 parameters kept as fp32 masters, and stays
-// the same once the checkpoint is loaded at another world size and strategy. Real ranks:
-// threads with Gloo contexts over loopback.
+// and hybrid 2 x 2, equal to the definition computed here from the flat buffer; one element that
+// only one rank holds changes it on every rank; and a checkpoint's digest (what cohort-ckpt
+// inspect prints) is the live state's, for fp32 and for bfloat16 parameters kept as fp32
+// masters, stays the same once the checkpoint is loaded at another world size and strategy, and
+// is what Python's hashlib makes of the checkpoint's safetensors export by the definition;
+// a digest asked for on one rank alone fails on both, named, within the group's timeout. Real
+// ranks: threads with Gloo contexts over loopback.
 #include <catch2/catch.hpp>
 
-#include <cohort/detail/sha256.hpp>
 #include <cohort/parallel/checkpoint.hpp>
 #include <cohort/parallel/fingerprint.hpp>
 #include <cohort/parallel/training_state.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "checkpoint_fixtures.hpp"
+#include "fingerprint_fixtures.hpp"
 #include "flat_fixtures.hpp"
 #include "support.hpp"
 
@@ -49,22 +55,6 @@ std::vector<P> initial_parameters() {
   std::vector<P> flat(model_elements);
   for (std::size_t i = 0; i < flat.size(); ++i) flat[i] = P(0.5F * std::sin(0.013F * static_cast<float>(i)));
   return flat;
-}
-
-// The definition, straight from the flat buffer: the regions as declared, each cut into 1 MiB
-// chunks of its bytes, SHA-256 of each, then SHA-256 of the digests end to end.
-template <class P>
-std::string expected_digest(const std::vector<P>& flat, const std::vector<region>& regions) {
-  std::vector<std::uint8_t> digests;
-  for (const auto& r : regions) {
-    const auto* bytes = reinterpret_cast<const std::uint8_t*>(flat.data() + r.offset);
-    const std::size_t total = r.count * sizeof(P);
-    for (std::size_t at = 0; at < total; at += std::size_t{1} << 20) {
-      const auto digest = cohort::detail::sha256::of({bytes + at, std::min(std::size_t{1} << 20, total - at)});
-      digests.insert(digests.end(), digest.begin(), digest.end());
-    }
-  }
-  return cohort::detail::sha256_hex(cohort::detail::sha256::of(digests));
 }
 
 cohort::training_options options_for(strategy kind) {
@@ -106,7 +96,7 @@ TEST_CASE("the same parameters give the same digest at 1 to 4 ranks under ddp, z
           "[fingerprint][gloo]") {
   const auto regions = model_regions();
   const auto flat = initial_parameters<float>();
-  const std::string expected = expected_digest(flat, regions);
+  const std::string expected = cohort_test::expected_parameter_sha256(flat, regions);
   for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3})
     for (const int world : {1, 2, 3, 4})
       for (const bool adopted : {false, true}) {
@@ -129,6 +119,28 @@ TEST_CASE("the same parameters give the same digest at 1 to 4 ranks under ddp, z
           CHECK(digests[static_cast<std::size_t>(rank)] == expected);
         }
       }
+}
+
+TEST_CASE("hybrid sharding 2 x 2 gives the digest of one process on every rank", "[fingerprint][gloo][hybrid]") {
+  const auto regions = model_regions();
+  const auto flat = initial_parameters<float>();
+  const std::string expected = cohort_test::expected_parameter_sha256(flat, regions);
+  for (const strategy kind : {strategy::zero1, strategy::zero3}) {
+    std::vector<std::string> digests(4);
+    auto store = std::make_shared<cohort::memory_store>();
+    cohort_test::run_ranks(4, [&](int rank) {
+      auto pg = cohort_test::make_gloo_group(store, rank, 4);
+      auto shards = pg.split(rank / 2, rank);
+      auto replicas = pg.split(rank % 2, rank);
+      cohort::training_state<cohort::gloo> state(*shards, regions, options_for(kind), &*replicas);
+      state.load_parameters(flat);
+      digests[static_cast<std::size_t>(rank)] = cohort::parameter_sha256(state);
+    });
+    for (std::size_t rank = 0; rank < 4; ++rank) {
+      INFO(cohort::to_string(kind) << ", rank " << rank);
+      CHECK(digests[rank] == expected);
+    }
+  }
 }
 
 TEST_CASE("one element of rank 1's zero3 shard, changed there alone, changes the digest on every rank",
@@ -160,14 +172,14 @@ TEST_CASE("one element of rank 1's zero3 shard, changed there alone, changes the
   });
   auto altered = flat;
   altered[changed] += 1.0F;
-  const std::string expected = expected_digest(altered, regions);
+  const std::string expected = cohort_test::expected_parameter_sha256(altered, regions);
   // The element's fingerprint chunk is hashed by another rank than 1, which saw it only
   // through the gather: the embedding's first chunk (fingerprint chunk 0, rank 0's).
   REQUIRE(changed >= regions[0].offset);
   REQUIRE((changed - regions[0].offset) * sizeof(float) < std::size_t{1} << 20);
   for (int rank = 0; rank < world; ++rank) {
     INFO("rank " << rank);
-    CHECK(before[static_cast<std::size_t>(rank)] == expected_digest(flat, regions));
+    CHECK(before[static_cast<std::size_t>(rank)] == cohort_test::expected_parameter_sha256(flat, regions));
     CHECK(after[static_cast<std::size_t>(rank)] != before[static_cast<std::size_t>(rank)]);
     CHECK(after[static_cast<std::size_t>(rank)] == expected);
   }
@@ -204,8 +216,64 @@ TEMPLATE_TEST_CASE("a checkpoint's digest is the live state's, and the state's o
       loaded[static_cast<std::size_t>(rank)] = cohort::parameter_sha256(state);
     });
   }
-  CHECK(live[0] != expected_digest(initial_parameters<P>(), regions));  // the step changed them
+  CHECK(live[0] != cohort_test::expected_parameter_sha256(initial_parameters<P>(), regions));  // the step changed them
   for (const auto& digest : live) CHECK(digest == from_checkpoint);
   for (const auto& digest : loaded) CHECK(digest == from_checkpoint);
+  // The definition as the header writes it in Python (hashlib alone), over the checkpoint's
+  // safetensors export: the regions as declared, their bytes as stored.
+  if (std::is_same_v<P, float> && std::system("python3 -c pass 2>/dev/null") == 0) {
+    const auto exported = dir / "model.safetensors", script = dir / "digest.py", result = dir / "digest.txt";
+    cohort::consolidate_checkpoint(saved_path, exported.string());
+    std::ofstream(script) << R"(import hashlib, json, struct, sys
+data = open(sys.argv[1], "rb").read()
+(length,) = struct.unpack("<Q", data[:8])
+header = json.loads(data[8:8 + length])
+digests = b""
+for begin, end in sorted(entry["data_offsets"] for name, entry in header.items() if name != "__metadata__"):
+    region = data[8 + length + begin:8 + length + end]
+    digests += b"".join(hashlib.sha256(region[at:at + 2**20]).digest() for at in range(0, len(region), 2**20))
+print(hashlib.sha256(digests).hexdigest())
+)";
+    REQUIRE(std::system(("python3 " + script.string() + " " + exported.string() + " > " + result.string()).c_str()) ==
+            0);
+    std::string from_python;
+    std::ifstream(result) >> from_python;
+    CHECK(from_python == from_checkpoint);
+  }
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a digest asked for on rank 0 alone fails on every rank within seconds, naming it, never a digest",
+          "[fingerprint][gloo]") {
+  const auto regions = model_regions();
+  const auto flat = initial_parameters<float>();
+  for (const strategy kind : {strategy::ddp, strategy::zero3}) {
+    std::vector<std::string> errors(2);
+    auto store = std::make_shared<cohort::memory_store>();
+    const auto started = std::chrono::steady_clock::now();
+    cohort_test::run_ranks(2, [&](int rank) {
+      cohort::gloo::options quick;
+      quick.timeout = std::chrono::seconds(2);  // the failure's bound: the test's length
+      cohort_test::gloo_group pg(store, cohort::launch_env::explicit_ranks(rank, 2), quick);
+      cohort::training_state<cohort::gloo> state(pg, regions, options_for(kind));
+      state.load_parameters(flat);
+      try {
+        if (rank == 0)
+          (void)cohort::parameter_sha256(state);  // printed on rank 0 only: a common slip
+        else
+          train_one_step(state);
+      } catch (const cohort::error& failure) {
+        errors[static_cast<std::size_t>(rank)] = failure.what();
+      }
+    });
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    INFO(cohort::to_string(kind) << ": " << errors[0] << " | " << errors[1]);
+    // Named on both ranks: at zero3 by the evaluation's agreement, under ddp (whose gathers are
+    // no collectives) by the digests' all-reduce's own label.
+    const std::string named = kind == strategy::zero3 ? "entered evaluation() (sampling or evaluating) alone"
+                                                      : "(int64 x 36, sum) [parameter_sha256]";
+    CHECK(errors[0].find(named) != std::string::npos);
+    CHECK(errors[1].find(named) != std::string::npos);
+    CHECK(seconds < 10);
+  }
 }

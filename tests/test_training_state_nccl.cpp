@@ -1,8 +1,8 @@
 // training_state on NCCL with one rank on one GPU: the device path of the same template
 // (gathers into cudaMalloc'd pooled buffers ordered with a caller stream, the gradient and
-// optimizer kernels, a checkpoint of device state). Skipped without a GPU. A plain C++ file:
-// the kernels come compiled from cohort_compiled (cohort::nccl, compiled once), as a
-// trainer's .cpp would use them.
+// optimizer kernels, a checkpoint of device state, the parameter fingerprint's copies). Skipped without a GPU. A plain
+// C++ file: the kernels come compiled from cohort_compiled (cohort::nccl, compiled once), as a trainer's .cpp would use
+// them.
 #include <catch2/catch.hpp>
 
 #include <cuda_runtime.h>
@@ -15,9 +15,11 @@
 
 #include <cohort/comm/nccl.hpp>
 #include <cohort/parallel/checkpoint.hpp>
+#include <cohort/parallel/fingerprint.hpp>
 #include <cohort/parallel/training_state.hpp>
 #include <cohort/rendezvous/store.hpp>
 
+#include "fingerprint_fixtures.hpp"
 #include "support.hpp"
 
 #if !defined(COHORT_SEPARATE_COMPILATION) || defined(__CUDACC__)
@@ -54,6 +56,13 @@ const std::vector<cohort::region> regions{
 constexpr std::size_t elements = 329;
 
 float original(std::size_t i) { return static_cast<float>(i % 50) * 0.25f - 3.0f; }
+// The first n originals as E (bfloat16: rounded from the fp32 value).
+template <class E>
+std::vector<E> originals(std::size_t n) {
+  std::vector<E> out(n);
+  for (std::size_t i = 0; i < n; ++i) out[i] = E(original(i));
+  return out;
+}
 
 }  // namespace
 
@@ -63,12 +72,8 @@ TEST_CASE("device gathers return the original parameters, in fp32 and bfloat16, 
   auto pg = make_group();
   cudaStream_t stream;
   REQUIRE(cudaStreamCreate(&stream) == cudaSuccess);
-  std::vector<float> full(elements);
-  std::vector<cohort::bfloat16> rounded(elements);
-  for (std::size_t i = 0; i < elements; ++i) {
-    full[i] = original(i);
-    rounded[i] = cohort::bfloat16(full[i]);
-  }
+  const auto full = originals<float>(elements);
+  const auto rounded = originals<cohort::bfloat16>(elements);
   for (const strategy kind : {strategy::ddp, strategy::zero3}) {
     INFO(cohort::to_string(kind));
     cohort::training_state<cohort::nccl> fp32(pg, regions, {.strategy = kind, .bucket_bytes = 64});
@@ -220,4 +225,31 @@ TEST_CASE("adopted device buffers are updated in place, and the trainer's optimi
       if (kind != strategy::zero3) CHECK(download(std::span(params.data, elements)) == expected);
       CHECK(state.copied_bytes_per_step() == 0);
     }
+}
+
+TEST_CASE("the fingerprint of device parameters is the host definition's, in fp32 and bfloat16, under ddp and zero3",
+          "[training_state][nccl][fingerprint]") {
+  require_gpu();
+  auto pg = make_group();
+  cudaStream_t stream;
+  REQUIRE(cudaStreamCreate(&stream) == cudaSuccess);
+  // A region of two 1 MiB chunks' worth (300,007 floats) beside the small ones: chunks copied
+  // to the host one by one.
+  auto model = regions;
+  model.push_back({"embedding", elements, 300007, 3});
+  const std::size_t n = elements + 300007;
+  const auto full = originals<float>(n);
+  const auto rounded = originals<cohort::bfloat16>(n);
+  for (const strategy kind : {strategy::ddp, strategy::zero3}) {
+    INFO(cohort::to_string(kind));
+    cohort::training_state<cohort::nccl> fp32(pg, model, {.strategy = kind, .bucket_bytes = 1 << 16});
+    cohort::training_state<cohort::nccl, cohort::bfloat16, float> bf16(pg, model, {.strategy = kind});
+    fp32.set_stream(stream);
+    bf16.set_stream(stream);
+    fp32.load_parameters(full);
+    bf16.load_parameters(rounded);
+    CHECK(cohort::parameter_sha256(fp32) == cohort_test::expected_parameter_sha256(full, model));
+    CHECK(cohort::parameter_sha256(bf16) == cohort_test::expected_parameter_sha256(rounded, model));
+  }
+  REQUIRE(cudaStreamDestroy(stream) == cudaSuccess);
 }

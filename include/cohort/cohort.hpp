@@ -17,6 +17,7 @@
 #include "cohort/error.hpp"
 #include "cohort/parallel/canonical_order.hpp"
 #include "cohort/parallel/checkpoint.hpp"
+#include "cohort/parallel/fingerprint.hpp"
 #include "cohort/parallel/layout.hpp"
 #include "cohort/parallel/loss_scaler.hpp"
 #include "cohort/parallel/optimizer_options.hpp"

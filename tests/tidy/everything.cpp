@@ -100,6 +100,8 @@ void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_en
     (void)cohort::load_checkpoint(hybrid, saved.path);
     (void)cohort::resume_checkpoint(hybrid, directory.string(), {.fall_back = false});
     (void)cohort::verify_checkpoint(saved.path);
+    (void)cohort::parameter_sha256(hybrid);
+    (void)cohort::checkpoint_parameter_sha256(saved.path);
   }
 
   // Flat buffers: a training state with a loss scaler.

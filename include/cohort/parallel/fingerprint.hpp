@@ -103,6 +103,9 @@ std::string parameter_sha256(training_state<B, P, G>& state) {
       }
     }
   }
+  // Labelled, so that a rank that asks alone (printing on rank 0 only) is named as such on
+  // every rank; at zero3 the evaluation's agreement names it first.
+  const auto labelled = state.group().call_context_within("parameter_sha256");
   return detail::fingerprint_of_chunks(all_reduce_values(state.group(), words));
 }
 
