@@ -9,7 +9,6 @@
 // trainer clips as before, and its AdamW updates the part this rank owns. Sampling at zero3
 // gathers, a collective: every rank samples, rank 0 prints.
 #include <cohort/cohort.hpp>
-#include <cohort/parallel/fingerprint.hpp>
 
 #include <algorithm>
 #include <cstdio>

@@ -28,7 +28,6 @@
 // with --reproducible K micro-batches numbered alike at every world size, each rank running its
 // run of K / N of them as micro-steps (all but the last in a no_sync scope).
 #include <cohort/cohort.hpp>
-#include <cohort/parallel/fingerprint.hpp>
 
 #include <signal.h>
 
