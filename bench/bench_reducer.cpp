@@ -35,6 +35,9 @@
 //   adopted-zero2     trainer zeroes itself) against the state's own buffers (<= 1.05: adopting
 //                     costs nothing; at zero2 it is faster, the owned state's pooled buffers
 //                     being zeroed on the Gloo worker behind the reductions)
+//   reproducible-ddp  training_options::reproducible (M = the ranks: one micro-step each, the
+//   reproducible-zero2 partials all-to-all'd and summed in the canonical order, the exact
+//                     norm) against the default, whole steps (<= 1.15, issue 42)
 //   zero3-p0          zero3 (units gathered in the forward and again in the backward) at
 //   zero3-p1          prefetch 0, 1, 2 against ddp's whole step (<= 1.30)
 //   zero3-p2
@@ -283,6 +286,9 @@ const std::vector<pair_spec>& all_pairs() {
        1.05},
       {"adopted-zero2", "whole step, zero2: the trainer's buffers adopted against the state's own", "zero2 adopted",
        "zero2", 1.05},
+      {"reproducible-ddp", "whole step, ddp: reproducible against the default", "ddp reproducible", "ddp", 1.15},
+      {"reproducible-zero2", "whole step, zero2: reproducible against the default", "zero2 reproducible", "zero2",
+       1.15},
       {"zero3-p0", "whole step: zero3 (prefetch 0) against ddp", "zero3 prefetch 0", "ddp", 1.30},
       {"zero3-p1", "whole step: zero3 (prefetch 1) against ddp", "zero3 prefetch 1", "ddp", 1.30},
       {"zero3-p2", "whole step: zero3 (prefetch 2) against ddp", "zero3 prefetch 2", "ddp", 1.30},
@@ -298,6 +304,7 @@ struct side_kind {
   bool adopted = false;
   bool serial = false;
   bool gradients_only = false;  // trainer_optimizer with nothing to update: the reduction and the norm
+  bool reproducible = false;
   int prefetch = 1;
 };
 
@@ -316,6 +323,7 @@ side_kind parse_side(const std::string& name) {
   while (words >> word) {
     if (word == "adopted") s.adopted = true;
     if (word == "serial") s.serial = true;
+    if (word == "reproducible") s.reproducible = true;
     if (word == "prefetch") words >> s.prefetch;
   }
   return s;
@@ -473,6 +481,8 @@ class bench {
                                      .max_grad_norm = kind.gradients_only ? 0.0 : 1.0,
                                      .prefetch = kind.prefetch};
     if (settings_.reductions_in_flight) options.reductions_in_flight = *settings_.reductions_in_flight;
+    if (kind.reproducible)  // one micro-batch per rank a step, as the other sides
+      options.reproducible = cohort::reproducible_options{static_cast<std::size_t>(settings_.ranks)};
     if (kind.adopted) {
       s.parameters.assign(total_, 0.01f);
       s.gradients.assign(total_, 0.0f);

@@ -109,6 +109,18 @@ TEST_CASE("collectives through shared memory equal the reference across chunks, 
             wrong += gathered[r * n + i] != want || gathered_in_place[r * n + i] != want;
           }
         RANK_CHECK(wrong == 0, "all_gather, world " << world << ", n " << n << ": " << wrong << " elements off");
+
+        // all_to_all: part r of this rank's input to rank r, out of place and in place (the
+        // input staged first), across the slot's rounds.
+        std::vector<float> received(n * w, -1.0f), exchanged_in_place = blocks;
+        pg.all_to_all(std::span<const float>(blocks), std::span<float>(received)).wait();
+        pg.all_to_all(std::span<const float>(exchanged_in_place), std::span<float>(exchanged_in_place)).wait();
+        for (std::size_t q = 0; q < w; ++q)
+          for (std::size_t i = 0; i < n; ++i) {
+            const float want = contribution(static_cast<int>(q), own + i);
+            wrong += received[q * n + i] != want || exchanged_in_place[q * n + i] != want;
+          }
+        RANK_CHECK(wrong == 0, "all_to_all, world " << world << ", n " << n << ": " << wrong << " elements off");
       }
     });
   }

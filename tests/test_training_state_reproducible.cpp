@@ -222,7 +222,9 @@ cohort::training_options reproducible_options(std::size_t micro_batches, std::si
 TEST_CASE("reproducible: M and a world the rule cannot hold are refused at construction on every rank, naming the rule",
           "[training_state][reproducible][gloo]") {
   const auto regions = model();
-  for (const auto& [world, micro_batches] : {std::pair{4, std::size_t{6}}, std::pair{4, std::size_t{12}}}) {
+  for (const auto& setting : {std::pair{4, std::size_t{6}}, std::pair{4, std::size_t{12}}}) {
+    const int world = setting.first;  // named, not bound: clang 14 captures no structured binding
+    const std::size_t micro_batches = setting.second;
     auto store = std::make_shared<cohort::memory_store>();
     cohort_test::run_ranks(world, [&](int rank) {
       auto pg = cohort_test::make_gloo_group(store, rank, world);

@@ -141,6 +141,11 @@ class shared_memory_channel {
   // other overlap: the caller copies `in` first).
   COHORT_DECL void all_gather(const void* in, void* out, std::size_t count_per_rank, std::size_t element,
                               std::uint64_t signature, std::chrono::milliseconds timeout);
+  // in and out: size * count_per_rank each, part p of `in` going to rank p, part q of `out`
+  // coming from rank q (they must not overlap: the caller copies `in` first). Each round every
+  // rank posts one block of each of its parts, the slot cut into `size` pieces.
+  COHORT_DECL void all_to_all(const void* in, void* out, std::size_t count_per_rank, std::size_t element,
+                              std::uint64_t signature, std::chrono::milliseconds timeout);
 
   // Ends every wait of this channel, here and on the peers (gloo::abort_transport): each
   // fails as a closed connection, and so does every later call.

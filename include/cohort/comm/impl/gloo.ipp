@@ -921,6 +921,13 @@ COHORT_DECL auto gloo::execute_in_shared_memory(detail::gloo_task& task) -> bool
       shared_memory_->all_gather(in, out, task.count, element, call, options_.timeout);
       return true;
     }
+    case task_kind::all_to_all:
+      // Each round holds one element of every rank's part at least: else TCP (the same on
+      // every rank: the slot, the world and the dtype are).
+      if (world * element > shared_memory_->slot_bytes()) return false;
+      if (overlap(in, world * bytes, out, world * bytes)) in = staged(world * bytes);
+      shared_memory_->all_to_all(in, out, task.count, element, call, options_.timeout);
+      return true;
     default: return false;
   }
 }

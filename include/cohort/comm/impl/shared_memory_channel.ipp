@@ -477,4 +477,29 @@ COHORT_DECL void shared_memory_channel::all_gather(const void* in, void* out, st
   }
 }
 
+COHORT_DECL void shared_memory_channel::all_to_all(const void* in, void* out, std::size_t count_per_rank,
+                                                   std::size_t element, std::uint64_t signature,
+                                                   std::chrono::milliseconds timeout) {
+  const auto* source = static_cast<const std::byte*>(in);
+  auto* target = static_cast<std::byte*>(out);
+  const std::size_t world = static_cast<std::size_t>(size_);
+  const std::size_t me = static_cast<std::size_t>(rank_);
+  const std::size_t block = std::max<std::size_t>(1, slot_bytes_ / (element * world));
+  std::memcpy(target + me * count_per_rank * element, source + me * count_per_rank * element, count_per_rank * element);
+  for (std::size_t first = 0; first < count_per_rank; first += block) {
+    const std::size_t m = std::min(block, count_per_rank - first);
+    wait_for_all(posted_, 0, timeout, shared_memory::spin_chunk);
+    for (std::size_t p = 0; p < world; ++p)
+      if (p != me)
+        std::memcpy(own_slot() + p * m * element, source + (p * count_per_rank + first) * element, m * element);
+    post(signature);
+    wait_for_all(posted_, signature, timeout, shared_memory::spin_chunk);
+    for (std::size_t q = 0; q < world; ++q)
+      if (q != me)
+        std::memcpy(target + (q * count_per_rank + first) * element, peer_slot(static_cast<int>(q)) + me * m * element,
+                    m * element);
+    post(signature);
+  }
+}
+
 }  // namespace cohort::inline v0::detail

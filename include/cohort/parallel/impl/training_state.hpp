@@ -297,6 +297,8 @@ void training_state<B, P, G>::allocate_buffers() {
     if (!std::is_same_v<G, master_type>) allocate_zeroed<master_type>(scratch_, owned_);
   }
   allocate_zeroed<double>(stats_, 2);  // the non-finite count and this step's sum of squares
+  // Reproducible: the largest magnitude and the exact norm's two integer sums (zero bits: 0.0, 0, 0).
+  if (options_.reproducible) allocate_zeroed<std::int64_t>(exact_norm_, 3);
   group_->backend().record().wait();
 }
 
@@ -834,6 +836,7 @@ void training_state<B, P, G>::reset_marks() {
   launched_ = 0;
   // The next step's norm adds its buckets' squares to zero, each as it is reduced.
   if (stats_.data()) fill(group_->backend(), stats_.data(), 2, dtype::float64, 0.0);
+  if (exact_norm_.data()) fill(group_->backend(), exact_norm_.data(), 3, dtype::int64, 0.0);
   last_gathered_.reset();  // a micro-step's end: the next gather is a forward's
   agreed_ = false;         // and under a join, the next call agrees again
   announcing_ = false;
@@ -1425,6 +1428,9 @@ void training_state<B, P, G>::reduce_canonically(std::size_t b, G* pooled_gradie
       offset += copies * count;
     }
   }
+  // This rank's part of the norm's maximum, as the bucket is final (as launch() adds squares).
+  for (const auto& s : norm_by_bucket_[b])
+    max_magnitude(engine, reduced_gradient_at(s), s.count, dtype_v<G>, exact_norm_.template as<double>());
   if (options_.strategy == strategy::ddp && n > 1) {
     auto together = group_->grouped();
     all_gather_chunks(b, grads_);
@@ -1435,18 +1441,14 @@ void training_state<B, P, G>::reduce_canonically(std::size_t b, G* pooled_gradie
 }
 
 // The norm from exact integers, the same bits whatever cut the ranks' shares: the largest
-// magnitude over the ranks (op::max: order-free), then each rank's fixed-point squares scaled by
-// it, gathered and summed in 128 bits on every rank. An inf or a NaN makes the maximum inf:
-// counted then as the default path counts them (an integer sum, invariant too).
+// magnitude over the ranks (each bucket's taken as it was reduced; op::max: order-free), then
+// each rank's fixed-point squares scaled by it, gathered and summed in 128 bits on every rank. An inf or a NaN makes
+// the maximum inf: counted then as the default path counts them (an integer sum, invariant too).
 template <backend B, element P, element G>
 void training_state<B, P, G>::measure_exactly(step_result& result) {
   auto& engine = group_->backend();
-  if (!exact_norm_.data()) exact_norm_ = detail::backend_buffer<B>(engine, 3 * sizeof(std::uint64_t));
   auto* max = exact_norm_.template as<double>();
   auto* high_low = reinterpret_cast<std::uint64_t*>(max + 1);
-  fill(engine, exact_norm_.data(), 3, dtype::int64, 0.0);  // all bits zero: 0.0 and two zero sums
-  for (const auto& pieces : norm_by_bucket_)
-    for (const auto& s : pieces) max_magnitude(engine, reduced_gradient_at(s), s.count, dtype_v<G>, max);
   if (world() > 1) group_->all_reduce(std::span<double>(max, 1), op::max);
   double largest = 0;
   engine.copy(&largest, max, sizeof largest).wait();
