@@ -6,7 +6,10 @@
 //                                               shape, elements and bytes, then the files,
 //                                               last `parameters sha256 <hex>`: the digest
 //                                               parameter_sha256 gives the live state
-//                                               (cohort/parallel/fingerprint.hpp)
+//                                               (cohort/parallel/fingerprint.hpp), from the
+//                                               parameters' bytes, read and their blocks
+//                                               verified (a damaged one: exit 1 after the
+//                                               listing)
 //   cohort-ckpt verify DIR                      checks the index, reads every byte, checks every
 //                                               block's checksum
 //   cohort-ckpt consolidate DIR OUT.safetensors the parameters, one tensor per region, shaped

@@ -1,15 +1,21 @@
 #pragma once
-// What the checkpoint tests share: a scratch directory, a flipped bit in a file, and every
-// rank's error from loading a checkpoint (real ranks: threads with Gloo over loopback).
+// What the checkpoint tests share: a scratch directory, a flipped bit in a file, every rank's
+// error from loading a checkpoint (real ranks: threads with Gloo over loopback), and what
+// cohort-ckpt says.
 
 #include <fcntl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <memory>
 #include <numeric>
+#include <optional>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <cohort/parallel/checkpoint.hpp>
@@ -18,6 +24,24 @@
 #include "support.hpp"
 
 namespace cohort_test {
+
+// What cohort-ckpt wrote (stdout and stderr) and its exit status, where the tool was built
+// (COHORT_CKPT_TOOL, bench/CMakeLists.txt); nullopt elsewhere.
+inline std::optional<std::pair<std::string, int>> run_ckpt_tool(const std::string& arguments) {
+#if defined(COHORT_CKPT_TOOL)
+  const std::string command = std::string(COHORT_CKPT_TOOL) + " " + arguments + " 2>&1";
+  std::FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) throw std::runtime_error("cannot run " + command);
+  std::string text;
+  char buffer[4096];
+  for (std::size_t got; (got = std::fread(buffer, 1, sizeof buffer, pipe)) > 0;) text.append(buffer, got);
+  const int status = ::pclose(pipe);
+  return std::pair{text, WIFEXITED(status) ? WEXITSTATUS(status) : -1};
+#else
+  (void)arguments;
+  return std::nullopt;
+#endif
+}
 
 inline std::filesystem::path checkpoint_scratch(const std::string& name) {
   const std::filesystem::path dir =

@@ -909,23 +909,6 @@ void overwrite_head(const fs::path& file, const std::string& bytes) {
   REQUIRE(out.good());
 }
 
-// What cohort-ckpt wrote (stdout and stderr) and its exit status, where the tool was built.
-std::optional<std::pair<std::string, int>> run_tool(const std::string& arguments) {
-#if defined(COHORT_CKPT_TOOL)
-  const std::string command = std::string(COHORT_CKPT_TOOL) + " " + arguments + " 2>&1";
-  std::FILE* pipe = ::popen(command.c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  std::string text;
-  char buffer[4096];
-  for (std::size_t got; (got = std::fread(buffer, 1, sizeof buffer, pipe)) > 0;) text.append(buffer, got);
-  const int status = ::pclose(pipe);
-  return std::pair{text, WIFEXITED(status) ? WEXITSTATUS(status) : -1};
-#else
-  (void)arguments;
-  return std::nullopt;
-#endif
-}
-
 TEST_CASE("damage in an index's first bytes marks the checkpoint damaged, never foreign, in cohort's directory",
           "[checkpoint][integrity][resume]") {
   const auto dir = checkpoint_scratch("damaged-head");
@@ -939,13 +922,14 @@ TEST_CASE("damage in an index's first bytes marks the checkpoint damaged, never 
   CHECK_THROWS_AS(cohort::verify_checkpoint((dir / "step-9").string()), cohort::checkpoint_damaged_error);
   CHECK_THROWS_WITH(cohort::verify_checkpoint((dir / "step-9").string()),
                     Catch::Contains((dir / "step-9" / "manifest.json").string()));
-  if (const auto verify = run_tool("verify " + dir.string())) {
+  if (const auto verify = cohort_test::run_ckpt_tool("verify " + dir.string())) {
     INFO(verify->first);
     CHECK(verify->second == 1);
     CHECK(verify->first.find((dir / "step-9").string() + " is damaged") != std::string::npos);
     CHECK(verify->first.find("older checkpoints, which a resume falls back to: " + (dir / "step-4").string()) !=
           std::string::npos);
-    const auto consolidate = run_tool("consolidate " + dir.string() + " " + (dir / "out.safetensors").string());
+    const auto consolidate =
+        cohort_test::run_ckpt_tool("consolidate " + dir.string() + " " + (dir / "out.safetensors").string());
     INFO(consolidate->first);
     CHECK(consolidate->second == 1);
     CHECK(consolidate->first.find((dir / "step-9").string() + " is damaged") != std::string::npos);
@@ -1002,12 +986,13 @@ TEST_CASE("consolidate's errors carry consolidate's hint, and cohort-ckpt names 
   CHECK(text.find("cohort consolidate_checkpoint: cannot create") == 0);
   CHECK(text.find("the checkpoint is only read") != std::string::npos);
   CHECK(text.find("previous checkpoint") == std::string::npos);  // save's words
-  if (const auto tool = run_tool("verify " + (dir / "empty").string())) {
+  if (const auto tool = cohort_test::run_ckpt_tool("verify " + (dir / "empty").string())) {
     INFO(tool->first);
     CHECK(tool->second == 1);
     CHECK(tool->first.find("cohort-ckpt verify: no committed checkpoint in") == 0);
     CHECK(tool->first.find("cohort-ckpt", 1) == std::string::npos);  // its prefix once
-    const auto export_error = run_tool("consolidate " + dir.string() + " " + (dir / "no-such-folder" / "x").string());
+    const auto export_error =
+        cohort_test::run_ckpt_tool("consolidate " + dir.string() + " " + (dir / "no-such-folder" / "x").string());
     INFO(export_error->first);
     CHECK(export_error->second == 1);
     CHECK(export_error->first.find("cohort-ckpt consolidate: cannot create") == 0);

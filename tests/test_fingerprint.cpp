@@ -219,6 +219,11 @@ TEMPLATE_TEST_CASE("a checkpoint's digest is the live state's, and the state's o
   CHECK(live[0] != cohort_test::expected_parameter_sha256(initial_parameters<P>(), regions));  // the step changed them
   for (const auto& digest : live) CHECK(digest == from_checkpoint);
   for (const auto& digest : loaded) CHECK(digest == from_checkpoint);
+  // cohort-ckpt itself, where it was built: its last line, for the checkpoint's directory.
+  if (const auto tool = cohort_test::run_ckpt_tool("inspect " + dir.string())) {
+    CHECK(tool->second == 0);
+    CHECK(tool->first.ends_with("\nparameters sha256 " + from_checkpoint + "\n"));
+  }
   // The definition as the header writes it in Python (hashlib alone), over the checkpoint's
   // safetensors export: the regions as declared, their bytes as stored.
   if (std::is_same_v<P, float> && std::system("python3 -c pass 2>/dev/null") == 0) {
