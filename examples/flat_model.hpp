@@ -66,6 +66,18 @@ inline std::span<const float> rows(const std::vector<float>& values, std::size_t
   return std::span<const float>(values).subspan(first * width, count * width);
 }
 
+// The rows `indices` (a sampler's) of a row-major table `width` wide, in that order.
+inline std::vector<float> rows_at(const std::vector<float>& values, std::span<const std::uint64_t> indices,
+                                  std::size_t width) {
+  std::vector<float> out;
+  out.reserve(indices.size() * width);
+  for (const std::uint64_t index : indices) {
+    const auto row = rows(values, static_cast<std::size_t>(index), 1, width);
+    out.insert(out.end(), row.begin(), row.end());
+  }
+  return out;
+}
+
 // The examples' reference optimizer, written out in double on the host: AdamW with clipping
 // by the global norm (max / (norm + 1e-6), as PyTorch) and weight decay where the layout
 // says. The parameters keep a double master; the float copy is what the model reads.

@@ -8,9 +8,12 @@
 //   stacked --ranks 4 --strategy zero2                      # the trainer's own AdamW
 //   stacked --ranks 4 --strategy zero2 --optimizer cohort   # or the state's
 //   mpirun -np 2 stacked --strategy ddp                     # or torchrun --no-python, srun
+//   stacked --ranks 4 --reproducible --micro-batches 8      # the same bits at any world size
 //
-// Rank 0 ends with the final loss against the trainer without cohort on the whole batch and,
-// with the trainer's own optimizer, whether one rank is bit-identical to it.
+// Rank 0 ends with the final loss against the trainer without cohort on the whole batch, with
+// the trainer's own optimizer whether one rank is bit-identical to it (not with --reproducible,
+// whose sum over micro-batches takes the canonical order, not the trainer's), and the
+// parameters' digest (cohort::parameter_sha256), the same at any world size with --reproducible.
 #include <cohort/cohort.hpp>
 
 #include <cmath>
@@ -29,11 +32,11 @@ namespace {
 using namespace cohort_examples::stacked;
 
 std::vector<float> train(cohort::process_group<cohort::gloo>& pg, const shape& s, const dataset& data, const run& r,
-                         float& loss, const cohort::training_options& options) {
+                         float& loss, const cohort::training_options& options, std::string& digest) {
   if (r.batch % static_cast<std::size_t>(pg.world_size()) != 0)
     throw std::runtime_error("the batch of " + std::to_string(r.batch) + " rows does not divide by " +
                              std::to_string(pg.world_size()) + " ranks");
-  return train_cohort(pg, s, data, r, loss, options);
+  return train_cohort(pg, s, data, r, loss, options, digest);
 }
 
 }  // namespace
@@ -41,6 +44,8 @@ std::vector<float> train(cohort::process_group<cohort::gloo>& pg, const shape& s
 int main(int argc, char** argv) try {
   int ranks = 0;  // 0: read the launcher's environment
   run r;
+  bool reproducible = false;
+  std::size_t micro_batches = 0;  // 0: 8 with --reproducible
   // The state's settings: the trainer's AdamW by default; with --optimizer cohort, the
   // state's AdamW with the same settings.
   cohort::training_options options{.adam = {r.adam.lr, r.adam.beta1, r.adam.beta2, r.adam.eps, r.adam.weight_decay},
@@ -59,22 +64,40 @@ int main(int argc, char** argv) try {
       const std::string who = args.value();
       if (who != "own" && who != "cohort") throw std::runtime_error("--optimizer takes own or cohort");
       options.trainer_optimizer = who == "own";
+    } else if (args.is("--reproducible")) {
+      reproducible = true;
+    } else if (args.is("--micro-batches")) {
+      micro_batches = std::stoul(args.value());
     } else {
       args.usage(
-          "usage: stacked [--ranks N] [--strategy ddp|zero1|zero2|zero3] [--optimizer own|cohort] [--steps N]\n");
+          "usage: stacked [--ranks N] [--strategy ddp|zero1|zero2|zero3] [--optimizer own|cohort] [--steps N]\n"
+          "               [--reproducible [--micro-batches K]]   (bit-identical parameters at any world size: K\n"
+          "                micro-batches a step, default 8, each rank a run of K / N of them)\n");
     }
+  }
+  if (micro_batches != 0 && !reproducible)
+    throw std::runtime_error("--micro-batches: with --reproducible (the micro-steps of its fixed order)");
+  if (reproducible) {
+    r.micro_batches = micro_batches ? micro_batches : 8;
+    if (r.batch % r.micro_batches != 0)
+      throw std::runtime_error("--micro-batches " + std::to_string(r.micro_batches) + ": the batch of " +
+                               std::to_string(r.batch) + " rows must split into that many");
+    options.reproducible = cohort::reproducible_options{r.micro_batches, r.batch / r.micro_batches};
   }
   const shape s;
   const dataset data(s, r.batch, r.steps);
   std::vector<float> trained;
   float loss = 0;
   int world = 0;
+  std::string digest;
   cohort::run_ranks(ranks, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
     cohort::process_group<cohort::gloo> pg{store, env};
     float mine = 0;
-    auto params = train(pg, s, data, r, mine, options);
+    std::string mine_digest;
+    auto params = train(pg, s, data, r, mine, options, mine_digest);
     if (pg.rank() != 0) return;
     trained = std::move(params);
+    digest = mine_digest;
     loss = mine;
     world = pg.world_size();
   });
@@ -84,11 +107,12 @@ int main(int argc, char** argv) try {
   // One rank with the trainer's own optimizer must be the trainer without cohort, bit for bit
   // (trained before the report, whose lines its samples would otherwise split).
   std::vector<float> alone;
-  if (*options.trainer_optimizer)
+  if (*options.trainer_optimizer && !reproducible)
     cohort::run_thread_ranks(1, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
       cohort::process_group<cohort::gloo> pg{store, env};
       float ignored = 0;
-      alone = train(pg, s, data, r, ignored, options);
+      std::string ignored_digest;
+      alone = train(pg, s, data, r, ignored, options, ignored_digest);
     });
   double worst = 0;
   for (std::size_t i = 0; i < reference.size(); ++i)
@@ -100,7 +124,11 @@ int main(int argc, char** argv) try {
   std::printf("final loss: %s %.9f, single process %.9f, |difference| %.2e: %s\n",
               std::string(cohort::to_string(options.strategy)).c_str(), loss, reference_loss,
               std::abs(loss - reference_loss), match ? "match" : "MISMATCH");
-  if (!*options.trainer_optimizer) return match ? 0 : 1;
+  const auto digest_line = [&] { std::printf("parameters sha256 %s\n", digest.c_str()); };
+  if (!*options.trainer_optimizer || reproducible) {
+    digest_line();
+    return match ? 0 : 1;
+  }
   const bool identical = std::memcmp(alone.data(), reference.data(), reference.size() * sizeof(float)) == 0;
   double differs = 0;
   for (std::size_t i = 0; i < reference.size(); ++i)
@@ -109,6 +137,7 @@ int main(int argc, char** argv) try {
     std::printf("own optimizer at 1 rank: bit-identical to the trainer without cohort\n");
   else
     std::printf("own optimizer at 1 rank: differs by %.3e from the trainer without cohort\n", differs);
+  digest_line();
   return match && identical ? 0 : 1;
 } catch (const std::exception& failure) {
   std::fprintf(stderr, "stacked: %s\n", failure.what());

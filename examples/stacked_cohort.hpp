@@ -28,16 +28,19 @@ inline std::vector<cohort::region> regions(const shape& s) {
   return out;
 }
 
-// Trains from the seed's parameters; returns the final parameters and the last step's mean
-// loss. `options` says the strategy, and whose optimizer updates (trainer_optimizer: this one's).
+// Trains from the seed's parameters; returns the final parameters, the last step's mean loss and
+// their digest. `options` says the strategy, and whose optimizer updates (trainer_optimizer: this one's).
 inline std::vector<float> train_cohort(cohort::process_group<cohort::gloo>& pg, const shape& s, const dataset& data,
-                                       const run& r, float& loss, const cohort::training_options& options) {
+                                       const run& r, float& loss, const cohort::training_options& options,
+                                       std::string& digest) {
   std::vector<float> params(parameter_count(s)), grads, m(params.size()), v(params.size());
   initialize(s, params.data(), 2024);
   const tensors p = point(s, params.data());
   tensors g{};  // the gradients' tensors, once allocated
   cohort::training_state<cohort::gloo> state(pg, params, grads, regions(s), options);
-  const std::size_t batch = r.batch / pg.world_size(), first = batch * pg.rank();
+  const std::size_t micro_steps = r.micro_steps(pg.world_size()), batch = r.rows(pg.world_size()),
+                    first = batch * micro_steps * pg.rank();
+  std::vector<float> losses;  // the step's micro-batches'
   activations a(s, batch), one(s, 1);
   // The forward over `rows` rows: the mean loss against `target`.
   const auto forward = [&](const float* x, const float* target, std::size_t rows, activations& at) {
@@ -69,10 +72,15 @@ inline std::vector<float> train_cohort(cohort::process_group<cohort::gloo>& pg, 
     backward_input(s, x, g.in_w, g.in_b, batch, a);
   };
   for (int step = 0; step < r.steps; ++step) {
-    const float* x = data.inputs(step, first);
     std::fill(grads.begin(), grads.end(), 0.0f);
-    loss = forward(x, data.targets(step, first), batch, a);
-    backward(x);
+    losses.clear();
+    for (std::size_t k = 0; k < micro_steps; ++k) {
+      std::optional<decltype(state.no_sync())> accumulating;  // each micro-step but the last: reduced later
+      if (k + 1 < micro_steps) accumulating.emplace(state);
+      const float* x = data.inputs(step, first + k * batch);
+      losses.push_back(forward(x, data.targets(step, first + k * batch), batch, a));
+      backward(x);
+    }
     const auto result = state.step();
     const double norm = result.grad_norm;  // every rank's gradients, averaged
     const double scale = clip_scale(norm, r.max_grad_norm);
@@ -86,8 +94,9 @@ inline std::vector<float> train_cohort(cohort::process_group<cohort::gloo>& pg, 
       if (pg.rank() == 0) std::printf("step %d: sample loss %.6f\n", step, sampled);
     }
   }
-  loss = cohort::all_reduce_value(pg, loss, cohort::op::avg);
-  return state.gather_parameters();  // at zero3 the buffer holds this rank's shard outside a gather
+  loss = cohort::canonical_mean(pg, std::span<const float>(losses));  // the same bits at any world size
+  digest = cohort::parameter_sha256(state);  // where the shards live, the same at any world size
+  return state.gather_parameters();          // at zero3 the buffer holds this rank's shard outside a gather
 }
 
 }  // namespace cohort_examples::stacked

@@ -206,6 +206,18 @@ struct run {
   adamw_settings adam;
   double max_grad_norm = 0.05;  // clips the first steps' gradients
   int sample_every = 10;        // steps between forward-only samples, which the trainer prints
+  // Micro-batches of a step over all ranks, each rank running micro_batches / world of them as
+  // micro-steps, their gradients added up (gradient accumulation); 0: one per rank.
+  std::size_t micro_batches = 0;
+  std::size_t micro_steps(int world) const { return micro_batches ? micro_batches / world : 1; }
+  std::size_t rows(int world) const { return batch / (micro_steps(world) * static_cast<std::size_t>(world)); }
 };
+
+// The mean of a step's micro-batch losses.
+inline float mean(const std::vector<float>& values) {
+  float sum = 0;
+  for (const float value : values) sum += value;
+  return sum / static_cast<float>(values.size());
+}
 
 }  // namespace cohort_examples::stacked

@@ -18,7 +18,8 @@ inline std::vector<float> train_plain(const shape& s, const dataset& data, const
   initialize(s, params.data(), 2024);
   const tensors p = point(s, params.data());
   tensors g{};  // the gradients' tensors, once allocated
-  const std::size_t batch = r.batch, first = 0;
+  const std::size_t micro_steps = r.micro_steps(1), batch = r.rows(1), first = 0;
+  std::vector<float> losses;  // the step's micro-batches'
   activations a(s, batch), one(s, 1);
   // The forward over `rows` rows: the mean loss against `target`.
   const auto forward = [&](const float* x, const float* target, std::size_t rows, activations& at) {
@@ -41,10 +42,14 @@ inline std::vector<float> train_plain(const shape& s, const dataset& data, const
     backward_input(s, x, g.in_w, g.in_b, batch, a);
   };
   for (int step = 0; step < r.steps; ++step) {
-    const float* x = data.inputs(step, first);
     std::fill(grads.begin(), grads.end(), 0.0f);
-    loss = forward(x, data.targets(step, first), batch, a);
-    backward(x);
+    losses.clear();
+    for (std::size_t k = 0; k < micro_steps; ++k) {
+      const float* x = data.inputs(step, first + k * batch);
+      losses.push_back(forward(x, data.targets(step, first + k * batch), batch, a));
+      backward(x);
+    }
+    for (float& gradient : grads) gradient /= static_cast<float>(micro_steps);  // the micro-batches' mean
     const double norm = gradient_norm(grads.data(), grads.size());
     const double scale = clip_scale(norm, r.max_grad_norm);
     adamw(params.data(), grads.data(), m.data(), v.data(), params.size(), step + 1, r.adam, scale);
@@ -53,6 +58,7 @@ inline std::vector<float> train_plain(const shape& s, const dataset& data, const
       std::printf("step %d: sample loss %.6f\n", step, sampled);
     }
   }
+  loss = mean(losses);
   return params;
 }
 

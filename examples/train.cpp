@@ -14,11 +14,19 @@
 //   train --ranks 2 --strategy zero3 --checkpoint ckpt --resume       # continues at step 10
 //   train --ranks 4 --checkpoint ckpt --save-every 4 --resume --kill-at-step 10  # a crash, then
 //                                                # the same command again resumes after it
+//   train --ranks 4 --reproducible --micro-batches 8   # the same parameters, bit for bit, at
+//   train --ranks 2 --reproducible --micro-batches 8   # any world size: the same sha256 line
+//   train --ranks 4 --nodes 2 --strategy zero3     # hybrid: 2 groups of 2 ranks, sharded within
 //
 // The parameters sit in one flat buffer laid out as llm.c lays out GPT-2's (tensor-major,
 // stacked over the hidden layers: examples/flat_model.hpp). Each rank prints what it holds
 // and what a step puts on the wire; rank 0 ends with the final loss against one process
-// training on the whole batch with AdamW written out in double.
+// training on the whole batch with AdamW written out in double, and the parameters' digest
+// (cohort::parameter_sha256: the same for the same parameters at any world size and strategy).
+//
+// Each step's batch comes from the sampler in micro-batch mode: one micro-batch per rank, or
+// with --reproducible K micro-batches numbered alike at every world size, each rank running its
+// run of K / N of them as micro-steps (all but the last in a no_sync scope).
 #include <cohort/cohort.hpp>
 
 #include <signal.h>
@@ -50,6 +58,7 @@ using cohort_examples::mlp;
 struct run_measure {
   double ms_per_step = 0;
   std::optional<cohort::scaling_verdict> verdict;
+  std::string parameters_sha256;
 };
 
 std::vector<float> train(bool& stopped, run_measure& measured, cohort::process_group<cohort::gloo>& pg,
@@ -62,13 +71,33 @@ std::vector<float> train(bool& stopped, run_measure& measured, cohort::process_g
   cohort::timeline timeline(pg);
   cohort::straggler_report stragglers(
       pg, {.every = 4, .output = nullptr, .slowdown = cohort::slowdown_options{}, .slowdown_timeline = &timeline});
-  cohort::training_state<cohort::gloo> state(pg, cohort_examples::regions_of(model, layout),
+  // --nodes G: hybrid sharding over G groups of consecutive ranks (as nodes hold them): the
+  // state shards within this rank's group; its replicas are the ranks at its place in the others.
+  std::optional<cohort::process_group<cohort::gloo>> node, peers;
+  if (cfg.nodes > 1) {
+    const int per_node = pg.world_size() / cfg.nodes;
+    node = pg.split(pg.rank() / per_node, pg.rank() % per_node);
+    peers = pg.split(pg.rank() % per_node, pg.rank() / per_node);
+  }
+  const std::size_t world = static_cast<std::size_t>(pg.world_size());
+  const std::size_t micro_batches = cfg.micro_batches_over(pg.world_size()), rows = cfg.batch / micro_batches;
+  std::optional<cohort::reproducible_options> reproducible;
+  if (cfg.reproducible) reproducible = cohort::reproducible_options{micro_batches, rows};
+  cohort::training_state<cohort::gloo> state(node ? *node : pg, cohort_examples::regions_of(model, layout),
                                              {.strategy = cfg.strategy,
                                               .bucket_bytes = 64 << 10,
                                               .adam = cfg.adam,
                                               .max_grad_norm = cfg.max_grad_norm,
                                               .straggler = &stragglers,
-                                              .timeline = &timeline});
+                                              .timeline = &timeline,
+                                              .reproducible = reproducible},
+                                             peers ? &*peers : nullptr);
+  // Rank r reads micro-batches [r K / N, (r + 1) K / N) of each step (its position: the rank, in
+  // hybrid too); not shuffled, so that the one-process reference trains on the same rows.
+  cohort::distributed_sampler sampler{
+      data.samples, pg, {.shuffle = false, .micro_batches = micro_batches, .micro_batch_size = rows}};
+  const std::size_t micro_steps = micro_batches / world;
+  const cohort::batch_sequence batches{sampler, static_cast<int>(rows), static_cast<int>(micro_steps)};
   state.load_parameters(cohort_examples::initial_parameters(model, layout));
   // The data is indexed by step: the sampler's position is the next step, kept in the
   // checkpoint's metadata with the data's seed.
@@ -86,53 +115,68 @@ std::vector<float> train(bool& stopped, run_measure& measured, cohort::process_g
   // forward and backward (its step() waits for it), and each commits as soon as every rank's
   // file is durable, so a SIGKILL resumes from the newest save written before it; the last
   // step's is waited for.
-  cohort::async_checkpointer saver(state);
+  // (Only with --checkpoint: hybrid states are saved by save_checkpoint, not asynchronously.)
+  std::optional<cohort::async_checkpointer<cohort::gloo, float, float>> saver;
+  if (!cfg.checkpoint.empty()) saver.emplace(state);
   const auto report = [&](const std::optional<cohort::checkpoint_info>& saved) {
     if (saved && pg.rank() == 0)
       std::printf("saved %s (%llu bytes from rank 0, %.3f s, training blocked %.3f s)\n", saved->path.c_str(),
-                  static_cast<unsigned long long>(saved->bytes_written), saved->seconds, saver.last_blocked_seconds());
+                  static_cast<unsigned long long>(saved->bytes_written), saved->seconds, saver->last_blocked_seconds());
   };
   const auto save = [&](int step, bool last) {
-    report(saver.save(cfg.checkpoint, static_cast<std::uint64_t>(step),
-                      {.metadata = {{"next_step", std::to_string(step + 1)}, {"data_seed", "2024"}}, .keep_last = 3}));
-    if (last) report(saver.wait());
+    report(saver->save(cfg.checkpoint, static_cast<std::uint64_t>(step),
+                       {.metadata = {{"next_step", std::to_string(step + 1)}, {"data_seed", "2024"}}, .keep_last = 3}));
+    if (last) report(saver->wait());
   };
-  const std::size_t layers = model.layers(), local = cfg.batch / static_cast<std::size_t>(pg.world_size());
+  const std::size_t layers = model.layers();
   std::vector<std::vector<float>> activation(layers + 1);
+  std::vector<float> losses;  // this rank's micro-batches' in this step
+  // One micro-batch: forward, backward, its gradients (of its mean loss) marked layer by layer.
+  const auto micro_step = [&](int step, std::size_t k) {
+    const auto indices = batches[static_cast<std::size_t>(step) * micro_steps + k].indices;
+    activation[0] = cohort_examples::rows_at(data.inputs, indices, model.input_width());
+    auto forward = timeline.span("forward");
+    for (std::size_t l = 0; l < layers; ++l) {  // forward
+      auto layer = state.gather(l);
+      activation[l + 1].assign(rows * layer.param(2 * l + 1).size(), 0.0f);
+      model.forward_layer(l, layer.param(2 * l), layer.param(2 * l + 1), activation[l], activation[l + 1], rows);
+    }
+    std::vector<float> delta(activation.back().size());
+    losses.push_back(model.output_loss(
+        activation.back(), cohort_examples::rows_at(data.targets, indices, model.output_width()), rows, delta));
+    forward.end();
+    auto backward = timeline.span("backward");
+    if (k == 0 && cfg.slowed(pg.rank(), step)) std::this_thread::sleep_for(std::chrono::milliseconds(cfg.slow_ms));
+    for (std::size_t l = layers; l-- > 0;) {  // backward, last layer first
+      auto layer = state.gather(l);
+      std::vector<float> previous(l > 0 ? activation[l].size() : 0);
+      model.backward_layer(l, layer.param(2 * l), activation[l], delta, state.gradient(2 * l),
+                           state.gradient(2 * l + 1), previous, rows);
+      state.mark_layer_ready(l);
+      delta = std::move(previous);
+    }
+  };
   // With uneven inputs a rank out of batches keeps answering the others inside join().
   const bool joined = !cfg.batches_per_rank.empty();
   const auto started = std::chrono::steady_clock::now();
   const auto loop = [&] {
     for (int step = first_step; step < cfg.batches_of(pg.rank()); ++step) {
-      const std::size_t first =
-          static_cast<std::size_t>(step) * cfg.batch + static_cast<std::size_t>(pg.rank()) * local;
-      const auto inputs = cohort_examples::rows(data.inputs, first, local, model.input_width());
-      activation[0].assign(inputs.begin(), inputs.end());
-      auto forward = timeline.span("forward");
-      for (std::size_t l = 0; l < layers; ++l) {  // forward
-        auto layer = state.gather(l);
-        activation[l + 1].assign(local * layer.param(2 * l + 1).size(), 0.0f);
-        model.forward_layer(l, layer.param(2 * l), layer.param(2 * l + 1), activation[l], activation[l + 1], local);
+      losses.clear();
+      for (std::size_t k = 0; k < micro_steps; ++k) {
+        if (k + 1 < micro_steps) {  // accumulated: reduced after the step's last micro-step
+          auto accumulating = state.no_sync();
+          micro_step(step, k);
+        } else {
+          micro_step(step, k);
+        }
       }
-      std::vector<float> delta(activation.back().size());
-      const float loss = model.output_loss(
-          activation.back(), cohort_examples::rows(data.targets, first, local, model.output_width()), local, delta);
-      forward.end();
-      auto backward = timeline.span("backward");
-      if (cfg.slowed(pg.rank(), step)) std::this_thread::sleep_for(std::chrono::milliseconds(cfg.slow_ms));
-      for (std::size_t l = layers; l-- > 0;) {  // backward, last layer first
-        auto layer = state.gather(l);
-        std::vector<float> previous(l > 0 ? activation[l].size() : 0);
-        model.backward_layer(l, layer.param(2 * l), activation[l], delta, state.gradient(2 * l),
-                             state.gradient(2 * l + 1), previous, local);
-        state.mark_layer_ready(l);
-        delta = std::move(previous);
-      }
-      backward.end();
       const auto result = state.step();
       // Inside a join no collective of the trainer's own: a joined rank is waiting in the
       // state's agreement. Rank 0's own loss is printed there instead of the mean.
-      const float shown = joined ? loss : cohort::all_reduce_value(pg, loss, cohort::op::avg);
+      // --reproducible: every micro-batch's loss in the one order, the same bits at any world.
+      const float shown = cfg.reproducible ? cohort::canonical_mean(pg, std::span<const float>(losses))
+                          : joined         ? losses[0]
+                                           : cohort::all_reduce_value(pg, losses[0], cohort::op::avg);
       if (pg.rank() == 0 && (step % 5 == 0 || step + 1 == cfg.batches_of(0)))
         std::printf("step %2d  loss %.6f%s  grad norm %.4f%s\n", step, shown, joined ? " (rank 0's)" : "",
                     result.grad_norm, result.clip_factor < 1 ? " (clipped)" : "");
@@ -173,6 +217,7 @@ std::vector<float> train(bool& stopped, run_measure& measured, cohort::process_g
               state.bucket_count(), 1e3 * seconds / std::max(cfg.total_steps(), 1));
   measured.ms_per_step = 1e3 * seconds / std::max(cfg.total_steps(), 1);
   std::fflush(stdout);
+  measured.parameters_sha256 = cohort::parameter_sha256(state);  // collective: where the shards live
   return state.gather_parameters();
 }
 
@@ -189,6 +234,11 @@ int main(int argc, char** argv) try {
   cohort::run_ranks(cfg.ranks, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
     if (cfg.batch % static_cast<std::size_t>(env.world_size) != 0)
       throw std::runtime_error("--batch must be divisible by the number of ranks");
+    if (env.world_size % cfg.nodes != 0)
+      throw std::runtime_error("--nodes " + std::to_string(cfg.nodes) + " does not divide " +
+                               std::to_string(env.world_size) + " ranks into equal groups");
+    if (cfg.nodes > 1 && (!cfg.checkpoint.empty() || !cfg.batches_per_rank.empty()))
+      throw std::runtime_error("--nodes with --checkpoint or --batches-per-rank: the state refuses replicas there");
     if (!cfg.batches_per_rank.empty() && cfg.batches_per_rank.size() != static_cast<std::size_t>(env.world_size))
       throw std::runtime_error("--batches-per-rank names " + std::to_string(cfg.batches_per_rank.size()) +
                                " ranks for a world of " + std::to_string(env.world_size));
@@ -221,6 +271,7 @@ int main(int argc, char** argv) try {
           100 * (measured.verdict->speedup - actual) / actual);
     });
   }
+  if (!measured.parameters_sha256.empty()) std::printf("parameters sha256 %s\n", measured.parameters_sha256.c_str());
   return status;
 } catch (const std::exception& failure) {
   std::fprintf(stderr, "train: %s\n", failure.what());

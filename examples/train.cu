@@ -114,6 +114,8 @@ int main(int argc, char** argv) try {
   if (!cfg.batches_per_rank.empty()) throw std::runtime_error("--batches-per-rank: use train (the CPU twin)");
   if (cfg.slow_ms > 0 || cfg.compare_one_rank)
     throw std::runtime_error("--slow-rank, --slow-ms and --compare-one-rank: use train (the CPU twin)");
+  if (cfg.reproducible || cfg.nodes > 1)
+    throw std::runtime_error("--reproducible, --micro-batches and --nodes: use train (the CPU twin)");
   const mlp model(cfg.widths);
   const auto layout = flat_layout::of(model);
   const auto data = cohort_examples::synthetic_data::make(cfg.batch * static_cast<std::size_t>(cfg.steps),

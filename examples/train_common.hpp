@@ -43,6 +43,16 @@ struct config {
   int slow_from = 0;
   int slow_ms = 0;
   bool compare_one_rank = false;  // after the run, one rank on the same batch: the verdict's check
+  // Bit-identical parameters at any world size and strategy (training_options::reproducible):
+  // each step is micro_batches micro-batches of batch / micro_batches rows, each rank running
+  // its run of micro_batches / world of them as micro-steps.
+  bool reproducible = false;
+  std::size_t micro_batches = 8;
+  int nodes = 1;  // > 1: hybrid sharding, shards within each of `nodes` groups of ranks, replicas across
+  // The step's micro-batches as the sampler numbers them: one per rank without --reproducible.
+  std::size_t micro_batches_over(int world) const {
+    return reproducible ? micro_batches : static_cast<std::size_t>(world);
+  }
   bool slowed(int rank, int step) const {
     return slow_ms > 0 && step >= slow_from && (slow_rank == -1 || slow_rank == rank);
   }
@@ -131,6 +141,7 @@ inline std::string human(std::size_t bytes) {
 
 inline config parse_train_options(int argc, char** argv) {
   config cfg;
+  bool micro_batches_given = false;
   for (cohort_examples::command_line args(argc, argv); args.next();) {
     const std::string& arg = args.flag();
     if (arg == "--checkpoint")
@@ -157,6 +168,15 @@ inline config parse_train_options(int argc, char** argv) {
       cfg.slow_ms = std::stoi(args.value());
     else if (arg == "--compare-one-rank")
       cfg.compare_one_rank = true;
+    else if (arg == "--max-grad-norm")
+      cfg.max_grad_norm = std::stod(args.value());
+    else if (arg == "--reproducible")
+      cfg.reproducible = true;
+    else if (arg == "--micro-batches") {
+      cfg.micro_batches = std::stoul(args.value());
+      micro_batches_given = true;
+    } else if (arg == "--nodes")
+      cfg.nodes = std::stoi(args.value());
     else if (arg == "--batches-per-rank") {
       const std::string list = args.value();
       for (std::size_t at = 0; at <= list.size();) {
@@ -177,9 +197,21 @@ inline config parse_train_options(int argc, char** argv) {
           "              in its backward from step S: the slowdown line names it)\n"
           "             [--compare-one-rank]   (then one rank on the same batch: the verdict's estimate checked)\n"
           "             [--checkpoint DIR [--save-every K] [--resume] [--stop-after N] [--kill-at-step K]]\n"
-          "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n");
+          "             [--reproducible [--micro-batches K]]   (bit-identical parameters at any world size:\n"
+          "              K micro-batches of B / K rows a step, default 8, each rank a run of K / N of them:\n"
+          "              a power of two, or one rank)\n"
+          "             [--max-grad-norm X]   (clip the global norm to X, default 1; 0: no clipping)\n"
+          "             [--nodes G]   (hybrid sharding: G groups of N / G ranks, sharded within, replicated across)\n"
+          "  without --ranks, ranks come from the launcher (mpirun, torchrun, srun)\n"
+          "  every run ends with `parameters sha256 <hex>`, equal across world sizes with --reproducible\n");
     }
   }
+  if (micro_batches_given && !cfg.reproducible)
+    throw std::runtime_error("--micro-batches: with --reproducible (the micro-steps of its fixed order)");
+  if (cfg.reproducible && (cfg.micro_batches == 0 || cfg.batch % cfg.micro_batches != 0))
+    throw std::runtime_error("--micro-batches " + std::to_string(cfg.micro_batches) + ": the batch of " +
+                             std::to_string(cfg.batch) + " rows must split into that many equal micro-batches");
+  if (cfg.nodes < 1) throw std::runtime_error("--nodes must be at least 1");
   return cfg;
 }
 

@@ -366,6 +366,39 @@ TEST_CASE("batch: every rank yields the same steps and syncs at the same micro-b
   CHECK_THROWS_AS((cohort::batch_sequence{sampler, 0, 1}), cohort::error);
 }
 
+TEST_CASE("batch: a micro-batch-mode sampler's sequence is its micro-batches, numbered alike at any world size",
+          "[batch]") {
+  // 100 samples, steps of 8 micro-batches of 3: the fifth step padded.
+  cohort::distributed_sampler whole{100, 1, 0, {.shuffle = true, .seed = 8}};
+  const auto list = whole.indices();
+  for (int world : {1, 2, 4}) {
+    const int run = 8 / world;
+    for (int rank = 0; rank < world; ++rank) {
+      INFO("world " << world << " rank " << rank);
+      cohort::distributed_sampler sampler{
+          100, world, rank, {.shuffle = true, .seed = 8, .micro_batches = 8, .micro_batch_size = 3}};
+      cohort::batch_sequence batches{sampler, 3, run};
+      CHECK(batches.steps() == 5);
+      for (const auto& batch : batches) {
+        // Micro-step k of a step is the step's micro-batch rank * run + k.
+        const std::size_t micro_batch = static_cast<std::size_t>(rank * run + batch.micro_step);
+        std::vector<std::uint64_t> expected;
+        for (std::size_t o = 0; o < 3; ++o) expected.push_back(list[(batch.step * 24 + micro_batch * 3 + o) % 100]);
+        CHECK(batch.indices == expected);
+        CHECK(batch.sync == (batch.micro_step == run - 1));
+      }
+    }
+  }
+  cohort::distributed_sampler sampler{100, 4, 1, {.micro_batches = 8, .micro_batch_size = 3}};
+  try {
+    cohort::batch_sequence wrong{sampler, 6, 1};
+    FAIL("expected an error");
+  } catch (const cohort::error& e) {
+    CHECK(std::string(e.what()).find("2 micro-batches of 3 samples per step, but the sequence was asked for "
+                                     "per_device 6 and accumulation 1") != std::string::npos);
+  }
+}
+
 TEST_CASE("batch: iterating batches twice without set_epoch warns once", "[batch]") {
   std::vector<std::string> warnings;
   cohort::distributed_sampler sampler{

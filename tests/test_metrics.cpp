@@ -345,6 +345,17 @@ TEST_CASE("gather_for_metrics: a wrong length on one rank fails on every rank, n
       return cohort::gather_for_metrics(pg, values, sampler);
     });
   }
+  SECTION("a sampler in micro-batch mode on one rank") {
+    // Its positions are runs, not r + j * world: placing them so would scramble the result.
+    expect_every_rank_fails("rank 1's sampler is in micro-batch mode (3 micro-batches per step)", [](gloo_group& pg) {
+      cohort::distributed_sampler sampler{
+          101,
+          pg,
+          {.shuffle = false, .micro_batches = pg.rank() == 1 ? 3u : 0u, .micro_batch_size = pg.rank() == 1 ? 2u : 0u}};
+      std::vector<float> values(sampler.size(), 1.0f);
+      return cohort::gather_for_metrics(pg, values, sampler);
+    });
+  }
 #else
   cohort_test::skip("built without Gloo (apt-get install libgloo-dev)");
 #endif

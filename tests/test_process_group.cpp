@@ -13,7 +13,9 @@
 #include <cohort/comm/host_values.hpp>
 #include <cohort/comm/ops.hpp>
 #include <cohort/comm/process_group.hpp>
+#include <cohort/parallel/canonical_order.hpp>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -740,6 +742,45 @@ TEST_CASE("all_reduce_value gives every rank the same mean, sum, min and max of 
       RANK_CHECK(extremes == (std::vector<std::int64_t>{world - 1, 1, 0}));
     });
   }
+}
+
+TEST_CASE("canonical_mean gives the same bits at 1, 2, 4 and 8 ranks for the same sequence of values",
+          "[process_group][gloo]") {
+  // Eight losses of very different sizes, so that the order of addition shows in the bits.
+  const std::vector<float> losses{1e-3f, 3.7f, 2.5e-7f, 0.125f, 9.1e4f, 1.3f, 7e-5f, 0.33f};
+  const float expected = cohort::canonical_sum(std::span<const float>(losses)) / 8.0f;
+  for (int world : {1, 2, 4, 8}) {
+    auto store = fresh_store();
+    std::vector<float> means(static_cast<std::size_t>(world));
+    std::vector<double> double_means(static_cast<std::size_t>(world));
+    cohort_test::run_ranks(world, [&](int rank) {
+      auto pg = make_group(store, rank, world);
+      const std::size_t run = losses.size() / static_cast<std::size_t>(world);
+      const std::span<const float> mine(losses.data() + static_cast<std::size_t>(rank) * run, run);
+      means[static_cast<std::size_t>(rank)] = cohort::canonical_mean(pg, mine);
+      const std::vector<double> wide(mine.begin(), mine.end());
+      double_means[static_cast<std::size_t>(rank)] = cohort::canonical_mean(pg, std::span<const double>(wide));
+    });
+    for (int rank = 0; rank < world; ++rank) {
+      INFO("world " << world << " rank " << rank);
+      CHECK(std::memcmp(&means[static_cast<std::size_t>(rank)], &expected, sizeof expected) == 0);
+      CHECK(double_means[static_cast<std::size_t>(rank)] == double_means[0]);
+    }
+  }
+}
+
+TEST_CASE("canonical_mean: a rank that passes another count of values fails on every rank, named",
+          "[process_group][gloo][faults]") {
+  auto store = fresh_store();
+  const auto started = std::chrono::steady_clock::now();
+  cohort_test::run_ranks(3, [&](int rank) {
+    auto pg = make_group(store, rank, 3);
+    const std::vector<double> losses(rank == 1 ? 3 : 2, 0.5);
+    RANK_CHECK_THROWS(cohort::error, cohort::canonical_mean(pg, std::span<const double>(losses)),
+                      "different counts of values (rank 0: 2, rank 1: 3, rank 2: 2)");
+    RANK_CHECK(cohort::all_reduce_value(pg, 1) == 3);  // the group still works: nobody left waiting
+  });
+  CHECK(std::chrono::steady_clock::now() - started < 10s);
 }
 
 TEST_CASE("all_reduce_value is a collective: refused inside a main-only section", "[process_group][gloo][faults]") {

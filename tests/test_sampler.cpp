@@ -322,6 +322,116 @@ TEST_CASE("sampler: is_padding marks exactly the duplicates, the rest is the dat
   }
 }
 
+namespace {
+
+// Micro-batch mode's expected assignment, written from its definition on the world-1 order of
+// the plain sampler (the epoch's list): rank r reads, step by step, micro-batches
+// [r M / world, (r + 1) M / world), micro-batch i of step s being list positions
+// [s M b + i b, +b), wrapped past the list's end.
+index_list micro_batch_assignment(const index_list& list, std::uint64_t steps, std::uint64_t micro_batches,
+                                  std::uint64_t size, int world, int rank) {
+  const std::uint64_t per_rank = micro_batches / static_cast<std::uint64_t>(world);
+  index_list mine;
+  for (std::uint64_t step = 0; step < steps; ++step)
+    for (std::uint64_t i = static_cast<std::uint64_t>(rank) * per_rank;
+         i < (static_cast<std::uint64_t>(rank) + 1) * per_rank; ++i)
+      for (std::uint64_t o = 0; o < size; ++o)
+        mine.push_back(list[(step * micro_batches * size + i * size + o) % list.size()]);
+  return mine;
+}
+
+}  // namespace
+
+TEST_CASE("sampler: micro-batch mode gives micro-batch i the same samples at any world size, each rank a run",
+          "[sampler]") {
+  // 100 samples in global steps of 8 x 3: 4 whole steps and a tail of 4 samples.
+  const std::uint64_t n = 100, micro_batches = 8, size = 3;
+  for (bool shuffle : {false, true}) {
+    for (bool drop_last : {false, true}) {
+      cohort::distributed_sampler plain{n, 1, 0, {.shuffle = shuffle, .seed = 31}};
+      plain.set_epoch(2);
+      const index_list list = plain.indices();  // the epoch's order, the Feistel permutation's
+      const std::uint64_t steps = drop_last ? 4 : 5;
+      for (int world : {1, 2, 4, 8}) {
+        for (int rank = 0; rank < world; ++rank) {
+          INFO("shuffle=" << shuffle << " drop_last=" << drop_last << " world=" << world << " rank=" << rank);
+          cohort::distributed_sampler sampler{n,
+                                              world,
+                                              rank,
+                                              {.shuffle = shuffle,
+                                               .seed = 31,
+                                               .drop_last = drop_last,
+                                               .micro_batches = micro_batches,
+                                               .micro_batch_size = size}};
+          sampler.set_epoch(2);
+          CHECK(sampler.micro_batches_per_rank() == micro_batches / static_cast<std::uint64_t>(world));
+          CHECK(sampler.global_steps() == steps);
+          CHECK(sampler.size() == steps * sampler.micro_batches_per_rank() * size);
+          CHECK(sampler.total_size() == steps * micro_batches * size);
+          CHECK(sampler.indices() == micro_batch_assignment(list, steps, micro_batches, size, world, rank));
+          // The device rule (index_map) and random access agree with the materialized list.
+          const auto map = sampler.index_map();
+          for (std::uint64_t j = 0; j < sampler.size(); ++j) REQUIRE(map(j) == sampler[j]);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("sampler: micro-batch mode pads the last global step by wrapping, or drop_last drops it", "[sampler]") {
+  // 100 samples, steps of 8 x 3 = 24: the fifth step holds positions 96..99 and 20 of padding.
+  const std::uint64_t n = 100;
+  for (int world : {1, 2, 4}) {
+    std::map<std::uint64_t, int> real_seen;
+    std::uint64_t padding = 0;
+    for (int rank = 0; rank < world; ++rank) {
+      INFO("world=" << world << " rank=" << rank);
+      cohort::distributed_sampler sampler{n, world, rank, {.seed = 4, .micro_batches = 8, .micro_batch_size = 3}};
+      const auto mine = sampler.indices();
+      for (std::uint64_t j = 0; j < mine.size(); ++j) {
+        CHECK(sampler.is_padding(j) == (sampler.epoch_position(j) >= n));
+        CHECK(sampler.is_padding(j) == (j >= sampler.unpadded_size()));
+        if (sampler.is_padding(j))
+          ++padding;
+        else
+          ++real_seen[mine[j]];
+      }
+      // Rank 0 holds the tail's 4 real samples at 4 ranks (its run is 6 long); ranks past it hold padding only.
+      if (world == 4) CHECK(sampler.unpadded_size() == 4 * 6 + (rank == 0 ? 4 : 0));
+    }
+    CHECK(padding == 20);
+    CHECK(real_seen.size() == n);  // every sample once, the padding aside
+    for (const auto& [index, count] : real_seen) CHECK(count == 1);
+
+    std::uint64_t kept = 0;
+    for (int rank = 0; rank < world; ++rank) {
+      cohort::distributed_sampler dropping{
+          n, world, rank, {.seed = 4, .drop_last = true, .micro_batches = 8, .micro_batch_size = 3}};
+      kept += dropping.size();
+      CHECK(dropping.unpadded_size() == dropping.size());
+    }
+    CHECK(kept == 96);  // the incomplete fifth step dropped whole
+  }
+}
+
+TEST_CASE("sampler: micro-batch mode refuses micro-batches the world does not divide, naming the rule", "[sampler]") {
+  try {
+    cohort::distributed_sampler sampler{100, 4, 3, {.micro_batches = 6, .micro_batch_size = 2}};
+    FAIL("expected an error");
+  } catch (const cohort::error& e) {
+    const std::string what = e.what();
+    CHECK(what.find("rank 3") != std::string::npos);
+    CHECK(what.find("6 micro-batches per step over 4 ranks") != std::string::npos);
+    CHECK(what.find("multiple of the world size") != std::string::npos);
+  }
+  CHECK_THROWS_AS((cohort::distributed_sampler{100, 2, 0, {.micro_batches = 6}}), cohort::error);
+  CHECK_THROWS_AS((cohort::distributed_sampler{100, 2, 0, {.micro_batch_size = 6}}), cohort::error);
+  CHECK_THROWS_AS(
+      (cohort::distributed_sampler{100, 2, 0, {.even_batches = false, .micro_batches = 6, .micro_batch_size = 2}}),
+      cohort::error);
+  CHECK_NOTHROW(cohort::distributed_sampler{100, 3, 0, {.micro_batches = 6, .micro_batch_size = 2}});
+}
+
 TEST_CASE("sampler: even_batches off reads the padded assignment minus its padding", "[sampler]") {
   // The same positions r, r + world, ... as torch's rule, so switching the option changes no
   // sample's rank: the uneven list is the even list's non-padding prefix.

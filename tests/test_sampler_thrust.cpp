@@ -61,6 +61,17 @@ TEST_CASE("sampler_thrust: Thrust's host system gives the host sampler's indices
   }
 }
 
+TEST_CASE("sampler_thrust: micro-batch mode's runs on the device equal the host's", "[sampler][thrust]") {
+  for (int world : {1, 2, 4}) {
+    for (int rank = 0; rank < world; ++rank) {
+      INFO("world=" << world << " rank=" << rank);
+      cohort::distributed_sampler host{100, world, rank, {.seed = 6, .micro_batches = 8, .micro_batch_size = 3}};
+      cohort::distributed_sampler device{100, world, rank, {.seed = 6, .micro_batches = 8, .micro_batch_size = 3}};
+      CHECK(to_std(cohort::device_indices(device)) == host.indices());
+    }
+  }
+}
+
 TEST_CASE("sampler_thrust: the device shuffled order is a permutation equal to the host's", "[sampler][thrust]") {
   for (std::uint64_t n : {2u, 255u, 256u, 257u, 100000u}) {
     auto order = cohort::device_shuffled_order(n, 99, 3);

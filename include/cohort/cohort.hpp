@@ -15,6 +15,7 @@
 #include "cohort/diagnostics/straggler.hpp"
 #include "cohort/diagnostics/timeline.hpp"
 #include "cohort/error.hpp"
+#include "cohort/parallel/canonical_order.hpp"
 #include "cohort/parallel/checkpoint.hpp"
 #include "cohort/parallel/fingerprint.hpp"
 #include "cohort/parallel/layout.hpp"

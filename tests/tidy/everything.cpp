@@ -44,6 +44,8 @@ void collectives(cohort::process_group<B>& pg) {
   pg.on(pg.backend().stream()).all_reduce(std::span<float>(in), cohort::op::avg).wait();
   (void)cohort::all_reduce_value(pg, 1.0f, cohort::op::avg);
   (void)cohort::all_reduce_values(pg, {1.0, 2.0});
+  const std::vector<float> losses{0.5f, 0.25f};
+  (void)cohort::canonical_mean(pg, std::span<const float>(losses));
 }
 
 void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
@@ -144,6 +146,8 @@ void host_training(std::shared_ptr<cohort::store> store, const cohort::launch_en
   sampler.set_epoch(1);
   for (auto index : sampler) (void)index;
   (void)cohort::device_indices(sampler);
+  cohort::distributed_sampler micro_batches{100, pg, {.micro_batches = 8, .micro_batch_size = 3}};
+  for (const auto& batch : cohort::batch_sequence{micro_batches, 3, 8 / pg.world_size()}) (void)batch;
   const auto plan = cohort::launch_plan(cohort::batch_plan{.per_device = 2, .accumulation = 8, .world = 2}, pg);
   (void)plan.effective();
   (void)cohort::launch_plan(cohort::global_batch{.size = 32, .accumulation = 8}, pg);

@@ -132,6 +132,7 @@ enum class metrics_problem : std::int64_t {
   count_differs_from_sampler,  // neither size() nor unpadded_size()
   count_differs_from_slice,    // neither size() nor padded_size
   sampler_of_another_group,    // the sampler's world or rank is not the group's
+  sampler_of_micro_batches,    // the sampler reads runs of micro-batches, not interleaved positions
   too_many_values,             // the count does not fit the wire
 };
 
@@ -308,6 +309,10 @@ std::vector<metric_value_t<Values>> gather_for_metrics(process_group<B>& group, 
     claim.problem = static_cast<std::int64_t>(detail::metrics_problem::sampler_of_another_group);
     claim.expected = sampler.world_size();
     claim.or_else = sampler.rank();
+    claim.keep = 0;
+  } else if (sampler.micro_batches_per_rank() != 0) {
+    claim.problem = static_cast<std::int64_t>(detail::metrics_problem::sampler_of_micro_batches);
+    claim.expected = static_cast<std::int64_t>(sampler.options().micro_batches);
     claim.keep = 0;
   }
   return detail::gather_metrics_values<B, T>(group, std::data(values), claim, detail::metrics_layout::sampler_positions,

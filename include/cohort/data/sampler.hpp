@@ -26,6 +26,20 @@
 // over them must keep the ranks' collectives in step itself. With drop_last = true the ranks
 // are even by dropping the tail and even_batches changes nothing.
 //
+// Micro-batch mode (micro_batches = M and micro_batch_size = b set; reproducible training's
+// order, training_options::reproducible): micro-batch i of a global step holds the same samples
+// at any world size, and each rank holds a contiguous run of them. The epoch's list (shuffled or
+// not, padded as above) is cut into global steps of M x b positions; micro-batch i of step s is
+// positions [s M b + i b, s M b + (i + 1) b), and rank r reads micro-batches
+// [r m, (r + 1) m) of every step, m = M / world, in order: its j-th index is micro-step
+// (j / b) % m of step j / (m b), which batch_sequence{sampler, b, m} yields micro-batch by
+// micro-batch. M must be a multiple of the world (refused otherwise, naming the rule). The
+// tail: drop_last drops an incomplete last global step; otherwise it is padded to a whole one
+// by wrapping, as above (is_padding marks those samples, always the last ones a rank reads; a
+// rank may then hold only padding in the last step, and its micro-batches are still run, as
+// every rank's must be). even_batches = false is refused: every rank holds whole runs. torch's
+// assignment is this rule with M = world and b = 1.
+//
 // The shuffled order is NOT torch's (torch.randperm on a Mersenne Twister); it is the
 // counter-based Feistel permutation documented in cohort/data/detail/permutation.hpp, identical on
 // every rank, on the host and on a GPU (see cohort/data/sampler_thrust.hpp), and it costs O(1) per
@@ -66,6 +80,10 @@ struct sampler_options {
   // false: each rank reads its true share, which differs by one between ranks.
   bool even_batches = true;
   warning_sink warn = {};  // empty: std::cerr
+  // Micro-batch mode (above), both set or both 0: M micro-batches of micro_batch_size samples
+  // per global step, the same at every world size (training_options::reproducible's).
+  std::uint64_t micro_batches = 0;
+  std::uint64_t micro_batch_size = 0;
 };
 
 class distributed_sampler {
@@ -101,10 +119,17 @@ class distributed_sampler {
   // Whether this rank's j-th index (j < size()) is a padded duplicate, added only to even
   // the ranks out.
   bool is_padding(std::uint64_t j) const noexcept { return j >= unpadded_size_ && j < samples_per_rank_; }
-  // Where this rank's j-th index sits in the epoch's (padded) list: j * world + rank.
+  // Where this rank's j-th index sits in the epoch's (padded) list: j * world + rank, or in
+  // micro-batch mode its place in its global step's micro-batches (the header comment).
   std::uint64_t epoch_position(std::uint64_t j) const noexcept {
-    return j * static_cast<std::uint64_t>(world_) + static_cast<std::uint64_t>(rank_);
+    return detail::epoch_position(j, run_, round_, static_cast<std::uint64_t>(rank_));
   }
+  // Micro-batch mode: the micro-batches this rank reads of each global step (M / world), and
+  // the global steps of the epoch, the padded last one included. 0 both when the mode is off.
+  std::uint64_t micro_batches_per_rank() const noexcept {
+    return options_.micro_batch_size ? run_ / options_.micro_batch_size : 0;
+  }
+  std::uint64_t global_steps() const noexcept { return options_.micro_batch_size ? samples_per_rank_ / run_ : 0; }
 
   // The j-th index this rank reads in the current epoch (random access; does not count as a
   // pass for the missing-set_epoch warning).
@@ -161,6 +186,8 @@ class distributed_sampler {
   std::uint64_t samples_per_rank_ = 0;  // on this rank
   std::uint64_t unpadded_size_ = 0;
   std::uint64_t total_size_ = 0;
+  std::uint64_t run_ = 1;    // consecutive positions this rank reads per round (detail::epoch_position)
+  std::uint64_t round_ = 1;  // positions per round: the world, or a global step's M x b
   std::uint64_t epoch_ = 0;
   int passes_this_epoch_ = 0;
   bool warned_same_order_ = false;

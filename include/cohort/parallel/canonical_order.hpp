@@ -10,8 +10,18 @@
 // why N ranks, each with M / N micro-batches (a power of two, or N = 1), give the bits of one
 // rank with all M.
 
+#include <algorithm>
+#include <concepts>
 #include <cstddef>
+#include <cstdint>
 #include <span>
+#include <string>
+#include <vector>
+
+#include "cohort/comm/host_values.hpp"
+#include "cohort/comm/process_group.hpp"
+#include "cohort/detail/text.hpp"
+#include "cohort/error.hpp"
 
 namespace cohort::inline v0 {
 
@@ -46,6 +56,34 @@ constexpr T canonical_sum(std::span<const T> values) {
     started = true;
   }
   return sum;
+}
+
+// The mean of values spread over the ranks in one global order, rank 0's first, then rank 1's,
+// ... (a step's micro-batch losses, each rank holding its contiguous run of the micro-batches):
+// all-gathered, added as canonical_sum adds and divided by their count, on every rank. The
+// same bits on every rank and at every world size that holds the same sequence, where an
+// all-reduce's sum depends on the world and the ring. Every rank passes as many values: the
+// counts are compared first, so a rank that passes another count fails on every rank, named,
+// instead of its values pairing with the others'. Collective and blocking: two small
+// all-gathers.
+template <backend B, class T>
+  requires(std::same_as<T, float> || std::same_as<T, double>)
+T canonical_mean(process_group<B>& group, std::span<const T> values) {
+  const auto count = static_cast<std::int64_t>(values.size());
+  const std::vector<std::int64_t> counts = all_gather_values(group, std::span<const std::int64_t>(&count, 1));
+  if (std::any_of(counts.begin(), counts.end(), [&](std::int64_t c) { return c != count; })) {
+    std::string passed;
+    for (std::size_t r = 0; r < counts.size(); ++r)
+      passed += detail::text(r ? ", rank " : "rank ", std::to_string(r), ": ", std::to_string(counts[r]));
+    throw error(group.rank(), "canonical_mean",
+                detail::text("the ranks passed different counts of values (", passed, ")"),
+                "every rank passes as many values (reproducible training: the losses of its M / world micro-batches)");
+  }
+  const std::vector<double> wire(values.begin(), values.end());  // exact: every T is a double
+  const std::vector<double> gathered = all_gather_values(group, std::span<const double>(wire));
+  if (gathered.empty()) return T{};
+  const std::vector<T> ordered(gathered.begin(), gathered.end());
+  return canonical_sum(std::span<const T>(ordered)) / static_cast<T>(ordered.size());
 }
 
 }  // namespace cohort::inline v0

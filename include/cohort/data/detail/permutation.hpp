@@ -90,26 +90,37 @@ class feistel_permutation {
   std::uint64_t keys_[rounds] = {};
 };
 
+// Where a rank's j-th index sits in the epoch's (padded) list. The list is cut into rounds of
+// `round` positions, of which each rank reads a contiguous `run` (round = run x world): rank r
+// reads positions [k round + r run, k round + (r + 1) run) in round k. torch's interleaved
+// assignment is run = 1 (round = world: positions r, r + world, ...); the micro-batch mode's
+// is a global step of M micro-batches of b samples (round = M b, run = M / world x b).
+COHORT_HOST_DEVICE constexpr std::uint64_t epoch_position(std::uint64_t j, std::uint64_t run, std::uint64_t round,
+                                                          std::uint64_t rank) noexcept {
+  return j / run * round + rank * run + j % run;
+}
+
 // Which dataset index a rank reads at each of its positions, following
 // torch.utils.data.DistributedSampler: the (optionally shuffled) list of dataset indices is
 // padded by wrapping around to its start (or truncated, with drop_last) to
-// total_size = samples_per_rank * world, and rank r takes padded positions r, r + world, ...
-// Without even batches (sampler_options::even_batches = false) the positions are the same,
-// only none reaches n, so nothing wraps; samples_per_rank then differs between ranks.
+// total_size = samples_per_rank * world, and rank r takes its positions by epoch_position
+// (r, r + world, ... by default). Without even batches (sampler_options::even_batches = false)
+// the positions are the same, only none reaches n, so nothing wraps; samples_per_rank then
+// differs between ranks.
 struct rank_index_map {
   feistel_permutation permutation;
   std::uint64_t dataset_size = 0;
   std::uint64_t samples_per_rank = 0;  // on this rank
-  std::uint64_t world = 1;
+  std::uint64_t run = 1;               // consecutive positions this rank reads per round
+  std::uint64_t round = 1;             // positions per round, every rank's runs
   std::uint64_t rank = 0;
   bool shuffle = false;
 
   // j < samples_per_rank.
   COHORT_HOST_DEVICE constexpr std::uint64_t operator()(std::uint64_t j) const noexcept {
-    const std::uint64_t padded_position = rank + j * world;
     // Padding repeats the list from its start as often as needed (torch does the same when
     // the padding is longer than the dataset).
-    const std::uint64_t position = padded_position % dataset_size;
+    const std::uint64_t position = epoch_position(j, run, round, rank) % dataset_size;
     return shuffle ? permutation(position) : position;
   }
 };

@@ -211,6 +211,15 @@ COHORT_DECL batch_sequence::batch_sequence(distributed_sampler& sampler, int per
     throw error(sampler.rank(), "batch_sequence",
                 detail::text("per_device and accumulation must be at least 1, got ", std::to_string(per_device),
                              " and ", std::to_string(accumulation)));
+  // A sampler in micro-batch mode holds runs of whole micro-batches: a sequence cut otherwise
+  // would mix micro-batches, or steps, in one micro-step.
+  const std::uint64_t run = sampler.micro_batches_per_rank(), size = sampler.options().micro_batch_size;
+  if (run != 0 && (static_cast<std::uint64_t>(per_device) != size || static_cast<std::uint64_t>(accumulation) != run))
+    throw error(sampler.rank(), "batch_sequence",
+                detail::text("the sampler gives this rank ", std::to_string(run), " micro-batches of ",
+                             std::to_string(size), " samples per step, but the sequence was asked for per_device ",
+                             std::to_string(per_device), " and accumulation ", std::to_string(accumulation)),
+                "pass per_device = micro_batch_size and accumulation = micro_batches / world");
 }
 
 COHORT_DECL batch_sequence::batch_sequence(distributed_sampler& sampler, const batch_plan& plan, partial_batch partial)

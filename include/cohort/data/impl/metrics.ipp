@@ -84,6 +84,12 @@ COHORT_DECL void check_metrics_claims(int my_rank, std::vector<metrics_claim>& c
                     detail::text(who, "'s sampler was built for rank ", s(c.or_else), " of a world of ", s(c.expected),
                                  ", not for that rank of this group's world of ", std::to_string(world)),
                     "build the sampler from the same group: distributed_sampler{n, pg, options}");
+      case metrics_problem::sampler_of_micro_batches:
+        throw error(my_rank, operation,
+                    detail::text(who, "'s sampler is in micro-batch mode (", s(c.expected),
+                                 " micro-batches per step): its ranks read runs of the epoch, which this gather does "
+                                 "not place"),
+                    "evaluate with a sampler without micro_batches: distributed_sampler{n, pg, {.shuffle = ...}}");
       case metrics_problem::too_many_values:
         throw error(my_rank, operation,
                     detail::text(who, " passed more values than a 64-bit count of bytes can hold (",

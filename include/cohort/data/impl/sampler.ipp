@@ -52,13 +52,36 @@ COHORT_DECL distributed_sampler::distributed_sampler(std::uint64_t dataset_size,
                 "pass the process group's rank(), not its local rank");
   const auto w = static_cast<std::uint64_t>(world);
   const auto r = static_cast<std::uint64_t>(rank);
-  const std::uint64_t whole_rounds = dataset_size / w;
-  const std::uint64_t remainder = dataset_size % w;
+  const std::uint64_t micro_batches = options_.micro_batches, micro_batch_size = options_.micro_batch_size;
+  if ((micro_batches == 0) != (micro_batch_size == 0))
+    throw error(rank, "distributed_sampler",
+                detail::text("micro-batch mode needs both micro_batches and micro_batch_size, got ",
+                             std::to_string(micro_batches), " and ", std::to_string(micro_batch_size)),
+                "set both (a global step of micro_batches x micro_batch_size samples), or neither");
+  if (micro_batches != 0) {
+    if (micro_batches % w != 0)
+      throw error(rank, "distributed_sampler",
+                  detail::text("micro-batch mode: ", std::to_string(micro_batches), " micro-batches per step over ",
+                               std::to_string(world),
+                               " ranks: each rank reads a contiguous run of micro_batches / "
+                               "world of them, so micro_batches must be a multiple of the world size"),
+                  "keep micro_batches (the same at every world size) and run on a world size that divides it");
+    if (!options_.even_batches && !options_.drop_last)
+      throw error(rank, "distributed_sampler",
+                  "micro-batch mode with even_batches = false: every rank reads whole runs of micro-batches",
+                  "leave even_batches on (the tail is padded) or set drop_last");
+    run_ = micro_batches / w * micro_batch_size;
+    round_ = micro_batches * micro_batch_size;
+  } else {
+    round_ = w;  // torch's interleaving: one position per rank per round
+  }
+  const std::uint64_t whole_rounds = dataset_size / round_;
+  const std::uint64_t remainder = dataset_size % round_;
   if (options_.drop_last) {
-    samples_per_rank_ = whole_rounds;  // torch: ceil((n - w) / w); the tail is dropped, nothing padded
-    total_size_ = whole_rounds * w;
+    samples_per_rank_ = whole_rounds * run_;  // torch: ceil((n - w) / w); the tail is dropped, nothing padded
+    total_size_ = whole_rounds * round_;
   } else if (options_.even_batches) {
-    samples_per_rank_ = whole_rounds + (remainder != 0 ? 1 : 0);
+    samples_per_rank_ = (whole_rounds + (remainder != 0 ? 1 : 0)) * run_;
     total_size_ = samples_per_rank_ * w;
   } else {
     // Positions r, r + w, ... below n: one more for the ranks below the remainder.
@@ -66,9 +89,11 @@ COHORT_DECL distributed_sampler::distributed_sampler(std::uint64_t dataset_size,
     total_size_ = dataset_size;
   }
   // Real samples sit at the positions below n (below total_size with drop_last, which pads
-  // nothing); this rank's are r, r + w, ... below that bound.
+  // nothing): this rank's run in each whole round below that bound, and the part of its run
+  // below it in the round the bound cuts.
   const std::uint64_t real_positions = std::min(total_size_, dataset_size);
-  unpadded_size_ = real_positions > r ? (real_positions - r - 1) / w + 1 : 0;
+  const std::uint64_t cut = real_positions % round_, run_begin = r * run_;
+  unpadded_size_ = real_positions / round_ * run_ + (cut > run_begin ? std::min(cut - run_begin, run_) : 0);
 }
 
 COHORT_DECL auto distributed_sampler::set_epoch(std::uint64_t epoch) noexcept -> void {
@@ -89,7 +114,8 @@ COHORT_DECL auto distributed_sampler::index_map() const noexcept -> detail::rank
   map.permutation = detail::feistel_permutation(dataset_size_, options_.seed, epoch_);
   map.dataset_size = dataset_size_;
   map.samples_per_rank = samples_per_rank_;
-  map.world = static_cast<std::uint64_t>(world_);
+  map.run = run_;
+  map.round = round_;
   map.rank = static_cast<std::uint64_t>(rank_);
   map.shuffle = options_.shuffle;
   return map;
