@@ -669,7 +669,9 @@ TEST_CASE("run_ranks under a launcher: a subgroup's failure names the group and 
                          text.find(
                              " (world ranks 1, 3): world rank 3 (group rank 1) died or exited during "
                              "all_reduce #2") != text.npos &&
-                         text.find("world rank 1 (group rank 0) is in all_reduce #2") != text.npos;
+                         text.find("world rank 1 (group rank 0) is in all_reduce #2") != text.npos &&
+                         // The transport's own detail too ("[rank 1's process is gone: ...]" before).
+                         text.find(" [world rank 3 (group rank 1)") != text.npos;
       return named ? 0 : 3;
     }
     return 1;

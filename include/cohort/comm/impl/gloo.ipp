@@ -832,7 +832,9 @@ COHORT_DECL auto gloo::explain(const detail::gloo_task& task, std::exception_ptr
     return explain_transport_failure(
         task, what, what.find("Timed out") != std::string::npos || what.find("timed out") != std::string::npos);
   } catch (const detail::shared_memory_failure& failure) {
-    return explain_transport_failure(task, failure.what(), failure.timed_out());
+    // A subgroup's peer by world rank, as the rest of its message.
+    return explain_transport_failure(
+        task, board_ ? failure.text_naming_peer(board_->names()) : std::string(failure.what()), failure.timed_out());
   } catch (const std::exception& failure) {
     return std::make_exception_ptr(error(world_rank_, detail::text("gloo.", describe(task)), failure.what(),
                                          "sizes or dtypes may differ across ranks (set COHORT_DEBUG=1 to check)"));
