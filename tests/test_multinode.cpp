@@ -769,6 +769,32 @@ TEST_CASE("two jobs without distinct ids on one port never train together, and e
   }
 }
 
+// Another job's rank 2 (no distinct id) claims rank 2 before this job's own, which is slow to
+// start: this job's ranks 0, 1, 3 and the stranger pass the collision check at their first
+// group and train; the own rank 2, 2 s late, is refused as the second claimant and marks the job.
+// The mixed job printed OK on every rank. Now every rank fails naming the collision (run_ranks'
+// verdict reads the mark; the watchdog's first look, at 10 s, comes after these 4 s of training).
+TEST_CASE("a stranger that claims a rank before the job's own rank: the mixed job fails on every rank", "[multinode]") {
+  auto nodes = make_cluster(2);
+  hosts_name_every_node(*nodes);
+  auto ranks = job_ranks(*nodes, 2, "none");
+  for (auto& rank : ranks) {
+    rank.env["COHORT_TEST_STEPS"] = "40";
+    rank.env["COHORT_TEST_COMPUTE_MS"] = "100";
+    rank.env["COHORT_TEST_TIMEOUT"] = "10";
+  }
+  auto stranger = ranks[2];
+  ranks[2].delay = std::chrono::milliseconds(2000);
+  ranks.push_back(stranger);
+  const auto out = run_jobs(*nodes, ranks, std::chrono::seconds(30));
+  INFO(shown(out));
+  for (const auto& rank : out) {
+    CHECK(rank.code == 1);
+    CHECK(rank.says("job collision"));
+    CHECK_FALSE(rank.says("wrong sum"));
+  }
+}
+
 namespace {
 
 // A job of 2 nodes x 2 ranks trains (group timeout COHORT_TEST_TIMEOUT) until every rank has

@@ -669,7 +669,9 @@ TEST_CASE("run_ranks under a launcher: a subgroup's failure names the group and 
                          text.find(
                              " (world ranks 1, 3): world rank 3 (group rank 1) died or exited during "
                              "all_reduce #2") != text.npos &&
-                         text.find("world rank 1 (group rank 0) is in all_reduce #2") != text.npos;
+                         text.find("world rank 1 (group rank 0) is in all_reduce #2") != text.npos &&
+                         // The transport's own detail too ("[rank 1's process is gone: ...]" before).
+                         text.find(" [world rank 3 (group rank 1)") != text.npos;
       return named ? 0 : 3;
     }
     return 1;
@@ -695,4 +697,67 @@ TEST_CASE("run_ranks under a launcher: rank 0 does not wait for a verdict's read
   INFO("took " << took << " s; the store's timeout is 30 s, a request's bound " << cohort::run_ranks_exit_bound.count()
                << " s");
   REQUIRE(took < cohort::run_ranks_exit_bound.count() + 3.0);
+}
+
+namespace {
+
+// A rank of a job without an id (torchrun's default) training `steps` all-reduces. A process
+// with TEST_LATE set comes 1.5 s late: its rank was claimed meanwhile by a process of another
+// such job, which trains with this job's other ranks. `collision_check`: how often the first
+// group's watchdog reads the job's collided mark (0: never; run_ranks' verdict still does).
+// Exit codes: 0 when run_ranks returned (the mixed job ended well), 5 when it threw naming the
+// collision, 1 for any other error.
+int rank_of_a_job_without_id(std::chrono::milliseconds collision_check, int steps) {
+  if (std::getenv("TEST_LATE") != nullptr) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  try {
+    cohort::run_ranks(0, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+      cohort::gloo::options opts;
+      opts.timeout = std::chrono::seconds(10);
+      opts.collision_check_interval = collision_check;
+      opts.on_async_error = cohort::async_error_handling::throw_on_next_call;
+      cohort::process_group<cohort::gloo> pg{store, env, opts};
+      std::vector<float> data(256, 1.0f);
+      for (int step = 0; step < steps; ++step) {
+        pg.all_reduce(std::span<float>(data)).wait();
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    });
+  } catch (const cohort::error& failure) {
+    std::fprintf(stderr, "rank saw: %s\n", failure.what());
+    return std::string_view(failure.what()).find("job collision") != std::string_view::npos ? 5 : 1;
+  }
+  return 0;
+}
+
+// Ranks 0 and 1 of a job without an id and rank 2 of another (started with them) form one
+// group and pass its start's collision check; the first job's own rank 2 comes 1.5 s later,
+// is the second claimant of rank 2, fails and marks the job collided. That mixed job ended
+// in success on every rank. Now no rank of it ends well, and each names the collision.
+std::vector<environment> mixed_job_envs() {
+  auto envs = torchrun_envs(3, 3, std::to_string(free_port()));
+  envs.push_back(envs[2]);
+  envs[3]["TEST_LATE"] = "1";
+  return envs;
+}
+
+}  // namespace
+
+TEST_CASE("run_ranks under a launcher: a job joined by another job's rank fails every rank at its end",
+          "[multiprocess][faults][collision]") {
+  // 3 s of training; the mark is set at about 1.5 s; no watchdog check: run_ranks' verdict.
+  const auto codes =
+      run_children(mixed_job_envs(), [] { return rank_of_a_job_without_id(std::chrono::milliseconds(0), 30); });
+  REQUIRE(codes == std::vector<int>{5, 5, 5, 5});
+}
+
+TEST_CASE("run_ranks under a launcher: a job joined by another job's rank stops soon after the late claim",
+          "[multiprocess][faults][collision]") {
+  // 30 s of training; the mark is set at about 1.5 s and read every 500 ms by the watchdog.
+  const auto started = std::chrono::steady_clock::now();
+  const auto codes =
+      run_children(mixed_job_envs(), [] { return rank_of_a_job_without_id(std::chrono::milliseconds(500), 300); });
+  const double took = seconds_since(started);
+  INFO("took " << took << " s; the job trains 30 s if nothing stops it");
+  REQUIRE(codes == std::vector<int>{5, 5, 5, 5});
+  CHECK(took < 10.0);
 }

@@ -150,6 +150,13 @@ class gloo {
     // failed call nobody waits for within `timeout` (see async_error_handling).
     std::chrono::milliseconds watchdog_interval{std::chrono::seconds(1)};
     async_error_handling on_async_error = async_error_handling::abort_process;
+    // How often the watchdog of a job's first group reads the job's collided mark: a process
+    // of another job that cannot be told apart from this one (no distinct id) may claim a rank
+    // first, train with this job's ranks, and be found out only when this job's own rank comes
+    // later and marks the job. The group then fails on every rank naming the collision. One
+    // store request a rank each time (6 a minute by default), on a connection of its own made
+    // at the first check. 0: never (run_ranks' verdict still reads the mark at the run's end).
+    std::chrono::milliseconds collision_check_interval{std::chrono::seconds(10)};
     // A collective not complete after this long compares what every rank says it does (their
     // status keys; then every max(this, 5 s)): ranks in different calls, or one that left or
     // failed, end it on every rank within seconds, naming each rank's call; a rank only late
@@ -319,6 +326,9 @@ class gloo {
   // The watchdog's check: the progress monitor on the call that waits (a disagreement ends
   // it), then a failed call no wait or test reported within `timeout` (the failure it acts on).
   COHORT_DECL std::exception_ptr watch();
+  // The job's collided mark, read at most every collision_check_interval (a job's first group
+  // only): the collision's error once found, else null (a store out of reach included).
+  COHORT_DECL std::exception_ptr job_collision();
   COHORT_DECL std::exception_ptr unreported_failure() const;
   // This rank's status now (issued and completed collectives), for the status board.
   COHORT_DECL detail::rank_status status(detail::rank_activity activity) const;
@@ -425,7 +435,13 @@ class gloo {
   std::unique_ptr<detail::status_board> board_;
   std::unique_ptr<detail::progress_monitor> monitor_;
   std::mutex verdict_mutex_;
-  std::string verdict_;                         // why the monitor ended the group's call (the disagreement found)
+  std::string verdict_;  // why the monitor ended the group's call (the disagreement found)
+  // A job's first group (process_group's cohort/pg1, whose collision check passed at its
+  // start) reads the job's collided mark in job_store_, on a handle of its own: the watchdog's.
+  std::shared_ptr<store> job_store_;
+  std::shared_ptr<store> job_handle_;
+  std::chrono::steady_clock::time_point next_job_check_{};
+  std::exception_ptr collision_;                // once found (under verdict_mutex_): the call it ended fails with it
   std::unique_ptr<detail::watchdog> watchdog_;  // destroyed first: it reads the workers
 };
 

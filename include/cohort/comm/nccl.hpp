@@ -78,6 +78,8 @@ struct nccl_event;
 // event pool, whether the communicator has been aborted, and what the watchdog watches.
 struct nccl_state {
   int rank = 0;
+  // What errors call this rank: its world rank (a subgroup's board knows it), else `rank`.
+  int reported_rank() const { return board ? board->names().world_rank(rank) : rank; }
   int size = 1;
   int device = 0;
   std::chrono::milliseconds timeout{};
@@ -327,7 +329,9 @@ class nccl {
 
   COHORT_DECL void create_stream_and_scratch();
   // The recorder, the group's name and the watchdog (after the communicator exists).
-  COHORT_DECL void start_failure_reporting(std::shared_ptr<cohort::store> group_store);
+  // `world`: the world rank of each group rank (a subgroup's; empty for the world), which its
+  // messages name the ranks by.
+  COHORT_DECL void start_failure_reporting(std::shared_ptr<cohort::store> group_store, std::vector<int> world = {});
 
   template <class Call>
   work issue(const char* operation, call_record recorded, Call&& call) {

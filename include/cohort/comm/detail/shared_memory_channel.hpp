@@ -70,10 +70,26 @@ struct owned_fd {
 class shared_memory_failure : public std::runtime_error {
  public:
   shared_memory_failure(const std::string& what, bool timed_out) : std::runtime_error(what), timed_out_(timed_out) {}
+  // About one peer: `before` "rank <peer>" `after`, the peer by its number in the channel (the
+  // group's): a subgroup says it by world rank (text_naming_peer).
+  shared_memory_failure(const std::string& before, int peer, const std::string& after, bool timed_out)
+      : std::runtime_error(before + "rank " + std::to_string(peer) + after),
+        timed_out_(timed_out),
+        peer_(peer),
+        before_(before),
+        after_(after) {}
   bool timed_out() const noexcept { return timed_out_; }
+  // The failure's text with its peer named by `name` ("world rank 3 (group rank 1)").
+  template <class Naming>
+  std::string text_naming_peer(const Naming& name) const {
+    return peer_ < 0 ? std::string(what()) : before_ + name(peer_) + after_;
+  }
 
  private:
   bool timed_out_;
+  int peer_ = -1;
+  std::string before_;
+  std::string after_;
 };
 
 class shared_memory_channel {

@@ -54,6 +54,7 @@
 #include "cohort/detail/progress.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
+#include "cohort/rendezvous/detail/job_identity.hpp"
 #include "cohort/rendezvous/launch.hpp"
 #include "cohort/rendezvous/store.hpp"
 #include "cohort/rendezvous/tcp_store.hpp"
@@ -581,6 +582,13 @@ COHORT_DECL auto gloo::connect_mesh(::gloo::transport::Context& transport,
 COHORT_DECL auto gloo::start_watchdog() -> void {
   if (options_.watchdog_interval.count() <= 0) return;
   const std::string group = detail::group_name(*store_);
+  // process_group makes a job's first group under cohort/pg1/ of the job's store.
+  if (options_.collision_check_interval.count() > 0 && !subgroup_)
+    if (const auto* first = dynamic_cast<const prefix_store*>(store_.get());
+        first && first->prefix() == "cohort/pg1/") {
+      job_store_ = first->inner();
+      next_job_check_ = std::chrono::steady_clock::now() + options_.collision_check_interval;
+    }
   if (options_.compare_calls_after.count() > 0 || options_.progress_interval.count() > 0)
     monitor_ = std::make_unique<detail::progress_monitor>(
         *board_, group, detail::progress_monitor::settings{options_.compare_calls_after, options_.progress_interval});
@@ -589,6 +597,7 @@ COHORT_DECL auto gloo::start_watchdog() -> void {
 }
 
 COHORT_DECL auto gloo::watch() -> std::exception_ptr {
+  if (auto collided = job_collision()) return collided;
   if (monitor_) {
     std::optional<detail::pending_call> pending;
     {
@@ -611,6 +620,33 @@ COHORT_DECL auto gloo::watch() -> std::exception_ptr {
     }
   }
   return unreported_failure();
+}
+
+COHORT_DECL auto gloo::job_collision() -> std::exception_ptr {
+  if (!job_store_ || std::chrono::steady_clock::now() < next_job_check_) return nullptr;
+  next_job_check_ = std::chrono::steady_clock::now() + options_.collision_check_interval;
+  std::optional<error> collided;
+  try {
+    // Not the trainer's handle, which a long WAIT of its own may hold.
+    if (!job_handle_) job_handle_ = job_store_->bounded(detail::report_window(options_.timeout));
+    store& job = job_handle_ ? *job_handle_ : *job_store_;
+    if (!detail::job_marked_collided(job)) return nullptr;
+    collided = detail::job_collision_error(job, world_rank_, "gloo.watchdog",
+                                           detail::text("the job's first group (", detail::group_name(*store_),
+                                                        ") stops on every rank: it has computed with another job's"));
+  } catch (const std::exception&) {
+    return nullptr;  // a store out of reach is for the group's calls and run_ranks to report
+  }
+  {
+    std::lock_guard lock(verdict_mutex_);
+    collision_ = std::make_exception_ptr(*collided);
+  }
+  // Said first, then the call ended: the other ranks read why this one stopped.
+  auto failed = status(detail::rank_activity::failed);
+  failed.note = collided->detail();
+  board_->try_publish(failed);
+  abort_transport();
+  return std::make_exception_ptr(*collided);
 }
 
 COHORT_DECL auto gloo::status(detail::rank_activity activity) const -> detail::rank_status {
@@ -796,7 +832,9 @@ COHORT_DECL auto gloo::explain(const detail::gloo_task& task, std::exception_ptr
     return explain_transport_failure(
         task, what, what.find("Timed out") != std::string::npos || what.find("timed out") != std::string::npos);
   } catch (const detail::shared_memory_failure& failure) {
-    return explain_transport_failure(task, failure.what(), failure.timed_out());
+    // A subgroup's peer by world rank, as the rest of its message.
+    return explain_transport_failure(
+        task, board_ ? failure.text_naming_peer(board_->names()) : std::string(failure.what()), failure.timed_out());
   } catch (const std::exception& failure) {
     return std::make_exception_ptr(error(world_rank_, detail::text("gloo.", describe(task)), failure.what(),
                                          "sizes or dtypes may differ across ranks (set COHORT_DEBUG=1 to check)"));
@@ -810,6 +848,7 @@ COHORT_DECL auto gloo::explain_transport_failure(const detail::gloo_task& task, 
   std::string verdict;
   {
     std::lock_guard lock(verdict_mutex_);
+    if (collision_) return collision_;  // the watchdog ended the call: the job is two jobs mixed
     verdict = verdict_;
   }
   // A subgroup's errors say which group, and name its ranks by world rank.

@@ -6,6 +6,7 @@
 #include <nccl.h>
 #include <unistd.h>
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -83,7 +84,7 @@ COHORT_DECL auto detail::nccl_state::fail(const std::string& operation, ncclResu
     if (last && *last) detail += detail::text(": ", last);
   }
   abort(detail::text(operation, " failed: ", detail));
-  throw error(rank, detail::text("nccl.", operation), detail, hint);
+  throw error(reported_rank(), detail::text("nccl.", operation), detail, hint);
 }
 
 COHORT_DECL auto detail::nccl_state::abort(const std::string& reason, std::chrono::milliseconds wait_at_most) -> void {
@@ -108,7 +109,7 @@ COHORT_DECL auto detail::nccl_state::abort(const std::string& reason, std::chron
 COHORT_DECL auto detail::nccl_state::check_usable(const std::string& operation) -> void {
   std::lock_guard lock(mutex);
   if (aborted)
-    throw error(rank, detail::text("nccl.", operation),
+    throw error(reported_rank(), detail::text("nccl.", operation),
                 detail::text("the communicator was aborted earlier (", abort_reason, ")"),
                 "an earlier collective failed or timed out; recreate the process group");
 }
@@ -118,14 +119,14 @@ COHORT_DECL auto detail::nccl_state::settle(const std::string& operation, ncclRe
   while (status == ncclInProgress) {
     if (std::chrono::steady_clock::now() > deadline) {
       abort(detail::text(operation, " timed out while being enqueued"));
-      throw timeout_error(rank, detail::text("nccl.", operation),
+      throw timeout_error(reported_rank(), detail::text("nccl.", operation),
                           detail::text("not enqueued within ", format_duration(timeout)),
                           "a peer has not joined; check that every rank issues the same collectives");
     }
     std::this_thread::yield();
     std::lock_guard lock(mutex);  // the watchdog may abort (and free) comm meanwhile
     if (aborted)
-      throw error(rank, detail::text("nccl.", operation),
+      throw error(reported_rank(), detail::text("nccl.", operation),
                   detail::text("the communicator was aborted while this call was enqueued (", abort_reason, ")"),
                   "an earlier failure or timeout ended this group; recreate the process group");
     ncclCommGetAsyncError(comm, &status);
@@ -165,7 +166,7 @@ COHORT_DECL auto detail::nccl_state::watch() -> std::exception_ptr {
       if (status != cudaSuccess) {
         if (recorder) recorder->failed(oldest.record);
         failure =
-            std::make_exception_ptr(error(rank, detail::text("nccl.", describe(oldest.call)),
+            std::make_exception_ptr(error(reported_rank(), detail::text("nccl.", describe(oldest.call)),
                                           detail::text(cudaGetErrorName(status), ": ", cudaGetErrorString(status)),
                                           "a kernel on the communication stream failed"));
         break;
@@ -199,8 +200,8 @@ COHORT_DECL auto detail::nccl_state::watch() -> std::exception_ptr {
       failed.note = verdict;
       board->try_publish(failed);
       abort(verdict, std::chrono::milliseconds(0));
-      failure = std::make_exception_ptr(
-          error(rank, detail::text("nccl.", describe(pending->call)), verdict, different_calls_hint));
+      failure = std::make_exception_ptr(error(reported_rank(), detail::text("nccl.", describe(pending->call)),
+                                              detail::text(board->names().lead(), verdict), different_calls_hint));
     }
   }
   if (!overdue.empty()) {
@@ -208,7 +209,7 @@ COHORT_DECL auto detail::nccl_state::watch() -> std::exception_ptr {
     // (throw at the next call, or end the process) must act regardless.
     abort(detail::text(overdue, " exceeded the timeout (watchdog)"), std::chrono::milliseconds(0));
     failure = std::make_exception_ptr(
-        timeout_error(rank, detail::text("nccl.", overdue),
+        timeout_error(reported_rank(), detail::text("nccl.", overdue),
                       detail::text(name_the_culprit(overdue), ": not complete after ", format_duration(timeout),
                                    "; the watchdog aborted the communicator"),
                       "a peer never entered this call: it hangs, crashed, or issued calls in another order "
@@ -223,8 +224,8 @@ COHORT_DECL auto detail::nccl_state::watch() -> std::exception_ptr {
     if (async != ncclSuccess && async != ncclInProgress) {
       const std::string detail = ncclGetErrorString(async);
       abort(detail::text("asynchronous error: ", detail), std::chrono::milliseconds(0));
-      failure = std::make_exception_ptr(
-          error(rank, "nccl.watchdog", detail, "a peer failed or the network broke (NCCL_DEBUG=WARN tells more)"));
+      failure = std::make_exception_ptr(error(reported_rank(), "nccl.watchdog", detail,
+                                              "a peer failed or the network broke (NCCL_DEBUG=WARN tells more)"));
     }
   }
   if (failure) {
@@ -244,11 +245,13 @@ COHORT_DECL auto detail::nccl_state::name_the_culprit(const std::string& operati
     if (!outstanding.empty()) call = outstanding.front().call;
   }
   if (!board || !call) return detail::text("this rank is in ", operation);
+  // A subgroup's message says which group, and names its ranks by world rank.
+  const std::string group_lead = board->names().lead();
   auto failed = status(rank_activity::failed);
   failed.call = *call;
   failed.note = detail::text("timed out after ", format_duration(timeout));
   // No probes: NCCL shows nothing of its peers' connections. A silent rank is unknown.
-  return detail::name_the_culprit(*board, *call, failed, false);
+  return detail::text(group_lead, detail::name_the_culprit(*board, *call, failed, false));
 }
 
 COHORT_DECL auto detail::nccl_state::status(rank_activity activity) -> rank_status {
@@ -297,14 +300,16 @@ COHORT_DECL nccl::nccl(std::shared_ptr<cohort::store> store, const launch_env& e
   start_failure_reporting(std::move(store));
 }
 
-COHORT_DECL auto nccl::start_failure_reporting(std::shared_ptr<cohort::store> group_store) -> void {
+COHORT_DECL auto nccl::start_failure_reporting(std::shared_ptr<cohort::store> group_store, std::vector<int> world)
+    -> void {
   auto& state = *state_;
   state.recorder = std::make_unique<flight_recorder>(options_.flight_recorder_entries);
   state.group = group_store ? detail::group_name(*group_store) : std::string("group");
   state.store = std::move(group_store);
   state.trace_dir = options_.trace_dir;
   if (state.store) {
-    state.board = std::make_unique<detail::status_board>(state.store, state.rank, state.size, state.timeout);
+    state.board = std::make_unique<detail::status_board>(state.store, state.rank, state.size, state.timeout,
+                                                         detail::rank_naming{state.group, std::move(world)});
     state.board->try_publish_on_group_store(state.status(detail::rank_activity::joined));
   }
   if (options_.watchdog_interval.count() <= 0) return;
@@ -314,8 +319,8 @@ COHORT_DECL auto nccl::start_failure_reporting(std::shared_ptr<cohort::store> gr
         *state.board, state.group,
         detail::progress_monitor::settings{options_.compare_calls_after, options_.progress_interval});
   watchdog_ =
-      std::make_unique<detail::watchdog>(state.rank, state.group, options_.on_async_error, options_.watchdog_interval,
-                                         [state = state_] { return state->watch(); });
+      std::make_unique<detail::watchdog>(state.reported_rank(), state.group, options_.on_async_error,
+                                         options_.watchdog_interval, [state = state_] { return state->watch(); });
 }
 
 COHORT_DECL auto nccl::write_trace(const std::string& directory, std::string_view reason) const -> std::string {
@@ -347,7 +352,27 @@ COHORT_DECL auto nccl::split(nccl& parent, std::shared_ptr<cohort::store> sub_st
   state.comm = comm;
   child->finish_init(detail::text("comm_split(color ", std::to_string(color), ")"), ncclInProgress);
   child->create_stream_and_scratch();
-  child->start_failure_reporting(std::move(sub_store));
+  // A subgroup names its ranks by world rank, as Gloo's: each member writes its own in the
+  // group's store and reads every one's with one multi_get (2 requests a rank, at the split).
+  std::vector<int> world;
+  if (sub_store) {
+    const auto* parent_board = parent.state_->board.get();
+    const int world_rank = parent_board ? parent_board->names().world_rank(parent.state_->rank) : parent.state_->rank;
+    std::vector<std::string> keys;
+    for (int r = 0; r < new_size; ++r) keys.push_back(detail::text("world_rank/", std::to_string(r)));
+    sub_store->set_within(keys[static_cast<std::size_t>(new_rank)], to_bytes(std::to_string(world_rank)),
+                          state.timeout);
+    for (const auto& value : sub_store->multi_get(std::span<const std::string>(keys), state.timeout)) {
+      const std::string digits = to_string(value);
+      int member = -1;
+      const auto [end, parsed] = std::from_chars(digits.data(), digits.data() + digits.size(), member);
+      if (parsed != std::errc() || end != digits.data() + digits.size())
+        throw detail::malformed_store_value(world_rank, "nccl.split", keys[world.size()], value,
+                                            "a member's world rank, as cohort of this version writes it");
+      world.push_back(member);
+    }
+  }
+  child->start_failure_reporting(std::move(sub_store), std::move(world));
   return child;
 }
 
@@ -444,7 +469,8 @@ COHORT_DECL auto nccl::group_start() -> void {
 
 COHORT_DECL auto nccl::group_end() -> void {
   if (group_depth_ == 0)
-    throw error(rank(), "nccl.group_end", "no group is open", "pair every group_start with one group_end");
+    throw error(state_->reported_rank(), "nccl.group_end", "no group is open",
+                "pair every group_start with one group_end");
   const detail::device_scope on_device(state_->device);
   --group_depth_;
   // The outermost end owns the group's calls from here, whatever settle() does: were it to
@@ -496,7 +522,7 @@ COHORT_DECL auto nccl::copy(void* destination, const void* source, std::size_t b
 
 COHORT_DECL auto nccl::check_nccl(ncclResult_t status, const std::string& operation) -> void {
   if (status != ncclSuccess && status != ncclInProgress)
-    throw error(rank(), detail::text("nccl.", operation), ncclGetErrorString(status),
+    throw error(state_->reported_rank(), detail::text("nccl.", operation), ncclGetErrorString(status),
                 "check the NCCL installation (NCCL_DEBUG=INFO)");
 }
 
@@ -536,14 +562,14 @@ COHORT_DECL auto nccl::finish_init(const std::string& operation, ncclResult_t st
   while (status == ncclInProgress) {
     if (std::chrono::steady_clock::now() > deadline) {
       state_->abort(detail::text(operation, " timed out"));
-      throw timeout_error(rank(), detail::text("nccl.", operation),
+      throw timeout_error(state_->reported_rank(), detail::text("nccl.", operation),
                           detail::text("not done after ", detail::format_duration(state_->timeout)),
                           "a rank never arrived: check that every rank started with the same WORLD_SIZE");
     }
     std::this_thread::sleep_for(std::chrono::microseconds(100));
     std::lock_guard lock(state_->mutex);  // the watchdog may abort (and free) comm meanwhile
     if (state_->aborted)
-      throw error(rank(), detail::text("nccl.", operation),
+      throw error(state_->reported_rank(), detail::text("nccl.", operation),
                   detail::text("the communicator was aborted during initialisation (", state_->abort_reason, ")"),
                   "check NCCL_DEBUG=WARN output on every rank");
     ncclCommGetAsyncError(state_->comm, &status);

@@ -319,16 +319,14 @@ COHORT_DECL void shared_memory_channel::check_peers_or_throw(int waiting_for, st
     if (shared_memory::reached(theirs.posted.load(std::memory_order_acquire), phase) &&
         (signature == 0 || theirs.signature[phase & 1u].load(std::memory_order_relaxed) == signature))
       continue;
-    throw shared_memory_failure(text("rank ", std::to_string(peer),
-                                     gone ? "'s process is gone: connection closed by peer (shared memory)"
-                                          : " closed its connection: connection closed by peer (shared memory)"),
+    throw shared_memory_failure({}, peer,
+                                gone ? "'s process is gone: connection closed by peer (shared memory)"
+                                     : " closed its connection: connection closed by peer (shared memory)",
                                 false);
   }
   if (std::chrono::steady_clock::now() - started >= timeout)
-    throw shared_memory_failure(
-        text("Timed out after ", format_duration(timeout), " waiting for rank ", std::to_string(waiting_for),
-             " in shared memory (phase ", std::to_string(phase), ")"),
-        true);
+    throw shared_memory_failure(text("Timed out after ", format_duration(timeout), " waiting for "), waiting_for,
+                                text(" in shared memory (phase ", std::to_string(phase), ")"), true);
 }
 
 namespace shared_memory {

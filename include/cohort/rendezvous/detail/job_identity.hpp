@@ -72,23 +72,34 @@ inline std::string describe_job(const job_identity& job) {
                       std::to_string(job.world), ")");
 }
 
-// Before a rank's first collective (its first group is connected, so every rank of the job
-// has claimed its rank): a job that another process also claimed a rank of is two jobs mixed,
-// and no rank of it computes. `job_store` is the job's store (connect_store's); one request.
-inline void check_not_collided(store& job_store, int rank, std::string_view group) {
+// Whether another process also claimed a rank of this job (the mark join_job's second claimant
+// writes). `job_store` is the job's store (connect_store's); one request.
+inline bool job_marked_collided(store& job_store) {
   const std::string key(job_collided_key);
-  if (!job_store.check(std::span<const std::string>(&key, 1))) return;
+  return job_store.check(std::span<const std::string>(&key, 1));
+}
+
+// The error of a job found marked collided: what the mark says, and `consequence` (what stops).
+inline error job_collision_error(store& job_store, int rank, std::string_view operation, std::string_view consequence) {
   std::string what;
   try {
-    what = to_string(job_store.get(key, std::chrono::seconds(2)));
+    what = to_string(job_store.get(std::string(job_collided_key), std::chrono::seconds(2)));
   } catch (const error& failure) {
     what = detail::text("(the mark could not be read: ", failure.detail(), ")");
   }
-  throw error(rank, "process_group",
-              detail::text("job collision at ", job_store.location(), ": ", what, "; ", group,
-                           " stops on every rank before its first collective"),
-              "give each job its own MASTER_PORT (or MASTER_ADDR), or a distinct job id (COHORT_JOB_ID, "
-              "TORCHELASTIC_RUN_ID other than `none`, SLURM_JOB_ID); then start the job again");
+  return error(rank, operation, detail::text("job collision at ", job_store.location(), ": ", what, "; ", consequence),
+               "give each job its own MASTER_PORT (or MASTER_ADDR), or a distinct job id (COHORT_JOB_ID, "
+               "TORCHELASTIC_RUN_ID other than `none`, SLURM_JOB_ID); then start the job again");
+}
+
+// Before a rank's first collective (its first group is connected, so every rank of the job
+// has claimed its rank): a job that another process also claimed a rank of is two jobs mixed,
+// and no rank of it computes. A claimant that comes later is caught by the first group's
+// watchdog and by run_ranks' verdict (both read the same mark).
+inline void check_not_collided(store& job_store, int rank, std::string_view group) {
+  if (!job_marked_collided(job_store)) return;
+  throw job_collision_error(job_store, rank, "process_group",
+                            detail::text(group, " stops on every rank before its first collective"));
 }
 
 }  // namespace cohort::inline v0::detail

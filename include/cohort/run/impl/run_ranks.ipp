@@ -20,6 +20,7 @@
 #include "cohort/detail/progress.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
+#include "cohort/rendezvous/detail/job_identity.hpp"
 #include "cohort/rendezvous/launch.hpp"
 #include "cohort/rendezvous/store.hpp"
 #include "cohort/rendezvous/tcp_store.hpp"
@@ -106,8 +107,8 @@ inline constexpr std::string_view run_ranks_keys = "cohort/run_ranks/";
 
 inline std::string outcome_key(int rank) { return detail::text(run_ranks_keys, "outcome/", std::to_string(rank)); }
 
-// Rank 0: every rank's outcome, the counts of their groups: the verdict on the run (empty
-// when every rank ended well and the counts agree).
+// Rank 0: the job's collided mark, every rank's outcome, the counts of their groups: the
+// verdict on the run (empty when every rank ended well and the counts agree).
 inline std::string judge_run(store& rendezvous, const launch_env& env, std::chrono::milliseconds bound,
                              std::chrono::steady_clock::duration waited, const std::string& own_failure) {
   std::vector<int> failed, missing;
@@ -132,6 +133,10 @@ inline std::string judge_run(store& rendezvous, const launch_env& env, std::chro
     }
   }
   std::vector<std::string> parts;
+  // A process of another job (no distinct id) that claimed a rank first trained with this
+  // job's ranks; this job's own rank, later, marked the job: no rank of it ends well.
+  if (job_marked_collided(rendezvous))
+    parts.push_back(job_collision_error(rendezvous, 0, "run_ranks", "its ranks computed with another job's").detail());
   if (!failed.empty())
     parts.push_back(detail::text(
         format_ranks(failed), " failed (",
