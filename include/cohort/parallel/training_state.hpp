@@ -392,11 +392,17 @@ class training_state {
     no_sync_scope(const no_sync_scope&) = delete;
     no_sync_scope& operator=(const no_sync_scope&) = delete;
     // Reproducible: the micro-step's gradients are folded into the tree here (not while an
-    // exception unwinds the scope: that micro-step is abandoned), which may throw as any call.
-    ~no_sync_scope() noexcept(false) {
+    // exception unwinds the scope: that micro-step is abandoned). A destructor must not throw,
+    // so a failure of the fold is kept and thrown by the state's next call (gather, gradient,
+    // mark_ready, step), before anything reads the gradients it left.
+    ~no_sync_scope() {
       if (--state_->no_sync_depth_ > 0) return;
-      if (state_->reproducible() && std::uncaught_exceptions() == exceptions_) state_->fold_micro_step();
-      state_->reset_marks();
+      try {
+        if (state_->reproducible() && std::uncaught_exceptions() == exceptions_) state_->fold_micro_step();
+        state_->reset_marks();
+      } catch (...) {
+        state_->deferred_failure_ = std::current_exception();
+      }
     }
 
    private:
@@ -849,6 +855,8 @@ class training_state {
   std::size_t launched_ = 0;                      // buckets launched, from the last
   std::vector<std::pair<G*, std::size_t>> kept_;  // a launch's reduced parts, for the replicas
   int no_sync_depth_ = 0;
+  // A failure of a no_sync scope's end (its fold), thrown by the next call (check_published).
+  mutable std::exception_ptr deferred_failure_;
   int evaluating_ = 0;
   bool evaluation_agreed_ = false;  // zero3: this evaluation() scope's agreement is done
   bool publish_due_ = false;        // trainer_optimizer: step() returned, publish_parameters() not yet called

@@ -318,6 +318,7 @@ void training_state<B, P, G>::check_training_call(std::string_view operation) co
 
 template <backend B, element P, element G>
 void training_state<B, P, G>::check_published(std::string_view operation) const {
+  if (deferred_failure_) std::rethrow_exception(std::exchange(deferred_failure_, nullptr));
   if (publish_due_)
     fail(operation, "the last step's update was not published (publish_parameters() was not called)",
          "with the trainer's optimizer (trainer_optimizer, the default over adopted buffers), call "
