@@ -1807,3 +1807,23 @@ TEST_CASE("store: a rank waits for a late store host as long as the job's timeou
   s->add("done", 1);
   CHECK(wait_child(late_host, 15s) == 0);
 }
+
+// The Gloo backend asks its store where other hosts reached this one through the store's own
+// virtual (it compiles no TCP store): cohort's server answers below any prefix, a store that
+// cannot tell answers nothing, however the key came to be written.
+TEST_CASE("store: where other hosts reached the store is read below any prefix, only from cohort's server") {
+  const std::uint16_t port = unused_port();
+  auto owner = cohort::connect_store(rank_of_job(0, 1, port, "job-reach"), short_waits());
+  const std::string key(cohort::detail::tcp_store_protocol::store_reached_key);
+  auto& job_prefix = dynamic_cast<cohort::prefix_store&>(*owner);
+  CHECK(owner->reached_from_other_hosts(100ms).empty());  // only loopback connections so far
+  // The server writes the key itself on its first connection from another host; written here.
+  job_prefix.inner()->set(key, std::string_view("10.0.0.7"));
+  cohort::prefix_store group(owner, "cohort/pg1/");
+  CHECK(group.reached_from_other_hosts(1s) == "10.0.0.7");
+  CHECK(owner->reached_from_other_hosts(1s) == "10.0.0.7");
+
+  auto memory = std::make_shared<cohort::memory_store>();
+  memory->set(key, std::string_view("10.0.0.7"));
+  CHECK(cohort::prefix_store(memory, "cohort/pg1/").reached_from_other_hosts(1s).empty());
+}

@@ -84,6 +84,13 @@ class store {
   virtual std::shared_ptr<store> bounded(std::chrono::milliseconds /*timeout*/) const { return nullptr; }
   // Where the store lives, for errors ("10.0.0.1:29500"); empty for an in-process store.
   virtual std::string location() const { return {}; }
+  // The address of this host at which ranks of other hosts reached the store's server (the
+  // local address of the first connection it accepted on an address that is not loopback),
+  // waiting at most `limit` for one; empty when none came or the store cannot tell. This
+  // default (in-process and file stores, torchrun's agent store) cannot. A virtual call, so
+  // that the Gloo backend asks it without compiling the TCP store (header-only, every
+  // translation unit that includes the backend would).
+  virtual std::string reached_from_other_hosts(std::chrono::milliseconds /*limit*/) { return {}; }
 
   void set(std::string_view key, std::string_view value) {
     const bytes data = to_bytes(value);
@@ -192,6 +199,9 @@ class prefix_store final : public store {
   // The inner store's bounded handle under the same prefix (null when the inner has none).
   COHORT_DECL std::shared_ptr<store> bounded(std::chrono::milliseconds timeout) const override;
   std::string location() const override { return inner_->location(); }
+  std::string reached_from_other_hosts(std::chrono::milliseconds limit) override {
+    return inner_->reached_from_other_hosts(limit);
+  }
 
   const std::string& prefix() const noexcept { return prefix_; }
   const std::shared_ptr<store>& inner() const noexcept { return inner_; }

@@ -150,6 +150,9 @@ class tcp_store final : public store {
   // timeout() and its connect timeout: see store::bounded.
   COHORT_DECL std::shared_ptr<store> bounded(std::chrono::milliseconds timeout) const override;
   std::string location() const override { return endpoint(); }
+  // Read from cohort's server (the key tcp_store_protocol::store_reached_key); empty under
+  // torchrun's agent store, which writes no such key.
+  COHORT_DECL std::string reached_from_other_hosts(std::chrono::milliseconds limit) override;
 
   // One round trip; throws when the server does not answer within timeout().
   COHORT_DECL void ping();
@@ -366,17 +369,6 @@ COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_stor
 inline std::shared_ptr<store> tcp_store::connect(const launch_env& env, tcp_store_options options) {
   return connect_store(env, std::move(options));
 }
-
-namespace detail {
-
-// The address of this host at which ranks of other hosts reached the cohort server behind
-// `rendezvous` (a connect_store handle, or a prefix_store over one): the local address of the
-// first connection the server accepted on an address that is not loopback. Waits at most
-// `limit` for one; empty when none came, or the store is not served by cohort (torchrun's
-// agent, a memory_store).
-COHORT_DECL std::string store_reached_at(store& rendezvous, std::chrono::milliseconds limit);
-
-}  // namespace detail
 
 }  // namespace cohort::inline v0
 

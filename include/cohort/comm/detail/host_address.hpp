@@ -37,7 +37,7 @@ struct listen_request {
   std::string master_addr;
   int world_size = 1;
   int local_world_size = 1;
-  // Where ranks of other nodes reached this host's store (tcp_store.hpp, store_reached_at),
+  // Where ranks of other nodes reached this host's store (store::reached_from_other_hosts),
   // waiting as long as the group may; empty when unknown. Asked only where MASTER_ADDR
   // resolves to a loopback address while the world spans nodes.
   std::function<std::string()> reached_by_other_nodes;

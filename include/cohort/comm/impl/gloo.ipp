@@ -57,7 +57,6 @@
 #include "cohort/rendezvous/detail/job_identity.hpp"
 #include "cohort/rendezvous/launch.hpp"
 #include "cohort/rendezvous/store.hpp"
-#include "cohort/rendezvous/tcp_store.hpp"
 #include "cohort/types.hpp"
 
 #include "cohort/comm/gloo.hpp"
@@ -349,7 +348,7 @@ COHORT_DECL auto gloo::make_device(const launch_env& env, const options& opts, c
   request.master_addr = env.master_addr;
   request.world_size = env.world_size;
   request.local_world_size = env.local_world_size;
-  request.reached_by_other_nodes = [&] { return detail::store_reached_at(rendezvous, opts.timeout); };
+  request.reached_by_other_nodes = [&] { return rendezvous.reached_from_other_hosts(opts.timeout); };
   const detail::listen_choice choice = detail::choose_listen_address(request);
   if (detail::debug_from_environment())
     std::fprintf(stderr, "cohort [rank %d] gloo: listening on %s (%s)\n", env.rank, choice.address.c_str(),

@@ -113,7 +113,7 @@ COHORT_DECL sha256_digest client_proof(std::string_view token, const nonce& clie
 // A key the server writes itself (c10d's clients name it so; "/cohort/store_reached_at" on the
 // wire): the local address of the first connection it accepted on an address that is not
 // loopback, that is, where ranks of other hosts reach this host (tcp_store.hpp,
-// detail::store_reached_at).
+// tcp_store::reached_from_other_hosts).
 inline constexpr std::string_view store_reached_key = "cohort/store_reached_at";
 
 inline constexpr std::uint64_t max_key_bytes = std::uint64_t{64} << 10;

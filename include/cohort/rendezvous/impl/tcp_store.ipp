@@ -933,16 +933,13 @@ inline std::shared_ptr<store> join_job(std::shared_ptr<store> shared, const job_
 
 }  // namespace detail
 
-COHORT_DECL std::string detail::store_reached_at(store& rendezvous, std::chrono::milliseconds limit) {
-  store* level = &rendezvous;
-  while (auto* prefixed = dynamic_cast<prefix_store*>(level)) level = prefixed->inner().get();
-  auto* handle = dynamic_cast<tcp_store*>(level);
+COHORT_DECL std::string tcp_store::reached_from_other_hosts(std::chrono::milliseconds limit) {
   // cohort's server holds the job's record at the top from its start; torchrun's agent holds
   // it under the attempt's prefix (and writes no reached address).
-  const std::string served_by_cohort(job_key);
-  if (!handle || !handle->check(std::span<const std::string>(&served_by_cohort, 1))) return {};
+  const std::string served_by_cohort(detail::job_key);
+  if (!check(std::span<const std::string>(&served_by_cohort, 1))) return {};
   try {
-    return to_string(handle->get(tcp_store_protocol::store_reached_key, limit));
+    return to_string(get(detail::tcp_store_protocol::store_reached_key, limit));
   } catch (const timeout_error&) {
     return {};
   }
