@@ -340,3 +340,41 @@ TEST_CASE("reproducible: the exact norm's integers are the same whatever cut the
     RANK_CHECK(std::isinf(with_nan));
   });
 }
+
+// The fused sum of parts that the reproducible reduction runs (one pass) against the passes it
+// replaced: the tree's accumulates in for_each_canonical_pair's order, then the divide. Counts
+// on and off the host's 2048-element blocks, values of mixed magnitudes so that the order of
+// additions shows in the bits; out apart from the parts, and out on part 0 itself.
+TEMPLATE_TEST_CASE(
+    "reproducible: the fused canonical sum of parts has the bits of accumulate in the tree's order, "
+    "then divide",
+    "[training_state][reproducible][gloo]", float, double, cohort::bfloat16, cohort::half) {
+  using T = TestType;
+  constexpr auto type = cohort::dtype_v<T>;
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(1, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 1);
+    auto& engine = pg.backend();
+    for (const std::size_t count : {std::size_t{1}, std::size_t{2047}, std::size_t{2049}, std::size_t{5003}})
+      for (std::size_t n = 1; n <= 9; ++n)
+        for (const int divisor : {0, 3, 8}) {
+          std::vector<T> parts(n * count);
+          for (std::size_t e = 0; e < parts.size(); ++e)
+            parts[e] = T(std::sin(0.61f * static_cast<float>(e)) * std::ldexp(1.0f, static_cast<int>(e % 23) - 11));
+          std::vector<T> expected = parts;
+          cohort::for_each_canonical_pair(n, [&](std::size_t into, std::size_t from) {
+            cohort::accumulate(engine, expected.data() + from * count, type, expected.data() + into * count, type,
+                               count, true);
+          });
+          if (divisor != 0) cohort::divide(engine, expected.data(), count, type, divisor);
+          std::vector<T> apart(count);
+          cohort::canonical_sum_parts(engine, parts.data(), n, count, type, divisor, apart.data());
+          std::vector<T> in_place = parts;
+          cohort::canonical_sum_parts(engine, in_place.data(), n, count, type, divisor, in_place.data()).wait();
+          RANK_CHECK(std::memcmp(apart.data(), expected.data(), count * sizeof(T)) == 0,
+                     "apart: count " << count << ", " << n << " parts, divisor " << divisor);
+          RANK_CHECK(std::memcmp(in_place.data(), expected.data(), count * sizeof(T)) == 0,
+                     "in place: count " << count << ", " << n << " parts, divisor " << divisor);
+        }
+  });
+}

@@ -16,8 +16,10 @@
 // cohort/config.hpp). The per-element formulas are shared (comm/detail/elementwise.hpp), so
 // both compute the same values.
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <string_view>
 
 #include "cohort/comm/detail/elementwise.hpp"
@@ -91,6 +93,22 @@ typename B::work accumulate(B& engine, const void* in, dtype from, void* out, dt
   detail::require_floating("accumulate", from);
   detail::require_floating("accumulate", to);
   return detail::elementwise<B::space>::convert(engine, in, from, out, to, count, add);
+}
+
+// out[i] = the canonical tree (for_each_canonical_pair's order, cohort/parallel/canonical_order.hpp)
+// over parts[0][i] .. parts[part_count - 1][i], every node rounded to the element type as
+// accumulate rounds it, then divided by `divisor` unless it is 0: the bits of those
+// accumulates and that divide, in one pass over memory (the host works block by block, a
+// device thread holds an element's tree in registers). The parts lie one after the other,
+// `count` elements each; out may be part 0 itself. Floating dtypes.
+template <backend B>
+typename B::work canonical_sum_parts(B& engine, const void* parts, std::size_t part_count, std::size_t count,
+                                     dtype type, int divisor, void* out) {
+  detail::require_floating("canonical_sum_parts", type);
+  if (part_count == 0)
+    throw error(-1, "canonical_sum_parts", detail::text("no parts to sum (", std::to_string(count), " elements each)"),
+                "pass at least one part");
+  return detail::elementwise<B::space>::canonical_sum_parts(engine, parts, part_count, count, type, divisor, out);
 }
 
 // data[i] = value.

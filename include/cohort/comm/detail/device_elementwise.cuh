@@ -97,6 +97,21 @@ __global__ void convert_kernel(const void* in, dtype from, void* out, dtype to, 
 }
 
 // A fill writes a bit pattern of the dtype's width, made on the host from the value.
+// One thread per element, its tree in registers: the parts read once, the sum written once.
+template <class Unique = void>
+__global__ void canonical_sum_parts_kernel(const void* parts, std::size_t part_count, std::size_t count, dtype type,
+                                           int divisor, void* out) {
+  on_floating(type, [&](auto sample) {
+    using T = decltype(sample);
+    const T* x = static_cast<const T*>(parts);
+    T* y = static_cast<T*>(out);
+    for (std::size_t i = first_index(); i < count; i += stride()) {
+      const T sum = canonical_tree_sum<T>(part_count, [&](std::size_t p) { return x[p * count + i]; });
+      y[i] = divisor != 0 ? divided(sum, divisor) : sum;
+    }
+  });
+}
+
 template <class Unique = void>
 __global__ void fill_kernel(void* data, std::size_t count, unsigned width, std::uint64_t pattern) {
   const auto run = [&](auto sample) {
@@ -239,6 +254,13 @@ COHORT_DECL void launch_fill(cudaStream_t stream, void* data, std::size_t count,
   const auto width = static_cast<unsigned>(size_of(type));
   fill_kernel<><<<blocks_for(count), 256, 0, stream>>>(data, count, width, pattern);
   check_launch("fill");
+}
+
+COHORT_DECL void launch_canonical_sum_parts(cudaStream_t stream, const void* parts, std::size_t part_count,
+                                            std::size_t count, dtype type, int divisor, void* out) {
+  if (count == 0) return;
+  canonical_sum_parts_kernel<><<<blocks_for(count), 256, 0, stream>>>(parts, part_count, count, type, divisor, out);
+  check_launch("canonical_sum_parts");
 }
 
 COHORT_DECL void launch_batched_copy(cudaStream_t stream, std::span<const copy_region> regions) {

@@ -31,6 +31,8 @@ COHORT_DECL void launch_scale(cudaStream_t stream, void* data, std::size_t count
 COHORT_DECL void launch_convert(cudaStream_t stream, const void* in, dtype from, void* out, dtype to, std::size_t count,
                                 bool add);
 COHORT_DECL void launch_fill(cudaStream_t stream, void* data, std::size_t count, dtype type, double value);
+COHORT_DECL void launch_canonical_sum_parts(cudaStream_t stream, const void* parts, std::size_t part_count,
+                                            std::size_t count, dtype type, int divisor, void* out);
 COHORT_DECL void launch_batched_copy(cudaStream_t stream, std::span<const copy_region> regions);
 COHORT_DECL void launch_count_nonfinite(cudaStream_t stream, const void* data, std::size_t count, dtype type,
                                         std::int64_t* result);
@@ -88,6 +90,14 @@ struct elementwise<memory_space::device> {
   template <class B>
   static typename B::work fill(B& engine, void* data, std::size_t count, dtype type, double value) {
     fill_in_caller_order(engine, engine.stream(), data, count, type, value);
+    return engine.record();
+  }
+
+  template <class B>
+  static typename B::work canonical_sum_parts(B& engine, const void* parts, std::size_t part_count, std::size_t count,
+                                              dtype type, int divisor, void* out) {
+    const device_scope on_group_device(engine.device());
+    device::launch_canonical_sum_parts(engine.stream(), parts, part_count, count, type, divisor, out);
     return engine.record();
   }
 

@@ -63,6 +63,27 @@ COHORT_HOST_DEVICE inline T added(T a, T b) {
     return static_cast<T>(a + b);
 }
 
+// The canonical tree (cohort/parallel/canonical_order.hpp) over value(0) .. value(n - 1), n > 0,
+// every node rounded to T as `added` rounds it: canonical_sum's binary counter, so that one
+// thread holds the tree in log2(n) + 1 values instead of n (the device's fused sum of parts).
+template <class T, class Value>
+COHORT_HOST_DEVICE inline T canonical_tree_sum(std::size_t n, Value&& value) {
+  T levels[64];  // bit l of the count so far set: levels[l] holds a full level-l node
+  for (std::size_t p = 0; p < n; ++p) {
+    T carry = value(p);
+    std::size_t level = 0;
+    for (; (p >> level) & 1; ++level) carry = added(levels[level], carry);
+    levels[level] = carry;
+  }
+  // The odd ones out, smallest first: what the levels above would add them to.
+  std::size_t level = 0;
+  while (!((n >> level) & 1)) ++level;
+  T sum = levels[level];
+  for (++level; level < 64; ++level)
+    if ((n >> level) & 1) sum = added(levels[level], sum);
+  return sum;
+}
+
 template <class T>
 COHORT_HOST_DEVICE inline bool nonfinite(T x) {
   if constexpr (std::is_integral_v<T>) {

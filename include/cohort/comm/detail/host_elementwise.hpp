@@ -25,6 +25,11 @@ COHORT_DECL void scale(void* data, std::size_t count, dtype type, double factor)
 // y = (to) x, or y += (to) x with `add`; floating dtypes.
 COHORT_DECL void convert(const void* in, dtype from, void* out, dtype to, std::size_t count, bool add);
 COHORT_DECL void fill(void* data, std::size_t count, dtype type, double value);
+// out = the canonical tree over `part_count` parts of `count` elements each, laid one after
+// the other from `parts`, divided by `divisor` unless it is 0; floating dtypes. out may be
+// part 0 itself.
+COHORT_DECL void canonical_sum_parts(const void* parts, std::size_t part_count, std::size_t count, dtype type,
+                                     int divisor, void* out);
 COHORT_DECL void copy_regions(const copy_region* regions, std::size_t count);
 // 0 / 0.0 for a dtype that is not floating.
 COHORT_DECL std::int64_t count_nonfinite(const void* data, std::size_t count, dtype type);
@@ -74,6 +79,12 @@ struct elementwise<memory_space::host> {
   template <class B>
   static typename B::work fill(B& engine, void* data, std::size_t count, dtype type, double value) {
     return engine.enqueue([=] { host::fill(data, count, type, value); });
+  }
+
+  template <class B>
+  static typename B::work canonical_sum_parts(B& engine, const void* parts, std::size_t part_count, std::size_t count,
+                                              dtype type, int divisor, void* out) {
+    return engine.enqueue([=] { host::canonical_sum_parts(parts, part_count, count, type, divisor, out); });
   }
 
   template <class B>

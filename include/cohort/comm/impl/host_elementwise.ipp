@@ -2,9 +2,12 @@
 // cohort/comm/detail/host_elementwise.hpp's loops: inline there when header-only, compiled once by
 // <cohort/src.hpp> under COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
 
+#include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "cohort/comm/detail/elementwise.hpp"
 #include "cohort/comm/detail/host_elementwise.hpp"
@@ -53,6 +56,53 @@ COHORT_DECL void fill(void* data, std::size_t count, dtype type, double value) {
     T* x = static_cast<T*>(data);
     const T v = converted_value<T>(value);
     for (std::size_t i = 0; i < count; ++i) x[i] = v;
+  });
+}
+
+// Block by block, so that each part is read once and the output written once, where a pass
+// per addition reads and writes the whole sum n times: within a block, canonical_tree_sum's
+// counter a level at a time (each addition a loop over the block, which vectorises), part 0
+// and every even part read in place rather than copied.
+COHORT_DECL void canonical_sum_parts(const void* parts, std::size_t part_count, std::size_t count, dtype type,
+                                     int divisor, void* out) {
+  visit_floating(type, [&](auto sample) {
+    using T = decltype(sample);
+    constexpr std::size_t block = 2048;
+    const T* x = static_cast<const T*>(parts);
+    T* y = static_cast<T*>(out);
+    const auto levels = static_cast<std::size_t>(std::bit_width(part_count));
+    std::vector<T> computed(levels * std::min(block, count));
+    const T* node[64] = {};  // bit l of the parts counted so far set: node[l] is a full level-l node
+    for (std::size_t start = 0; start < count; start += block) {
+      const std::size_t width = std::min(block, count - start);
+      for (std::size_t p = 0; p < part_count; ++p) {
+        const T* value = x + p * count + start;
+        const auto level = static_cast<std::size_t>(std::countr_one(p));
+        if (level == 0) {
+          node[0] = value;
+          continue;
+        }
+        T* carry = computed.data() + level * width;
+        for (std::size_t j = 0; j < width; ++j) carry[j] = added(node[0][j], value[j]);
+        for (std::size_t l = 1; l < level; ++l)
+          for (std::size_t j = 0; j < width; ++j) carry[j] = added(node[l][j], carry[j]);
+        node[level] = carry;
+      }
+      // The odd ones out, smallest first (canonical_tree_sum's last loop), into level 0's slot,
+      // which no carry uses; then the divide and the store.
+      const auto lowest = static_cast<std::size_t>(std::countr_zero(part_count));
+      const T* sum = node[lowest];
+      for (std::size_t l = lowest + 1; l < levels; ++l) {
+        if (!((part_count >> l) & 1)) continue;
+        T* const total = computed.data();
+        for (std::size_t j = 0; j < width; ++j) total[j] = added(node[l][j], sum[j]);
+        sum = total;
+      }
+      if (divisor != 0)
+        for (std::size_t j = 0; j < width; ++j) y[start + j] = divided(sum[j], divisor);
+      else if (sum != y + start)  // one part, out on it: already in place
+        std::copy(sum, sum + width, y + start);
+    }
   });
 }
 

@@ -1329,13 +1329,10 @@ void training_state<B, P, G>::agree_on_micro_steps() {
 template <backend B, element P, element G>
 void training_state<B, P, G>::sum_parts(G* staged, std::size_t parts, std::size_t count, bool divide_by_batches,
                                         G* to) {
-  auto& engine = group_->backend();
-  for_each_canonical_pair(parts, [&](std::size_t into, std::size_t from) {
-    accumulate(engine, staged + from * count, dtype_v<G>, staged + into * count, dtype_v<G>, count, true);
-  });
-  if (divide_by_batches)
-    divide(engine, staged, count, dtype_v<G>, static_cast<int>(options_.reproducible->micro_batches));
-  if (to != staged) engine.copy(to, staged, count * sizeof(G));
+  // One fused pass (a task on the worker, a kernel on a device): the tree's n - 1 additions,
+  // the divide and the copy as separate passes read and wrote the bucket n + 1 times.
+  const int divisor = divide_by_batches ? static_cast<int>(options_.reproducible->micro_batches) : 0;
+  canonical_sum_parts(group_->backend(), staged, parts, count, dtype_v<G>, divisor, to);
 }
 
 // Bucket b in the canonical tree: this rank's partial (its source, with every level of the
