@@ -56,7 +56,7 @@ COHORT_HOST_DEVICE inline To converted(From x) {
 
 // a + b in T's own precision (16-bit floats through float).
 template <class T>
-COHORT_HOST_DEVICE inline T added(T a, T b) {
+COHORT_HOST_DEVICE constexpr T added(T a, T b) {
   if constexpr (is_16bit_float<T>)
     return T(static_cast<float>(a) + static_cast<float>(b));
   else
@@ -64,10 +64,10 @@ COHORT_HOST_DEVICE inline T added(T a, T b) {
 }
 
 // The canonical tree (cohort/parallel/canonical_order.hpp) over value(0) .. value(n - 1), n > 0,
-// every node rounded to T as `added` rounds it: canonical_sum's binary counter, so that one
-// thread holds the tree in log2(n) + 1 values instead of n (the device's fused sum of parts).
+// every node rounded to T as `added` rounds it, as a binary counter, so that one thread holds
+// the tree in log2(n) + 1 values instead of n: the device's fused sum of parts and canonical_sum.
 template <class T, class Value>
-COHORT_HOST_DEVICE inline T canonical_tree_sum(std::size_t n, Value&& value) {
+COHORT_HOST_DEVICE constexpr T canonical_tree_sum(std::size_t n, Value&& value) {
   T levels[64];  // bit l of the count so far set: levels[l] holds a full level-l node
   for (std::size_t p = 0; p < n; ++p) {
     T carry = value(p);
