@@ -11,6 +11,7 @@
 #include <cohort/parallel/checkpoint.hpp>
 #include <cohort/parallel/training_state.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -342,6 +343,53 @@ TEST_CASE("reproducible: the exact norm's integers are the same whatever cut the
     double with_nan = 0;
     cohort::max_magnitude(engine, g.data(), g.size(), cohort::dtype::float32, &with_nan).wait();
     RANK_CHECK(std::isinf(with_nan));
+  });
+}
+
+// The norm's two host passes take their values several at a time (lanes of maxima, divisions
+// two by two); their results must be the one-by-one formulas' bits: magnitude()'s maximum
+// and the sums of fixed_point_square's halves. Counts on and off every lane width, values of
+// mixed magnitudes with -0, the maximum itself (a square of 1, capped) and, for the maximum,
+// an inf and a NaN at the end and inside.
+TEMPLATE_TEST_CASE(
+    "reproducible: the norm's maximum and fixed-point squares have the bits of the element-wise formulas",
+    "[training_state][reproducible][gloo]", float, double, cohort::bfloat16, cohort::half) {
+  using T = TestType;
+  constexpr auto type = cohort::dtype_v<T>;
+  on_ranks(1, 0, [&](cohort_test::gloo_group& pg, cohort_test::gloo_group*, int) {
+    auto& engine = pg.backend();
+    for (const std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{7}, std::size_t{9},
+                                    std::size_t{17}, std::size_t{10007}}) {
+      std::vector<T> x(count);
+      for (std::size_t e = 0; e < count; ++e)
+        x[e] = T(std::sin(0.61f * static_cast<float>(e)) * std::ldexp(1.0f, static_cast<int>(e % 23) - 11));
+      if (count > 2) x[2] = T(-0.0f);
+      double expected_max = 0;
+      for (const T value : x) expected_max = std::max(expected_max, cohort::detail::magnitude(value));
+      double max = 0;
+      cohort::max_magnitude(engine, x.data(), count, type, &max).wait();
+      RANK_CHECK(std::memcmp(&max, &expected_max, sizeof max) == 0, "count " << count << ": " << max);
+      if (count == 0) continue;
+      if (max > 0) {  // as the norm asks: all zeros need no squares
+        std::uint64_t expected[2] = {0, 0}, got[2] = {0, 0};
+        for (const T value : x) {
+          const std::uint64_t square = cohort::detail::fixed_point_square(value, max);
+          expected[0] += square >> 32;
+          expected[1] += square & 0xffffffffu;
+        }
+        cohort::fixed_point_squares(engine, x.data(), count, type, &max, got).wait();
+        RANK_CHECK(got[0] == expected[0] && got[1] == expected[1], "count " << count);
+      }
+      for (const std::size_t at : {count - 1, count / 2}) {
+        for (const T bad : {T(std::numeric_limits<float>::infinity()), T(std::numeric_limits<float>::quiet_NaN())}) {
+          std::vector<T> with_bad = x;
+          with_bad[at] = bad;
+          double found = 0;
+          cohort::max_magnitude(engine, with_bad.data(), count, type, &found).wait();
+          RANK_CHECK(std::isinf(found), "count " << count << ", at " << at);
+        }
+      }
+    }
   });
 }
 
