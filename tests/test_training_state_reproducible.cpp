@@ -109,6 +109,12 @@ void on_ranks(int world, int group_size, Body&& body) {
   });
 }
 
+// body(engine): the host engine of a one-rank Gloo group, for the reproducible mode's passes alone.
+template <class Body>
+void on_host_engine(Body&& body) {
+  on_ranks(1, 0, [&](cohort_test::gloo_group& pg, cohort_test::gloo_group*, int) { body(pg.backend()); });
+}
+
 // The trainer's own optimizer (adopted buffers): momentum SGD, element-wise.
 template <class State>
 void trainer_update(State& state, std::vector<float>& momentum, double gradient_scale) {
@@ -314,8 +320,7 @@ TEST_CASE("reproducible: saved at 4 ranks zero3 and resumed at 2 ranks ddp, the 
 
 TEST_CASE("reproducible: the exact norm's integers are the same whatever cut the elements, and the norm is the norm",
           "[training_state][reproducible][gloo]") {
-  on_ranks(1, 0, [&](cohort_test::gloo_group& pg, cohort_test::gloo_group*, int) {
-    auto& engine = pg.backend();
+  on_host_engine([&](auto& engine) {
     std::vector<float> g(10007);
     for (std::size_t e = 0; e < g.size(); ++e) g[e] = std::sin(0.7f * static_cast<float>(e)) * (1.0f + (e % 13));
     double max = 0;
@@ -356,8 +361,7 @@ TEMPLATE_TEST_CASE(
     "[training_state][reproducible][gloo]", float, double, cohort::bfloat16, cohort::half) {
   using T = TestType;
   constexpr auto type = cohort::dtype_v<T>;
-  on_ranks(1, 0, [&](cohort_test::gloo_group& pg, cohort_test::gloo_group*, int) {
-    auto& engine = pg.backend();
+  on_host_engine([&](auto& engine) {
     for (const std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{7}, std::size_t{9},
                                     std::size_t{17}, std::size_t{10007}}) {
       std::vector<T> x(count);
@@ -403,8 +407,7 @@ TEMPLATE_TEST_CASE(
     "[training_state][reproducible][gloo]", float, double, cohort::bfloat16, cohort::half) {
   using T = TestType;
   constexpr auto type = cohort::dtype_v<T>;
-  on_ranks(1, 0, [&](cohort_test::gloo_group& pg, cohort_test::gloo_group*, int) {
-    auto& engine = pg.backend();
+  on_host_engine([&](auto& engine) {
     for (const std::size_t count : {std::size_t{1}, std::size_t{2047}, std::size_t{2049}, std::size_t{5003}})
       for (std::size_t n = 1; n <= 9; ++n)
         for (const int divisor : {0, 3, 8}) {
