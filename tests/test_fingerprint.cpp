@@ -185,6 +185,31 @@ TEST_CASE("one element of rank 1's zero3 shard, changed there alone, changes the
   }
 }
 
+TEST_CASE("parameter_sha256 inside join()'s loop is refused at once, before it meets a joined rank's agreement",
+          "[fingerprint][gloo][faults]") {
+  const auto regions = model_regions();
+  const auto flat = initial_parameters<float>();
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(2, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, 2);
+    cohort::training_state<cohort::gloo> state(pg, regions, options_for(strategy::ddp));
+    state.load_parameters(flat);
+    const int batches = rank == 0 ? 2 : 1;  // rank 1 has joined (it answers) at rank 0's second step
+    const auto train = [&] {
+      state.join([&] {
+        for (int batch = 0; batch < batches; ++batch) {
+          train_one_step(state);
+          if (batch == 1) (void)cohort::parameter_sha256(state);
+        }
+      });
+    };
+    if (rank == 0)
+      RANK_CHECK_THROWS(cohort::error, train(), "parameter_sha256: called inside join()'s loop");
+    else  // in the agreement, told by the group that rank 0 left (as when a join's loop throws)
+      RANK_CHECK_THROWS(cohort::error, train(), "");
+  });
+}
+
 TEMPLATE_TEST_CASE("a checkpoint's digest is the live state's, and the state's once loaded at another world size",
                    "[fingerprint][checkpoint][gloo]", float, cohort::bfloat16) {
   using P = TestType;

@@ -769,6 +769,19 @@ TEST_CASE("canonical_mean gives the same bits at 1, 2, 4 and 8 ranks for the sam
   }
 }
 
+TEST_CASE("canonical_sum adds in for_each_canonical_pair's tree for every count", "[process_group]") {
+  for (std::size_t n = 1; n <= 70; ++n) {
+    std::vector<float> values(n);
+    for (std::size_t i = 0; i < n; ++i)  // magnitudes from 1e-6 to 1e6, so the order shows in the bits
+      values[i] = std::ldexp(1.0f + 0.37f * static_cast<float>(i % 5), static_cast<int>((i * 7) % 41) - 20);
+    std::vector<float> tree = values;
+    cohort::for_each_canonical_pair(n, [&](std::size_t into, std::size_t from) { tree[into] += tree[from]; });
+    const float sum = cohort::canonical_sum(std::span<const float>(values));
+    INFO("n " << n);
+    CHECK(std::memcmp(&sum, &tree[0], sizeof sum) == 0);
+  }
+}
+
 TEST_CASE("canonical_mean: a rank that passes another count of values fails on every rank, named",
           "[process_group][gloo][faults]") {
   auto store = fresh_store();

@@ -4,13 +4,14 @@
 // ddp, zero1, zero2 and zero3, over the state's buffers and AdamW and over adopted buffers with
 // the trainer's own optimizer, and hybrid 2x2; the result is compared by memcmp with one
 // rank's. Then the refusals, on every rank: the rule at construction, a rank with another
-// micro-batch size, a rank with one micro-step more, join(); and a checkpoint saved at 4 ranks
-// zero3 resumed at 2 ranks ddp.
+// micro-batch size, a rank with one micro-step more (hybrid too: one copy's rank), join(); and a
+// checkpoint saved at 4 ranks zero3 resumed at 2 ranks ddp.
 #include <catch2/catch.hpp>
 
 #include <cohort/parallel/checkpoint.hpp>
 #include <cohort/parallel/training_state.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -30,15 +31,10 @@ namespace {
 using cohort::region;
 using cohort::strategy;
 
-// [embedding | a_0 .. a_3 | b_0 .. b_3]: 39 elements, sizes no world here divides evenly.
-constexpr std::size_t embedding = 7, layers = 4;
-std::vector<region> model() {
-  std::vector<region> regions{{"embedding", 0, embedding, 0, false}};
-  const auto stacked = cohort::stacked_regions({{"a", 5, true}, {"b", 3, false}}, layers, 1, embedding);
-  regions.insert(regions.end(), stacked.begin(), stacked.end());
-  return regions;
-}
-std::size_t elements(const std::vector<region>& regions) { return regions.back().offset + regions.back().count; }
+// flat_fixtures' stacked model: region 1 + l is a_l, 5 + l is b_l.
+using cohort_test::element_count;
+using cohort_test::stacked_model;
+constexpr std::size_t layers = cohort_test::stacked_layers;
 std::vector<std::size_t> regions_of(std::size_t l) {
   return l == 0 ? std::vector<std::size_t>{0} : std::vector<std::size_t>{l, l + layers};
 }
@@ -86,6 +82,39 @@ void backward(State& state, const std::vector<region>& regions, std::size_t micr
   }
 }
 
+// One step's micro-steps, on micro-batches [first, first + count): all but the last each inside
+// its own no_sync() scope, as the contract asks.
+template <class State>
+void micro_steps(State& state, const std::vector<region>& regions, std::size_t first, std::size_t count, int step,
+                 float* grads = nullptr) {
+  for (std::size_t t = 0; t + 1 < count; ++t) {
+    auto accumulating = state.no_sync();
+    backward(state, regions, first + t, step, grads);
+  }
+  backward(state, regions, first + count - 1, step, grads);
+}
+
+// body(group, replicas, rank) on `world` Gloo ranks: with group_size > 0 hybrid, in groups of
+// that size split from the world (replicas: the ranks at the same place in every group), else
+// the world as one group (replicas null).
+template <class Body>
+void on_ranks(int world, int group_size, Body&& body) {
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(world, [&](int rank) {
+    auto pg = cohort_test::make_gloo_group(store, rank, world);
+    if (group_size == 0) return body(pg, static_cast<cohort_test::gloo_group*>(nullptr), rank);
+    auto shards = pg.split(rank / group_size, rank);
+    auto replicas = pg.split(rank % group_size, rank);
+    body(*shards, &*replicas, rank);
+  });
+}
+
+// body(engine): the host engine of a one-rank Gloo group, for the reproducible mode's passes alone.
+template <class Body>
+void on_host_engine(Body&& body) {
+  on_ranks(1, 0, [&](cohort_test::gloo_group& pg, cohort_test::gloo_group*, int) { body(pg.backend()); });
+}
+
 // The trainer's own optimizer (adopted buffers): momentum SGD, element-wise.
 template <class State>
 void trainer_update(State& state, std::vector<float>& momentum, double gradient_scale) {
@@ -99,63 +128,50 @@ void trainer_update(State& state, std::vector<float>& momentum, double gradient_
 
 // The parameters after `steps` steps of `config`, as rank 0 gathers them.
 std::vector<float> train(const run& config) {
-  const auto regions = model();
-  const std::size_t n = elements(regions);
+  const auto regions = stacked_model();
+  const std::size_t n = element_count(regions);
   std::vector<float> result;
-  auto store = std::make_shared<cohort::memory_store>();
-  cohort_test::run_ranks(config.world, [&](int rank) {
-    auto pg = cohort_test::make_gloo_group(store, rank, config.world);
-    std::optional<cohort_test::gloo_group> shards, replicas;
-    cohort_test::gloo_group* group = &pg;
-    if (config.group > 0) {
-      shards = pg.split(rank / config.group, rank);
-      replicas = pg.split(rank % config.group, rank);
-      group = &*shards;
-    }
-    const cohort::training_options options{.strategy = config.kind,
-                                           .bucket_bytes = config.bucket_bytes,
-                                           .adam = adam,
-                                           .max_grad_norm = max_norm,
-                                           .reproducible = cohort::reproducible_options{config.micro_batches, 16}};
-    std::vector<float> params(n), grads(n, 0.0f);
-    for (std::size_t e = 0; e < n; ++e) params[e] = initial_parameter(e);
-    std::optional<cohort::training_state<cohort::gloo, float>> state;
-    cohort_test::gloo_group* const replica_group = replicas ? &*replicas : nullptr;
-    if (config.adopted)
-      state.emplace(*group, std::span<float>(params), std::span<float>(grads), regions, options, replica_group);
-    else
-      state.emplace(*group, regions, options, replica_group);
-    if (!config.adopted) state->load_parameters(params);
-    if (!config.resume_from.empty()) cohort::load_checkpoint(*state, config.resume_from);
-    RANK_CHECK(state->reproducible());
-    RANK_CHECK(state->bucket_count() > layers, "buckets " << state->bucket_count());
-    std::vector<float> momentum(state->owned_elements(), 0.0f);
-    const std::size_t per_rank = config.micro_batches / static_cast<std::size_t>(config.world);
-    // The position of this rank's run among the world's: hybrid, replica-major.
-    const std::size_t position = replicas
-                                     ? static_cast<std::size_t>(replicas->rank() * group->world_size() + group->rank())
-                                     : static_cast<std::size_t>(rank);
-    for (int step = config.first_step; step < config.end_step; ++step) {
-      if (config.adopted) std::fill(grads.begin(), grads.end(), 0.0f);
-      for (std::size_t t = 0; t + 1 < per_rank; ++t) {
-        auto accumulating = state->no_sync();
-        backward(*state, regions, position * per_rank + t, step, config.adopted ? grads.data() : nullptr);
-      }
-      backward(*state, regions, position * per_rank + per_rank - 1, step, config.adopted ? grads.data() : nullptr);
-      const auto stepped = state->step();
-      RANK_CHECK(!stepped.skipped);
-      RANK_CHECK(stepped.clip_factor < 1.0, "the norm " << stepped.grad_norm << " is not clipped");
-      if (config.adopted) {
-        trainer_update(*state, momentum, stepped.gradient_scale);
-        state->publish_parameters();
-      }
-    }
-    if (per_rank > 2) RANK_CHECK(state->memory().reproducible > 0);
-    if (!config.save_to.empty())
-      cohort::save_checkpoint(*state, config.save_to, static_cast<std::uint64_t>(config.end_step));
-    auto gathered = state->gather_parameters();
-    if (rank == 0) result = std::move(gathered);
-  });
+  on_ranks(
+      config.world, config.group, [&](cohort_test::gloo_group& group, cohort_test::gloo_group* replicas, int rank) {
+        const cohort::training_options options{.strategy = config.kind,
+                                               .bucket_bytes = config.bucket_bytes,
+                                               .adam = adam,
+                                               .max_grad_norm = max_norm,
+                                               .reproducible = cohort::reproducible_options{config.micro_batches, 16}};
+        std::vector<float> params(n), grads(n, 0.0f);
+        for (std::size_t e = 0; e < n; ++e) params[e] = initial_parameter(e);
+        std::optional<cohort::training_state<cohort::gloo, float>> state;
+        if (config.adopted)
+          state.emplace(group, std::span<float>(params), std::span<float>(grads), regions, options, replicas);
+        else
+          state.emplace(group, regions, options, replicas);
+        if (!config.adopted) state->load_parameters(params);
+        if (!config.resume_from.empty()) cohort::load_checkpoint(*state, config.resume_from);
+        RANK_CHECK(state->reproducible());
+        RANK_CHECK(state->bucket_count() > layers, "buckets " << state->bucket_count());
+        std::vector<float> momentum(state->owned_elements(), 0.0f);
+        const std::size_t per_rank = config.micro_batches / static_cast<std::size_t>(config.world);
+        // The position of this rank's run among the world's: hybrid, replica-major.
+        const std::size_t position =
+            replicas ? static_cast<std::size_t>(replicas->rank() * group.world_size() + group.rank())
+                     : static_cast<std::size_t>(rank);
+        for (int step = config.first_step; step < config.end_step; ++step) {
+          if (config.adopted) std::fill(grads.begin(), grads.end(), 0.0f);
+          micro_steps(*state, regions, position * per_rank, per_rank, step, config.adopted ? grads.data() : nullptr);
+          const auto stepped = state->step();
+          RANK_CHECK(!stepped.skipped);
+          RANK_CHECK(stepped.clip_factor < 1.0, "the norm " << stepped.grad_norm << " is not clipped");
+          if (config.adopted) {
+            trainer_update(*state, momentum, stepped.gradient_scale);
+            state->publish_parameters();
+          }
+        }
+        if (per_rank > 2) RANK_CHECK(state->memory().reproducible > 0);
+        if (!config.save_to.empty())
+          cohort::save_checkpoint(*state, config.save_to, static_cast<std::uint64_t>(config.end_step));
+        auto gathered = state->gather_parameters();
+        if (rank == 0) result = std::move(gathered);
+      });
   return result;
 }
 
@@ -221,13 +237,11 @@ cohort::training_options reproducible_options(std::size_t micro_batches, std::si
 
 TEST_CASE("reproducible: M and a world the rule cannot hold are refused at construction on every rank, naming the rule",
           "[training_state][reproducible][gloo]") {
-  const auto regions = model();
+  const auto regions = stacked_model();
   for (const auto& setting : {std::pair{4, std::size_t{6}}, std::pair{4, std::size_t{12}}}) {
     const int world = setting.first;  // named, not bound: clang 14 captures no structured binding
     const std::size_t micro_batches = setting.second;
-    auto store = std::make_shared<cohort::memory_store>();
-    cohort_test::run_ranks(world, [&](int rank) {
-      auto pg = cohort_test::make_gloo_group(store, rank, world);
+    on_ranks(world, 0, [&](cohort_test::gloo_group& pg, cohort_test::gloo_group*, int) {
       const std::string text = RANK_CHECK_THROWS(
           cohort::error,
           (cohort::training_state<cohort::gloo, float>{pg, regions, reproducible_options(micro_batches, 8)}),
@@ -236,9 +250,7 @@ TEST_CASE("reproducible: M and a world the rule cannot hold are refused at const
     });
   }
   // One rank sums any M itself.
-  auto store = std::make_shared<cohort::memory_store>();
-  cohort_test::run_ranks(1, [&](int rank) {
-    auto pg = cohort_test::make_gloo_group(store, rank, 1);
+  on_ranks(1, 0, [&](cohort_test::gloo_group& pg, cohort_test::gloo_group*, int) {
     cohort::training_state<cohort::gloo, float> state{pg, regions, reproducible_options(6, 8)};
     RANK_CHECK(state.reproducible());
   });
@@ -246,10 +258,8 @@ TEST_CASE("reproducible: M and a world the rule cannot hold are refused at const
 
 TEST_CASE("reproducible: one rank's other micro-batch size is refused on every rank, naming it",
           "[training_state][reproducible][gloo]") {
-  const auto regions = model();
-  auto store = std::make_shared<cohort::memory_store>();
-  cohort_test::run_ranks(3, [&](int rank) {
-    auto pg = cohort_test::make_gloo_group(store, rank, 3);
+  const auto regions = stacked_model();
+  on_ranks(3, 0, [&](cohort_test::gloo_group& pg, cohort_test::gloo_group*, int rank) {
     RANK_CHECK_THROWS(
         cohort::error,
         (cohort::training_state<cohort::gloo, float>{pg, regions, reproducible_options(6, rank == 1 ? 16 : 8)}),
@@ -259,31 +269,34 @@ TEST_CASE("reproducible: one rank's other micro-batch size is refused on every r
 
 TEST_CASE("reproducible: a rank that runs one micro-step more than M / world is refused at the step on every rank",
           "[training_state][reproducible][gloo]") {
-  const auto regions = model();
-  auto store = std::make_shared<cohort::memory_store>();
-  cohort_test::run_ranks(2, [&](int rank) {
-    auto pg = cohort_test::make_gloo_group(store, rank, 2);
+  const auto regions = stacked_model();
+  on_ranks(2, 0, [&](cohort_test::gloo_group& pg, cohort_test::gloo_group*, int rank) {
     cohort::training_state<cohort::gloo, float> state{pg, regions, reproducible_options(4, 8)};
-    const std::size_t micro_steps = rank == 1 ? 3 : 2;  // M / world is 2
-    RANK_CHECK_THROWS(
-        cohort::error,
-        [&] {
-          for (std::size_t t = 0; t + 1 < micro_steps; ++t) {
-            auto accumulating = state.no_sync();
-            backward(state, regions, static_cast<std::size_t>(rank) * 2 + t, 0, nullptr);
-          }
-          backward(state, regions, static_cast<std::size_t>(rank) * 2 + micro_steps - 1, 0, nullptr);
-          state.step();
-        }(),
-        "rank 1 ran 3 micro-steps this step where every rank must run 2");
+    const std::size_t count = rank == 1 ? 3 : 2;  // M / world is 2
+    RANK_CHECK_THROWS(cohort::error,
+                      (micro_steps(state, regions, static_cast<std::size_t>(rank) * 2, count, 0), state.step()),
+                      "rank 1 ran 3 micro-steps this step where every rank must run 2");
+  });
+}
+
+TEST_CASE("reproducible: hybrid, one copy's rank that runs one micro-step more is refused at the step on every rank",
+          "[training_state][reproducible][gloo]") {
+  // Groups {0, 1} and {2, 3}, replicas {0, 2} and {1, 3}: rank 2, the second copy's first, is
+  // position 2 of the tree. The first copy agrees within its group; it must learn of rank 2
+  // from the exchange over the copies, not wait there for the second copy until the timeout.
+  const auto regions = stacked_model();
+  on_ranks(4, 2, [&](cohort_test::gloo_group& group, cohort_test::gloo_group* replicas, int rank) {
+    cohort::training_state<cohort::gloo, float> state{group, regions, reproducible_options(8, 8), replicas};
+    const std::size_t count = rank == 2 ? 3 : 2;  // M / world is 2
+    RANK_CHECK_THROWS(cohort::error,
+                      (micro_steps(state, regions, static_cast<std::size_t>(rank) * 2, count, 0), state.step()),
+                      "rank 2 ran 3 micro-steps this step where every rank must run 2 (8 micro-batches over 4 ranks");
   });
 }
 
 TEST_CASE("reproducible: join() is refused on every rank", "[training_state][reproducible][gloo]") {
-  const auto regions = model();
-  auto store = std::make_shared<cohort::memory_store>();
-  cohort_test::run_ranks(2, [&](int rank) {
-    auto pg = cohort_test::make_gloo_group(store, rank, 2);
+  const auto regions = stacked_model();
+  on_ranks(2, 0, [&](cohort_test::gloo_group& pg, cohort_test::gloo_group*, int) {
     cohort::training_state<cohort::gloo, float> state{pg, regions, reproducible_options(4, 8)};
     bool ran = false;
     RANK_CHECK_THROWS(cohort::error, state.join([&] { ran = true; }), "reproducible: a join changes which ranks");
@@ -307,10 +320,7 @@ TEST_CASE("reproducible: saved at 4 ranks zero3 and resumed at 2 ranks ddp, the 
 
 TEST_CASE("reproducible: the exact norm's integers are the same whatever cut the elements, and the norm is the norm",
           "[training_state][reproducible][gloo]") {
-  auto store = std::make_shared<cohort::memory_store>();
-  cohort_test::run_ranks(1, [&](int rank) {
-    auto pg = cohort_test::make_gloo_group(store, rank, 1);
-    auto& engine = pg.backend();
+  on_host_engine([&](auto& engine) {
     std::vector<float> g(10007);
     for (std::size_t e = 0; e < g.size(); ++e) g[e] = std::sin(0.7f * static_cast<float>(e)) * (1.0f + (e % 13));
     double max = 0;
@@ -341,6 +351,52 @@ TEST_CASE("reproducible: the exact norm's integers are the same whatever cut the
   });
 }
 
+// The norm's two host passes take their values several at a time (lanes of maxima, divisions
+// two by two); their results must be the one-by-one formulas' bits: magnitude()'s maximum
+// and the sums of fixed_point_square's halves. Counts on and off every lane width, values of
+// mixed magnitudes with -0, the maximum itself (a square of 1, capped) and, for the maximum,
+// an inf and a NaN at the end and inside.
+TEMPLATE_TEST_CASE(
+    "reproducible: the norm's maximum and fixed-point squares have the bits of the element-wise formulas",
+    "[training_state][reproducible][gloo]", float, double, cohort::bfloat16, cohort::half) {
+  using T = TestType;
+  constexpr auto type = cohort::dtype_v<T>;
+  on_host_engine([&](auto& engine) {
+    for (const std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{7}, std::size_t{9},
+                                    std::size_t{17}, std::size_t{10007}}) {
+      std::vector<T> x(count);
+      for (std::size_t e = 0; e < count; ++e)
+        x[e] = T(std::sin(0.61f * static_cast<float>(e)) * std::ldexp(1.0f, static_cast<int>(e % 23) - 11));
+      if (count > 2) x[2] = T(-0.0f);
+      double expected_max = 0;
+      for (const T value : x) expected_max = std::max(expected_max, cohort::detail::magnitude(value));
+      double max = 0;
+      cohort::max_magnitude(engine, x.data(), count, type, &max).wait();
+      RANK_CHECK(std::memcmp(&max, &expected_max, sizeof max) == 0, "count " << count << ": " << max);
+      if (count == 0) continue;
+      if (max > 0) {  // as the norm asks: all zeros need no squares
+        std::uint64_t expected[2] = {0, 0}, got[2] = {0, 0};
+        for (const T value : x) {
+          const std::uint64_t square = cohort::detail::fixed_point_square(value, max);
+          expected[0] += square >> 32;
+          expected[1] += square & 0xffffffffu;
+        }
+        cohort::fixed_point_squares(engine, x.data(), count, type, &max, got).wait();
+        RANK_CHECK(got[0] == expected[0] && got[1] == expected[1], "count " << count);
+      }
+      for (const std::size_t at : {count - 1, count / 2}) {
+        for (const T bad : {T(std::numeric_limits<float>::infinity()), T(std::numeric_limits<float>::quiet_NaN())}) {
+          std::vector<T> with_bad = x;
+          with_bad[at] = bad;
+          double found = 0;
+          cohort::max_magnitude(engine, with_bad.data(), count, type, &found).wait();
+          RANK_CHECK(std::isinf(found), "count " << count << ", at " << at);
+        }
+      }
+    }
+  });
+}
+
 // The fused sum of parts that the reproducible reduction runs (one pass) against the passes it
 // replaced: the tree's accumulates in for_each_canonical_pair's order, then the divide. Counts
 // on and off the host's 2048-element blocks, values of mixed magnitudes so that the order of
@@ -351,10 +407,7 @@ TEMPLATE_TEST_CASE(
     "[training_state][reproducible][gloo]", float, double, cohort::bfloat16, cohort::half) {
   using T = TestType;
   constexpr auto type = cohort::dtype_v<T>;
-  auto store = std::make_shared<cohort::memory_store>();
-  cohort_test::run_ranks(1, [&](int rank) {
-    auto pg = cohort_test::make_gloo_group(store, rank, 1);
-    auto& engine = pg.backend();
+  on_host_engine([&](auto& engine) {
     for (const std::size_t count : {std::size_t{1}, std::size_t{2047}, std::size_t{2049}, std::size_t{5003}})
       for (std::size_t n = 1; n <= 9; ++n)
         for (const int divisor : {0, 3, 8}) {

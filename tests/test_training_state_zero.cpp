@@ -27,16 +27,10 @@ namespace {
 using cohort::region;
 using cohort::strategy;
 
-// [embedding | a_0 .. a_3 | b_0 .. b_3], as flat_fixtures' stacked_model: the a tensors (the
-// "matrices") decay, the embedding and the b tensors do not. Region 1 + l is a_l, 5 + l is b_l.
-constexpr std::size_t embedding = 7, layers = 4;
-std::vector<region> stacked_model() {
-  std::vector<region> regions{{"embedding", 0, embedding, 0, false}};
-  const auto stacked = cohort::stacked_regions({{"a", 5, true}, {"b", 3, false}}, layers, 1, embedding);
-  regions.insert(regions.end(), stacked.begin(), stacked.end());
-  return regions;
-}
-std::size_t elements(const std::vector<region>& regions) { return regions.back().offset + regions.back().count; }
+// flat_fixtures' stacked model: region 1 + l is a_l, 5 + l is b_l.
+using cohort_test::element_count;
+using cohort_test::stacked_model;
+constexpr std::size_t embedding = cohort_test::stacked_embedding, layers = cohort_test::stacked_layers;
 
 float initial_parameter(std::size_t e) { return 0.1f * static_cast<float>(e % 11) - 0.5f; }
 // Rank r's unscaled gradient at step s: varied signs and sizes, so clipping bites.
@@ -56,7 +50,7 @@ constexpr double max_norm = 0.5;
 // The same training on one process, in double, over its first `upto` steps: the reference.
 std::vector<double> reference(int world, int upto = steps) {
   const auto regions = stacked_model();
-  const std::size_t n = elements(regions);
+  const std::size_t n = element_count(regions);
   std::vector<double> p(n), m(n, 0.0), v(n, 0.0);
   for (std::size_t e = 0; e < n; ++e) p[e] = initial_parameter(e);
   int t = 0;
@@ -96,7 +90,7 @@ std::vector<std::size_t> regions_of(std::size_t l) {
 // zero1/zero2 are published while step() returns: a layer's read must wait for its part.
 void train(int world, strategy kind, bool forward = false) {
   const auto regions = stacked_model();
-  const std::size_t n = elements(regions);
+  const std::size_t n = element_count(regions);
   const auto expected = reference(world);
   auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(world, [&](int rank) {

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "cohort/comm/detail/elementwise.hpp"
 #include "cohort/comm/host_values.hpp"
 #include "cohort/comm/process_group.hpp"
 #include "cohort/detail/text.hpp"
@@ -34,28 +35,12 @@ constexpr void for_each_canonical_pair(std::size_t n, Add&& add) {
     for (std::size_t into = 0; into + stride < n; into += 2 * stride) add(into, into + stride);
 }
 
-// The sum of `values` in the canonical order (host scalars: a step's losses, say). Empty: 0.
+// The sum of `values` in the canonical order (host scalars: a step's losses, say), by the one
+// binary counter the device's fused sum of parts runs too. Empty: 0.
 template <class T>
 constexpr T canonical_sum(std::span<const T> values) {
   if (values.empty()) return T{};
-  T partial[64];           // the binary counter's levels: enough for 2^64 values
-  std::size_t filled = 0;  // values folded in so far; bit l set: partial[l] holds a full level-l node
-  for (const T& value : values) {
-    T carry = value;
-    std::size_t level = 0;
-    for (; (filled >> level) & 1; ++level) carry = partial[level] + carry;
-    partial[level] = carry;
-    ++filled;
-  }
-  // The odd ones out, smallest first: what the levels above would add them to.
-  T sum{};
-  bool started = false;
-  for (std::size_t level = 0; level < 64; ++level) {
-    if (!((filled >> level) & 1)) continue;
-    sum = started ? partial[level] + sum : partial[level];
-    started = true;
-  }
-  return sum;
+  return detail::canonical_tree_sum<T>(values.size(), [&](std::size_t i) { return values[i]; });
 }
 
 // The mean of values spread over the ranks in one global order, rank 0's first, then rank 1's,

@@ -43,6 +43,7 @@
 #include "cohort/comm/host_values.hpp"
 #include "cohort/config.hpp"
 #include "cohort/detail/sha256.hpp"
+#include "cohort/error.hpp"
 #include "cohort/parallel/training_state.hpp"
 #include "cohort/types.hpp"
 
@@ -65,9 +66,16 @@ COHORT_DECL std::string fingerprint_of_chunks(std::span<const std::uint64_t> wor
 
 // Collective: every rank calls it between steps, alike (at zero3 its gathers pair up across
 // the ranks); 64 lower-case hex digits, the same on every rank. Under trainer_optimizer, after
-// publish_parameters(), as any gather.
+// publish_parameters(), as any gather. Refused inside join()'s loop, before any collective:
+// there a rank out of data waits in the join's agreement, which the digest's all-reduce would
+// meet instead (the others fail within their timeout, as when a join's loop throws).
 template <backend B, element P, element G>
 std::string parameter_sha256(training_state<B, P, G>& state) {
+  if (state.joining())
+    throw error(state.rank(), "parameter_sha256",
+                "called inside join()'s loop: a rank that ran out of data waits there in the join's agreement, "
+                "which the digest's all-reduce would pair with",
+                "call parameter_sha256 on every rank after join() returns");
   const auto& regions = state.regions();
   std::vector<std::size_t> first_chunk(regions.size() + 1, 0);
   std::vector<std::vector<std::size_t>> regions_of_layer(state.layer_count());

@@ -467,6 +467,9 @@ class training_state {
   void join(Loop&& loop, join_options options = {});
   // Ranks that contributed to the last step (the world, outside a join).
   int last_contributors() const noexcept { return last_contributors_; }
+  // Inside join()'s loop, where a collective of the trainer's own would pair with the agreement
+  // that a rank out of data waits in (parameter_sha256 refuses to run there).
+  bool joining() const noexcept { return join_.has_value(); }
 
   // --- what it is and what it holds ----------------------------------------------------------
   cohort::strategy strategy() const noexcept { return options_.strategy; }

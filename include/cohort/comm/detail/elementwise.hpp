@@ -56,7 +56,7 @@ COHORT_HOST_DEVICE inline To converted(From x) {
 
 // a + b in T's own precision (16-bit floats through float).
 template <class T>
-COHORT_HOST_DEVICE inline T added(T a, T b) {
+COHORT_HOST_DEVICE constexpr T added(T a, T b) {
   if constexpr (is_16bit_float<T>)
     return T(static_cast<float>(a) + static_cast<float>(b));
   else
@@ -64,10 +64,10 @@ COHORT_HOST_DEVICE inline T added(T a, T b) {
 }
 
 // The canonical tree (cohort/parallel/canonical_order.hpp) over value(0) .. value(n - 1), n > 0,
-// every node rounded to T as `added` rounds it: canonical_sum's binary counter, so that one
-// thread holds the tree in log2(n) + 1 values instead of n (the device's fused sum of parts).
+// every node rounded to T as `added` rounds it, as a binary counter, so that one thread holds
+// the tree in log2(n) + 1 values instead of n: the device's fused sum of parts and canonical_sum.
 template <class T, class Value>
-COHORT_HOST_DEVICE inline T canonical_tree_sum(std::size_t n, Value&& value) {
+COHORT_HOST_DEVICE constexpr T canonical_tree_sum(std::size_t n, Value&& value) {
   T levels[64];  // bit l of the count so far set: levels[l] holds a full level-l node
   for (std::size_t p = 0; p < n; ++p) {
     T carry = value(p);
@@ -124,14 +124,18 @@ COHORT_HOST_DEVICE inline double magnitude(T x) {
   return value < 0 ? -value : value;
 }
 
+// floor(square x 2^64), capped at 2^64 - 1 (a square of 1 or more, a NaN).
+COHORT_HOST_DEVICE inline std::uint64_t fixed_point(double square) {
+  if (!(square < 1.0)) return ~std::uint64_t{0};
+  return static_cast<std::uint64_t>(square * 18446744073709551616.0);  // x 2^64: exact, below 2^64
+}
+
 // floor((x / max)^2 x 2^64), capped at 2^64 - 1: a square in fixed point, so that sums of them
 // are exact integers whatever order and cut adds them (a reproducible norm). 0 < max, |x| <= max.
 template <class T>
 COHORT_HOST_DEVICE inline std::uint64_t fixed_point_square(T x, double max) {
   const double ratio = widened(x) / max;
-  const double square = ratio * ratio;
-  if (!(square < 1.0)) return ~std::uint64_t{0};
-  return static_cast<std::uint64_t>(square * 18446744073709551616.0);  // x 2^64: exact, below 2^64
+  return fixed_point(ratio * ratio);
 }
 
 // Optimizer updates of one element of a shard. grad_scale multiplies the gradient first

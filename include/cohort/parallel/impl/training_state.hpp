@@ -1308,15 +1308,22 @@ void training_state<B, P, G>::fold_micro_step() {
 // At the step's first reduction every rank says how many micro-steps it ran: a rank with
 // another count (one more micro-batch, one fewer) would change the tree, so every rank refuses,
 // naming each that differs. A rank still accumulating joins this exchange at its own last
-// micro-step, and fails alike.
+// micro-step, and fails alike. With replicas the groups' counts then meet over the replicas
+// (the world's, in replica order): a copy that refused alone would leave the others waiting in
+// the exchange over the copies until the timeout.
 template <backend B, element P, element G>
 void training_state<B, P, G>::agree_on_micro_steps() {
   micro_steps_agreed_ = true;
   const auto mine = static_cast<std::int64_t>(folded_ + 1);
+  constexpr std::string_view agreement = "reproducible micro-step agreement";
   std::vector<std::int64_t> counts;
   {
-    const auto labelled = group_->call_context_within("reproducible micro-step agreement");
+    const auto labelled = group_->call_context_within(agreement);
     counts = all_gather_values(*group_, std::span<const std::int64_t>(&mine, 1));
+  }
+  if (replicated()) {
+    const auto labelled = replicas_->call_context_within(agreement);
+    counts = all_gather_values(*replicas_, std::span<const std::int64_t>(counts));
   }
   const std::string refusal =
       detail::micro_step_disagreement(counts, micro_steps_per_rank(), options_.reproducible->micro_batches);
