@@ -3,9 +3,11 @@
 // TCP store, and run collectives over Gloo; a rank that dies becomes an error on the others.
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -20,9 +22,11 @@
 #include <cohort/run/run_ranks.hpp>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <initializer_list>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -677,6 +681,116 @@ TEST_CASE("run_ranks under a launcher: a subgroup's failure names the group and 
     return 1;
   });
   REQUIRE(codes == std::vector<int>{2, 0, 2, 42});
+}
+
+namespace {
+
+// Leaves this process no file descriptor to open while it lives (a rank that has run out of
+// them: its pairs, its shared memory): the limit at the lowest number not in use, so the
+// descriptors it holds keep working.
+class descriptors_exhausted {
+ public:
+  descriptors_exhausted() {
+    ::getrlimit(RLIMIT_NOFILE, &before_);
+    int lowest_free = 0;
+    while (::fcntl(lowest_free, F_GETFD) != -1 || errno != EBADF) ++lowest_free;
+    rlimit now = before_;
+    now.rlim_cur = static_cast<rlim_t>(lowest_free);
+    ::setrlimit(RLIMIT_NOFILE, &now);
+  }
+  descriptors_exhausted(const descriptors_exhausted&) = delete;
+  descriptors_exhausted& operator=(const descriptors_exhausted&) = delete;
+  ~descriptors_exhausted() { ::setrlimit(RLIMIT_NOFILE, &before_); }
+
+ private:
+  rlimit before_{};
+};
+
+// What a child wrote to stderr, line by line (redirect_stderr_to in the child).
+std::vector<std::string> lines_of(const std::string& path) {
+  std::vector<std::string> lines;
+  std::ifstream file(path);
+  for (std::string line; std::getline(file, line);) lines.push_back(line);
+  return lines;
+}
+
+}  // namespace
+
+// A hybrid run (2 nodes x 2 ranks) whose world rank 3 cannot open a descriptor when the replicas
+// groups are made: it never publishes its address in its group's rendezvous (world ranks 1, 3).
+// World rank 1, group rank 0 there, said "rank 1 never arrived at the rendezvous": its own
+// number in the world, naming neither the group nor world rank 3; its progress lines told it
+// "rank 0 names them", itself. Now every line a rank prints names the group and world ranks.
+TEST_CASE("run_ranks under a launcher: a subgroup member missing at its rendezvous is named by world rank",
+          "[multiprocess][faults]") {
+  auto envs = torchrun_envs(4, 4, std::to_string(free_port()));
+  const std::string logs = fresh_trace_dir("subgroup_rendezvous");
+  for (int r = 0; r < 4; ++r) {
+    auto& env = envs[static_cast<std::size_t>(r)];
+    env["LOCAL_RANK"] = std::to_string(r % 2);
+    env["LOCAL_WORLD_SIZE"] = "2";
+    env["COHORT_PROGRESS_INTERVAL"] = "1";  // the rendezvous' progress lines within its timeout
+    env["TEST_LOG"] = logs + "/rank" + std::to_string(r) + ".log";
+  }
+  const auto codes = run_children(envs, [] {
+    const int log = ::open(std::getenv("TEST_LOG"), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    ::dup2(log, STDERR_FILENO);
+    ::close(log);
+    try {
+      cohort::run_ranks(0, [](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+        cohort::gloo::options opts;
+        opts.timeout = std::chrono::seconds(3);
+        cohort::process_group<cohort::gloo> pg{store, env, opts};
+        std::optional<descriptors_exhausted> exhausted;
+        if (env.rank == 3) exhausted.emplace();
+        auto replicas = pg.split(pg.local_rank(), pg.rank() - pg.local_rank());
+        exhausted.reset();
+        std::vector<float> data(256, 1.0f);
+        replicas->all_reduce(std::span<float>(data)).wait();
+      });
+    } catch (const cohort::error& failure) {
+      std::fprintf(stderr, "rank saw: %s\n", failure.what());
+      return 5;
+    }
+    return 0;
+  });
+  std::vector<std::vector<std::string>> printed;
+  for (int r = 0; r < 4; ++r) printed.push_back(lines_of(logs + "/rank" + std::to_string(r) + ".log"));
+  for (int r = 0; r < 4; ++r)
+    for (const auto& line : printed[static_cast<std::size_t>(r)]) UNSCOPED_INFO("rank " << r << ": " << line);
+  CHECK(codes == std::vector<int>{5, 5, 5, 5});
+  // World rank 1 waited in group pg1.split0.color1, whose group rank 1 is world rank 3.
+  bool named = false;
+  int progress = 0;
+  for (const auto& line : printed[1]) {
+    if (line.find("rendezvous") == std::string::npos) continue;
+    CHECK(line.find("pg1.split0.color1") != std::string::npos);
+    CHECK(line.find("rank 1 never") == std::string::npos);
+    CHECK(line.find("(rank 0 ") == std::string::npos);
+    if (line.find("rendezvous: waiting") != std::string::npos) {
+      ++progress;
+      CHECK(line.find("world rank 3 (group rank 1) never arrived at the rendezvous") != std::string::npos);
+    }
+    if (line.find("gloo.rendezvous: group pg1.split0.color1 (world ranks 1, 3): world rank 3 (group rank 1) "
+                  "never arrived at the rendezvous") != std::string::npos)
+      named = true;
+  }
+  CHECK(named);
+  CHECK(progress >= 1);
+  // World rank 3 says why it never arrived, naming its peer the same way.
+  bool said_why = false;
+  for (const auto& line : printed[3])
+    said_why = said_why || line.find(
+                               "cohort [rank 3] gloo.rendezvous: group pg1.split0.color1 (world ranks 1, 3): "
+                               "cannot open this rank's end of its connection with world rank 1 (group rank "
+                               "0)") != std::string::npos;
+  CHECK(said_why);
+  // Every line of every rank that names a group's rank names it by world rank.
+  for (int r = 0; r < 4; ++r)
+    for (const auto& line : printed[static_cast<std::size_t>(r)]) {
+      INFO("rank " << r << ": " << line);
+      if (line.find("group rank") != std::string::npos) CHECK(line.find("world rank") != std::string::npos);
+    }
 }
 
 // Rank 0 publishes its verdict and serves until the ranks that reported have read it; one that

@@ -272,9 +272,10 @@ class nccl {
   COHORT_DECL nccl(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts);
 
   // Subgroup: ncclCommSplit; every rank of the parent calls it, excluded ones with a
-  // negative color (no communicator, nullptr returned).
+  // negative color (no communicator, nullptr returned). `members`: the parent's rank of each
+  // of its ranks, in order (its size).
   COHORT_DECL static std::unique_ptr<nccl> split(nccl& parent, std::shared_ptr<cohort::store> /*sub_store*/, int color,
-                                                 int key, int new_rank, int new_size);
+                                                 int key, int new_rank, const std::vector<int>& members);
 
   nccl(const nccl&) = delete;
   nccl& operator=(const nccl&) = delete;

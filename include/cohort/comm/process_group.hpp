@@ -484,6 +484,8 @@ class process_group {
     }
     std::sort(mine.begin(), mine.end(),
               [](const member& a, const member& b) { return a.key != b.key ? a.key < b.key : a.rank < b.rank; });
+    std::vector<int> members;  // this group's rank of each of the new group's ranks
+    for (const member& m : mine) members.push_back(m.rank);
     launch_env sub_env = env_;
     sub_env.rank = -1;
     sub_env.world_size = static_cast<int>(mine.size());
@@ -497,7 +499,7 @@ class process_group {
       if (mine[i].node == my_node) ++sub_env.local_world_size;
     }
     auto sub_store = std::make_shared<prefix_store>(store_, detail::text(base, "color", std::to_string(color), "/"));
-    auto sub_backend = B::split(*backend_, sub_store, color, key, sub_env.rank, sub_env.world_size);
+    auto sub_backend = B::split(*backend_, sub_store, color, key, sub_env.rank, members);
     if (color < 0 || !sub_backend) return std::nullopt;
     return process_group(std::move(sub_env), std::move(sub_store), std::move(sub_backend), debug_);
   }
