@@ -81,7 +81,6 @@ struct gloo_peer {
   std::string host;           // its gethostname()
   long pid = 0;               // its process id
   std::string process_table;  // where `pid` means something: boot id and pid namespace (see process_table_id)
-  int world_rank = -1;        // its rank in the world group (a subgroup's ranks are numbered anew)
   std::string address;        // the numeric address it listens on
   std::vector<char> pairs;    // its pairs' addresses (Gloo's bytes), one per other rank in order
   std::string shared_memory;  // where its shared-memory segment is; empty: it has none (TCP only)

@@ -80,10 +80,10 @@ class gloo_mesh_context final : public ::gloo::Context {
 };
 
 // What a rank publishes at the rendezvous, under "gloo/<rank>": a text header (format tag,
-// host name, process id, its process table, its world rank, listen address, where its
-// shared-memory segment is or "tcp"), then the bytes of its pairs' addresses, one per other
-// rank in rank order.
-inline constexpr std::string_view gloo_peer_format = "cohort-gloo-3";
+// host name, process id, its process table, listen address, where its shared-memory segment
+// is or "tcp"), then the bytes of its pairs' addresses, one per other rank in rank order. (A
+// subgroup's world ranks come from the split, known before anyone publishes.)
+inline constexpr std::string_view gloo_peer_format = "cohort-gloo-4";
 
 inline std::string this_host_name() {
   char name[256] = {};
@@ -130,8 +130,7 @@ inline process_seen look_up_process(long pid) {
 inline bytes encode_gloo_peer(const gloo_peer& mine) {
   const std::string header =
       detail::text(gloo_peer_format, "\n", mine.host, "\n", std::to_string(mine.pid), "\n", mine.process_table, "\n",
-                   std::to_string(mine.world_rank), "\n", mine.address, "\n",
-                   (mine.shared_memory.empty() ? std::string("tcp") : mine.shared_memory), "\n");
+                   mine.address, "\n", (mine.shared_memory.empty() ? std::string("tcp") : mine.shared_memory), "\n");
   bytes value(header.begin(), header.end());
   value.insert(value.end(), mine.pairs.begin(), mine.pairs.end());
   return value;
@@ -140,7 +139,7 @@ inline bytes encode_gloo_peer(const gloo_peer& mine) {
 // False when `value` is not what encode_gloo_peer writes for a world of `size`.
 inline bool decode_gloo_peer(const bytes& value, int size, gloo_peer& out) {
   std::size_t at = 0;
-  std::string fields[7];
+  std::string fields[6];
   for (auto& field : fields) {
     const auto end = std::find(value.begin() + static_cast<std::ptrdiff_t>(at), value.end(), '\n');
     if (end == value.end()) return false;
@@ -149,18 +148,14 @@ inline bool decode_gloo_peer(const bytes& value, int size, gloo_peer& out) {
   }
   if (fields[0] != gloo_peer_format) return false;
   int pid = 0;
-  int world_rank = -1;
-  if (!parse_int_fields(fields[2], ',', std::span<int>(&pid, 1)) ||
-      !parse_int_fields(fields[4], ',', std::span<int>(&world_rank, 1)))
-    return false;
+  if (!parse_int_fields(fields[2], ',', std::span<int>(&pid, 1))) return false;
   const std::size_t rest = value.size() - at;
   if (size < 2 || rest == 0 || rest % static_cast<std::size_t>(size - 1) != 0) return false;
   out.host = fields[1];
   out.pid = pid;
   out.process_table = fields[3];
-  out.world_rank = world_rank;
-  out.address = fields[5];
-  out.shared_memory = fields[6] == "tcp" ? std::string() : fields[6];
+  out.address = fields[4];
+  out.shared_memory = fields[5] == "tcp" ? std::string() : fields[5];
   out.pairs.assign(value.begin() + static_cast<std::ptrdiff_t>(at), value.end());
   return true;
 }
@@ -388,7 +383,6 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
   mine.host = detail::this_host_name();
   mine.pid = static_cast<long>(::getpid());
   mine.process_table = detail::process_table_id();
-  mine.world_rank = world_rank_;
   mine.address = address_;
   const char* shared_memory_env = std::getenv("COHORT_GLOO_SHARED_MEMORY");
   // Made before the rendezvous, so that where it is travels with the addresses.
