@@ -239,6 +239,8 @@ class gloo {
   // The address this rank listens on and published at the rendezvous (numeric).
   const std::string& address() const noexcept { return address_; }
   const options& settings() const noexcept { return options_; }
+  // How its messages name its ranks: a subgroup's by world rank, with the group.
+  const detail::rank_naming& names() const noexcept { return names_; }
   // The group's last calls (see options::flight_recorder_entries).
   const flight_recorder& recorder() const noexcept { return recorder_; }
   // Writes the flight recorder to `directory` now (as a failure does when trace_dir is set);

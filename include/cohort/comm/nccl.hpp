@@ -287,6 +287,8 @@ class nccl {
   cudaStream_t stream() const noexcept { return state_->stream; }
   ncclComm_t communicator() const noexcept { return state_->comm; }
   const options& settings() const noexcept { return options_; }
+  // How its messages name its ranks: a subgroup's by world rank, with the group.
+  detail::rank_naming names() const { return state_->board ? state_->board->names() : detail::rank_naming{}; }
   const flight_recorder& recorder() const noexcept { return *state_->recorder; }
   // The context recorded with each call issued from now on (process_group::call_context).
   const call_label& call_context() const noexcept { return call_context_; }
