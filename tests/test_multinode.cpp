@@ -733,6 +733,35 @@ TEST_CASE("two jobs on one port: the stranger is refused at once naming both job
   }
 }
 
+// The same two jobs with distinct ids started at the same moment (issue 45's targets: every
+// combination of ids and starts): whichever rank 0 holds the port first, its job trains alone and
+// every rank of the other is refused naming both jobs, before any collective.
+TEST_CASE("two jobs with distinct ids started together on one port: one trains alone, the other is refused",
+          "[multinode]") {
+  auto nodes = make_cluster(2);
+  hosts_name_every_node(*nodes);
+  auto ranks = job_ranks(*nodes, 2, "job-B");
+  for (auto rank : job_ranks(*nodes, 2, "job-A")) ranks.push_back(rank);
+  for (auto& rank : ranks) rank.env["COHORT_TEST_COMPUTE_MS"] = "100";
+  const auto out = run_jobs(*nodes, ranks, std::chrono::seconds(60));
+  INFO(shown(out));
+  int jobs_trained = 0;
+  for (int job = 0; job < 2; ++job) {
+    int trained = 0;
+    for (int r = 0; r < 4; ++r) {
+      const auto& rank = out[static_cast<std::size_t>(job * 4 + r)];
+      CHECK_FALSE(rank.says("wrong sum"));
+      if (rank.code == 0 && rank.says("OK"))
+        ++trained;
+      else
+        CHECK((rank.says("is in use, held by rank 0 of another cohort job") || rank.says("which serves job job-")));
+    }
+    CHECK((trained == 0 || trained == 4));
+    if (trained == 4) ++jobs_trained;
+  }
+  CHECK(jobs_trained == 1);
+}
+
 // Two jobs whose ids cannot tell them apart (no id, or torchrun's default `none` on both) on
 // one port, together and staggered: B's rank 0 printed its result with A's ranks in its group,
 // and B's own rank 2 was refused as a second rank 2. Now a second claim of a rank fails the

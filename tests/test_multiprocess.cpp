@@ -3,13 +3,16 @@
 // TCP store, and run collectives over Gloo; a rank that dies becomes an error on the others.
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cohort/comm/gloo.hpp>
@@ -20,9 +23,11 @@
 #include <cohort/run/run_ranks.hpp>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <initializer_list>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -638,6 +643,64 @@ TEST_CASE("a store that cannot be reached: a closed connection of a running rank
   REQUIRE(codes == std::vector<int>{7, 0, 0});
 }
 
+namespace {
+
+// Leaves this process no file descriptor to open while it lives (a rank that has run out of
+// them: its pairs, its shared memory): the limit at the lowest number not in use, so the
+// descriptors it holds keep working.
+class descriptors_exhausted {
+ public:
+  descriptors_exhausted() {
+    ::getrlimit(RLIMIT_NOFILE, &before_);
+    int lowest_free = 0;
+    while (::fcntl(lowest_free, F_GETFD) != -1 || errno != EBADF) ++lowest_free;
+    rlimit now = before_;
+    now.rlim_cur = static_cast<rlim_t>(lowest_free);
+    ::setrlimit(RLIMIT_NOFILE, &now);
+  }
+  descriptors_exhausted(const descriptors_exhausted&) = delete;
+  descriptors_exhausted& operator=(const descriptors_exhausted&) = delete;
+  ~descriptors_exhausted() { ::setrlimit(RLIMIT_NOFILE, &before_); }
+
+ private:
+  rlimit before_{};
+};
+
+// A child's stderr goes to the file TEST_LOG names, for the test to read every line it printed.
+void redirect_stderr_to_test_log() {
+  const int log = ::open(std::getenv("TEST_LOG"), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  ::dup2(log, STDERR_FILENO);
+  ::close(log);
+}
+
+// What a child wrote to stderr, line by line (redirect_stderr_to_test_log).
+std::vector<std::string> lines_of(const std::string& path) {
+  std::vector<std::string> lines;
+  std::ifstream file(path);
+  for (std::string line; std::getline(file, line);) lines.push_back(line);
+  return lines;
+}
+
+// The ranks a subgroup's message names by a bare number ("rank 1", "ranks 0, 1"): in each
+// part of `line` from "group pg1.split" to its hint, a "rank N" not preceded by "world " or
+// "group ". A run_ranks line's own ranks, outside those parts, are world ranks already.
+int bare_ranks_in_subgroup_messages(std::string_view line) {
+  int bare = 0;
+  for (auto from = line.find("group pg1.split"); from != std::string_view::npos;
+       from = line.find("group pg1.split", from + 1)) {
+    const std::string_view part = line.substr(from, line.find("(hint:", from) - from);
+    for (auto at = part.find("rank"); at != std::string_view::npos; at = part.find("rank", at + 1)) {
+      const auto number = part.find_first_not_of("s ", at + 4);
+      const bool numbered = number != std::string_view::npos && number > at + 4 && std::isdigit(part[number]) != 0;
+      const bool qualified = at >= 6 && (part.substr(at - 6, 6) == "world " || part.substr(at - 6, 6) == "group ");
+      if (numbered && !qualified) ++bare;
+    }
+  }
+  return bare;
+}
+
+}  // namespace
+
 // A hybrid run (2 nodes x 2 ranks, replicas split across nodes): world rank 3 dies in its
 // replicas group (world ranks 1, 3). World rank 1 said "cohort [rank 0] ... rank 1 died or
 // exited", in the group's own numbers, naming neither the group nor world rank 3. Now its error
@@ -645,11 +708,15 @@ TEST_CASE("a store that cannot be reached: a closed connection of a running rank
 TEST_CASE("run_ranks under a launcher: a subgroup's failure names the group and world ranks",
           "[multiprocess][faults]") {
   auto envs = torchrun_envs(4, 4, std::to_string(free_port()));
+  const std::string logs = fresh_trace_dir("subgroup_failure");
   for (int r = 0; r < 4; ++r) {
     envs[static_cast<std::size_t>(r)]["LOCAL_RANK"] = std::to_string(r % 2);
     envs[static_cast<std::size_t>(r)]["LOCAL_WORLD_SIZE"] = "2";
+    envs[static_cast<std::size_t>(r)]["COHORT_PROGRESS_INTERVAL"] = "1";
+    envs[static_cast<std::size_t>(r)]["TEST_LOG"] = logs + "/rank" + std::to_string(r) + ".log";
   }
   const auto codes = run_children(envs, [] {
+    redirect_stderr_to_test_log();
     try {
       cohort::run_ranks(0, [](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
         cohort::gloo::options opts;
@@ -676,7 +743,97 @@ TEST_CASE("run_ranks under a launcher: a subgroup's failure names the group and 
     }
     return 1;
   });
+  std::vector<std::vector<std::string>> printed;
+  for (int r = 0; r < 4; ++r) printed.push_back(lines_of(logs + "/rank" + std::to_string(r) + ".log"));
+  for (int r = 0; r < 4; ++r)
+    for (const auto& line : printed[static_cast<std::size_t>(r)]) UNSCOPED_INFO("rank " << r << ": " << line);
   REQUIRE(codes == std::vector<int>{2, 0, 2, 42});
+  // Every line every rank printed (the error, run_ranks' progress lines and verdicts, which
+  // quote it): the subgroup's messages name their ranks by world rank, everywhere.
+  int quoted = 0;
+  for (int r = 0; r < 4; ++r)
+    for (const auto& line : printed[static_cast<std::size_t>(r)]) {
+      INFO("rank " << r << ": " << line);
+      CHECK(bare_ranks_in_subgroup_messages(line) == 0);
+      if (line.find("group pg1.split0.color1 (world ranks 1, 3): world rank 3 (group rank 1) died") != line.npos)
+        ++quoted;
+    }
+  CHECK(quoted >= 4);  // rank 1's error, and run_ranks' verdict on ranks 0, 1, 2
+}
+
+// A hybrid run (2 nodes x 2 ranks) whose world rank 3 cannot open a descriptor when the replicas
+// groups are made: it never publishes its address in its group's rendezvous (world ranks 1, 3).
+// World rank 1, group rank 0 there, said "rank 1 never arrived at the rendezvous": its own
+// number in the world, naming neither the group nor world rank 3; its progress lines told it
+// "rank 0 names them", itself. Now every line a rank prints names the group and world ranks.
+TEST_CASE("run_ranks under a launcher: a subgroup member missing at its rendezvous is named by world rank",
+          "[multiprocess][faults]") {
+  auto envs = torchrun_envs(4, 4, std::to_string(free_port()));
+  const std::string logs = fresh_trace_dir("subgroup_rendezvous");
+  for (int r = 0; r < 4; ++r) {
+    auto& env = envs[static_cast<std::size_t>(r)];
+    env["LOCAL_RANK"] = std::to_string(r % 2);
+    env["LOCAL_WORLD_SIZE"] = "2";
+    env["COHORT_PROGRESS_INTERVAL"] = "1";  // the rendezvous' progress lines within its timeout
+    env["TEST_LOG"] = logs + "/rank" + std::to_string(r) + ".log";
+  }
+  const auto codes = run_children(envs, [] {
+    redirect_stderr_to_test_log();
+    try {
+      cohort::run_ranks(0, [](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+        cohort::gloo::options opts;
+        opts.timeout = std::chrono::seconds(3);
+        cohort::process_group<cohort::gloo> pg{store, env, opts};
+        std::optional<descriptors_exhausted> exhausted;
+        if (env.rank == 3) exhausted.emplace();
+        auto replicas = pg.split(pg.local_rank(), pg.rank() - pg.local_rank());
+        exhausted.reset();
+        std::vector<float> data(256, 1.0f);
+        replicas->all_reduce(std::span<float>(data)).wait();
+      });
+    } catch (const cohort::error& failure) {
+      std::fprintf(stderr, "rank saw: %s\n", failure.what());
+      return 5;
+    }
+    return 0;
+  });
+  std::vector<std::vector<std::string>> printed;
+  for (int r = 0; r < 4; ++r) printed.push_back(lines_of(logs + "/rank" + std::to_string(r) + ".log"));
+  for (int r = 0; r < 4; ++r)
+    for (const auto& line : printed[static_cast<std::size_t>(r)]) UNSCOPED_INFO("rank " << r << ": " << line);
+  CHECK(codes == std::vector<int>{5, 5, 5, 5});
+  // World rank 1 waited in group pg1.split0.color1, whose group rank 1 is world rank 3.
+  bool named = false;
+  int progress = 0;
+  for (const auto& line : printed[1]) {
+    if (line.find("rendezvous") == std::string::npos) continue;
+    CHECK(line.find("pg1.split0.color1") != std::string::npos);
+    CHECK(line.find("rank 1 never") == std::string::npos);
+    CHECK(line.find("(rank 0 ") == std::string::npos);
+    if (line.find("rendezvous: waiting") != std::string::npos) {
+      ++progress;
+      CHECK(line.find("world rank 3 (group rank 1) never arrived at the rendezvous") != std::string::npos);
+    }
+    if (line.find("gloo.rendezvous: group pg1.split0.color1 (world ranks 1, 3): world rank 3 (group rank 1) "
+                  "never arrived at the rendezvous") != std::string::npos)
+      named = true;
+  }
+  CHECK(named);
+  CHECK(progress >= 1);
+  // World rank 3 says why it never arrived, naming its peer the same way.
+  bool said_why = false;
+  for (const auto& line : printed[3])
+    said_why = said_why || line.find(
+                               "cohort [rank 3] gloo.rendezvous: group pg1.split0.color1 (world ranks 1, 3): "
+                               "cannot open this rank's end of its connection with world rank 1 (group rank "
+                               "0)") != std::string::npos;
+  CHECK(said_why);
+  // Every line of every rank that names a group's rank names it by world rank.
+  for (int r = 0; r < 4; ++r)
+    for (const auto& line : printed[static_cast<std::size_t>(r)]) {
+      INFO("rank " << r << ": " << line);
+      CHECK(bare_ranks_in_subgroup_messages(line) == 0);
+    }
 }
 
 // Rank 0 publishes its verdict and serves until the ranks that reported have read it; one that
@@ -697,6 +854,41 @@ TEST_CASE("run_ranks under a launcher: rank 0 does not wait for a verdict's read
   INFO("took " << took << " s; the store's timeout is 30 s, a request's bound " << cohort::run_ranks_exit_bound.count()
                << " s");
   REQUIRE(took < cohort::run_ranks_exit_bound.count() + 3.0);
+}
+
+// Rank 3 never reports (it died) and rank 1 reported its failure: rank 0 waits the grace for
+// rank 3, then publishes its verdict, and left at once, the grace being over, without waiting
+// for the ranks that reported to read it: a reader a moment slow (a loaded machine) found the
+// store closed ("cannot reach rank 0's store ... to learn how the run ended") instead of the
+// verdict. Now the readers have a request's bound to read it, whatever the grace.
+TEST_CASE("run_ranks under a launcher: rank 0 waits for the verdict's readers after the grace is over",
+          "[multiprocess][faults]") {
+  cohort::memory_store store;
+  store.set_timeout(std::chrono::seconds(2));  // the grace and a request's bound: 2 s
+  store.set("cohort/run_ranks/outcome/1", std::string_view("failed\nrank 1's error"));
+  store.add("cohort/run_ranks/failed", 1);
+  store.add("cohort/run_ranks/reported", 1);
+  store.set("cohort/run_ranks/outcome/2", std::string_view("ok"));
+  store.add("cohort/run_ranks/reported", 1);
+  std::thread readers([&] {  // ranks 1 and 2, 300 ms slow to acknowledge what they read
+    store.get("cohort/run_ranks/verdict", std::chrono::seconds(10));
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    store.add("cohort/run_ranks/acknowledged", 2);
+  });
+  cohort::launch_env env;
+  env.rank = 0;
+  env.world_size = 4;
+  std::string said;
+  try {
+    cohort::detail::finish_launched_rank(store, env, nullptr);
+  } catch (const cohort::error& failure) {
+    said = failure.what();
+  }
+  const auto acknowledged_when_rank0_left = store.add("cohort/run_ranks/acknowledged", 0);
+  readers.join();
+  CHECK_THAT(said, Catch::Contains("this rank finished, but the run failed: rank 1 failed") &&
+                       Catch::Contains("rank 3 did not report the end of its run"));
+  CHECK(acknowledged_when_rank0_left == 2);
 }
 
 namespace {

@@ -367,6 +367,32 @@ TEST_CASE("monitored_barrier names every rank that did not arrive, on every rank
   }
 }
 
+// In a subgroup (world ranks 1, 3 of 4) world rank 3 skips the second monitored barrier. World
+// rank 1, the group's rank 0, said "cohort [rank 0] ...: rank 1 did not arrive": its own world
+// number, in the group's numbering. Now it names the group and world rank 3; and the group of
+// world ranks 0, 2, where all arrive, passes.
+TEST_CASE("monitored_barrier in a subgroup names the group and the missing rank's world rank",
+          "[process_group][gloo][faults]") {
+  auto store = fresh_store();
+  std::vector<std::string> messages(4);
+  cohort_test::run_ranks(4, [&](int rank) {
+    auto pg = make_group(store, rank, 4, 20s);
+    auto pair = pg.split(rank % 2, rank);
+    pair->monitored_barrier(5s);
+    if (rank == 3) return;
+    try {
+      pair->monitored_barrier(1s);
+    } catch (const cohort::timeout_error& failure) {
+      messages[static_cast<std::size_t>(rank)] = failure.what();
+    }
+  });
+  for (const int rank : {0, 2}) CHECK(messages[static_cast<std::size_t>(rank)].empty());
+  INFO(messages[1]);
+  CHECK_THAT(messages[1],
+             Catch::StartsWith("cohort [rank 1] gloo.monitored_barrier #2: group ") &&
+                 Catch::Contains("(world ranks 1, 3): world rank 3 (group rank 1) did not arrive within 1 s"));
+}
+
 TEST_CASE("a rank that skips a call is never paired with the next one: each error names the other's call",
           "[process_group][gloo][faults]") {
   // Rank 1 skips the broadcast. Its all_reduce is its second call, the broadcast is rank 0's

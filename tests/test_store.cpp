@@ -18,7 +18,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <set>
 #include <sstream>
@@ -1781,6 +1783,31 @@ TEST_CASE("store: a silent listener on the port is named within seconds") {
                        Catch::Contains("does not speak the store protocol"));
 }
 
+namespace {
+
+// While it lives, what this process writes to stderr goes to `path` (what a rank prints).
+class stderr_to_file {
+ public:
+  explicit stderr_to_file(const std::string& path) : saved_(::dup(STDERR_FILENO)) {
+    std::fflush(stderr);
+    const int file = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    ::dup2(file, STDERR_FILENO);
+    ::close(file);
+  }
+  stderr_to_file(const stderr_to_file&) = delete;
+  stderr_to_file& operator=(const stderr_to_file&) = delete;
+  ~stderr_to_file() {
+    std::fflush(stderr);
+    ::dup2(saved_, STDERR_FILENO);
+    ::close(saved_);
+  }
+
+ private:
+  int saved_;
+};
+
+}  // namespace
+
 // The other nodes gave up on a store host later than the connect limit (60 s) while the job
 // waited 600 s: now a rank waits for the store host as long as the store's timeout.
 TEST_CASE("store: a rank waits for a late store host as long as the job's timeout, not the connect limit") {
@@ -1802,7 +1829,21 @@ TEST_CASE("store: a rank waits for a late store host as long as the job's timeou
   options.timeout = 15s;
   options.connect_timeout = 1s;  // the limit a rank used to give up at, shorter than the job's wait
   options.progress_interval = 1s;
-  auto s = cohort::connect_store(env, options);
+  const std::string log =
+      (std::filesystem::temp_directory_path() / ("cohort_late_host_" + std::to_string(::getpid()))).string();
+  std::shared_ptr<cohort::store> s;
+  {
+    const stderr_to_file lines(log);
+    s = cohort::connect_store(env, options);
+  }
+  // The waiting rank says what it waits for meanwhile (every second here, 30 s by default).
+  std::ifstream printed(log);
+  const std::string said((std::istreambuf_iterator<char>(printed)), std::istreambuf_iterator<char>());
+  std::filesystem::remove(log);
+  INFO(said);
+  CHECK_THAT(said, Catch::Contains(
+                       "tcp_store: still connecting to the store server at 127.0.0.1:" + std::to_string(port) + " (") &&
+                       Catch::Contains(" s of 15 s, "));
   CHECK(s->get_string("from-0") == "late");
   s->add("done", 1);
   CHECK(wait_child(late_host, 15s) == 0);

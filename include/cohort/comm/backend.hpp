@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "cohort/rendezvous/store.hpp"
 #include "cohort/types.hpp"
@@ -44,7 +45,7 @@ concept backend = requires(B& b, const void* in, void* out, std::size_t n, dtype
   { b.record() } -> std::same_as<typename B::work>;
   { b.copy(out, in, n) } -> std::same_as<typename B::work>;
   { b.allocate(n) } -> std::same_as<void*>;
-  { B::split(b, std::shared_ptr<store>(), peer, peer, peer, peer) } -> std::same_as<std::unique_ptr<B>>;
+  { B::split(b, std::shared_ptr<store>(), peer, peer, peer, std::vector<int>()) } -> std::same_as<std::unique_ptr<B>>;
   b.deallocate(out, n);
   w.wait();
   { w.test() } -> std::convertible_to<bool>;

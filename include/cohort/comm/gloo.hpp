@@ -81,7 +81,6 @@ struct gloo_peer {
   std::string host;           // its gethostname()
   long pid = 0;               // its process id
   std::string process_table;  // where `pid` means something: boot id and pid namespace (see process_table_id)
-  int world_rank = -1;        // its rank in the world group (a subgroup's ranks are numbered anew)
   std::string address;        // the numeric address it listens on
   std::vector<char> pairs;    // its pairs' addresses (Gloo's bytes), one per other rank in order
   std::string shared_memory;  // where its shared-memory segment is; empty: it has none (TCP only)
@@ -220,8 +219,9 @@ class gloo {
   // Rendezvous through `store` (keys under the store's own prefix) and connect a full mesh.
   COHORT_DECL gloo(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts);
 
-  // A new context over an existing device (subgroups).
-  COHORT_DECL gloo(const gloo& parent, std::shared_ptr<cohort::store> store, int rank, int size);
+  // A new context over an existing device (subgroups): `world_ranks`, the world rank of each
+  // of its ranks in order (its size), is what its messages name them by.
+  COHORT_DECL gloo(const gloo& parent, std::shared_ptr<cohort::store> store, int rank, std::vector<int> world_ranks);
 
   gloo(const gloo&) = delete;
   gloo& operator=(const gloo&) = delete;
@@ -229,15 +229,18 @@ class gloo {
   COHORT_DECL ~gloo();
 
   // Subgroup of a split (process_group::split did the bookkeeping): a new Gloo context over
-  // the same device, rendezvousing under the subgroup's store prefix.
+  // the same device, rendezvousing under the subgroup's store prefix. `members`: the parent's
+  // rank of each of its ranks, in order.
   COHORT_DECL static std::unique_ptr<gloo> split(gloo& parent, std::shared_ptr<cohort::store> sub_store, int color,
-                                                 int /*key*/, int new_rank, int new_size);
+                                                 int /*key*/, int new_rank, const std::vector<int>& members);
 
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return size_; }
   // The address this rank listens on and published at the rendezvous (numeric).
   const std::string& address() const noexcept { return address_; }
   const options& settings() const noexcept { return options_; }
+  // How its messages name its ranks: a subgroup's by world rank, with the group.
+  const detail::rank_naming& names() const noexcept { return names_; }
   // The group's last calls (see options::flight_recorder_entries).
   const flight_recorder& recorder() const noexcept { return recorder_; }
   // Writes the flight recorder to `directory` now (as a failure does when trace_dir is set);
@@ -320,7 +323,8 @@ class gloo {
   COHORT_DECL void agree_on_shared_memory(const detail::gloo_peer& mine);
   // The address `peer` published for its pair with this rank (Gloo's bytes).
   COHORT_DECL std::vector<char> peer_pair_address(int peer) const;
-  // "rank 3 published 10.0.0.4 (host node1, pid 812, its pair for this rank at [10.0.0.4]:40123)".
+  // "rank 3 published 10.0.0.4 (host node1, pid 812, its pair for this rank at [10.0.0.4]:40123)";
+  // a subgroup's "world rank 3 (group rank 1) published ...".
   [[gnu::cold]] COHORT_DECL std::string describe_peer(int peer) const;
   COHORT_DECL void start_watchdog();
   // The watchdog's check: the progress monitor on the call that waits (a disagreement ends
@@ -394,6 +398,9 @@ class gloo {
   COHORT_DECL detail::peer_status probe_host(int peer) const;
   // Which ranks never published their rendezvous address (a rendezvous that timed out).
   [[gnu::cold]] COHORT_DECL std::string missing_at_rendezvous(cohort::store& store) const;
+  // " (world of 4; this rank published 10.0.0.1)", a subgroup's " (group of 2; ...)": what the
+  // rendezvous' errors add.
+  [[gnu::cold]] COHORT_DECL std::string rendezvous_context() const;
 
   // Point-to-point slots carry the user tag and the message size (see signature), in a
   // range of their own, away from the slots Gloo's collectives use.
@@ -405,8 +412,9 @@ class gloo {
 
   int rank_;
   int size_;
-  int world_rank_;         // rank_ in the world group: what this rank's errors and lines say
-  bool subgroup_ = false;  // made by split: its messages name the group and world ranks
+  int world_rank_;  // rank_ in the world group: what this rank's errors and lines say
+  // How its messages name its ranks: a subgroup's (made by split) by world rank, with the group.
+  detail::rank_naming names_;
   options options_;
   std::string address_;  // what this rank listens on and publishes (see make_device)
   std::shared_ptr<::gloo::transport::Device> device_;

@@ -272,9 +272,10 @@ class nccl {
   COHORT_DECL nccl(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts);
 
   // Subgroup: ncclCommSplit; every rank of the parent calls it, excluded ones with a
-  // negative color (no communicator, nullptr returned).
+  // negative color (no communicator, nullptr returned). `members`: the parent's rank of each
+  // of its ranks, in order (its size).
   COHORT_DECL static std::unique_ptr<nccl> split(nccl& parent, std::shared_ptr<cohort::store> /*sub_store*/, int color,
-                                                 int key, int new_rank, int new_size);
+                                                 int key, int new_rank, const std::vector<int>& members);
 
   nccl(const nccl&) = delete;
   nccl& operator=(const nccl&) = delete;
@@ -286,6 +287,8 @@ class nccl {
   cudaStream_t stream() const noexcept { return state_->stream; }
   ncclComm_t communicator() const noexcept { return state_->comm; }
   const options& settings() const noexcept { return options_; }
+  // How its messages name its ranks: a subgroup's by world rank, with the group.
+  detail::rank_naming names() const { return state_->board ? state_->board->names() : detail::rank_naming{}; }
   const flight_recorder& recorder() const noexcept { return *state_->recorder; }
   // The context recorded with each call issued from now on (process_group::call_context).
   const call_label& call_context() const noexcept { return call_context_; }

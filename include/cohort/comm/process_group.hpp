@@ -36,6 +36,7 @@
 
 #include "cohort/comm/backend.hpp"
 #include "cohort/comm/call_label.hpp"
+#include "cohort/comm/detail/failure_report.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
 #include "cohort/rendezvous/detail/job_identity.hpp"
@@ -346,6 +347,7 @@ class process_group {
     check_main_only("monitored_barrier", 0);
     const std::string call = detail::text("monitored_barrier #", std::to_string(++monitored_barriers_));
     const std::string base = detail::text("monitored_barrier/", std::to_string(monitored_barriers_), "/");
+    const auto names = rank_names();
     store_->set(base + std::to_string(rank()), "arrived");
     const auto hint = std::string("the missing ranks are still computing, blocked in another call, stopped or dead");
     if (rank() != 0) {
@@ -354,14 +356,15 @@ class process_group {
         // Rank 0 answers within its own timeout of arriving; allow it that long to arrive.
         missing = to_string(store_->get(detail::text(base, "missing"), 2 * timeout));
       } catch (const timeout_error&) {
-        throw timeout_error(rank(), detail::text(B::name, ".", call),
-                            detail::text("rank 0 did not arrive within ", detail::format_duration(2 * timeout),
-                                         " (it collects the barrier)"),
+        throw timeout_error(reported_rank(), detail::text(B::name, ".", call),
+                            detail::text(names.lead(), names(0), " did not arrive within ",
+                                         detail::format_duration(2 * timeout), " (it collects the barrier)"),
                             hint);
       }
       if (!missing.empty())
-        throw timeout_error(rank(), detail::text(B::name, ".", call),
-                            detail::text(missing, " did not arrive within ", detail::format_duration(timeout)), hint);
+        throw timeout_error(
+            reported_rank(), detail::text(B::name, ".", call),
+            detail::text(names.lead(), missing, " did not arrive within ", detail::format_duration(timeout)), hint);
       return;
     }
     const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -375,11 +378,12 @@ class process_group {
         absent.push_back(r);
       }
     }
-    const std::string missing = absent.empty() ? std::string() : detail::format_ranks(absent);
+    const std::string missing = absent.empty() ? std::string() : names(absent);
     store_->set(detail::text(base, "missing"), missing);
     if (!missing.empty())
-      throw timeout_error(rank(), detail::text(B::name, ".", call),
-                          detail::text(missing, " did not arrive within ", detail::format_duration(timeout)), hint);
+      throw timeout_error(
+          reported_rank(), detail::text(B::name, ".", call),
+          detail::text(names.lead(), missing, " did not arrive within ", detail::format_duration(timeout)), hint);
   }
 
   // --- call context ------------------------------------------------------------------------
@@ -477,13 +481,16 @@ class process_group {
       const std::string text = to_string(entries[static_cast<std::size_t>(r)]);
       int fields[3] = {};
       if (!detail::parse_int_fields(text, ',', fields))
-        throw detail::malformed_store_value(rank(), "split", store_->prefix() + keys[static_cast<std::size_t>(r)], text,
+        throw detail::malformed_store_value(reported_rank(), "split",
+                                            store_->prefix() + keys[static_cast<std::size_t>(r)], text,
                                             "'color,key,node' as three decimal integers");
       const member m{fields[0], fields[1], fields[2], r};
       if (color >= 0 && m.color == color) mine.push_back(m);
     }
     std::sort(mine.begin(), mine.end(),
               [](const member& a, const member& b) { return a.key != b.key ? a.key < b.key : a.rank < b.rank; });
+    std::vector<int> members;  // this group's rank of each of the new group's ranks
+    for (const member& m : mine) members.push_back(m.rank);
     launch_env sub_env = env_;
     sub_env.rank = -1;
     sub_env.world_size = static_cast<int>(mine.size());
@@ -497,7 +504,7 @@ class process_group {
       if (mine[i].node == my_node) ++sub_env.local_world_size;
     }
     auto sub_store = std::make_shared<prefix_store>(store_, detail::text(base, "color", std::to_string(color), "/"));
-    auto sub_backend = B::split(*backend_, sub_store, color, key, sub_env.rank, sub_env.world_size);
+    auto sub_backend = B::split(*backend_, sub_store, color, key, sub_env.rank, members);
     if (color < 0 || !sub_backend) return std::nullopt;
     return process_group(std::move(sub_env), std::move(sub_store), std::move(sub_backend), debug_);
   }
@@ -541,6 +548,17 @@ class process_group {
     if constexpr (requires(B & engine) { engine.set_debug_checks(true); }) backend_->set_debug_checks(debug_);
   }
 
+  // How this group's messages name its ranks: a subgroup's by world rank and its own, with the
+  // group, as its backend's errors do; a backend that does not say numbers them by this group.
+  detail::rank_naming rank_names() const {
+    if constexpr (requires(const B& engine) { engine.names(); })
+      return backend_->names();
+    else
+      return {};
+  }
+  // The rank this group's errors are said by: its world rank.
+  int reported_rank() const { return rank_names().world_rank(rank()); }
+
   static void validate_env(const launch_env& env) {
     if (env.world_size < 1 || env.rank < 0 || env.rank >= env.world_size)
       throw error(
@@ -551,7 +569,8 @@ class process_group {
 
   [[noreturn]] void fail(const char* operation, std::size_t count, const std::string& detail,
                          const std::string& hint) const {
-    throw error(rank(), detail::text(B::name, ".", operation, "(", std::to_string(count), " elements)"), detail, hint);
+    throw error(reported_rank(), detail::text(B::name, ".", operation, "(", std::to_string(count), " elements)"),
+                detail, hint);
   }
 
   void check_peer(const char* operation, std::size_t count, int peer, const char* role) const {
@@ -588,9 +607,10 @@ class process_group {
       if (r == rank()) continue;
       const std::string theirs = store_->get_string(base + std::to_string(r));
       if (theirs != signature)
-        throw error(rank(), detail::text(B::name, ".", operation),
-                    detail::text("call #", std::to_string(seq), " differs across ranks: rank ", std::to_string(rank()),
-                                 " issued ", signature, " but rank ", std::to_string(r), " issued ", theirs),
+        throw error(reported_rank(), detail::text(B::name, ".", operation),
+                    detail::text(rank_names().lead(), "call #", std::to_string(seq),
+                                 " differs across ranks: ", rank_names()(rank()), " issued ", signature, " but ",
+                                 rank_names()(r), " issued ", theirs),
                     "every rank must issue the same collectives, in the same order, with the same "
                     "sizes and dtypes");
     }

@@ -80,10 +80,10 @@ class gloo_mesh_context final : public ::gloo::Context {
 };
 
 // What a rank publishes at the rendezvous, under "gloo/<rank>": a text header (format tag,
-// host name, process id, its process table, its world rank, listen address, where its
-// shared-memory segment is or "tcp"), then the bytes of its pairs' addresses, one per other
-// rank in rank order.
-inline constexpr std::string_view gloo_peer_format = "cohort-gloo-3";
+// host name, process id, its process table, listen address, where its shared-memory segment
+// is or "tcp"), then the bytes of its pairs' addresses, one per other rank in rank order. (A
+// subgroup's world ranks come from the split, known before anyone publishes.)
+inline constexpr std::string_view gloo_peer_format = "cohort-gloo-4";
 
 inline std::string this_host_name() {
   char name[256] = {};
@@ -130,8 +130,7 @@ inline process_seen look_up_process(long pid) {
 inline bytes encode_gloo_peer(const gloo_peer& mine) {
   const std::string header =
       detail::text(gloo_peer_format, "\n", mine.host, "\n", std::to_string(mine.pid), "\n", mine.process_table, "\n",
-                   std::to_string(mine.world_rank), "\n", mine.address, "\n",
-                   (mine.shared_memory.empty() ? std::string("tcp") : mine.shared_memory), "\n");
+                   mine.address, "\n", (mine.shared_memory.empty() ? std::string("tcp") : mine.shared_memory), "\n");
   bytes value(header.begin(), header.end());
   value.insert(value.end(), mine.pairs.begin(), mine.pairs.end());
   return value;
@@ -140,7 +139,7 @@ inline bytes encode_gloo_peer(const gloo_peer& mine) {
 // False when `value` is not what encode_gloo_peer writes for a world of `size`.
 inline bool decode_gloo_peer(const bytes& value, int size, gloo_peer& out) {
   std::size_t at = 0;
-  std::string fields[7];
+  std::string fields[6];
   for (auto& field : fields) {
     const auto end = std::find(value.begin() + static_cast<std::ptrdiff_t>(at), value.end(), '\n');
     if (end == value.end()) return false;
@@ -149,18 +148,14 @@ inline bool decode_gloo_peer(const bytes& value, int size, gloo_peer& out) {
   }
   if (fields[0] != gloo_peer_format) return false;
   int pid = 0;
-  int world_rank = -1;
-  if (!parse_int_fields(fields[2], ',', std::span<int>(&pid, 1)) ||
-      !parse_int_fields(fields[4], ',', std::span<int>(&world_rank, 1)))
-    return false;
+  if (!parse_int_fields(fields[2], ',', std::span<int>(&pid, 1))) return false;
   const std::size_t rest = value.size() - at;
   if (size < 2 || rest == 0 || rest % static_cast<std::size_t>(size - 1) != 0) return false;
   out.host = fields[1];
   out.pid = pid;
   out.process_table = fields[3];
-  out.world_rank = world_rank;
-  out.address = fields[5];
-  out.shared_memory = fields[6] == "tcp" ? std::string() : fields[6];
+  out.address = fields[4];
+  out.shared_memory = fields[5] == "tcp" ? std::string() : fields[5];
   out.pairs.assign(value.begin() + static_cast<std::ptrdiff_t>(at), value.end());
   return true;
 }
@@ -279,16 +274,20 @@ COHORT_DECL void gloo_p2p::abort() {
 }  // namespace detail
 
 COHORT_DECL gloo::gloo(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts)
-    : rank_(env.rank), size_(env.world_size), world_rank_(env.rank), options_(opts) {
+    : rank_(env.rank),
+      size_(env.world_size),
+      world_rank_(env.rank),
+      names_{detail::group_name(*store), {}},
+      options_(opts) {
   device_ = make_device(env, opts, *store, address_);
   connect(std::move(store));
 }
 
-COHORT_DECL gloo::gloo(const gloo& parent, std::shared_ptr<cohort::store> store, int rank, int size)
+COHORT_DECL gloo::gloo(const gloo& parent, std::shared_ptr<cohort::store> store, int rank, std::vector<int> world_ranks)
     : rank_(rank),
-      size_(size),
+      size_(static_cast<int>(world_ranks.size())),
       world_rank_(parent.world_rank_),
-      subgroup_(true),
+      names_{detail::group_name(*store), std::move(world_ranks)},
       options_(parent.options_),
       address_(parent.address_),
       device_(parent.device_) {
@@ -320,9 +319,12 @@ COHORT_DECL gloo::~gloo() {
 }
 
 COHORT_DECL auto gloo::split(gloo& parent, std::shared_ptr<cohort::store> sub_store, int color, int /*key*/,
-                             int new_rank, int new_size) -> std::unique_ptr<gloo> {
+                             int new_rank, const std::vector<int>& members) -> std::unique_ptr<gloo> {
   if (color < 0) return nullptr;
-  return std::make_unique<gloo>(parent, std::move(sub_store), new_rank, new_size);
+  // Known before the rendezvous, so that even its errors name the members by world rank.
+  std::vector<int> world_ranks;
+  for (const int parent_rank : members) world_ranks.push_back(parent.names_.world_rank(parent_rank));
+  return std::make_unique<gloo>(parent, std::move(sub_store), new_rank, std::move(world_ranks));
 }
 
 COHORT_DECL auto gloo::enqueue(std::function<void()> fn) -> work {
@@ -381,7 +383,6 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
   mine.host = detail::this_host_name();
   mine.pid = static_cast<long>(::getpid());
   mine.process_table = detail::process_table_id();
-  mine.world_rank = world_rank_;
   mine.address = address_;
   const char* shared_memory_env = std::getenv("COHORT_GLOO_SHARED_MEMORY");
   // Made before the rendezvous, so that where it is travels with the addresses.
@@ -391,7 +392,18 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
   if (shared_memory_) mine.shared_memory = shared_memory_->published();
   for (int peer = 0; peer < size_; ++peer) {
     if (peer == rank_) continue;
-    const std::vector<char> pair = transport->createPair(peer)->address().bytes();
+    std::vector<char> pair;
+    try {
+      pair = transport->createPair(peer)->address().bytes();
+    } catch (const std::exception& failure) {
+      // Gloo's bare "socket: Too many open files": this rank never publishes, and the others
+      // name it as never arrived; its own error says why.
+      throw error(world_rank_, "gloo.rendezvous",
+                  detail::text(names_.lead(), "cannot open this rank's end of its connection with ", names_(peer),
+                               " on ", address_, ": ", failure.what()),
+                  "every group needs a socket per peer on every rank: raise the open-files limit (ulimit -n) "
+                  "or close descriptors the trainer no longer needs");
+    }
     mine.pairs.insert(mine.pairs.end(), pair.begin(), pair.end());
   }
   std::vector<std::string> keys;
@@ -412,12 +424,11 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
       break;
     } catch (const timeout_error& failure) {
       if (std::chrono::steady_clock::now() >= deadline)
-        throw timeout_error(
-            world_rank_, "gloo.rendezvous",
-            detail::text(missing_at_rendezvous(*store_), " (world of ", std::to_string(size_), "; this rank published ",
-                         address_, ") within ", detail::format_duration(options_.timeout)),
-            "a rank never arrived: is every rank started with the same WORLD_SIZE "
-            "and MASTER_ADDR/MASTER_PORT?");
+        throw timeout_error(world_rank_, "gloo.rendezvous",
+                            detail::text(names_.lead(), missing_at_rendezvous(*store_), rendezvous_context(),
+                                         " within ", detail::format_duration(options_.timeout)),
+                            "a rank never arrived: is every rank started with the same WORLD_SIZE "
+                            "and MASTER_ADDR/MASTER_PORT?");
       if (lines.due())
         detail::progress_line(
             world_rank_,
@@ -425,7 +436,7 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
                          " of its ", detail::format_duration(options_.timeout), " timeout: ",
                          (rank_ == 0 ? missing_at_rendezvous(*store_)
                                      : detail::text("not every one of the ", std::to_string(size_),
-                                                    " ranks has published its address (rank 0 names them)"))));
+                                                    " ranks has published its address (", names_(0), " names them)"))));
     }
   }
   peers_.assign(static_cast<std::size_t>(size_), {});
@@ -447,11 +458,7 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
   agree_on_shared_memory(mine);
   worker_ = std::make_shared<worker_type>([this](detail::gloo_task& task) { run(task); });
   p2p_worker_ = std::make_shared<worker_type>([this](detail::gloo_task& task) { run(task); });
-  // A subgroup's messages name world ranks: the readers' logs and launchers number by them.
-  detail::rank_naming names{detail::group_name(*store_), {}};
-  if (subgroup_)
-    for (const auto& peer : peers_) names.world.push_back(peer.world_rank);
-  board_ = std::make_unique<detail::status_board>(store_, rank_, size_, options_.timeout, std::move(names));
+  board_ = std::make_unique<detail::status_board>(store_, rank_, size_, options_.timeout, names_);
   board_->try_publish_on_group_store(status(detail::rank_activity::joined));
   start_watchdog();
 }
@@ -510,7 +517,7 @@ COHORT_DECL auto gloo::describe_peer(int peer) const -> std::string {
   try {
     pair = ::gloo::transport::tcp::Address(peer_pair_address(peer)).str();
   } catch (const std::exception&) {}
-  return detail::text("rank ", std::to_string(peer), " published ", theirs.address, " (host ", theirs.host, ", pid ",
+  return detail::text(names_(peer), " published ", theirs.address, " (host ", theirs.host, ", pid ",
                       std::to_string(theirs.pid), ", its pair for this rank at ", pair, ")");
 }
 
@@ -542,10 +549,10 @@ COHORT_DECL auto gloo::connect_mesh(::gloo::transport::Context& transport,
     finished.notify_all();
     alarm.join();
   };
-  const std::string world = detail::text(" (world of ", std::to_string(size_), "; this rank published ", address_, ")");
+  const std::string world = rendezvous_context();
   const auto timed_out = [&](int peer) {
     return timeout_error(world_rank_, "gloo.rendezvous",
-                         detail::text("no connection with rank ", std::to_string(peer), " within ",
+                         detail::text(names_.lead(), "no connection with ", names_(peer), " within ",
                                       detail::format_duration(options_.timeout), world, ": ", describe_peer(peer)),
                          "the published addresses must be reachable between the nodes: check that no firewall "
                          "blocks them, or name the interface the nodes share (GLOO_SOCKET_IFNAME)");
@@ -562,9 +569,9 @@ COHORT_DECL auto gloo::connect_mesh(::gloo::transport::Context& transport,
       if (late) throw timed_out(peer);
       throw error(
           world_rank_, "gloo.rendezvous",
-          detail::text("cannot connect to rank ", std::to_string(peer), world, ": ", describe_peer(peer), ": ",
+          detail::text(names_.lead(), "cannot connect to ", names_(peer), world, ": ", describe_peer(peer), ": ",
                        failure.what()),
-          detail::text("rank ", std::to_string(peer),
+          detail::text(names_(peer),
                        "'s address is not reachable from this host: a loopback address (127.x) across nodes, or "
                        "a firewall; name the interface the nodes share (GLOO_SOCKET_IFNAME) or leave it unset to "
                        "have cohort choose"));
@@ -582,7 +589,7 @@ COHORT_DECL auto gloo::start_watchdog() -> void {
   if (options_.watchdog_interval.count() <= 0) return;
   const std::string group = detail::group_name(*store_);
   // process_group makes a job's first group under cohort/pg1/ of the job's store.
-  if (options_.collision_check_interval.count() > 0 && !subgroup_)
+  if (options_.collision_check_interval.count() > 0 && names_.is_world())
     if (const auto* first = dynamic_cast<const prefix_store*>(store_.get());
         first && first->prefix() == "cohort/pg1/") {
       job_store_ = first->inner();
@@ -1012,7 +1019,7 @@ COHORT_DECL auto gloo::name_the_culprit(const detail::gloo_task& task, bool conn
   if (!board_ || !collective) {
     abort_transport();
     return point_to_point && connection_lost
-               ? detail::text("rank ", std::to_string(task.peer),
+               ? detail::text(names_.lead(), names_(task.peer),
                               " (the peer) closed its connection: it died or exited during ", mine)
                : detail::text("this rank is in ", (point_to_point ? detail::describe_with_peer(as_call(task)) : mine));
   }
@@ -1115,25 +1122,25 @@ COHORT_DECL auto gloo::p2p_debug_key(const detail::gloo_task& task, bool mine) c
 COHORT_DECL auto gloo::check_p2p_pair(const detail::gloo_task& task) -> void {
   const bool sending = task.p2p->sending;
   const std::string mine = detail::text(to_string(task.type), " x ", std::to_string(task.count));
-  const std::string pair = detail::text((sending ? "send #" : "recv #"), std::to_string(task.sequence),
-                                        (sending ? " to rank " : " from rank "), std::to_string(task.peer), " (tag ",
-                                        std::to_string(task.tag), ")");
+  const std::string pair =
+      detail::text((sending ? "send #" : "recv #"), std::to_string(task.sequence), (sending ? " to " : " from "),
+                   names_(task.peer), " (tag ", std::to_string(task.tag), ")");
   std::string theirs;
   try {
     theirs = to_string(store_->get(p2p_debug_key(task, false), options_.timeout));
   } catch (const timeout_error&) {
     throw timeout_error(
         world_rank_, detail::text("gloo.", describe(task)),
-        detail::text("rank ", std::to_string(task.peer), " never posted the ", (sending ? "recv" : "send"),
+        detail::text(names_.lead(), names_(task.peer), " never posted the ", (sending ? "recv" : "send"),
                      " matching this rank's ", pair, " within ", detail::format_duration(options_.timeout)),
         "every send needs a recv on the peer with the same tag, in the same order");
   }
   if (theirs == mine) return;
-  const std::string sender = std::to_string(sending ? rank_ : task.peer);
-  const std::string receiver = std::to_string(sending ? task.peer : rank_);
+  const std::string sender = names_(sending ? rank_ : task.peer);
+  const std::string receiver = names_(sending ? task.peer : rank_);
   throw error(world_rank_, detail::text("gloo.", describe(task)),
-              detail::text("rank ", sender, " sends ", (sending ? mine : theirs), " to rank ", receiver, " (tag ",
-                           std::to_string(task.tag), ", #", std::to_string(task.sequence), ") but rank ", receiver,
+              detail::text(names_.lead(), sender, " sends ", (sending ? mine : theirs), " to ", receiver, " (tag ",
+                           std::to_string(task.tag), ", #", std::to_string(task.sequence), ") but ", receiver,
                            "'s matching recv expects ", (sending ? theirs : mine)),
               "a send and its recv must move the same dtype and number of elements");
 }
@@ -1153,7 +1160,12 @@ COHORT_DECL auto gloo::missing_at_rendezvous(cohort::store& store) const -> std:
     return detail::text("the store", (where.empty() ? std::string() : detail::text(" at ", where)), " is unreachable");
   }
   if (missing.empty()) return "every rank published its address";
-  return detail::text(detail::format_ranks(missing), " never arrived at the rendezvous");
+  return detail::text(names_(missing), " never arrived at the rendezvous");
+}
+
+COHORT_DECL auto gloo::rendezvous_context() const -> std::string {
+  return detail::text(" (", (names_.is_world() ? "world" : "group"), " of ", std::to_string(size_),
+                      "; this rank published ", address_, ")");
 }
 
 COHORT_DECL auto gloo::scratch_bytes(std::size_t bytes) -> std::vector<std::byte>& {

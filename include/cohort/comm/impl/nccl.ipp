@@ -6,7 +6,6 @@
 #include <nccl.h>
 #include <unistd.h>
 #include <algorithm>
-#include <charconv>
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -328,7 +327,7 @@ COHORT_DECL auto nccl::write_trace(const std::string& directory, std::string_vie
 }
 
 COHORT_DECL auto nccl::split(nccl& parent, std::shared_ptr<cohort::store> sub_store, int color, int key, int new_rank,
-                             int new_size) -> std::unique_ptr<nccl> {
+                             const std::vector<int>& members) -> std::unique_ptr<nccl> {
   parent.state_->check_usable("split");
   const detail::device_scope on_device(parent.state_->device);
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -346,32 +345,17 @@ COHORT_DECL auto nccl::split(nccl& parent, std::shared_ptr<cohort::store> sub_st
   child->options_ = parent.options_;
   auto& state = *child->state_;
   state.rank = new_rank;
-  state.size = new_size;
+  state.size = static_cast<int>(members.size());
   state.timeout = parent.state_->timeout;
   state.device = parent.state_->device;
   state.comm = comm;
   child->finish_init(detail::text("comm_split(color ", std::to_string(color), ")"), ncclInProgress);
   child->create_stream_and_scratch();
-  // A subgroup names its ranks by world rank, as Gloo's: each member writes its own in the
-  // group's store and reads every one's with one multi_get (2 requests a rank, at the split).
+  // A subgroup names its ranks by world rank, as Gloo's: the parent's naming of each member.
+  const auto* parent_board = parent.state_->board.get();
   std::vector<int> world;
-  if (sub_store) {
-    const auto* parent_board = parent.state_->board.get();
-    const int world_rank = parent_board ? parent_board->names().world_rank(parent.state_->rank) : parent.state_->rank;
-    std::vector<std::string> keys;
-    for (int r = 0; r < new_size; ++r) keys.push_back(detail::text("world_rank/", std::to_string(r)));
-    sub_store->set_within(keys[static_cast<std::size_t>(new_rank)], to_bytes(std::to_string(world_rank)),
-                          state.timeout);
-    for (const auto& value : sub_store->multi_get(std::span<const std::string>(keys), state.timeout)) {
-      const std::string digits = to_string(value);
-      int member = -1;
-      const auto [end, parsed] = std::from_chars(digits.data(), digits.data() + digits.size(), member);
-      if (parsed != std::errc() || end != digits.data() + digits.size())
-        throw detail::malformed_store_value(world_rank, "nccl.split", keys[world.size()], value,
-                                            "a member's world rank, as cohort of this version writes it");
-      world.push_back(member);
-    }
-  }
+  for (const int parent_rank : members)
+    world.push_back(parent_board ? parent_board->names().world_rank(parent_rank) : parent_rank);
   child->start_failure_reporting(std::move(sub_store), std::move(world));
   return child;
 }

@@ -314,12 +314,13 @@ COHORT_DECL void finish_launched_rank(store& rendezvous, const launch_env& env, 
     // Every rank that reported reads the verdict: serve until they have. Each waits for it in
     // a request the store answers as soon as it is set, so a rank that has not read it within
     // a request's bound is gone (killed, or cut off since it reported): not waited for longer.
+    // That bound holds even when the grace for a rank that never reported is over: leaving at
+    // once, this rank closed the store under readers whose answer was still on its way.
     const std::int64_t waiting = rendezvous.add_within(detail::text(base, "reported"), 0, bound);
-    if (!grace_ends && !verdict.empty()) grace_ends = grace();
     const auto read_by = clock::now() + bound;
     std::int64_t acknowledged = 0;
     while ((acknowledged = rendezvous.add_within(detail::text(base, "acknowledged"), 0, bound)) < waiting &&
-           !done_waiting() && clock::now() < read_by) {
+           clock::now() < read_by) {
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::milliseconds(50));
     }
