@@ -27,7 +27,6 @@
 #include <vector>
 
 #include "cohort/comm/detail/failure_report.hpp"
-#include "cohort/comm/detail/fifo_worker.hpp"
 #include "cohort/comm/detail/host_elementwise.hpp"
 #include "cohort/config.hpp"
 #include "cohort/detail/fnv1a.hpp"
@@ -60,6 +59,9 @@ struct element_bytes {
 };
 
 class shared_memory_channel;
+// The engine's worker queue, by name only: its waits are compiled with the engine (gloo.ipp).
+template <class Task>
+class fifo_worker;
 
 // A posted point-to-point operation, waited for separately (see gloo::send).
 struct gloo_p2p {
@@ -184,34 +186,18 @@ class gloo {
     work(std::shared_ptr<worker_type> worker, std::uint64_t seq) : worker_(std::move(worker)), seq_(seq) {}
 
     // True when complete; rethrows the failure of a failed operation.
-    bool test() const {
-      if (!worker_) return true;
-      if (!worker_->done(seq_)) return false;
-      rethrow_failure();
-      return true;
-    }
+    COHORT_DECL bool test() const;
     // Blocks until complete. Engine operations are bounded by the group's timeout, so this
     // returns or throws within it.
-    void wait() const {
-      if (!worker_) return;
-      worker_->wait_until_done(seq_, std::chrono::steady_clock::time_point::max());
-      rethrow_failure();
-    }
+    COHORT_DECL void wait() const;
     // False when still running after `timeout`.
-    bool wait_for(std::chrono::milliseconds timeout) const {
-      if (!worker_) return true;
-      if (!worker_->wait_until_done(seq_, std::chrono::steady_clock::now() + timeout)) return false;
-      rethrow_failure();
-      return true;
-    }
+    COHORT_DECL bool wait_for(std::chrono::milliseconds timeout) const;
     std::uint64_t sequence() const noexcept { return seq_; }
     // The caller's order waits for this work: on the host, the calling thread blocks.
     void make_stream_wait(stream_type) const { wait(); }
 
    private:
-    void rethrow_failure() const {
-      if (auto failure = worker_->failure(seq_)) std::rethrow_exception(failure);
-    }
+    COHORT_DECL void rethrow_failure() const;
     std::shared_ptr<worker_type> worker_;
     std::uint64_t seq_ = 0;
   };

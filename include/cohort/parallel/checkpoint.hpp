@@ -401,6 +401,15 @@ std::uint64_t random_checkpoint_bits();
 // false): no job of this user can change it.
 bool lock_checkpoint_directory(const std::string& directory, int rank, std::string_view operation,
                                bool required = true);
+// A resume's start on the job's rank 0: DIR made (so that its lock holds from the start of
+// the job), its lock taken where DIR is writable, what the listing ignores warned of, and the
+// committed steps, newest first. Compiled with the rest: the resume template, which every
+// trainer's unit that resumes instantiates, does not instantiate the listing's containers.
+struct resume_candidates {
+  std::vector<std::uint64_t> newest_first;
+  bool locked = false;  // DIR is this job's to write
+};
+resume_candidates open_checkpoints_for_resume(const std::string& directory, int rank, std::string_view operation);
 // The run a checkpoint directory belongs to: DIR/.cohort/run (16 hex digits), made at the
 // first save into DIR and kept across the run's relaunches; empty where there is none yet.
 std::string read_checkpoint_run(const std::string& directory);

@@ -31,8 +31,10 @@ namespace cohort::inline v0 {
 
 using bytes = std::vector<std::uint8_t>;
 
-inline bytes to_bytes(std::string_view text) { return bytes(text.begin(), text.end()); }
-inline std::string to_string(std::span<const std::uint8_t> data) { return std::string(data.begin(), data.end()); }
+// Out of line, as the conveniences of `store` below: compiled once, a unit that includes the
+// header instantiates none of the containers' copies they use (cohort/config.hpp).
+COHORT_DECL bytes to_bytes(std::string_view text);
+COHORT_DECL std::string to_string(std::span<const std::uint8_t> data);
 
 class store {
  public:
@@ -92,20 +94,14 @@ class store {
   // translation unit that includes the backend would).
   virtual std::string reached_from_other_hosts(std::chrono::milliseconds /*limit*/) { return {}; }
 
-  void set(std::string_view key, std::string_view value) {
-    const bytes data = to_bytes(value);
-    set(key, std::span<const std::uint8_t>(data));
-  }
+  COHORT_DECL void set(std::string_view key, std::string_view value);
   // Waits at most timeout().
   bytes get(std::string_view key) { return get(key, timeout()); }
-  std::string get_string(std::string_view key) { return to_string(get(key)); }
+  COHORT_DECL std::string get_string(std::string_view key);
   void wait(std::span<const std::string> keys) { wait(keys, timeout()); }
-  void wait(std::initializer_list<std::string> keys) {
-    std::vector<std::string> list(keys);
-    wait(std::span<const std::string>(list), timeout());
-  }
+  COHORT_DECL void wait(std::initializer_list<std::string> keys);
   // Waits at most timeout().
-  std::vector<bytes> multi_get(std::span<const std::string> keys) { return multi_get(keys, timeout()); }
+  COHORT_DECL std::vector<bytes> multi_get(std::span<const std::string> keys);
 
   // The bound of this handle's waits. A handle shared by threads may be read while one of
   // them changes it, so both settings are atomic; views (prefix_store) keep their own.

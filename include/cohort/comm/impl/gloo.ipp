@@ -327,6 +327,32 @@ COHORT_DECL auto gloo::split(gloo& parent, std::shared_ptr<cohort::store> sub_st
   return std::make_unique<gloo>(parent, std::move(sub_store), new_rank, std::move(world_ranks));
 }
 
+// The work handle's waits live here, with the worker they wait on: a unit that includes
+// the header does not instantiate the worker's queue and waits (compiled once, see config.hpp).
+COHORT_DECL bool gloo::work::test() const {
+  if (!worker_) return true;
+  if (!worker_->done(seq_)) return false;
+  rethrow_failure();
+  return true;
+}
+
+COHORT_DECL void gloo::work::wait() const {
+  if (!worker_) return;
+  worker_->wait_until_done(seq_, std::chrono::steady_clock::time_point::max());
+  rethrow_failure();
+}
+
+COHORT_DECL bool gloo::work::wait_for(std::chrono::milliseconds timeout) const {
+  if (!worker_) return true;
+  if (!worker_->wait_until_done(seq_, std::chrono::steady_clock::now() + timeout)) return false;
+  rethrow_failure();
+  return true;
+}
+
+COHORT_DECL void gloo::work::rethrow_failure() const {
+  if (auto failure = worker_->failure(seq_)) std::rethrow_exception(failure);
+}
+
 COHORT_DECL auto gloo::enqueue(std::function<void()> fn) -> work {
   auto queued = task(task_kind::function);
   queued.fn = std::move(fn);

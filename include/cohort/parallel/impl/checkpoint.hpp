@@ -682,20 +682,11 @@ std::optional<checkpoint_info> resume_checkpoint(training_state<B, P, G>& state,
     if (replicas) failure = detail::agree_on_failure(*replicas, operation, failure);
     return failure;
   };
-  std::vector<std::uint64_t> candidates;  // the leader's, newest first
-  bool locked = false;                    // the leader's: DIR is this job's to write
+  detail::resume_candidates opened;  // the leader's
   {
     std::exception_ptr failure;
     if (leader) try {
-        // The directory is made now, so that its lock holds from the start of the job. One
-        // this job cannot write (a published checkpoint to start from) no job of this user can
-        // change under it: resumed from without a lock.
-        detail::create_checkpoint_directory(directory);  // a failure is the lock's to name
-        locked = detail::lock_checkpoint_directory(directory, group.rank(), operation, false);
-        const auto listing = detail::list_checkpoints(directory);
-        for (const auto& ignored : listing.ignored) detail::checkpoint_warning(group.rank(), ignored);
-        for (auto it = listing.committed.rbegin(); it != listing.committed.rend(); ++it)
-          candidates.push_back(it->first);
+        opened = detail::open_checkpoints_for_resume(directory, group.rank(), operation);
       } catch (...) {
         failure = std::current_exception();
       }
@@ -703,7 +694,8 @@ std::optional<checkpoint_info> resume_checkpoint(training_state<B, P, G>& state,
   }
   std::vector<std::string> skipped;
   for (std::size_t k = 0;; ++k) {
-    std::int64_t next = leader && k < candidates.size() ? static_cast<std::int64_t>(candidates[k]) : -1;
+    std::int64_t next =
+        leader && k < opened.newest_first.size() ? static_cast<std::int64_t>(opened.newest_first[k]) : -1;
     broadcast_values(group, std::span<std::int64_t>(&next, 1), 0);
     if (replicas) broadcast_values(*replicas, std::span<std::int64_t>(&next, 1), 0);
     if (next < 0) break;
@@ -722,7 +714,7 @@ std::optional<checkpoint_info> resume_checkpoint(training_state<B, P, G>& state,
       // Whose it is, judged by the leader against the directory's run; a refusal is every rank's.
       std::exception_ptr other_run;
       if (leader) try {
-          detail::check_checkpoint_run(directory, path, info, locked, options.refuse_other_run, group.rank());
+          detail::check_checkpoint_run(directory, path, info, opened.locked, options.refuse_other_run, group.rank());
         } catch (...) {
           other_run = std::current_exception();
         }

@@ -274,6 +274,20 @@ COHORT_DECL bool lock_checkpoint_directory(const std::string& directory, int ran
   return true;
 }
 
+COHORT_DECL resume_candidates open_checkpoints_for_resume(const std::string& directory, int rank,
+                                                          std::string_view operation) {
+  // One this job cannot write (a published checkpoint to start from) no job of this user can
+  // change under it: resumed from without a lock.
+  create_checkpoint_directory(directory);  // a failure is the lock's to name
+  resume_candidates out;
+  out.locked = lock_checkpoint_directory(directory, rank, operation, false);
+  const auto listing = list_checkpoints(directory);
+  for (const auto& ignored : listing.ignored) checkpoint_warning(rank, ignored);
+  for (auto it = listing.committed.rbegin(); it != listing.committed.rend(); ++it)
+    out.newest_first.push_back(it->first);
+  return out;
+}
+
 COHORT_DECL std::string read_checkpoint_run(const std::string& directory) {
   std::string run = read_small_file(path_in(path_in(directory, checkpoint_own_folder), "run"));
   while (!run.empty() && run.back() == '\n') run.pop_back();

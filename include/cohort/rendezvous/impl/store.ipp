@@ -99,6 +99,26 @@ COHORT_DECL auto memory_store::wait_locked(std::unique_lock<std::mutex>& lock, s
     throw_timeout(operation, missing, timeout);
   }
 }
+COHORT_DECL bytes to_bytes(std::string_view text) { return bytes(text.begin(), text.end()); }
+
+COHORT_DECL std::string to_string(std::span<const std::uint8_t> data) { return std::string(data.begin(), data.end()); }
+
+COHORT_DECL auto store::set(std::string_view key, std::string_view value) -> void {
+  const bytes data = to_bytes(value);
+  set(key, std::span<const std::uint8_t>(data));
+}
+
+COHORT_DECL auto store::get_string(std::string_view key) -> std::string { return to_string(get(key)); }
+
+COHORT_DECL auto store::wait(std::initializer_list<std::string> keys) -> void {
+  std::vector<std::string> list(keys);
+  wait(std::span<const std::string>(list), timeout());
+}
+
+COHORT_DECL auto store::multi_get(std::span<const std::string> keys) -> std::vector<bytes> {
+  return multi_get(keys, timeout());
+}
+
 COHORT_DECL auto store::multi_get(std::span<const std::string> keys, std::chrono::milliseconds timeout)
     -> std::vector<bytes> {
   const auto start = std::chrono::steady_clock::now();
