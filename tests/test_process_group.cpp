@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cohort/comm/gloo.hpp>
@@ -315,6 +316,7 @@ TEST_CASE("a rank that never issues a collective is named in every other rank's 
           "[process_group][gloo][faults]") {
   auto store = fresh_store();
   std::vector<std::string> messages(3);
+  std::atomic<int> named{0};
   const auto started = std::chrono::steady_clock::now();
   cohort_test::run_ranks(3, [&](int rank) {
     auto pg = make_group(store, rank, 3, 2s);
@@ -322,8 +324,10 @@ TEST_CASE("a rank that never issues a collective is named in every other rank's 
     pg.all_reduce(std::span<float>(data)).wait();
     if (rank == 2) {
       // Busy elsewhere (a longer backward, a data-loader stall) past the others' timeout
-      // and their report window, then gone without issuing the second call.
-      std::this_thread::sleep_for(6s);
+      // and their report window, until both have their errors (12 s at most), then gone
+      // without issuing the second call.
+      const auto limit = std::chrono::steady_clock::now() + 12s;
+      while (named.load() < 2 && std::chrono::steady_clock::now() < limit) std::this_thread::sleep_for(10ms);
       return;
     }
     try {
@@ -331,6 +335,7 @@ TEST_CASE("a rank that never issues a collective is named in every other rank's 
       throw cohort_test::rank_failure("the second all_reduce completed without rank 2");
     } catch (const cohort::timeout_error& failure) {
       messages[static_cast<std::size_t>(rank)] = failure.what();
+      ++named;
     }
   });
   RANK_CHECK(std::chrono::steady_clock::now() - started < 15s);
