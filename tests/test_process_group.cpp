@@ -324,10 +324,9 @@ TEST_CASE("a rank that never issues a collective is named in every other rank's 
     pg.all_reduce(std::span<float>(data)).wait();
     if (rank == 2) {
       // Busy elsewhere (a longer backward, a data-loader stall) past the others' timeout
-      // and their report window, until both have their errors (12 s at most), then gone
-      // without issuing the second call.
-      const auto limit = std::chrono::steady_clock::now() + 12s;
-      while (named.load() < 2 && std::chrono::steady_clock::now() < limit) std::this_thread::sleep_for(10ms);
+      // and their report window, until both have their errors, then gone without issuing
+      // the second call.
+      cohort_test::wait_for_count(named, 2, 12s);
       return;
     }
     try {
