@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -314,14 +315,22 @@ struct transcript {
 };
 
 // Waits for the children of start(..., outputs), reading what they print as it comes; any
-// still running after `limit` is killed. `start` is when they were started.
+// still running after `limit` is killed. `start` is when they were started. With `awaited`,
+// only the first `awaited` children are waited for and the others killed once those have
+// exited: a child the test stopped (SIGSTOP) would otherwise hold it for the whole limit.
 inline std::vector<transcript> collect(std::vector<pid_t> children, std::vector<int> outputs,
-                                       std::chrono::steady_clock::time_point start, std::chrono::seconds limit) {
+                                       std::chrono::steady_clock::time_point start, std::chrono::seconds limit,
+                                       std::size_t awaited = SIZE_MAX) {
   std::vector<transcript> out(children.size());
   std::vector<std::string> partial(children.size());
   const auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
   const auto deadline = start + limit;
-  std::size_t running = children.size();
+  awaited = std::min(awaited, children.size());
+  const auto awaited_done = [&] {
+    for (std::size_t i = 0; i < awaited; ++i)
+      if (children[i] != 0 || outputs[i] >= 0) return false;
+    return true;
+  };
   while (true) {
     std::vector<pollfd> watch;
     std::vector<std::size_t> owner;
@@ -330,7 +339,7 @@ inline std::vector<transcript> collect(std::vector<pid_t> children, std::vector<
         watch.push_back({outputs[i], POLLIN, 0});
         owner.push_back(i);
       }
-    if (running == 0 && watch.empty()) break;
+    if (awaited_done()) break;
     if (std::chrono::steady_clock::now() >= deadline) break;
     ::poll(watch.data(), watch.size(), 20);
     for (std::size_t k = 0; k < watch.size(); ++k) {
@@ -356,7 +365,6 @@ inline std::vector<transcript> collect(std::vector<pid_t> children, std::vector<
       out[i].code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
       out[i].exited = seconds();
       children[i] = 0;
-      --running;
     }
   }
   for (std::size_t i = 0; i < children.size(); ++i)

@@ -7,6 +7,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -15,6 +17,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <cohort/run/run_ranks.hpp>
@@ -92,6 +95,16 @@ inline void run_ranks(int world, const std::function<void(int)>& fn) {
       throw rank_failure("rank " + std::to_string(env.rank) + " of " + std::to_string(world) + ": " + failure.what());
     }
   });
+}
+
+// How a rank thread that stays out of cohort's calls (busy elsewhere, then gone) waits until the
+// others have their errors: until `count` reaches `target`, or `limit` passes (their checks then
+// say what went wrong). A fixed sleep had to outlast their slowest diagnosis, under a
+// sanitizer, on every run.
+inline void wait_for_count(const std::atomic<int>& count, int target, std::chrono::milliseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (count.load() < target && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
 }
 
 }  // namespace cohort_test

@@ -126,6 +126,7 @@ TEST_CASE("a failed collective writes every failing rank's ring, and the silent 
           "[flight_recorder][gloo][faults]") {
   const auto dir = scratch_dir("skipped");
   auto store = std::make_shared<cohort::memory_store>();
+  std::atomic<int> failed{0};
   cohort_test::run_ranks(3, [&](int rank) {
     cohort::gloo::options opts;
     opts.timeout = 2s;
@@ -135,12 +136,13 @@ TEST_CASE("a failed collective writes every failing rank's ring, and the silent 
     pg.all_reduce(std::span<float>(data)).wait();
     pg.broadcast(std::span<float>(data), 1).wait();
     if (rank == 2) {
-      std::this_thread::sleep_for(6s);  // past the others' timeout and report window
+      cohort_test::wait_for_count(failed, 2, 12s);  // past the others' timeout and report window
       return;
     }
     // Rank 2 cannot say what it does: unknown, not accused (its missing trace says the rest).
     RANK_CHECK_THROWS(cohort::timeout_error, pg.all_reduce(std::span<float>(data)).wait(),
                       "rank 2 is unknown (no report");
+    ++failed;
   });
   REQUIRE_FALSE(std::filesystem::exists(dir / "rank2.pg1.json"));
   for (int rank = 0; rank < 2; ++rank) {
@@ -251,6 +253,7 @@ TEST_CASE("COHORT_DEBUG: a send nobody receives names the silent peer", "[flight
 TEST_CASE("watchdog, throw_on_next_call: a collective that failed unwatched makes the next call throw",
           "[flight_recorder][gloo][faults][watchdog]") {
   auto store = std::make_shared<cohort::memory_store>();
+  std::atomic<int> done{0};
   cohort_test::run_ranks(2, [&](int rank) {
     cohort::gloo::options opts;
     opts.timeout = 1s;
@@ -259,7 +262,7 @@ TEST_CASE("watchdog, throw_on_next_call: a collective that failed unwatched make
     auto pg = make_group(store, rank, 2, opts);
     std::vector<float> data(64, 1.0f);
     if (rank == 0) {
-      std::this_thread::sleep_for(5s);  // never joins; the group lives on until rank 1 is done
+      cohort_test::wait_for_count(done, 1, 12s);  // never joins; the group lives on until rank 1 is done
       return;
     }
     auto forgotten = pg.all_reduce(std::span<float>(data));  // fails after 1 s; never waited for
@@ -268,6 +271,7 @@ TEST_CASE("watchdog, throw_on_next_call: a collective that failed unwatched make
     // The next call throws at once, with the first failure's message.
     RANK_CHECK_THROWS(cohort::timeout_error, pg.barrier(),
                       "rank 0 is unknown (no report within 1 s: computing, stopped, or blocked outside cohort");
+    ++done;
   });
 }
 

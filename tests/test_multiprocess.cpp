@@ -53,7 +53,9 @@ using environment = std::map<std::string, std::string>;
 // with its return value (or 99 on an exception). Returns the exit codes; children still
 // running after `limit` are killed and reported as -1. `in_order`: reaps them in rank order,
 // as a launcher that waits for each child in turn does (a later one that ends first stays a
-// zombie until those before it have ended).
+// zombie until those before it have ended). A child that stopped (stop_then_exit) is continued
+// once every other child has ended: it holds nobody then, and a fixed wake-up time would have
+// to outlast the others' slowest diagnosis (under a sanitizer) on every run.
 std::vector<int> run_children(const std::vector<environment>& envs, const std::function<int()>& body,
                               std::chrono::seconds limit = std::chrono::seconds(60), bool in_order = false) {
   std::vector<pid_t> children;
@@ -77,6 +79,7 @@ std::vector<int> run_children(const std::vector<environment>& envs, const std::f
     children.push_back(pid);
   }
   std::vector<int> codes(children.size(), -1);
+  std::vector<bool> stopped(children.size(), false);
   const auto deadline = std::chrono::steady_clock::now() + limit;
   std::size_t remaining = children.size();
   while (remaining > 0 && std::chrono::steady_clock::now() < deadline) {
@@ -84,12 +87,22 @@ std::vector<int> run_children(const std::vector<environment>& envs, const std::f
       if (codes[i] != -1 || children[i] == 0) continue;
       if (in_order && i + remaining != children.size()) break;  // one before it still runs
       int status = 0;
-      if (::waitpid(children[i], &status, WNOHANG) == children[i]) {
-        codes[i] = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-        children[i] = 0;
-        --remaining;
+      if (::waitpid(children[i], &status, WNOHANG | WUNTRACED) != children[i]) continue;
+      if (WIFSTOPPED(status)) {
+        stopped[i] = true;
+        continue;
       }
+      codes[i] = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      children[i] = 0;
+      stopped[i] = false;
+      --remaining;
     }
+    if (remaining > 0 && static_cast<std::size_t>(std::count(stopped.begin(), stopped.end(), true)) == remaining)
+      for (std::size_t i = 0; i < children.size(); ++i)
+        if (stopped[i]) {
+          ::kill(children[i], SIGCONT);
+          stopped[i] = false;
+        }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   for (auto pid : children)
@@ -173,15 +186,8 @@ void serve_until_named(cohort::process_group<cohort::gloo>& pg, std::initializer
   store.wait(keys, std::chrono::seconds(20));
 }
 
-// A rank that stops (SIGSTOP) and, woken by a helper `seconds` later (once the others have
-// given up, so the test can end), exits 7.
-[[noreturn]] void stop_then_exit(unsigned seconds) {
-  const pid_t self = ::getpid();
-  if (::fork() == 0) {
-    ::sleep(seconds);
-    ::kill(self, SIGCONT);
-    ::_exit(0);
-  }
+// A rank that stops (SIGSTOP) and, continued by run_children once the others have ended, exits 7.
+[[noreturn]] void stop_then_exit() {
   ::raise(SIGSTOP);
   ::_exit(7);
 }
@@ -585,7 +591,7 @@ TEST_CASE("a stopped rank (SIGSTOP) is named by the others within the timeout", 
     auto pg = launched_gloo_group(std::chrono::seconds(2));
     std::vector<float> data(1 << 12, 1.0f);
     pg.all_reduce(std::span<float>(data)).wait();
-    if (pg.rank() == 2) stop_then_exit(8);
+    if (pg.rank() == 2) stop_then_exit();
     const auto issued = std::chrono::steady_clock::now();
     try {
       pg.all_reduce(std::span<float>(data)).wait();
@@ -619,7 +625,7 @@ TEST_CASE("a store that cannot be reached: a closed connection of a running rank
     auto pg = launched_gloo_group(std::chrono::seconds(2));
     std::vector<float> data(1 << 12, 1.0f);
     pg.all_reduce(std::span<float>(data)).wait();
-    if (pg.rank() == 0) stop_then_exit(12);
+    if (pg.rank() == 0) stop_then_exit();
     // Rank 2 comes once rank 1 has timed out (2 s) and closed its pairs, while it still tries
     // the store.
     if (pg.rank() == 2) std::this_thread::sleep_for(std::chrono::milliseconds(2800));
