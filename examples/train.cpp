@@ -61,14 +61,15 @@ struct run_measure {
   std::string parameters_sha256;
 };
 
+// `timeline_directory`: where the timeline goes (empty: COHORT_TIMELINE's).
 std::vector<float> train(bool& stopped, run_measure& measured, cohort::process_group<cohort::gloo>& pg,
                          const config& cfg, const mlp& model, const flat_layout& layout,
-                         const cohort_examples::synthetic_data& data) {
+                         const cohort_examples::synthetic_data& data, const std::string& timeline_directory = {}) {
   // COHORT_TIMELINE=DIR: each rank writes DIR/rank<R>.timeline.json (cohort-trace timeline
   // DIR merges them). The straggler report's windows watch for a slowdown: rank 0 writes one
   // line naming the rank when its lead over the others grows by 30% of the baseline step
   // (every rank alike: the step by 75%) for two windows in a row (slowdown_options' defaults).
-  cohort::timeline timeline(pg);
+  cohort::timeline timeline(pg, {.directory = timeline_directory});
   cohort::straggler_report stragglers(
       pg, {.every = 4, .output = nullptr, .slowdown = cohort::slowdown_options{}, .slowdown_timeline = &timeline});
   // --nodes G: hybrid sharding over G groups of consecutive ranks (as nodes hold them): the
@@ -257,12 +258,16 @@ int main(int argc, char** argv) try {
     status = cohort_examples::report_against_single_process(cfg, model, layout, data, pg.world_size(), trained, 1e-5);
   });
   // The verdict's estimate against a measured run of one rank on the same global batch.
+  // Its timeline goes to DIR/one-rank, beside the N ranks' files rather than over rank 0's.
   if (cfg.compare_one_rank && cfg.ranks > 1 && measured.verdict && status == 0) {
+    const char* timeline_root = std::getenv("COHORT_TIMELINE");
+    const std::string one_rank_timeline =
+        timeline_root && *timeline_root ? std::string(timeline_root) + "/one-rank" : std::string();
     cohort::run_ranks(1, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
       cohort::process_group<cohort::gloo> pg{store, env};
       bool stopped = false;
       run_measure one;
-      (void)train(stopped, one, pg, cfg, model, layout, data);
+      (void)train(stopped, one, pg, cfg, model, layout, data, one_rank_timeline);
       const double actual = one.ms_per_step / measured.ms_per_step;
       std::printf(
           "measured: %d ranks deliver %.2fx one rank's throughput (one rank %.2f ms/step, %d ranks %.2f); the "
