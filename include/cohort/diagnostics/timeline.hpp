@@ -39,6 +39,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -106,9 +107,8 @@ class timeline {
     clock::time_point begin_{};
   };
 
-  // Every rank of `group` (anything with rank()).
-  // The file says the group's size, so that cohort-trace timeline never merges files of
-  // different runs.
+  // Every rank of `group` (anything with rank() and world_size()). The file says the group's
+  // size, so that cohort-trace timeline never merges files of different runs.
   template <class Group>
   explicit timeline(Group& group, timeline_options options = {})
       : timeline(static_cast<int>(group.rank()), std::move(options)) {
@@ -201,8 +201,11 @@ class timeline {
   std::vector<event> ring_;         // events of the kept steps from ring_first_ on
   std::size_t ring_first_ = 0;      // events before it are dropped (compacted lazily)
   std::vector<kept_window> kept_;
-  std::vector<std::string> track_names_;  // by track; [0] unused (the training thread)
-  std::vector<std::int64_t> track_ends_;  // by track: the last span's end, where the next may begin
+  struct track_row {
+    std::string name;
+    std::int64_t last_end_ns = 0;  // where the row's next span may begin
+  };
+  std::map<std::uint32_t, track_row> tracks_;  // the rows beside the training thread's, by tid
 };
 
 }  // namespace cohort::inline v0

@@ -116,16 +116,13 @@ COHORT_DECL void timeline::record(std::string_view name, timeline_category categ
 COHORT_DECL void timeline::record_on_track(std::uint32_t track, std::string_view track_name, std::string_view name,
                                            timeline_category category, std::uint64_t step, clock::time_point begin,
                                            clock::time_point end) {
-  if (track >= track_names_.size()) {
-    track_names_.resize(track + 1);
-    track_ends_.resize(track + 1, 0);
-  }
-  if (track_names_[track].empty()) track_names_[track] = track_name;
+  auto& row = tracks_[track];
+  if (row.name.empty()) row.name = track_name;
   // A track's spans follow one another (its row draws them so): one that begins before the
   // last one ended (a device's completion seen late) begins at that end.
-  const std::int64_t begin_ns = std::max(detail::timeline_impl::ns_of(begin), track_ends_[track]);
+  const std::int64_t begin_ns = std::max(detail::timeline_impl::ns_of(begin), row.last_end_ns);
   const std::int64_t end_ns = std::max(detail::timeline_impl::ns_of(end), begin_ns);
-  track_ends_[track] = end_ns;
+  row.last_end_ns = end_ns;
   ring_.push_back({std::string(name), category, step, begin_ns, end_ns, track});
 }
 
@@ -165,11 +162,10 @@ COHORT_DECL std::string timeline::to_json() const {
   using detail::timeline_impl::append_string;
   std::string out = "{\"traceEvents\":[\n{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" + std::to_string(rank_) +
                     ",\"tid\":0,\"args\":{\"name\":\"rank " + std::to_string(rank_) + "\"}}";
-  for (std::size_t track = 1; track < track_names_.size(); ++track) {
-    if (track_names_[track].empty()) continue;
+  for (const auto& [track, row] : tracks_) {
     out += ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":" + std::to_string(rank_) +
            ",\"tid\":" + std::to_string(track) + ",\"args\":{\"name\":";
-    append_string(out, track_names_[track]);
+    append_string(out, row.name);
     out += "}}";
   }
   for (const auto& e : events()) {
