@@ -73,8 +73,13 @@ std::vector<float> train(bool& stopped, run_measure& measured, cohort::process_g
   // line naming the rank when its lead over the others grows by 30% of the baseline step
   // (every rank alike: the step by 75%) for two windows in a row (slowdown_options' defaults).
   cohort::timeline timeline(pg, {.directory = timeline_directory});
-  cohort::straggler_report stragglers(
-      pg, {.every = 4, .output = nullptr, .slowdown = cohort::slowdown_options{}, .slowdown_timeline = &timeline});
+  // The verdict counts each rank's compute in CPU time: ranks as threads share this host's
+  // cores, which stretches each rank's wall-clock compute but not its CPU time.
+  cohort::straggler_report stragglers(pg, {.every = 4,
+                                           .output = nullptr,
+                                           .slowdown = cohort::slowdown_options{},
+                                           .slowdown_timeline = &timeline,
+                                           .cpu_time_compute = true});
   // --nodes G: hybrid sharding over G groups of consecutive ranks (as nodes hold them): the
   // state shards within this rank's group; its replicas are the ranks at its place in the others.
   std::optional<cohort::process_group<cohort::gloo>> node, peers;

@@ -492,11 +492,13 @@ auto training_state<B, P, G>::gather(std::size_t layer) -> layer_view {
   straggler_report* const report = options_.straggler && options_.straggler->enabled() ? options_.straggler : nullptr;
   timeline* const recorder = options_.timeline && options_.timeline->recording() ? options_.timeline : nullptr;
   const auto entered = report || recorder ? straggler_report::clock::now() : straggler_report::clock::time_point{};
+  const std::int64_t cpu_entered = report && report->times_cpu() ? straggler_report::thread_cpu_ns() : 0;
   for (std::size_t b = layout_.first_bucket_of_layer[layer]; b < layout_.first_bucket_of_layer[layer + 1]; ++b)
     hand_to_caller(bucket_gathered_[b]);
   if (report || recorder) {
     const auto now = straggler_report::clock::now();
     if (report) report->add_wait(wait_kind::gather, now - entered);
+    if (report && report->times_cpu()) report->add_wait_cpu(straggler_report::thread_cpu_ns() - cpu_entered);
     if (recorder)
       recorder->add_span(detail::text("gather wait layer ", std::to_string(layer)), timeline_category::communication,
                          entered, now);
@@ -1202,6 +1204,7 @@ step_result training_state<B, P, G>::step() {
   straggler_report* const report = options_.straggler && options_.straggler->enabled() ? options_.straggler : nullptr;
   timeline* const recorder = options_.timeline && options_.timeline->recording() ? options_.timeline : nullptr;
   const auto entered = report || recorder ? straggler_report::clock::now() : straggler_report::clock::time_point{};
+  const std::int64_t cpu_entered = report && report->times_cpu() ? straggler_report::thread_cpu_ns() : 0;
   auto& engine = group_->backend();
   begin_call();
   // The reductions averaged over the world; under a join only `contributors` ranks gave
@@ -1251,6 +1254,7 @@ step_result training_state<B, P, G>::step() {
     const auto now = straggler_report::clock::now();
     if (report) {
       report->add_wait(wait_kind::reduce, now - entered);
+      if (report->times_cpu()) report->add_wait_cpu(straggler_report::thread_cpu_ns() - cpu_entered);
       report->end_step(now);
     }
     if (recorder) {
