@@ -1225,7 +1225,11 @@ step_result training_state<B, P, G>::step() {
   result.loss_scale = options_.scaler ? options_.scaler->scale() : 1.0;
   measure(result);  // waits for every bucket's reduction
   const auto reduced = recorder ? timeline::clock::now() : timeline::clock::time_point{};
-  if (recorder) record_engine_spans();
+  // A stopped timeline takes none: what was noted before it stopped goes.
+  if (recorder)
+    record_engine_spans();
+  else
+    engine_spans_.clear();
   result.grad_norm *= divisor_fix;
   result.skipped = result.nonfinite > 0;
   if (options_.scaler) options_.scaler->update(result.skipped);
