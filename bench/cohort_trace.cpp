@@ -50,8 +50,11 @@ cohort-trace timeline reads the timelines ranks write when COHORT_TIMELINE=DIR i
 (DIR/rank<R>.timeline.json), merges them into one Chrome trace (-o; Perfetto and
 chrome://tracing open it: one process row per rank, every rank's step k side by side) and
 prints each rank's mean step split into compute, exposed communication (waiting on the
-engine) and other; --plot writes that split as an SVG of stacked bars. Exit status 1 when
-spans overlap without nesting (the files were not cohort::timeline's), 2 as below.
+engine) and other; --plot writes that split as an SVG of stacked bars. Each bucket's
+engine work and a checkpoint's copies and file have rows of their own beside each rank's
+training thread. Exit status 1 when spans overlap without nesting (the files were not
+cohort::timeline's); 2 as below, and for files of two runs in one DIR (other world sizes, a
+rank twice): give each run its own DIR.
 
 Options
   --json      machine-readable output

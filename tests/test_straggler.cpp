@@ -173,6 +173,41 @@ TEST_CASE("straggler_report measures steps and waits, and skips the first step",
   CHECK(report.steps() == 8);
 }
 
+TEST_CASE("with cpu_time_compute the verdict counts compute in CPU time, not the time others took", "[straggler]") {
+  // Each step computes 3 ms of CPU time and is kept off the core 10 ms more (a sleep, as a
+  // rank waits for a core it shares): wall-clock compute 13 ms, CPU time 3.
+  const auto step = [] {
+    std::this_thread::sleep_for(10ms);
+    const std::int64_t began = cohort::straggler_report::thread_cpu_ns();
+    while (cohort::straggler_report::thread_cpu_ns() - began < 3'000'000) {}
+  };
+  for (const bool cpu_time : {false, true}) {
+    INFO("cpu_time_compute " << cpu_time);
+    cohort::straggler_report report(std::make_shared<cohort::memory_store>(), 0, 1,
+                                    {.every = 4, .output = nullptr, .cpu_time_compute = cpu_time});
+    CHECK(report.times_cpu() == cpu_time);
+    report.end_step();
+    for (int s = 2; s <= 9; ++s) {
+      step();
+      report.end_step();
+    }
+    const auto run = report.run_summary();
+    REQUIRE(run);
+    CHECK(run->compute.median >= 12.5);
+    const auto verdict = cohort::scaling_verdict_of(*run);
+    CHECK(verdict.from_cpu_time == cpu_time);
+    if (cpu_time) {
+      CHECK(run->compute_cpu.median >= 2.9);
+      CHECK(run->compute_cpu.median < 8);
+      CHECK(verdict.one_rank_step_ms == Approx(run->compute_cpu.median));
+      CHECK(cohort::format_scaling_verdict(verdict).find("1 x the median compute's CPU time") != std::string::npos);
+    } else {
+      CHECK(run->compute_cpu.median == 0);
+      CHECK(verdict.one_rank_step_ms == Approx(run->compute.median));
+    }
+  }
+}
+
 TEST_CASE("straggler_report with every = 0 is off", "[straggler]") {
   cohort::straggler_report report(std::make_shared<cohort::memory_store>(), 0, 1, {.every = 0, .output = nullptr});
   for (int step = 0; step < 5; ++step) report.end_step();

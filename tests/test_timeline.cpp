@@ -6,6 +6,7 @@
 
 #include <cohort/comm/gloo.hpp>
 #include <cohort/diagnostics/timeline.hpp>
+#include <cohort/parallel/checkpoint.hpp>
 #include <cohort/parallel/training_state.hpp>
 #include <cohort/rendezvous/store.hpp>
 #include <cohort/tools/detail/json.hpp>
@@ -19,6 +20,8 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <numeric>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -141,86 +144,212 @@ TEST_CASE("a timeline records nothing without a directory, and only the window s
   CHECK(steps == std::vector<std::uint64_t>{3, 4, 5});
 }
 
-TEST_CASE("Gloo ranks' timelines hold the state's waits and merge with step k side by side", "[timeline][gloo]") {
-  for (const int world : {2, 4}) {
-    for (const auto strategy : {cohort::strategy::ddp, cohort::strategy::zero3}) {
-      DYNAMIC_SECTION(world << " ranks, " << cohort::to_string(strategy)) {
-        constexpr int steps = 6;
-        constexpr int slow = 1;
-        scratch_dir dir("gloo_" + std::to_string(world) + std::string(cohort::to_string(strategy)));
-        auto store = std::make_shared<cohort::memory_store>();
-        cohort_test::run_ranks(world, [&](int rank) {
-          cohort::gloo::options options;
-          options.timeout = std::chrono::seconds(5);
-          group pg(store, cohort::launch_env::explicit_ranks(rank, world), options);
-          cohort::timeline timeline(pg, {.directory = dir.path.string()});
-          const std::vector<cohort::region> regions{{"a", 0, 4096, 0}, {"b", 4096, 256, 1}, {"c", 4352, 64, 2}};
-          cohort::training_state<cohort::gloo> state{pg,
-                                                     regions,
-                                                     {.strategy = strategy,
-                                                      .bucket_bytes = 4096,
-                                                      .sgd = cohort::sgd_options{.lr = 0.1},
-                                                      .timeline = &timeline}};
-          state.load_parameters(std::vector<float>(4416, 0.0f));
-          for (int step = 1; step <= steps; ++step) {
-            {
-              auto forward = timeline.span("forward");
-              for (std::size_t l = 0; l < regions.size(); ++l) (void)state.gather(l);
-            }
-            auto backward = timeline.span("backward");
-            // A slower rank: the others' waits for it are theirs to show.
-            if (rank == slow) std::this_thread::sleep_for(10ms);
-            for (std::size_t l = regions.size(); l-- > 0;) {
-              (void)state.gather(l);
-              for (auto& g : state.gradient(l)) g = 1.0f;
-              state.mark_layer_ready(l);
-            }
-            backward.end();
-            state.step();
-          }
-        });
-        for (int rank = 0; rank < world; ++rank) {
-          const json document = read_json(dir.path / ("rank" + std::to_string(rank) + ".timeline.json"));
-          const auto spans = check_trace_events(document);
-          std::map<std::string, int> names;
-          for (const json* e : spans) ++names[e->at("name").as_string()];
-          CHECK(names["step: reductions"] == steps);
-          CHECK(names["step: update"] == steps);
-          CHECK(names["forward"] == steps);
-          CHECK(names["step 3"] == 1);
-          if (strategy == cohort::strategy::zero3) CHECK(names["gather wait layer 0"] == 2 * steps);
-        }
-        const auto merged = cohort::merge_timelines(dir.path);
-        CHECK(merged.unnested == 0);
-        const auto spans = check_trace_events(merged.document);
-        CHECK(merged.common_steps.size() == steps);
-        CHECK(merged.aligned_on_step == 1);
-        REQUIRE(merged.ranks.size() == static_cast<std::size_t>(world));
-        // Step k of every rank side by side: the step spans begin within a few ms of rank 0's.
-        for (int k = 1; k <= steps; ++k) {
-          std::vector<double> begins;
-          for (const json* e : spans)
-            if (e->at("name").as_string() == "step " + std::to_string(k)) begins.push_back(e->at("ts").as_number());
-          REQUIRE(begins.size() == static_cast<std::size_t>(world));
-          const auto [low, high] = std::minmax_element(begins.begin(), begins.end());
-          CHECK(*high - *low < 5e3);  // microseconds
-        }
-        // The slowed rank computes longer; the others wait for it.
-        for (const auto& split : merged.ranks) {
-          INFO("rank " << split.rank << " step " << split.step_ms << " compute " << split.compute_ms << " exposed "
-                       << split.exposed_ms << " other " << split.other_ms);
-          CHECK(split.steps == steps - 1);
-          CHECK(std::abs(split.compute_ms + split.exposed_ms + split.other_ms - split.step_ms) <
-                1e-3 * split.step_ms + 1e-3);
-          if (split.rank == slow)
-            CHECK(split.compute_ms >= 8);
-          else
-            CHECK(split.exposed_ms >= 5);
-        }
-        const std::string svg = cohort::timeline_svg(merged.ranks);
-        CHECK(svg.find("<svg") == 0);
-        CHECK(svg.find("rank " + std::to_string(world - 1)) != std::string::npos);
-      }
+TEST_CASE("cohort-trace timeline refuses files of two runs in one directory", "[timeline]") {
+  // What a rank's timeline is made from: its place in a group.
+  struct place {
+    int rank_in_group, ranks;
+    int rank() const { return rank_in_group; }
+    int world_size() const { return ranks; }
+  };
+  const auto record = [](const fs::path& directory, place where) {
+    cohort::timeline timeline(where, {.directory = directory.string()});
+    for (int step = 1; step <= 3; ++step) {
+      { auto forward = timeline.span("forward"); }
+      timeline.end_step();
     }
+  };
+  scratch_dir dir("two_runs");
+  // A run of 2 ranks, then a run of one whose rank 0 lands over the first's.
+  record(dir.path, {0, 2});
+  record(dir.path, {1, 2});
+  CHECK(cohort::merge_timelines(dir.path).ranks.size() == 2);
+  record(dir.path, {0, 1});
+  CHECK_THROWS_WITH(cohort::merge_timelines(dir.path), Catch::Contains("not the ranks of one run") &&
+                                                           Catch::Contains("rank 0 of 1") &&
+                                                           Catch::Contains("rank 1 of 2"));
+}
+
+TEST_CASE("Gloo ranks' timelines hold the state's waits and merge with step k side by side", "[timeline][gloo]") {
+  struct run {
+    int world;
+    cohort::strategy strategy;
+    bool reproducible;
+  };
+  for (const run r : {run{2, cohort::strategy::ddp, false}, run{4, cohort::strategy::ddp, false},
+                      run{2, cohort::strategy::zero3, false}, run{4, cohort::strategy::zero3, false},
+                      run{2, cohort::strategy::zero1, false}, run{2, cohort::strategy::zero2, true}}) {
+    const int world = r.world;
+    const auto strategy = r.strategy;
+    DYNAMIC_SECTION(world << " ranks, " << cohort::to_string(strategy) << (r.reproducible ? ", reproducible" : "")) {
+      constexpr int steps = 6;
+      constexpr int slow = 1;
+      scratch_dir dir("gloo_" + std::to_string(world) + std::string(cohort::to_string(strategy)));
+      auto store = std::make_shared<cohort::memory_store>();
+      std::size_t buckets = 0;
+      std::optional<cohort::reproducible_options> reproducible;
+      if (r.reproducible) reproducible = cohort::reproducible_options{static_cast<std::size_t>(world), 0};
+      cohort_test::run_ranks(world, [&](int rank) {
+        cohort::gloo::options options;
+        options.timeout = std::chrono::seconds(5);
+        group pg(store, cohort::launch_env::explicit_ranks(rank, world), options);
+        cohort::timeline timeline(pg, {.directory = dir.path.string()});
+        const std::vector<cohort::region> regions{{"a", 0, 4096, 0}, {"b", 4096, 256, 1}, {"c", 4352, 64, 2}};
+        cohort::training_state<cohort::gloo> state{pg,
+                                                   regions,
+                                                   {.strategy = strategy,
+                                                    .bucket_bytes = 4096,
+                                                    .sgd = cohort::sgd_options{.lr = 0.1},
+                                                    .timeline = &timeline,
+                                                    .reproducible = reproducible}};
+        if (rank == 0) buckets = state.bucket_count();
+        state.load_parameters(std::vector<float>(4416, 0.0f));
+        for (int step = 1; step <= steps; ++step) {
+          {
+            auto forward = timeline.span("forward");
+            for (std::size_t l = 0; l < regions.size(); ++l) (void)state.gather(l);
+          }
+          auto backward = timeline.span("backward");
+          // A slower rank: the others' waits for it are theirs to show.
+          if (rank == slow) std::this_thread::sleep_for(10ms);
+          for (std::size_t l = regions.size(); l-- > 0;) {
+            (void)state.gather(l);
+            for (auto& g : state.gradient(l)) g = 1.0f;
+            state.mark_layer_ready(l);
+          }
+          backward.end();
+          state.step();
+        }
+      });
+      for (int rank = 0; rank < world; ++rank) {
+        const json document = read_json(dir.path / ("rank" + std::to_string(rank) + ".timeline.json"));
+        const auto spans = check_trace_events(document);
+        std::map<std::string, int> names;
+        for (const json* e : spans) ++names[e->at("name").as_string()];
+        CHECK(names["step: reductions"] == steps);
+        CHECK(names["step: update"] == steps);
+        CHECK(names["forward"] == steps);
+        CHECK(names["step 3"] == 1);
+        if (strategy == cohort::strategy::zero3) CHECK(names["gather wait layer 0"] == 2 * steps);
+        // Each bucket's reduction from hand-off to completion, once a step, on the bucket's
+        // row, inside its step (the step waited for it); zero3's gathers and their lifetimes too.
+        std::map<std::uint64_t, std::pair<double, double>> step_spans;
+        for (const json* e : spans)
+          if (e->at("cat").as_string() == "step")
+            step_spans[static_cast<std::uint64_t>(e->at("args").at("step").as_int64())] = {
+                e->at("ts").as_number(), e->at("ts").as_number() + e->at("dur").as_number()};
+        const std::string reduction = r.reproducible                      ? "canonical sum"
+                                      : strategy == cohort::strategy::ddp ? "all-reduce"
+                                                                          : "reduce-scatter";
+        REQUIRE(buckets >= 2);
+        for (std::size_t b = 0; b < buckets; ++b) {
+          INFO("rank " << rank << " bucket " << b);
+          std::vector<std::uint64_t> reduced_in;
+          for (const json* e : spans) {
+            if (e->at("name").as_string() != reduction + " bucket " + std::to_string(b)) continue;
+            CHECK(e->at("cat").as_string() == "engine");
+            CHECK(e->at("tid").as_int64() == static_cast<std::int64_t>(1 + b));
+            const auto step = static_cast<std::uint64_t>(e->at("args").at("step").as_int64());
+            reduced_in.push_back(step);
+            const auto [step_begin, step_end] = step_spans.at(step);
+            CHECK(e->at("ts").as_number() >= step_begin - 1);  // the file's microseconds, rounded
+            CHECK(e->at("ts").as_number() + e->at("dur").as_number() <= step_end + 1);
+          }
+          std::vector<std::uint64_t> every_step(steps);
+          std::iota(every_step.begin(), every_step.end(), std::uint64_t{1});
+          CHECK(reduced_in == every_step);
+          if (strategy == cohort::strategy::zero3) {
+            CHECK(names["gather bucket " + std::to_string(b)] >= steps);
+            CHECK(names["gathered bucket " + std::to_string(b)] >= steps);
+          }
+        }
+        // The rows are named: the bucket and its layer.
+        std::size_t named_rows = 0;
+        for (const auto& e : document.at("traceEvents").as_array())
+          if (e.at("name").as_string() == "thread_name" && e.at("args").at("name").as_string().rfind("bucket ", 0) == 0)
+            ++named_rows;
+        CHECK(named_rows == buckets);
+      }
+      const auto merged = cohort::merge_timelines(dir.path);
+      CHECK(merged.unnested == 0);
+      const auto spans = check_trace_events(merged.document);
+      CHECK(merged.common_steps.size() == steps);
+      CHECK(merged.aligned_on_step == 1);
+      REQUIRE(merged.ranks.size() == static_cast<std::size_t>(world));
+      // Step k of every rank side by side: the step spans begin within a few ms of rank 0's.
+      for (int k = 1; k <= steps; ++k) {
+        std::vector<double> begins;
+        for (const json* e : spans)
+          if (e->at("name").as_string() == "step " + std::to_string(k)) begins.push_back(e->at("ts").as_number());
+        REQUIRE(begins.size() == static_cast<std::size_t>(world));
+        const auto [low, high] = std::minmax_element(begins.begin(), begins.end());
+        CHECK(*high - *low < 5e3);  // microseconds
+      }
+      // The slowed rank computes longer; the others wait for it.
+      for (const auto& split : merged.ranks) {
+        INFO("rank " << split.rank << " step " << split.step_ms << " compute " << split.compute_ms << " exposed "
+                     << split.exposed_ms << " other " << split.other_ms);
+        CHECK(split.steps == steps - 1);
+        CHECK(std::abs(split.compute_ms + split.exposed_ms + split.other_ms - split.step_ms) <
+              1e-3 * split.step_ms + 1e-3);
+        if (split.rank == slow)
+          CHECK(split.compute_ms >= 8);
+        else if (!r.reproducible)  // there the micro-steps' agreement, in the backward, waits for it
+          CHECK(split.exposed_ms >= 5);
+      }
+      const std::string svg = cohort::timeline_svg(merged.ranks);
+      CHECK(svg.find("<svg") == 0);
+      CHECK(svg.find("rank " + std::to_string(world - 1)) != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("a checkpoint's copies, write and read are spans on rows of their own", "[timeline][gloo][checkpoint]") {
+  constexpr int world = 2;
+  scratch_dir dir("checkpoint");
+  const fs::path saved = dir.path / "checkpoints";
+  auto store = std::make_shared<cohort::memory_store>();
+  cohort_test::run_ranks(world, [&](int rank) {
+    cohort::gloo::options options;
+    options.timeout = std::chrono::seconds(5);
+    group pg(store, cohort::launch_env::explicit_ranks(rank, world), options);
+    cohort::timeline timeline(pg, {.directory = dir.path.string()});
+    const std::vector<cohort::region> regions{{"a", 0, 1 << 16, 0}, {"b", 1 << 16, 256, 1}};
+    cohort::training_state<cohort::gloo> state{
+        pg,
+        regions,
+        {.strategy = cohort::strategy::zero2, .sgd = cohort::sgd_options{.lr = 0.1}, .timeline = &timeline}};
+    state.load_parameters(std::vector<float>((1 << 16) + 256, 1.0f));
+    cohort::async_checkpointer<cohort::gloo, float, float> saver(state);
+    for (int step = 1; step <= 3; ++step) {
+      for (std::size_t l = regions.size(); l-- > 0;) {
+        for (auto& g : state.gradient(l)) g = 1.0f;
+        state.mark_layer_ready(l);
+      }
+      state.step();
+      if (step == 1) (void)saver.save(saved.string(), 1);  // its copy overlaps step 2
+    }
+    const auto written = saver.wait();
+    (void)cohort::load_checkpoint(state, written.value().path);
+    state.step();
+  });
+  for (int rank = 0; rank < world; ++rank) {
+    const json document = read_json(dir.path / ("rank" + std::to_string(rank) + ".timeline.json"));
+    const auto spans = check_trace_events(document);
+    std::map<std::string, std::vector<const json*>> by_name;
+    for (const json* e : spans) by_name[e->at("name").as_string()].push_back(e);
+    for (const auto* name : {"checkpoint: copy to host staging", "checkpoint: write", "checkpoint: read and verify",
+                             "checkpoint: copy from host staging"}) {
+      INFO("rank " << rank << ": " << name);
+      REQUIRE(by_name[name].size() == 1);
+      const json& e = *by_name[name].front();
+      CHECK(e.at("cat").as_string() == "checkpoint");
+      CHECK(e.at("tid").as_int64() > 0);  // a row of its own, beside the training thread's
+    }
+    // The save began after step 1: its spans are step 2's, and the write ends after the copy
+    // it drains began.
+    CHECK(by_name["checkpoint: copy to host staging"].front()->at("args").at("step").as_int64() == 2);
+    const json& copy = *by_name["checkpoint: copy to host staging"].front();
+    const json& write = *by_name["checkpoint: write"].front();
+    CHECK(write.at("ts").as_number() + write.at("dur").as_number() >= copy.at("ts").as_number());
   }
 }

@@ -88,6 +88,19 @@ class flight_recorder {
   }
   void failed(std::uint64_t id) { update(id, call_state::failed, 0); }
 
+  // The newest call's id (0: none, or disabled). Read before and after issuing, it brackets
+  // the ids of the calls issued between.
+  COHORT_DECL std::uint64_t last_id() const;
+  // Calls first..last (ids) as one span of the engine's work: the first one's issue to the
+  // last completion, on the steady clock (microseconds). `pending` while one is not complete;
+  // `lost` when one failed or the ring no longer holds it.
+  struct calls_span {
+    enum class state : std::uint8_t { complete, pending, lost };
+    state outcome = state::lost;
+    std::chrono::steady_clock::time_point issued{}, completed{};
+  };
+  COHORT_DECL calls_span span_of(std::uint64_t first, std::uint64_t last) const;
+
   // The calls still in the ring, oldest first.
   COHORT_DECL std::vector<call_record> snapshot() const;
   // Highest collective sequence issued / completed (0: none).

@@ -82,6 +82,9 @@ struct straggler_rank_stats {
   double gather_wait_ms = 0;  // blocked in training_state's zero3 gathers
   double other_wait_ms = 0;   // report.wait(work) and add_wait(wait_kind::other, ...)
   double max_step_ms = 0;     // the window's longest step
+  // straggler_options::cpu_time_compute: the training thread's CPU time a step outside the
+  // state's waits, its compute without the time other threads took from it (0: not measured).
+  double compute_cpu_ms = 0;
 
   double wait_ms() const noexcept { return reduce_wait_ms + gather_wait_ms + other_wait_ms; }
   // Waits on another thread (a gather guard) may overlap the step's own: clamped at 0.
@@ -117,6 +120,7 @@ struct straggler_summary {
   std::chrono::milliseconds timeout{0};     // how long rank 0 waited for the missing ones
   straggler_spread step;                    // ms per step
   straggler_spread compute;                 // ms per step
+  straggler_spread compute_cpu;             // ms per step of CPU time (0: not measured)
   straggler_spread wait;                    // ms per step
   straggler_spread exposed;                 // fraction of the step
   int slowest = -1;                         // the largest compute time; -1 when none reported
@@ -193,6 +197,7 @@ struct scaling_verdict {
   double step_ms = 0;           // the median rank's mean step
   double exposed = 0;           // the median exposed share
   double one_rank_step_ms = 0;  // the estimate of one rank's step on the whole batch
+  bool from_cpu_time = false;   // estimated from the compute's CPU time (cpu_time_compute)
   double speedup = 0;           // one_rank_step_ms / step_ms: N ranks' throughput over one's
   int slowest = -1;
   double slowest_over_median_ms = 0;
@@ -221,6 +226,12 @@ struct straggler_options {
   timeline* slowdown_timeline = nullptr;
   // Called on rank 0 with each finding, after writing its line.
   std::function<void(const slowdown_finding&)> on_slowdown = {};
+  // The verdict estimates one rank's step from each rank's CPU time outside the state's waits
+  // (on the training thread) rather than its wall time: right where ranks share cores (ranks
+  // as threads on a small host), whose contention inflates every rank's wall-clock compute;
+  // wrong where the compute runs on other threads or a device (ignored on a device backend).
+  // Costs a CPU-clock read at each step boundary and two around each of the state's waits.
+  bool cpu_time_compute = false;
 };
 
 class straggler_report {
@@ -257,6 +268,11 @@ class straggler_report {
     waits_[static_cast<std::size_t>(kind)].fetch_add(
         std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count(), std::memory_order_relaxed);
   }
+  // cpu_time_compute: the training thread's CPU clock (ns), which the state reads around its
+  // waits, and the CPU time it spent in them (the training thread only).
+  bool times_cpu() const noexcept { return enabled() && options_.cpu_time_compute && !host_clock_only_; }
+  COHORT_DECL static std::int64_t thread_cpu_ns() noexcept;
+  void add_wait_cpu(std::int64_t ns) noexcept { wait_cpu_ns_ += ns; }
   // Waits for `done` (any work handle: done.wait()) and counts the time as a wait.
   template <class Work>
   void wait(const Work& done, wait_kind kind = wait_kind::other) {
@@ -330,6 +346,11 @@ class straggler_report {
   std::int64_t window_step_ns_ = 0;
   std::int64_t window_max_step_ns_ = 0;
   std::atomic<std::int64_t> waits_[3] = {};  // ns, by wait_kind, since the window began
+  // cpu_time_compute: the training thread's CPU clock at the last boundary, its CPU time in
+  // the window's steps and in the state's waits (ns).
+  std::int64_t last_boundary_cpu_ns_ = 0;
+  std::int64_t window_step_cpu_ns_ = 0;
+  std::int64_t wait_cpu_ns_ = 0;
 
   std::vector<pending_window> pending_;  // rank 0: windows still collecting, oldest first
   std::optional<straggler_summary> latest_;

@@ -24,6 +24,13 @@
 //   "step: update"            [optimizer]      the update and the publication of parameters
 // and the trainer's own spans, span("forward") [compute]. Spans of one step must nest: a span
 // that crosses a step boundary (begun before step(), ended after) is cut at the boundary.
+// Beside the training thread's row (tid 0), each bucket has a row of its own (tid 1 + bucket,
+// "bucket B (layer L)") with the engine's work on it [engine], from hand-off to completion as
+// the group's flight recorder timed it (read when step() has waited for the reductions):
+//   "all-reduce bucket B" (ddp), "reduce-scatter bucket B" (zero1/2/3), "canonical sum
+//   bucket B" (reproducible: the all-to-all of the ranks' partials and the sum),
+//   "gather bucket B" (zero3) and "gathered bucket B" (zero3: its completion to the release)
+// These overlap the training thread's spans (that is the overlap) and are not in the split.
 //
 // Memory: the events of the last `keep_steps` steps (a ring); the steps a slowdown kept
 // (keep()) stay too, at most `kept_windows` windows. Cost: off (no directory, or stopped)
@@ -32,6 +39,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -42,7 +50,9 @@
 namespace cohort::inline v0 {
 
 // What a span's time was spent on: the verdict splits each step by it.
-enum class timeline_category : std::uint8_t { step, compute, communication, optimizer, checkpoint, other };
+// engine: the engine's work on a track of its own (a bucket's reduction from hand-off to
+// completion), which overlaps the caller's spans rather than being one of them.
+enum class timeline_category : std::uint8_t { step, compute, communication, optimizer, checkpoint, engine, other };
 
 COHORT_DECL const char* to_string(timeline_category category) noexcept;
 
@@ -68,6 +78,7 @@ class timeline {
     std::uint64_t step = 0;  // the step it belongs to (1 = the first)
     std::int64_t begin_ns = 0;
     std::int64_t end_ns = 0;
+    std::uint32_t track = 0;  // the row (tid): 0 the training thread, k > 0 a track's (add_track_span)
   };
 
   // A span from here to the end of the scope (or to end()).
@@ -96,10 +107,13 @@ class timeline {
     clock::time_point begin_{};
   };
 
-  // Every rank of `group` (anything with rank()).
+  // Every rank of `group` (anything with rank() and world_size()). The file says the group's
+  // size, so that cohort-trace timeline never merges files of different runs.
   template <class Group>
   explicit timeline(Group& group, timeline_options options = {})
-      : timeline(static_cast<int>(group.rank()), std::move(options)) {}
+      : timeline(static_cast<int>(group.rank()), std::move(options)) {
+    world_size_ = static_cast<int>(group.world_size());
+  }
   COHORT_DECL explicit timeline(int rank, timeline_options options = {});
   timeline(const timeline&) = delete;
   timeline& operator=(const timeline&) = delete;
@@ -128,6 +142,18 @@ class timeline {
   void add_span(std::string_view name, timeline_category category, clock::time_point begin, clock::time_point end) {
     if (recording_) record(name, category, begin, end);
   }
+  // Rows beside the training thread's: 1 + B is the training state's bucket B; these two the
+  // checkpoint's copies (to and from host staging) and its file's write or read.
+  static constexpr std::uint32_t checkpoint_copy_track = 1u << 20;
+  static constexpr std::uint32_t checkpoint_file_track = checkpoint_copy_track + 1;
+
+  // Work measured elsewhere (on another thread, or by the engine) on row `track` (> 0), which
+  // it names (the first name given stays), in step `step`: not cut at a step's start, since it
+  // overlaps the training thread's spans.
+  void add_track_span(std::uint32_t track, std::string_view track_name, std::string_view name,
+                      timeline_category category, std::uint64_t step, clock::time_point begin, clock::time_point end) {
+    if (recording_) record_on_track(track, track_name, name, category, step, begin, end);
+  }
   // A step ends (training_state::step() calls this when it has the timeline).
   void end_step() {
     if (recording_) boundary(clock::now());
@@ -154,6 +180,9 @@ class timeline {
   COHORT_DECL void record(std::string_view name, timeline_category category, clock::time_point begin,
                           clock::time_point end);
   COHORT_DECL void boundary(clock::time_point now);
+  COHORT_DECL void record_on_track(std::uint32_t track, std::string_view track_name, std::string_view name,
+                                   timeline_category category, std::uint64_t step, clock::time_point begin,
+                                   clock::time_point end);
 
   struct kept_window {
     std::uint64_t first = 0;
@@ -163,6 +192,7 @@ class timeline {
   };
 
   int rank_ = 0;
+  int world_size_ = 0;  // 0: not known (a timeline made from a rank alone)
   std::string directory_;
   timeline_options options_;
   bool recording_ = false;
@@ -171,6 +201,11 @@ class timeline {
   std::vector<event> ring_;         // events of the kept steps from ring_first_ on
   std::size_t ring_first_ = 0;      // events before it are dropped (compacted lazily)
   std::vector<kept_window> kept_;
+  struct track_row {
+    std::string name;
+    std::int64_t last_end_ns = 0;  // where the row's next span may begin
+  };
+  std::map<std::uint32_t, track_row> tracks_;  // the rows beside the training thread's, by tid
 };
 
 }  // namespace cohort::inline v0

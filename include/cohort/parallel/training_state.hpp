@@ -760,6 +760,25 @@ class training_state {
   // A step this rank answers after its loop ended (see join).
   void answer_step();
   void measure(step_result& result);
+  // Timeline: the engine's work on each bucket, noted as the ids of its calls in the group's
+  // flight recorder (which times each call's issue and completion as the engine reports it)
+  // and turned into spans on the bucket's row once step() has waited for the reductions, so
+  // that no clock read, poll or wait is added to the step. `engine_calls_begin` is 0 when the
+  // timeline is not recording: then nothing is noted.
+  enum class engine_work : std::uint8_t { reduction, gather, gathered };
+  struct engine_span {
+    std::size_t bucket = 0;
+    engine_work what = engine_work::reduction;
+    std::uint64_t step = 0;  // the timeline's
+    std::uint64_t first_call = 0, last_call = 0;
+    timeline::clock::time_point released{};  // gathered: when the release let it go
+  };
+  std::uint64_t engine_calls_begin() const {
+    if (!options_.timeline || !options_.timeline->recording()) return 0;
+    return group_->backend().recorder().last_id() + 1;
+  }
+  void note_engine_span(std::size_t b, engine_work what, std::uint64_t first_call);
+  void record_engine_spans();
   void warn_if_overlap_lost();
   // The state's own optimizer, bucket by bucket in the caller's order, each bucket's
   // parameters published (publish_bucket) as soon as its update is queued.
@@ -889,6 +908,7 @@ class training_state {
   pool_type staging_pool_;
   std::size_t staging_pool_bytes_ = 0;
   detail::backend_buffer<B> exact_norm_;
+  std::vector<engine_span> engine_spans_;  // noted, not yet on the timeline
 };
 
 }  // namespace cohort::inline v0

@@ -59,6 +59,7 @@ struct span {
   std::uint64_t step = 0;
   double begin_us = 0;
   double end_us = 0;
+  std::int64_t track = 0;  // tid: 0 the training thread, else a bucket's row of the engine's work
 };
 
 inline double union_length(std::vector<std::pair<double, double>> intervals) {
@@ -103,9 +104,12 @@ inline std::vector<std::pair<double, double>> merged_intervals(std::vector<std::
 }
 
 struct rank_file {
+  std::filesystem::path path;
   int rank = -1;
+  std::int64_t world_size = 0;  // 0: the file does not say
   std::vector<span> spans;
-  std::map<std::uint64_t, const span*> steps;  // the step spans by step
+  std::map<std::int64_t, std::string> track_names;  // tid > 0: its thread_name
+  std::map<std::uint64_t, const span*> steps;       // the step spans by step
 };
 
 inline rank_file read_rank(const std::filesystem::path& path) {
@@ -115,13 +119,19 @@ inline rank_file read_rank(const std::filesystem::path& path) {
   if (!in) throw error(-1, "cohort-trace timeline", "cannot read " + path.string(), "");
   const json document = parse_json(text.str());
   rank_file file;
-  file.rank = static_cast<int>(document.at("otherData").at("rank").as_int64());
+  file.path = path;
+  const json& other = document.at("otherData");
+  file.rank = static_cast<int>(other.at("rank").as_int64());
+  if (const json* world_size = other.find("world_size")) file.world_size = world_size->as_int64();
   for (const auto& e : document.at("traceEvents").as_array()) {
-    if (e.at("ph").as_string() != "X") continue;
+    const std::string& phase = e.at("ph").as_string();
+    if (phase == "M" && e.at("name").as_string() == "thread_name" && e.at("tid").as_int64() > 0)
+      file.track_names[e.at("tid").as_int64()] = e.at("args").at("name").as_string();
+    if (phase != "X") continue;
     const double begin = e.at("ts").as_number();
     file.spans.push_back({e.at("name").as_string(), e.at("cat").as_string(),
                           static_cast<std::uint64_t>(e.at("args").at("step").as_int64()), begin,
-                          begin + e.at("dur").as_number()});
+                          begin + e.at("dur").as_number(), e.at("tid").as_int64()});
   }
   for (const auto& s : file.spans)
     if (s.category == "step") file.steps[s.step] = &s;
@@ -198,6 +208,21 @@ inline merged_timeline merge_timelines(const std::filesystem::path& directory) {
     throw error(-1, "cohort-trace timeline", "no rank<R>.timeline.json in " + directory.string(),
                 "run the trainer with COHORT_TIMELINE=DIR (the files are written as each rank ends)");
   std::sort(files.begin(), files.end(), [](const rank_file& a, const rank_file& b) { return a.rank < b.rank; });
+  // Files of two runs in one directory (a run of another size, or a second run's rank 0 over
+  // the first's) would be merged as one run's ranks: refused, naming both.
+  const auto describe = [](const rank_file& file) {
+    return detail::text(file.path.string(), " (rank ", std::to_string(file.rank), " of ",
+                        file.world_size > 0 ? std::to_string(file.world_size) : std::string("?"), ")");
+  };
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    const auto& a = files[i];
+    const auto& b = files[i + 1 < files.size() ? i + 1 : 0];
+    const bool other_size = a.world_size > 0 && b.world_size > 0 && a.world_size != b.world_size;
+    if ((&a != &b && a.rank == b.rank) || other_size || (a.world_size > 0 && a.rank >= a.world_size))
+      throw error(-1, "cohort-trace timeline",
+                  detail::text(describe(a), " and ", describe(b), " are not the ranks of one run"),
+                  "give each run its own COHORT_TIMELINE directory");
+  }
 
   merged_timeline merged;
   for (const auto& [step, whole] : files.front().steps) {
@@ -225,6 +250,17 @@ inline merged_timeline merge_timelines(const std::filesystem::path& directory) {
     args.set("name", "rank " + std::to_string(file.rank));
     name.set("args", std::move(args));
     events.push_back(std::move(name));
+    for (const auto& [track, track_name] : file.track_names) {
+      json thread = json::make_object();
+      thread.set("name", "thread_name");
+      thread.set("ph", "M");
+      thread.set("pid", file.rank);
+      thread.set("tid", track);
+      json thread_args = json::make_object();
+      thread_args.set("name", track_name);
+      thread.set("args", std::move(thread_args));
+      events.push_back(std::move(thread));
+    }
     for (const auto& s : file.spans) {
       json e = json::make_object();
       e.set("name", s.name);
@@ -233,22 +269,24 @@ inline merged_timeline merge_timelines(const std::filesystem::path& directory) {
       e.set("ts", s.begin_us + shift);
       e.set("dur", s.end_us - s.begin_us);
       e.set("pid", file.rank);
-      e.set("tid", 0);
+      e.set("tid", s.track);
       json step = json::make_object();
       step.set("step", s.step);
       e.set("args", std::move(step));
       events.push_back(std::move(e));
     }
     merged.ranks.push_back(split_of(file, measured));
-    std::vector<std::pair<double, double>> spans;
-    for (const auto& s : file.spans) spans.emplace_back(s.begin_us, s.end_us);
-    merged.unnested += count_unnested(std::move(spans));
+    // Spans nest within their row: the training thread's, and each bucket's.
+    std::map<std::int64_t, std::vector<std::pair<double, double>>> rows;
+    for (const auto& s : file.spans) rows[s.track].emplace_back(s.begin_us, s.end_us);
+    for (auto& [track, spans] : rows) merged.unnested += count_unnested(std::move(spans));
   }
   merged.document.set("traceEvents", std::move(events));
   merged.document.set("displayTimeUnit", "ms");
   json other = json::make_object();
   other.set("aligned_on_step", merged.aligned_on_step);
   other.set("ranks", static_cast<unsigned long>(files.size()));
+  if (files.front().world_size > 0) other.set("world_size", files.front().world_size);
   merged.document.set("otherData", std::move(other));
   return merged;
 }

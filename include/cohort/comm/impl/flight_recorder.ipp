@@ -87,6 +87,37 @@ COHORT_DECL std::vector<call_record> flight_recorder::snapshot() const {
   return calls;
 }
 
+COHORT_DECL std::uint64_t flight_recorder::last_id() const {
+  std::lock_guard lock(mutex_);
+  return next_id_;
+}
+
+COHORT_DECL flight_recorder::calls_span flight_recorder::span_of(std::uint64_t first, std::uint64_t last) const {
+  calls_span span;
+  if (ring_.empty() || first == 0 || last < first) return span;
+  std::int64_t issued_us = 0, completed_us = 0;
+  {
+    std::lock_guard lock(mutex_);
+    for (std::uint64_t id = first; id <= last; ++id) {
+      const call_record& slot = ring_[id % ring_.size()];
+      if (slot.id != id || slot.state == call_state::failed) return span;
+      if (slot.state != call_state::completed) {
+        span.outcome = calls_span::state::pending;
+        return span;
+      }
+      if (id == first) issued_us = slot.issued_us;
+      completed_us = std::max(completed_us, slot.completed_us);
+    }
+  }
+  const auto steady = [&](std::int64_t epoch_us) {
+    return std::chrono::steady_clock::time_point(std::chrono::microseconds(epoch_us - epoch_offset_us_));
+  };
+  span.outcome = calls_span::state::complete;
+  span.issued = steady(issued_us);
+  span.completed = steady(completed_us);
+  return span;
+}
+
 COHORT_DECL std::uint64_t flight_recorder::last_issued() const {
   std::lock_guard lock(mutex_);
   return last_issued_;

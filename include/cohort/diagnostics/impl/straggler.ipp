@@ -2,6 +2,8 @@
 // cohort/diagnostics/straggler.hpp's definitions: inline there when header-only, compiled once by <cohort/src.hpp>
 // under COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
 
+#include <time.h>
+
 #include <algorithm>
 #include <charconv>
 #include <chrono>
@@ -52,9 +54,13 @@ inline std::string format_percent(double fraction) {
   return text;
 }
 
-// "w <window> <steps> <step ns> <reduce ns> <gather ns> <other ns> <max step ns>": decimal,
-// so any store and any byte order read it.
-inline std::string encode_window(std::uint64_t window, std::uint64_t steps, const std::int64_t (&ns)[5]) {
+// The window's totals: step, reduce wait, gather wait, other wait, the longest step, step CPU
+// time, CPU time in the state's waits (ns; the CPU times 0 when not measured).
+constexpr std::size_t window_fields = 7;
+
+// "w <window> <steps> <step ns> <reduce ns> <gather ns> <other ns> <max step ns> <step cpu ns>
+// <wait cpu ns>": decimal, so any store and any byte order read it.
+inline std::string encode_window(std::uint64_t window, std::uint64_t steps, const std::int64_t (&ns)[window_fields]) {
   // Appended piece by piece: g++ 12 at -O3 (nvcc's host pass) flags `"literal" + std::string`
   // with a false -Wrestrict (GCC bug 105329), an error under -Werror.
   std::string text = "w ";
@@ -68,8 +74,8 @@ inline std::string encode_window(std::uint64_t window, std::uint64_t steps, cons
   return text;
 }
 
-// Totals in ns (step, reduce wait, gather wait, other wait; then the longest step) as means per step.
-inline straggler_rank_stats window_stats(int rank, std::uint64_t steps, const std::int64_t (&ns)[5]) {
+// Totals in ns (window_fields) as means per step.
+inline straggler_rank_stats window_stats(int rank, std::uint64_t steps, const std::int64_t (&ns)[window_fields]) {
   straggler_rank_stats stats;
   stats.rank = rank;
   stats.steps = steps;
@@ -79,6 +85,7 @@ inline straggler_rank_stats window_stats(int rank, std::uint64_t steps, const st
   stats.gather_wait_ms = static_cast<double>(ns[2]) * per_step;
   stats.other_wait_ms = static_cast<double>(ns[3]) * per_step;
   stats.max_step_ms = static_cast<double>(ns[4]) * 1e-6;
+  stats.compute_cpu_ms = static_cast<double>(std::max<std::int64_t>(ns[5] - ns[6], 0)) * per_step;
   return stats;
 }
 
@@ -94,7 +101,7 @@ inline bool decode_window(const std::string& text, std::uint64_t window, int ran
     return true;
   };
   std::uint64_t index = 0, steps = 0;
-  std::int64_t ns[5] = {};
+  std::int64_t ns[window_fields] = {};
   if (!next(index) || !next(steps)) return false;
   for (auto& value : ns)
     if (!next(value)) return false;
@@ -121,15 +128,17 @@ COHORT_DECL straggler_summary summarize_stragglers(std::uint64_t first_step, std
   std::sort(missing.begin(), missing.end());
   summary.ranks = std::move(ranks);
   summary.missing = std::move(missing);
-  std::vector<std::pair<double, int>> step, compute, wait, exposed;
+  std::vector<std::pair<double, int>> step, compute, compute_cpu, wait, exposed;
   for (const auto& stats : summary.ranks) {
     step.emplace_back(stats.step_ms, stats.rank);
     compute.emplace_back(stats.compute_ms(), stats.rank);
+    compute_cpu.emplace_back(stats.compute_cpu_ms, stats.rank);
     wait.emplace_back(stats.wait_ms(), stats.rank);
     exposed.emplace_back(stats.exposed(), stats.rank);
   }
   summary.step = detail::straggler_impl::spread_of(std::move(step));
   summary.compute = detail::straggler_impl::spread_of(std::move(compute));
+  summary.compute_cpu = detail::straggler_impl::spread_of(std::move(compute_cpu));
   summary.wait = detail::straggler_impl::spread_of(std::move(wait));
   summary.exposed = detail::straggler_impl::spread_of(std::move(exposed));
   summary.slowest = summary.compute.max_rank;
@@ -207,15 +216,26 @@ COHORT_DECL std::chrono::milliseconds straggler_report::exchange_timeout() const
   return options_.timeout.count() > 0 ? options_.timeout : store_->timeout();
 }
 
+COHORT_DECL std::int64_t straggler_report::thread_cpu_ns() noexcept {
+  timespec now{};
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
+  return static_cast<std::int64_t>(now.tv_sec) * 1000000000 + now.tv_nsec;
+}
+
 COHORT_DECL void straggler_report::step_boundary(clock::time_point now) {
   if (!enabled() || stopped_) return;
   ++boundaries_;
+  const std::int64_t cpu = times_cpu() ? thread_cpu_ns() : 0;
   if (boundaries_ == 1) {  // step 1 is not measured: the clock starts here
     last_boundary_ = now;
+    last_boundary_cpu_ns_ = cpu;
+    wait_cpu_ns_ = 0;
     window_first_step_ = 2;
     for (auto& waited : waits_) waited.store(0, std::memory_order_relaxed);
     return;
   }
+  window_step_cpu_ns_ += cpu - last_boundary_cpu_ns_;
+  last_boundary_cpu_ns_ = cpu;
   const std::int64_t step = std::chrono::duration_cast<std::chrono::nanoseconds>(now - last_boundary_).count();
   last_boundary_ = now;
   ++window_steps_;
@@ -232,7 +252,8 @@ COHORT_DECL void straggler_report::flush() {
 }
 
 COHORT_DECL void straggler_report::publish(clock::time_point now) {
-  std::int64_t ns[5] = {window_step_ns_, 0, 0, 0, window_max_step_ns_};
+  std::int64_t ns[detail::straggler_impl::window_fields] = {
+      window_step_ns_, 0, 0, 0, window_max_step_ns_, window_step_cpu_ns_, std::exchange(wait_cpu_ns_, 0)};
   for (std::size_t k = 0; k < 3; ++k) ns[1 + k] = waits_[k].exchange(0, std::memory_order_relaxed);
   const std::uint64_t window = ++published_;  // the same on every rank that ran the same steps
   pending_window entry;
@@ -246,6 +267,7 @@ COHORT_DECL void straggler_report::publish(clock::time_point now) {
   window_steps_ = 0;
   window_step_ns_ = 0;
   window_max_step_ns_ = 0;
+  window_step_cpu_ns_ = 0;
   if (rank_ == 0) {
     pending_.push_back(std::move(entry));
     return;
@@ -321,6 +343,7 @@ COHORT_DECL void straggler_report::report(const pending_window& window, std::vec
     total.gather_wait_ms += r.gather_wait_ms * steps;
     total.other_wait_ms += r.other_wait_ms * steps;
     total.max_step_ms = std::max(total.max_step_ms, r.max_step_ms);
+    total.compute_cpu_ms += r.compute_cpu_ms * steps;
   }
   if (options_.output) {
     const std::string line = detail::text(format_straggler_report(summary), "\n");
@@ -356,6 +379,7 @@ COHORT_DECL std::optional<straggler_summary> straggler_report::run_summary() con
     mean.reduce_wait_ms /= steps;
     mean.gather_wait_ms /= steps;
     mean.other_wait_ms /= steps;
+    mean.compute_cpu_ms /= steps;
     ranks.push_back(mean);
   }
   auto run = summarize_stragglers(run_first_step_, latest_->last_step, world_, std::move(ranks), std::move(missing));
@@ -368,7 +392,8 @@ COHORT_DECL scaling_verdict scaling_verdict_of(const straggler_summary& run) {
   verdict.world = run.world;
   verdict.step_ms = run.step.median;
   verdict.exposed = run.exposed.median;
-  verdict.one_rank_step_ms = run.compute.median * run.world;
+  verdict.from_cpu_time = run.compute_cpu.median > 0;
+  verdict.one_rank_step_ms = (verdict.from_cpu_time ? run.compute_cpu.median : run.compute.median) * run.world;
   verdict.speedup = verdict.step_ms > 0 ? verdict.one_rank_step_ms / verdict.step_ms : 0.0;
   verdict.slowest = run.balanced ? -1 : run.slowest;
   verdict.slowest_over_median_ms = run.slowest_over_median_ms;
@@ -387,7 +412,7 @@ COHORT_DECL std::string format_scaling_verdict(const scaling_verdict& v) {
   std::snprintf(text, sizeof text,
                 "cohort verdict, %d rank%s: step %.2f ms, communication exposed %.0f%% of the step; %s; %s "
                 "%.2fx one rank's throughput (one rank's step estimated at %.2f ms: %d x the median "
-                "compute)%s%s",
+                "compute%s)%s%s",
                 v.world, v.world == 1 ? "" : "s", v.step_ms, 100 * v.exposed,
                 v.slowest >= 0 ? detail::text("slowest rank ", std::to_string(v.slowest), ", +",
                                               detail::straggler_impl::format_ms(v.slowest_over_median_ms),
@@ -395,7 +420,7 @@ COHORT_DECL std::string format_scaling_verdict(const scaling_verdict& v) {
                                      .c_str()
                                : "the ranks balanced",
                 v.world == 1 ? "it delivers" : "they deliver", v.speedup, v.one_rank_step_ms, v.world,
-                v.advice.empty() ? "" : "; ", v.advice.c_str());
+                v.from_cpu_time ? "'s CPU time" : "", v.advice.empty() ? "" : "; ", v.advice.c_str());
   return text;
 }
 

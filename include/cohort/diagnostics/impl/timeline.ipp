@@ -3,6 +3,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -54,7 +55,8 @@ inline void append_event(std::string& out, const timeline::event& e, int rank) {
   append_us(out, e.begin_ns);
   out += ",\"dur\":";
   append_us(out, e.end_ns - e.begin_ns);
-  out += ",\"pid\":" + std::to_string(rank) + ",\"tid\":0,\"args\":{\"step\":" + std::to_string(e.step) + "}}";
+  out += ",\"pid\":" + std::to_string(rank) + ",\"tid\":" + std::to_string(e.track) +
+         ",\"args\":{\"step\":" + std::to_string(e.step) + "}}";
 }
 
 }  // namespace detail::timeline_impl
@@ -66,6 +68,7 @@ COHORT_DECL const char* to_string(timeline_category category) noexcept {
     case timeline_category::communication: return "communication";
     case timeline_category::optimizer: return "optimizer";
     case timeline_category::checkpoint: return "checkpoint";
+    case timeline_category::engine: return "engine";
     case timeline_category::other: break;
   }
   return "other";
@@ -110,6 +113,19 @@ COHORT_DECL void timeline::record(std::string_view name, timeline_category categ
       {std::string(name), category, step_ + 1, detail::timeline_impl::ns_of(begin), detail::timeline_impl::ns_of(end)});
 }
 
+COHORT_DECL void timeline::record_on_track(std::uint32_t track, std::string_view track_name, std::string_view name,
+                                           timeline_category category, std::uint64_t step, clock::time_point begin,
+                                           clock::time_point end) {
+  auto& row = tracks_[track];
+  if (row.name.empty()) row.name = track_name;
+  // A track's spans follow one another (its row draws them so): one that begins before the
+  // last one ended (a device's completion seen late) begins at that end.
+  const std::int64_t begin_ns = std::max(detail::timeline_impl::ns_of(begin), row.last_end_ns);
+  const std::int64_t end_ns = std::max(detail::timeline_impl::ns_of(end), begin_ns);
+  row.last_end_ns = end_ns;
+  ring_.push_back({std::string(name), category, step, begin_ns, end_ns, track});
+}
+
 COHORT_DECL void timeline::boundary(clock::time_point now) {
   const std::uint64_t ended = step_ + 1;
   ring_.push_back({"step " + std::to_string(ended), timeline_category::step, ended,
@@ -146,11 +162,18 @@ COHORT_DECL std::string timeline::to_json() const {
   using detail::timeline_impl::append_string;
   std::string out = "{\"traceEvents\":[\n{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" + std::to_string(rank_) +
                     ",\"tid\":0,\"args\":{\"name\":\"rank " + std::to_string(rank_) + "\"}}";
+  for (const auto& [track, row] : tracks_) {
+    out += ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":" + std::to_string(rank_) +
+           ",\"tid\":" + std::to_string(track) + ",\"args\":{\"name\":";
+    append_string(out, row.name);
+    out += "}}";
+  }
   for (const auto& e : events()) {
     out += ",\n";
     detail::timeline_impl::append_event(out, e, rank_);
   }
   out += "\n],\"displayTimeUnit\":\"ms\",\"otherData\":{\"rank\":" + std::to_string(rank_) +
+         (world_size_ > 0 ? ",\"world_size\":" + std::to_string(world_size_) : std::string()) +
          ",\"clock\":\"steady\",\"kept\":[";
   for (std::size_t i = 0; i < kept_.size(); ++i) {
     if (i > 0) out += ",";

@@ -170,6 +170,9 @@ struct pending_checkpoint {
   checkpoint_fault fault;
   double seconds = 0;        // begin, on the saving thread
   double write_seconds = 0;  // the writer's, which spans the copy
+  // The copy's and the write's times, for the state's timeline (its step when the save began).
+  std::chrono::steady_clock::time_point copy_began{}, copy_ended{}, write_began{}, write_ended{};
+  std::uint64_t timeline_step = 0;
 
   // Where this rank's file comes from, in order: runs of the state's memory (device memory on a
   // device backend, copied by the engine).
@@ -233,7 +236,9 @@ struct pending_checkpoint {
       stopped_writing = true;
     }
     changed.notify_all();
-    write_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    write_began = started;
+    write_ended = std::chrono::steady_clock::now();
+    write_seconds = std::chrono::duration<double>(write_ended - started).count();
     publish();
     {
       std::lock_guard lock(mutex);
@@ -314,6 +319,7 @@ auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& di
   pending->block_bytes = std::max<std::size_t>(options.block_bytes, 64);
   pending->keep_last = options.keep_last;
   pending->fault = fault;
+  if (const timeline* recorder = state.options().timeline) pending->timeline_step = recorder->step();
 
   // Rank 0 locks the directory, clears what interrupted saves left in DIR/.cohort and makes
   // the staging directory there; its name (random, so a restarted job never reuses one)
@@ -403,6 +409,7 @@ auto begin_checkpoint_save(training_state<B, P, G>& state, const std::string& di
 // after that.
 template <backend B, class Master>
 void stage_checkpoint(B& engine, pending_checkpoint<Master>& pending) {
+  pending.copy_began = std::chrono::steady_clock::now();
   try {
     std::size_t source = 0, within = 0;  // the next byte to copy: sources[source] + within
     for (std::size_t i = 0; i < pending.chunks; ++i) {
@@ -429,6 +436,7 @@ void stage_checkpoint(B& engine, pending_checkpoint<Master>& pending) {
       }
       pending.changed.notify_all();
     }
+    pending.copy_ended = std::chrono::steady_clock::now();
   } catch (...) {
     {
       std::lock_guard lock(pending.mutex);
@@ -507,6 +515,18 @@ checkpoint_info agree_checkpoint_save(process_group<B>& group, pending_checkpoin
   return info;
 }
 
+// A save's copy and write on the state's timeline, once agreed (the training thread records).
+template <class Master>
+void record_checkpoint_save(timeline* recorder, const pending_checkpoint<Master>& pending) {
+  if (!recorder || !recorder->recording()) return;
+  recorder->add_track_span(timeline::checkpoint_copy_track, "checkpoint: copies", "checkpoint: copy to host staging",
+                           timeline_category::checkpoint, pending.timeline_step, pending.copy_began,
+                           pending.copy_ended);
+  recorder->add_track_span(timeline::checkpoint_file_track, "checkpoint: file", "checkpoint: write",
+                           timeline_category::checkpoint, pending.timeline_step, pending.write_began,
+                           pending.write_ended);
+}
+
 template <class Master>
 void start_checkpoint_writer(pending_checkpoint<Master>& pending) {
   pending.writer = std::thread([&pending] { pending.write(); });
@@ -521,7 +541,9 @@ checkpoint_info save_checkpoint(training_state<B, P, G>& state, const std::strin
     auto pending = detail::begin_checkpoint_save(state, directory, step, options, true);
     detail::start_checkpoint_writer(*pending);
     detail::stage_checkpoint(state.group().backend(), *pending);
-    return detail::agree_checkpoint_save(state.group(), *pending);
+    auto info = detail::agree_checkpoint_save(state.group(), *pending);
+    detail::record_checkpoint_save(state.options().timeline, *pending);
+    return info;
   };
   process_group<B>* replicas = state.replicas();
   if (state.replica_count() == 1) return save();
@@ -567,6 +589,7 @@ std::optional<checkpoint_info> async_checkpointer<B, P, G>::wait() {
   pending_.reset();
   if (pending->copier.joinable()) pending->copier.join();
   auto info = detail::agree_checkpoint_save(state_->group(), *pending);
+  detail::record_checkpoint_save(state_->options().timeline, *pending);
   spare_ = std::move(pending->pool);  // written: the next save stages into the same memory
   return info;
 }
@@ -637,18 +660,28 @@ checkpoint_info load_checkpoint(training_state<B, P, G>& state, const std::strin
     }
   std::uint64_t bytes_read = 0;
   std::vector<detail::checkpoint_part> parts;
+  const auto read_began = std::chrono::steady_clock::now();
   detail::checkpoint_together(
       group, operation, [&] { bytes_read = detail::read_checkpoint(checkpoint, manifest, needs, {}, rank, parts); });
   // The blocks that straddle two ranks' reads: verified from every reader's part, on every
   // rank alike, before any of it reaches the state.
   detail::check_checkpoint_parts(checkpoint, manifest, detail::gather_checkpoint_parts(group, parts), rank);
 
+  const auto copy_began = std::chrono::steady_clock::now();
   for (std::size_t t = 0, at = 0; t < tensors.size(); ++t)
     for (const auto& s : segments) {
       engine.copy(state.checkpoint_data(t, s), staged.data() + at, s.count * sizeof(master));
       at += s.count;
     }
   engine.record().wait();
+  if (timeline* recorder = state.options().timeline) {
+    const auto copied = std::chrono::steady_clock::now();
+    recorder->add_track_span(timeline::checkpoint_file_track, "checkpoint: file", "checkpoint: read and verify",
+                             timeline_category::checkpoint, recorder->step(), read_began, copy_began);
+    recorder->add_track_span(timeline::checkpoint_copy_track, "checkpoint: copies",
+                             "checkpoint: copy from host staging", timeline_category::checkpoint, recorder->step(),
+                             copy_began, copied);
+  }
   state.finish_checkpoint_load(manifest.optimizer_steps);
   if (state.options().scaler && manifest.scaler) state.options().scaler->restore(*manifest.scaler);
 

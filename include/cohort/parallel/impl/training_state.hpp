@@ -492,11 +492,13 @@ auto training_state<B, P, G>::gather(std::size_t layer) -> layer_view {
   straggler_report* const report = options_.straggler && options_.straggler->enabled() ? options_.straggler : nullptr;
   timeline* const recorder = options_.timeline && options_.timeline->recording() ? options_.timeline : nullptr;
   const auto entered = report || recorder ? straggler_report::clock::now() : straggler_report::clock::time_point{};
+  const std::int64_t cpu_entered = report && report->times_cpu() ? straggler_report::thread_cpu_ns() : 0;
   for (std::size_t b = layout_.first_bucket_of_layer[layer]; b < layout_.first_bucket_of_layer[layer + 1]; ++b)
     hand_to_caller(bucket_gathered_[b]);
   if (report || recorder) {
     const auto now = straggler_report::clock::now();
     if (report) report->add_wait(wait_kind::gather, now - entered);
+    if (report && report->times_cpu()) report->add_wait_cpu(straggler_report::thread_cpu_ns() - cpu_entered);
     if (recorder)
       recorder->add_span(detail::text("gather wait layer ", std::to_string(layer)), timeline_category::communication,
                          entered, now);
@@ -548,6 +550,7 @@ void training_state<B, P, G>::gather_bucket(std::size_t b) {
   }
   engine.wait_for_caller(caller_stream_);  // a reused buffer's last readers (the trainer's own: its writes) are done
   work done;
+  const std::uint64_t first_call = engine_calls_begin();
   if (!flat_parameters())
     for (const auto& range : bucket.ranges)
       if (range.remainder > 0)
@@ -578,6 +581,7 @@ void training_state<B, P, G>::gather_bucket(std::size_t b) {
     together.end();
   }
   bucket_gathered_[b] = std::move(done);
+  note_engine_span(b, engine_work::gather, first_call);
 }
 
 template <backend B, element P, element G>
@@ -619,6 +623,13 @@ void training_state<B, P, G>::release_layer(std::size_t layer) noexcept {
 
 template <backend B, element P, element G>
 void training_state<B, P, G>::end_gathered(std::size_t b, work last_use) {
+  // The timeline's row of the bucket shows it gathered from its gather's completion to here.
+  for (auto noted = engine_spans_.rbegin(); noted != engine_spans_.rend(); ++noted)
+    if (noted->bucket == b && noted->what == engine_work::gather) {
+      engine_spans_.push_back(
+          {b, engine_work::gathered, noted->step, noted->first_call, noted->last_call, timeline::clock::now()});
+      break;
+    }
   if (flat_parameters()) {
     gathered_in_place_[b] = 0;
     poison_unheld(b);
@@ -760,8 +771,12 @@ void training_state<B, P, G>::launch(std::size_t b) {
   G* pooled_gradients = flat_gradients() ? nullptr : bucket_gradients(b, false);
   G* shard = flat_gradients() ? nullptr : grad_shard_.template as<G>();
   kept_.clear();
+  // The step's agreement on the micro-steps goes before the bucket's calls: not its span.
+  if (reproducible() && !micro_steps_agreed_) agree_on_micro_steps();
+  const std::uint64_t first_call = engine_calls_begin();
   if (reproducible()) {
     reduce_canonically(b, pooled_gradients, shard);
+    note_engine_span(b, engine_work::reduction, first_call);
     if (pooled_gradients) {
       bucket_grads_[b].last_use =
           fill(engine, bucket_grads_[b].data, bucket_grads_[b].capacity / sizeof(G), dtype_v<G>, 0.0);
@@ -801,6 +816,7 @@ void training_state<B, P, G>::launch(std::size_t b) {
     }
     together.end();
   }
+  note_engine_span(b, engine_work::reduction, first_call);
   // The bucket buffer goes back to the pool zeroed for its next bucket, in the backend's order
   // right after the reduction that read it: the backward that takes it next neither zeroes it
   // nor waits for that reduction (the pool prefers a buffer whose zeroing is done).
@@ -1188,6 +1204,7 @@ step_result training_state<B, P, G>::step() {
   straggler_report* const report = options_.straggler && options_.straggler->enabled() ? options_.straggler : nullptr;
   timeline* const recorder = options_.timeline && options_.timeline->recording() ? options_.timeline : nullptr;
   const auto entered = report || recorder ? straggler_report::clock::now() : straggler_report::clock::time_point{};
+  const std::int64_t cpu_entered = report && report->times_cpu() ? straggler_report::thread_cpu_ns() : 0;
   auto& engine = group_->backend();
   begin_call();
   // The reductions averaged over the world; under a join only `contributors` ranks gave
@@ -1208,6 +1225,11 @@ step_result training_state<B, P, G>::step() {
   result.loss_scale = options_.scaler ? options_.scaler->scale() : 1.0;
   measure(result);  // waits for every bucket's reduction
   const auto reduced = recorder ? timeline::clock::now() : timeline::clock::time_point{};
+  // A stopped timeline takes none: what was noted before it stopped goes.
+  if (recorder)
+    record_engine_spans();
+  else
+    engine_spans_.clear();
   result.grad_norm *= divisor_fix;
   result.skipped = result.nonfinite > 0;
   if (options_.scaler) options_.scaler->update(result.skipped);
@@ -1236,6 +1258,7 @@ step_result training_state<B, P, G>::step() {
     const auto now = straggler_report::clock::now();
     if (report) {
       report->add_wait(wait_kind::reduce, now - entered);
+      if (report->times_cpu()) report->add_wait_cpu(straggler_report::thread_cpu_ns() - cpu_entered);
       report->end_step(now);
     }
     if (recorder) {
@@ -1247,6 +1270,49 @@ step_result training_state<B, P, G>::step() {
   // A stopped timeline still counts the steps, so that a later start() numbers them alike.
   if (options_.timeline && !recorder) options_.timeline->end_step();
   return result;
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::note_engine_span(std::size_t b, engine_work what, std::uint64_t first_call) {
+  if (first_call == 0) return;
+  const std::uint64_t last_call = group_->backend().recorder().last_id();
+  if (last_call < first_call) return;  // nothing issued (a flight recorder of no entries)
+  engine_spans_.push_back({b, what, options_.timeline->step(), first_call, last_call, {}});
+}
+
+template <backend B, element P, element G>
+void training_state<B, P, G>::record_engine_spans() {
+  const auto& calls = group_->backend().recorder();
+  timeline& recorder = *options_.timeline;
+  std::size_t still_pending = 0;
+  for (const auto& noted : engine_spans_) {
+    const auto timed = calls.span_of(noted.first_call, noted.last_call);
+    using outcome = flight_recorder::calls_span::state;
+    // A device's completion the flight recorder has not seen yet: tried again at the next
+    // steps (one step later at most on the host, where the reductions were waited for).
+    if (timed.outcome == outcome::pending && noted.step + 2 >= recorder.step()) {
+      engine_spans_[still_pending++] = noted;
+      continue;
+    }
+    if (timed.outcome != outcome::complete || noted.step + 2 < recorder.step()) continue;
+    const auto& bucket = layout_.buckets[noted.bucket];
+    char track_name[64], name[64];
+    std::snprintf(track_name, sizeof track_name, "bucket %zu (layer %zu)", noted.bucket, bucket.layer);
+    const char* what = noted.what == engine_work::gather     ? "gather"
+                       : noted.what == engine_work::gathered ? "gathered"
+                       : reproducible()                      ? "canonical sum"
+                       : options_.strategy == strategy::ddp  ? "all-reduce"
+                                                             : "reduce-scatter";
+    std::snprintf(name, sizeof name, "%s bucket %zu", what, noted.bucket);
+    const auto track = static_cast<std::uint32_t>(1 + noted.bucket);
+    if (noted.what == engine_work::gathered)
+      recorder.add_track_span(track, track_name, name, timeline_category::engine, noted.step, timed.completed,
+                              noted.released);
+    else
+      recorder.add_track_span(track, track_name, name, timeline_category::engine, noted.step, timed.issued,
+                              timed.completed);
+  }
+  engine_spans_.resize(still_pending);
 }
 
 // Nothing of the backward overlapped its reductions though it could have: said once (rank 0),
