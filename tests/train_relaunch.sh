@@ -8,8 +8,10 @@
 # is durable (rank 0's writer thread, no collective of the trainer's), so the bound is
 #   lost <= EVERY - 1                      when the newest save begun before the kill had
 #                                          finished writing by then (it is committed), and
-#   lost <= EVERY - 1 + W, W = kill - last  when the kill came while it was being written (W:
-#                                          the steps trained during that write),
+#   lost <= EVERY + W, W = kill - last      when the kill came while it was being written (W:
+#                                          the steps trained during that write; the resume
+#                                          then starts after the save before it, EVERY steps
+#                                          earlier),
 # and lost is at most the steps since the newest committed checkpoint in any case.
 #   train_relaunch.sh threads|mpirun|torchrun TRAIN DIR
 # Exit 77 (skipped) with the reason when the launcher is absent.
@@ -64,11 +66,14 @@ echo "killed and relaunched: $got"
 lost=$((killed_at + 1 - resumed_at))
 since=$((killed_at - committed))
 last_save=$(( (killed_at + 1) / every * every - 1 ))
-if [ "$committed" -ge "$last_save" ]; then in_write=0; else in_write=$((killed_at - last_save)); fi
-bound=$((every - 1 + in_write))
+if [ "$committed" -ge "$last_save" ]; then
+  in_write=0 bound=$((every - 1))
+else
+  in_write=$((killed_at - last_save)) bound=$((every + killed_at - last_save))
+fi
 echo "killed after step $killed_at; newest save begun after step $last_save;" \
   "newest committed checkpoint step-$committed; resumed at step $resumed_at;" \
-  "steps lost $lost (bound $bound = every $every - 1 + $in_write trained while the newest save was written)"
+  "steps lost $lost (bound $bound: every $every - 1 with the newest save committed, else every + the $in_write steps trained while it was written)"
 [ "$lost" -le "$since" ] || fail "lost $lost steps, more than the $since since the last checkpoint"
 [ "$lost" -le "$bound" ] || fail "lost $lost steps, more than the bound $bound"
 [ "$got" = "$expected" ] || fail "final parameters differ from the uninterrupted run"
