@@ -62,6 +62,7 @@ struct run {
   int first_step = 0, end_step = steps;  // the steps run, [first_step, end_step)
   std::string resume_from = {};          // a checkpoint loaded before first_step
   std::string save_to = {};              // a directory the state is saved into after end_step
+  bool shared_memory = true;             // false: Gloo's TCP between the ranks
 };
 
 // One micro-step: a forward through every layer, then the backward, top first: each region's gradient written from
@@ -98,10 +99,13 @@ void micro_steps(State& state, const std::vector<region>& regions, std::size_t f
 // that size split from the world (replicas: the ranks at the same place in every group), else
 // the world as one group (replicas null).
 template <class Body>
-void on_ranks(int world, int group_size, Body&& body) {
+void on_ranks(int world, int group_size, Body&& body, bool shared_memory = true) {
   auto store = std::make_shared<cohort::memory_store>();
   cohort_test::run_ranks(world, [&](int rank) {
-    auto pg = cohort_test::make_gloo_group(store, rank, world);
+    cohort::gloo::options options;
+    options.timeout = std::chrono::seconds(5);
+    options.shared_memory = shared_memory;
+    cohort_test::gloo_group pg(store, cohort::launch_env::explicit_ranks(rank, world), options);
     if (group_size == 0) return body(pg, static_cast<cohort_test::gloo_group*>(nullptr), rank);
     auto shards = pg.split(rank / group_size, rank);
     auto replicas = pg.split(rank % group_size, rank);
@@ -132,7 +136,8 @@ std::vector<float> train(const run& config) {
   const std::size_t n = element_count(regions);
   std::vector<float> result;
   on_ranks(
-      config.world, config.group, [&](cohort_test::gloo_group& group, cohort_test::gloo_group* replicas, int rank) {
+      config.world, config.group,
+      [&](cohort_test::gloo_group& group, cohort_test::gloo_group* replicas, int rank) {
         const cohort::training_options options{.strategy = config.kind,
                                                .bucket_bytes = config.bucket_bytes,
                                                .adam = adam,
@@ -171,14 +176,16 @@ std::vector<float> train(const run& config) {
           cohort::save_checkpoint(*state, config.save_to, static_cast<std::uint64_t>(config.end_step));
         auto gathered = state->gather_parameters();
         if (rank == 0) result = std::move(gathered);
-      });
+      },
+      config.shared_memory);
   return result;
 }
 
 std::string describe(const run& c) {
   return std::to_string(c.world) + " ranks" + (c.group > 0 ? " (groups of " + std::to_string(c.group) + ")" : "") +
          ", M " + std::to_string(c.micro_batches) + ", " + std::string(cohort::to_string(c.kind)) +
-         (c.adopted ? ", adopted" : ", owned") + ", buckets of " + std::to_string(c.bucket_bytes) + " bytes";
+         (c.adopted ? ", adopted" : ", owned") + ", buckets of " + std::to_string(c.bucket_bytes) + " bytes" +
+         (c.shared_memory ? "" : ", over TCP");
 }
 
 void expect_same_bits(const std::vector<float>& expected, const run& config) {
@@ -218,6 +225,25 @@ TEST_CASE(
     "reproducible: adopted buffers and the trainer's optimizer give the bits of one rank at every world and strategy",
     "[training_state][reproducible][gloo]") {
   every_world_and_strategy(true);
+}
+
+// Two ranks sum their pair of partials in the transport's reduce-scatter (training_state's
+// reduce_canonically): with one micro-batch a rank (M 2, the transport's average) and with a
+// run of two (M 4, its sum, then the divide by M), in shared memory and over TCP, every
+// strategy, with buckets that leave remainders (the all-gathered path beside it).
+TEST_CASE("reproducible: two ranks (M 2 and M 4) give the bits of one rank in shared memory and over TCP",
+          "[training_state][reproducible][gloo]") {
+  for (const std::size_t micro_batches : {std::size_t{2}, std::size_t{4}}) {
+    const auto expected = train({.world = 1, .micro_batches = micro_batches});
+    for (const bool shared_memory : {true, false})
+      for (const strategy kind : {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3})
+        for (const std::size_t bucket_bytes : {std::size_t{24}, std::size_t{40}})
+          expect_same_bits(expected, {.world = 2,
+                                      .micro_batches = micro_batches,
+                                      .kind = kind,
+                                      .bucket_bytes = bucket_bytes,
+                                      .shared_memory = shared_memory});
+  }
 }
 
 TEST_CASE("reproducible: hybrid 2x2 (groups of 2, 2 replicas) gives the bits of one rank under every strategy",

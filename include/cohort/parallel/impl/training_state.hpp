@@ -1425,9 +1425,17 @@ void training_state<B, P, G>::reduce_canonically(std::size_t b, G* pooled_gradie
       if ((folded_ >> l) & 1)
         accumulate(engine, fold_levels_[l].template as<G>() + packed_start_[b] + range.packed, dtype_v<G>,
                    gradient_source(range, pooled_gradients), dtype_v<G>, range.count, true);
+  // Between two ranks the tree over the ranks is one addition, which commutes: the host
+  // transport's reduce-scatter (its sum in either order, then its divide) gives the canonical
+  // sum's bits, summing where the parts arrive rather than from a staged copy of them. Not
+  // for 16-bit floats (the transport rounds once where the tree rounds the sum, then the
+  // quotient), nor on a device (ncclAvg may scale each part before the sum).
+  const bool in_transport = n == 2 && !replicated() && B::space == memory_space::host &&
+                            (std::is_same_v<G, float> || std::is_same_v<G, double>);
+  const auto batches = static_cast<int>(options_.reproducible->micro_batches);
   std::size_t staged_elements = 0, kept_elements = 0;
   for (const auto& range : bucket.ranges) {
-    staged_elements += n * (range.chunk + range.remainder);
+    staged_elements += n * ((in_transport ? 0 : range.chunk) + range.remainder);
     kept_elements += range.chunk + range.remainder;
   }
   const std::size_t copies = static_cast<std::size_t>(replica_count());
@@ -1444,15 +1452,20 @@ void training_state<B, P, G>::reduce_canonically(std::size_t b, G* pooled_gradie
     auto together = group_->grouped();
     std::size_t at = 0;
     for (const auto& range : bucket.ranges) {
-      const G* source = gradient_source(range, pooled_gradients);
-      if (range.chunk > 0) {
+      G* source = gradient_source(range, pooled_gradients);
+      if (range.chunk > 0 && in_transport) {
+        G* chunk = flat_gradients() ? source + k * range.chunk : shard + range.owned;
+        group_->reduce_scatter(std::span<const G>(source, n * range.chunk), std::span<G>(chunk, range.chunk),
+                               batches == 2 ? op::avg : op::sum);
+        count_wire(n * range.chunk * sizeof(G), false);
+      } else if (range.chunk > 0) {
         if (n == 1)
           engine.copy(staged + at, source, range.chunk * sizeof(G));
         else
           group_->all_to_all(std::span<const G>(source, n * range.chunk), std::span<G>(staged + at, n * range.chunk));
         count_wire(n * range.chunk * sizeof(G), false);
       }
-      at += n * range.chunk;
+      if (!in_transport) at += n * range.chunk;
       if (range.remainder > 0) {
         group_->all_gather(std::span<const G>(source + n * range.chunk, range.remainder),
                            std::span<G>(staged + at, n * range.remainder));
@@ -1468,10 +1481,13 @@ void training_state<B, P, G>::reduce_canonically(std::size_t b, G* pooled_gradie
     G* source = gradient_source(range, pooled_gradients);
     if (range.chunk > 0) {
       G* chunk = flat_gradients() ? source + k * range.chunk : shard + range.owned;
-      sum_parts(staged + at, n, range.chunk, divide_here, chunk);
+      if (!in_transport)
+        sum_parts(staged + at, n, range.chunk, divide_here, chunk);
+      else if (batches != 2)
+        divide(engine, chunk, range.chunk, dtype_v<G>, batches);
       kept_.emplace_back(chunk, range.chunk);
     }
-    at += n * range.chunk;
+    if (!in_transport) at += n * range.chunk;
     if (range.remainder > 0) {
       G* rest = flat_gradients() ? source + n * range.chunk : shard + range.owned + range.chunk;
       sum_parts(staged + at, n, range.remainder, divide_here, rest);
