@@ -8,6 +8,11 @@
 // rank, a rank killed before publishing its checksums leaving the step uncommitted.
 // test_checkpoint_integrity.cpp tries the index and the directory as a hostile or unlucky
 // user would.
+
+// Other specializations than the default library's (double parameters, bfloat16 with fp32
+// gradients): this unit compiles training_state's and the checkpoint's bodies itself.
+#define COHORT_TEMPLATE_BODIES
+
 #include <catch2/catch.hpp>
 
 #include <cohort/parallel/checkpoint.hpp>

@@ -6,6 +6,11 @@
 // refused at once; a kill at every step of a commit and of pruning; FIFOs and symlinks; the
 // cause of a failure on every rank, with ranks as threads and as processes; resume falling
 // back past a damaged checkpoint; shapes in the export, loaded by PyTorch with strict=True.
+
+// Other specializations than the default library's (double parameters, bfloat16 with fp32
+// gradients): this unit compiles training_state's and the checkpoint's bodies itself.
+#define COHORT_TEMPLATE_BODIES
+
 #include <catch2/catch.hpp>
 
 #include <cohort/parallel/checkpoint.hpp>

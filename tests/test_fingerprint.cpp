@@ -7,6 +7,11 @@
 // is what Python's hashlib makes of the checkpoint's safetensors export by the definition;
 // a digest asked for on one rank alone fails on both, named, within the group's timeout. Real
 // ranks: threads with Gloo contexts over loopback.
+
+// Other specializations than the default library's (double parameters, bfloat16 with fp32
+// gradients): this unit compiles training_state's and the checkpoint's bodies itself.
+#define COHORT_TEMPLATE_BODIES
+
 #include <catch2/catch.hpp>
 
 #include <cohort/parallel/checkpoint.hpp>

@@ -4,6 +4,11 @@
 // per-region weight decay and learning-rate scales, clipping by the global norm, a loss
 // scaler whose skip every rank takes together, ranks marking in different orders and one
 // rank leaving a region unused. Then the layout's own rules, the accounting, and the errors.
+
+// Other specializations than the default library's (double parameters, bfloat16 with fp32
+// gradients): this unit compiles training_state's and the checkpoint's bodies itself.
+#define COHORT_TEMPLATE_BODIES
+
 #include <catch2/catch.hpp>
 
 #include <cohort/comm/host_values.hpp>

@@ -4,6 +4,11 @@
 // clip_grad_norm_; gradients communicated in bfloat16; replicas that start equal; and the
 // errors that name what went wrong. Gloo ranks as threads. Plain SGD at lr 1 from zero makes
 // the parameters minus the averaged gradients, so what was reduced can be read back exactly.
+
+// Other specializations than the default library's (double parameters, bfloat16 with fp32
+// gradients): this unit compiles training_state's and the checkpoint's bodies itself.
+#define COHORT_TEMPLATE_BODIES
+
 #include <catch2/catch.hpp>
 
 #include <cohort/parallel/training_state.hpp>

@@ -3,6 +3,11 @@
 // optimizer kernels, a checkpoint of device state, the parameter fingerprint's copies). Skipped without a GPU. A plain
 // C++ file: the kernels come compiled from cohort_compiled (cohort::nccl, compiled once), as a trainer's .cpp would use
 // them.
+
+// Other specializations than the default library's (double parameters, bfloat16 with fp32
+// gradients): this unit compiles training_state's and the checkpoint's bodies itself.
+#define COHORT_TEMPLATE_BODIES
+
 #include <catch2/catch.hpp>
 
 #include <cuda_runtime.h>

@@ -6,6 +6,11 @@
 // rank's. Then the refusals, on every rank: the rule at construction, a rank with another
 // micro-batch size, a rank with one micro-step more (hybrid too: one copy's rank), join(); and a
 // checkpoint saved at 4 ranks zero3 resumed at 2 ranks ddp.
+
+// Other specializations than the default library's (double parameters, bfloat16 with fp32
+// gradients): this unit compiles training_state's and the checkpoint's bodies itself.
+#define COHORT_TEMPLATE_BODIES
+
 #include <catch2/catch.hpp>
 
 #include <cohort/parallel/checkpoint.hpp>

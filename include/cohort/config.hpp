@@ -12,16 +12,26 @@
 //       compiled. A reader of a header sees on the declaration that its body lives elsewhere.
 //   COHORT_HAS_NCCL  the program links NCCL and the CUDA runtime (the cohort::nccl target
 //       defines it): the umbrella header brings the NCCL backend, src.hpp compiles it.
-//   COHORT_INSTANTIATIONS(KEYWORD, B)  the one list of class templates compiled once per engine
-//       B when separately compiled (cohort/detail/instantiations.hpp): declared `extern` in the
-//       program's translation units that include the umbrella header, defined in src.hpp.
+//   COHORT_INSTANTIATIONS(KEYWORD, B)  the one list of templates compiled once per engine B
+//       when separately compiled (process_group, training_state and the checkpoint functions
+//       over float and bfloat16; cohort/detail/compiled_specializations.hpp): declared `extern`
+//       in the program's translation units that include the umbrella header, defined in src.hpp.
+//   COHORT_TEMPLATE_BODIES  separately compiled, a translation unit that uses a specialization
+//       outside that list (training_state<gloo, double>, <nccl, half>, a backend of its own)
+//       defines it before including cohort: it then parses and instantiates training_state's
+//       and the checkpoint's out-of-class bodies (impl/*.hpp) itself, as header-only. Without
+//       it such a unit does not compile (a static_assert in training_state names the macro);
+//       units using the list's specializations only never see those bodies. Header-only it
+//       changes nothing.
 //
 // Gloo needs no macro: wherever <gloo/context.h> is found (__has_include), the umbrella header
 // brings the Gloo backend and src.hpp compiles it; link cohort::gloo (or -lgloo).
 //
 // Where code lives, in every subsystem folder (rendezvous/, comm/, parallel/, ...): the
-// public header declares; templates' bodies are in the header or its impl/*.hpp, always
-// included; plain code is in impl/*.ipp, which the header includes only when header-only.
+// public header declares; templates' bodies are in the header or its impl/*.hpp, included
+// header-only (and, separately compiled, for training_state and the checkpoint, only by src.hpp
+// and units defining COHORT_TEMPLATE_BODIES); plain code is in impl/*.ipp, which the header
+// includes only when header-only.
 
 #if defined(COHORT_SEPARATE_COMPILATION)
 #define COHORT_DECL

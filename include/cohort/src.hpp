@@ -46,6 +46,8 @@
 // translation unit declares it extern). On NCCL the kernels they launch are compiled by the
 // program's one .cu that includes cohort/src.cu.
 #include "cohort/detail/instantiations.hpp"
+#include "cohort/parallel/impl/checkpoint.hpp"
+#include "cohort/parallel/impl/training_state.hpp"
 namespace cohort::inline v0 {
 #if __has_include(<gloo/context.h>)
 COHORT_INSTANTIATIONS(, gloo)

@@ -214,11 +214,7 @@ template <backend B, element P, element G>
 class async_checkpointer {
  public:
   // Not with replicas (hybrid sharding): save_checkpoint saves such a state.
-  explicit async_checkpointer(training_state<B, P, G>& state) : state_(&state) {
-    if (state.replica_count() > 1)
-      throw error(state.rank(), "async_checkpointer", "an asynchronous save of a state with replicas is not supported",
-                  "save a hybrid-sharded state with save_checkpoint");
-  }
+  explicit async_checkpointer(training_state<B, P, G>& state);
   async_checkpointer(const async_checkpointer&) = delete;
   async_checkpointer& operator=(const async_checkpointer&) = delete;
   // Waits for the write in flight; rank 0 stops waiting for the other ranks' keys. One never
@@ -526,7 +522,10 @@ void checkpoint_warning(int rank, std::string_view message);
 }  // namespace detail
 }  // namespace cohort::inline v0
 
+// Compiled once, the templates' bodies are the library's unit's (and those that ask for them).
+#if !defined(COHORT_SEPARATE_COMPILATION) || defined(COHORT_TEMPLATE_BODIES)
 #include "cohort/parallel/impl/checkpoint.hpp"
+#endif
 
 #if !defined(COHORT_SEPARATE_COMPILATION)
 #include "cohort/parallel/impl/checkpoint.ipp"

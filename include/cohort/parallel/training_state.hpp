@@ -3,7 +3,7 @@
 // source trains data-parallel (DDP), with optimizer state sharded (ZeRO-1), with gradients
 // sharded too (ZeRO-2), or with parameters sharded as well (ZeRO-3, FSDP), by one option.
 // Over 400 lines: one class's declaration and its contract, which a trainer reads in one place
-// (the member templates' bodies are in impl/training_state.hpp).
+// (the members' bodies are in impl/training_state.hpp).
 //
 // Most trainers already have their parameters and gradients in two flat buffers, tensors
 // reached by pointer arithmetic (llm.c's `params.qkvw + l * 3*C*C`) and updated by their own
@@ -111,6 +111,8 @@
 #include "cohort/comm/host_values.hpp"
 #include "cohort/comm/ops.hpp"
 #include "cohort/comm/process_group.hpp"
+#include "cohort/config.hpp"
+#include "cohort/detail/compiled_specializations.hpp"
 #include "cohort/detail/scalar_math.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/diagnostics/straggler.hpp"
@@ -280,6 +282,14 @@ class training_state {
   // The optimizer's arithmetic: fp32, or fp64 for fp64 parameters.
   using master_type = std::conditional_t<std::is_same_v<P, double>, double, float>;
   static_assert(is_floating(dtype_v<P>) && is_floating(dtype_v<G>), "training_state trains floating parameters");
+#if defined(COHORT_SEPARATE_COMPILATION) && !defined(COHORT_TEMPLATE_BODIES)
+  // Otherwise the unit would compile against members nobody defines: a link error, far from here.
+  static_assert(detail::compiled_specialization<B, P, G>,
+                "cohort: compiled once (COHORT_SEPARATE_COMPILATION), the library holds training_state for "
+                "gloo and nccl with float or bfloat16 parameters only; for this backend or element type "
+                "#define COHORT_TEMPLATE_BODIES before including cohort (or add it to the target's compile "
+                "definitions) so that this unit compiles the bodies itself");
+#endif
 
   // Collective: every rank passes the same regions and options. A rank whose own input is
   // unusable does not throw alone (the others would wait for it until the timeout): every
@@ -911,6 +921,39 @@ class training_state {
   std::vector<engine_span> engine_spans_;  // noted, not yet on the timeline
 };
 
+// Here, not with the other bodies: every unit instantiates it with its own loop.
+template <backend B, element P, element G>
+template <class Loop>
+void training_state<B, P, G>::join(Loop&& loop, join_options options) {
+  if (reproducible())
+    fail("join",
+         "reproducible: a join changes which ranks contribute, and with them the tree of the sum and its divisor",
+         "give every rank its run of M / world micro-batches each step (the sampler's reproducible order), or train "
+         "without training_options::reproducible");
+  if (replicated())
+    fail("join", "a join with replicas (hybrid sharding) is not supported",
+         "give every rank the same number of batches (e.g. the sampler's even_batches), or train without replicas");
+  if (join_) fail("join", "a join is already running", "run one join around the training loop");
+  if (trainer_optimizer() && !options.update)
+    fail("join", "with trainer_optimizer, a rank that ran out of data still updates its part of the others' steps",
+         "pass join_options::update: your update of owned_spans(), given the step's result");
+  join_ = std::move(options);
+  // Whatever happens in the loop, the state leaves the join: an error propagates from here as
+  // from any call, with no destructor in the way.
+  struct leave {
+    training_state* state;
+    ~leave() {
+      state->join_.reset();
+      state->agreed_ = false;
+    }
+  } left{this};
+  std::forward<Loop>(loop)();
+  answer_until_all_joined();
+}
+
 }  // namespace cohort::inline v0
 
+// The other bodies: compiled once, only in the library's unit and in units that ask for them.
+#if !defined(COHORT_SEPARATE_COMPILATION) || defined(COHORT_TEMPLATE_BODIES)
 #include "cohort/parallel/impl/training_state.hpp"
+#endif

@@ -1,5 +1,6 @@
 #pragma once
-// cohort/parallel/checkpoint.hpp's templates, always included.
+// cohort/parallel/checkpoint.hpp's templates: always included header-only; compiled once, only by
+// the library's unit (cohort/src.hpp) and by units that define COHORT_TEMPLATE_BODIES.
 // Over 400 lines: the checkpoint writer's and reader's templates, one format's two halves.
 
 #include <algorithm>
@@ -567,6 +568,15 @@ checkpoint_info save_checkpoint(training_state<B, P, G>& state, const std::strin
     info.metadata = options.metadata;
   }
   return info;
+}
+
+// Out of the class: a throw here destroys the pending save's pointer, whose type is defined
+// above, in the bodies that compiled-once units do not see.
+template <backend B, element P, element G>
+async_checkpointer<B, P, G>::async_checkpointer(training_state<B, P, G>& state) : state_(&state) {
+  if (state.replica_count() > 1)
+    throw error(state.rank(), "async_checkpointer", "an asynchronous save of a state with replicas is not supported",
+                "save a hybrid-sharded state with save_checkpoint");
 }
 
 template <backend B, element P, element G>

@@ -1,5 +1,7 @@
 #pragma once
-// training_state's member templates (cohort/parallel/training_state.hpp), always included.
+// training_state's member bodies (cohort/parallel/training_state.hpp): always included
+// header-only; compiled once, only by the library's unit (cohort/src.hpp) and by units that
+// define COHORT_TEMPLATE_BODIES (see cohort/detail/compiled_specializations.hpp).
 // Over 400 lines: the bodies of one class's members, kept together as the class is.
 
 #include <algorithm>
@@ -863,35 +865,6 @@ void training_state<B, P, G>::reset_marks() {
   agreed_ = false;         // and under a join, the next call agrees again
   announcing_ = false;
 }
-template <backend B, element P, element G>
-template <class Loop>
-void training_state<B, P, G>::join(Loop&& loop, join_options options) {
-  if (reproducible())
-    fail("join",
-         "reproducible: a join changes which ranks contribute, and with them the tree of the sum and its divisor",
-         "give every rank its run of M / world micro-batches each step (the sampler's reproducible order), or train "
-         "without training_options::reproducible");
-  if (replicated())
-    fail("join", "a join with replicas (hybrid sharding) is not supported",
-         "give every rank the same number of batches (e.g. the sampler's even_batches), or train without replicas");
-  if (join_) fail("join", "a join is already running", "run one join around the training loop");
-  if (trainer_optimizer() && !options.update)
-    fail("join", "with trainer_optimizer, a rank that ran out of data still updates its part of the others' steps",
-         "pass join_options::update: your update of owned_spans(), given the step's result");
-  join_ = std::move(options);
-  // Whatever happens in the loop, the state leaves the join: an error propagates from here as
-  // from any call, with no destructor in the way.
-  struct leave {
-    training_state* state;
-    ~leave() {
-      state->join_.reset();
-      state->agreed_ = false;
-    }
-  } left{this};
-  std::forward<Loop>(loop)();
-  answer_until_all_joined();
-}
-
 // Every rank adds its three integers; a joined rank listens with zeros.
 template <backend B, element P, element G>
 void training_state<B, P, G>::exchange(std::int64_t (&values)[3]) {
