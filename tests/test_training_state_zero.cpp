@@ -30,7 +30,7 @@ using cohort::strategy;
 // flat_fixtures' stacked model: region 1 + l is a_l, 5 + l is b_l.
 using cohort_test::element_count;
 using cohort_test::stacked_model;
-constexpr std::size_t embedding = cohort_test::stacked_embedding, layers = cohort_test::stacked_layers;
+constexpr std::size_t layers = cohort_test::stacked_layers;
 
 float initial_parameter(std::size_t e) { return 0.1f * static_cast<float>(e % 11) - 0.5f; }
 // Rank r's unscaled gradient at step s: varied signs and sizes, so clipping bites.
