@@ -44,14 +44,6 @@
 
 #include "checkpoint_fixtures.hpp"
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define COHORT_TEST_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define COHORT_TEST_SANITIZED 1
-#endif
-#endif
-
 namespace {
 
 namespace fs = std::filesystem;
@@ -339,9 +331,8 @@ TEST_CASE("a forged index (its checksum recomputed) is refused by its checks, na
 
 TEST_CASE("a forged index costs bounded memory: at most twice the checkpoint plus 64 MiB of peak RSS",
           "[checkpoint][integrity]") {
-#if defined(COHORT_TEST_SANITIZED)
-  cohort_test::skip("a sanitizer's allocator keeps freed memory and shadows the rest: peak RSS says nothing here");
-#endif
+  if (cohort_test::sanitized)
+    cohort_test::skip("a sanitizer's allocator keeps freed memory and shadows the rest: peak RSS says nothing here");
   const auto dir = checkpoint_scratch("memory");
   save_steps(dir, {3});
   const auto checkpoint = dir / "step-3";

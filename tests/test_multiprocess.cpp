@@ -33,6 +33,8 @@
 #include <thread>
 #include <vector>
 
+#include "support.hpp"
+
 namespace {
 
 std::uint16_t free_port() {
@@ -774,6 +776,10 @@ TEST_CASE("run_ranks under a launcher: a subgroup's failure names the group and 
 // "rank 0 names them", itself. Now every line a rank prints names the group and world ranks.
 TEST_CASE("run_ranks under a launcher: a subgroup member missing at its rendezvous is named by world rank",
           "[multiprocess][faults]") {
+  // UBSan's vptr check (the asan tier) reads the caught exception's type through a pipe, which
+  // the rank without descriptors cannot open: it reports an invalid vptr where there is none.
+  if (cohort_test::sanitized)
+    cohort_test::skip("the sanitizers' runtime needs descriptors of its own, which this case takes away");
   auto envs = torchrun_envs(4, 4, std::to_string(free_port()));
   const std::string logs = fresh_trace_dir("subgroup_rendezvous");
   for (int r = 0; r < 4; ++r) {

@@ -865,17 +865,7 @@ std::span<const std::uint8_t> as_span(std::string_view text) {
 
 // Sanitizers keep freed memory in quarantine and shadow every byte: resident size says
 // nothing about the server's bound there, so only the release build checks it.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool resident_size_is_meaningful = false;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr bool resident_size_is_meaningful = false;
-#else
-constexpr bool resident_size_is_meaningful = true;
-#endif
-#else
-constexpr bool resident_size_is_meaningful = true;
-#endif
+constexpr bool resident_size_is_meaningful = !cohort_test::sanitized;
 
 long peak_resident_kib() {
   std::FILE* status = std::fopen("/proc/self/status", "r");
