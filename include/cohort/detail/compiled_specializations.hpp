@@ -31,6 +31,8 @@ inline constexpr bool compiled_specialization = (std::is_same_v<B, gloo> ||
 
 // training_state<B, P> and the checkpoint functions over it: their bodies are in the impl
 // headers, which only the library's unit (and units asking for COHORT_TEMPLATE_BODIES) parse.
+// The arguments are template arguments and a keyword, which parentheses would break.
+// NOLINTBEGIN(bugprone-macro-parentheses)
 #define COHORT_INSTANTIATIONS_OF(KEYWORD, B, P)                                                                \
   KEYWORD template class training_state<B, P>;                                                                 \
   KEYWORD template class async_checkpointer<B, P, P>;                                                          \
@@ -39,3 +41,4 @@ inline constexpr bool compiled_specialization = (std::is_same_v<B, gloo> ||
   KEYWORD template checkpoint_info load_checkpoint(training_state<B, P>&, const std::string&);                 \
   KEYWORD template std::optional<checkpoint_info> resume_checkpoint(training_state<B, P>&, const std::string&, \
                                                                     const resume_options&);
+// NOLINTEND(bugprone-macro-parentheses)
