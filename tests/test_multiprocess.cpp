@@ -689,6 +689,27 @@ std::vector<std::string> lines_of(const std::string& path) {
   return lines;
 }
 
+// The hybrid cases' four children as two nodes of two ranks, each child's stderr in
+// LOGS/rank<R>.log (redirect_stderr_to_test_log), progress lines every second.
+void on_two_nodes_logged(std::vector<environment>& envs, const std::string& logs) {
+  for (std::size_t r = 0; r < envs.size(); ++r) {
+    auto& env = envs[r];
+    env["LOCAL_RANK"] = std::to_string(r % 2);
+    env["LOCAL_WORLD_SIZE"] = "2";
+    env["COHORT_PROGRESS_INTERVAL"] = "1";  // the progress lines within the 3 s timeouts
+    env["TEST_LOG"] = logs + "/rank" + std::to_string(r) + ".log";
+  }
+}
+
+// Every line each of WORLD children printed, each also shown if the case fails.
+std::vector<std::vector<std::string>> lines_printed(const std::string& logs, int world) {
+  std::vector<std::vector<std::string>> printed;
+  for (int r = 0; r < world; ++r) printed.push_back(lines_of(logs + "/rank" + std::to_string(r) + ".log"));
+  for (int r = 0; r < world; ++r)
+    for (const auto& line : printed[static_cast<std::size_t>(r)]) UNSCOPED_INFO("rank " << r << ": " << line);
+  return printed;
+}
+
 // The ranks a subgroup's message names by a bare number ("rank 1", "ranks 0, 1"): in each
 // part of `line` from "group pg1.split" to its hint, a "rank N" not preceded by "world " or
 // "group ". A run_ranks line's own ranks, outside those parts, are world ranks already.
@@ -717,12 +738,7 @@ TEST_CASE("run_ranks under a launcher: a subgroup's failure names the group and 
           "[multiprocess][faults]") {
   auto envs = torchrun_envs(4, 4, std::to_string(free_port()));
   const std::string logs = fresh_trace_dir("subgroup_failure");
-  for (int r = 0; r < 4; ++r) {
-    envs[static_cast<std::size_t>(r)]["LOCAL_RANK"] = std::to_string(r % 2);
-    envs[static_cast<std::size_t>(r)]["LOCAL_WORLD_SIZE"] = "2";
-    envs[static_cast<std::size_t>(r)]["COHORT_PROGRESS_INTERVAL"] = "1";
-    envs[static_cast<std::size_t>(r)]["TEST_LOG"] = logs + "/rank" + std::to_string(r) + ".log";
-  }
+  on_two_nodes_logged(envs, logs);
   const auto codes = run_children(envs, [] {
     redirect_stderr_to_test_log();
     try {
@@ -751,10 +767,7 @@ TEST_CASE("run_ranks under a launcher: a subgroup's failure names the group and 
     }
     return 1;
   });
-  std::vector<std::vector<std::string>> printed;
-  for (int r = 0; r < 4; ++r) printed.push_back(lines_of(logs + "/rank" + std::to_string(r) + ".log"));
-  for (int r = 0; r < 4; ++r)
-    for (const auto& line : printed[static_cast<std::size_t>(r)]) UNSCOPED_INFO("rank " << r << ": " << line);
+  const auto printed = lines_printed(logs, 4);
   REQUIRE(codes == std::vector<int>{2, 0, 2, 42});
   // Every line every rank printed (the error, run_ranks' progress lines and verdicts, which
   // quote it): the subgroup's messages name their ranks by world rank, everywhere.
@@ -782,13 +795,7 @@ TEST_CASE("run_ranks under a launcher: a subgroup member missing at its rendezvo
     cohort_test::skip("the sanitizers' runtime needs descriptors of its own, which this case takes away");
   auto envs = torchrun_envs(4, 4, std::to_string(free_port()));
   const std::string logs = fresh_trace_dir("subgroup_rendezvous");
-  for (int r = 0; r < 4; ++r) {
-    auto& env = envs[static_cast<std::size_t>(r)];
-    env["LOCAL_RANK"] = std::to_string(r % 2);
-    env["LOCAL_WORLD_SIZE"] = "2";
-    env["COHORT_PROGRESS_INTERVAL"] = "1";  // the rendezvous' progress lines within its timeout
-    env["TEST_LOG"] = logs + "/rank" + std::to_string(r) + ".log";
-  }
+  on_two_nodes_logged(envs, logs);
   const auto codes = run_children(envs, [] {
     redirect_stderr_to_test_log();
     try {
@@ -809,10 +816,7 @@ TEST_CASE("run_ranks under a launcher: a subgroup member missing at its rendezvo
     }
     return 0;
   });
-  std::vector<std::vector<std::string>> printed;
-  for (int r = 0; r < 4; ++r) printed.push_back(lines_of(logs + "/rank" + std::to_string(r) + ".log"));
-  for (int r = 0; r < 4; ++r)
-    for (const auto& line : printed[static_cast<std::size_t>(r)]) UNSCOPED_INFO("rank " << r << ": " << line);
+  const auto printed = lines_printed(logs, 4);
   CHECK(codes == std::vector<int>{5, 5, 5, 5});
   // World rank 1 waited in group pg1.split0.color1, whose group rank 1 is world rank 3.
   bool named = false;
