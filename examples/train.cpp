@@ -64,10 +64,13 @@ struct run_measure {
   std::string parameters_sha256;
 };
 
-// `timeline_directory`: where the timeline goes (empty: COHORT_TIMELINE's).
+// `timeline_directory`: where the timeline goes (empty: COHORT_TIMELINE's). `quiet`: a run of
+// --compare-one-rank's rounds, which prints nothing (it measures).
 std::vector<float> train(bool& stopped, run_measure& measured, cohort::process_group<cohort::gloo>& pg,
                          const config& cfg, const mlp& model, const flat_layout& layout,
-                         const cohort_examples::synthetic_data& data, const std::string& timeline_directory = {}) {
+                         const cohort_examples::synthetic_data& data, const std::string& timeline_directory = {},
+                         bool quiet = false) {
+  const bool prints = pg.rank() == 0 && !quiet;
   // COHORT_TIMELINE=DIR: each rank writes DIR/rank<R>.timeline.json (cohort-trace timeline
   // DIR merges them). The straggler report's windows watch for a slowdown: rank 0 writes one
   // line naming the rank when its lead over the others grows by 30% of the baseline step
@@ -192,7 +195,7 @@ std::vector<float> train(bool& stopped, run_measure& measured, cohort::process_g
       const float shown = cfg.reproducible ? cohort::canonical_mean(pg, std::span<const float>(losses))
                           : joined         ? losses[0]
                                            : cohort::all_reduce_value(pg, losses[0], cohort::op::avg);
-      if (pg.rank() == 0 && (step % 5 == 0 || step + 1 == cfg.batches_of(0)))
+      if (prints && (step % 5 == 0 || step + 1 == cfg.batches_of(0)))
         std::printf("step %2d  loss %.6f%s  grad norm %.4f%s\n", step, shown, joined ? " (rank 0's)" : "",
                     result.grad_norm, result.clip_factor < 1 ? " (clipped)" : "");
       const bool stop = step == cfg.stop_after;
@@ -221,16 +224,18 @@ std::vector<float> train(bool& stopped, run_measure& measured, cohort::process_g
   // Rank 0's verdict on the run: where the step went, and what these ranks deliver against one.
   if (const auto run = stragglers.run_summary()) {
     measured.verdict = cohort::scaling_verdict_of(*run);
-    std::printf("%s\n", cohort::format_scaling_verdict(*measured.verdict).c_str());
+    if (!quiet) std::printf("%s\n", cohort::format_scaling_verdict(*measured.verdict).c_str());
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   const auto memory = state.memory();
-  std::printf("[rank %d] memory per rank: parameters %s, gradients %s, optimizer state %s\n", pg.rank(),
-              cohort_examples::human(memory.parameters).c_str(), cohort_examples::human(memory.gradients).c_str(),
-              cohort_examples::human(memory.optimizer_state).c_str());
-  std::printf("[rank %d] wire bytes per step: %zu (%s, %zu buckets); %.2f ms per step\n", pg.rank(),
-              state.wire_bytes_per_step(), cohort_examples::human(state.wire_bytes_per_step()).c_str(),
-              state.bucket_count(), 1e3 * seconds / std::max(cfg.total_steps(), 1));
+  if (!quiet) {
+    std::printf("[rank %d] memory per rank: parameters %s, gradients %s, optimizer state %s\n", pg.rank(),
+                cohort_examples::human(memory.parameters).c_str(), cohort_examples::human(memory.gradients).c_str(),
+                cohort_examples::human(memory.optimizer_state).c_str());
+    std::printf("[rank %d] wire bytes per step: %zu (%s, %zu buckets); %.2f ms per step\n", pg.rank(),
+                state.wire_bytes_per_step(), cohort_examples::human(state.wire_bytes_per_step()).c_str(),
+                state.bucket_count(), 1e3 * seconds / std::max(cfg.total_steps(), 1));
+  }
   measured.ms_per_step = 1e3 * seconds / std::max(cfg.total_steps(), 1);
   measured.steady_ms_per_step =
       steps_after_first > 0
@@ -239,6 +244,13 @@ std::vector<float> train(bool& stopped, run_measure& measured, cohort::process_g
   std::fflush(stdout);
   measured.parameters_sha256 = cohort::parameter_sha256(state);  // collective: where the shards live
   return state.gather_parameters();
+}
+
+// The middle value (the mean of the middle two for an even count); the values are copied.
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const std::size_t middle = values.size() / 2;
+  return values.size() % 2 ? values[middle] : (values[middle - 1] + values[middle]) / 2;
 }
 
 }  // namespace
@@ -250,50 +262,71 @@ int main(int argc, char** argv) try {
   const auto data = cohort_examples::synthetic_data::make(cfg.batch * static_cast<std::size_t>(cfg.total_steps()),
                                                           model.input_width(), model.output_width(), 2024);
   int status = 0;
-  run_measure measured;  // rank 0's
-  cohort::run_ranks(cfg.ranks, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
-    if (cfg.batch % static_cast<std::size_t>(env.world_size) != 0)
-      throw std::runtime_error("--batch must be divisible by the number of ranks");
-    if (env.world_size % cfg.nodes != 0)
-      throw std::runtime_error("--nodes " + std::to_string(cfg.nodes) + " does not divide " +
-                               std::to_string(env.world_size) + " ranks into equal groups");
-    if (cfg.nodes > 1 && (!cfg.checkpoint.empty() || !cfg.batches_per_rank.empty()))
-      throw std::runtime_error("--nodes with --checkpoint or --batches-per-rank: the state refuses replicas there");
-    if (!cfg.batches_per_rank.empty() && cfg.batches_per_rank.size() != static_cast<std::size_t>(env.world_size))
-      throw std::runtime_error("--batches-per-rank names " + std::to_string(cfg.batches_per_rank.size()) +
-                               " ranks for a world of " + std::to_string(env.world_size));
-    cohort::process_group<cohort::gloo> pg{store, env};
-    if (!cfg.checkpoint.empty() && !cfg.batches_per_rank.empty())
-      throw std::runtime_error(
-          "--checkpoint with --batches-per-rank: a save is collective, and a joined rank "
-          "has no step to save at");
-    bool stopped = false;
-    run_measure here;
-    const auto trained = train(stopped, here, pg, cfg, model, layout, data);
-    if (pg.rank() == 0) measured = here;
-    if (pg.rank() != 0) return;
-    cohort_examples::print_parameter_summary(trained);
-    if (stopped) return;  // stopped as a job is: the comparison is for a finished run
-    status = cohort_examples::report_against_single_process(cfg, model, layout, data, pg.world_size(), trained, 1e-5);
-  });
-  // The verdict's estimate against a measured run of one rank on the same global batch.
-  // Its timeline goes to DIR/one-rank, beside the N ranks' files rather than over rank 0's.
+  // One run of the job: rank 0's measure. A quiet run is one of --compare-one-rank's later
+  // rounds: it measures, and neither prints nor checks the result again.
+  const auto run_job = [&](bool quiet) {
+    run_measure measured;
+    cohort::run_ranks(cfg.ranks, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+      if (cfg.batch % static_cast<std::size_t>(env.world_size) != 0)
+        throw std::runtime_error("--batch must be divisible by the number of ranks");
+      if (env.world_size % cfg.nodes != 0)
+        throw std::runtime_error("--nodes " + std::to_string(cfg.nodes) + " does not divide " +
+                                 std::to_string(env.world_size) + " ranks into equal groups");
+      if (cfg.nodes > 1 && (!cfg.checkpoint.empty() || !cfg.batches_per_rank.empty()))
+        throw std::runtime_error("--nodes with --checkpoint or --batches-per-rank: the state refuses replicas there");
+      if (!cfg.batches_per_rank.empty() && cfg.batches_per_rank.size() != static_cast<std::size_t>(env.world_size))
+        throw std::runtime_error("--batches-per-rank names " + std::to_string(cfg.batches_per_rank.size()) +
+                                 " ranks for a world of " + std::to_string(env.world_size));
+      cohort::process_group<cohort::gloo> pg{store, env};
+      if (!cfg.checkpoint.empty() && !cfg.batches_per_rank.empty())
+        throw std::runtime_error(
+            "--checkpoint with --batches-per-rank: a save is collective, and a joined rank "
+            "has no step to save at");
+      bool stopped = false;
+      run_measure here;
+      const auto trained = train(stopped, here, pg, cfg, model, layout, data, {}, quiet);
+      if (pg.rank() != 0) return;
+      measured = here;
+      if (quiet) return;
+      cohort_examples::print_parameter_summary(trained);
+      if (stopped) return;  // stopped as a job is: the comparison is for a finished run
+      status = cohort_examples::report_against_single_process(cfg, model, layout, data, pg.world_size(), trained, 1e-5);
+    });
+    return measured;
+  };
+  const run_measure measured = run_job(false);
+  // The verdict's estimate against measured runs of one rank on the same global batch, in A/B
+  // rounds (N ranks, one rank, N ranks, ...): a host's load that slows one run moves one round,
+  // not the medians. One rank's timeline goes to DIR/one-rank, beside the N ranks' files.
   if (cfg.compare_one_rank && cfg.ranks > 1 && measured.verdict && status == 0) {
     const char* timeline_root = std::getenv("COHORT_TIMELINE");
     const std::string one_rank_timeline =
         timeline_root && *timeline_root ? std::string(timeline_root) + "/one-rank" : std::string();
-    cohort::run_ranks(1, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
-      cohort::process_group<cohort::gloo> pg{store, env};
-      bool stopped = false;
-      run_measure one;
-      (void)train(stopped, one, pg, cfg, model, layout, data, one_rank_timeline);
-      const double actual = one.steady_ms_per_step / measured.steady_ms_per_step;
-      std::printf(
-          "measured: %d ranks deliver %.2fx one rank's throughput (one rank %.2f ms/step, %d ranks %.2f, after the "
-          "first step); the verdict estimated %.2fx, %+.0f%% off\n",
-          cfg.ranks, actual, one.steady_ms_per_step, cfg.ranks, measured.steady_ms_per_step, measured.verdict->speedup,
-          100 * (measured.verdict->speedup - actual) / actual);
-    });
+    std::vector<double> estimated, actual, one_ms, many_ms;
+    for (int round = 0; round < cfg.compare_rounds; ++round) {
+      const run_measure many = round == 0 ? measured : run_job(true);
+      if (!many.verdict)
+        throw std::runtime_error("a comparison round's run of " + std::to_string(cfg.ranks) +
+                                 " ranks gave rank 0 no verdict");
+      cohort::run_ranks(1, [&](std::shared_ptr<cohort::store> store, const cohort::launch_env& env) {
+        cohort::process_group<cohort::gloo> pg{store, env};
+        bool stopped = false;
+        run_measure one;
+        (void)train(stopped, one, pg, cfg, model, layout, data, one_rank_timeline, true);
+        one_ms.push_back(one.steady_ms_per_step);
+      });
+      many_ms.push_back(many.steady_ms_per_step);
+      estimated.push_back(many.verdict->speedup);
+      actual.push_back(one_ms.back() / many_ms.back());
+      std::printf("round %d: one rank %.2f ms/step, %d ranks %.2f: measured %.2fx, the verdict estimated %.2fx\n",
+                  round + 1, one_ms.back(), cfg.ranks, many_ms.back(), actual.back(), estimated.back());
+    }
+    const double measured_median = median(actual), estimated_median = median(estimated);
+    std::printf(
+        "measured: %d ranks deliver %.2fx one rank's throughput (one rank %.2f ms/step, %d ranks %.2f, after the "
+        "first step; medians of %d A/B rounds); the verdict estimated %.2fx, %+.0f%% off\n",
+        cfg.ranks, measured_median, median(one_ms), cfg.ranks, median(many_ms), cfg.compare_rounds, estimated_median,
+        100 * (estimated_median - measured_median) / measured_median);
   }
   if (!measured.parameters_sha256.empty()) std::printf("parameters sha256 %s\n", measured.parameters_sha256.c_str());
   return status;

@@ -43,6 +43,7 @@ struct config {
   int slow_from = 0;
   int slow_ms = 0;
   bool compare_one_rank = false;  // after the run, one rank on the same batch: the verdict's check
+  int compare_rounds = 3;         // A/B rounds of it (N ranks, one rank, ...): their medians compared
   // Bit-identical parameters at any world size and strategy (training_options::reproducible):
   // each step is micro_batches micro-batches of batch / micro_batches rows, each rank running
   // its run of micro_batches / world of them as micro-steps.
@@ -168,7 +169,11 @@ inline config parse_train_options(int argc, char** argv) {
       cfg.slow_ms = std::stoi(args.value());
     else if (arg == "--compare-one-rank")
       cfg.compare_one_rank = true;
-    else if (arg == "--max-grad-norm")
+    else if (arg == "--compare-rounds") {
+      cfg.compare_one_rank = true;
+      cfg.compare_rounds = std::stoi(args.value());
+      if (cfg.compare_rounds < 1) throw std::runtime_error("--compare-rounds must be at least 1");
+    } else if (arg == "--max-grad-norm")
       cfg.max_grad_norm = std::stod(args.value());
     else if (arg == "--reproducible")
       cfg.reproducible = true;
@@ -195,7 +200,8 @@ inline config parse_train_options(int argc, char** argv) {
           "             [--batches-per-rank B0,B1,...]\n"
           "             [--slow-rank R|-1 --slow-from S --slow-ms M]   (rank R, or every rank, sleeps M ms\n"
           "              in its backward from step S: the slowdown line names it)\n"
-          "             [--compare-one-rank]   (then one rank on the same batch: the verdict's estimate checked)\n"
+          "             [--compare-one-rank [--compare-rounds R]]   (then one rank on the same batch, in R A/B\n"
+          "              rounds, default 3: the verdict's estimate checked against the rounds' medians)\n"
           "             [--checkpoint DIR [--save-every K] [--resume] [--stop-after N] [--kill-at-step K]]\n"
           "             [--reproducible [--micro-batches K]]   (bit-identical parameters at any world size:\n"
           "              K micro-batches of B / K rows a step, default 8, each rank a run of K / N of them:\n"
@@ -212,6 +218,8 @@ inline config parse_train_options(int argc, char** argv) {
     throw std::runtime_error("--micro-batches " + std::to_string(cfg.micro_batches) + ": the batch of " +
                              std::to_string(cfg.batch) + " rows must split into that many equal micro-batches");
   if (cfg.nodes < 1) throw std::runtime_error("--nodes must be at least 1");
+  if (cfg.compare_one_rank && !cfg.checkpoint.empty())
+    throw std::runtime_error("--compare-one-rank with --checkpoint: its rounds would train again over the run's saves");
   return cfg;
 }
 
