@@ -43,7 +43,7 @@ struct config {
   int slow_from = 0;
   int slow_ms = 0;
   bool compare_one_rank = false;  // after the run, one rank on the same batch: the verdict's check
-  int compare_rounds = 3;         // A/B rounds of it (N ranks, one rank, ...): their medians compared
+  int compare_rounds = 3;         // A/B rounds of it (N ranks, one rank, ...): the fastest compared
   // Bit-identical parameters at any world size and strategy (training_options::reproducible):
   // each step is micro_batches micro-batches of batch / micro_batches rows, each rank running
   // its run of micro_batches / world of them as micro-steps.
@@ -201,7 +201,7 @@ inline config parse_train_options(int argc, char** argv) {
           "             [--slow-rank R|-1 --slow-from S --slow-ms M]   (rank R, or every rank, sleeps M ms\n"
           "              in its backward from step S: the slowdown line names it)\n"
           "             [--compare-one-rank [--compare-rounds R]]   (then one rank on the same batch, in R A/B\n"
-          "              rounds, default 3: the verdict's estimate checked against the rounds' medians)\n"
+          "              rounds, default 3: the verdict's estimate checked against the fastest)\n"
           "             [--checkpoint DIR [--save-every K] [--resume] [--stop-after N] [--kill-at-step K]]\n"
           "             [--reproducible [--micro-batches K]]   (bit-identical parameters at any world size:\n"
           "              K micro-batches of B / K rows a step, default 8, each rank a run of K / N of them:\n"
