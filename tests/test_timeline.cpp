@@ -310,6 +310,85 @@ TEST_CASE("Gloo ranks' timelines hold the state's waits and merge with step k si
   }
 }
 
+TEST_CASE("hybrid sharding: each bucket's exchange across the replicas is a span on the bucket's row",
+          "[timeline][gloo][hybrid]") {
+  // 4 ranks as 2 nodes of 2: sharded within a node, each part averaged (or, reproducible,
+  // gathered and summed on in the canonical tree) across the nodes after the node's reduction.
+  for (const bool reproducible : {false, true}) {
+    DYNAMIC_SECTION("zero2" << (reproducible ? ", reproducible" : "")) {
+      constexpr int world = 4, steps = 4;
+      scratch_dir dir(std::string("hybrid_") + (reproducible ? "reproducible" : "default"));
+      auto store = std::make_shared<cohort::memory_store>();
+      std::size_t buckets = 0;
+      std::optional<cohort::reproducible_options> options_reproducible;
+      if (reproducible) options_reproducible = cohort::reproducible_options{static_cast<std::size_t>(world), 0};
+      cohort_test::run_ranks(world, [&](int rank) {
+        cohort::gloo::options options;
+        options.timeout = std::chrono::seconds(5);
+        group pg(store, cohort::launch_env::explicit_ranks(rank, world), options);
+        auto shards = pg.split(rank / 2, rank);
+        auto replicas = pg.split(rank % 2, rank);
+        cohort::timeline timeline(pg, {.directory = dir.path.string()});
+        const std::vector<cohort::region> regions{{"a", 0, 4096, 0}, {"b", 4096, 256, 1}, {"c", 4352, 64, 2}};
+        cohort::training_state<cohort::gloo> state{*shards,
+                                                   regions,
+                                                   {.strategy = cohort::strategy::zero2,
+                                                    .bucket_bytes = 4096,
+                                                    .sgd = cohort::sgd_options{.lr = 0.1},
+                                                    .timeline = &timeline,
+                                                    .reproducible = options_reproducible},
+                                                   &*replicas};
+        if (rank == 0) buckets = state.bucket_count();
+        state.load_parameters(std::vector<float>(4416, 0.0f));
+        for (int step = 1; step <= steps; ++step) {
+          for (std::size_t l = regions.size(); l-- > 0;) {
+            for (auto& g : state.gradient(l)) g = 1.0f;
+            state.mark_layer_ready(l);
+          }
+          state.step();
+        }
+      });
+      REQUIRE(buckets >= 2);
+      const std::string reduction = reproducible ? "canonical sum" : "reduce-scatter";
+      for (int rank = 0; rank < world; ++rank) {
+        const json document = read_json(dir.path / ("rank" + std::to_string(rank) + ".timeline.json"));
+        const auto spans = check_trace_events(document);  // pointers into the document
+        std::map<std::uint64_t, std::pair<double, double>> step_spans;
+        for (const json* e : spans)
+          if (e->at("cat").as_string() == "step")
+            step_spans[static_cast<std::uint64_t>(e->at("args").at("step").as_int64())] = {
+                e->at("ts").as_number(), e->at("ts").as_number() + e->at("dur").as_number()};
+        for (std::size_t b = 0; b < buckets; ++b) {
+          INFO("rank " << rank << " bucket " << b);
+          // step -> when the bucket's reduction in the node ended
+          std::map<std::uint64_t, double> reduced_at;
+          for (const json* e : spans)
+            if (e->at("name").as_string() == reduction + " bucket " + std::to_string(b))
+              reduced_at[static_cast<std::uint64_t>(e->at("args").at("step").as_int64())] =
+                  e->at("ts").as_number() + e->at("dur").as_number();
+          std::vector<std::uint64_t> across_in;
+          for (const json* e : spans) {
+            if (e->at("name").as_string() != "across replicas bucket " + std::to_string(b)) continue;
+            CHECK(e->at("cat").as_string() == "engine");
+            CHECK(e->at("tid").as_int64() == static_cast<std::int64_t>(1 + b));
+            const auto step = static_cast<std::uint64_t>(e->at("args").at("step").as_int64());
+            across_in.push_back(step);
+            const auto [step_begin, step_end] = step_spans.at(step);
+            CHECK(e->at("ts").as_number() + e->at("dur").as_number() <= step_end + 1);
+            REQUIRE(reduced_at.count(step) == 1);
+            // Issued once the node's reduction is done (a host engine waits for it), in the step.
+            CHECK(e->at("ts").as_number() >= reduced_at.at(step) - 1);
+            CHECK(e->at("ts").as_number() >= step_begin - 1);
+          }
+          std::vector<std::uint64_t> every_step(steps);
+          std::iota(every_step.begin(), every_step.end(), std::uint64_t{1});
+          CHECK(across_in == every_step);
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("a checkpoint's copies, write and read are spans on rows of their own", "[timeline][gloo][checkpoint]") {
   constexpr int world = 2;
   scratch_dir dir("checkpoint");

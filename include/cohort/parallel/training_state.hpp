@@ -730,7 +730,9 @@ class training_state {
   G* gradient_source(const detail::bucket_range& range, G* pooled_gradients) const {
     return flat_gradients() ? grads_ + range.offset : pooled_gradients + range.packed;
   }
-  void reduce_canonically(std::size_t b, G* pooled_gradients, G* shard);
+  // `first_call`: engine_calls_begin() before the bucket's calls (its timeline span is noted
+  // before the replicas' exchange: a row's spans are kept in order).
+  void reduce_canonically(std::size_t b, G* pooled_gradients, G* shard, std::uint64_t first_call);
   // The staging buffer's count elements summed as `parts` parts of `count` in the canonical
   // order, divided by M when `divide_by_batches`, into `to`.
   void sum_parts(G* staged, std::size_t parts, std::size_t count, bool divide_by_batches, G* to);
@@ -774,8 +776,9 @@ class training_state {
   // flight recorder (which times each call's issue and completion as the engine reports it)
   // and turned into spans on the bucket's row once step() has waited for the reductions, so
   // that no clock read, poll or wait is added to the step. `engine_calls_begin` is 0 when the
-  // timeline is not recording: then nothing is noted.
-  enum class engine_work : std::uint8_t { reduction, gather, gathered };
+  // timeline is not recording: then nothing is noted. With replicas, a bucket's exchange across
+  // them is noted in the replicas' group's recorder (across_replicas).
+  enum class engine_work : std::uint8_t { reduction, gather, gathered, across_replicas };
   struct engine_span {
     std::size_t bucket = 0;
     engine_work what = engine_work::reduction;
@@ -783,9 +786,12 @@ class training_state {
     std::uint64_t first_call = 0, last_call = 0;
     timeline::clock::time_point released{};  // gathered: when the release let it go
   };
-  std::uint64_t engine_calls_begin() const {
+  const flight_recorder& engine_calls(engine_work what) const {
+    return (what == engine_work::across_replicas ? replicas_ : group_)->backend().recorder();
+  }
+  std::uint64_t engine_calls_begin(engine_work what = engine_work::reduction) const {
     if (!options_.timeline || !options_.timeline->recording()) return 0;
-    return group_->backend().recorder().last_id() + 1;
+    return engine_calls(what).last_id() + 1;
   }
   void note_engine_span(std::size_t b, engine_work what, std::uint64_t first_call);
   void record_engine_spans();

@@ -777,8 +777,7 @@ void training_state<B, P, G>::launch(std::size_t b) {
   if (reproducible() && !micro_steps_agreed_) agree_on_micro_steps();
   const std::uint64_t first_call = engine_calls_begin();
   if (reproducible()) {
-    reduce_canonically(b, pooled_gradients, shard);
-    note_engine_span(b, engine_work::reduction, first_call);
+    reduce_canonically(b, pooled_gradients, shard, first_call);
     if (pooled_gradients) {
       bucket_grads_[b].last_use =
           fill(engine, bucket_grads_[b].data, bucket_grads_[b].capacity / sizeof(G), dtype_v<G>, 0.0);
@@ -833,11 +832,13 @@ void training_state<B, P, G>::launch(std::size_t b) {
     // waits block the caller: the average is synchronous there, while NCCL orders it on the
     // streams.
     reduced.make_stream_wait(replicas_->backend().stream());
+    const std::uint64_t first_across = engine_calls_begin(engine_work::across_replicas);
     {
       auto together = replicas_->grouped();
       for (const auto& [data, count] : kept_) reduced = replicas_->all_reduce(std::span<G>(data, count), op::avg);
       together.end();
     }
+    note_engine_span(b, engine_work::across_replicas, first_across);
     reduced.make_stream_wait(engine.stream());
     const auto copies = static_cast<std::size_t>(replicas_->world_size());
     for (const auto& part : kept_) wire_bytes_ += 2 * (copies - 1) * part.second * sizeof(G) / copies;
@@ -1248,18 +1249,17 @@ step_result training_state<B, P, G>::step() {
 template <backend B, element P, element G>
 void training_state<B, P, G>::note_engine_span(std::size_t b, engine_work what, std::uint64_t first_call) {
   if (first_call == 0) return;
-  const std::uint64_t last_call = group_->backend().recorder().last_id();
+  const std::uint64_t last_call = engine_calls(what).last_id();
   if (last_call < first_call) return;  // nothing issued (a flight recorder of no entries)
   engine_spans_.push_back({b, what, options_.timeline->step(), first_call, last_call, {}});
 }
 
 template <backend B, element P, element G>
 void training_state<B, P, G>::record_engine_spans() {
-  const auto& calls = group_->backend().recorder();
   timeline& recorder = *options_.timeline;
   std::size_t still_pending = 0;
   for (const auto& noted : engine_spans_) {
-    const auto timed = calls.span_of(noted.first_call, noted.last_call);
+    const auto timed = engine_calls(noted.what).span_of(noted.first_call, noted.last_call);
     using outcome = flight_recorder::calls_span::state;
     // A device's completion the flight recorder has not seen yet: tried again at the next
     // steps (one step later at most on the host, where the reductions were waited for).
@@ -1271,11 +1271,12 @@ void training_state<B, P, G>::record_engine_spans() {
     const auto& bucket = layout_.buckets[noted.bucket];
     char track_name[64], name[64];
     std::snprintf(track_name, sizeof track_name, "bucket %zu (layer %zu)", noted.bucket, bucket.layer);
-    const char* what = noted.what == engine_work::gather     ? "gather"
-                       : noted.what == engine_work::gathered ? "gathered"
-                       : reproducible()                      ? "canonical sum"
-                       : options_.strategy == strategy::ddp  ? "all-reduce"
-                                                             : "reduce-scatter";
+    const char* what = noted.what == engine_work::gather            ? "gather"
+                       : noted.what == engine_work::gathered        ? "gathered"
+                       : noted.what == engine_work::across_replicas ? "across replicas"
+                       : reproducible()                             ? "canonical sum"
+                       : options_.strategy == strategy::ddp         ? "all-reduce"
+                                                                    : "reduce-scatter";
     std::snprintf(name, sizeof name, "%s bucket %zu", what, noted.bucket);
     const auto track = static_cast<std::uint32_t>(1 + noted.bucket);
     if (noted.what == engine_work::gathered)
@@ -1388,7 +1389,8 @@ void training_state<B, P, G>::sum_parts(G* staged, std::size_t parts, std::size_
 // (with replicas after the sum over the copies, in replica order). ddp then all-gathers the
 // chunks, as zero1 publishes. Each exchange is one grouped launch, the sums after it.
 template <backend B, element P, element G>
-void training_state<B, P, G>::reduce_canonically(std::size_t b, G* pooled_gradients, G* shard) {
+void training_state<B, P, G>::reduce_canonically(std::size_t b, G* pooled_gradients, G* shard,
+                                                 std::uint64_t first_call) {
   if (!micro_steps_agreed_) agree_on_micro_steps();
   auto& engine = group_->backend();
   const auto& bucket = layout_.buckets[b];
@@ -1468,6 +1470,7 @@ void training_state<B, P, G>::reduce_canonically(std::size_t b, G* pooled_gradie
     }
     at += n * range.remainder;
   }
+  note_engine_span(b, engine_work::reduction, first_call);
   if (replicated()) {
     // Each copy's part is the node of its group's positions: the copies' nodes, gathered in
     // replica order, continue the tree. The replicas' queue waits for the group's sums, and
@@ -1475,6 +1478,7 @@ void training_state<B, P, G>::reduce_canonically(std::size_t b, G* pooled_gradie
     work summed = engine.record();
     summed.make_stream_wait(replicas_->backend().stream());
     work gathered;
+    const std::uint64_t first_across = engine_calls_begin(engine_work::across_replicas);
     {
       auto together = replicas_->grouped();
       std::size_t offset = 0;
@@ -1486,6 +1490,7 @@ void training_state<B, P, G>::reduce_canonically(std::size_t b, G* pooled_gradie
       }
       together.end();
     }
+    note_engine_span(b, engine_work::across_replicas, first_across);
     gathered.make_stream_wait(engine.stream());
     std::size_t offset = 0;
     for (const auto& [data, count] : kept_) {
