@@ -77,9 +77,9 @@ COHORT_DECL exact_norm_result exact_norm(std::span<const std::int64_t> words, dt
   const auto layout = exact_squares_layout_of(type);
   if (layout.exponent_bits == 0 || words.size() < exact_squares_words(type)) return {};
   exact_norm_result result;
-  for (int limb = 0; limb < layout.limbs(); ++limb)
-    result.nonfinite += words[static_cast<std::size_t>(layout.nonfinite_bin() * layout.limbs() + limb)]
-                        << (exact_squares_layout::limb_bits * limb);
+  // A count, in the non-finite bin's first word: each adds 1 to it (a run's count is below 2^16
+  // on the host, so its pieces fall there too).
+  result.nonfinite = words[static_cast<std::size_t>(layout.nonfinite_bin() * layout.limbs())];
   if (result.nonfinite > 0) {
     result.norm = quiet_nan();
     return result;
