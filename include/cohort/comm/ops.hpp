@@ -142,7 +142,7 @@ typename B::work sum_of_squares(B& engine, const void* data, std::size_t count, 
 // the backend's memory, zeroed before the first): integers binned by exponent
 // (comm/detail/exact_squares.hpp) whose sums no order or cut changes, which ranks add by an
 // all-reduce op::sum and detail::exact_norm turns into a norm (training_options::reproducible).
-// An inf or a NaN is counted in a bin of its own. 0 elements of an integer dtype.
+// An inf or a NaN is counted in a bin of its own; an integer dtype adds nothing.
 template <backend B>
 typename B::work add_exact_squares(B& engine, const void* data, std::size_t count, dtype type, std::int64_t* words) {
   return detail::elementwise<B::space>::add_exact_squares(engine, data, count, type, words);
