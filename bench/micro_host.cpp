@@ -10,6 +10,7 @@
 
 #include <benchmark/benchmark.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -17,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "cohort/comm/detail/host_elementwise.hpp"
 #include "cohort/data/sampler.hpp"
 #include "cohort/detail/sha256.hpp"
 #include "cohort/diagnostics/timeline.hpp"
@@ -214,6 +216,31 @@ void fingerprint_sha256(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(data.size()));
 }
 BENCHMARK(fingerprint_sha256)->Unit(benchmark::kMillisecond);
+
+// --- gradient norms ---------------------------------------------------------------------------
+// A step's norm pass over 12.8 M floats (a ResNet-50's gradient, half of it, as one rank of
+// two measures it), one thread: Arg 0 the default's sum of squares in double, Arg 1 the
+// reproducible mode's exact squares binned by exponent (items = elements: ns per element is
+// 1e9 / items_per_second).
+void gradient_norm_pass(benchmark::State& state) {
+  std::vector<float> gradient(12'800'000);
+  for (std::size_t i = 0; i < gradient.size(); ++i)
+    gradient[i] = std::sin(0.37f * static_cast<float>(i)) * 1e-3f * static_cast<float>(1 + i % 7);
+  const bool exact = state.range(0) != 0;
+  std::vector<std::int64_t> bins(cohort::detail::exact_squares_words(cohort::dtype::float32));
+  double sum = 0;
+  for (auto _ : state) {
+    if (exact)
+      cohort::detail::host::add_exact_squares(gradient.data(), gradient.size(), cohort::dtype::float32, bins.data());
+    else
+      sum += cohort::detail::host::sum_of_squares(gradient.data(), gradient.size(), cohort::dtype::float32);
+  }
+  benchmark::DoNotOptimize(sum);
+  benchmark::DoNotOptimize(bins.data());
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(gradient.size()));
+  state.SetLabel(exact ? "add_exact_squares (reproducible)" : "sum_of_squares (default)");
+}
+BENCHMARK(gradient_norm_pass)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
 
 // --- timeline ---------------------------------------------------------------------------------
 // What a zero3 step of examples/train records, about 12 spans and the step's end: Arg 0 with

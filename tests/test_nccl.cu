@@ -9,6 +9,7 @@
 #include <cohort/comm/ops.hpp>
 #include <cohort/comm/process_group.hpp>
 #include <cohort/data/batch.hpp>
+#include <cohort/parallel/detail/reproducible.hpp>
 #include <cohort/run/atomic_write.hpp>
 #include <cohort/run/guards.hpp>
 #include <cohort/run/logging.hpp>
@@ -126,6 +127,34 @@ TEST_CASE("device element-wise ops match the host ones", "[nccl]") {
   values.upload(host);
   cohort::count_nonfinite(engine, values.data, n, cohort::dtype::float32, bad.data).wait();
   REQUIRE(bad.download()[0] == 2);
+}
+
+// The reproducible norm's kernel against the host loop: the bins of the same values, added
+// per element in pieces by atomics on the device and in runs on the host, make the same
+// integer and the same inf/NaN count (values of every scale, subnormals, -0, an inf, a NaN).
+TEMPLATE_TEST_CASE("the device's exact squares make the host's integer", "[nccl]", float, double, cohort::half,
+                   cohort::bfloat16) {
+  require_gpu();
+  auto pg = make_group();
+  constexpr auto type = cohort::dtype_v<TestType>;
+  const std::size_t n = 100003;
+  std::vector<TestType> host(n);
+  for (std::size_t i = 0; i < n; ++i)
+    host[i] = TestType(std::sin(0.37f * static_cast<float>(i)) * std::ldexp(1.0f, static_cast<int>(i % 61) - 40));
+  host[3] = TestType(-0.0f);
+  host[5] = TestType(NAN);
+  host[77] = TestType(INFINITY);
+  device_buffer<TestType> values(n);
+  values.upload(host);
+  const std::size_t words = cohort::detail::exact_squares_words(type);
+  device_buffer<std::int64_t> bins(words);
+  bins.zero();
+  cohort::add_exact_squares(pg.backend(), values.data, n, type, bins.data).wait();
+  std::vector<std::int64_t> expected(words, 0);
+  cohort::detail::host::add_exact_squares(host.data(), n, type, expected.data());
+  const auto got = bins.download();
+  REQUIRE(cohort::detail::exact_squares_total(got, type) == cohort::detail::exact_squares_total(expected, type));
+  REQUIRE(cohort::detail::exact_norm(got, type).nonfinite == 2);
 }
 
 TEST_CASE("a caller stream waits on a work without blocking the host", "[nccl]") {

@@ -17,6 +17,7 @@
 #include <cohort/parallel/training_state.hpp>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -68,6 +69,7 @@ struct run {
   std::string resume_from = {};          // a checkpoint loaded before first_step
   std::string save_to = {};              // a directory the state is saved into after end_step
   bool shared_memory = true;             // false: Gloo's TCP between the ranks
+  std::vector<double>* norms = nullptr;  // rank 0's grad_norm of every step, if given
 };
 
 // One micro-step: a forward through every layer, then the backward, top first: each region's gradient written from
@@ -171,6 +173,7 @@ std::vector<float> train(const run& config) {
           const auto stepped = state->step();
           RANK_CHECK(!stepped.skipped);
           RANK_CHECK(stepped.clip_factor < 1.0, "the norm " << stepped.grad_norm << " is not clipped");
+          if (config.norms && rank == 0) config.norms->push_back(stepped.grad_norm);
           if (config.adopted) {
             trainer_update(*state, momentum, stepped.gradient_scale);
             state->publish_parameters();
@@ -349,83 +352,183 @@ TEST_CASE("reproducible: saved at 4 ranks zero3 and resumed at 2 ranks ddp, the 
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("reproducible: the exact norm's integers are the same whatever cut the elements, and the norm is the norm",
-          "[training_state][reproducible][gloo]") {
+namespace {
+
+// The bins of x[0, count) added piece by piece at `cuts` (ascending, the last `count`), in
+// the order `order` lists the pieces.
+template <class Engine>
+std::vector<std::int64_t> exact_bins(Engine& engine, const void* x, std::size_t element_bytes, cohort::dtype type,
+                                     const std::vector<std::size_t>& cuts, const std::vector<std::size_t>& order) {
+  std::vector<std::int64_t> words(cohort::detail::exact_squares_words(type), 0);
+  for (const std::size_t piece : order) {
+    const std::size_t from = piece == 0 ? 0 : cuts[piece - 1];
+    cohort::add_exact_squares(engine, static_cast<const char*>(x) + from * element_bytes, cuts[piece] - from, type,
+                              words.data())
+        .wait();
+  }
+  return words;
+}
+
+// The norm without the bins: every square in long double (exact for float and the 16-bit
+// types, whose squares have at most 48 bits), summed smallest first; within 2^-60 or so.
+template <class T>
+long double reference_norm(const std::vector<T>& x) {
+  std::vector<long double> squares;
+  for (const T value : x) {
+    const auto wide = static_cast<long double>(cohort::detail::widened(value));
+    squares.push_back(wide * wide);
+  }
+  std::sort(squares.begin(), squares.end());
+  long double sum = 0;
+  for (const long double square : squares) sum += square;
+  return std::sqrt(sum);
+}
+
+// The T of `bits` (for the 16-bit types: their storage).
+template <class T>
+T from_bits(std::uint64_t bits) {
+  if constexpr (std::is_same_v<T, float>) {
+    return std::bit_cast<float>(static_cast<std::uint32_t>(bits));
+  } else if constexpr (std::is_same_v<T, double>) {
+    return std::bit_cast<double>(bits);
+  } else {
+    T value;
+    value.bits = static_cast<std::uint16_t>(bits);
+    return value;
+  }
+}
+
+// Random values of every finite exponent (subnormal_only: exponent field 0, every fraction),
+// with -0, 0, the largest finite value and the smallest subnormal among them.
+template <class T>
+std::vector<T> every_range(std::size_t count, bool subnormal_only) {
+  constexpr auto layout = cohort::detail::exact_squares_layout_v<T>;
+  std::uint64_t state = subnormal_only ? 7 : 3;
+  const auto next = [&] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return state >> 11;
+  };
+  const std::uint64_t finite_exponents = (std::uint64_t{1} << layout.exponent_bits) - 1;  // all ones: inf, NaN
+  const std::uint64_t fraction_mask = (std::uint64_t{1} << layout.fraction_bits) - 1;
+  const int sign_place = layout.exponent_bits + layout.fraction_bits;
+  std::vector<T> x(count);
+  for (std::size_t e = 0; e < count; ++e) {
+    const std::uint64_t exponent = subnormal_only || e % 5 == 0 ? 0 : next() % finite_exponents;
+    x[e] = from_bits<T>(((next() & 1) << sign_place) | (exponent << layout.fraction_bits) | (next() & fraction_mask));
+  }
+  x[1] = from_bits<T>(std::uint64_t{1} << sign_place);  // -0
+  x[2] = from_bits<T>(0);
+  x[3] = from_bits<T>(1);  // the smallest subnormal
+  if (!subnormal_only) x[4] = from_bits<T>(((finite_exponents - 1) << layout.fraction_bits) | fraction_mask);
+  return x;
+}
+
+}  // namespace
+
+// The binned squares (add_exact_squares, then exact_norm) against squares summed apart from
+// them: over values of one scale (the sum without rounding trouble: within 2 ulps of the
+// long double reference), every element of T's range (subnormals, the largest, -0), all
+// subnormals (where a subnormal's scale shows), and counts across the host's runs of 2^16.
+// The bins are the same words whatever cut and order the pieces were added in, an inf or a
+// NaN is counted (the norm NaN), and a lone x gives |x| back, from the smallest subnormal up.
+TEMPLATE_TEST_CASE("reproducible: the exact norm's bins sum every square exactly, whatever cut and order add them",
+                   "[training_state][reproducible][gloo]", float, double, cohort::bfloat16, cohort::half) {
+  using T = TestType;
+  constexpr auto type = cohort::dtype_v<T>;
+  const auto norm_of = [](const std::vector<std::int64_t>& words) { return cohort::detail::exact_norm(words, type); };
   on_host_engine([&](auto& engine) {
-    std::vector<float> g(10007);
-    for (std::size_t e = 0; e < g.size(); ++e) g[e] = std::sin(0.7f * static_cast<float>(e)) * (1.0f + (e % 13));
-    double max = 0;
-    cohort::max_magnitude(engine, g.data(), g.size(), cohort::dtype::float32, &max).wait();
-    RANK_CHECK(max > 0);
-    const auto exact = [&](const std::vector<std::size_t>& cuts) {
-      std::uint64_t high_low[2] = {0, 0};
-      std::size_t from = 0;
-      for (const std::size_t to : cuts) {
-        cohort::fixed_point_squares(engine, g.data() + from, to - from, cohort::dtype::float32, &max, high_low).wait();
-        from = to;
+    for (const std::size_t count : {std::size_t{1}, std::size_t{9}, std::size_t{10007}, std::size_t{(1 << 17) + 37}}) {
+      std::vector<T> scaled(count);  // one scale: the reference sums these without losing bits that matter
+      for (std::size_t e = 0; e < count; ++e)
+        scaled[e] = T(std::sin(0.61f * static_cast<float>(e)) * std::ldexp(1.0f, static_cast<int>(e % 9) - 4));
+      const auto whole = exact_bins(engine, scaled.data(), sizeof(T), type, {count}, {0});
+      const auto exact = norm_of(whole);
+      const long double reference = reference_norm(scaled);
+      RANK_CHECK(exact.nonfinite == 0);
+      RANK_CHECK(std::abs(static_cast<long double>(exact.norm) - reference) <= 4.5e-16L * reference,
+                 "count " << count << ": " << exact.norm << " vs " << static_cast<double>(reference));
+      if (count < 9) continue;
+      // Any cut, any order of the pieces: the same integer (the words may differ: a running
+      // sum's pieces fall where its run cut it), the same norm.
+      const auto total = cohort::detail::exact_squares_total(whole, type);
+      const std::vector<std::size_t> cuts = {1, count / 3, count / 3 + 1, count - 2, count};
+      for (const auto& order : {std::vector<std::size_t>{4, 0, 3, 1, 2}, std::vector<std::size_t>{0, 1, 2, 3, 4}}) {
+        const auto words = exact_bins(engine, scaled.data(), sizeof(T), type, cuts, order);
+        RANK_CHECK(cohort::detail::exact_squares_total(words, type) == total, "count " << count);
+        const double norm = norm_of(words).norm;
+        RANK_CHECK(std::memcmp(&norm, &exact.norm, sizeof norm) == 0, "count " << count);
       }
-      return std::pair{high_low[0], high_low[1]};
-    };
-    const auto whole = exact({g.size()});
-    RANK_CHECK(exact({3, 4000, 4001, g.size()}) == whole);
-    RANK_CHECK(exact({5003, g.size()}) == whole);
-    double squares = 0;
-    for (const float x : g) squares += static_cast<double>(x) * x;
-    const std::uint64_t pairs[2] = {whole.first, whole.second};
-    const double norm = cohort::detail::fixed_point_norm(pairs, max);
-    RANK_CHECK(std::abs(norm - std::sqrt(squares)) <= 1e-9 * std::sqrt(squares), norm << " vs " << std::sqrt(squares));
-    // An inf or a NaN makes the largest magnitude inf, which op::max carries across ranks.
-    g[17] = std::numeric_limits<float>::quiet_NaN();
-    double with_nan = 0;
-    cohort::max_magnitude(engine, g.data(), g.size(), cohort::dtype::float32, &with_nan).wait();
-    RANK_CHECK(std::isinf(with_nan));
+      // An inf or a NaN: counted, the norm NaN.
+      for (const T bad : {T(std::numeric_limits<float>::infinity()), T(-std::numeric_limits<float>::infinity()),
+                          T(std::numeric_limits<float>::quiet_NaN())}) {
+        std::vector<T> with_bad = scaled;
+        with_bad[count / 2] = bad;
+        with_bad[count - 1] = bad;
+        const auto found = norm_of(exact_bins(engine, with_bad.data(), sizeof(T), type, {count}, {0}));
+        RANK_CHECK(found.nonfinite == 2 && std::isnan(found.norm), "count " << count << ": " << found.nonfinite);
+      }
+    }
+    // T's whole range, and subnormals alone (a double's squares are not exact in long double).
+    if constexpr (!std::is_same_v<T, double>)
+      for (const bool subnormal_only : {false, true}) {
+        const auto x = every_range<T>(10007, subnormal_only);
+        const auto exact = norm_of(exact_bins(engine, x.data(), sizeof(T), type, {x.size()}, {0}));
+        const long double reference = reference_norm(x);
+        RANK_CHECK(std::abs(static_cast<long double>(exact.norm) - reference) <= 4.5e-16L * reference,
+                   (subnormal_only ? "subnormals: " : "every range: ")
+                       << exact.norm << " vs " << static_cast<double>(reference));
+      }
+    // A lone x: sqrt(x^2 rounded) is |x| (the squares of a double too: they neither overflow nor
+    // underflow in the bins), and -0 adds nothing.
+    const auto lone = every_range<T>(64, false);
+    for (const T x : lone) {
+      const auto exact = norm_of(exact_bins(engine, &x, sizeof(T), type, {1}, {0}));
+      const double expected = std::abs(cohort::detail::widened(x));
+      RANK_CHECK(std::memcmp(&exact.norm, &expected, sizeof expected) == 0, exact.norm << " vs " << expected);
+    }
+    const std::vector<T> zeros = {from_bits<T>(0), lone[1]};
+    const auto zero_words = exact_bins(engine, zeros.data(), sizeof(T), type, {2}, {0});
+    RANK_CHECK(std::all_of(zero_words.begin(), zero_words.end(), [](std::int64_t w) { return w == 0; }));
   });
 }
 
-// The norm's two host passes take their values several at a time (lanes of maxima, divisions
-// two by two); their results must be the one-by-one formulas' bits: magnitude()'s maximum
-// and the sums of fixed_point_square's halves. Counts on and off every lane width, values of
-// mixed magnitudes with -0, the maximum itself (a square of 1, capped) and, for the maximum,
-// an inf and a NaN at the end and inside.
-TEMPLATE_TEST_CASE(
-    "reproducible: the norm's maximum and fixed-point squares have the bits of the element-wise formulas",
-    "[training_state][reproducible][gloo]", float, double, cohort::bfloat16, cohort::half) {
-  using T = TestType;
-  constexpr auto type = cohort::dtype_v<T>;
-  on_host_engine([&](auto& engine) {
-    for (const std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{7}, std::size_t{9},
-                                    std::size_t{17}, std::size_t{10007}}) {
-      std::vector<T> x(count);
-      for (std::size_t e = 0; e < count; ++e)
-        x[e] = T(std::sin(0.61f * static_cast<float>(e)) * std::ldexp(1.0f, static_cast<int>(e % 23) - 11));
-      if (count > 2) x[2] = T(-0.0f);
-      double expected_max = 0;
-      for (const T value : x) expected_max = std::max(expected_max, cohort::detail::magnitude(value));
-      double max = 0;
-      cohort::max_magnitude(engine, x.data(), count, type, &max).wait();
-      RANK_CHECK(std::memcmp(&max, &expected_max, sizeof max) == 0, "count " << count << ": " << max);
-      if (count == 0) continue;
-      if (max > 0) {  // as the norm asks: all zeros need no squares
-        std::uint64_t expected[2] = {0, 0}, got[2] = {0, 0};
-        for (const T value : x) {
-          const std::uint64_t square = cohort::detail::fixed_point_square(value, max);
-          expected[0] += square >> 32;
-          expected[1] += square & 0xffffffffu;
-        }
-        cohort::fixed_point_squares(engine, x.data(), count, type, &max, got).wait();
-        RANK_CHECK(got[0] == expected[0] && got[1] == expected[1], "count " << count);
-      }
-      for (const std::size_t at : {count - 1, count / 2}) {
-        for (const T bad : {T(std::numeric_limits<float>::infinity()), T(std::numeric_limits<float>::quiet_NaN())}) {
-          std::vector<T> with_bad = x;
-          with_bad[at] = bad;
-          double found = 0;
-          cohort::max_magnitude(engine, with_bad.data(), count, type, &found).wait();
-          RANK_CHECK(std::isinf(found), "count " << count << ", at " << at);
-        }
-      }
-    }
+// Ranks that hold pieces of other sizes (1 element, most of them, the rest in two calls) and
+// sum their bins by one all-reduce: the integer and the norm's bits of one rank's over all.
+TEST_CASE("reproducible: ranks holding uneven pieces sum their exact bins to one rank's norm, bit for bit",
+          "[training_state][reproducible][gloo]") {
+  const auto x = every_range<float>(10007, false);
+  constexpr auto type = cohort::dtype::float32;
+  std::vector<std::int64_t> expected_words;
+  on_host_engine(
+      [&](auto& engine) { expected_words = exact_bins(engine, x.data(), sizeof(float), type, {x.size()}, {0}); });
+  const auto expected = cohort::detail::exact_norm(expected_words, type);
+  REQUIRE(expected.norm > 0);
+  on_ranks(3, 0, [&](cohort_test::gloo_group& pg, cohort_test::gloo_group*, int rank) {
+    const std::vector<std::size_t> cuts = {1, 6000, 6001, x.size()};
+    const std::vector<std::vector<std::size_t>> pieces = {{0}, {1}, {3, 2}};
+    auto words = exact_bins(pg.backend(), x.data(), sizeof(float), type, cuts, pieces[static_cast<std::size_t>(rank)]);
+    pg.all_reduce(std::span<std::int64_t>(words), cohort::op::sum).wait();
+    RANK_CHECK(cohort::detail::exact_squares_total(words, type) ==
+               cohort::detail::exact_squares_total(expected_words, type));
+    const auto got = cohort::detail::exact_norm(words, type);
+    RANK_CHECK(std::memcmp(&got.norm, &expected.norm, sizeof got.norm) == 0, got.norm << " vs " << expected.norm);
   });
+}
+
+// The training state's global norm, every step, at 3 ranks whose zero2 shards are cut unevenly
+// (buckets that leave remainders) and at 6 under zero3: the bits of one rank's.
+TEST_CASE("reproducible: the step's grad_norm has the bits of one rank's at 3 and 6 ranks, shards cut unevenly",
+          "[training_state][reproducible][gloo]") {
+  std::vector<double> expected, got;
+  train({.world = 1, .micro_batches = 6, .norms = &expected});
+  REQUIRE(expected.size() == static_cast<std::size_t>(steps));
+  for (const auto& [world, kind] : {std::pair{3, strategy::zero2}, std::pair{6, strategy::zero3}}) {
+    got.clear();
+    train({.world = world, .micro_batches = 6, .kind = kind, .bucket_bytes = 40, .norms = &got});
+    INFO(world << " ranks");
+    REQUIRE(got.size() == expected.size());
+    CHECK(std::memcmp(got.data(), expected.data(), got.size() * sizeof(double)) == 0);
+  }
 }
 
 // The fused sum of parts that the reproducible reduction runs (one pass) against the passes it

@@ -138,20 +138,14 @@ typename B::work sum_of_squares(B& engine, const void* data, std::size_t count, 
   return detail::elementwise<B::space>::sum_of_squares(engine, data, count, type, result);
 }
 
-// *result = max(*result, the largest |element|), +inf where any is an inf or a NaN (0 for
-// integer dtypes); `result` lives in the backend's memory. With fixed_point_squares, a norm
-// whose sum is exact (training_options::reproducible): each element's floor((x / *max)^2 x
-// 2^64) added to high_low[0] (its high 32 bits) and high_low[1] (its low 32 bits), integers
-// whose sum no order or cut changes (exact up to 2^32 elements). *max > 0 is read when the
-// work runs, in the backend's order; both live in the backend's memory.
+// Adds the elements' squares, exactly, to `words` (detail::exact_squares_words(type) int64s in
+// the backend's memory, zeroed before the first): integers binned by exponent
+// (comm/detail/exact_squares.hpp) whose sums no order or cut changes, which ranks add by an
+// all-reduce op::sum and detail::exact_norm turns into a norm (training_options::reproducible).
+// An inf or a NaN is counted in a bin of its own; an integer dtype adds nothing.
 template <backend B>
-typename B::work max_magnitude(B& engine, const void* data, std::size_t count, dtype type, double* result) {
-  return detail::elementwise<B::space>::max_magnitude(engine, data, count, type, result);
-}
-template <backend B>
-typename B::work fixed_point_squares(B& engine, const void* data, std::size_t count, dtype type, const double* max,
-                                     std::uint64_t* high_low) {
-  return detail::elementwise<B::space>::fixed_point_squares(engine, data, count, type, max, high_low);
+typename B::work add_exact_squares(B& engine, const void* data, std::size_t count, dtype type, std::int64_t* words) {
+  return detail::elementwise<B::space>::add_exact_squares(engine, data, count, type, words);
 }
 
 // One optimizer step over a shard (momentum may be null: plain SGD).

@@ -916,7 +916,7 @@ class training_state {
   // Reproducible mode: the binary counter's levels (each the whole gradient, packed numbering:
   // bucket after bucket), each bucket's start there, the micro-steps folded this step, whether
   // this step's micro-steps were agreed on; the staging buffers of the ranks' partials; the
-  // exact norm's max and integers.
+  // exact norm's bins.
   std::vector<detail::backend_buffer<B>> fold_levels_;
   std::vector<std::size_t> packed_start_;
   std::size_t folded_ = 0;

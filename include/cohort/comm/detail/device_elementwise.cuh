@@ -18,6 +18,7 @@
 
 #include "cohort/comm/detail/device_elementwise.hpp"
 #include "cohort/comm/detail/elementwise.hpp"
+#include "cohort/comm/detail/exact_squares.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
 #include "cohort/types.hpp"
@@ -151,37 +152,40 @@ __global__ void squares_kernel(const void* data, std::size_t count, dtype type, 
   if (sum != 0) atomicAdd(result, sum);
 }
 
-// The largest magnitude per thread, then one atomicMax per thread on its bits: magnitudes are
-// non-negative doubles (inf included), whose bits order as the values do.
+// exact_squares.hpp's bins of one dtype: each element's m^2 added in pieces below 2^limb_bits
+// to the block's bins in shared memory, then the block's nonzero words to the global ones, all
+// by integer atomicAdd: exact, so no order the threads add in changes the sums. The shared
+// bins are sized for the widest layout (double: 2048 bins x 6 words, 96 KiB, dynamic).
 template <class Unique = void>
-__global__ void max_magnitude_kernel(const void* data, std::size_t count, dtype type, unsigned long long* result) {
-  double found = 0;
+__global__ void exact_squares_kernel(const void* data, std::size_t count, dtype type, unsigned long long* words) {
+  extern __shared__ unsigned long long block_words[];
   on_floating(type, [&](auto sample) {
     using T = decltype(sample);
-    const T* x = static_cast<const T*>(data);
-    for (std::size_t i = first_index(); i < count; i += stride()) found = fmax(found, magnitude(x[i]));
-  });
-  if (found > 0) atomicMax(result, static_cast<unsigned long long>(__double_as_longlong(found)));
-}
-
-// Integer sums per thread, then two atomicAdds: exact, so the order the threads add in is moot.
-template <class Unique = void>
-__global__ void fixed_point_squares_kernel(const void* data, std::size_t count, dtype type, const double* max,
-                                           unsigned long long* high_low) {
-  const double scale = *max;
-  if (!(scale > 0)) return;
-  unsigned long long high = 0, low = 0;
-  on_floating(type, [&](auto sample) {
-    using T = decltype(sample);
+    constexpr auto layout = exact_squares_layout_v<T>;
+    constexpr int pieces =
+        (layout.square_bits() + exact_squares_layout::limb_bits - 1) / exact_squares_layout::limb_bits;
+    for (int w = threadIdx.x; w < layout.words(); w += blockDim.x) block_words[w] = 0;
+    __syncthreads();
     const T* x = static_cast<const T*>(data);
     for (std::size_t i = first_index(); i < count; i += stride()) {
-      const unsigned long long square = fixed_point_square(x[i], scale);
-      high += square >> 32;
-      low += square & 0xffffffffull;
+      const auto term = exact_square_of(x[i]);
+      unsigned long long* bin = block_words + term.bin * layout.limbs();
+      // m^2 as two 64-bit halves (a double's is 106 bits), cut into the limbs' pieces.
+      const unsigned long long low = term.significand * term.significand;
+      unsigned long long high = __umul64hi(term.significand, term.significand);
+      unsigned long long rest = low;
+      for (int piece = 0; piece < pieces; ++piece) {
+        const unsigned long long part = rest & exact_squares_layout::limb_mask;
+        if (part) atomicAdd(bin + piece, part);
+        // Down by limb_bits, the high half's low bits moving into the low one.
+        rest = (rest >> exact_squares_layout::limb_bits) | (high << (64 - exact_squares_layout::limb_bits));
+        high >>= exact_squares_layout::limb_bits;
+      }
     }
+    __syncthreads();
+    for (int w = threadIdx.x; w < layout.words(); w += blockDim.x)
+      if (block_words[w]) atomicAdd(words + w, block_words[w]);
   });
-  if (high) atomicAdd(high_low, high);
-  if (low) atomicAdd(high_low + 1, low);
 }
 
 // Up to 64 regions per launch, passed by value (1.5 KiB of kernel parameters); blockIdx.y
@@ -296,20 +300,24 @@ COHORT_DECL void launch_sum_of_squares(cudaStream_t stream, const void* data, st
   check_launch("sum_of_squares");
 }
 
-COHORT_DECL void launch_max_magnitude(cudaStream_t stream, const void* data, std::size_t count, dtype type,
-                                      double* result) {
+COHORT_DECL void launch_add_exact_squares(cudaStream_t stream, const void* data, std::size_t count, dtype type,
+                                          std::int64_t* words) {
   if (count == 0 || !is_floating(type)) return;
-  max_magnitude_kernel<>
-      <<<blocks_for(count), 256, 0, stream>>>(data, count, type, reinterpret_cast<unsigned long long*>(result));
-  check_launch("max_magnitude");
-}
-
-COHORT_DECL void launch_fixed_point_squares(cudaStream_t stream, const void* data, std::size_t count, dtype type,
-                                            const double* max, std::uint64_t* high_low) {
-  if (count == 0 || !is_floating(type)) return;
-  fixed_point_squares_kernel<>
-      <<<blocks_for(count), 256, 0, stream>>>(data, count, type, max, reinterpret_cast<unsigned long long*>(high_low));
-  check_launch("fixed_point_squares");
+  const std::size_t shared_bytes = exact_squares_words(type) * sizeof(unsigned long long);
+  static_assert(sizeof(unsigned long long) == sizeof(std::int64_t));
+  // Above 48 KiB of shared memory (double's bins) a kernel must ask for it.
+  if (shared_bytes > 48 * 1024) {
+    const cudaError_t raised = cudaFuncSetAttribute(exact_squares_kernel<>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    static_cast<int>(shared_bytes));
+    if (raised != cudaSuccess)
+      throw error(-1, "cuda.launch(add_exact_squares)", cudaGetErrorString(raised),
+                  detail::text("a ", std::string(to_string(type)), " gradient's exact norm needs ",
+                               std::to_string(shared_bytes),
+                               " bytes of shared memory a block (compute capability 7.0 or newer)"));
+  }
+  exact_squares_kernel<><<<std::min(blocks_for(count), 1024u), 256, shared_bytes, stream>>>(
+      data, count, type, reinterpret_cast<unsigned long long*>(words));
+  check_launch("add_exact_squares");
 }
 
 template <class T>

@@ -18,6 +18,7 @@
 
 #include "cohort/comm/detail/device_scope.hpp"
 #include "cohort/comm/detail/elementwise.hpp"
+#include "cohort/comm/detail/exact_squares.hpp"
 #include "cohort/config.hpp"
 #include "cohort/types.hpp"
 
@@ -38,10 +39,8 @@ COHORT_DECL void launch_count_nonfinite(cudaStream_t stream, const void* data, s
                                         std::int64_t* result);
 COHORT_DECL void launch_sum_of_squares(cudaStream_t stream, const void* data, std::size_t count, dtype type,
                                        double* result);
-COHORT_DECL void launch_max_magnitude(cudaStream_t stream, const void* data, std::size_t count, dtype type,
-                                      double* result);
-COHORT_DECL void launch_fixed_point_squares(cudaStream_t stream, const void* data, std::size_t count, dtype type,
-                                            const double* max, std::uint64_t* high_low);
+COHORT_DECL void launch_add_exact_squares(cudaStream_t stream, const void* data, std::size_t count, dtype type,
+                                          std::int64_t* words);
 // The optimizers' updates compute in T: a kernel per element type. Separately compiled, the
 // library instantiates them for float and double (cohort/src.cu).
 template <class T>
@@ -124,17 +123,10 @@ struct elementwise<memory_space::device> {
   }
 
   template <class B>
-  static typename B::work max_magnitude(B& engine, const void* data, std::size_t count, dtype type, double* result) {
+  static typename B::work add_exact_squares(B& engine, const void* data, std::size_t count, dtype type,
+                                            std::int64_t* words) {
     const device_scope on_group_device(engine.device());
-    device::launch_max_magnitude(engine.stream(), data, count, type, result);
-    return engine.record();
-  }
-
-  template <class B>
-  static typename B::work fixed_point_squares(B& engine, const void* data, std::size_t count, dtype type,
-                                              const double* max, std::uint64_t* high_low) {
-    const device_scope on_group_device(engine.device());
-    device::launch_fixed_point_squares(engine.stream(), data, count, type, max, high_low);
+    device::launch_add_exact_squares(engine.stream(), data, count, type, words);
     return engine.record();
   }
 

@@ -115,29 +115,6 @@ COHORT_HOST_DEVICE inline double squared(T x) {
   return value * value;
 }
 
-// |x| in double, and +inf for an inf or a NaN: what a reproducible norm scales by, the ranks'
-// maxima combined by op::max (which need not carry a NaN through).
-template <class T>
-COHORT_HOST_DEVICE inline double magnitude(T x) {
-  const double value = widened(x);
-  if (!is_finite(value)) return infinity();
-  return value < 0 ? -value : value;
-}
-
-// floor(square x 2^64), capped at 2^64 - 1 (a square of 1 or more, a NaN).
-COHORT_HOST_DEVICE inline std::uint64_t fixed_point(double square) {
-  if (!(square < 1.0)) return ~std::uint64_t{0};
-  return static_cast<std::uint64_t>(square * 18446744073709551616.0);  // x 2^64: exact, below 2^64
-}
-
-// floor((x / max)^2 x 2^64), capped at 2^64 - 1: a square in fixed point, so that sums of them
-// are exact integers whatever order and cut adds them (a reproducible norm). 0 < max, |x| <= max.
-template <class T>
-COHORT_HOST_DEVICE inline std::uint64_t fixed_point_square(T x, double max) {
-  const double ratio = widened(x) / max;
-  return fixed_point(ratio * ratio);
-}
-
 // Optimizer updates of one element of a shard. grad_scale multiplies the gradient first
 // (unscaling a loss scale, clipping by a global norm) without a pass of its own.
 struct sgd_coefficients {

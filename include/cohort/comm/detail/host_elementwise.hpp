@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cohort/comm/detail/elementwise.hpp"
+#include "cohort/comm/detail/exact_squares.hpp"
 #include "cohort/config.hpp"
 #include "cohort/types.hpp"
 
@@ -34,11 +35,8 @@ COHORT_DECL void copy_regions(const copy_region* regions, std::size_t count);
 // 0 / 0.0 for a dtype that is not floating.
 COHORT_DECL std::int64_t count_nonfinite(const void* data, std::size_t count, dtype type);
 COHORT_DECL double sum_of_squares(const void* data, std::size_t count, dtype type);
-// The largest magnitude (detail::magnitude), 0 when empty; fixed_point_squares adds each
-// element's fixed_point_square(x, max) to high_low: its high 32 bits into [0], its low into [1].
-COHORT_DECL double max_magnitude(const void* data, std::size_t count, dtype type);
-COHORT_DECL void fixed_point_squares(const void* data, std::size_t count, dtype type, double max,
-                                     std::uint64_t* high_low);
+// Adds the exact squares of the elements to `words` (exact_squares.hpp's bins of `type`).
+COHORT_DECL void add_exact_squares(const void* data, std::size_t count, dtype type, std::int64_t* words);
 // AdamW (detail::adam_update) over `count` elements, on x86 four floats (two doubles) at a
 // time: the same operations in the same order for every element as adam_update's.
 COHORT_DECL void adam(float* parameters, const float* gradients, float* first, float* second, std::size_t count,
@@ -106,17 +104,9 @@ struct elementwise<memory_space::host> {
   }
 
   template <class B>
-  static typename B::work max_magnitude(B& engine, const void* data, std::size_t count, dtype type, double* result) {
-    return engine.enqueue([=] {
-      const double found = host::max_magnitude(data, count, type);
-      if (found > *result) *result = found;
-    });
-  }
-
-  template <class B>
-  static typename B::work fixed_point_squares(B& engine, const void* data, std::size_t count, dtype type,
-                                              const double* max, std::uint64_t* high_low) {
-    return engine.enqueue([=] { host::fixed_point_squares(data, count, type, *max, high_low); });
+  static typename B::work add_exact_squares(B& engine, const void* data, std::size_t count, dtype type,
+                                            std::int64_t* words) {
+    return engine.enqueue([=] { host::add_exact_squares(data, count, type, words); });
   }
 
   template <class B, class T>

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cohort/comm/detail/elementwise.hpp"
+#include "cohort/comm/detail/exact_squares.hpp"
 #include "cohort/comm/detail/host_elementwise.hpp"
 #include "cohort/types.hpp"
 
@@ -143,95 +144,49 @@ COHORT_DECL double sum_of_squares(const void* data, std::size_t count, dtype typ
 
 namespace {
 
-// magnitude()'s maximum over float or double values, taken in T in eight lanes side by side
-// (which the compiler vectorises, where one running maximum waits for each comparison before
-// the next): |x| widens exactly and a maximum is the same in any order, so the bits are the
-// one-by-one loop's. An inf or a NaN anywhere makes it inf, as magnitude() has it.
+// exact_squares.hpp's sums over float, double or 16-bit values. Each element adds m^2 to a
+// running integer of its bin, in `sets` sets of bins taken in turn: neighbours mostly share an
+// exponent, and one set would make each add wait for the one before it on the same word. Every
+// 2^run_bits elements (the most a running sum holds) the sums are cut into the words' pieces.
 template <class T>
-double largest_magnitude(const T* x, std::size_t count) {
-  constexpr std::size_t width = 8;
-  constexpr T largest_finite = std::numeric_limits<T>::max();
-  T largest[width] = {};
-  bool nonfinite[width] = {};
-  const auto take = [&](std::size_t lane, T value) {
-    const T m = std::fabs(value);
-    largest[lane] = largest[lane] < m ? m : largest[lane];
-    nonfinite[lane] |= !(m <= largest_finite);
+void add_exact_squares_of(const T* x, std::size_t count, std::int64_t* words) {
+  constexpr auto layout = exact_squares_layout_v<T>;
+  constexpr bool wide = layout.square_bits() + exact_squares_layout::run_bits > 64;
+  using running = std::conditional_t<wide, unsigned __int128, std::uint64_t>;
+  constexpr std::size_t sets = wide ? 2 : 8;
+  constexpr auto bins = static_cast<std::size_t>(layout.bins());
+  constexpr std::size_t run = std::size_t{1} << exact_squares_layout::run_bits;
+  std::vector<running> sums(sets * bins);
+  const auto add = [&](std::size_t set, T value) {
+    const auto term = exact_square_of(value);
+    sums[set * bins + term.bin] += static_cast<running>(term.significand) * term.significand;
   };
-  std::size_t i = 0;
-  for (; i + width <= count; i += width)
-    for (std::size_t lane = 0; lane < width; ++lane) take(lane, x[i + lane]);
-  for (; i < count; ++i) take(0, x[i]);
-  T found = 0;
-  for (std::size_t lane = 0; lane < width; ++lane) {
-    if (nonfinite[lane]) return infinity();
-    found = found < largest[lane] ? largest[lane] : found;
+  const auto flush = [&] {
+    for (std::size_t set = 0; set < sets; ++set)
+      for (std::size_t bin = 0; bin < bins; ++bin) {
+        running& sum = sums[set * bins + bin];
+        for (int limb = 0; sum != 0; ++limb, sum >>= exact_squares_layout::limb_bits)
+          words[bin * layout.limbs() + limb] += static_cast<std::int64_t>(sum & exact_squares_layout::limb_mask);
+      }
+  };
+  for (std::size_t from = 0; from < count; from += run) {
+    const std::size_t to = std::min(count, from + run);
+    std::size_t i = from;
+    for (; i + sets <= to; i += sets)
+      for (std::size_t set = 0; set < sets; ++set) add(set, x[i + set]);
+    for (; i < to; ++i) add(0, x[i]);
+    flush();
   }
-  return static_cast<double>(found);
-}
-
-// fixed_point_square's sums. The bound is the division, one a value in scalar code: with SSE2
-// two float or double values share one, their squares then made integers one by one as
-// fixed_point_square makes them (the same division, product and rounding).
-template <class T>
-void add_fixed_point_squares(const T* x, std::size_t count, double max, std::uint64_t& high, std::uint64_t& low) {
-  const auto add = [&](std::uint64_t square) {
-    high += square >> 32;
-    low += square & 0xffffffffu;
-  };
-  std::size_t i = 0;
-#if defined(__SSE2__)
-  const __m128d divisor = _mm_set1_pd(max);
-  const auto add_pair = [&](__m128d values) {
-    const __m128d ratio = _mm_div_pd(values, divisor);
-    double squares[2];
-    _mm_storeu_pd(squares, _mm_mul_pd(ratio, ratio));
-    add(fixed_point(squares[0]));
-    add(fixed_point(squares[1]));
-  };
-  if constexpr (std::is_same_v<T, float>) {
-    for (; i + 4 <= count; i += 4) {
-      const __m128 four = _mm_loadu_ps(x + i);
-      add_pair(_mm_cvtps_pd(four));
-      add_pair(_mm_cvtps_pd(_mm_movehl_ps(four, four)));
-    }
-  } else if constexpr (std::is_same_v<T, double>) {
-    for (; i + 2 <= count; i += 2) add_pair(_mm_loadu_pd(x + i));
-  }
-#endif
-  for (; i < count; ++i) add(fixed_point_square(x[i], max));
 }
 
 }  // namespace
 
-COHORT_DECL double max_magnitude(const void* data, std::size_t count, dtype type) {
-  double found = 0;
-  if (!is_floating(type)) return found;
+COHORT_DECL void add_exact_squares(const void* data, std::size_t count, dtype type, std::int64_t* words) {
+  if (!is_floating(type)) return;
   visit_floating(type, [&](auto sample) {
     using T = decltype(sample);
-    const T* x = static_cast<const T*>(data);
-    if constexpr (is_16bit_float<T>) {
-      for (std::size_t i = 0; i < count; ++i) {
-        const double m = magnitude(x[i]);
-        if (m > found) found = m;
-      }
-    } else {
-      found = largest_magnitude(x, count);
-    }
+    add_exact_squares_of(static_cast<const T*>(data), count, words);
   });
-  return found;
-}
-
-COHORT_DECL void fixed_point_squares(const void* data, std::size_t count, dtype type, double max,
-                                     std::uint64_t* high_low) {
-  if (!is_floating(type) || !(max > 0)) return;
-  std::uint64_t high = 0, low = 0;
-  visit_floating(type, [&](auto sample) {
-    using T = decltype(sample);
-    add_fixed_point_squares(static_cast<const T*>(data), count, max, high, low);
-  });
-  high_low[0] += high;
-  high_low[1] += low;
 }
 
 namespace {

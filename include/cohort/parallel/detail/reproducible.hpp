@@ -7,8 +7,11 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
+#include "cohort/comm/detail/exact_squares.hpp"
 #include "cohort/config.hpp"
+#include "cohort/types.hpp"
 
 namespace cohort::inline v0::detail {
 
@@ -23,10 +26,20 @@ COHORT_DECL std::string reproducible_refusal(std::size_t micro_batches, std::siz
 COHORT_DECL std::string micro_step_disagreement(std::span<const std::int64_t> micro_steps, std::size_t expected,
                                                 std::size_t micro_batches);
 
-// The global norm from every rank's exact fixed-point sum of squares, {high, low} pairs (a
-// rank's elements e add floor((e / max)^2 x 2^64) split into its high and low 32 bits), summed
-// in 128 bits: max x sqrt(total / 2^64), the same whatever cut the ranks' shares.
-COHORT_DECL double fixed_point_norm(std::span<const std::uint64_t> high_low_pairs, double max);
+// The finite squares that add_exact_squares' bins of `type` hold, as one integer in units of
+// bin 0's, 32-bit digits from the lowest, without leading zeros: the same whatever cut and order
+// filled the bins (their words need not be: a sum's pieces fall where its run cut it).
+COHORT_DECL std::vector<std::uint32_t> exact_squares_total(std::span<const std::int64_t> words, dtype type);
+
+// The global norm from the ranks' summed exact squares (add_exact_squares' bins of `type`,
+// comm/detail/exact_squares.hpp): the bins made one integer, rounded once to 53 bits (to nearest,
+// ties to even) and its square root taken, so the same bins give the same bits anywhere and
+// no sum overflows (double's squares reach 2^2048); NaN with the count of infs and NaNs, if any.
+struct exact_norm_result {
+  double norm = 0;
+  std::int64_t nonfinite = 0;
+};
+COHORT_DECL exact_norm_result exact_norm(std::span<const std::int64_t> words, dtype type);
 
 }  // namespace cohort::inline v0::detail
 

@@ -3,11 +3,14 @@
 // once by <cohort/src.hpp> under COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
 
 #include <bit>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
+#include "cohort/comm/detail/exact_squares.hpp"
 #include "cohort/config.hpp"
 #include "cohort/detail/scalar_math.hpp"
 #include "cohort/detail/text.hpp"
@@ -43,11 +46,68 @@ COHORT_DECL std::string micro_step_disagreement(std::span<const std::int64_t> mi
               std::to_string(micro_steps.size()), " ranks, each holding a run of M / world of them)");
 }
 
-COHORT_DECL double fixed_point_norm(std::span<const std::uint64_t> high_low_pairs, double max) {
-  unsigned __int128 total = 0;
-  for (std::size_t i = 0; i + 1 < high_low_pairs.size(); i += 2)
-    total += (static_cast<unsigned __int128>(high_low_pairs[i]) << 32) + high_low_pairs[i + 1];
-  return max * square_root(static_cast<double>(total) / 18446744073709551616.0);  // 2^64
+COHORT_DECL std::vector<std::uint32_t> exact_squares_total(std::span<const std::int64_t> words, dtype type) {
+  const auto layout = exact_squares_layout_of(type);
+  if (layout.exponent_bits == 0 || words.size() < exact_squares_words(type)) return {};
+  // 32-bit digits held in 64-bit words: each word's pieces (below 2^32, a few per digit and word)
+  // are added where they fall, then the carries moved up once. The places span twice the
+  // exponent range, a bin's limbs and the words' 63 bits.
+  const int lowest = layout.unit_exponent(0);
+  const int places = layout.unit_exponent(layout.nonfinite_bin() - 1) - lowest +
+                     exact_squares_layout::limb_bits * layout.limbs() + 64 + 32;
+  std::vector<std::uint64_t> digits(static_cast<std::size_t>(places / 32 + 2), 0);
+  for (int bin = 0; bin < layout.nonfinite_bin(); ++bin)
+    for (int limb = 0; limb < layout.limbs(); ++limb) {
+      const int place = layout.unit_exponent(bin) - lowest + exact_squares_layout::limb_bits * limb;
+      const auto word = words[static_cast<std::size_t>(bin * layout.limbs() + limb)];
+      auto shifted = static_cast<unsigned __int128>(static_cast<std::uint64_t>(word)) << (place % 32);
+      for (auto d = static_cast<std::size_t>(place / 32); shifted != 0; ++d, shifted >>= 32)
+        digits[d] += static_cast<std::uint64_t>(shifted & 0xffffffffu);
+    }
+  for (std::size_t d = 0; d + 1 < digits.size(); ++d) {
+    digits[d + 1] += digits[d] >> 32;
+    digits[d] &= 0xffffffffu;
+  }
+  auto high = digits.size();
+  while (high > 0 && digits[high - 1] == 0) --high;
+  return {digits.begin(), digits.begin() + static_cast<std::ptrdiff_t>(high)};
+}
+
+COHORT_DECL exact_norm_result exact_norm(std::span<const std::int64_t> words, dtype type) {
+  const auto layout = exact_squares_layout_of(type);
+  if (layout.exponent_bits == 0 || words.size() < exact_squares_words(type)) return {};
+  exact_norm_result result;
+  // A count, in the non-finite bin's first word: each adds 1 to it (a run's count is below 2^16
+  // on the host, so its pieces fall there too).
+  result.nonfinite = words[static_cast<std::size_t>(layout.nonfinite_bin() * layout.limbs())];
+  if (result.nonfinite > 0) {
+    result.norm = quiet_nan();
+    return result;
+  }
+  const auto digits = exact_squares_total(words, type);
+  if (digits.empty()) return result;  // every element 0 or -0
+  // The top 64 bits from the highest set one, and whether any below them is set.
+  const std::size_t h = digits.size() - 1;
+  const auto digit = [&](std::size_t below) -> std::uint64_t { return h >= below ? digits[h - below] : 0; };
+  const unsigned __int128 window =
+      (static_cast<unsigned __int128>(digit(0)) << 64) | (static_cast<unsigned __int128>(digit(1)) << 32) | digit(2);
+  const int width = std::bit_width(digits[h]);  // the highest set bit is window's bit 63 + width
+  const auto top = static_cast<std::uint64_t>(window >> width);
+  bool sticky = (window & ((static_cast<unsigned __int128>(1) << width) - 1)) != 0;
+  for (std::size_t d = 0; d + 2 < h && !sticky; ++d) sticky = digits[d] != 0;
+  // Rounded to 53 bits, to nearest, ties to even.
+  std::uint64_t significand = top >> 11;
+  const std::uint64_t rest = top & 0x7ff;
+  if (rest > 0x400 || (rest == 0x400 && (sticky || (significand & 1)))) ++significand;
+  // The sum is significand x 2^exponent; its root, with the exponent made even first.
+  int exponent = static_cast<int>(32 * h) + width - 1 - 52 + layout.unit_exponent(0);
+  auto mantissa = static_cast<double>(significand);  // 2^53 after a carry: exact still
+  if (exponent % 2 != 0) {
+    mantissa *= 2;
+    --exponent;
+  }
+  result.norm = std::ldexp(std::sqrt(mantissa), exponent / 2);
+  return result;
 }
 
 }  // namespace cohort::inline v0::detail

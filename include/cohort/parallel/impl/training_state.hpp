@@ -304,8 +304,8 @@ void training_state<B, P, G>::allocate_buffers() {
     if (!std::is_same_v<G, master_type>) allocate_zeroed<master_type>(scratch_, owned_);
   }
   allocate_zeroed<double>(stats_, 2);  // the non-finite count and this step's sum of squares
-  // Reproducible: the largest magnitude and the exact norm's two integer sums (zero bits: 0.0, 0, 0).
-  if (options_.reproducible) allocate_zeroed<std::int64_t>(exact_norm_, 3);
+  // Reproducible: the exact norm's bins (comm/detail/exact_squares.hpp).
+  if (options_.reproducible) allocate_zeroed<std::int64_t>(exact_norm_, detail::exact_squares_words(dtype_v<G>));
   group_->backend().record().wait();
 }
 
@@ -861,7 +861,8 @@ void training_state<B, P, G>::reset_marks() {
   launched_ = 0;
   // The next step's norm adds its buckets' squares to zero, each as it is reduced.
   if (stats_.data()) fill(group_->backend(), stats_.data(), 2, dtype::float64, 0.0);
-  if (exact_norm_.data()) fill(group_->backend(), exact_norm_.data(), 3, dtype::int64, 0.0);
+  if (exact_norm_.data())
+    fill(group_->backend(), exact_norm_.data(), detail::exact_squares_words(dtype_v<G>), dtype::int64, 0.0);
   last_gathered_.reset();  // a micro-step's end: the next gather is a forward's
   agreed_ = false;         // and under a join, the next call agrees again
   announcing_ = false;
@@ -1498,9 +1499,9 @@ void training_state<B, P, G>::reduce_canonically(std::size_t b, G* pooled_gradie
       offset += copies * count;
     }
   }
-  // This rank's part of the norm's maximum, as the bucket is final (as launch() adds squares).
+  // This rank's part of the norm's exact squares, as the bucket is final (as launch() adds squares).
   for (const auto& s : norm_by_bucket_[b])
-    max_magnitude(engine, reduced_gradient_at(s), s.count, dtype_v<G>, exact_norm_.template as<double>());
+    add_exact_squares(engine, reduced_gradient_at(s), s.count, dtype_v<G>, exact_norm_.template as<std::int64_t>());
   if (options_.strategy == strategy::ddp && n > 1) {
     auto together = group_->grouped();
     all_gather_chunks(b, grads_);
@@ -1510,44 +1511,21 @@ void training_state<B, P, G>::reduce_canonically(std::size_t b, G* pooled_gradie
   staging_pool_.put(std::move(staging));
 }
 
-// The norm from exact integers, the same bits whatever cut the ranks' shares: the largest
-// magnitude over the ranks (each bucket's taken as it was reduced; op::max: order-free), then
-// each rank's fixed-point squares scaled by it, gathered and summed in 128 bits on every rank. An inf or a NaN makes
-// the maximum inf: counted then as the default path counts them (an integer sum, invariant too).
+// The norm from exact integers, the same bits whatever cut the ranks' shares: each bucket's
+// squares were binned by exponent as it was reduced (exact_squares.hpp), the ranks' bins summed
+// by one all-reduce op::sum (integers: order-free) and turned into the norm once, the same way
+// on every rank. The infs and NaNs have a bin of their own: their count, as the default path's.
 template <backend B, element P, element G>
 void training_state<B, P, G>::measure_exactly(step_result& result) {
   auto& engine = group_->backend();
-  auto* max = exact_norm_.template as<double>();
-  auto* high_low = reinterpret_cast<std::uint64_t*>(max + 1);
-  if (world() > 1) group_->all_reduce(std::span<double>(max, 1), op::max);
-  double largest = 0;
-  engine.copy(&largest, max, sizeof largest).wait();
-  if (!detail::is_finite(largest)) {
-    auto* count = static_cast<std::int64_t*>(stats_.data());
-    fill(engine, count, 1, dtype::int64, 0.0);
-    for (const auto& pieces : norm_by_bucket_)
-      for (const auto& s : pieces) count_nonfinite(engine, reduced_gradient_at(s), s.count, dtype_v<G>, count);
-    if (world() > 1) group_->all_reduce(std::span<std::int64_t>(count, 1), op::sum);
-    std::int64_t found = 0;
-    engine.copy(&found, count, sizeof found).wait();
-    result.nonfinite = found > 0 ? found : 1;
-    result.grad_norm = detail::quiet_nan();
-    return;
-  }
-  result.nonfinite = 0;
-  if (largest == 0) {
-    result.grad_norm = 0;
-    return;
-  }
-  for (const auto& pieces : norm_by_bucket_)
-    for (const auto& s : pieces)
-      fixed_point_squares(engine, reduced_gradient_at(s), s.count, dtype_v<G>, max, high_low);
-  std::uint64_t mine[2] = {0, 0};
-  engine.copy(mine, high_low, sizeof mine).wait();
-  const std::int64_t row[2] = {static_cast<std::int64_t>(mine[0]), static_cast<std::int64_t>(mine[1])};
-  const auto rows = all_gather_values(*group_, std::span<const std::int64_t>(row, 2));
-  std::vector<std::uint64_t> pairs(rows.begin(), rows.end());
-  result.grad_norm = detail::fixed_point_norm(pairs, largest) / result.loss_scale;
+  const std::size_t words = detail::exact_squares_words(dtype_v<G>);
+  auto* bins = exact_norm_.template as<std::int64_t>();
+  if (world() > 1) group_->all_reduce(std::span<std::int64_t>(bins, words), op::sum);
+  std::vector<std::int64_t> total(words);
+  engine.copy(total.data(), bins, words * sizeof(std::int64_t)).wait();
+  const auto exact = detail::exact_norm(total, dtype_v<G>);
+  result.nonfinite = exact.nonfinite;
+  result.grad_norm = exact.norm / result.loss_scale;  // NaN stays NaN
 }
 
 // --- checkpoints -----------------------------------------------------------------------------
