@@ -14,13 +14,14 @@
 //       defines it): the umbrella header brings the NCCL backend, src.hpp compiles it.
 //   COHORT_INSTANTIATIONS(KEYWORD, B)  the one list of templates compiled once per engine B
 //       when separately compiled (process_group, training_state and the checkpoint functions
-//       over float and bfloat16; cohort/detail/compiled_specializations.hpp): declared `extern`
-//       in the program's translation units that include the umbrella header, defined in src.hpp.
+//       over float and bfloat16; cohort/detail/compiled_specializations.hpp): defined in
+//       src.hpp, declared `extern` in the program's units that define COHORT_TEMPLATE_BODIES.
 //   COHORT_TEMPLATE_BODIES  separately compiled, a translation unit that uses a specialization
 //       outside that list (training_state<gloo, double>, <nccl, half>, a backend of its own)
-//       defines it before including cohort: it then parses and instantiates training_state's
-//       and the checkpoint's out-of-class bodies (impl/*.hpp) itself, as header-only. Without
-//       it such a unit does not compile (a static_assert in training_state names the macro);
+//       defines it before including cohort: it then parses and instantiates process_group's,
+//       training_state's and the checkpoint's out-of-class bodies (impl/*.hpp) itself, as
+//       header-only. Without it such a unit does not compile (a static_assert in
+//       training_state, or process_group for a backend of its own, names the macro);
 //       units using the list's specializations only never see those bodies. Header-only it
 //       changes nothing.
 //
@@ -29,9 +30,9 @@
 //
 // Where code lives, in every subsystem folder (rendezvous/, comm/, parallel/, ...): the
 // public header declares; templates' bodies are in the header or its impl/*.hpp, included
-// header-only (and, separately compiled, for training_state and the checkpoint, only by src.hpp
-// and units defining COHORT_TEMPLATE_BODIES); plain code is in impl/*.ipp, which the header
-// includes only when header-only.
+// header-only (and, separately compiled, for process_group, training_state and the
+// checkpoint, only by src.hpp and units defining COHORT_TEMPLATE_BODIES); plain code is in
+// impl/*.ipp, which the header includes only when header-only.
 
 #if defined(COHORT_SEPARATE_COMPILATION)
 #define COHORT_DECL

@@ -45,6 +45,7 @@
 // The list of cohort/detail/instantiations.hpp, defined here once for the program (every other
 // translation unit declares it extern). On NCCL the kernels they launch are compiled by the
 // program's one .cu that includes cohort/src.cu.
+#include "cohort/comm/impl/process_group.hpp"
 #include "cohort/detail/instantiations.hpp"
 #include "cohort/parallel/impl/checkpoint.hpp"
 #include "cohort/parallel/impl/training_state.hpp"

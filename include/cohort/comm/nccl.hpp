@@ -322,7 +322,8 @@ class nccl {
   COHORT_DECL work copy(void* destination, const void* source, std::size_t bytes);
 
  private:
-  nccl() : state_(std::make_shared<detail::nccl_state>()) {}
+  // Compiled with the engine: its make_shared would be instantiated in every unit that includes this.
+  COHORT_DECL nccl();
 
   COHORT_DECL void check_nccl(ncclResult_t status, const std::string& operation);
 

@@ -1,7 +1,7 @@
 #pragma once
 // process_group<Backend>: who am I, how many are we, and the collectives, on any backend.
-// Over 400 lines: one class, whose every collective repeats the same checks over span and
-// range overloads; splitting it would split one interface.
+// Over 400 lines: one class, whose every collective has span and range overloads; splitting it
+// would split one interface. Its members' bodies are in comm/impl/process_group.hpp.
 //
 //   auto env   = cohort::launch_env::detect();
 //   auto store = cohort::connect_store(env);
@@ -37,9 +37,10 @@
 #include "cohort/comm/backend.hpp"
 #include "cohort/comm/call_label.hpp"
 #include "cohort/comm/detail/failure_report.hpp"
+#include "cohort/config.hpp"
+#include "cohort/detail/compiled_specializations.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
-#include "cohort/rendezvous/detail/job_identity.hpp"
 #include "cohort/rendezvous/launch.hpp"
 #include "cohort/rendezvous/store.hpp"
 #include "cohort/types.hpp"
@@ -91,43 +92,22 @@ class process_group {
   using work = typename B::work;
   using options = typename B::options;
   static constexpr memory_space space = B::space;
+#if defined(COHORT_SEPARATE_COMPILATION) && !defined(COHORT_TEMPLATE_BODIES)
+  // Otherwise the unit would compile against members nobody defines: a link error, far from here.
+  static_assert(detail::compiled_backend<B>,
+                "cohort: compiled once (COHORT_SEPARATE_COMPILATION), the library holds process_group for gloo "
+                "and nccl only; for a backend of your own #define COHORT_TEMPLATE_BODIES before including cohort "
+                "(or add it to the target's compile definitions) so that this unit compiles the bodies itself");
+#endif
 
   // Collective: every rank of env constructs its group in the same order. `store` is the
   // rendezvous (see connect_store); the group keeps its keys under its own prefix.
-  process_group(std::shared_ptr<store> rendezvous, const launch_env& env, options opts = {})
-      : env_(env), debug_(opts.debug_checks || detail::debug_from_environment()) {
-    validate_env(env);
-    // The n-th group a rank creates on a store gets prefix n, so several groups (say one
-    // Gloo and one NCCL) can share one store as long as every rank creates them in order.
-    // Bounded by the group's timeout, as the rendezvous after it: a store cut off from this
-    // host ends the group's creation then, not after the store's own (longer) timeout.
-    const auto index =
-        rendezvous->add_within(detail::text("cohort/groups_created/", std::to_string(env.rank)), 1, opts.timeout);
-    store_ = std::make_shared<prefix_store>(rendezvous, detail::text("cohort/pg", std::to_string(index), "/"));
-    store_->set_rank(env.rank);
-    store_->set_timeout(opts.timeout);
-    backend_ = std::make_unique<B>(store_, env, opts);
-    pass_debug_checks_to_backend();
-    if (index == 1) detail::check_not_collided(*rendezvous, env.rank, "the job's first group");
-  }
+  process_group(std::shared_ptr<store> rendezvous, const launch_env& env, options opts = {});
 
   process_group(process_group&&) noexcept = default;
   // Not defaulted: members are assigned in declaration order, so the engine would go before
   // the staging memory allocated through it is freed. Free that first, then take other's.
-  process_group& operator=(process_group&& other) noexcept {
-    if (this == &other) return *this;
-    value_staging_ = {};
-    env_ = std::move(other.env_);
-    store_ = std::move(other.store_);
-    backend_ = std::move(other.backend_);
-    value_staging_ = std::move(other.value_staging_);
-    debug_ = other.debug_;
-    debug_calls_ = other.debug_calls_;
-    split_count_ = other.split_count_;
-    monitored_barriers_ = other.monitored_barriers_;
-    main_only_depth_ = std::move(other.main_only_depth_);
-    return *this;
-  }
+  process_group& operator=(process_group&& other) noexcept;
 
   int rank() const noexcept { return env_.rank; }
   int world_size() const noexcept { return env_.world_size; }
@@ -141,11 +121,7 @@ class process_group {
   // host-value helpers use it): at least `bytes`, reused by the next such call, grown when a
   // call needs more. One allocation per group, not one per call: on NCCL each cudaFree would
   // synchronise the whole device.
-  void* value_staging(std::size_t bytes) {
-    if (value_staging_.bytes() < bytes)
-      value_staging_ = detail::backend_buffer<B>(*backend_, std::max<std::size_t>(bytes, 256));
-    return value_staging_.data();
-  }
+  void* value_staging(std::size_t bytes);
   const std::shared_ptr<prefix_store>& group_store() const noexcept { return store_; }
   bool debug_checks() const noexcept { return debug_; }
   void set_debug_checks(bool on) noexcept {
@@ -154,6 +130,9 @@ class process_group {
   }
 
   // --- collectives -----------------------------------------------------------------------
+  // Each typed overload names its element type and forwards to one untyped body (below, with
+  // the checks and the errors): compiled once, that body is in the library, and a unit's
+  // collectives over any element type instantiate no more than these one-line forwarders.
   template <element T>
   work all_reduce(std::span<T> data, op reduce = op::sum) {
     return all_reduce(std::span<const T>(data), data, reduce);
@@ -161,66 +140,37 @@ class process_group {
   template <element T>
   work all_reduce(std::span<const std::type_identity_t<T>> in, std::span<T> out, op reduce = op::sum) {
     static_assert(!std::is_const_v<T>, "the output of a collective must be writable");
-    enter("all_reduce", dtype_v<T>, in.size(), reduce);
-    if (in.size() != out.size())
-      fail("all_reduce", in.size(),
-           detail::text("input has ", std::to_string(in.size()), " elements but output has ",
-                        std::to_string(out.size())),
-           "all_reduce keeps the size: pass spans of equal length");
-    return backend_->all_reduce(in.data(), out.data(), in.size(), dtype_v<T>, reduce);
+    return untyped_all_reduce(in.data(), in.size(), out.data(), out.size(), dtype_v<T>, reduce);
   }
 
   // in: size() chunks of out.size() elements; chunk r is reduced across ranks into rank r's out.
   template <element T>
   work reduce_scatter(std::span<const std::type_identity_t<T>> in, std::span<T> out, op reduce = op::sum) {
-    enter("reduce_scatter", dtype_v<T>, in.size(), reduce);
-    if (in.size() != out.size() * static_cast<std::size_t>(size()))
-      fail("reduce_scatter", in.size(),
-           detail::text("input has ", std::to_string(in.size()), " elements, expected output size ",
-                        std::to_string(out.size()), " x world ", std::to_string(world_size())),
-           "pad the input to a multiple of the world size (training_state's layout does this)");
-    return backend_->reduce_scatter(in.data(), out.data(), out.size(), dtype_v<T>, reduce);
+    return untyped_reduce_scatter(in.data(), in.size(), out.data(), out.size(), dtype_v<T>, reduce);
   }
 
   // out: size() chunks of in.size() elements, rank r's input in chunk r. `in` may be the
   // rank's own chunk of `out` (in place).
   template <element T>
   work all_gather(std::span<const std::type_identity_t<T>> in, std::span<T> out) {
-    enter("all_gather", dtype_v<T>, in.size(), op::sum);
-    if (out.size() != in.size() * static_cast<std::size_t>(size()))
-      fail("all_gather", in.size(),
-           detail::text("output has ", std::to_string(out.size()), " elements, expected input size ",
-                        std::to_string(in.size()), " x world ", std::to_string(world_size())),
-           "the output holds one input-sized chunk per rank");
-    return backend_->all_gather(in.data(), out.data(), in.size(), dtype_v<T>);
+    return untyped_all_gather(in.data(), in.size(), out.data(), out.size(), dtype_v<T>);
   }
 
   template <element T>
   work broadcast(std::span<T> data, int root = 0) {
-    enter("broadcast", dtype_v<T>, data.size(), op::sum, root);
-    check_peer("broadcast", data.size(), root, "root");
-    return backend_->broadcast(data.data(), data.size(), dtype_v<T>, root);
+    return untyped_broadcast(data.data(), data.size(), dtype_v<T>, root);
   }
 
   // in and out: world_size() chunks of equal length; chunk r of my input goes to rank r, chunk r
   // of my output comes from rank r.
   template <element T>
   work all_to_all(std::span<const std::type_identity_t<T>> in, std::span<T> out) {
-    enter("all_to_all", dtype_v<T>, in.size(), op::sum);
-    const auto world = static_cast<std::size_t>(world_size());
-    if (in.size() != out.size() || in.size() % world != 0)
-      fail("all_to_all", in.size(),
-           detail::text("input ", std::to_string(in.size()), " and output ", std::to_string(out.size()),
-                        " elements must be equal and divisible by world ", std::to_string(world_size())),
-           "pad to a multiple of the world size");
-    return backend_->all_to_all(in.data(), out.data(), in.size() / world, dtype_v<T>);
+    return untyped_all_to_all(in.data(), in.size(), out.data(), out.size(), dtype_v<T>);
   }
 
   template <element T>
   work send(std::span<const std::type_identity_t<T>> data, int peer, std::uint64_t tag = 0) {
-    check_main_only("send", data.size());
-    check_peer("send", data.size(), peer, "peer");
-    return backend_->send(data.data(), data.size(), dtype_v<T>, peer, tag);
+    return untyped_send(data.data(), data.size(), dtype_v<T>, peer, tag);
   }
   template <element T>
   work send(std::span<T> data, int peer, std::uint64_t tag = 0) {
@@ -229,15 +179,10 @@ class process_group {
 
   template <element T>
   work recv(std::span<T> data, int peer, std::uint64_t tag = 0) {
-    check_main_only("recv", data.size());
-    check_peer("recv", data.size(), peer, "peer");
-    return backend_->recv(data.data(), data.size(), dtype_v<T>, peer, tag);
+    return untyped_recv(data.data(), data.size(), dtype_v<T>, peer, tag);
   }
 
-  work barrier() {
-    enter("barrier", dtype::uint8, 0, op::sum);
-    return backend_->barrier();
-  }
+  work barrier();
 
   // Any contiguous range of cohort elements, not only std::span: pg.all_reduce(grad) on a
   // std::vector<float>, a std::array, a C array, a fixed-extent span or a type of the user's
@@ -343,48 +288,7 @@ class process_group {
   // throws the same timeout_error listing them. A store round trip per rank, through rank 0:
   // for start-up and debugging, not for every step. Blocks the caller; it does not order
   // against work queued on the backend.
-  void monitored_barrier(std::chrono::milliseconds timeout) {
-    check_main_only("monitored_barrier", 0);
-    const std::string call = detail::text("monitored_barrier #", std::to_string(++monitored_barriers_));
-    const std::string base = detail::text("monitored_barrier/", std::to_string(monitored_barriers_), "/");
-    const auto names = rank_names();
-    store_->set(base + std::to_string(rank()), "arrived");
-    const auto hint = std::string("the missing ranks are still computing, blocked in another call, stopped or dead");
-    if (rank() != 0) {
-      std::string missing;
-      try {
-        // Rank 0 answers within its own timeout of arriving; allow it that long to arrive.
-        missing = to_string(store_->get(detail::text(base, "missing"), 2 * timeout));
-      } catch (const timeout_error&) {
-        throw timeout_error(reported_rank(), detail::text(B::name, ".", call),
-                            detail::text(names.lead(), names(0), " did not arrive within ",
-                                         detail::format_duration(2 * timeout), " (it collects the barrier)"),
-                            hint);
-      }
-      if (!missing.empty())
-        throw timeout_error(
-            reported_rank(), detail::text(B::name, ".", call),
-            detail::text(names.lead(), missing, " did not arrive within ", detail::format_duration(timeout)), hint);
-      return;
-    }
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    std::vector<int> absent;
-    for (int r = 1; r < world_size(); ++r) {
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-      try {
-        store_->get(base + std::to_string(r), std::max(left, std::chrono::milliseconds(1)));
-      } catch (const timeout_error&) {
-        absent.push_back(r);
-      }
-    }
-    const std::string missing = absent.empty() ? std::string() : names(absent);
-    store_->set(detail::text(base, "missing"), missing);
-    if (!missing.empty())
-      throw timeout_error(
-          reported_rank(), detail::text(B::name, ".", call),
-          detail::text(names.lead(), missing, " did not arrive within ", detail::format_duration(timeout)), hint);
-  }
+  void monitored_barrier(std::chrono::milliseconds timeout);
 
   // --- call context ------------------------------------------------------------------------
   // While the scope lives, every call this group issues is recorded with `what` (at most
@@ -463,58 +367,11 @@ class process_group {
   // --- subgroups ---------------------------------------------------------------------------
   // Collective over this group. Ranks with the same color form a new group, ordered by
   // (key, rank); a negative color joins no group (nullopt). Like MPI_Comm_split.
-  std::optional<process_group> split(int color, int key) {
-    const auto index = split_count_++;
-    const std::string base = detail::text("split", std::to_string(index), "/");
-    const int my_node = rank() - local_rank();
-    store_->set(base + std::to_string(rank()),
-                detail::text(std::to_string(color), ",", std::to_string(key), ",", std::to_string(my_node)));
-    struct member {
-      int color, key, node, rank;
-    };
-    // One batched read of every rank's entry (O(1) requests per rank on a tcp_store).
-    std::vector<std::string> keys;
-    for (int r = 0; r < world_size(); ++r) keys.push_back(base + std::to_string(r));
-    const auto entries = store_->multi_get(keys);
-    std::vector<member> mine;
-    for (int r = 0; r < world_size(); ++r) {
-      const std::string text = to_string(entries[static_cast<std::size_t>(r)]);
-      int fields[3] = {};
-      if (!detail::parse_int_fields(text, ',', fields))
-        throw detail::malformed_store_value(reported_rank(), "split",
-                                            store_->prefix() + keys[static_cast<std::size_t>(r)], text,
-                                            "'color,key,node' as three decimal integers");
-      const member m{fields[0], fields[1], fields[2], r};
-      if (color >= 0 && m.color == color) mine.push_back(m);
-    }
-    std::sort(mine.begin(), mine.end(),
-              [](const member& a, const member& b) { return a.key != b.key ? a.key < b.key : a.rank < b.rank; });
-    std::vector<int> members;  // this group's rank of each of the new group's ranks
-    for (const member& m : mine) members.push_back(m.rank);
-    launch_env sub_env = env_;
-    sub_env.rank = -1;
-    sub_env.world_size = static_cast<int>(mine.size());
-    sub_env.local_rank = 0;
-    sub_env.local_world_size = 0;
-    for (std::size_t i = 0; i < mine.size(); ++i) {
-      if (mine[i].rank == rank()) {
-        sub_env.rank = static_cast<int>(i);
-        sub_env.local_rank = sub_env.local_world_size;
-      }
-      if (mine[i].node == my_node) ++sub_env.local_world_size;
-    }
-    auto sub_store = std::make_shared<prefix_store>(store_, detail::text(base, "color", std::to_string(color), "/"));
-    auto sub_backend = B::split(*backend_, sub_store, color, key, sub_env.rank, members);
-    if (color < 0 || !sub_backend) return std::nullopt;
-    return process_group(std::move(sub_env), std::move(sub_store), std::move(sub_backend), debug_);
-  }
+  std::optional<process_group> split(int color, int key);
 
   // The ranks of this node (ranks placed node by node, as torchrun, mpirun by slot and srun
   // place them: the node's first global rank is rank - local_rank).
-  process_group node_local() {
-    auto group = split(rank() - local_rank(), local_rank());
-    return std::move(*group);
-  }
+  process_group node_local();
 
   // --- on_main support ---------------------------------------------------------------------
   // While a section is alive, a collective on this group is an error: only the main rank
@@ -538,83 +395,44 @@ class process_group {
     { engine.call_context() } -> std::convertible_to<call_label>;
   };
 
-  process_group(launch_env env, std::shared_ptr<prefix_store> group_store, std::unique_ptr<B> impl, bool debug)
-      : env_(std::move(env)), store_(std::move(group_store)), backend_(std::move(impl)), debug_(debug) {
-    pass_debug_checks_to_backend();
-  }
+  process_group(launch_env env, std::shared_ptr<prefix_store> group_store, std::unique_ptr<B> impl, bool debug);
 
   // A backend that checks calls of its own (Gloo's point-to-point pairs) follows the group.
-  void pass_debug_checks_to_backend() noexcept {
-    if constexpr (requires(B & engine) { engine.set_debug_checks(true); }) backend_->set_debug_checks(debug_);
-  }
+  void pass_debug_checks_to_backend() noexcept;
 
   // How this group's messages name its ranks: a subgroup's by world rank and its own, with the
   // group, as its backend's errors do; a backend that does not say numbers them by this group.
-  detail::rank_naming rank_names() const {
-    if constexpr (requires(const B& engine) { engine.names(); })
-      return backend_->names();
-    else
-      return {};
-  }
+  detail::rank_naming rank_names() const;
   // The rank this group's errors are said by: its world rank.
-  int reported_rank() const { return rank_names().world_rank(rank()); }
+  int reported_rank() const;
 
-  static void validate_env(const launch_env& env) {
-    if (env.world_size < 1 || env.rank < 0 || env.rank >= env.world_size)
-      throw error(
-          env.rank, "process_group",
-          detail::text("rank ", std::to_string(env.rank), " is outside a world of ", std::to_string(env.world_size)),
-          "check RANK and WORLD_SIZE");
-  }
+  // The collectives' bodies over untyped memory (counts in elements of `type`): the local
+  // checks, the debug signature check, then the engine's call.
+  work untyped_all_reduce(const void* in, std::size_t in_count, void* out, std::size_t out_count, dtype type,
+                          op reduce);
+  work untyped_reduce_scatter(const void* in, std::size_t in_count, void* out, std::size_t out_count, dtype type,
+                              op reduce);
+  work untyped_all_gather(const void* in, std::size_t in_count, void* out, std::size_t out_count, dtype type);
+  work untyped_broadcast(void* data, std::size_t count, dtype type, int root);
+  work untyped_all_to_all(const void* in, std::size_t in_count, void* out, std::size_t out_count, dtype type);
+  work untyped_send(const void* data, std::size_t count, dtype type, int peer, std::uint64_t tag);
+  work untyped_recv(void* data, std::size_t count, dtype type, int peer, std::uint64_t tag);
+
+  static void validate_env(const launch_env& env);
 
   [[noreturn]] void fail(const char* operation, std::size_t count, const std::string& detail,
-                         const std::string& hint) const {
-    throw error(reported_rank(), detail::text(B::name, ".", operation, "(", std::to_string(count), " elements)"),
-                detail, hint);
-  }
+                         const std::string& hint) const;
 
-  void check_peer(const char* operation, std::size_t count, int peer, const char* role) const {
-    if (peer < 0 || peer >= size())
-      fail(operation, count,
-           detail::text(role, " ", std::to_string(peer), " is outside a world of ", std::to_string(size())),
-           "ranks are numbered 0 .. world-1 inside this group");
-  }
+  void check_peer(const char* operation, std::size_t count, int peer, const char* role) const;
 
-  void check_main_only(const char* operation, std::size_t count) const {
-    if (main_only_depth_->load(std::memory_order_relaxed) > 0)
-      fail(operation, count,
-           "collective issued inside on_main: only the main rank runs that code, so the other "
-           "ranks never join and every rank would hang",
-           "move the collective out of on_main, or use main_process_first");
-  }
+  void check_main_only(const char* operation, std::size_t count) const;
 
   // Local checks, then (debug) the cross-rank signature check.
-  void enter(const char* operation, dtype type, std::size_t count, op reduce, int root = -1) {
-    check_main_only(operation, count);
-    if (debug_) check_signature(operation, type, count, reduce, root);
-  }
+  void enter(const char* operation, dtype type, std::size_t count, op reduce, int root = -1);
 
   // Every rank publishes the call it is about to make; all must agree. Uses the store, so
   // it works for device backends too, and costs a store round trip per call (debug only).
-  void check_signature(const char* operation, dtype type, std::size_t count, op reduce, int root) {
-    const auto seq = debug_calls_++;
-    const std::string signature =
-        detail::text(operation, "(", to_string(type), " x ", std::to_string(count), ", ", to_string(reduce),
-                     (root >= 0 ? detail::text(", root ", std::to_string(root)) : ""), ")");
-    const std::string base = detail::text("debug/", std::to_string(seq), "/");
-    store_->set(base + std::to_string(rank()), signature);
-    for (int r = 0; r < size(); ++r) {
-      if (r == rank()) continue;
-      const std::string theirs = store_->get_string(base + std::to_string(r));
-      if (theirs != signature)
-        throw error(reported_rank(), detail::text(B::name, ".", operation),
-                    detail::text(rank_names().lead(), "call #", std::to_string(seq),
-                                 " differs across ranks: ", rank_names()(rank()), " issued ", signature, " but ",
-                                 rank_names()(r), " issued ", theirs),
-                    "every rank must issue the same collectives, in the same order, with the same "
-                    "sizes and dtypes");
-    }
-  }
+  void check_signature(const char* operation, dtype type, std::size_t count, op reduce, int root);
 
   launch_env env_;
   std::shared_ptr<prefix_store> store_;
@@ -629,3 +447,7 @@ class process_group {
 };
 
 }  // namespace cohort::inline v0
+
+#if !defined(COHORT_SEPARATE_COMPILATION) || defined(COHORT_TEMPLATE_BODIES)
+#include "cohort/comm/impl/process_group.hpp"
+#endif

@@ -1,9 +1,10 @@
 #pragma once
 // Which specializations cohort's compiled library holds (COHORT_SEPARATE_COMPILATION: the
 // default targets, cohort::gloo and cohort::nccl). One list, in two forms: the macro that
-// cohort/detail/instantiations.hpp declares extern and cohort/src.hpp defines, and the trait
-// with which training_state refuses, at compile time, a specialization the library lacks in a
-// unit that does not compile the template bodies itself (COHORT_TEMPLATE_BODIES).
+// cohort/detail/instantiations.hpp declares extern and cohort/src.hpp defines, and the traits
+// with which process_group and training_state refuse, at compile time, a specialization the
+// library lacks in a unit that does not compile the template bodies itself
+// (COHORT_TEMPLATE_BODIES).
 
 #include <type_traits>
 
@@ -15,15 +16,17 @@ class gloo;
 class nccl;
 
 namespace detail {
+template <class B>
+inline constexpr bool compiled_backend = std::is_same_v<B, gloo> || std::is_same_v<B, nccl>;
 template <class B, class P, class G>
-inline constexpr bool compiled_specialization = (std::is_same_v<B, gloo> ||
-                                                 std::is_same_v<B, nccl>)&&std::is_same_v<P, G> &&
+inline constexpr bool compiled_specialization = compiled_backend<B>&& std::is_same_v<P, G> &&
                                                 (std::is_same_v<P, float> || std::is_same_v<P, bfloat16>);
 }  // namespace detail
 
 }  // namespace cohort::inline v0
 
 // KEYWORD: `extern` for the program's translation units, empty in cohort/src.hpp.
+// process_group<B>: its bodies are in comm/impl/process_group.hpp, parsed as training_state's.
 #define COHORT_INSTANTIATIONS(KEYWORD, B)     \
   KEYWORD template class process_group<B>;    \
   COHORT_INSTANTIATIONS_OF(KEYWORD, B, float) \

@@ -1,13 +1,13 @@
 #pragma once
 // The templates a trainer uses most, compiled once per engine when the program is separately
 // compiled (cohort/config.hpp): this list (cohort/detail/compiled_specializations.hpp) is
-// declared `extern` in every translation unit that includes the umbrella header, and defined
-// by cohort/src.hpp. Such a unit does not parse training_state's and the checkpoint's
-// out-of-class bodies at all; one that uses another specialization defines
-// COHORT_TEMPLATE_BODIES and instantiates it where it is used, as header-only.
+// defined by cohort/src.hpp. A unit that includes the umbrella header does not parse
+// process_group's, training_state's and the checkpoint's out-of-class bodies at all; one that
+// uses another specialization defines COHORT_TEMPLATE_BODIES and instantiates it where it is
+// used, as header-only, with this list declared extern.
 //
-// GCC and Clang still instantiate the inline member functions of an extern specialization
-// where they would inline them: those are in the class bodies, cheap to parse.
+// GCC and Clang still instantiate the inline member functions of a specialization where they
+// would inline them: those are in the class bodies, cheap to parse.
 
 #include "cohort/comm/process_group.hpp"
 #include "cohort/config.hpp"
@@ -23,7 +23,11 @@
 #include "cohort/comm/nccl.hpp"
 #endif
 
-#if defined(COHORT_SEPARATE_COMPILATION)
+// Declared extern only where the unit sees the bodies (COHORT_TEMPLATE_BODIES), so that it does
+// not compile the library's specializations again. A unit without them cannot instantiate a
+// body anyway (its calls reach the library's), and the declarations would make it instantiate
+// every listed class, ten with two engines, mostly ones it never names.
+#if defined(COHORT_SEPARATE_COMPILATION) && defined(COHORT_TEMPLATE_BODIES)
 namespace cohort::inline v0 {
 #if __has_include(<gloo/context.h>)
 COHORT_INSTANTIATIONS(extern, gloo)

@@ -269,6 +269,10 @@ COHORT_DECL auto detail::nccl_state::keep_trace(std::string_view failure) -> voi
   detail::write_trace(directory, {group, "nccl", rank, size}, *recorder, failure);
 }
 
+COHORT_DECL nccl::nccl() : state_(std::make_shared<detail::nccl_state>()) {}
+
+// Not delegating to nccl(): a delegated-to constructor makes the object constructed, so a
+// failed start-up would run ~nccl(), which reports the rank as left on a board it never joined.
 COHORT_DECL nccl::nccl(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts)
     : state_(std::make_shared<detail::nccl_state>()) {
   state_->rank = env.rank;
