@@ -1,9 +1,9 @@
 #pragma once
-// Paths and directories through POSIX calls: what cohort's file code (the checkpoint, the file
-// store, the TCP store server's descriptor count) needs of <filesystem>, which header-only
-// would otherwise be parsed by every unit that includes the umbrella header, with the <locale>,
-// <iomanip> and <codecvt> it brings (issue 44: about 15 MB of g++'s memory per unit).
-// header:umbrella_compiles_no_filesystem keeps <filesystem> out.
+// Paths, directories and small files through POSIX calls: what cohort's file code (the
+// checkpoint, the stores, logging, the Gloo engine's /proc reads) needs of <filesystem> and
+// <fstream>, which header-only every unit of the umbrella would otherwise parse, with the
+// <locale>, <iomanip> and <codecvt> they bring (issue 44: with <random>, 21 MB of the
+// umbrella's 555 MB of g++ memory). header:umbrella_compiles_no_filesystem keeps them out.
 
 #include <dirent.h>
 #include <unistd.h>
