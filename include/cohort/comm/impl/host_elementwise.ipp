@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <bit>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -14,6 +13,7 @@
 
 #include "cohort/comm/detail/elementwise.hpp"
 #include "cohort/comm/detail/host_elementwise.hpp"
+#include "cohort/detail/scalar_math.hpp"
 #include "cohort/types.hpp"
 
 #if defined(__SSE2__)
@@ -154,7 +154,7 @@ double largest_magnitude(const T* x, std::size_t count) {
   T largest[width] = {};
   bool nonfinite[width] = {};
   const auto take = [&](std::size_t lane, T value) {
-    const T m = std::fabs(value);
+    const T m = absolute(value);
     largest[lane] = largest[lane] < m ? m : largest[lane];
     nonfinite[lane] |= !(m <= largest_finite);
   };

@@ -16,7 +16,6 @@
 #include <array>
 #include <cerrno>
 #include <charconv>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -608,7 +607,7 @@ COHORT_DECL checkpoint_manifest parse_checkpoint_manifest(std::string_view text,
       in.open('{');
       in.key("scale");
       scaler.scale = in.number();
-      if (!(scaler.scale > 0) || !std::isfinite(scaler.scale))
+      if (!(scaler.scale > 0) || !is_finite(scaler.scale))
         refuse_index(detail::text("loss scale ", json_format_number(scaler.scale), " is not positive"));
       in.comma();
       in.key("good_steps");
