@@ -23,6 +23,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include "cohort/detail/files.hpp"
 #include "cohort/rendezvous/launch.hpp"
 #include "cohort/run/atomic_write.hpp"
 #include "cohort/run/guards.hpp"
@@ -467,4 +468,32 @@ TEST_CASE("guards: a failing atomic write leaves the old file and tells every ra
   CHECK_THROWS_AS(cohort::atomic_write_file(dir / "missing-dir" / "x.bin", "data"), cohort::error);
   fs::remove_all(dir);
 #endif
+}
+
+// The POSIX helpers the checkpoint, the stores and logging use in place of <filesystem>: a
+// missing level is made, a file in the way refused, and a tree's removal never follows a link
+// out of it (a checkpoint's pruning must not delete what a link in it points to).
+TEST_CASE("guards: the file helpers make every missing level and remove a tree without following its links",
+          "[guards]") {
+  const auto dir = scratch_dir("files");
+  const std::string nested = (dir / "a" / "b" / "c").string();
+  CHECK_FALSE(cohort::detail::make_directories(nested));
+  CHECK(fs::is_directory(nested));
+  CHECK_FALSE(cohort::detail::make_directories(nested + "/"));  // there already: no error
+  std::ofstream(dir / "a" / "file") << "x";
+  CHECK(cohort::detail::make_directories((dir / "a" / "file" / "d").string()) == std::errc::not_a_directory);
+  const auto outside = dir / "outside";
+  fs::create_directories(outside);
+  std::ofstream(outside / "kept") << "y";
+  fs::create_directory_symlink(outside, dir / "a" / "b" / "link");
+  CHECK_FALSE(cohort::detail::remove_tree((dir / "a").string()));
+  CHECK_FALSE(fs::exists(dir / "a"));
+  CHECK(read_file(outside / "kept") == "y");
+  CHECK_FALSE(cohort::detail::remove_tree((dir / "a").string()));  // nothing there: no error
+  CHECK(cohort::detail::path_in("d/", "n") == "d/n");
+  CHECK(cohort::detail::path_in("", "n") == "n");
+  CHECK(cohort::detail::path_in("d", "/abs") == "/abs");
+  CHECK(cohort::detail::parent_directory("n.json") == ".");
+  CHECK(cohort::detail::parent_directory("d/n.json") == "d/");
+  fs::remove_all(dir);
 }

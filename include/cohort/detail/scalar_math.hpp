@@ -1,5 +1,5 @@
 #pragma once
-// The four <cmath> functions cohort's headers use, as the compiler's builtins. <cmath> costs
+// The <cmath> functions cohort's headers use, as the compiler's builtins. <cmath> costs
 // a translation unit about as much to parse as a tenth of twenty standard headers (GCC 12,
 // C++20: its special functions), and the headers need only these. On the host the builtins
 // are the same libm calls or instructions std:: gives; device code (nvcc) uses CUDA's own.
@@ -30,7 +30,21 @@ COHORT_HOST_DEVICE inline bool is_finite(T x) {
 #endif
 }
 
+// T: float or double (host code).
+template <class T>
+inline T absolute(T x) {
+  if constexpr (sizeof(T) == sizeof(float))
+    return __builtin_fabsf(x);
+  else
+    return __builtin_fabs(x);
+}
+
+inline double round_down(double x) { return __builtin_floor(x); }
+
 inline double power(double base, double exponent) { return __builtin_pow(base, exponent); }
+
+// x * 2^exponent, exact unless it overflows or underflows (std::ldexp).
+inline double times_power_of_two(double x, int exponent) { return __builtin_ldexp(x, exponent); }
 
 inline double quiet_nan() { return __builtin_nan(""); }
 

@@ -33,7 +33,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
-#include <fstream>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -49,6 +48,7 @@
 #include "cohort/comm/detail/host_address.hpp"
 #include "cohort/comm/detail/host_elementwise.hpp"
 #include "cohort/comm/detail/shared_memory_channel.hpp"
+#include "cohort/detail/files.hpp"
 #include "cohort/detail/fnv1a.hpp"
 #include "cohort/detail/host_math.hpp"
 #include "cohort/detail/progress.hpp"
@@ -96,8 +96,8 @@ inline std::string this_host_name() {
 // pid namespaces', name different processes. Empty where it cannot be read: then no peer's
 // pid is looked up here.
 inline std::string process_table_id() {
-  std::string boot;
-  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  std::string boot = read_small_file("/proc/sys/kernel/random/boot_id");
+  boot.resize(std::min(boot.size(), boot.find_first_of(" \n")));
   struct ::stat namespace_file {};
   if (boot.empty() || ::stat("/proc/self/ns/pid", &namespace_file) != 0) return {};
   return detail::text(boot, "/", std::to_string(namespace_file.st_dev), ":", std::to_string(namespace_file.st_ino));
@@ -114,8 +114,7 @@ inline process_seen look_up_process(long pid) {
   const ssize_t length = ::readlink("/proc/self", self, sizeof self - 1);
   if (length <= 0 || std::string_view(self, static_cast<std::size_t>(length)) != std::to_string(::getpid()))
     return process_seen::running;
-  std::string stat;
-  std::getline(std::ifstream(detail::text("/proc/", std::to_string(pid), "/stat")), stat);
+  const std::string stat = read_small_file(detail::text("/proc/", std::to_string(pid), "/stat"));
   const auto name_ends = stat.rfind(')');  // the command name may hold anything, ')' included
   if (name_ends == std::string::npos || name_ends + 2 >= stat.size()) return process_seen::running;
   switch (stat[name_ends + 2]) {

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <bit>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -15,6 +14,7 @@
 #include "cohort/comm/detail/elementwise.hpp"
 #include "cohort/comm/detail/exact_squares.hpp"
 #include "cohort/comm/detail/host_elementwise.hpp"
+#include "cohort/detail/scalar_math.hpp"
 #include "cohort/types.hpp"
 
 #if defined(__SSE2__)

@@ -3,7 +3,6 @@
 // under COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
 
 #include <algorithm>
-#include <cmath>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>

@@ -22,10 +22,8 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
-#include <filesystem>
 #include <map>
 #include <optional>
-#include <random>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -34,10 +32,12 @@
 #include <vector>
 
 #include "cohort/config.hpp"
+#include "cohort/detail/files.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
 #include "cohort/parallel/checkpoint.hpp"
 #include "cohort/parallel/impl/checkpoint_index.ipp"
+#include "cohort/rendezvous/detail/hmac.hpp"
 #include "cohort/rendezvous/launch.hpp"
 #include "cohort/tools/detail/json_cursor.hpp"
 
@@ -79,27 +79,6 @@ const char* not_a_checkpoint(int directory_fd, const std::string& name, bool coh
   return nullptr;
 }
 
-struct directory_stream {
-  DIR* stream;
-  explicit directory_stream(const std::string& path) : stream(::opendir(path.c_str())) {}
-  directory_stream(const directory_stream&) = delete;
-  directory_stream& operator=(const directory_stream&) = delete;
-  ~directory_stream() {
-    if (stream) ::closedir(stream);
-  }
-  // The next name, skipping . and ..; empty at the end.
-  std::string next() {
-    while (stream)
-      if (const dirent* entry = ::readdir(stream)) {
-        const std::string_view name = entry->d_name;
-        if (name != "." && name != "..") return std::string(name);
-      } else {
-        break;
-      }
-    return {};
-  }
-};
-
 // Who this process is, as the directory's lock records it: host, pid and the process's start
 // time (pid and start together name one process of a host), the program, and the time.
 struct lock_holder {
@@ -116,15 +95,6 @@ struct lock_holder {
     return detail::text("pid ", pid, " (", program, ") on host ", host, ", since ", since);
   }
 };
-
-std::string read_small_file(const std::string& path) {
-  checkpoint_fd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
-  struct stat status {};
-  if (fd.get() < 0 || ::fstat(fd.get(), &status) != 0 || !S_ISREG(status.st_mode)) return {};
-  char buffer[4096];
-  const ssize_t got = ::read(fd.get(), buffer, sizeof buffer);
-  return got > 0 ? std::string(buffer, static_cast<std::size_t>(got)) : std::string();
-}
 
 // `text` as `path`, whole or not at all: a temporary sibling (<path>.<pid>) renamed over it.
 // False on a failure (errno says which), the temporary removed.
@@ -296,14 +266,18 @@ COHORT_DECL std::string read_checkpoint_run(const std::string& directory) {
 }
 
 COHORT_DECL std::string create_checkpoint_directory(const std::string& directory) {
-  std::error_code ec;
-  std::filesystem::create_directories(directory, ec);
-  return ec ? ec.message() : std::string{};
+  const auto failure = make_directories(directory);
+  return failure ? failure.message() : std::string{};
 }
 
 COHORT_DECL std::uint64_t random_checkpoint_bits() {
-  std::random_device random;
-  return std::uint64_t{random()} << 32 | random();
+  // The kernel's generator (which std::random_device reads), without <random> in every unit.
+  std::array<std::uint8_t, 8> bytes{};
+  if (!random_bytes(bytes))
+    throw std::system_error(errno, std::generic_category(), "no random source (getrandom, /dev/urandom)");
+  std::uint64_t bits = 0;
+  for (const auto b : bytes) bits = bits << 8 | b;
+  return bits;
 }
 
 COHORT_DECL std::string claim_checkpoint_run(const std::string& directory, int rank, std::string_view operation,
@@ -374,10 +348,10 @@ COHORT_DECL std::string begin_checkpoint(const std::string& directory, const std
   const std::string folder = path_in(directory, checkpoint_own_folder);
   {
     directory_stream entries(folder);
-    std::error_code ec;  // what cannot be removed now is removed by the next save
+    // What cannot be removed now is removed by the next save.
     for (std::string name = entries.next(); !name.empty(); name = entries.next())
       if (name.rfind("staging-", 0) == 0 || name.rfind("pruning-", 0) == 0 || name.rfind("replaced-", 0) == 0)
-        std::filesystem::remove_all(path_in(folder, name), ec);
+        (void)remove_tree(path_in(folder, name));
   }
   const std::string target = path_in(directory, checkpoint_step_name(step));
   struct stat status {};
@@ -527,7 +501,7 @@ COHORT_DECL void commit_checkpoint(const std::string& directory, const std::stri
   next_step();
   sync_directory(staging, rank);
   const std::string name = checkpoint_step_name(manifest.step), target = path_in(directory, name);
-  const std::string nonce = std::filesystem::path(staging).filename().string().substr(8);  // after "staging-"
+  const std::string nonce(file_name(staging).substr(8));  // after "staging-"
   // A checkpoint of the same step is replaced: the two swapped in one step where the file
   // system can (renameat2's RENAME_EXCHANGE: step-<N> is always one of them), else the old one
   // moved into DIR/.cohort first; either way it ends in DIR/.cohort, where an interruption
@@ -560,8 +534,7 @@ COHORT_DECL void commit_checkpoint(const std::string& directory, const std::stri
   sync_directory(directory, rank);
   if (!aside.empty()) {
     next_step();
-    std::error_code ec;
-    std::filesystem::remove_all(aside, ec);
+    (void)remove_tree(aside);
   }
   if (keep_last == 0) return;
   // The newest keep_last committed checkpoints stay, this one always; the others are pruned:
@@ -583,8 +556,7 @@ COHORT_DECL void commit_checkpoint(const std::string& directory, const std::stri
       directory_stream entries(pruning);
       for (std::string file = entries.next(); !file.empty(); file = entries.next()) {
         next_step();
-        std::error_code ec;
-        std::filesystem::remove_all(path_in(pruning, file), ec);
+        (void)remove_tree(path_in(pruning, file));
       }
     }
     next_step();
@@ -1027,10 +999,9 @@ COHORT_DECL void consolidate_checkpoint(const std::string& checkpoint, const std
   for (int b = 0; b < 8; ++b) length[b] = static_cast<char>((std::uint64_t{header.size()} >> (8 * b)) & 0xffu);
   // Whole or not at all: a temporary sibling, written, fsynced, renamed over the target, and
   // the directory fsynced; an error names the errno.
-  const std::filesystem::path target(safetensors_path);
-  const std::string parent = target.parent_path().empty() ? "." : target.parent_path().string();
+  const std::string parent = detail::parent_directory(safetensors_path);
   detail::temporary_file temporary{detail::path_in(
-      parent, detail::text(".", target.filename().string(), ".cohort-tmp-", std::to_string(::getpid())))};
+      parent, detail::text(".", detail::file_name(safetensors_path), ".cohort-tmp-", std::to_string(::getpid())))};
   ::unlink(temporary.path.c_str());
   {
     int code = 0;

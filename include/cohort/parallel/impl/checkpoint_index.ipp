@@ -16,11 +16,9 @@
 #include <array>
 #include <cerrno>
 #include <charconv>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -30,6 +28,7 @@
 #include <vector>
 
 #include "cohort/config.hpp"
+#include "cohort/detail/files.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
 #include "cohort/parallel/checkpoint.hpp"
@@ -101,10 +100,6 @@ inline const char* file_kind(mode_t mode) {
   if (S_ISCHR(mode)) return "a character device";
   if (S_ISBLK(mode)) return "a block device";
   return "a special file";
-}
-
-inline std::string path_in(const std::string& directory, std::string_view name) {
-  return (std::filesystem::path(directory) / name).string();
 }
 
 // `path` as a directory to open files in (the caller's path: a symlink to it is the caller's
@@ -273,9 +268,8 @@ COHORT_DECL std::string checkpoint_step_name(std::uint64_t step) { return detail
 inline constexpr const char* checkpoint_own_folder = ".cohort";
 
 COHORT_DECL std::string checkpoint_staging_path(const std::string& directory, std::uint64_t step, std::uint64_t nonce) {
-  return (std::filesystem::path(directory) / checkpoint_own_folder /
-          detail::text("staging-", std::to_string(step), "-", hex64(nonce)))
-      .string();
+  return path_in(path_in(directory, checkpoint_own_folder),
+                 detail::text("staging-", std::to_string(step), "-", hex64(nonce)));
 }
 
 // ---- the index ---------------------------------------------------------------------------------
@@ -613,7 +607,7 @@ COHORT_DECL checkpoint_manifest parse_checkpoint_manifest(std::string_view text,
       in.open('{');
       in.key("scale");
       scaler.scale = in.number();
-      if (!(scaler.scale > 0) || !std::isfinite(scaler.scale))
+      if (!(scaler.scale > 0) || !is_finite(scaler.scale))
         refuse_index(detail::text("loss scale ", json_format_number(scaler.scale), " is not positive"));
       in.comma();
       in.key("good_steps");
@@ -809,7 +803,7 @@ COHORT_DECL checkpoint_manifest read_checkpoint_manifest(const std::string& chec
   // A checkpoint named step-<N> is step N's: a directory renamed by hand is not resumed as
   // another step.
   std::uint64_t named = 0;
-  if (parse_step_name(std::filesystem::path(checkpoint).filename().string(), named) && named != m.step)
+  if (parse_step_name(file_name(checkpoint), named) && named != m.step)
     throw checkpoint_damaged_error(rank, operation,
                                    detail::text(path, " is the index of step ", std::to_string(m.step),
                                                 ", in a directory named ", checkpoint_step_name(named)),

@@ -3,7 +3,6 @@
 // once by <cohort/src.hpp> under COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
 
 #include <bit>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -106,7 +105,7 @@ COHORT_DECL exact_norm_result exact_norm(std::span<const std::int64_t> words, dt
     mantissa *= 2;
     --exponent;
   }
-  result.norm = std::ldexp(std::sqrt(mantissa), exponent / 2);
+  result.norm = times_power_of_two(square_root(mantissa), exponent / 2);
   return result;
 }
 

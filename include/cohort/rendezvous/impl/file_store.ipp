@@ -11,7 +11,6 @@
 #include <charconv>
 #include <chrono>
 #include <cstdint>
-#include <filesystem>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -19,6 +18,7 @@
 #include <system_error>
 #include <thread>
 #include <vector>
+#include "cohort/detail/files.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
 #include "cohort/rendezvous/store.hpp"
@@ -35,10 +35,8 @@ COHORT_DECL file_store::file_store(std::string directory, std::string run_id, in
     throw error(rank, "file_store", detail::text("empty run id for store directory ", directory),
                 "pass an id unique to this run (e.g. the Slurm job id), so files of an "
                 "earlier run are never read");
-  root_ = (std::filesystem::path(std::move(directory)) / detail::file_store_names::encode(run_id_)).string();
-  std::error_code failure;
-  std::filesystem::create_directories(root_, failure);
-  if (failure)
+  root_ = detail::path_in(directory, detail::file_store_names::encode(run_id_));
+  if (const auto failure = detail::make_directories(root_))
     throw error(rank, "file_store", detail::text("cannot create store directory ", root_, ": ", failure.message()),
                 "the directory must be on a filesystem every rank can write");
 }
@@ -105,15 +103,14 @@ COHORT_DECL auto file_store::wait(std::span<const std::string> keys, std::chrono
 
 COHORT_DECL auto file_store::delete_key(std::string_view key) -> bool {
   const auto lock = exclusive("delete_key", key);
-  std::error_code failure;
-  return std::filesystem::remove(file_of(key), failure);
+  return ::unlink(file_of(key).c_str()) == 0;
 }
 
 COHORT_DECL auto file_store::num_keys() -> std::int64_t {
   std::int64_t count = 0;
-  std::error_code failure;
-  for (const auto& entry : std::filesystem::directory_iterator(root_, failure))
-    if (entry.path().filename().string().front() != '.') ++count;
+  detail::directory_stream entries(root_);
+  for (std::string name = entries.next(); !name.empty(); name = entries.next())
+    if (name.front() != '.') ++count;
   return count;
 }
 
@@ -155,12 +152,11 @@ COHORT_DECL auto file_store::read(std::string_view operation, std::string_view k
 COHORT_DECL auto file_store::write_atomically(std::string_view operation, std::string_view key,
                                               std::span<const std::uint8_t> value) -> void {
   static std::atomic<std::uint64_t> sequence{0};
-  const std::filesystem::path target = file_of(key);
-  const std::filesystem::path temporary =
-      std::filesystem::path(root_) /
-      (detail::text(".tmp-", std::to_string(::getpid()), "-", std::to_string(++sequence)));
+  const std::string target = file_of(key);
+  const std::string temporary =
+      detail::path_in(root_, detail::text(".tmp-", std::to_string(::getpid()), "-", std::to_string(++sequence)));
   const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) fail(operation, key, detail::text("cannot create ", temporary.filename().string()), errno);
+  if (fd < 0) fail(operation, key, detail::text("cannot create ", detail::file_name(temporary)), errno);
   std::size_t done = 0;
   while (done < value.size()) {
     const ssize_t wrote = ::write(fd, value.data() + done, value.size() - done);

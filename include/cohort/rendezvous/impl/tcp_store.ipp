@@ -14,7 +14,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -25,6 +24,7 @@
 #include <utility>
 #include <vector>
 #include "cohort/comm/detail/host_address.hpp"
+#include "cohort/detail/files.hpp"
 #include "cohort/detail/progress.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
@@ -765,13 +765,11 @@ COHORT_DECL std::string store_token_from_environment(int rank) {
                 "set one of them, the same on every rank");
   if (token) return token;
   if (!file) return {};
-  std::ifstream in(file, std::ios::binary);
-  std::ostringstream contents;
-  if (in) contents << in.rdbuf();
-  if (!in && !in.eof())
-    throw error(rank, "store_token", detail::text("cannot read COHORT_STORE_TOKEN_FILE=", file),
+  std::string text;
+  if (const int code = detail::read_file(file, text); code != 0)
+    throw error(rank, "store_token",
+                detail::text("cannot read COHORT_STORE_TOKEN_FILE=", file, ": ", std::strerror(code)),
                 "the file must exist and be readable by this rank on every node");
-  std::string text = contents.str();
   if (!text.empty() && text.back() == '\n') text.pop_back();
   if (!text.empty() && text.back() == '\r') text.pop_back();
   if (text.empty())

@@ -17,7 +17,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <mutex>
 #include <span>
 #include <string>
@@ -27,6 +26,7 @@
 #include <utility>
 #include <vector>
 #include "cohort/comm/detail/host_address.hpp"
+#include "cohort/detail/files.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
 #include "cohort/rendezvous/detail/hmac.hpp"
@@ -168,11 +168,10 @@ COHORT_DECL auto tcp_store_server::size_connection_limit() -> void {
                  options_.reserved_connections);
   const rlim_t limit = std::min(descriptors.rlim_cur == RLIM_INFINITY ? ceiling : descriptors.rlim_cur, ceiling);
   std::size_t open = 64;  // a guess when /proc is not there
-  std::error_code failed;
-  std::size_t counted = 0;
-  for (std::filesystem::directory_iterator it("/proc/self/fd", failed), end; !failed && it != end; it.increment(failed))
-    ++counted;
-  if (!failed) open = counted;
+  if (detail::directory_stream descriptors_open("/proc/self/fd"); descriptors_open.stream) {
+    open = 0;
+    while (!descriptors_open.next().empty()) ++open;
+  }
   const std::size_t free = limit > open ? static_cast<std::size_t>(limit) - open : 0;
   max_connections_ = options_.max_connections > 0 ? options_.max_connections : std::max<std::size_t>(16, free / 4 * 3);
 }

@@ -13,8 +13,6 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
-#include <filesystem>
-#include <fstream>
 #include <functional>
 #include <iostream>
 #include <mutex>
@@ -27,6 +25,7 @@
 #include <thread>
 #include <type_traits>
 #include <utility>
+#include "cohort/detail/files.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
 #include "cohort/types.hpp"
@@ -40,10 +39,8 @@ COHORT_DECL rank_logger::rank_logger(int rank, int world, log_options options)
     : rank_(rank), world_(world), options_(std::move(options)) {
   prefix_ = detail::text("[rank ", std::to_string(rank_), "/", std::to_string(world_), "] ");
   if (!options_.directory.empty()) {
-    std::error_code ec;
-    std::filesystem::create_directories(options_.directory, ec);
-    file_path_ =
-        (std::filesystem::path(options_.directory) / (detail::text("rank-", std::to_string(rank_), ".log"))).string();
+    (void)detail::make_directories(options_.directory);  // a failure is the fopen's, below
+    file_path_ = detail::path_in(options_.directory, detail::text("rank-", std::to_string(rank_), ".log"));
     file_ = std::fopen(file_path_.c_str(), "ae");  // e: close-on-exec
     if (!file_)
       throw error(rank_, "rank_logger",

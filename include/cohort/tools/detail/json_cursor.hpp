@@ -17,13 +17,13 @@
 
 #include <algorithm>
 #include <charconv>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
 #include <system_error>
 
+#include "cohort/detail/scalar_math.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
 
@@ -63,11 +63,11 @@ inline void json_write_string(std::string& out, std::string_view text) {
 // The shortest text that reads back as `number` exactly; whole numbers an int64 holds exactly
 // as digits (1764600030000000, not 1.76460003e+15). NaN and infinity have no JSON spelling.
 inline std::string json_format_number(double number) {
-  if (!std::isfinite(number))
+  if (!is_finite(number))
     throw cohort::error(-1, "json", "cannot write a non-finite number (NaN or infinity)",
                         "JSON has no spelling for it; write null or a string instead");
   if (number == 0) return "0";  // also turns -0 into 0
-  if (std::floor(number) == number && std::fabs(number) < 9007199254740992.0)
+  if (round_down(number) == number && absolute(number) < 9007199254740992.0)
     return std::to_string(static_cast<long long>(number));
   char buffer[32];
   auto [end, ec] = std::to_chars(buffer, buffer + sizeof buffer, number);
@@ -225,7 +225,7 @@ class json_cursor {
     const char* first = text_.data() + start;
     const char* last = text_.data() + position_;
     auto [end, ec] = std::from_chars(first, last, value);
-    if (ec == std::errc::result_out_of_range || !std::isfinite(value)) {
+    if (ec == std::errc::result_out_of_range || !is_finite(value)) {
       position_ = start;
       fail("expected a number a double can hold", detail::text("'", std::string_view(first, last - first), "'"));
     }
