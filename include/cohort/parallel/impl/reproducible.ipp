@@ -58,7 +58,8 @@ COHORT_DECL std::vector<std::uint32_t> exact_squares_total(std::span<const std::
   for (int bin = 0; bin < layout.nonfinite_bin(); ++bin)
     for (int limb = 0; limb < layout.limbs(); ++limb) {
       const int place = layout.unit_exponent(bin) - lowest + exact_squares_layout::limb_bits * limb;
-      const auto word = words[static_cast<std::size_t>(bin * layout.limbs() + limb)];
+      const auto word = words[static_cast<std::size_t>(bin) * static_cast<std::size_t>(layout.limbs()) +
+                              static_cast<std::size_t>(limb)];
       auto shifted = static_cast<unsigned __int128>(static_cast<std::uint64_t>(word)) << (place % 32);
       for (auto d = static_cast<std::size_t>(place / 32); shifted != 0; ++d, shifted >>= 32)
         digits[d] += static_cast<std::uint64_t>(shifted & 0xffffffffu);
@@ -78,7 +79,7 @@ COHORT_DECL exact_norm_result exact_norm(std::span<const std::int64_t> words, dt
   exact_norm_result result;
   // A count, in the non-finite bin's first word: each adds 1 to it (a run's count is below 2^16
   // on the host, so its pieces fall there too).
-  result.nonfinite = words[static_cast<std::size_t>(layout.nonfinite_bin() * layout.limbs())];
+  result.nonfinite = words[static_cast<std::size_t>(layout.nonfinite_bin()) * static_cast<std::size_t>(layout.limbs())];
   if (result.nonfinite > 0) {
     result.norm = quiet_nan();
     return result;
@@ -90,7 +91,7 @@ COHORT_DECL exact_norm_result exact_norm(std::span<const std::int64_t> words, dt
   const auto digit = [&](std::size_t below) -> std::uint64_t { return h >= below ? digits[h - below] : 0; };
   const unsigned __int128 window =
       (static_cast<unsigned __int128>(digit(0)) << 64) | (static_cast<unsigned __int128>(digit(1)) << 32) | digit(2);
-  const int width = std::bit_width(digits[h]);  // the highest set bit is window's bit 63 + width
+  const auto width = static_cast<int>(std::bit_width(digits[h]));  // the highest set bit is window's bit 63 + width
   const auto top = static_cast<std::uint64_t>(window >> width);
   bool sticky = (window & ((static_cast<unsigned __int128>(1) << width) - 1)) != 0;
   for (std::size_t d = 0; d + 2 < h && !sticky; ++d) sticky = digits[d] != 0;
