@@ -494,6 +494,15 @@ TEMPLATE_TEST_CASE("reproducible: the exact norm's bins sum every square exactly
 
 // Ranks that hold pieces of other sizes (1 element, most of them, the rest in two calls) and
 // sum their bins by one all-reduce: the integer and the norm's bits of one rank's over all.
+TEST_CASE("reproducible: words that are not a floating type's whole bins are refused, not read as a norm of 0",
+          "[training_state][reproducible]") {
+  const std::vector<std::int64_t> short_words(cohort::detail::exact_squares_words(cohort::dtype::float32) - 1);
+  CHECK_THROWS_WITH(cohort::detail::exact_norm(short_words, cohort::dtype::float32),
+                    Catch::Contains("767 words given, 768 needed"));
+  CHECK_THROWS_WITH(cohort::detail::exact_squares_total(short_words, cohort::dtype::int32),
+                    Catch::Contains("not a floating type"));
+}
+
 TEST_CASE("reproducible: ranks holding uneven pieces sum their exact bins to one rank's norm, bit for bit",
           "[training_state][reproducible][gloo]") {
   const auto x = every_range<float>(10007, false);

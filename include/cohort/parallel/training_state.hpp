@@ -924,7 +924,8 @@ class training_state {
   pool_type staging_pool_;
   std::size_t staging_pool_bytes_ = 0;
   detail::backend_buffer<B> exact_norm_;
-  std::vector<engine_span> engine_spans_;  // noted, not yet on the timeline
+  std::vector<std::int64_t> exact_norm_total_;  // its ranks' sum, read back each step (sized once)
+  std::vector<engine_span> engine_spans_;       // noted, not yet on the timeline
 };
 
 // Here, not with the other bodies: every unit instantiates it with its own loop.

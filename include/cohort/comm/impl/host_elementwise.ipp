@@ -3,6 +3,7 @@
 // <cohort/src.hpp> under COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -156,7 +157,9 @@ void add_exact_squares_of(const T* x, std::size_t count, std::int64_t* words) {
   constexpr std::size_t sets = wide ? 2 : 8;
   constexpr auto bins = static_cast<std::size_t>(layout.bins());
   constexpr std::size_t run = std::size_t{1} << exact_squares_layout::run_bits;
-  std::vector<running> sums(sets * bins);
+  // On the stack (16 KiB for float, 64 KiB for double): this runs per bucket per step, where a
+  // heap allocation each time would be one more cost of the reproducible mode.
+  std::array<running, sets * bins> sums{};
   const auto add = [&](std::size_t set, T value) {
     const auto term = exact_square_of(value);
     sums[set * bins + term.bin] += static_cast<running>(term.significand) * term.significand;

@@ -30,6 +30,9 @@ COHORT_DECL std::string micro_step_disagreement(std::span<const std::int64_t> mi
 // bin 0's, 32-bit digits from the lowest, without leading zeros: the same whatever cut and order
 // filled the bins (their words need not be: a sum's pieces fall where its run cut it).
 COHORT_DECL std::vector<std::uint32_t> exact_squares_total(std::span<const std::int64_t> words, dtype type);
+// Throws std::invalid_argument unless `words` holds `type`'s bins (a floating type's, all of them):
+// exact_squares_total and exact_norm check it, since short or foreign words would read as 0.
+COHORT_DECL void check_exact_squares_words(std::span<const std::int64_t> words, dtype type);
 
 // The global norm from the ranks' summed exact squares (add_exact_squares' bins of `type`,
 // comm/detail/exact_squares.hpp): the bins made one integer, rounded once to 53 bits (to nearest,

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -45,9 +46,17 @@ COHORT_DECL std::string micro_step_disagreement(std::span<const std::int64_t> mi
               std::to_string(micro_steps.size()), " ranks, each holding a run of M / world of them)");
 }
 
+COHORT_DECL void check_exact_squares_words(std::span<const std::int64_t> words, dtype type) {
+  const std::size_t needed = exact_squares_words(type);
+  if (needed == 0 || words.size() < needed)
+    throw std::invalid_argument(text("exact squares of ", to_string(type), ": ", std::to_string(words.size()),
+                                     " words given, ", std::to_string(needed),
+                                     needed == 0 ? " (not a floating type: no bins)" : " needed (its bins)"));
+}
+
 COHORT_DECL std::vector<std::uint32_t> exact_squares_total(std::span<const std::int64_t> words, dtype type) {
   const auto layout = exact_squares_layout_of(type);
-  if (layout.exponent_bits == 0 || words.size() < exact_squares_words(type)) return {};
+  check_exact_squares_words(words, type);
   // 32-bit digits held in 64-bit words: each word's pieces (below 2^32, a few per digit and word)
   // are added where they fall, then the carries moved up once. The places span twice the
   // exponent range, a bin's limbs and the words' 63 bits.
@@ -75,7 +84,7 @@ COHORT_DECL std::vector<std::uint32_t> exact_squares_total(std::span<const std::
 
 COHORT_DECL exact_norm_result exact_norm(std::span<const std::int64_t> words, dtype type) {
   const auto layout = exact_squares_layout_of(type);
-  if (layout.exponent_bits == 0 || words.size() < exact_squares_words(type)) return {};
+  check_exact_squares_words(words, type);
   exact_norm_result result;
   // A count, in the non-finite bin's first word: each adds 1 to it (a run's count is below 2^16
   // on the host, so its pieces fall there too).

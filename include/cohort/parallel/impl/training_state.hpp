@@ -305,7 +305,10 @@ void training_state<B, P, G>::allocate_buffers() {
   }
   allocate_zeroed<double>(stats_, 2);  // the non-finite count and this step's sum of squares
   // Reproducible: the exact norm's bins (comm/detail/exact_squares.hpp).
-  if (options_.reproducible) allocate_zeroed<std::int64_t>(exact_norm_, detail::exact_squares_words(dtype_v<G>));
+  if (options_.reproducible) {
+    allocate_zeroed<std::int64_t>(exact_norm_, detail::exact_squares_words(dtype_v<G>));
+    exact_norm_total_.resize(detail::exact_squares_words(dtype_v<G>));
+  }
   group_->backend().record().wait();
 }
 
@@ -1521,9 +1524,8 @@ void training_state<B, P, G>::measure_exactly(step_result& result) {
   const std::size_t words = detail::exact_squares_words(dtype_v<G>);
   auto* bins = exact_norm_.template as<std::int64_t>();
   if (world() > 1) group_->all_reduce(std::span<std::int64_t>(bins, words), op::sum);
-  std::vector<std::int64_t> total(words);
-  engine.copy(total.data(), bins, words * sizeof(std::int64_t)).wait();
-  const auto exact = detail::exact_norm(total, dtype_v<G>);
+  engine.copy(exact_norm_total_.data(), bins, words * sizeof(std::int64_t)).wait();
+  const auto exact = detail::exact_norm(exact_norm_total_, dtype_v<G>);
   result.nonfinite = exact.nonfinite;
   result.grad_norm = exact.norm / result.loss_scale;  // NaN stays NaN
 }
