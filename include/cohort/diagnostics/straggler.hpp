@@ -191,7 +191,9 @@ class slowdown_watch {
 // times N (the whole global batch computed on one rank, with no communication to wait for);
 // the N-rank throughput against it is that estimate over the measured N-rank step. It
 // assumes compute scales with the batch and leaves out the optimizer's share, which one rank
-// pays too (it is in step()'s time: counted as waiting here).
+// pays too (it is in step()'s time: counted as waiting here). From CPU time, ranks that share
+// a core (more ranks than cores) read high: each one preempted mid-compute refills its caches
+// (+5% at 4 rank threads on 2 cores, docs/benchmarks.md).
 struct scaling_verdict {
   int world = 0;
   double step_ms = 0;           // the median rank's mean step
