@@ -25,6 +25,16 @@
 //       units using the list's specializations only never see those bodies. Header-only it
 //       changes nothing.
 //
+//   COHORT_COLD  on the declaration of a function compiled in src.hpp that most units of the
+//       umbrella never call (the checkpoint's files and index): `template <class = void>`
+//       header-only, nothing when separately compiled; COHORT_COLD_BODY on its definition in
+//       impl/*.ipp (`template <class>` and nothing). Header-only, an inline body is analysed in
+//       every unit that includes it, and every template it uses (containers' members, string
+//       building) is instantiated there, called or not; a function template's body is only
+//       parsed until a unit calls it. Callers write `f(x)` as before; what they cannot do is
+//       take its address or declare it again. Compiled once, nothing changes: src.hpp compiles
+//       plain functions.
+//
 // Gloo needs no macro: wherever <gloo/context.h> is found (__has_include), the umbrella header
 // brings the Gloo backend and src.hpp compiles it; link cohort::gloo (or -lgloo).
 //
@@ -38,4 +48,12 @@
 #define COHORT_DECL
 #else
 #define COHORT_DECL inline
+#endif
+
+#if defined(COHORT_SEPARATE_COMPILATION)
+#define COHORT_COLD
+#define COHORT_COLD_BODY
+#else
+#define COHORT_COLD template <class = void>
+#define COHORT_COLD_BODY template <class>
 #endif
