@@ -25,6 +25,21 @@
 //       units using the list's specializations only never see those bodies. Header-only it
 //       changes nothing.
 //
+//   COHORT_COLD  on the declaration of a function compiled in src.hpp that a unit of the
+//       umbrella need not call (the checkpoint's files and index, the Gloo engine, the failure
+//       reports, the straggler report, the launched half of run_ranks and connect_store):
+//       `template <class = void>` header-only, nothing when separately compiled;
+//       COHORT_COLD_BODY on its definition in impl/*.ipp (`template <class>`, and nothing).
+//       Header-only, an inline body is analysed in every unit that includes it, and every
+//       template it uses (containers' members, shared_ptr's, string building, Gloo's) is
+//       instantiated there, called or not; a function template's body is only parsed until a
+//       unit calls it (g++ and clang both defer). Callers write `f(x)` as before, and
+//       `&f` where the target type is known (a member pointer); a second declaration of the
+//       function, or `auto p = &f`, does not compile header-only. Virtual functions and
+//       destructors cannot be cold, and what a non-template body calls is instantiated where
+//       that body is: a cold chain starts at a constructor or a free function. Compiled once,
+//       nothing changes: src.hpp compiles plain functions.
+//
 // Gloo needs no macro: wherever <gloo/context.h> is found (__has_include), the umbrella header
 // brings the Gloo backend and src.hpp compiles it; link cohort::gloo (or -lgloo).
 //
@@ -38,4 +53,12 @@
 #define COHORT_DECL
 #else
 #define COHORT_DECL inline
+#endif
+
+#if defined(COHORT_SEPARATE_COMPILATION)
+#define COHORT_COLD
+#define COHORT_COLD_BODY
+#else
+#define COHORT_COLD template <class = void>
+#define COHORT_COLD_BODY template <class>
 #endif

@@ -186,28 +186,28 @@ class gloo {
     work(std::shared_ptr<worker_type> worker, std::uint64_t seq) : worker_(std::move(worker)), seq_(seq) {}
 
     // True when complete; rethrows the failure of a failed operation.
-    COHORT_DECL bool test() const;
+    COHORT_COLD bool test() const;
     // Blocks until complete. Engine operations are bounded by the group's timeout, so this
     // returns or throws within it.
-    COHORT_DECL void wait() const;
+    COHORT_COLD void wait() const;
     // False when still running after `timeout`.
-    COHORT_DECL bool wait_for(std::chrono::milliseconds timeout) const;
+    COHORT_COLD bool wait_for(std::chrono::milliseconds timeout) const;
     std::uint64_t sequence() const noexcept { return seq_; }
     // The caller's order waits for this work: on the host, the calling thread blocks.
-    void make_stream_wait(stream_type) const { wait(); }
+    COHORT_COLD void make_stream_wait(stream_type) const { wait(); }
 
    private:
-    COHORT_DECL void rethrow_failure() const;
+    COHORT_COLD void rethrow_failure() const;
     std::shared_ptr<worker_type> worker_;
     std::uint64_t seq_ = 0;
   };
 
   // Rendezvous through `store` (keys under the store's own prefix) and connect a full mesh.
-  COHORT_DECL gloo(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts);
+  COHORT_COLD gloo(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts);
 
   // A new context over an existing device (subgroups): `world_ranks`, the world rank of each
   // of its ranks in order (its size), is what its messages name them by.
-  COHORT_DECL gloo(const gloo& parent, std::shared_ptr<cohort::store> store, int rank, std::vector<int> world_ranks);
+  COHORT_COLD gloo(const gloo& parent, std::shared_ptr<cohort::store> store, int rank, std::vector<int> world_ranks);
 
   gloo(const gloo&) = delete;
   gloo& operator=(const gloo&) = delete;
@@ -217,7 +217,7 @@ class gloo {
   // Subgroup of a split (process_group::split did the bookkeeping): a new Gloo context over
   // the same device, rendezvousing under the subgroup's store prefix. `members`: the parent's
   // rank of each of its ranks, in order.
-  COHORT_DECL static std::unique_ptr<gloo> split(gloo& parent, std::shared_ptr<cohort::store> sub_store, int color,
+  COHORT_COLD static std::unique_ptr<gloo> split(gloo& parent, std::shared_ptr<cohort::store> sub_store, int color,
                                                  int /*key*/, int new_rank, const std::vector<int>& members);
 
   int rank() const noexcept { return rank_; }
@@ -231,7 +231,7 @@ class gloo {
   const flight_recorder& recorder() const noexcept { return recorder_; }
   // Writes the flight recorder to `directory` now (as a failure does when trace_dir is set);
   // returns the file's path, empty when it could not be written.
-  [[gnu::cold]] COHORT_DECL std::string write_trace(const std::string& directory, std::string_view reason) const;
+  COHORT_COLD [[gnu::cold]] std::string write_trace(const std::string& directory, std::string_view reason) const;
   // Cross-rank checks of point-to-point pairs (process_group::set_debug_checks sets this).
   void set_debug_checks(bool on) noexcept { debug_checks_.store(on, std::memory_order_relaxed); }
   // The context recorded with each call issued from now on (process_group::call_context).
@@ -243,32 +243,32 @@ class gloo {
   bool uses_shared_memory() const noexcept { return shared_memory_ != nullptr; }
 
   // --- collectives (type-erased; process_group<gloo> adds the typed, checked surface) -----
-  work all_reduce(const void* in, void* out, std::size_t count, dtype type, op reduce) {
+  COHORT_COLD work all_reduce(const void* in, void* out, std::size_t count, dtype type, op reduce) {
     return submit(task(task_kind::all_reduce, type, reduce, in, out, count));
   }
-  work reduce_scatter(const void* in, void* out, std::size_t count_per_rank, dtype type, op reduce) {
+  COHORT_COLD work reduce_scatter(const void* in, void* out, std::size_t count_per_rank, dtype type, op reduce) {
     return submit(task(task_kind::reduce_scatter, type, reduce, in, out, count_per_rank));
   }
-  work all_gather(const void* in, void* out, std::size_t count_per_rank, dtype type) {
+  COHORT_COLD work all_gather(const void* in, void* out, std::size_t count_per_rank, dtype type) {
     return submit(task(task_kind::all_gather, type, op::sum, in, out, count_per_rank));
   }
-  work broadcast(void* data, std::size_t count, dtype type, int root) {
+  COHORT_COLD work broadcast(void* data, std::size_t count, dtype type, int root) {
     return submit(task(task_kind::broadcast, type, op::sum, nullptr, data, count, root));
   }
-  work all_to_all(const void* in, void* out, std::size_t count_per_rank, dtype type) {
+  COHORT_COLD work all_to_all(const void* in, void* out, std::size_t count_per_rank, dtype type) {
     return submit(task(task_kind::all_to_all, type, op::sum, in, out, count_per_rank));
   }
   // Point-to-point operations are posted in issue order on the group's worker, after every
   // earlier call, and never block it: a blocking send in the queue would deadlock a ring of
   // ranks that all send before they receive. A second worker waits for their completion, in
   // posting order; the returned work completes when the peer has matched the operation.
-  work send(const void* data, std::size_t count, dtype type, int peer, std::uint64_t tag) {
+  COHORT_COLD work send(const void* data, std::size_t count, dtype type, int peer, std::uint64_t tag) {
     return post(task(task_kind::send, type, op::sum, data, nullptr, count, peer, tag));
   }
-  work recv(void* data, std::size_t count, dtype type, int peer, std::uint64_t tag) {
+  COHORT_COLD work recv(void* data, std::size_t count, dtype type, int peer, std::uint64_t tag) {
     return post(task(task_kind::recv, type, op::sum, nullptr, data, count, peer, tag));
   }
-  work barrier() { return submit(task(task_kind::barrier)); }
+  COHORT_COLD work barrier() { return submit(task(task_kind::barrier)); }
   // Grouped calls (process_group::grouped): the worker runs calls one after another in
   // issue order anyway, so a group changes nothing on Gloo.
   void group_start() noexcept {}
@@ -276,9 +276,9 @@ class gloo {
 
   // --- ordering and memory: what algorithms written once over any backend need ----------
   // Runs fn on the worker after everything queued before it (host "kernels").
-  COHORT_DECL work enqueue(std::function<void()> fn);
+  COHORT_COLD work enqueue(std::function<void()> fn);
   // Completes when everything queued so far has completed.
-  work record() { return submit(task(task_kind::function)); }
+  COHORT_COLD work record() { return submit(task(task_kind::function)); }
   // The group's own order, as a stream: the worker (make_stream_wait on it blocks).
   stream_type stream() const noexcept { return nullptr; }
   // Later work waits for what the caller queued: on the host the caller's work is done
@@ -289,77 +289,77 @@ class gloo {
   static void deallocate(void* pointer, std::size_t /*bytes*/) noexcept {
     ::operator delete (pointer, std::align_val_t{64});
   }
-  COHORT_DECL work copy(void* destination, const void* source, std::size_t bytes);
+  COHORT_COLD work copy(void* destination, const void* source, std::size_t bytes);
 
  private:
   using task_kind = detail::gloo_task::kind;
 
   // Chooses the address to listen on (detail::choose_listen_address) into `address`; asks
   // `rendezvous` where the other nodes reached this host where MASTER_ADDR cannot say.
-  COHORT_DECL static std::shared_ptr<::gloo::transport::Device> make_device(const launch_env& env, const options& opts,
+  COHORT_COLD static std::shared_ptr<::gloo::transport::Device> make_device(const launch_env& env, const options& opts,
                                                                             cohort::store& rendezvous,
                                                                             std::string& address);
 
   // The rendezvous: publishes this rank's pair addresses, reads every rank's with one
   // multi_get, and connects the full mesh (connect_mesh), all within options.timeout.
-  COHORT_DECL void connect(std::shared_ptr<cohort::store> store);
-  COHORT_DECL void connect_mesh(::gloo::transport::Context& transport, std::chrono::steady_clock::time_point deadline);
+  COHORT_COLD void connect(std::shared_ptr<cohort::store> store);
+  COHORT_COLD void connect_mesh(::gloo::transport::Context& transport, std::chrono::steady_clock::time_point deadline);
   // Keeps shared_memory_ where every rank is on this host and mapped every peer's segment
   // (they agree over the mesh); drops it otherwise, on every rank alike.
-  COHORT_DECL void agree_on_shared_memory(const detail::gloo_peer& mine);
+  COHORT_COLD void agree_on_shared_memory(const detail::gloo_peer& mine);
   // The address `peer` published for its pair with this rank (Gloo's bytes).
-  COHORT_DECL std::vector<char> peer_pair_address(int peer) const;
+  COHORT_COLD std::vector<char> peer_pair_address(int peer) const;
   // "rank 3 published 10.0.0.4 (host node1, pid 812, its pair for this rank at [10.0.0.4]:40123)";
   // a subgroup's "world rank 3 (group rank 1) published ...".
-  [[gnu::cold]] COHORT_DECL std::string describe_peer(int peer) const;
-  COHORT_DECL void start_watchdog();
+  COHORT_COLD [[gnu::cold]] std::string describe_peer(int peer) const;
+  COHORT_COLD void start_watchdog();
   // The watchdog's check: the progress monitor on the call that waits (a disagreement ends
   // it), then a failed call no wait or test reported within `timeout` (the failure it acts on).
-  COHORT_DECL std::exception_ptr watch();
+  COHORT_COLD std::exception_ptr watch();
   // The job's collided mark, read at most every collision_check_interval (a job's first group
   // only): the collision's error once found, else null (a store out of reach included).
-  COHORT_DECL std::exception_ptr job_collision();
-  COHORT_DECL std::exception_ptr unreported_failure() const;
+  COHORT_COLD std::exception_ptr job_collision();
+  COHORT_COLD std::exception_ptr unreported_failure() const;
   // This rank's status now (issued and completed collectives), for the status board.
   COHORT_DECL detail::rank_status status(detail::rank_activity activity) const;
   // Ends every wait on this group's connections, here and on the peers (which see them close),
   // by shutting its sockets down: Gloo offers no abort of a running collective.
-  COHORT_DECL void abort_transport() noexcept;
+  COHORT_COLD void abort_transport() noexcept;
 
-  COHORT_DECL static detail::gloo_task task(task_kind what, dtype type = dtype::uint8, op reduce = op::sum,
+  COHORT_COLD static detail::gloo_task task(task_kind what, dtype type = dtype::uint8, op reduce = op::sum,
                                             const void* in = nullptr, void* out = nullptr, std::size_t count = 0,
                                             int peer = 0, std::uint64_t tag = 0);
 
-  COHORT_DECL work submit(detail::gloo_task queued);
+  COHORT_COLD work submit(detail::gloo_task queued);
 
-  COHORT_DECL work post(detail::gloo_task operation);
+  COHORT_COLD work post(detail::gloo_task operation);
 
-  COHORT_DECL static call_record as_call(const detail::gloo_task& task);
-  COHORT_DECL static std::string describe(const detail::gloo_task& task);
+  COHORT_COLD static call_record as_call(const detail::gloo_task& task);
+  COHORT_COLD static std::string describe(const detail::gloo_task& task);
 
-  COHORT_DECL void run(detail::gloo_task& task);
+  COHORT_COLD void run(detail::gloo_task& task);
   // The cohort error a failed engine call becomes, naming the call and the rank at fault.
-  [[gnu::cold]] COHORT_DECL std::exception_ptr explain(const detail::gloo_task& task, std::exception_ptr raised);
+  COHORT_COLD [[gnu::cold]] std::exception_ptr explain(const detail::gloo_task& task, std::exception_ptr raised);
   // The first failure of the group writes its flight recorder (when trace_dir is set).
-  [[gnu::cold]] COHORT_DECL void keep_trace(const std::exception_ptr& failure);
+  COHORT_COLD [[gnu::cold]] void keep_trace(const std::exception_ptr& failure);
   // COHORT_DEBUG: both sides of a point-to-point pair publish what they move; the
   // completion (never the caller: a ring of sends would deadlock) compares them.
-  COHORT_DECL std::string p2p_debug_key(const detail::gloo_task& task, bool mine) const;
-  COHORT_DECL void check_p2p_pair(const detail::gloo_task& task);
+  COHORT_COLD std::string p2p_debug_key(const detail::gloo_task& task, bool mine) const;
+  COHORT_COLD void check_p2p_pair(const detail::gloo_task& task);
 
-  COHORT_DECL void execute(detail::gloo_task& task);
+  COHORT_COLD void execute(detail::gloo_task& task);
 
   // The collectives for elements of sizeof(T) bytes (T: detail::element_bytes<N>).
   template <class T>
   void execute_sized(detail::gloo_task& task);
   // A 16-bit float's all-reduce sum or average (detail::rank_order_sum_function): every
   // contribution in rank order, added in float, rounded once.
-  COHORT_DECL void all_reduce_in_rank_order(detail::gloo_task& task);
+  COHORT_COLD void all_reduce_in_rank_order(detail::gloo_task& task);
   // The bulk collectives through shared_memory_; false for the others, which stay on Gloo.
-  COHORT_DECL bool execute_in_shared_memory(detail::gloo_task& task);
+  COHORT_COLD bool execute_in_shared_memory(detail::gloo_task& task);
   // The error a failed transport call becomes (Gloo's I/O failure, or shared memory's):
   // the monitor's verdict, the culprit, and whether it timed out.
-  [[gnu::cold]] COHORT_DECL std::exception_ptr explain_transport_failure(const detail::gloo_task& task,
+  COHORT_COLD [[gnu::cold]] std::exception_ptr explain_transport_failure(const detail::gloo_task& task,
                                                                          const std::string& what, bool timed_out);
 
   // Gloo matches messages by slot, and a message larger than the receiver expects aborts
@@ -367,26 +367,26 @@ class gloo {
   // dtype, count, op, root) and from its sequence number makes mismatched calls use
   // different slots: they never match, and the mismatch surfaces as an error on every rank
   // instead of a crash, or of call n on one rank meeting call n+1 of another.
-  COHORT_DECL static std::uint64_t signature(const detail::gloo_task& task);
+  COHORT_COLD static std::uint64_t signature(const detail::gloo_task& task);
   static std::uint32_t collective_tag(const detail::gloo_task& task) {
     return static_cast<std::uint32_t>(signature(task) & 0x7fffffffu);
   }
 
-  [[gnu::cold]] [[noreturn]] COHORT_DECL void throw_timeout(const detail::gloo_task& task);
+  COHORT_COLD [[gnu::cold]] [[noreturn]] void throw_timeout(const detail::gloo_task& task);
 
   // After a call failed: who is at fault (detail::name_the_culprit for collectives; a
   // point-to-point call whose connection closed names its peer).
-  [[gnu::cold]] COHORT_DECL std::string name_the_culprit(const detail::gloo_task& task, bool connection_lost);
+  COHORT_COLD [[gnu::cold]] std::string name_the_culprit(const detail::gloo_task& task, bool connection_lost);
   // What `peer` is, without its help (for a rank that sent no failure report): its process
   // on this host and the state of its pair; asked before abort_transport closes the pairs.
-  COHORT_DECL detail::peer_status probe_peer(int peer) const;
+  COHORT_COLD detail::peer_status probe_peer(int peer) const;
   // Whether a remote peer's host answers a connection attempt (unreachable, or alive).
-  COHORT_DECL detail::peer_status probe_host(int peer) const;
+  COHORT_COLD detail::peer_status probe_host(int peer) const;
   // Which ranks never published their rendezvous address (a rendezvous that timed out).
-  [[gnu::cold]] COHORT_DECL std::string missing_at_rendezvous(cohort::store& store) const;
+  COHORT_COLD [[gnu::cold]] std::string missing_at_rendezvous(cohort::store& store) const;
   // " (world of 4; this rank published 10.0.0.1)", a subgroup's " (group of 2; ...)": what the
   // rendezvous' errors add.
-  [[gnu::cold]] COHORT_DECL std::string rendezvous_context() const;
+  COHORT_COLD [[gnu::cold]] std::string rendezvous_context() const;
 
   // Point-to-point slots carry the user tag and the message size (see signature), in a
   // range of their own, away from the slots Gloo's collectives use.
@@ -394,7 +394,7 @@ class gloo {
     return (1ull << 63) | (signature(task) >> 1);
   }
 
-  COHORT_DECL std::vector<std::byte>& scratch_bytes(std::size_t bytes);
+  COHORT_COLD std::vector<std::byte>& scratch_bytes(std::size_t bytes);
 
   int rank_;
   int size_;

@@ -129,16 +129,16 @@ struct straggler_summary {
   bool host_clock_only = false;             // device backend: waits are host time (see the top)
 
   // The stats of `rank`, or nullptr when it did not report.
-  COHORT_DECL const straggler_rank_stats* find(int rank) const noexcept;
+  COHORT_COLD const straggler_rank_stats* find(int rank) const noexcept;
 };
 
 // Pure: the spreads, the slowest rank and its margin, from the ranks' stats (any order).
-COHORT_DECL straggler_summary summarize_stragglers(std::uint64_t first_step, std::uint64_t last_step, int world,
+COHORT_COLD straggler_summary summarize_stragglers(std::uint64_t first_step, std::uint64_t last_step, int world,
                                                    std::vector<straggler_rank_stats> ranks,
                                                    std::vector<int> missing = {});
 
 // The one line rank 0 prints (no newline).
-[[gnu::cold]] COHORT_DECL std::string format_straggler_report(const straggler_summary& summary);
+COHORT_COLD [[gnu::cold]] std::string format_straggler_report(const straggler_summary& summary);
 
 // A run that says when it slows: rank 0 compares each window with a baseline of the first
 // windows and writes ONE line when, for `sustained` windows in a row, either one rank computes
@@ -170,7 +170,7 @@ struct slowdown_finding {
 class slowdown_watch {
  public:
   explicit slowdown_watch(slowdown_options options = {}) : options_(options) {}
-  COHORT_DECL std::optional<slowdown_finding> observe(const straggler_summary& window);
+  COHORT_COLD std::optional<slowdown_finding> observe(const straggler_summary& window);
   bool has_baseline() const noexcept { return baseline_count_ >= options_.baseline_windows; }
 
  private:
@@ -205,8 +205,8 @@ struct scaling_verdict {
   double slowest_over_median_ms = 0;
   std::string advice;  // what to try, when communication is exposed
 };
-COHORT_DECL scaling_verdict scaling_verdict_of(const straggler_summary& run);
-[[gnu::cold]] COHORT_DECL std::string format_scaling_verdict(const scaling_verdict& verdict);
+COHORT_COLD scaling_verdict scaling_verdict_of(const straggler_summary& run);
+COHORT_COLD [[gnu::cold]] std::string format_scaling_verdict(const scaling_verdict& verdict);
 
 struct straggler_options {
   // Steps per window; 0 turns the report off (no clock is read, nothing is exchanged).
@@ -250,7 +250,7 @@ class straggler_report {
     if constexpr (requires { Group::space; }) host_clock_only_ = Group::space == memory_space::device;
   }
   // Over any store shared by `world` ranks.
-  COHORT_DECL straggler_report(std::shared_ptr<store> exchange, int rank, int world, straggler_options options = {});
+  COHORT_COLD straggler_report(std::shared_ptr<store> exchange, int rank, int world, straggler_options options = {});
 
   straggler_report(const straggler_report&) = delete;
   straggler_report& operator=(const straggler_report&) = delete;
@@ -273,7 +273,7 @@ class straggler_report {
   // cpu_time_compute: the training thread's CPU clock (ns), which the state reads around its
   // waits, and the CPU time it spent in them (the training thread only).
   bool times_cpu() const noexcept { return enabled() && options_.cpu_time_compute && !host_clock_only_; }
-  COHORT_DECL static std::int64_t thread_cpu_ns() noexcept;
+  COHORT_COLD static std::int64_t thread_cpu_ns() noexcept;
   void add_wait_cpu(std::int64_t ns) noexcept { wait_cpu_ns_ += ns; }
   // Waits for `done` (any work handle: done.wait()) and counts the time as a wait.
   template <class Work>
@@ -297,11 +297,11 @@ class straggler_report {
   // At the end of training, on every rank: publishes the steps since the last window, then
   // rank 0 waits (each window at most the timeout after it was published) for every window
   // still pending and reports it, naming ranks that never reported. Other ranks return at once.
-  COHORT_DECL void flush();
+  COHORT_COLD void flush();
 
   // Rank 0: every window reported so far as one (the means over their steps, per rank);
   // empty before the first report and on other ranks. What the scaling verdict reads.
-  COHORT_DECL std::optional<straggler_summary> run_summary() const;
+  COHORT_COLD std::optional<straggler_summary> run_summary() const;
   // Rank 0: the latest window's summary (empty before the first, and on other ranks).
   const std::optional<straggler_summary>& latest() const noexcept { return latest_; }
   // This rank's own numbers for its latest published window.
@@ -318,14 +318,14 @@ class straggler_report {
     straggler_rank_stats own;
   };
 
-  COHORT_DECL void step_boundary(clock::time_point now);
-  COHORT_DECL void publish(clock::time_point now);
-  COHORT_DECL void collect(bool blocking);
-  COHORT_DECL void report(const pending_window& window, std::vector<straggler_rank_stats> ranks,
+  COHORT_COLD void step_boundary(clock::time_point now);
+  COHORT_COLD void publish(clock::time_point now);
+  COHORT_COLD void collect(bool blocking);
+  COHORT_COLD void report(const pending_window& window, std::vector<straggler_rank_stats> ranks,
                           std::vector<int> missing);
-  COHORT_DECL void stop(const std::string& what);
-  COHORT_DECL std::string key(std::uint64_t window, int rank) const;
-  COHORT_DECL std::chrono::milliseconds exchange_timeout() const;
+  COHORT_COLD void stop(const std::string& what);
+  COHORT_COLD std::string key(std::uint64_t window, int rank) const;
+  COHORT_COLD std::chrono::milliseconds exchange_timeout() const;
 
   // &straggler_report::step_boundary, set by the constructor. end_step reaches the window's
   // work (publishing, rank 0's collecting and report) through it, so that header-only a

@@ -162,7 +162,7 @@ struct pending_checkpoint;
 class checkpoint_staging {
  public:
   checkpoint_staging() = default;
-  explicit checkpoint_staging(std::size_t bytes);
+  COHORT_COLD explicit checkpoint_staging(std::size_t bytes);
   checkpoint_staging(checkpoint_staging&& other) noexcept;
   checkpoint_staging& operator=(checkpoint_staging&& other) noexcept;
   ~checkpoint_staging();
@@ -262,19 +262,19 @@ std::optional<checkpoint_info> resume_checkpoint(training_state<B, P, G>& state,
 // The newest committed checkpoint in `directory`: DIR/step-<N> with a cohort index, largest N
 // (in a directory cohort saved to, with any manifest.json: one whose index cannot be read is
 // damaged, which verify and load then say).
-std::optional<std::string> newest_checkpoint(const std::string& directory);
+COHORT_COLD std::optional<std::string> newest_checkpoint(const std::string& directory);
 
 // Reads every byte of the checkpoint at `checkpoint` (file after file, a few MiB at a time)
 // and checks the index and every block's checksum; the bytes read. A damaged one is a
 // checkpoint_damaged_error naming the file (and, for a block, the rank that wrote it).
-std::uint64_t verify_checkpoint(const std::string& checkpoint);
+COHORT_COLD std::uint64_t verify_checkpoint(const std::string& checkpoint);
 
 // The checkpoint's parameters (the masters, as saved), whatever world size wrote them, as one
 // safetensors file (an 8-byte little-endian header length, a JSON header naming each tensor's
 // dtype, shape and data offsets, the raw data): one tensor per region, named and shaped as the
 // region. Written atomically (a temporary sibling, fsynced, renamed). Checksums verified on
 // the way.
-void consolidate_checkpoint(const std::string& checkpoint, const std::string& safetensors_path);
+COHORT_COLD void consolidate_checkpoint(const std::string& checkpoint, const std::string& safetensors_path);
 
 namespace detail {
 
@@ -332,17 +332,17 @@ struct checkpoint_index_limits {
 
 // The index's text: the members in a fixed order, then a last member "index_checksum", the
 // block checksum of every byte before its line.
-std::string checkpoint_manifest_json(const checkpoint_manifest& manifest);
+COHORT_COLD std::string checkpoint_manifest_json(const checkpoint_manifest& manifest);
 // The index of the checkpoint at `checkpoint`, verified (its checksum, then every field
 // against the others: files by rank, segments tiling each region once and each file's bytes
 // exactly, counts, shapes, sizes, names) before it is returned; a missing, special, oversized
 // or malformed one is a checkpoint_damaged_error naming the path. `operation` names the caller
 // in the error.
-checkpoint_manifest read_checkpoint_manifest(const std::string& checkpoint, int rank,
-                                             std::string_view operation = "load_checkpoint");
+COHORT_COLD checkpoint_manifest read_checkpoint_manifest(const std::string& checkpoint, int rank,
+                                                         std::string_view operation = "load_checkpoint");
 // The same from the index's text, which `path` names in errors.
-checkpoint_manifest parse_checkpoint_manifest(std::string_view text, const std::string& path, int rank,
-                                              std::string_view operation);
+COHORT_COLD checkpoint_manifest parse_checkpoint_manifest(std::string_view text, const std::string& path, int rank,
+                                                          std::string_view operation);
 
 // The index's version and its block checksums' kind: an index of another is refused by name.
 // Version 1 kept FNV-1a block checksums; version 2 no checksum of the index itself and each
@@ -363,17 +363,18 @@ inline constexpr const char* checkpoint_checksum_kind = "linear32";
 // missed, change it always within a chunk and elsewhere for all but about one pair of
 // positions in 2^33. The inner loop is a 32x32->64 multiply-add, which vectorises: faster
 // than FNV's serial chain.
-std::uint64_t checkpoint_checksum(const void* data, std::size_t bytes) noexcept;
+COHORT_COLD std::uint64_t checkpoint_checksum(const void* data, std::size_t bytes) noexcept;
 // `bytes` bytes that lie at offset `at` of their block: their part of the sum.
-std::uint64_t checkpoint_checksum_part(const void* data, std::uint64_t at, std::size_t bytes) noexcept;
+COHORT_COLD std::uint64_t checkpoint_checksum_part(const void* data, std::uint64_t at, std::size_t bytes) noexcept;
 // The block's checksum from its parts' sum and its length.
-std::uint64_t checkpoint_checksum_finish(std::uint64_t parts, std::uint64_t bytes) noexcept;
-std::uint64_t checkpoint_file_checksum(const std::vector<std::uint64_t>& blocks, std::uint64_t bytes) noexcept;
+COHORT_COLD std::uint64_t checkpoint_checksum_finish(std::uint64_t parts, std::uint64_t bytes) noexcept;
+COHORT_COLD std::uint64_t checkpoint_file_checksum(const std::vector<std::uint64_t>& blocks,
+                                                   std::uint64_t bytes) noexcept;
 
-std::string checkpoint_file_name(int rank);            // rank-00003.bin
-std::string checkpoint_step_name(std::uint64_t step);  // step-<N>
+COHORT_COLD std::string checkpoint_file_name(int rank);            // rank-00003.bin
+COHORT_COLD std::string checkpoint_step_name(std::uint64_t step);  // step-<N>
 // DIR/.cohort/staging-<N>-<nonce>: cohort's own folder holds every save in progress.
-std::string checkpoint_staging_path(const std::string& directory, std::uint64_t step, std::uint64_t nonce);
+COHORT_COLD std::string checkpoint_staging_path(const std::string& directory, std::uint64_t step, std::uint64_t nonce);
 
 // DIR's committed checkpoints, by step, and what looks like one without being cohort's
 // (step-* names that are not a canonical step number, or hold no manifest.json, or, where DIR
@@ -383,20 +384,20 @@ struct checkpoint_listing {
   std::vector<std::pair<std::uint64_t, std::string>> committed;  // step, DIR/step-<N>; oldest first
   std::vector<std::string> ignored;                              // "DIR/name: why"
 };
-checkpoint_listing list_checkpoints(const std::string& directory);
+COHORT_COLD checkpoint_listing list_checkpoints(const std::string& directory);
 
 // DIR made, with its parents, where missing; a failure is the error_code's message, empty on
 // success. Compiled with the rest, so the checkpoint templates need not include <filesystem>.
-std::string create_checkpoint_directory(const std::string& directory);
+COHORT_COLD std::string create_checkpoint_directory(const std::string& directory);
 // 64 bits from std::random_device: a staging directory's nonce, a run's id.
-std::uint64_t random_checkpoint_bits();
+COHORT_COLD std::uint64_t random_checkpoint_bits();
 // Rank 0 of a job that saves to or resumes from DIR: DIR/.cohort made, its lock taken (or
 // found held by this process already). Another process holding it is a cohort::error naming
 // it: its host, pid, program and since when. The lock is held until the process ends.
 // `required` false (a resume): a DIR this process cannot write is not locked (a warning, and
 // false): no job of this user can change it.
-bool lock_checkpoint_directory(const std::string& directory, int rank, std::string_view operation,
-                               bool required = true);
+COHORT_COLD bool lock_checkpoint_directory(const std::string& directory, int rank, std::string_view operation,
+                                           bool required = true);
 // A resume's start on the job's rank 0: DIR made (so that its lock holds from the start of
 // the job), its lock taken where DIR is writable, what the listing ignores warned of, and the
 // committed steps, newest first. Compiled with the rest: the resume template, which every
@@ -405,26 +406,28 @@ struct resume_candidates {
   std::vector<std::uint64_t> newest_first;
   bool locked = false;  // DIR is this job's to write
 };
-resume_candidates open_checkpoints_for_resume(const std::string& directory, int rank, std::string_view operation);
+COHORT_COLD resume_candidates open_checkpoints_for_resume(const std::string& directory, int rank,
+                                                          std::string_view operation);
 // The run a checkpoint directory belongs to: DIR/.cohort/run (16 hex digits), made at the
 // first save into DIR and kept across the run's relaunches; empty where there is none yet.
-std::string read_checkpoint_run(const std::string& directory);
+COHORT_COLD std::string read_checkpoint_run(const std::string& directory);
 // Rank 0 holding DIR's lock: DIR/.cohort/run, written as `run` (a fresh random one when empty)
 // where there is none yet; the run it holds.
-std::string claim_checkpoint_run(const std::string& directory, int rank, std::string_view operation,
-                                 const std::string& run = {});
+COHORT_COLD std::string claim_checkpoint_run(const std::string& directory, int rank, std::string_view operation,
+                                             const std::string& run = {});
 // The launcher's job id of this process's job (launch_env::run_id); empty without one.
-std::string launcher_job_id();
+COHORT_COLD std::string launcher_job_id();
 // The leader of a resume, once `checkpoint` (DIR/step-<N>) loaded as `loaded`: is it DIR's
 // run's? Another run's is a checkpoint_mismatch_error naming both runs and the job that saved
 // it, or, `refuse_other_run` false, a warning; one older than run ids is a note. A DIR without
 // a run yet takes the checkpoint's (where `locked`: DIR is this job's), so the run keeps it.
-void check_checkpoint_run(const std::string& directory, const std::string& checkpoint, const checkpoint_info& loaded,
-                          bool locked, bool refuse_other_run, int rank);
+COHORT_COLD void check_checkpoint_run(const std::string& directory, const std::string& checkpoint,
+                                      const checkpoint_info& loaded, bool locked, bool refuse_other_run, int rank);
 // Rank 0, before a save: DIR created and locked, what interrupted saves and prunes left in
 // DIR/.cohort removed, the staging directory created; the directory's run (claimed). A
 // DIR/step-<step> that is not a cohort checkpoint is refused (never replaced).
-std::string begin_checkpoint(const std::string& directory, const std::string& staging, std::uint64_t step, int rank);
+COHORT_COLD std::string begin_checkpoint(const std::string& directory, const std::string& staging, std::uint64_t step,
+                                         int rank);
 // One rank's file, written as it streams in: created by the constructor, appended chunk by
 // chunk (each a whole number of blocks but the last; its write-back started at once, so the
 // final fsync finds little left), finished by fsync and close. A failure is a cohort::error
@@ -433,18 +436,19 @@ class checkpoint_file_writer {
  public:
   // `failed_errno` receives the errno of a failure, for the other ranks' errors. `operation`
   // and `hint` are what a failure names: each caller knows what is left intact when it fails.
-  checkpoint_file_writer(std::string path, std::size_t block_bytes, int rank, int& failed_errno,
-                         std::string_view operation = "save_checkpoint",
-                         std::string_view hint = "free space or fix permissions; the previous checkpoint is intact");
+  COHORT_COLD checkpoint_file_writer(
+      std::string path, std::size_t block_bytes, int rank, int& failed_errno,
+      std::string_view operation = "save_checkpoint",
+      std::string_view hint = "free space or fix permissions; the previous checkpoint is intact");
   checkpoint_file_writer(const checkpoint_file_writer&) = delete;
   checkpoint_file_writer& operator=(const checkpoint_file_writer&) = delete;
   ~checkpoint_file_writer();
-  void append(const char* data, std::size_t bytes);
+  COHORT_COLD void append(const char* data, std::size_t bytes);
   // fsync and close; the checksums of the file's blocks.
-  std::vector<std::uint64_t> finish();
+  COHORT_COLD std::vector<std::uint64_t> finish();
 
  private:
-  error failure(const std::string& what);
+  COHORT_COLD error failure(const std::string& what);
   std::string path_;
   std::size_t block_bytes_;
   int rank_;
@@ -456,15 +460,16 @@ class checkpoint_file_writer {
 };
 // A rank's published outcome (its key in the group's store): failed or not, the errno, the
 // block checksums.
-std::vector<std::uint8_t> checkpoint_outcome_bytes(bool failed, int failed_errno,
-                                                   const std::vector<std::uint64_t>& blocks);
-bool parse_checkpoint_outcome(std::span<const std::uint8_t> value, bool& failed, int& failed_errno,
-                              std::vector<std::uint64_t>& blocks);
+COHORT_COLD std::vector<std::uint8_t> checkpoint_outcome_bytes(bool failed, int failed_errno,
+                                                               const std::vector<std::uint64_t>& blocks);
+COHORT_COLD bool parse_checkpoint_outcome(std::span<const std::uint8_t> value, bool& failed, int& failed_errno,
+                                          std::vector<std::uint64_t>& blocks);
 // Rank 0, once every file is durable: the index written (fsynced) into the staging directory,
 // which is renamed to DIR/step-<N>; DIR fsynced; all but the newest keep_last pruned (each
 // renamed into DIR/.cohort, then deleted there). `fault`: tests' kill points.
-void commit_checkpoint(const std::string& directory, const std::string& staging, const checkpoint_manifest& manifest,
-                       std::size_t keep_last, int rank, const checkpoint_fault& fault = {});
+COHORT_COLD void commit_checkpoint(const std::string& directory, const std::string& staging,
+                                   const checkpoint_manifest& manifest, std::size_t keep_last, int rank,
+                                   const checkpoint_fault& fault = {});
 
 // What a loading rank needs: elements [first, first + count) of a region's tensor into `into`.
 struct checkpoint_need {
@@ -475,10 +480,12 @@ struct checkpoint_need {
 // Refuses a checkpoint of another model (region names, counts), dtype or optimizer with a
 // checkpoint_mismatch_error naming the region, the sizes and the index file; for each of
 // `regions`, its index in the manifest.
-std::vector<std::size_t> match_checkpoint(const checkpoint_manifest& manifest, const std::string& checkpoint,
-                                          const std::vector<std::string>& region_names,
-                                          const std::vector<std::uint64_t>& region_counts, const std::string& dtype,
-                                          const std::vector<std::string>& tensors, int rank);
+COHORT_COLD std::vector<std::size_t> match_checkpoint(const checkpoint_manifest& manifest,
+                                                      const std::string& checkpoint,
+                                                      const std::vector<std::string>& region_names,
+                                                      const std::vector<std::uint64_t>& region_counts,
+                                                      const std::string& dtype, const std::vector<std::string>& tensors,
+                                                      int rank);
 // Bytes [offset, offset + bytes) of manifest.files[file].
 struct checkpoint_range {
   std::size_t file = 0;
@@ -495,29 +502,29 @@ struct checkpoint_part {
 // ranges in one read, nothing between them. Every block read whole is verified here; for
 // each block read only in part, its part is appended to `parts`, for check_checkpoint_parts
 // once every rank's parts are together. Returns the bytes read.
-std::uint64_t read_checkpoint(const std::string& checkpoint, const checkpoint_manifest& manifest,
-                              const std::vector<checkpoint_need>& needs,
-                              const std::vector<checkpoint_range>& also_verify, int rank,
-                              std::vector<checkpoint_part>& parts);
+COHORT_COLD std::uint64_t read_checkpoint(const std::string& checkpoint, const checkpoint_manifest& manifest,
+                                          const std::vector<checkpoint_need>& needs,
+                                          const std::vector<checkpoint_range>& also_verify, int rank,
+                                          std::vector<checkpoint_part>& parts);
 // One process reading on its own (the tools, not a load): exactly what `needs` names, and
 // every block it lies in verified (a block read only in part is read whole once more). The
 // bytes read.
-std::uint64_t read_checkpoint_verified(const std::string& checkpoint, const checkpoint_manifest& manifest,
-                                       const std::vector<checkpoint_need>& needs);
+COHORT_COLD std::uint64_t read_checkpoint_verified(const std::string& checkpoint, const checkpoint_manifest& manifest,
+                                                   const std::vector<checkpoint_need>& needs);
 // Every rank's parts of the blocks read in parts: each block's sum must be its checksum and
 // its parts must cover it exactly. A mismatch is a checkpoint_damaged_error naming the file,
 // the rank that wrote it, the block and the ranks that read it; the same on every rank given
 // the same parts.
-void check_checkpoint_parts(const std::string& checkpoint, const checkpoint_manifest& manifest,
-                            std::vector<checkpoint_part> parts, int rank);
+COHORT_COLD void check_checkpoint_parts(const std::string& checkpoint, const checkpoint_manifest& manifest,
+                                        std::vector<checkpoint_part> parts, int rank);
 
 // safetensors' dtype name of a checkpoint dtype ("float" -> "F32"); empty for none.
-std::string safetensors_dtype(const std::string& dtype);
+COHORT_COLD std::string safetensors_dtype(const std::string& dtype);
 // What cohort-ckpt inspect prints: the run, then per region its name, dtype, shape, elements
 // and bytes per tensor, then the files.
-std::string describe_checkpoint(const std::string& checkpoint, const checkpoint_manifest& manifest);
+COHORT_COLD std::string describe_checkpoint(const std::string& checkpoint, const checkpoint_manifest& manifest);
 // "cohort [rank r] warning: ..." on stderr, one write.
-void checkpoint_warning(int rank, std::string_view message);
+COHORT_COLD void checkpoint_warning(int rank, std::string_view message);
 
 }  // namespace detail
 }  // namespace cohort::inline v0

@@ -120,7 +120,7 @@ std::string parameter_sha256(training_state<B, P, G>& state) {
 // parameter_sha256's digest of the checkpoint at `checkpoint` (DIR/step-<N>), from its stored
 // parameters, every block read verified; what `cohort-ckpt inspect` prints. Reads one region's
 // parameters at a time, in pieces of 16 MiB of parameters at most.
-std::string checkpoint_parameter_sha256(const std::string& checkpoint);
+COHORT_COLD std::string checkpoint_parameter_sha256(const std::string& checkpoint);
 
 }  // namespace cohort::inline v0
 

@@ -88,7 +88,7 @@ struct tcp_store_options {
 // The token of SECURITY.md from the environment: COHORT_STORE_TOKEN, or the contents of the
 // file COHORT_STORE_TOKEN_FILE names (one trailing newline dropped); empty when neither is
 // set. Throws when both are set, or the file cannot be read or is empty.
-COHORT_DECL std::string store_token_from_environment(int rank = -1);
+COHORT_COLD std::string store_token_from_environment(int rank = -1);
 
 class tcp_store final : public store {
  public:
@@ -98,7 +98,7 @@ class tcp_store final : public store {
   tcp_store& operator=(const tcp_store&) = delete;
 
   // What a launched program calls; the same as connect_store(env, options) below.
-  static std::shared_ptr<store> connect(const launch_env& env, tcp_store_options options = {});
+  COHORT_COLD static std::shared_ptr<store> connect(const launch_env& env, tcp_store_options options = {});
 
   const std::string& host() const noexcept { return options_.host; }
   std::uint16_t port() const noexcept { return options_.port; }
@@ -364,9 +364,9 @@ class tcp_store final : public store {
 // options.timeout (the job's wait), with progress lines. Every rank reads the job's identity in
 // its handshake (options.greeting), refuses another job's store, and claims its rank (see
 // rendezvous/detail/job_identity.hpp).
-COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_store_options options = {});
+COHORT_COLD std::shared_ptr<store> connect_store(const launch_env& env, tcp_store_options options = {});
 
-inline std::shared_ptr<store> tcp_store::connect(const launch_env& env, tcp_store_options options) {
+COHORT_COLD_BODY inline std::shared_ptr<store> tcp_store::connect(const launch_env& env, tcp_store_options options) {
   return connect_store(env, std::move(options));
 }
 

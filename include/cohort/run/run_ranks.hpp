@@ -66,12 +66,12 @@ namespace detail {
 
 // What the counts of the ranks' process groups show (empty when they agree): each rank's
 // groups are read from their status keys under `rendezvous` (world ranks).
-COHORT_DECL std::string compare_collective_counts(store& rendezvous, int world);
+COHORT_COLD std::string compare_collective_counts(store& rendezvous, int world);
 
 // Launched ranks report their end (and failing, why) to the store and read rank 0's verdict;
 // rank 0 serves the store until every rank has, or a grace period after a failure. Throws
 // the verdict on a rank that did not fail itself (the caller rethrows its own failure).
-COHORT_DECL void finish_launched_rank(store& rendezvous, const launch_env& env, const std::exception_ptr& failure);
+COHORT_COLD void finish_launched_rank(store& rendezvous, const launch_env& env, const std::exception_ptr& failure);
 
 }  // namespace detail
 

@@ -44,7 +44,7 @@ namespace detail {
 
 // "all_reduce #7 (float x 8, sum)", "broadcast #2 (int32 x 4, root 1)", "send #1 (float x 3,
 // peer 2, tag 5)", "barrier #9": how errors, reports and trace analysis name a call.
-COHORT_DECL std::string describe(const call_record& call);
+COHORT_COLD std::string describe(const call_record& call);
 
 // Who wrote a trace file.
 struct trace_identity {
@@ -55,15 +55,15 @@ struct trace_identity {
 };
 
 // The group's name in trace files and reports, from its store's prefix ("cohort/pg1/" -> "pg1").
-COHORT_DECL std::string group_name(const store& group_store);
+COHORT_COLD std::string group_name(const store& group_store);
 
 // `configured`, else COHORT_TRACE_DIR, else empty (no trace files).
-COHORT_DECL std::string trace_directory(const std::string& configured);
+COHORT_COLD std::string trace_directory(const std::string& configured);
 
 // Writes DIR/rank<R>.<group>.json (format: docs/design.md, "Flight recorder"); returns its
 // path, or an empty string when it could not be written. Never throws: it runs while an
 // error is on its way.
-[[gnu::cold]] COHORT_DECL std::string write_trace(const std::string& directory, const trace_identity& who,
+COHORT_COLD [[gnu::cold]] std::string write_trace(const std::string& directory, const trace_identity& who,
                                                   const flight_recorder& recorder, std::string_view failure);
 
 // What a backend can tell of a peer without its help.
@@ -96,11 +96,11 @@ struct rank_naming {
   }
   // "rank 2", "ranks 0, 1"; in a subgroup "world rank 3 (group rank 1)", "world ranks 1, 3
   // (group ranks 0, 1)".
-  COHORT_DECL std::string operator()(const std::vector<int>& group_ranks) const;
+  COHORT_COLD std::string operator()(const std::vector<int>& group_ranks) const;
   std::string operator()(int group_rank) const { return (*this)(std::vector<int>{group_rank}); }
   // What every message of a subgroup starts with: "group pg1.split0.color1 (world ranks 1,
   // 3): "; empty for the world.
-  COHORT_DECL std::string lead() const;
+  COHORT_COLD std::string lead() const;
 };
 // Tells alive from unreachable, without the peer's help (may take up to a second).
 using peer_probe = std::function<peer_status(int peer)>;
@@ -127,11 +127,11 @@ struct rank_status {
 };
 
 // "20 all_reduces and 1 all_gather": what by_kind counts.
-COHORT_DECL std::string describe_counts(const std::array<std::uint64_t, call_kinds>& by_kind);
+COHORT_COLD std::string describe_counts(const std::array<std::uint64_t, call_kinds>& by_kind);
 
-COHORT_DECL std::string encode_status(const rank_status& status);
+COHORT_COLD std::string encode_status(const rank_status& status);
 // False when `text` is not what encode_status writes.
-COHORT_DECL bool decode_status(std::string_view text, rank_status& out);
+COHORT_COLD bool decode_status(std::string_view text, rank_status& out);
 
 // The window in which a failing rank collects the others' reports, and the bound of every
 // store request made on a failure or progress path: the group's timeout, at most 5 s.
@@ -146,7 +146,7 @@ inline std::chrono::milliseconds report_window(std::chrono::milliseconds timeout
 // share between the group's threads.
 class status_board {
  public:
-  COHORT_DECL status_board(std::shared_ptr<store> group_store, int rank, int size, std::chrono::milliseconds timeout,
+  COHORT_COLD status_board(std::shared_ptr<store> group_store, int rank, int size, std::chrono::milliseconds timeout,
                            rank_naming names = {});
 
   int rank() const noexcept { return rank_; }
@@ -155,24 +155,24 @@ class status_board {
   std::chrono::milliseconds timeout() const noexcept { return timeout_; }
   std::chrono::milliseconds window() const noexcept { return report_window(timeout_); }
   // "10.0.0.1:29500", or empty for an in-process store.
-  COHORT_DECL std::string location() const;
+  COHORT_COLD std::string location() const;
   const store& group_store() const noexcept { return *store_; }
 
   // Writes this rank's key; throws when the store cannot be reached within the window.
-  COHORT_DECL void publish(const rank_status& status);
+  COHORT_COLD void publish(const rank_status& status);
   // Never throws (destructors, and paths on which an error is already on its way).
-  COHORT_DECL bool try_publish(const rank_status& status) noexcept;
+  COHORT_COLD bool try_publish(const rank_status& status) noexcept;
   // Through the group's own handle, which a SET does not wait on (no reply): for what is said
   // when the group is made and destroyed, without a connection of the board's own. A `left`
   // after a `failed` is not written: the failure says more (a peer still in the call that
   // reads it later learns the call and the cause, not that a group was destroyed).
-  COHORT_DECL bool try_publish_on_group_store(const rank_status& status) noexcept;
+  COHORT_COLD bool try_publish_on_group_store(const rank_status& status) noexcept;
   // The keys of `ranks` (every rank when empty), in that order: nullopt where a rank wrote
   // none or something that does not parse. Throws when the store cannot be reached.
-  COHORT_DECL std::vector<std::optional<rank_status>> read(std::span<const int> ranks = {});
+  COHORT_COLD std::vector<std::optional<rank_status>> read(std::span<const int> ranks = {});
 
  private:
-  COHORT_DECL store& handle();
+  COHORT_COLD store& handle();
 
   std::shared_ptr<store> store_;
   int rank_;
@@ -208,20 +208,20 @@ inline constexpr std::string_view evaluation_alone_hint =
     "gathers on every rank (only rank 0 need print the output), or gather the whole model on every rank first and "
     "sample from that copy on one";
 
-COHORT_DECL std::string find_disagreement(int rank, const call_record& mine,
+COHORT_COLD std::string find_disagreement(int rank, const call_record& mine,
                                           std::span<const std::optional<rank_status>> statuses,
                                           const rank_naming& names = {});
 
 // "recv #1 from rank 0 of 200 bytes (float x 50, tag 3)": a send or recv as its peer and size
 // name it (describe() for any other call).
-COHORT_DECL std::string describe_with_peer(const call_record& call);
+COHORT_COLD std::string describe_with_peer(const call_record& call);
 
 // After point-to-point call `mine` failed on this rank (its status `failed` already
 // published): what its peer said of itself, read for at most the report window (once, and
 // again after a moment, when `connection_lost`): "rank 0 is in send #1 to rank 1 of 400 bytes
 // (float x 100, tag 3): the sizes differ", a collective, a failure or its leaving; else that
 // it closed its connection (`connection_lost`) or said nothing.
-[[gnu::cold]] COHORT_DECL std::string name_the_peer(status_board& board, const call_record& mine, bool connection_lost);
+COHORT_COLD [[gnu::cold]] std::string name_the_peer(status_board& board, const call_record& mine, bool connection_lost);
 
 // After `mine` failed on this rank: publishes `failed` (this rank's status) in the group's
 // store, reads the other ranks' statuses for at most the report window and says who is at
@@ -231,7 +231,7 @@ COHORT_DECL std::string describe_with_peer(const call_record& call);
 // whether its host answers: unreachable) find it, and otherwise as unknown: no report,
 // never accused. Without probes, `connection_lost` (the engine saw a connection close) names
 // silent ranks dead.
-[[gnu::cold]] COHORT_DECL std::string name_the_culprit(status_board& board, const call_record& mine,
+COHORT_COLD [[gnu::cold]] std::string name_the_culprit(status_board& board, const call_record& mine,
                                                        const rank_status& failed, bool connection_lost,
                                                        std::span<const peer_status> known = {},
                                                        const peer_probe& probe = {});
@@ -255,16 +255,16 @@ class progress_monitor {
     std::chrono::milliseconds compare_after{};      // 0: never compare
     std::chrono::milliseconds progress_interval{};  // 0: no progress lines
   };
-  COHORT_DECL progress_monitor(status_board& board, std::string group, settings when);
+  COHORT_COLD progress_monitor(status_board& board, std::string group, settings when);
 
   // `pending`: what this rank's engine has not completed (nullopt: nothing); `now`: this
   // rank's counts. Returns the disagreement that dooms that call (find_disagreement), or an
   // empty string.
-  COHORT_DECL std::string tick(const std::optional<pending_call>& pending, const rank_status& now);
+  COHORT_COLD std::string tick(const std::optional<pending_call>& pending, const rank_status& now);
 
  private:
-  COHORT_DECL std::string compare(const pending_call& pending, const rank_status& now);
-  COHORT_DECL void say(const pending_call& pending, std::chrono::steady_clock::time_point now) const;
+  COHORT_COLD std::string compare(const pending_call& pending, const rank_status& now);
+  COHORT_COLD void say(const pending_call& pending, std::chrono::steady_clock::time_point now) const;
 
   status_board& board_;
   std::string group_;
@@ -277,7 +277,7 @@ class progress_monitor {
 };
 
 // The flight recorder's newest collective (sequence 0 when it holds none).
-COHORT_DECL call_record newest_collective(const flight_recorder& recorder);
+COHORT_COLD call_record newest_collective(const flight_recorder& recorder);
 
 // A thread that calls check() every `interval` until it returns a failure (or the watchdog
 // is destroyed), then hands the failure to the policy: abort_process ends the process,
@@ -286,7 +286,7 @@ class watchdog {
  public:
   using check_fn = std::function<std::exception_ptr()>;
 
-  COHORT_DECL watchdog(int rank, std::string group, async_error_handling policy, std::chrono::milliseconds interval,
+  COHORT_COLD watchdog(int rank, std::string group, async_error_handling policy, std::chrono::milliseconds interval,
                        check_fn check);
   watchdog(const watchdog&) = delete;
   watchdog& operator=(const watchdog&) = delete;
@@ -302,8 +302,8 @@ class watchdog {
   }
 
  private:
-  COHORT_DECL void loop();
-  COHORT_DECL void act(std::exception_ptr failure);
+  COHORT_COLD void loop();
+  COHORT_COLD void act(std::exception_ptr failure);
 
   int rank_;
   std::string group_;

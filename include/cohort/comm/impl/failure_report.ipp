@@ -1,7 +1,8 @@
 #pragma once
-// The failure side's definitions (cohort/comm/detail/failure_report.hpp): inline there when
-// header-only, compiled once by <cohort/src.hpp> under COHORT_SEPARATE_COMPILATION (see
-// cohort/config.hpp).
+// The failure side's definitions (cohort/comm/detail/failure_report.hpp): header-only, cold
+// templates (COHORT_COLD) but for the watchdog's destructor, so that only a unit that runs an
+// engine instantiates them; compiled once by <cohort/src.hpp> under COHORT_SEPARATE_COMPILATION
+// (see cohort/config.hpp).
 
 #include <unistd.h>
 
@@ -28,7 +29,7 @@
 
 namespace cohort::inline v0::detail {
 
-COHORT_DECL std::string describe(const call_record& call) {
+COHORT_COLD_BODY std::string describe(const call_record& call) {
   std::string text(to_string(call.kind));
   if (call.sequence != 0) text += detail::text(" #", std::to_string(call.sequence));
   const std::string context = call.context.empty() ? std::string() : detail::text(" [", call.context.view(), "]");
@@ -44,7 +45,7 @@ COHORT_DECL std::string describe(const call_record& call) {
   return detail::text(text, ")", context);
 }
 
-COHORT_DECL std::string describe_with_peer(const call_record& call) {
+COHORT_COLD_BODY std::string describe_with_peer(const call_record& call) {
   if (!detail::is_point_to_point(call.kind)) return describe(call);
   const bool sending = call.kind == call_kind::send;
   return detail::text(
@@ -55,7 +56,7 @@ COHORT_DECL std::string describe_with_peer(const call_record& call) {
       (call.context.empty() ? "" : detail::text(" [", call.context.view(), "]")));
 }
 
-COHORT_DECL std::string group_name(const store& group_store) {
+COHORT_COLD_BODY std::string group_name(const store& group_store) {
   // A subgroup's prefix_store wraps its parent's: the full prefix is the chain's, outermost last.
   std::string prefix;
   const store* level = &group_store;
@@ -70,14 +71,14 @@ COHORT_DECL std::string group_name(const store& group_store) {
   return prefix.empty() ? std::string("group") : prefix;
 }
 
-COHORT_DECL std::string trace_directory(const std::string& configured) {
+COHORT_COLD_BODY std::string trace_directory(const std::string& configured) {
   if (!configured.empty()) return configured;
   const char* value = std::getenv("COHORT_TRACE_DIR");
   return value ? std::string(value) : std::string();
 }
 
-COHORT_DECL std::string write_trace(const std::string& directory, const trace_identity& who,
-                                    const flight_recorder& recorder, std::string_view failure) {
+COHORT_COLD_BODY std::string write_trace(const std::string& directory, const trace_identity& who,
+                                         const flight_recorder& recorder, std::string_view failure) {
   if (directory.empty()) return {};
   try {
     const std::string path = detail::text(directory, "/rank", std::to_string(who.rank), ".", who.group, ".json");
@@ -125,10 +126,10 @@ inline constexpr std::string_view status_format = "cohort-status-1";
 inline constexpr std::uint8_t status_activities = 4;
 inline constexpr std::uint8_t status_reductions = 5;
 
-inline std::string status_key(int rank) { return detail::text("status/", std::to_string(rank)); }
+COHORT_COLD inline std::string status_key(int rank) { return detail::text("status/", std::to_string(rank)); }
 
 // "all_reduce #7 (float x 8, sum)" without the context: what must be equal across ranks.
-inline bool same_signature(const call_record& a, const call_record& b) {
+COHORT_COLD inline bool same_signature(const call_record& a, const call_record& b) {
   if (a.kind != b.kind) return false;
   if (a.kind == call_kind::barrier) return true;
   if (a.type != b.type || a.count != b.count) return false;
@@ -139,18 +140,18 @@ inline bool same_signature(const call_record& a, const call_record& b) {
 
 // A status about call #s of this group: the rank is in it, failed in it, or left with it as
 // its last call.
-inline bool status_concerns(const rank_status& status, std::uint64_t sequence) {
+COHORT_COLD inline bool status_concerns(const rank_status& status, std::uint64_t sequence) {
   return status.activity != rank_activity::joined && status.call.sequence == sequence &&
          !is_point_to_point(status.call.kind);
 }
 
-inline std::string first_line_of(std::string_view text, std::size_t limit = 240) {
+COHORT_COLD inline std::string first_line_of(std::string_view text, std::size_t limit = 240) {
   std::string line(text.substr(0, text.find_first_of("\r\n")));
   if (line.size() > limit) line = detail::text(line.substr(0, limit), "...");
   return line;
 }
 
-inline std::string left_how(const rank_status& status) {
+COHORT_COLD inline std::string left_how(const rank_status& status) {
   std::string how = detail::text("left the group after issuing ", std::to_string(status.issued), " collective",
                                  (status.issued == 1 ? "" : "s"));
   if (!status.note.empty() || status.call.sequence != 0) {
@@ -170,8 +171,9 @@ struct disagreement {
 
 // `victims_doom`: a rank whose group failed in this very call dooms it too (a waiting rank
 // stops waiting); a failing rank names such ranks as being in the call with it instead.
-inline disagreement disagree(int rank, const call_record& mine, std::span<const std::optional<rank_status>> statuses,
-                             bool victims_doom, const rank_naming& names) {
+COHORT_COLD inline disagreement disagree(int rank, const call_record& mine,
+                                         std::span<const std::optional<rank_status>> statuses, bool victims_doom,
+                                         const rank_naming& names) {
   disagreement found;
   // Every call #s known: this rank's and those the others report, grouped by signature and
   // context, in rank order (so every rank lists them alike).
@@ -248,13 +250,13 @@ inline disagreement disagree(int rank, const call_record& mine, std::span<const 
   return found;
 }
 
-inline std::string join_parts(const std::vector<std::string>& parts) {
+COHORT_COLD inline std::string join_parts(const std::vector<std::string>& parts) {
   std::string text;
   for (const auto& part : parts) text += detail::text((text.empty() ? "" : "; "), part);
   return text;
 }
 
-COHORT_DECL std::string encode_status(const rank_status& status) {
+COHORT_COLD_BODY std::string encode_status(const rank_status& status) {
   const call_record& call = status.call;
   std::string counts;
   for (const auto count : status.by_kind) counts += detail::text(",", std::to_string(count));
@@ -266,7 +268,7 @@ COHORT_DECL std::string encode_status(const rank_status& status) {
                       std::to_string(call.tag), counts, "\n", call.context.view(), "\n", status.note);
 }
 
-COHORT_DECL std::string describe_counts(const std::array<std::uint64_t, call_kinds>& by_kind) {
+COHORT_COLD_BODY std::string describe_counts(const std::array<std::uint64_t, call_kinds>& by_kind) {
   std::vector<std::string> parts;
   for (std::size_t k = 0; k < call_kinds; ++k)
     if (by_kind[k] != 0)
@@ -279,7 +281,7 @@ COHORT_DECL std::string describe_counts(const std::array<std::uint64_t, call_kin
   return text;
 }
 
-COHORT_DECL bool decode_status(std::string_view text, rank_status& out) {
+COHORT_COLD_BODY bool decode_status(std::string_view text, rank_status& out) {
   const auto line = [&](std::string_view& rest) {
     const auto end = rest.find('\n');
     if (end == std::string_view::npos) return std::optional<std::string_view>();
@@ -328,27 +330,27 @@ COHORT_DECL bool decode_status(std::string_view text, rank_status& out) {
   return true;
 }
 
-COHORT_DECL std::string rank_naming::operator()(const std::vector<int>& group_ranks) const {
+COHORT_COLD_BODY std::string rank_naming::operator()(const std::vector<int>& group_ranks) const {
   if (is_world()) return format_ranks(group_ranks);
   std::vector<int> in_world;
   for (const int r : group_ranks) in_world.push_back(world_rank(r));
   return detail::text("world ", format_ranks(in_world), " (group ", format_ranks(group_ranks), ")");
 }
 
-COHORT_DECL std::string rank_naming::lead() const {
+COHORT_COLD_BODY std::string rank_naming::lead() const {
   if (is_world()) return {};
   std::string members;
   for (const int r : world) members += detail::text((members.empty() ? "" : ", "), std::to_string(r));
   return detail::text("group ", group, " (world ranks ", members, "): ");
 }
 
-COHORT_DECL status_board::status_board(std::shared_ptr<store> group_store, int rank, int size,
-                                       std::chrono::milliseconds timeout, rank_naming names)
+COHORT_COLD_BODY status_board::status_board(std::shared_ptr<store> group_store, int rank, int size,
+                                            std::chrono::milliseconds timeout, rank_naming names)
     : store_(std::move(group_store)), rank_(rank), size_(size), timeout_(timeout), names_(std::move(names)) {}
 
-COHORT_DECL std::string status_board::location() const { return store_->location(); }
+COHORT_COLD_BODY std::string status_board::location() const { return store_->location(); }
 
-COHORT_DECL store& status_board::handle() {
+COHORT_COLD_BODY store& status_board::handle() {
   if (!own_made_) {
     // A store this handle could not reach a moment ago is not waited for again at once (the
     // progress monitor and a failing call ask one after the other).
@@ -369,7 +371,7 @@ COHORT_DECL store& status_board::handle() {
   return own_ ? *own_ : *store_;
 }
 
-COHORT_DECL void status_board::publish(const rank_status& status) {
+COHORT_COLD_BODY void status_board::publish(const rank_status& status) {
   std::lock_guard lock(mutex_);
   store& board = handle();
   try {
@@ -381,7 +383,7 @@ COHORT_DECL void status_board::publish(const rank_status& status) {
   if (status.activity == rank_activity::failed) failed_said_.store(true);
 }
 
-COHORT_DECL bool status_board::try_publish(const rank_status& status) noexcept {
+COHORT_COLD_BODY bool status_board::try_publish(const rank_status& status) noexcept {
   try {
     publish(status);
     return true;
@@ -390,7 +392,7 @@ COHORT_DECL bool status_board::try_publish(const rank_status& status) noexcept {
   }
 }
 
-COHORT_DECL bool status_board::try_publish_on_group_store(const rank_status& status) noexcept {
+COHORT_COLD_BODY bool status_board::try_publish_on_group_store(const rank_status& status) noexcept {
   if (status.activity == rank_activity::left && failed_said_.load()) return false;
   try {
     store_->set(status_key(rank_), encode_status(status));
@@ -401,7 +403,7 @@ COHORT_DECL bool status_board::try_publish_on_group_store(const rank_status& sta
   }
 }
 
-COHORT_DECL std::vector<std::optional<rank_status>> status_board::read(std::span<const int> ranks) {
+COHORT_COLD_BODY std::vector<std::optional<rank_status>> status_board::read(std::span<const int> ranks) {
   std::vector<int> every;
   if (ranks.empty()) {
     for (int r = 0; r < size_; ++r) every.push_back(r);
@@ -439,13 +441,13 @@ COHORT_DECL std::vector<std::optional<rank_status>> status_board::read(std::span
   return out;
 }
 
-COHORT_DECL std::string find_disagreement(int rank, const call_record& mine,
-                                          std::span<const std::optional<rank_status>> statuses,
-                                          const rank_naming& names) {
+COHORT_COLD_BODY std::string find_disagreement(int rank, const call_record& mine,
+                                               std::span<const std::optional<rank_status>> statuses,
+                                               const rank_naming& names) {
   return join_parts(disagree(rank, mine, statuses, true, names).parts);
 }
 
-COHORT_DECL std::string name_the_peer(status_board& board, const call_record& mine, bool connection_lost) {
+COHORT_COLD_BODY std::string name_the_peer(status_board& board, const call_record& mine, bool connection_lost) {
   const int peer = mine.peer;
   const std::string call = describe_with_peer(mine);
   const std::string own = detail::text("this rank is in ", call);
@@ -488,16 +490,16 @@ COHORT_DECL std::string name_the_peer(status_board& board, const call_record& mi
   return text;
 }
 
-COHORT_DECL call_record newest_collective(const flight_recorder& recorder) {
+COHORT_COLD_BODY call_record newest_collective(const flight_recorder& recorder) {
   const auto calls = recorder.snapshot();
   for (auto it = calls.rbegin(); it != calls.rend(); ++it)
     if (!is_point_to_point(it->kind)) return *it;
   return {};
 }
 
-COHORT_DECL std::string name_the_culprit(status_board& board, const call_record& mine, const rank_status& failed,
-                                         bool connection_lost, std::span<const peer_status> known,
-                                         const peer_probe& probe) {
+COHORT_COLD_BODY std::string name_the_culprit(status_board& board, const call_record& mine, const rank_status& failed,
+                                              bool connection_lost, std::span<const peer_status> known,
+                                              const peer_probe& probe) {
   const int rank = board.rank();
   const int size = board.size();
   const std::string call = describe(mine);
@@ -671,11 +673,11 @@ COHORT_DECL std::string name_the_culprit(status_board& board, const call_record&
   return text;
 }
 
-COHORT_DECL progress_monitor::progress_monitor(status_board& board, std::string group, settings when)
+COHORT_COLD_BODY progress_monitor::progress_monitor(status_board& board, std::string group, settings when)
     : board_(board), group_(std::move(group)), when_(when) {}
 
-COHORT_DECL std::string progress_monitor::tick(const std::optional<pending_call>& pending,
-                                               const rank_status& now_status) {
+COHORT_COLD_BODY std::string progress_monitor::tick(const std::optional<pending_call>& pending,
+                                                    const rank_status& now_status) {
   if (!pending) {
     watching_ = 0;
     return {};
@@ -702,7 +704,7 @@ COHORT_DECL std::string progress_monitor::tick(const std::optional<pending_call>
   return verdict;
 }
 
-COHORT_DECL std::string progress_monitor::compare(const pending_call& pending, const rank_status& now) {
+COHORT_COLD_BODY std::string progress_monitor::compare(const pending_call& pending, const rank_status& now) {
   const int rank = board_.rank();
   const call_record& mine = pending.call;
   try {
@@ -755,7 +757,8 @@ COHORT_DECL std::string progress_monitor::compare(const pending_call& pending, c
   return {};
 }
 
-COHORT_DECL void progress_monitor::say(const pending_call& pending, std::chrono::steady_clock::time_point now) const {
+COHORT_COLD_BODY void progress_monitor::say(const pending_call& pending,
+                                            std::chrono::steady_clock::time_point now) const {
   progress_line(
       board_.names().world_rank(board_.rank()),
       detail::text((board_.names().is_world() ? detail::text(group_, ": ") : board_.names().lead()),
@@ -763,8 +766,8 @@ COHORT_DECL void progress_monitor::say(const pending_call& pending, std::chrono:
                    format_duration(board_.timeout()), " timeout", (found_.empty() ? "" : detail::text("; ", found_))));
 }
 
-COHORT_DECL watchdog::watchdog(int rank, std::string group, async_error_handling policy,
-                               std::chrono::milliseconds interval, check_fn check)
+COHORT_COLD_BODY watchdog::watchdog(int rank, std::string group, async_error_handling policy,
+                                    std::chrono::milliseconds interval, check_fn check)
     : rank_(rank),
       group_(std::move(group)),
       policy_(policy),
@@ -781,7 +784,7 @@ COHORT_DECL watchdog::~watchdog() {
   if (thread_.joinable()) thread_.join();
 }
 
-COHORT_DECL void watchdog::loop() {
+COHORT_COLD_BODY void watchdog::loop() {
   std::unique_lock lock(mutex_);
   while (!stopping_) {
     if (wake_.wait_for(lock, interval_, [this] { return stopping_; })) return;
@@ -801,7 +804,7 @@ COHORT_DECL void watchdog::loop() {
   }
 }
 
-COHORT_DECL void watchdog::act(std::exception_ptr failure) {
+COHORT_COLD_BODY void watchdog::act(std::exception_ptr failure) {
   if (policy_ == async_error_handling::throw_on_next_call) {
     std::lock_guard lock(mutex_);
     failure_ = std::move(failure);

@@ -1,6 +1,8 @@
 #pragma once
-// cohort/comm/gloo.hpp's definitions: inline there when header-only, compiled once by <cohort/src.hpp>
-// under COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
+// cohort/comm/gloo.hpp's definitions: header-only, cold templates (COHORT_COLD) but for what the
+// engine's destructor runs, so that a unit that makes no group instantiates none of the
+// connection, the worker and the collectives over Gloo's templates; compiled once by
+// <cohort/src.hpp> under COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
 
 #include <dirent.h>
 #include <gloo/allgather.h>
@@ -85,7 +87,7 @@ class gloo_mesh_context final : public ::gloo::Context {
 // subgroup's world ranks come from the split, known before anyone publishes.)
 inline constexpr std::string_view gloo_peer_format = "cohort-gloo-4";
 
-inline std::string this_host_name() {
+COHORT_COLD inline std::string this_host_name() {
   char name[256] = {};
   if (::gethostname(name, sizeof name - 1) != 0) return "?";
   return name;
@@ -95,7 +97,7 @@ inline std::string this_host_name() {
 // device>:<ns inode>"). Host names repeat (cloned images), and two machines' pids, or two
 // pid namespaces', name different processes. Empty where it cannot be read: then no peer's
 // pid is looked up here.
-inline std::string process_table_id() {
+COHORT_COLD inline std::string process_table_id() {
   std::string boot = read_small_file("/proc/sys/kernel/random/boot_id");
   boot.resize(std::min(boot.size(), boot.find_first_of(" \n")));
   struct ::stat namespace_file {};
@@ -105,7 +107,7 @@ inline std::string process_table_id() {
 
 // What this host's process table says of `pid` (one of its own).
 enum class process_seen : std::uint8_t { unknown, running, stopped, gone };
-inline process_seen look_up_process(long pid) {
+COHORT_COLD inline process_seen look_up_process(long pid) {
   if (pid <= 0) return process_seen::unknown;
   if (::kill(static_cast<pid_t>(pid), 0) != 0) return errno == ESRCH ? process_seen::gone : process_seen::running;
   // Its state, from /proc where /proc shows this pid namespace (its /proc/self is this pid):
@@ -126,7 +128,7 @@ inline process_seen look_up_process(long pid) {
   }
 }
 
-inline bytes encode_gloo_peer(const gloo_peer& mine) {
+COHORT_COLD inline bytes encode_gloo_peer(const gloo_peer& mine) {
   const std::string header =
       detail::text(gloo_peer_format, "\n", mine.host, "\n", std::to_string(mine.pid), "\n", mine.process_table, "\n",
                    mine.address, "\n", (mine.shared_memory.empty() ? std::string("tcp") : mine.shared_memory), "\n");
@@ -136,7 +138,7 @@ inline bytes encode_gloo_peer(const gloo_peer& mine) {
 }
 
 // False when `value` is not what encode_gloo_peer writes for a world of `size`.
-inline bool decode_gloo_peer(const bytes& value, int size, gloo_peer& out) {
+COHORT_COLD inline bool decode_gloo_peer(const bytes& value, int size, gloo_peer& out) {
   std::size_t at = 0;
   std::string fields[6];
   for (auto& field : fields) {
@@ -194,7 +196,8 @@ class sigpipe_blocked {
 
 // Whether the host of a Gloo address (its bytes) answers a TCP connection attempt within
 // `bound`: accepted or refused, it is reachable; no answer, or no route, it is not (`why`).
-inline bool host_answers(const std::vector<char>& pair_address, std::chrono::milliseconds bound, std::string& why) {
+COHORT_COLD inline bool host_answers(const std::vector<char>& pair_address, std::chrono::milliseconds bound,
+                                     std::string& why) {
   const ::gloo::transport::tcp::Address address(pair_address);
   const sockaddr_storage& target = address.getSockaddr();
   const socklen_t length = target.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
@@ -224,7 +227,7 @@ inline bool host_answers(const std::vector<char>& pair_address, std::chrono::mil
 // loop then sees each connection close and fails every call waiting on it, here, and the
 // peer sees it close too. Found through /proc/self/fd, each socket by its local address and
 // port, which no two of a process's connections share.
-inline void shut_down_sockets_at(const std::vector<sockaddr_storage>& ends) {
+COHORT_COLD inline void shut_down_sockets_at(const std::vector<sockaddr_storage>& ends) {
   if (ends.empty()) return;
   DIR* directory = ::opendir("/proc/self/fd");
   if (directory == nullptr) return;
@@ -272,7 +275,7 @@ COHORT_DECL void gloo_p2p::abort() {
 
 }  // namespace detail
 
-COHORT_DECL gloo::gloo(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts)
+COHORT_COLD_BODY gloo::gloo(std::shared_ptr<cohort::store> store, const launch_env& env, const options& opts)
     : rank_(env.rank),
       size_(env.world_size),
       world_rank_(env.rank),
@@ -282,7 +285,8 @@ COHORT_DECL gloo::gloo(std::shared_ptr<cohort::store> store, const launch_env& e
   connect(std::move(store));
 }
 
-COHORT_DECL gloo::gloo(const gloo& parent, std::shared_ptr<cohort::store> store, int rank, std::vector<int> world_ranks)
+COHORT_COLD_BODY gloo::gloo(const gloo& parent, std::shared_ptr<cohort::store> store, int rank,
+                            std::vector<int> world_ranks)
     : rank_(rank),
       size_(static_cast<int>(world_ranks.size())),
       world_rank_(parent.world_rank_),
@@ -317,8 +321,8 @@ COHORT_DECL gloo::~gloo() {
   if (p2p_worker_) p2p_worker_->shutdown();
 }
 
-COHORT_DECL auto gloo::split(gloo& parent, std::shared_ptr<cohort::store> sub_store, int color, int /*key*/,
-                             int new_rank, const std::vector<int>& members) -> std::unique_ptr<gloo> {
+COHORT_COLD_BODY auto gloo::split(gloo& parent, std::shared_ptr<cohort::store> sub_store, int color, int /*key*/,
+                                  int new_rank, const std::vector<int>& members) -> std::unique_ptr<gloo> {
   if (color < 0) return nullptr;
   // Known before the rendezvous, so that even its errors name the members by world rank.
   std::vector<int> world_ranks;
@@ -328,45 +332,45 @@ COHORT_DECL auto gloo::split(gloo& parent, std::shared_ptr<cohort::store> sub_st
 
 // The work handle's waits live here, with the worker they wait on: a unit that includes
 // the header does not instantiate the worker's queue and waits (compiled once, see config.hpp).
-COHORT_DECL bool gloo::work::test() const {
+COHORT_COLD_BODY bool gloo::work::test() const {
   if (!worker_) return true;
   if (!worker_->done(seq_)) return false;
   rethrow_failure();
   return true;
 }
 
-COHORT_DECL void gloo::work::wait() const {
+COHORT_COLD_BODY void gloo::work::wait() const {
   if (!worker_) return;
   worker_->wait_until_done(seq_, std::chrono::steady_clock::time_point::max());
   rethrow_failure();
 }
 
-COHORT_DECL bool gloo::work::wait_for(std::chrono::milliseconds timeout) const {
+COHORT_COLD_BODY bool gloo::work::wait_for(std::chrono::milliseconds timeout) const {
   if (!worker_) return true;
   if (!worker_->wait_until_done(seq_, std::chrono::steady_clock::now() + timeout)) return false;
   rethrow_failure();
   return true;
 }
 
-COHORT_DECL void gloo::work::rethrow_failure() const {
+COHORT_COLD_BODY void gloo::work::rethrow_failure() const {
   if (auto failure = worker_->failure(seq_)) std::rethrow_exception(failure);
 }
 
-COHORT_DECL auto gloo::enqueue(std::function<void()> fn) -> work {
+COHORT_COLD_BODY auto gloo::enqueue(std::function<void()> fn) -> work {
   auto queued = task(task_kind::function);
   queued.fn = std::move(fn);
   return submit(std::move(queued));
 }
 
-COHORT_DECL auto gloo::copy(void* destination, const void* source, std::size_t bytes) -> work {
+COHORT_COLD_BODY auto gloo::copy(void* destination, const void* source, std::size_t bytes) -> work {
   // Still queued when empty: the returned work orders after everything before it.
   return enqueue([=] {
     if (bytes != 0) std::memmove(destination, source, bytes);  // null is allowed when empty
   });
 }
 
-COHORT_DECL auto gloo::make_device(const launch_env& env, const options& opts, cohort::store& rendezvous,
-                                   std::string& address) -> std::shared_ptr<::gloo::transport::Device> {
+COHORT_COLD_BODY auto gloo::make_device(const launch_env& env, const options& opts, cohort::store& rendezvous,
+                                        std::string& address) -> std::shared_ptr<::gloo::transport::Device> {
   detail::listen_request request;
   request.rank = env.rank;
   request.hostname = opts.hostname;
@@ -396,7 +400,7 @@ COHORT_DECL auto gloo::make_device(const launch_env& env, const options& opts, c
   }
 }
 
-COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
+COHORT_COLD_BODY auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
   const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
   store_ = std::move(store);
   const detail::sigpipe_blocked writes_fail_with_epipe;  // also for the threads started below
@@ -488,7 +492,7 @@ COHORT_DECL auto gloo::connect(std::shared_ptr<cohort::store> store) -> void {
   start_watchdog();
 }
 
-COHORT_DECL auto gloo::agree_on_shared_memory(const detail::gloo_peer& mine) -> void {
+COHORT_COLD_BODY auto gloo::agree_on_shared_memory(const detail::gloo_peer& mine) -> void {
   // Tried where every rank is on this host (its name, and its process table: cloned machines
   // share names) and made a segment: every rank reads the same published records, so all try
   // or none does.
@@ -527,7 +531,7 @@ COHORT_DECL auto gloo::agree_on_shared_memory(const detail::gloo_peer& mine) -> 
     shared_memory_.reset();
 }
 
-COHORT_DECL auto gloo::peer_pair_address(int peer) const -> std::vector<char> {
+COHORT_COLD_BODY auto gloo::peer_pair_address(int peer) const -> std::vector<char> {
   // Rank p's list skips p itself: this rank's entry is at index rank_ - (rank_ > p).
   const auto& theirs = peers_[static_cast<std::size_t>(peer)];
   const std::size_t width = theirs.pairs.size() / static_cast<std::size_t>(size_ - 1);
@@ -536,7 +540,7 @@ COHORT_DECL auto gloo::peer_pair_address(int peer) const -> std::vector<char> {
                            theirs.pairs.begin() + static_cast<std::ptrdiff_t>((index + 1) * width));
 }
 
-COHORT_DECL auto gloo::describe_peer(int peer) const -> std::string {
+COHORT_COLD_BODY auto gloo::describe_peer(int peer) const -> std::string {
   const auto& theirs = peers_[static_cast<std::size_t>(peer)];
   std::string pair = "?";
   try {
@@ -546,8 +550,8 @@ COHORT_DECL auto gloo::describe_peer(int peer) const -> std::string {
                       std::to_string(theirs.pid), ", its pair for this rank at ", pair, ")");
 }
 
-COHORT_DECL auto gloo::connect_mesh(::gloo::transport::Context& transport,
-                                    std::chrono::steady_clock::time_point deadline) -> void {
+COHORT_COLD_BODY auto gloo::connect_mesh(::gloo::transport::Context& transport,
+                                         std::chrono::steady_clock::time_point deadline) -> void {
   // Gloo's pair connect has no retry and waits for its peer (on the side that accepts) for
   // five times the timeout, and nothing cohort can set bounds it. An alarm closes every pair
   // at the deadline: a closed pair ends the wait, and the loop below turns that into an error
@@ -610,7 +614,7 @@ COHORT_DECL auto gloo::connect_mesh(::gloo::transport::Context& transport,
   if (expired.load()) throw timed_out(rank_ == 0 ? 1 : 0);
 }
 
-COHORT_DECL auto gloo::start_watchdog() -> void {
+COHORT_COLD_BODY auto gloo::start_watchdog() -> void {
   if (options_.watchdog_interval.count() <= 0) return;
   const std::string group = detail::group_name(*store_);
   // process_group makes a job's first group under cohort/pg1/ of the job's store.
@@ -627,7 +631,7 @@ COHORT_DECL auto gloo::start_watchdog() -> void {
                                                  options_.watchdog_interval, [this] { return watch(); });
 }
 
-COHORT_DECL auto gloo::watch() -> std::exception_ptr {
+COHORT_COLD_BODY auto gloo::watch() -> std::exception_ptr {
   if (auto collided = job_collision()) return collided;
   if (monitor_) {
     std::optional<detail::pending_call> pending;
@@ -653,7 +657,7 @@ COHORT_DECL auto gloo::watch() -> std::exception_ptr {
   return unreported_failure();
 }
 
-COHORT_DECL auto gloo::job_collision() -> std::exception_ptr {
+COHORT_COLD_BODY auto gloo::job_collision() -> std::exception_ptr {
   if (!job_store_ || std::chrono::steady_clock::now() < next_job_check_) return nullptr;
   next_job_check_ = std::chrono::steady_clock::now() + options_.collision_check_interval;
   std::optional<error> collided;
@@ -689,7 +693,7 @@ COHORT_DECL auto gloo::status(detail::rank_activity activity) const -> detail::r
   return now;
 }
 
-COHORT_DECL auto gloo::abort_transport() noexcept -> void {
+COHORT_COLD_BODY auto gloo::abort_transport() noexcept -> void {
   if (shared_memory_) shared_memory_->shut_down();
   if (!context_) return;
   try {
@@ -703,16 +707,16 @@ COHORT_DECL auto gloo::abort_transport() noexcept -> void {
   } catch (...) {}
 }
 
-COHORT_DECL auto gloo::unreported_failure() const -> std::exception_ptr {
+COHORT_COLD_BODY auto gloo::unreported_failure() const -> std::exception_ptr {
   if (auto failure = worker_->unreported_failure(options_.timeout)) return failure;
   return p2p_worker_->unreported_failure(options_.timeout);
 }
 
-COHORT_DECL auto gloo::write_trace(const std::string& directory, std::string_view reason) const -> std::string {
+COHORT_COLD_BODY auto gloo::write_trace(const std::string& directory, std::string_view reason) const -> std::string {
   return detail::write_trace(directory, {detail::group_name(*store_), name, rank_, size_}, recorder_, reason);
 }
 
-COHORT_DECL auto gloo::keep_trace(const std::exception_ptr& failure) -> void {
+COHORT_COLD_BODY auto gloo::keep_trace(const std::exception_ptr& failure) -> void {
   const std::string directory = detail::trace_directory(options_.trace_dir);
   if (directory.empty() || trace_written_.exchange(true)) return;
   std::string reason = "unknown failure";
@@ -724,8 +728,8 @@ COHORT_DECL auto gloo::keep_trace(const std::exception_ptr& failure) -> void {
   write_trace(directory, reason);
 }
 
-COHORT_DECL auto gloo::task(task_kind what, dtype type, op reduce, const void* in, void* out, std::size_t count,
-                            int peer, std::uint64_t tag) -> detail::gloo_task {
+COHORT_COLD_BODY auto gloo::task(task_kind what, dtype type, op reduce, const void* in, void* out, std::size_t count,
+                                 int peer, std::uint64_t tag) -> detail::gloo_task {
   detail::gloo_task queued;
   queued.what = what;
   queued.type = type;
@@ -738,7 +742,7 @@ COHORT_DECL auto gloo::task(task_kind what, dtype type, op reduce, const void* i
   return queued;
 }
 
-COHORT_DECL auto gloo::submit(detail::gloo_task queued) -> work {
+COHORT_COLD_BODY auto gloo::submit(detail::gloo_task queued) -> work {
   if (watchdog_) watchdog_->rethrow_if_failed();
   if (queued.what != task_kind::function) {
     queued.context = call_context_;
@@ -751,7 +755,7 @@ COHORT_DECL auto gloo::submit(detail::gloo_task queued) -> work {
   return work(worker_, seq);
 }
 
-COHORT_DECL auto gloo::post(detail::gloo_task operation) -> work {
+COHORT_COLD_BODY auto gloo::post(detail::gloo_task operation) -> work {
   if (watchdog_) watchdog_->rethrow_if_failed();
   auto pending = std::make_shared<detail::gloo_p2p>();
   {
@@ -779,7 +783,7 @@ COHORT_DECL auto gloo::post(detail::gloo_task operation) -> work {
   return work(p2p_worker_, p2p_worker_->submit(std::move(completion)));
 }
 
-COHORT_DECL auto gloo::as_call(const detail::gloo_task& task) -> call_record {
+COHORT_COLD_BODY auto gloo::as_call(const detail::gloo_task& task) -> call_record {
   using enum call_kind;
   call_record call;
   switch (task.what) {
@@ -804,12 +808,12 @@ COHORT_DECL auto gloo::as_call(const detail::gloo_task& task) -> call_record {
   return call;
 }
 
-COHORT_DECL auto gloo::describe(const detail::gloo_task& task) -> std::string {
+COHORT_COLD_BODY auto gloo::describe(const detail::gloo_task& task) -> std::string {
   if (task.what == task_kind::function) return "host_task";
   return detail::describe(as_call(task));
 }
 
-COHORT_DECL auto gloo::run(detail::gloo_task& task) -> void {
+COHORT_COLD_BODY auto gloo::run(detail::gloo_task& task) -> void {
   // A point-to-point call starts when posted and completes when its wait does.
   if (task.what != task_kind::p2p_wait) recorder_.started(task.record);
   const bool collective = task.what != task_kind::function && task.what != task_kind::send &&
@@ -853,7 +857,7 @@ COHORT_DECL auto gloo::run(detail::gloo_task& task) -> void {
     recorder_.completed(task.record, task.sequence);
 }
 
-COHORT_DECL auto gloo::explain(const detail::gloo_task& task, std::exception_ptr raised) -> std::exception_ptr {
+COHORT_COLD_BODY auto gloo::explain(const detail::gloo_task& task, std::exception_ptr raised) -> std::exception_ptr {
   try {
     std::rethrow_exception(std::move(raised));
   } catch (const error&) {
@@ -874,8 +878,8 @@ COHORT_DECL auto gloo::explain(const detail::gloo_task& task, std::exception_ptr
   }
 }
 
-COHORT_DECL auto gloo::explain_transport_failure(const detail::gloo_task& task, const std::string& what, bool timed_out)
-    -> std::exception_ptr {
+COHORT_COLD_BODY auto gloo::explain_transport_failure(const detail::gloo_task& task, const std::string& what,
+                                                      bool timed_out) -> std::exception_ptr {
   std::string verdict;
   {
     std::lock_guard lock(verdict_mutex_);
@@ -904,7 +908,7 @@ COHORT_DECL auto gloo::explain_transport_failure(const detail::gloo_task& task, 
                                        "across ranks"));
 }
 
-COHORT_DECL auto gloo::execute(detail::gloo_task& task) -> void {
+COHORT_COLD_BODY auto gloo::execute(detail::gloo_task& task) -> void {
   switch (task.what) {
     case task_kind::function:
       if (task.fn) task.fn();
@@ -949,7 +953,7 @@ COHORT_DECL auto gloo::execute(detail::gloo_task& task) -> void {
   }
 }
 
-COHORT_DECL auto gloo::execute_in_shared_memory(detail::gloo_task& task) -> bool {
+COHORT_COLD_BODY auto gloo::execute_in_shared_memory(detail::gloo_task& task) -> bool {
   const std::size_t element = size_of(task.type);
   const std::size_t world = static_cast<std::size_t>(size_);
   const auto* in = static_cast<const std::byte*>(task.in);
@@ -1002,7 +1006,7 @@ COHORT_DECL auto gloo::execute_in_shared_memory(detail::gloo_task& task) -> bool
   }
 }
 
-COHORT_DECL auto gloo::signature(const detail::gloo_task& task) -> std::uint64_t {
+COHORT_COLD_BODY auto gloo::signature(const detail::gloo_task& task) -> std::uint64_t {
   detail::fnv1a hash;
   const auto mix = [&](std::uint64_t value) { hash.mix(value); };
   // A send and its recv must share a slot: both count as "point to point".
@@ -1018,13 +1022,13 @@ COHORT_DECL auto gloo::signature(const detail::gloo_task& task) -> std::uint64_t
   return hash.value();
 }
 
-COHORT_DECL auto gloo::throw_timeout(const detail::gloo_task& task) -> void {
+COHORT_COLD_BODY auto gloo::throw_timeout(const detail::gloo_task& task) -> void {
   throw timeout_error(world_rank_, detail::text("gloo.", describe(task)),
                       detail::text("no matching peer operation within ", detail::format_duration(options_.timeout)),
                       "the peer never posted the matching send/recv with the same tag, size and dtype");
 }
 
-COHORT_DECL auto gloo::name_the_culprit(const detail::gloo_task& task, bool connection_lost) -> std::string {
+COHORT_COLD_BODY auto gloo::name_the_culprit(const detail::gloo_task& task, bool connection_lost) -> std::string {
   const std::string mine = describe(task);
   const bool collective = task.what != task_kind::send && task.what != task_kind::recv &&
                           task.what != task_kind::p2p_wait && task.what != task_kind::function;
@@ -1076,7 +1080,7 @@ COHORT_DECL auto gloo::name_the_culprit(const detail::gloo_task& task, bool conn
                                   [this](int peer) { return probe_host(peer); });
 }
 
-COHORT_DECL auto gloo::probe_peer(int peer) const -> detail::peer_status {
+COHORT_COLD_BODY auto gloo::probe_peer(int peer) const -> detail::peer_status {
   using detail::peer_state;
   if (!context_ || peer < 0 || peer >= size_ || peers_.size() != static_cast<std::size_t>(size_)) return {};
   const auto& theirs = peers_[static_cast<std::size_t>(peer)];
@@ -1124,7 +1128,7 @@ COHORT_DECL auto gloo::probe_peer(int peer) const -> detail::peer_status {
   return {};
 }
 
-COHORT_DECL auto gloo::probe_host(int peer) const -> detail::peer_status {
+COHORT_COLD_BODY auto gloo::probe_host(int peer) const -> detail::peer_status {
   using detail::peer_state;
   if (!context_ || peer < 0 || peer >= size_ || peers_.size() != static_cast<std::size_t>(size_)) return {};
   // A host that answers a connection attempt at all (refused counts) is reachable.
@@ -1134,7 +1138,7 @@ COHORT_DECL auto gloo::probe_host(int peer) const -> detail::peer_status {
   return {peer_state::unreachable, why};
 }
 
-COHORT_DECL auto gloo::p2p_debug_key(const detail::gloo_task& task, bool mine) const -> std::string {
+COHORT_COLD_BODY auto gloo::p2p_debug_key(const detail::gloo_task& task, bool mine) const -> std::string {
   // Both sides name the pair the same way: sender, receiver, tag, the pair's sequence number.
   const bool sending = task.what == task_kind::send || (task.p2p && task.p2p->sending);
   const int from = sending ? rank_ : task.peer;
@@ -1144,7 +1148,7 @@ COHORT_DECL auto gloo::p2p_debug_key(const detail::gloo_task& task, bool mine) c
                       std::to_string(task.sequence), (send_side ? "/send" : "/recv"));
 }
 
-COHORT_DECL auto gloo::check_p2p_pair(const detail::gloo_task& task) -> void {
+COHORT_COLD_BODY auto gloo::check_p2p_pair(const detail::gloo_task& task) -> void {
   const bool sending = task.p2p->sending;
   const std::string mine = detail::text(to_string(task.type), " x ", std::to_string(task.count));
   const std::string pair =
@@ -1170,7 +1174,7 @@ COHORT_DECL auto gloo::check_p2p_pair(const detail::gloo_task& task) -> void {
               "a send and its recv must move the same dtype and number of elements");
 }
 
-COHORT_DECL auto gloo::missing_at_rendezvous(cohort::store& store) const -> std::string {
+COHORT_COLD_BODY auto gloo::missing_at_rendezvous(cohort::store& store) const -> std::string {
   std::vector<int> missing;
   try {
     // A handle of its own, bounded: the group's waits as long as the store's timeout.
@@ -1188,17 +1192,17 @@ COHORT_DECL auto gloo::missing_at_rendezvous(cohort::store& store) const -> std:
   return detail::text(names_(missing), " never arrived at the rendezvous");
 }
 
-COHORT_DECL auto gloo::rendezvous_context() const -> std::string {
+COHORT_COLD_BODY auto gloo::rendezvous_context() const -> std::string {
   return detail::text(" (", (names_.is_world() ? "world" : "group"), " of ", std::to_string(size_),
                       "; this rank published ", address_, ")");
 }
 
-COHORT_DECL auto gloo::scratch_bytes(std::size_t bytes) -> std::vector<std::byte>& {
+COHORT_COLD_BODY auto gloo::scratch_bytes(std::size_t bytes) -> std::vector<std::byte>& {
   if (scratch_.size() < bytes) scratch_.resize(bytes);
   return scratch_;
 }
 
-COHORT_DECL auto gloo::all_reduce_in_rank_order(detail::gloo_task& task) -> void {
+COHORT_COLD_BODY auto gloo::all_reduce_in_rank_order(detail::gloo_task& task) -> void {
   // A 16-bit float's sum or average: Gloo's ring would round every partial sum to 16 bits, in
   // an order of its own. Instead each rank gathers every rank's contributions to its block
   // (an all-to-all), adds them in rank order in float, rounds once, and the blocks are

@@ -1,6 +1,7 @@
 #pragma once
-// cohort/diagnostics/straggler.hpp's definitions: inline there when header-only, compiled once by <cohort/src.hpp>
-// under COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
+// cohort/diagnostics/straggler.hpp's definitions: header-only, cold templates (COHORT_COLD), so
+// that only a unit that makes a report or summarizes one instantiates them; compiled once by
+// <cohort/src.hpp> under COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
 
 #include <time.h>
 
@@ -28,7 +29,7 @@ namespace cohort::inline v0 {
 namespace detail::straggler_impl {
 
 // The lowest, median and highest of (value, rank) pairs; extremes on ties name the lowest rank.
-inline straggler_spread spread_of(std::vector<std::pair<double, int>> values) {
+COHORT_COLD inline straggler_spread spread_of(std::vector<std::pair<double, int>> values) {
   straggler_spread result;
   if (values.empty()) return result;
   std::sort(values.begin(), values.end());
@@ -42,13 +43,13 @@ inline straggler_spread spread_of(std::vector<std::pair<double, int>> values) {
   return result;
 }
 
-inline std::string format_ms(double ms) {
+COHORT_COLD inline std::string format_ms(double ms) {
   char text[32];
   std::snprintf(text, sizeof text, ms < 1 ? "%.2f" : "%.1f", ms);
   return text;
 }
 
-inline std::string format_percent(double fraction) {
+COHORT_COLD inline std::string format_percent(double fraction) {
   char text[32];
   std::snprintf(text, sizeof text, "%.0f%%", 100 * fraction);
   return text;
@@ -60,7 +61,8 @@ constexpr std::size_t window_fields = 7;
 
 // "w <window> <steps> <step ns> <reduce ns> <gather ns> <other ns> <max step ns> <step cpu ns>
 // <wait cpu ns>": decimal, so any store and any byte order read it.
-inline std::string encode_window(std::uint64_t window, std::uint64_t steps, const std::int64_t (&ns)[window_fields]) {
+COHORT_COLD inline std::string encode_window(std::uint64_t window, std::uint64_t steps,
+                                             const std::int64_t (&ns)[window_fields]) {
   // Appended piece by piece: g++ 12 at -O3 (nvcc's host pass) flags `"literal" + std::string`
   // with a false -Wrestrict (GCC bug 105329), an error under -Werror.
   std::string text = "w ";
@@ -75,7 +77,8 @@ inline std::string encode_window(std::uint64_t window, std::uint64_t steps, cons
 }
 
 // Totals in ns (window_fields) as means per step.
-inline straggler_rank_stats window_stats(int rank, std::uint64_t steps, const std::int64_t (&ns)[window_fields]) {
+COHORT_COLD inline straggler_rank_stats window_stats(int rank, std::uint64_t steps,
+                                                     const std::int64_t (&ns)[window_fields]) {
   straggler_rank_stats stats;
   stats.rank = rank;
   stats.steps = steps;
@@ -90,7 +93,8 @@ inline straggler_rank_stats window_stats(int rank, std::uint64_t steps, const st
 }
 
 // False for anything but window `window` of at least one step in encode_window's form.
-inline bool decode_window(const std::string& text, std::uint64_t window, int rank, straggler_rank_stats& stats) {
+COHORT_COLD inline bool decode_window(const std::string& text, std::uint64_t window, int rank,
+                                      straggler_rank_stats& stats) {
   if (text.size() < 2 || text[0] != 'w' || text[1] != ' ') return false;
   const char* at = text.data() + 2;
   const char* const end = text.data() + text.size();
@@ -112,14 +116,15 @@ inline bool decode_window(const std::string& text, std::uint64_t window, int ran
 
 }  // namespace detail::straggler_impl
 
-COHORT_DECL const straggler_rank_stats* straggler_summary::find(int rank) const noexcept {
+COHORT_COLD_BODY const straggler_rank_stats* straggler_summary::find(int rank) const noexcept {
   for (const auto& stats : ranks)
     if (stats.rank == rank) return &stats;
   return nullptr;
 }
 
-COHORT_DECL straggler_summary summarize_stragglers(std::uint64_t first_step, std::uint64_t last_step, int world,
-                                                   std::vector<straggler_rank_stats> ranks, std::vector<int> missing) {
+COHORT_COLD_BODY straggler_summary summarize_stragglers(std::uint64_t first_step, std::uint64_t last_step, int world,
+                                                        std::vector<straggler_rank_stats> ranks,
+                                                        std::vector<int> missing) {
   straggler_summary summary;
   summary.first_step = first_step;
   summary.last_step = last_step;
@@ -147,7 +152,7 @@ COHORT_DECL straggler_summary summarize_stragglers(std::uint64_t first_step, std
   return summary;
 }
 
-COHORT_DECL std::string format_straggler_report(const straggler_summary& s) {
+COHORT_COLD_BODY std::string format_straggler_report(const straggler_summary& s) {
   using detail::straggler_impl::format_ms;
   using detail::straggler_impl::format_percent;
   std::string line = "cohort straggler report, ";
@@ -190,8 +195,8 @@ COHORT_DECL std::string format_straggler_report(const straggler_summary& s) {
 
 // ---- the report -----------------------------------------------------------------------------
 
-COHORT_DECL straggler_report::straggler_report(std::shared_ptr<store> exchange, int rank, int world,
-                                               straggler_options options)
+COHORT_COLD_BODY straggler_report::straggler_report(std::shared_ptr<store> exchange, int rank, int world,
+                                                    straggler_options options)
     : step_boundary_(&straggler_report::step_boundary),
       store_(std::move(exchange)),
       rank_(rank),
@@ -208,21 +213,21 @@ COHORT_DECL straggler_report::straggler_report(std::shared_ptr<store> exchange, 
   if (rank_ == 0 && every_ > 0 && options_.slowdown) slowdown_.emplace(*options_.slowdown);
 }
 
-COHORT_DECL std::string straggler_report::key(std::uint64_t window, int rank) const {
+COHORT_COLD_BODY std::string straggler_report::key(std::uint64_t window, int rank) const {
   return detail::text("straggler/", std::to_string(id_), "/", std::to_string(window), "/", std::to_string(rank));
 }
 
-COHORT_DECL std::chrono::milliseconds straggler_report::exchange_timeout() const {
+COHORT_COLD_BODY std::chrono::milliseconds straggler_report::exchange_timeout() const {
   return options_.timeout.count() > 0 ? options_.timeout : store_->timeout();
 }
 
-COHORT_DECL std::int64_t straggler_report::thread_cpu_ns() noexcept {
+COHORT_COLD_BODY std::int64_t straggler_report::thread_cpu_ns() noexcept {
   timespec now{};
   ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
   return static_cast<std::int64_t>(now.tv_sec) * 1000000000 + now.tv_nsec;
 }
 
-COHORT_DECL void straggler_report::step_boundary(clock::time_point now) {
+COHORT_COLD_BODY void straggler_report::step_boundary(clock::time_point now) {
   if (!enabled() || stopped_) return;
   ++boundaries_;
   const std::int64_t cpu = times_cpu() ? thread_cpu_ns() : 0;
@@ -245,13 +250,13 @@ COHORT_DECL void straggler_report::step_boundary(clock::time_point now) {
   if (!pending_.empty()) collect(false);
 }
 
-COHORT_DECL void straggler_report::flush() {
+COHORT_COLD_BODY void straggler_report::flush() {
   if (!enabled() || stopped_) return;
   if (boundaries_ >= 2 && window_steps_ > 0) publish(clock::now());
   if (!pending_.empty()) collect(true);
 }
 
-COHORT_DECL void straggler_report::publish(clock::time_point now) {
+COHORT_COLD_BODY void straggler_report::publish(clock::time_point now) {
   std::int64_t ns[detail::straggler_impl::window_fields] = {
       window_step_ns_, 0, 0, 0, window_max_step_ns_, window_step_cpu_ns_, std::exchange(wait_cpu_ns_, 0)};
   for (std::size_t k = 0; k < 3; ++k) ns[1 + k] = waits_[k].exchange(0, std::memory_order_relaxed);
@@ -280,7 +285,7 @@ COHORT_DECL void straggler_report::publish(clock::time_point now) {
   }
 }
 
-COHORT_DECL void straggler_report::collect(bool blocking) {
+COHORT_COLD_BODY void straggler_report::collect(bool blocking) {
   struct ready {
     pending_window window;
     std::vector<straggler_rank_stats> ranks;
@@ -322,8 +327,8 @@ COHORT_DECL void straggler_report::collect(bool blocking) {
   for (auto& entry : done) report(entry.window, std::move(entry.ranks), std::move(entry.missing));
 }
 
-COHORT_DECL void straggler_report::report(const pending_window& window, std::vector<straggler_rank_stats> ranks,
-                                          std::vector<int> missing) {
+COHORT_COLD_BODY void straggler_report::report(const pending_window& window, std::vector<straggler_rank_stats> ranks,
+                                               std::vector<int> missing) {
   auto summary =
       summarize_stragglers(window.first_step, window.last_step, world_, std::move(ranks), std::move(missing));
   summary.timeout = exchange_timeout();
@@ -364,7 +369,7 @@ COHORT_DECL void straggler_report::report(const pending_window& window, std::vec
   if (options_.on_slowdown) options_.on_slowdown(*finding);
 }
 
-COHORT_DECL std::optional<straggler_summary> straggler_report::run_summary() const {
+COHORT_COLD_BODY std::optional<straggler_summary> straggler_report::run_summary() const {
   if (run_totals_.empty() || !latest_) return std::nullopt;
   std::vector<straggler_rank_stats> ranks;
   std::vector<int> missing;
@@ -387,7 +392,7 @@ COHORT_DECL std::optional<straggler_summary> straggler_report::run_summary() con
   return run;
 }
 
-COHORT_DECL scaling_verdict scaling_verdict_of(const straggler_summary& run) {
+COHORT_COLD_BODY scaling_verdict scaling_verdict_of(const straggler_summary& run) {
   scaling_verdict verdict;
   verdict.world = run.world;
   verdict.step_ms = run.step.median;
@@ -407,7 +412,7 @@ COHORT_DECL scaling_verdict scaling_verdict_of(const straggler_summary& run) {
   return verdict;
 }
 
-COHORT_DECL std::string format_scaling_verdict(const scaling_verdict& v) {
+COHORT_COLD_BODY std::string format_scaling_verdict(const scaling_verdict& v) {
   char text[600];
   std::snprintf(text, sizeof text,
                 "cohort verdict, %d rank%s: step %.2f ms, communication exposed %.0f%% of the step; %s; %s "
@@ -424,7 +429,7 @@ COHORT_DECL std::string format_scaling_verdict(const scaling_verdict& v) {
   return text;
 }
 
-COHORT_DECL std::optional<slowdown_finding> slowdown_watch::observe(const straggler_summary& window) {
+COHORT_COLD_BODY std::optional<slowdown_finding> slowdown_watch::observe(const straggler_summary& window) {
   if (!window.missing.empty() || window.ranks.empty()) return std::nullopt;
   const double lead = window.slowest_over_median_ms;
   if (!has_baseline()) {
@@ -485,7 +490,7 @@ COHORT_DECL std::optional<slowdown_finding> slowdown_watch::observe(const stragg
   return finding;
 }
 
-COHORT_DECL void straggler_report::stop(const std::string& what) {
+COHORT_COLD_BODY void straggler_report::stop(const std::string& what) {
   stopped_ = true;
   pending_.clear();
   failure_ = what;

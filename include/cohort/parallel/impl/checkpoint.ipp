@@ -1,8 +1,10 @@
 #pragma once
 // cohort/parallel/checkpoint.hpp's definitions, part two: the directory contract (listing,
 // lock, staging, commit, pruning), the writer of the ranks' files, the reader of them, and
-// verify, consolidate and inspect; part one (impl/checkpoint_index.ipp) is the index. Inline
-// when header-only, compiled once by <cohort/src.hpp> under COHORT_SEPARATE_COMPILATION.
+// verify, consolidate and inspect; part one (impl/checkpoint_index.ipp) is the index.
+// Header-only, cold templates (COHORT_COLD, cohort/config.hpp: only a unit that saves, loads
+// or inspects a checkpoint instantiates them); compiled once by <cohort/src.hpp> under
+// COHORT_SEPARATE_COMPILATION.
 // Over 400 lines: the directory's rules and the files' reader and writer, one format's halves.
 
 #include <dirent.h>
@@ -52,7 +54,7 @@ namespace {
 // every save and every resume that could write made. There, a step-<N> directory with an index
 // is cohort's whatever the index's bytes say: damage in its first bytes is damage, which the
 // index's reader names, never a reason to take the checkpoint for a stranger's and skip it.
-bool carries_cohort_contract(int directory_fd) {
+COHORT_COLD bool carries_cohort_contract(int directory_fd) {
   struct stat status {};
   return ::fstatat(directory_fd, checkpoint_own_folder, &status, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(status.st_mode);
 }
@@ -61,7 +63,7 @@ bool carries_cohort_contract(int directory_fd) {
 // (not a symlink) holding a manifest.json that, in a directory carrying cohort's contract, is
 // there at all, and elsewhere is a regular file that begins as every cohort index has, of any
 // version. Only those are loaded, replaced or pruned; a damaged one is refused by its reader.
-const char* not_a_checkpoint(int directory_fd, const std::string& name, bool cohort_directory) {
+COHORT_COLD const char* not_a_checkpoint(int directory_fd, const std::string& name, bool cohort_directory) {
   struct stat status {};
   if (::fstatat(directory_fd, name.c_str(), &status, AT_SYMLINK_NOFOLLOW) != 0) return "cannot be read";
   if (!S_ISDIR(status.st_mode)) return S_ISLNK(status.st_mode) ? "is a symbolic link" : "is not a directory";
@@ -98,7 +100,7 @@ struct lock_holder {
 
 // `text` as `path`, whole or not at all: a temporary sibling (<path>.<pid>) renamed over it.
 // False on a failure (errno says which), the temporary removed.
-bool write_small_file(const std::string& path, const std::string& text) {
+COHORT_COLD bool write_small_file(const std::string& path, const std::string& text) {
   const std::string temporary = detail::text(path, ".", std::to_string(::getpid()));
   checkpoint_fd out(::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644));
   if (out.get() >= 0 && ::write(out.get(), text.data(), text.size()) == static_cast<ssize_t>(text.size()) &&
@@ -110,7 +112,7 @@ bool write_small_file(const std::string& path, const std::string& text) {
   return false;
 }
 
-lock_holder this_process() {
+COHORT_COLD lock_holder this_process() {
   lock_holder me;
   char host[256] = {};
   me.host = ::gethostname(host, sizeof host - 1) == 0 ? host : "?";
@@ -135,7 +137,7 @@ lock_holder this_process() {
   return me;
 }
 
-lock_holder parse_holder(const std::string& text) {
+COHORT_COLD lock_holder parse_holder(const std::string& text) {
   lock_holder holder;
   std::size_t at = 0;
   while (at < text.size()) {
@@ -154,7 +156,7 @@ lock_holder parse_holder(const std::string& text) {
 }
 
 // DIR/.cohort, made if it is not there; anything else by that name is refused.
-std::string own_folder(const std::string& directory, int rank, std::string_view operation) {
+COHORT_COLD std::string own_folder(const std::string& directory, int rank, std::string_view operation) {
   const std::string folder = path_in(directory, checkpoint_own_folder);
   if (::mkdir(folder.c_str(), 0755) != 0 && errno != EEXIST)
     throw error(rank, operation, detail::text("cannot create ", folder, ": ", std::strerror(errno)),
@@ -170,7 +172,7 @@ std::string own_folder(const std::string& directory, int rank, std::string_view 
 
 }  // namespace
 
-COHORT_DECL checkpoint_listing list_checkpoints(const std::string& directory) {
+COHORT_COLD_BODY checkpoint_listing list_checkpoints(const std::string& directory) {
   checkpoint_listing out;
   directory_stream entries(directory);
   if (!entries.stream) return out;
@@ -196,8 +198,8 @@ COHORT_DECL checkpoint_listing list_checkpoints(const std::string& directory) {
   return out;
 }
 
-COHORT_DECL bool lock_checkpoint_directory(const std::string& directory, int rank, std::string_view operation,
-                                           bool required) {
+COHORT_COLD_BODY bool lock_checkpoint_directory(const std::string& directory, int rank, std::string_view operation,
+                                                bool required) {
   if (!required && ::access(directory.c_str(), W_OK) != 0) {
     checkpoint_warning(rank, detail::text(directory, " is not writable here (", std::strerror(errno),
                                           "): read without its lock, which only a job that can save there needs"));
@@ -244,8 +246,8 @@ COHORT_DECL bool lock_checkpoint_directory(const std::string& directory, int ran
   return true;
 }
 
-COHORT_DECL resume_candidates open_checkpoints_for_resume(const std::string& directory, int rank,
-                                                          std::string_view operation) {
+COHORT_COLD_BODY resume_candidates open_checkpoints_for_resume(const std::string& directory, int rank,
+                                                               std::string_view operation) {
   // One this job cannot write (a published checkpoint to start from) no job of this user can
   // change under it: resumed from without a lock.
   create_checkpoint_directory(directory);  // a failure is the lock's to name
@@ -258,19 +260,19 @@ COHORT_DECL resume_candidates open_checkpoints_for_resume(const std::string& dir
   return out;
 }
 
-COHORT_DECL std::string read_checkpoint_run(const std::string& directory) {
+COHORT_COLD_BODY std::string read_checkpoint_run(const std::string& directory) {
   std::string run = read_small_file(path_in(path_in(directory, checkpoint_own_folder), "run"));
   while (!run.empty() && run.back() == '\n') run.pop_back();
   std::uint64_t value = 0;
   return parse_hex64(run, value) ? run : std::string();
 }
 
-COHORT_DECL std::string create_checkpoint_directory(const std::string& directory) {
+COHORT_COLD_BODY std::string create_checkpoint_directory(const std::string& directory) {
   const auto failure = make_directories(directory);
   return failure ? failure.message() : std::string{};
 }
 
-COHORT_DECL std::uint64_t random_checkpoint_bits() {
+COHORT_COLD_BODY std::uint64_t random_checkpoint_bits() {
   // The kernel's generator (which std::random_device reads), without <random> in every unit.
   std::array<std::uint8_t, 8> bytes{};
   if (!random_bytes(bytes))
@@ -280,8 +282,8 @@ COHORT_DECL std::uint64_t random_checkpoint_bits() {
   return bits;
 }
 
-COHORT_DECL std::string claim_checkpoint_run(const std::string& directory, int rank, std::string_view operation,
-                                             const std::string& run) {
+COHORT_COLD_BODY std::string claim_checkpoint_run(const std::string& directory, int rank, std::string_view operation,
+                                                  const std::string& run) {
   if (auto held = read_checkpoint_run(directory); !held.empty()) return held;
   std::string claimed = run;
   if (claimed.empty()) claimed = hex64(random_checkpoint_bits());
@@ -292,7 +294,7 @@ COHORT_DECL std::string claim_checkpoint_run(const std::string& directory, int r
   return claimed;
 }
 
-COHORT_DECL std::string launcher_job_id() {
+COHORT_COLD_BODY std::string launcher_job_id() {
   // Detection refuses an inconsistent environment, which the job's rendezvous reported
   // already: the checkpoint then records no job id rather than failing the save.
   try {
@@ -302,8 +304,9 @@ COHORT_DECL std::string launcher_job_id() {
   }
 }
 
-COHORT_DECL void check_checkpoint_run(const std::string& directory, const std::string& checkpoint,
-                                      const checkpoint_info& loaded, bool locked, bool refuse_other_run, int rank) {
+COHORT_COLD_BODY void check_checkpoint_run(const std::string& directory, const std::string& checkpoint,
+                                           const checkpoint_info& loaded, bool locked, bool refuse_other_run,
+                                           int rank) {
   constexpr std::string_view operation = "resume_checkpoint";
   if (loaded.run.empty()) {
     checkpoint_warning(
@@ -330,8 +333,8 @@ COHORT_DECL void check_checkpoint_run(const std::string& directory, const std::s
   checkpoint_warning(rank, detail::text(why, " Loaded anyway (resume_options::refuse_other_run is false)."));
 }
 
-COHORT_DECL std::string begin_checkpoint(const std::string& directory, const std::string& staging, std::uint64_t step,
-                                         int rank) {
+COHORT_COLD_BODY std::string begin_checkpoint(const std::string& directory, const std::string& staging,
+                                              std::uint64_t step, int rank) {
   constexpr std::string_view operation = "save_checkpoint";
   if (const auto failure = create_checkpoint_directory(directory); !failure.empty())
     throw error(rank, operation, detail::text("cannot create ", directory, ": ", failure),
@@ -368,7 +371,7 @@ COHORT_DECL std::string begin_checkpoint(const std::string& directory, const std
   return claim_checkpoint_run(directory, rank, operation);
 }
 
-COHORT_DECL checkpoint_staging::checkpoint_staging(std::size_t bytes) : size_(bytes) {
+COHORT_COLD_BODY checkpoint_staging::checkpoint_staging(std::size_t bytes) : size_(bytes) {
   if (bytes == 0) return;
   void* at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (at == MAP_FAILED)
@@ -397,9 +400,9 @@ COHORT_DECL checkpoint_staging::~checkpoint_staging() {
   if (data_) ::munmap(data_, size_);
 }
 
-COHORT_DECL checkpoint_file_writer::checkpoint_file_writer(std::string path, std::size_t block_bytes, int rank,
-                                                           int& failed_errno, std::string_view operation,
-                                                           std::string_view hint)
+COHORT_COLD_BODY checkpoint_file_writer::checkpoint_file_writer(std::string path, std::size_t block_bytes, int rank,
+                                                                int& failed_errno, std::string_view operation,
+                                                                std::string_view hint)
     : path_(std::move(path)),
       block_bytes_(block_bytes),
       rank_(rank),
@@ -414,7 +417,7 @@ COHORT_DECL checkpoint_file_writer::~checkpoint_file_writer() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-COHORT_DECL error checkpoint_file_writer::failure(const std::string& what) {
+COHORT_COLD_BODY error checkpoint_file_writer::failure(const std::string& what) {
   failed_errno_ = errno;
   return error(rank_, operation_,
                detail::text(what, " ", path_, ": ", std::strerror(failed_errno_), " (errno ",
@@ -422,7 +425,7 @@ COHORT_DECL error checkpoint_file_writer::failure(const std::string& what) {
                hint_);
 }
 
-COHORT_DECL void checkpoint_file_writer::append(const char* data, std::size_t bytes) {
+COHORT_COLD_BODY void checkpoint_file_writer::append(const char* data, std::size_t bytes) {
   // Checksums first, while the previous chunk's write-back runs in the kernel: the disk, not
   // this thread, is then what a save waits for.
   for (std::size_t done = 0; done < bytes; done += block_bytes_)
@@ -445,15 +448,15 @@ COHORT_DECL void checkpoint_file_writer::append(const char* data, std::size_t by
   written_ += bytes;
 }
 
-COHORT_DECL std::vector<std::uint64_t> checkpoint_file_writer::finish() {
+COHORT_COLD_BODY std::vector<std::uint64_t> checkpoint_file_writer::finish() {
   if (::fsync(fd_) != 0) throw failure("fsync of");
   const int result = ::close(std::exchange(fd_, -1));
   if (result != 0) throw failure("closing");
   return std::move(blocks_);
 }
 
-COHORT_DECL std::vector<std::uint8_t> checkpoint_outcome_bytes(bool failed, int failed_errno,
-                                                               const std::vector<std::uint64_t>& blocks) {
+COHORT_COLD_BODY std::vector<std::uint8_t> checkpoint_outcome_bytes(bool failed, int failed_errno,
+                                                                    const std::vector<std::uint64_t>& blocks) {
   std::vector<std::uint64_t> words{failed ? 1u : 0u, static_cast<std::uint64_t>(failed_errno)};
   words.insert(words.end(), blocks.begin(), blocks.end());
   std::vector<std::uint8_t> out(words.size() * sizeof(std::uint64_t));
@@ -461,8 +464,8 @@ COHORT_DECL std::vector<std::uint8_t> checkpoint_outcome_bytes(bool failed, int 
   return out;
 }
 
-COHORT_DECL bool parse_checkpoint_outcome(std::span<const std::uint8_t> value, bool& failed, int& failed_errno,
-                                          std::vector<std::uint64_t>& blocks) {
+COHORT_COLD_BODY bool parse_checkpoint_outcome(std::span<const std::uint8_t> value, bool& failed, int& failed_errno,
+                                               std::vector<std::uint64_t>& blocks) {
   if (value.size() < 2 * sizeof(std::uint64_t) || value.size() % sizeof(std::uint64_t) != 0) return false;
   std::vector<std::uint64_t> words(value.size() / sizeof(std::uint64_t));
   std::memcpy(words.data(), value.data(), value.size());
@@ -472,9 +475,9 @@ COHORT_DECL bool parse_checkpoint_outcome(std::span<const std::uint8_t> value, b
   return true;
 }
 
-COHORT_DECL void commit_checkpoint(const std::string& directory, const std::string& staging,
-                                   const checkpoint_manifest& manifest, std::size_t keep_last, int rank,
-                                   const checkpoint_fault& fault) {
+COHORT_COLD_BODY void commit_checkpoint(const std::string& directory, const std::string& staging,
+                                        const checkpoint_manifest& manifest, std::size_t keep_last, int rank,
+                                        const checkpoint_fault& fault) {
   constexpr std::string_view operation = "save_checkpoint";
   // Each step that changes the disk is one point a test can kill the process at: every
   // interruption must leave the previous checkpoints loadable and nothing a resume takes for
@@ -564,12 +567,12 @@ COHORT_DECL void commit_checkpoint(const std::string& directory, const std::stri
   }
 }
 
-COHORT_DECL std::vector<std::size_t> match_checkpoint(const checkpoint_manifest& manifest,
-                                                      const std::string& checkpoint,
-                                                      const std::vector<std::string>& region_names,
-                                                      const std::vector<std::uint64_t>& region_counts,
-                                                      const std::string& dtype, const std::vector<std::string>& tensors,
-                                                      int rank) {
+COHORT_COLD_BODY std::vector<std::size_t> match_checkpoint(const checkpoint_manifest& manifest,
+                                                           const std::string& checkpoint,
+                                                           const std::vector<std::string>& region_names,
+                                                           const std::vector<std::uint64_t>& region_counts,
+                                                           const std::string& dtype,
+                                                           const std::vector<std::string>& tensors, int rank) {
   const std::string index = path_in(checkpoint, "manifest.json");
   const auto list = [](const std::vector<std::string>& names) {
     std::string text;
@@ -615,14 +618,14 @@ COHORT_DECL std::vector<std::size_t> match_checkpoint(const checkpoint_manifest&
   return out;
 }
 
-inline std::string checkpoint_file_named(const std::string& checkpoint, const checkpoint_file& file) {
+COHORT_COLD inline std::string checkpoint_file_named(const std::string& checkpoint, const checkpoint_file& file) {
   return detail::text(path_in(checkpoint, file.name), " (written by rank ", std::to_string(file.rank), ")");
 }
 
-COHORT_DECL std::uint64_t read_checkpoint(const std::string& checkpoint, const checkpoint_manifest& manifest,
-                                          const std::vector<checkpoint_need>& needs,
-                                          const std::vector<checkpoint_range>& also_verify, int rank,
-                                          std::vector<checkpoint_part>& parts) {
+COHORT_COLD_BODY std::uint64_t read_checkpoint(const std::string& checkpoint, const checkpoint_manifest& manifest,
+                                               const std::vector<checkpoint_need>& needs,
+                                               const std::vector<checkpoint_range>& also_verify, int rank,
+                                               std::vector<checkpoint_part>& parts) {
   constexpr std::string_view operation = "load_checkpoint";
   struct request {
     std::uint64_t offset, bytes;
@@ -754,8 +757,8 @@ COHORT_DECL std::uint64_t read_checkpoint(const std::string& checkpoint, const c
   return bytes_read;
 }
 
-COHORT_DECL void check_checkpoint_parts(const std::string& checkpoint, const checkpoint_manifest& manifest,
-                                        std::vector<checkpoint_part> parts, int rank) {
+COHORT_COLD_BODY void check_checkpoint_parts(const std::string& checkpoint, const checkpoint_manifest& manifest,
+                                             std::vector<checkpoint_part> parts, int rank) {
   std::sort(parts.begin(), parts.end(), [](const checkpoint_part& a, const checkpoint_part& b) {
     return std::tie(a.file, a.block, a.reader) < std::tie(b.file, b.block, b.reader);
   });
@@ -789,7 +792,7 @@ COHORT_DECL void check_checkpoint_parts(const std::string& checkpoint, const che
   }
 }
 
-COHORT_DECL std::string safetensors_dtype(const std::string& dtype) {
+COHORT_COLD_BODY std::string safetensors_dtype(const std::string& dtype) {
   if (dtype == "float") return "F32";
   if (dtype == "double") return "F64";
   if (dtype == "half") return "F16";
@@ -797,7 +800,7 @@ COHORT_DECL std::string safetensors_dtype(const std::string& dtype) {
   return {};
 }
 
-COHORT_DECL std::string describe_checkpoint(const std::string& checkpoint, const checkpoint_manifest& m) {
+COHORT_COLD_BODY std::string describe_checkpoint(const std::string& checkpoint, const checkpoint_manifest& m) {
   std::uint64_t elements = 0, bytes = 0;
   for (const auto& r : m.regions) elements += r.count;
   for (const auto& f : m.files) bytes += f.bytes;
@@ -846,8 +849,9 @@ COHORT_DECL std::string describe_checkpoint(const std::string& checkpoint, const
   return out;
 }
 
-COHORT_DECL std::uint64_t read_checkpoint_verified(const std::string& checkpoint, const checkpoint_manifest& manifest,
-                                                   const std::vector<checkpoint_need>& needs) {
+COHORT_COLD_BODY std::uint64_t read_checkpoint_verified(const std::string& checkpoint,
+                                                        const checkpoint_manifest& manifest,
+                                                        const std::vector<checkpoint_need>& needs) {
   std::vector<checkpoint_part> parts;
   std::uint64_t bytes_read = read_checkpoint(checkpoint, manifest, needs, {}, -1, parts);
   // Blocks only partly read (other bytes in them): read whole once more and verified, as no
@@ -869,8 +873,8 @@ namespace {
 
 // Every element of the first `tensors` tensors of every region, tensor after tensor, region
 // after region, into `data`, and every block those lie in verified.
-void read_whole_tensors(const std::string& checkpoint, const checkpoint_manifest& manifest, std::size_t tensors,
-                        std::vector<char>& data, std::uint64_t& bytes_read) {
+COHORT_COLD void read_whole_tensors(const std::string& checkpoint, const checkpoint_manifest& manifest,
+                                    std::size_t tensors, std::vector<char>& data, std::uint64_t& bytes_read) {
   std::vector<checkpoint_need> needs;
   std::uint64_t at = 0;
   for (std::size_t t = 0; t < tensors; ++t)
@@ -894,13 +898,13 @@ struct temporary_file {
 
 }  // namespace detail
 
-COHORT_DECL std::optional<std::string> newest_checkpoint(const std::string& directory) {
+COHORT_COLD_BODY std::optional<std::string> newest_checkpoint(const std::string& directory) {
   const auto listing = detail::list_checkpoints(directory);
   if (listing.committed.empty()) return std::nullopt;
   return listing.committed.back().second;
 }
 
-COHORT_DECL std::uint64_t verify_checkpoint(const std::string& checkpoint) {
+COHORT_COLD_BODY std::uint64_t verify_checkpoint(const std::string& checkpoint) {
   constexpr std::string_view operation = "verify_checkpoint";
   const auto manifest = detail::read_checkpoint_manifest(checkpoint, -1, operation);
   auto directory = detail::open_checkpoint_directory(checkpoint, -1, operation);
@@ -943,7 +947,7 @@ COHORT_DECL std::uint64_t verify_checkpoint(const std::string& checkpoint) {
   return bytes_read;
 }
 
-COHORT_DECL void consolidate_checkpoint(const std::string& checkpoint, const std::string& safetensors_path) {
+COHORT_COLD_BODY void consolidate_checkpoint(const std::string& checkpoint, const std::string& safetensors_path) {
   constexpr std::string_view operation = "consolidate_checkpoint";
   // What a failure to write the export leaves: the checkpoint is only read, and the output's
   // path keeps what it held (the export goes to a temporary sibling, renamed once complete).

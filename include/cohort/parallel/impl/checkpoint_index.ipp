@@ -1,8 +1,8 @@
 #pragma once
 // cohort/parallel/checkpoint.hpp's definitions, part one: the block checksum, the index's
 // writer and its checked reader, and the few file primitives both parts use (included by
-// impl/checkpoint.ipp; inline when header-only, compiled once by <cohort/src.hpp> under
-// COHORT_SEPARATE_COMPILATION).
+// impl/checkpoint.ipp; cold templates when header-only, as there, compiled once by
+// <cohort/src.hpp> under COHORT_SEPARATE_COMPILATION).
 // Over 400 lines: the index's writer and its reader belong together, one format's halves; the
 // reader checks every field as it reads it.
 
@@ -60,14 +60,14 @@ class checkpoint_fd {
   int fd_;
 };
 
-inline std::string hex64(std::uint64_t value) {
+COHORT_COLD inline std::string hex64(std::uint64_t value) {
   char text[17];
   std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(value));
   return text;
 }
 // Exactly 16 lowercase hex digits, as hex64 writes them: any other spelling of the same value
 // is refused, so that no edit of the index's text reads back as what was written.
-inline bool parse_hex64(std::string_view text, std::uint64_t& value) {
+COHORT_COLD inline bool parse_hex64(std::string_view text, std::uint64_t& value) {
   if (text.size() != 16) return false;
   value = 0;
   for (const char c : text) {
@@ -83,7 +83,7 @@ inline bool parse_hex64(std::string_view text, std::uint64_t& value) {
 
 // step-<N> as checkpoint_step_name writes it: decimal digits, no leading zero, at most
 // checkpoint_index_limits::max_count. Anything else named step-* is not cohort's.
-inline bool parse_step_name(std::string_view name, std::uint64_t& step) {
+COHORT_COLD inline bool parse_step_name(std::string_view name, std::uint64_t& step) {
   if (name.size() <= 5 || name.substr(0, 5) != "step-") return false;
   const std::string_view digits = name.substr(5);
   if (digits.size() > 1 && digits[0] == '0') return false;
@@ -91,7 +91,7 @@ inline bool parse_step_name(std::string_view name, std::uint64_t& step) {
   return ec == std::errc{} && end == digits.data() + digits.size() && step <= checkpoint_index_limits::max_count;
 }
 
-inline const char* file_kind(mode_t mode) {
+COHORT_COLD inline const char* file_kind(mode_t mode) {
   if (S_ISREG(mode)) return "a regular file";
   if (S_ISDIR(mode)) return "a directory";
   if (S_ISLNK(mode)) return "a symbolic link";
@@ -104,7 +104,8 @@ inline const char* file_kind(mode_t mode) {
 
 // `path` as a directory to open files in (the caller's path: a symlink to it is the caller's
 // choice), or a checkpoint_damaged_error.
-inline checkpoint_fd open_checkpoint_directory(const std::string& path, int rank, std::string_view operation) {
+COHORT_COLD inline checkpoint_fd open_checkpoint_directory(const std::string& path, int rank,
+                                                           std::string_view operation) {
   checkpoint_fd fd(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (fd.get() < 0)
     throw checkpoint_damaged_error(rank, operation,
@@ -117,8 +118,8 @@ inline checkpoint_fd open_checkpoint_directory(const std::string& path, int rank
 // file, never through a symbolic link, never blocking on a FIFO or a device (checked before
 // the open and again on what was opened). Anything else is a checkpoint_damaged_error naming
 // it and what it is.
-inline checkpoint_fd open_checkpoint_file(int directory_fd, const std::string& directory, const std::string& name,
-                                          int rank, std::string_view operation) {
+COHORT_COLD inline checkpoint_fd open_checkpoint_file(int directory_fd, const std::string& directory,
+                                                      const std::string& name, int rank, std::string_view operation) {
   const std::string path = path_in(directory, name);
   const auto refuse = [&](const std::string& why) {
     throw checkpoint_damaged_error(rank, operation, detail::text(path, ": ", why),
@@ -135,15 +136,15 @@ inline checkpoint_fd open_checkpoint_file(int directory_fd, const std::string& d
   return fd;
 }
 
-inline std::uint64_t file_size(int fd) {
+COHORT_COLD inline std::uint64_t file_size(int fd) {
   struct stat status {};
   return ::fstat(fd, &status) == 0 ? static_cast<std::uint64_t>(status.st_size) : 0;
 }
 
 // Reads file bytes [offset, offset + total) into `pieces` (each iovec's length adding up to
 // `total`): one preadv for neighbouring requests, however the kernel splits it.
-inline void read_exactly(int fd, std::vector<iovec> pieces, std::uint64_t offset, std::uint64_t total,
-                         const std::string& named, int rank, std::string_view operation) {
+COHORT_COLD inline void read_exactly(int fd, std::vector<iovec> pieces, std::uint64_t offset, std::uint64_t total,
+                                     const std::string& named, int rank, std::string_view operation) {
   std::size_t first = 0;
   for (std::uint64_t done = 0; done < total;) {
     const int count = static_cast<int>(std::min<std::size_t>(pieces.size() - first, IOV_MAX));
@@ -168,7 +169,7 @@ inline void read_exactly(int fd, std::vector<iovec> pieces, std::uint64_t offset
 }
 
 // Some file systems cannot fsync a directory (EINVAL): the rename is still atomic there.
-inline void sync_directory(
+COHORT_COLD inline void sync_directory(
     const std::string& directory, int rank, std::string_view operation = "save_checkpoint",
     std::string_view hint = "the checkpoint's rename may not survive a power loss on this file system") {
   checkpoint_fd fd(::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
@@ -177,7 +178,7 @@ inline void sync_directory(
                 hint);
 }
 
-COHORT_DECL void checkpoint_warning(int rank, std::string_view message) {
+COHORT_COLD_BODY void checkpoint_warning(int rank, std::string_view message) {
   std::string line = "cohort";
   if (rank >= 0) line += detail::text(" [rank ", std::to_string(rank), "]");
   line += detail::text(" warning: ", message, "\n");
@@ -208,13 +209,15 @@ inline constexpr std::uint64_t checksum_key(std::uint64_t word) noexcept {
   return checksum_lane_keys[word % checksum_lanes] * checksum_chunk_key(word / checksum_lanes);
 }
 // Bytes [at, at + bytes) of their 4-byte word (at % 4 + bytes <= 4), in place, the rest zero.
-inline std::uint64_t checksum_partial_word(const unsigned char* data, std::uint64_t at, std::size_t bytes) noexcept {
+COHORT_COLD inline std::uint64_t checksum_partial_word(const unsigned char* data, std::uint64_t at,
+                                                       std::size_t bytes) noexcept {
   std::uint64_t word = 0;
   for (std::size_t k = 0; k < bytes; ++k) word |= std::uint64_t{data[k]} << (8 * ((at + k) % 4));
   return word * checksum_key(at / 4);
 }
 
-COHORT_DECL std::uint64_t checkpoint_checksum_part(const void* data, std::uint64_t at, std::size_t bytes) noexcept {
+COHORT_COLD_BODY std::uint64_t checkpoint_checksum_part(const void* data, std::uint64_t at,
+                                                        std::size_t bytes) noexcept {
   const auto* p = static_cast<const unsigned char*>(data);
   std::uint64_t sum = 0;
   if (const std::size_t head = std::min<std::size_t>(bytes, (4 - at % 4) % 4); head != 0) {
@@ -241,33 +244,36 @@ COHORT_DECL std::uint64_t checkpoint_checksum_part(const void* data, std::uint64
   return sum;
 }
 
-COHORT_DECL std::uint64_t checkpoint_checksum_finish(std::uint64_t parts, std::uint64_t bytes) noexcept {
+COHORT_COLD_BODY std::uint64_t checkpoint_checksum_finish(std::uint64_t parts, std::uint64_t bytes) noexcept {
   return parts + checksum_mix(bytes);
 }
 
-COHORT_DECL std::uint64_t checkpoint_checksum(const void* data, std::size_t bytes) noexcept {
+COHORT_COLD_BODY std::uint64_t checkpoint_checksum(const void* data, std::size_t bytes) noexcept {
   return checkpoint_checksum_finish(checkpoint_checksum_part(data, 0, bytes), bytes);
 }
 
-COHORT_DECL std::uint64_t checkpoint_file_checksum(const std::vector<std::uint64_t>& blocks,
-                                                   std::uint64_t bytes) noexcept {
+COHORT_COLD_BODY std::uint64_t checkpoint_file_checksum(const std::vector<std::uint64_t>& blocks,
+                                                        std::uint64_t bytes) noexcept {
   std::vector<std::uint64_t> words(blocks);
   words.push_back(bytes);
   return checkpoint_checksum(words.data(), words.size() * sizeof(std::uint64_t));
 }
 
-COHORT_DECL std::string checkpoint_file_name(int rank) {
+COHORT_COLD_BODY std::string checkpoint_file_name(int rank) {
   char name[32];
   std::snprintf(name, sizeof name, "rank-%05d.bin", rank);
   return name;
 }
 
-COHORT_DECL std::string checkpoint_step_name(std::uint64_t step) { return detail::text("step-", std::to_string(step)); }
+COHORT_COLD_BODY std::string checkpoint_step_name(std::uint64_t step) {
+  return detail::text("step-", std::to_string(step));
+}
 
 // DIR/.cohort: cohort's own folder in a checkpoint directory (see checkpoint.hpp).
 inline constexpr const char* checkpoint_own_folder = ".cohort";
 
-COHORT_DECL std::string checkpoint_staging_path(const std::string& directory, std::uint64_t step, std::uint64_t nonce) {
+COHORT_COLD_BODY std::string checkpoint_staging_path(const std::string& directory, std::uint64_t step,
+                                                     std::uint64_t nonce) {
   return path_in(path_in(directory, checkpoint_own_folder),
                  detail::text("staging-", std::to_string(step), "-", hex64(nonce)));
 }
@@ -285,14 +291,14 @@ constexpr std::size_t index_trailer_bytes = index_trailer_lead.size() + 16 + ind
 // training_state::checkpoint_tensors() names them (the parameters, then the optimizer's
 // moments or momentum where the optimizer is cohort's).
 constexpr strategy checkpoint_strategies[] = {strategy::ddp, strategy::zero1, strategy::zero2, strategy::zero3};
-bool is_checkpoint_tensor_set(const std::vector<std::string>& tensors) {
+COHORT_COLD bool is_checkpoint_tensor_set(const std::vector<std::string>& tensors) {
   if (tensors.empty() || tensors[0] != "parameters") return false;
   if (tensors.size() == 2) return tensors[1] == "sgd.momentum";
   if (tensors.size() == 3) return tensors[1] == "adam.exp_avg" && tensors[2] == "adam.exp_avg_sq";
   return tensors.size() == 1;
 }
 
-std::uint64_t dtype_bytes(std::string_view dtype) {
+COHORT_COLD std::uint64_t dtype_bytes(std::string_view dtype) {
   if (dtype == "double") return 8;
   if (dtype == "float") return 4;
   if (dtype == "half" || dtype == "bfloat16") return 2;
@@ -301,7 +307,7 @@ std::uint64_t dtype_bytes(std::string_view dtype) {
 
 }  // namespace
 
-COHORT_DECL std::string checkpoint_manifest_json(const checkpoint_manifest& m) {
+COHORT_COLD_BODY std::string checkpoint_manifest_json(const checkpoint_manifest& m) {
   std::string out = "{\n";
   const auto member = [&](std::string_view name) {
     out += " ";
@@ -413,10 +419,10 @@ class index_budget {
   std::size_t at_ = 0;
 };
 
-[[noreturn]] void refuse_index(std::string_view why) { throw error(-1, "json parse", why); }
+COHORT_COLD [[noreturn]] void refuse_index(std::string_view why) { throw error(-1, "json parse", why); }
 
 // Every region's elements held exactly once, over every file's segments.
-void check_tiling(const checkpoint_manifest& m, index_budget& budget) {
+COHORT_COLD void check_tiling(const checkpoint_manifest& m, index_budget& budget) {
   struct held {
     std::uint64_t first, count;
     std::uint32_t region, file;
@@ -455,8 +461,8 @@ void check_tiling(const checkpoint_manifest& m, index_budget& budget) {
 
 }  // namespace
 
-COHORT_DECL checkpoint_manifest parse_checkpoint_manifest(std::string_view text, const std::string& path, int rank,
-                                                          std::string_view operation) {
+COHORT_COLD_BODY checkpoint_manifest parse_checkpoint_manifest(std::string_view text, const std::string& path, int rank,
+                                                               std::string_view operation) {
   using limits = checkpoint_index_limits;
   const auto damaged = [&](std::string_view why, std::string_view hint) {
     return checkpoint_damaged_error(rank, operation, detail::text(path, ": ", why), hint);
@@ -768,8 +774,8 @@ COHORT_DECL checkpoint_manifest parse_checkpoint_manifest(std::string_view text,
   return m;
 }
 
-COHORT_DECL checkpoint_manifest read_checkpoint_manifest(const std::string& checkpoint, int rank,
-                                                         std::string_view operation) {
+COHORT_COLD_BODY checkpoint_manifest read_checkpoint_manifest(const std::string& checkpoint, int rank,
+                                                              std::string_view operation) {
   const std::string path = path_in(checkpoint, "manifest.json");
   auto directory = open_checkpoint_directory(checkpoint, rank, operation);
   auto fd = open_checkpoint_file(directory.get(), checkpoint, "manifest.json", rank, operation);

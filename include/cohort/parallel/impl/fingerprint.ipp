@@ -45,7 +45,7 @@ void cast_masters(const char* masters, std::size_t count, std::vector<std::uint8
 }  // namespace
 }  // namespace detail
 
-COHORT_DECL std::string checkpoint_parameter_sha256(const std::string& checkpoint) {
+COHORT_COLD_BODY std::string checkpoint_parameter_sha256(const std::string& checkpoint) {
   constexpr std::string_view operation = "checkpoint_parameter_sha256";
   const auto manifest = detail::read_checkpoint_manifest(checkpoint, -1, operation);
   if (manifest.tensors.empty() || manifest.tensors.front() != "parameters")

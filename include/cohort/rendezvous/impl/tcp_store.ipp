@@ -755,7 +755,7 @@ COHORT_DECL auto tcp_store::join_workers(int workers) -> void {
 
 namespace cohort::inline v0 {
 
-COHORT_DECL std::string store_token_from_environment(int rank) {
+COHORT_COLD_BODY std::string store_token_from_environment(int rank) {
   const char* token = std::getenv("COHORT_STORE_TOKEN");
   const char* file = std::getenv("COHORT_STORE_TOKEN_FILE");
   if (token && !*token) token = nullptr;
@@ -782,7 +782,7 @@ namespace detail {
 
 // A random name of this process's making: the store host's names a job without an id, a
 // claimant's tells its rank claim from another process's.
-inline std::string random_nonce() {
+COHORT_COLD inline std::string random_nonce() {
   std::array<std::uint8_t, 8> bits{};
   if (!random_bytes(bits)) {
     const auto now = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
@@ -798,7 +798,7 @@ inline std::string random_nonce() {
 }
 
 // This process as a job's rank describes itself at the rendezvous.
-inline job_identity this_rank_of_job(const launch_env& env) {
+COHORT_COLD inline job_identity this_rank_of_job(const launch_env& env) {
   job_identity mine;
   mine.id = env.run_id;
   mine.nonce = random_nonce();
@@ -812,18 +812,18 @@ inline job_identity this_rank_of_job(const launch_env& env) {
 }
 
 // Where a job keeps its keys: under its id, or, without one, under its store host's nonce.
-inline std::string job_prefix(const job_identity& job) {
+COHORT_COLD inline std::string job_prefix(const job_identity& job) {
   return detail::text("job/", job.id.empty() ? job.nonce : job.id, "/");
 }
 
-inline std::string describe_claimant(const job_identity& mine) {
+COHORT_COLD inline std::string describe_claimant(const job_identity& mine) {
   return detail::text("rank ", std::to_string(mine.rank), " of job ", (mine.id.empty() ? "(no id)" : mine.id.c_str()),
                       " on ", mine.host, ", pid ", std::to_string(mine.pid));
 }
 
 // A second process claims a rank of a job it cannot be told apart from: the job is marked
 // collided, and every rank of it stops before its first collective (check_not_collided).
-inline void mark_collided(store& job_store, const job_identity& mine, const std::string& first) {
+COHORT_COLD inline void mark_collided(store& job_store, const job_identity& mine, const std::string& first) {
   const std::string what = detail::text("two processes claimed rank ", std::to_string(mine.rank), ": ", first,
                                         ", then ", describe_claimant(mine),
                                         " (two jobs without distinct ids share MASTER_ADDR:MASTER_PORT, or a "
@@ -838,7 +838,7 @@ inline void mark_collided(store& job_store, const job_identity& mine, const std:
 // (a cohort job's rank 0 says which job; anything else says what it is). A cohort job that
 // this rank 0 cannot be told apart from (the same id, or neither has one) now has two rank 0s:
 // it is marked collided.
-inline std::string who_holds_the_port(tcp_store_options options, const job_identity& mine) {
+COHORT_COLD inline std::string who_holds_the_port(tcp_store_options options, const job_identity& mine) {
   options.is_server = false;
   options.greeting_key.clear();  // nothing of this job is written to a store it does not hold
   options.num_workers.reset();
@@ -875,8 +875,8 @@ inline std::string who_holds_the_port(tcp_store_options options, const job_ident
 // store of another job (ids differ, or one of the two has none), claims its rank, and keeps its
 // keys under the job's own prefix.
 // `record` is what the connection's handshake read (tcp_store_options::greeting).
-inline std::shared_ptr<store> join_job(std::shared_ptr<store> shared, const job_identity& mine, const launch_env& env,
-                                       const bytes& record) {
+COHORT_COLD inline std::shared_ptr<store> join_job(std::shared_ptr<store> shared, const job_identity& mine,
+                                                   const launch_env& env, const bytes& record) {
   const std::string where = shared->location();
   const std::string key(job_key);
   job_identity theirs;
@@ -943,7 +943,7 @@ COHORT_DECL std::string tcp_store::reached_from_other_hosts(std::chrono::millise
   }
 }
 
-COHORT_DECL std::shared_ptr<store> connect_store(const launch_env& env, tcp_store_options options) {
+COHORT_COLD_BODY std::shared_ptr<store> connect_store(const launch_env& env, tcp_store_options options) {
   options.host = env.master_addr;
   options.port = env.master_port;
   options.rank = env.rank;

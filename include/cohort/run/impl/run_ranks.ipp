@@ -1,6 +1,7 @@
 #pragma once
-// cohort/run/run_ranks.hpp's definitions: inline there when header-only, compiled once by <cohort/src.hpp>
-// under COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
+// cohort/run/run_ranks.hpp's definitions: header-only, cold templates (COHORT_COLD), so that
+// only a unit that runs ranks instantiates them; compiled once by <cohort/src.hpp> under
+// COHORT_SEPARATE_COMPILATION (see cohort/config.hpp).
 
 #include <algorithm>
 #include <array>
@@ -38,7 +39,7 @@ using group_end = std::optional<rank_status>;
 
 // The process groups `rank` made on `rendezvous` (process_group numbers them per rank:
 // cohort/groups_created/<rank>, then cohort/pg<n>/) and their ends.
-inline std::vector<group_end> groups_of(store& rendezvous, int rank, std::chrono::milliseconds bound) {
+COHORT_COLD inline std::vector<group_end> groups_of(store& rendezvous, int rank, std::chrono::milliseconds bound) {
   const std::string made = detail::text("cohort/groups_created/", std::to_string(rank));
   const std::int64_t count = rendezvous.add_within(made, 0, bound);
   std::vector<group_end> groups;
@@ -55,7 +56,7 @@ inline std::vector<group_end> groups_of(store& rendezvous, int rank, std::chrono
   return groups;
 }
 
-COHORT_DECL std::string compare_collective_counts(store& rendezvous, int world) {
+COHORT_COLD_BODY std::string compare_collective_counts(store& rendezvous, int world) {
   const auto bound = std::min<std::chrono::milliseconds>(run_ranks_exit_bound, rendezvous.timeout());
   std::vector<std::vector<group_end>> ranks;
   for (int r = 0; r < world; ++r) ranks.push_back(groups_of(rendezvous, r, bound));
@@ -105,12 +106,14 @@ COHORT_DECL std::string compare_collective_counts(store& rendezvous, int world) 
 
 inline constexpr std::string_view run_ranks_keys = "cohort/run_ranks/";
 
-inline std::string outcome_key(int rank) { return detail::text(run_ranks_keys, "outcome/", std::to_string(rank)); }
+COHORT_COLD inline std::string outcome_key(int rank) {
+  return detail::text(run_ranks_keys, "outcome/", std::to_string(rank));
+}
 
 // Rank 0: the job's collided mark, every rank's outcome, the counts of their groups: the
 // verdict on the run (empty when every rank ended well and the counts agree).
-inline std::string judge_run(store& rendezvous, const launch_env& env, std::chrono::milliseconds bound,
-                             std::chrono::steady_clock::duration waited, const std::string& own_failure) {
+COHORT_COLD inline std::string judge_run(store& rendezvous, const launch_env& env, std::chrono::milliseconds bound,
+                                         std::chrono::steady_clock::duration waited, const std::string& own_failure) {
   std::vector<int> failed, missing;
   std::string first_reason;
   if (!own_failure.empty()) {
@@ -152,7 +155,8 @@ inline std::string judge_run(store& rendezvous, const launch_env& env, std::chro
   return verdict;
 }
 
-COHORT_DECL void finish_launched_rank(store& rendezvous, const launch_env& env, const std::exception_ptr& failure) {
+COHORT_COLD_BODY void finish_launched_rank(store& rendezvous, const launch_env& env,
+                                           const std::exception_ptr& failure) {
   using clock = std::chrono::steady_clock;
   const auto started = clock::now();
   const auto bound = std::min<std::chrono::milliseconds>(run_ranks_exit_bound, rendezvous.timeout());
