@@ -1,12 +1,12 @@
 #!/bin/sh
-# header_excludes.sh CXX INCLUDE_DIR [-DMACRO...] HEADER TEXT...: fails when a translation unit
+# header_excludes.sh CXX INCLUDE_DIR [-DMACRO... -I<dir>...] HEADER TEXT...: fails when a translation unit
 # that includes HEADER alone includes a file whose path contains any TEXT (g++ -M's list).
 # Header-only, or as the default targets compile it with -DCOHORT_SEPARATE_COMPILATION=1.
 cxx=$1 include=$2
 shift 2
 defines=""
 mode="header-only"
-while [ "${1#-D}" != "$1" ]; do
+while [ "${1#-}" != "$1" ]; do
   defines="$defines $1"
   [ "${1#-DCOHORT_SEPARATE_COMPILATION}" != "$1" ] && mode="compiled once"
   shift

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "cohort/config.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/version.hpp"
 
@@ -21,12 +22,9 @@ class error : public std::runtime_error {
   // rank < 0 means "not known here" (for example before the launch environment is read).
   // Views, copied here: a throw site passes literals and one message, and builds no strings of
   // its own (hundreds of sites; each string built there is code and a clean-up path).
-  error(int rank, std::string_view operation, std::string_view detail, std::string_view hint = {})
-      : std::runtime_error(compose(rank, operation, detail, hint)),
-        rank_(rank),
-        operation_(operation),
-        detail_(detail),
-        hint_(hint) {}
+  // Compiled once separately (cohort/impl/error.ipp): every unit that throws one would
+  // otherwise emit the message's composition.
+  COHORT_DECL error(int rank, std::string_view operation, std::string_view detail, std::string_view hint = {});
 
   int rank() const noexcept { return rank_; }
   const std::string& operation() const noexcept { return operation_; }
@@ -34,13 +32,8 @@ class error : public std::runtime_error {
   const std::string& hint() const noexcept { return hint_; }
 
  private:
-  static std::string compose(int rank, std::string_view operation, std::string_view detail, std::string_view hint) {
-    std::string text = "cohort";
-    if (rank >= 0) text += detail::text(" [rank ", std::to_string(rank), "]");
-    text += detail::text(" ", operation, ": ", detail);
-    if (!hint.empty()) text += detail::text(" (hint: ", hint, ")");
-    return text;
-  }
+  COHORT_DECL static std::string compose(int rank, std::string_view operation, std::string_view detail,
+                                         std::string_view hint);
 
   int rank_;
   std::string operation_;
@@ -74,3 +67,7 @@ inline std::string format_ranks(const std::vector<int>& ranks) {
 }  // namespace detail
 
 }  // namespace cohort::inline v0
+
+#if !defined(COHORT_SEPARATE_COMPILATION)
+#include "cohort/impl/error.ipp"
+#endif

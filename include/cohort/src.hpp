@@ -17,6 +17,7 @@
 #include "cohort/data/impl/sampler.ipp"
 #include "cohort/diagnostics/impl/straggler.ipp"
 #include "cohort/diagnostics/impl/timeline.ipp"
+#include "cohort/impl/error.ipp"
 #include "cohort/impl/files.ipp"
 #include "cohort/impl/sha256.ipp"
 #include "cohort/parallel/impl/checkpoint.ipp"

@@ -30,7 +30,6 @@
 #include "cohort/comm/detail/device_identity.hpp"
 #include "cohort/comm/detail/device_scope.hpp"
 #include "cohort/comm/detail/failure_report.hpp"
-#include "cohort/comm/detail/fifo_queue.hpp"
 #include "cohort/config.hpp"
 #include "cohort/detail/progress.hpp"
 #include "cohort/detail/text.hpp"
@@ -73,95 +72,10 @@ inline ncclRedOp_t nccl_op(op reduce) {
 }
 
 struct nccl_event;
-
-// What every work handle of one communicator shares: the communicator, its stream, the
-// event pool, whether the communicator has been aborted, and what the watchdog watches.
-struct nccl_state {
-  int rank = 0;
-  // What errors call this rank: its world rank (a subgroup's board knows it), else `rank`.
-  int reported_rank() const { return board ? board->names().world_rank(rank) : rank; }
-  int size = 1;
-  int device = 0;
-  std::chrono::milliseconds timeout{};
-  ncclComm_t comm = nullptr;
-  cudaStream_t stream = nullptr;
-  // Guards events, aborted and comm: abort() takes the communicator under it and aborts it
-  // outside, so every other reader of comm snapshots it (or polls it) under this lock.
-  std::mutex mutex;
-  std::vector<cudaEvent_t> free_events;
-  bool aborted = false;
-  std::string abort_reason;
-
-  COHORT_DECL ~nccl_state();
-
-  COHORT_DECL cudaEvent_t take_event();
-  COHORT_DECL void give_event(cudaEvent_t event);
-
-  [[gnu::cold]] [[noreturn]] COHORT_DECL void fail(const std::string& operation, ncclResult_t status,
-                                                   const std::string& hint);
-
-  // Publishes the failure (aborted, abort_reason) and takes the communicator under the lock,
-  // then aborts it outside every lock on a thread of its own (comm/detail/background_abort.hpp),
-  // waiting for that at most `wait_at_most`: a negative wait means min(timeout, 10 s). The
-  // watchdog waits not at all, so its policy acts (or the process ends) even when the
-  // abort hangs behind a kernel that never ends.
-  COHORT_DECL void abort(const std::string& reason,
-                         std::chrono::milliseconds wait_at_most = std::chrono::milliseconds(-1));
-
-  COHORT_DECL void check_usable(const std::string& operation);
-
-  // Non-blocking communicators may answer ncclInProgress; wait until the call is enqueued.
-  COHORT_DECL void settle(const std::string& operation, ncclResult_t status);
-
-  // --- failure reporting (cohort/comm/detail/failure_report.hpp) ----------------------------
-  // A call on the stream that the watchdog polls until its event completes. The stream runs
-  // calls in issue order, so only the oldest can be overdue first.
-  struct outstanding_call {
-    call_record call;
-    std::uint64_t record = 0;
-    std::chrono::steady_clock::time_point issued;
-    std::shared_ptr<nccl_event> done;
-  };
-  std::unique_ptr<flight_recorder> recorder;
-  std::shared_ptr<cohort::store> store;       // the group's namespace, for failure reports
-  std::unique_ptr<status_board> board;        // every rank's status in that namespace
-  std::unique_ptr<progress_monitor> monitor;  // on the watchdog's thread
-  std::string group;
-  std::string trace_dir;
-  bool watched = false;  // a watchdog polls `outstanding` (else nothing is queued there)
-  std::atomic<bool> trace_written{false};
-  std::mutex watch_mutex;  // guards the members below; never taken while holding `mutex`
-  detail::fifo_queue<outstanding_call> outstanding;
-  std::uint64_t collectives_issued = 0;
-  std::uint64_t collectives_completed = 0;
-  std::array<std::uint64_t, call_kinds> issued_by_kind{};
-  std::map<std::pair<int, bool>, std::uint64_t> p2p_issued;  // (peer, sending): NCCL has no tags
-
-  // Numbers the call, records it and, when watched, queues it for the watchdog.
-  COHORT_DECL void issued(call_record call, const std::shared_ptr<nccl_event>& done);
-  // The watchdog's check: completes finished calls in the recorder; runs the progress
-  // monitor on the oldest call not complete (ranks in different calls abort the
-  // communicator); past the timeout (or on an asynchronous NCCL error) aborts the
-  // communicator and returns the error naming the rank at fault. Nothing once the group was
-  // aborted by a call that reported it.
-  COHORT_DECL std::exception_ptr watch();
-  // This rank's status for the status board.
-  COHORT_DECL rank_status status(rank_activity activity);
-  // "rank 2 never issued all_reduce #7 (...); ranks 0, 1 are waiting in it" for the oldest
-  // call not complete (or `operation` when none is known), asking the other ranks.
-  [[gnu::cold]] COHORT_DECL std::string name_the_culprit(const std::string& operation);
-  [[gnu::cold]] COHORT_DECL void keep_trace(std::string_view failure);
-};
-
-// A pooled event that returns to its pool when the last work handle holding it goes.
-struct nccl_event {
-  std::shared_ptr<nccl_state> state;
-  cudaEvent_t event;
-  nccl_event(std::shared_ptr<nccl_state> owner, cudaEvent_t e) : state(std::move(owner)), event(e) {}
-  nccl_event(const nccl_event&) = delete;
-  nccl_event& operator=(const nccl_event&) = delete;
-  ~nccl_event() { state->give_event(event); }
-};
+// What every work handle of one communicator shares (comm/detail/nccl_state.hpp): only the
+// engine's bodies (impl/nccl.ipp) see its definition, so that a unit compiled once does not
+// instantiate its members (issue 44).
+struct nccl_state;
 
 }  // namespace detail
 
@@ -197,73 +111,21 @@ class nccl {
    public:
     work() = default;
 
-    bool test() const {
-      if (!event_) return true;
-      return poll(std::chrono::steady_clock::time_point::max(), false);
-    }
+    COHORT_DECL bool test() const;
     // Blocks the host until done; past the group's timeout the communicator is aborted
     // and a timeout_error thrown.
-    void wait() const {
-      if (!event_) return;
-      poll(std::chrono::steady_clock::now() + event_->state->timeout, true);
-    }
-    bool wait_for(std::chrono::milliseconds timeout) const {
-      if (!event_) return true;
-      const auto deadline = std::chrono::steady_clock::now() + timeout;
-      while (!poll(deadline, false)) {
-        if (std::chrono::steady_clock::now() >= deadline) return false;
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      }
-      return true;
-    }
+    COHORT_DECL void wait() const;
+    COHORT_DECL bool wait_for(std::chrono::milliseconds timeout) const;
     // The caller's stream waits for this work; the host does not.
-    void make_stream_wait(cudaStream_t caller) const {
-      if (!event_) return;
-      if (const cudaError_t status = cudaStreamWaitEvent(caller, event_->event, 0); status != cudaSuccess)
-        detail::check_cuda(status, event_->state->rank, detail::text("stream_wait_event(", operation_, ")"));
-    }
-    cudaEvent_t event() const noexcept { return event_ ? event_->event : nullptr; }
+    COHORT_DECL void make_stream_wait(cudaStream_t caller) const;
+    COHORT_DECL cudaEvent_t event() const noexcept;
 
    private:
     friend class nccl;  // only the engine makes a work that completes with its event
     explicit work(std::shared_ptr<detail::nccl_event> event, std::string operation)
         : event_(std::move(event)), operation_(std::move(operation)) {}
     // One check (blocking = false) or a polling loop until done or deadline (blocking).
-    bool poll(std::chrono::steady_clock::time_point deadline, bool blocking) const {
-      auto& state = *event_->state;
-      for (int round = 0;; ++round) {
-        const cudaError_t status = cudaEventQuery(event_->event);
-        if (status == cudaSuccess) return true;
-        if (status != cudaErrorNotReady)
-          detail::check_cuda(status, state.rank, detail::text("event_query(", operation_, ")"));
-        {
-          std::unique_lock lock(state.mutex);
-          if (state.aborted)
-            throw error(state.rank, detail::text("nccl.", operation_),
-                        detail::text("communicator aborted: ", state.abort_reason),
-                        "an earlier failure or timeout ended this group");
-          ncclResult_t async = ncclSuccess;
-          ncclCommGetAsyncError(state.comm, &async);
-          if (async != ncclSuccess && async != ncclInProgress) {
-            lock.unlock();
-            state.fail(operation_, async, "a peer failed or the network broke (NCCL_DEBUG=WARN tells more)");
-          }
-        }
-        if (!blocking) return false;
-        if (std::chrono::steady_clock::now() > deadline) {
-          state.abort(detail::text(operation_, " exceeded the timeout"));
-          const std::string culprit = state.name_the_culprit(operation_);
-          state.keep_trace(culprit);
-          throw timeout_error(state.rank, detail::text("nccl.", operation_),
-                              detail::text(culprit, ": not complete after ", detail::format_duration(state.timeout),
-                                           "; communicator aborted"),
-                              "a peer never entered this collective: it hangs, crashed, or issued "
-                              "collectives in another order (COHORT_DEBUG=1 compares calls)");
-        }
-        if (round > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
-      }
-    }
-
+    COHORT_DECL bool poll(std::chrono::steady_clock::time_point deadline, bool blocking) const;
     friend class nccl;
     std::shared_ptr<detail::nccl_event> event_;
     std::string operation_;
@@ -281,15 +143,15 @@ class nccl {
   nccl& operator=(const nccl&) = delete;
   COHORT_DECL ~nccl();
 
-  int rank() const noexcept { return state_->rank; }
-  int size() const noexcept { return state_->size; }
-  int device() const noexcept { return state_->device; }
-  cudaStream_t stream() const noexcept { return state_->stream; }
-  ncclComm_t communicator() const noexcept { return state_->comm; }
+  COHORT_DECL int rank() const noexcept;
+  COHORT_DECL int size() const noexcept;
+  COHORT_DECL int device() const noexcept;
+  COHORT_DECL cudaStream_t stream() const noexcept;
+  COHORT_DECL ncclComm_t communicator() const noexcept;
   const options& settings() const noexcept { return options_; }
   // How its messages name its ranks: a subgroup's by world rank, with the group.
-  detail::rank_naming names() const { return state_->board ? state_->board->names() : detail::rank_naming{}; }
-  const flight_recorder& recorder() const noexcept { return *state_->recorder; }
+  COHORT_DECL detail::rank_naming names() const;
+  COHORT_DECL const flight_recorder& recorder() const noexcept;
   // The context recorded with each call issued from now on (process_group::call_context).
   const call_label& call_context() const noexcept { return call_context_; }
   void set_call_context(const call_label& label) noexcept { call_context_ = label; }
@@ -338,18 +200,7 @@ class nccl {
   COHORT_DECL void start_failure_reporting(std::shared_ptr<cohort::store> group_store, std::vector<int> world = {});
 
   template <class Call>
-  work issue(const char* operation, call_record recorded, Call&& call) {
-    recorded.context = call_context_;
-    if (watchdog_) watchdog_->rethrow_if_failed();
-    const detail::device_scope on_device(state_->device);
-    state_->check_usable(operation);
-    // settle() only when NCCL did not answer ncclSuccess: it reads the clock for its deadline.
-    if (const ncclResult_t status = call(); status != ncclSuccess) state_->settle(operation, status);
-    if (group_depth_ > 0) return deferred(operation, recorded);
-    work done = record_event(operation);
-    state_->issued(recorded, done.event_);
-    return done;
-  }
+  work issue(const char* operation, call_record recorded, Call&& call);
   // Inside a group: an event recorded at group_end, once NCCL has launched the calls.
   COHORT_DECL work deferred(const char* operation, const call_record& recorded);
 

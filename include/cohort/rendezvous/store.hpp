@@ -160,50 +160,36 @@ class prefix_store final : public store {
   COHORT_DECL prefix_store(std::shared_ptr<store> inner, std::string prefix);
 
   // Its set and add too wait at most its own timeout() (the group's, for a group's store).
-  void set(std::string_view key, std::span<const std::uint8_t> value) override {
-    inner_->set_within(full(key), value, timeout());
-  }
+  COHORT_DECL void set(std::string_view key, std::span<const std::uint8_t> value) override;
   using store::set;
-  void set_within(std::string_view key, std::span<const std::uint8_t> value,
-                  std::chrono::milliseconds timeout) override {
-    inner_->set_within(full(key), value, std::min(timeout, this->timeout()));
-  }
-  bytes get(std::string_view key, std::chrono::milliseconds timeout) override {
-    return inner_->get(full(key), timeout);
-  }
+  COHORT_DECL void set_within(std::string_view key, std::span<const std::uint8_t> value,
+                              std::chrono::milliseconds timeout) override;
+  COHORT_DECL bytes get(std::string_view key, std::chrono::milliseconds timeout) override;
   using store::get;
-  std::int64_t add(std::string_view key, std::int64_t delta) override {
-    return inner_->add_within(full(key), delta, timeout());
-  }
-  std::int64_t add_within(std::string_view key, std::int64_t delta, std::chrono::milliseconds timeout) override {
-    return inner_->add_within(full(key), delta, std::min(timeout, this->timeout()));
-  }
-  bytes compare_set(std::string_view key, std::span<const std::uint8_t> expected,
-                    std::span<const std::uint8_t> desired) override {
-    return inner_->compare_set(full(key), expected, desired);
-  }
-  bool check(std::span<const std::string> keys) override { return inner_->check(full(keys)); }
+  COHORT_DECL std::int64_t add(std::string_view key, std::int64_t delta) override;
+  COHORT_DECL std::int64_t add_within(std::string_view key, std::int64_t delta,
+                                      std::chrono::milliseconds timeout) override;
+  COHORT_DECL bytes compare_set(std::string_view key, std::span<const std::uint8_t> expected,
+                                std::span<const std::uint8_t> desired) override;
+  COHORT_DECL bool check(std::span<const std::string> keys) override;
   COHORT_DECL void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) override;
   using store::wait;
-  bool delete_key(std::string_view key) override { return inner_->delete_key(full(key)); }
+  COHORT_DECL bool delete_key(std::string_view key) override;
   // Counts the inner store's keys: c10d has no per-prefix count either.
-  std::int64_t num_keys() override { return inner_->num_keys(); }
-  std::vector<bytes> multi_get(std::span<const std::string> keys, std::chrono::milliseconds timeout) override {
-    return inner_->multi_get(full(keys), timeout);
-  }
+  COHORT_DECL std::int64_t num_keys() override;
+  COHORT_DECL std::vector<bytes> multi_get(std::span<const std::string> keys,
+                                           std::chrono::milliseconds timeout) override;
   using store::multi_get;
   // The inner store's bounded handle under the same prefix (null when the inner has none).
   COHORT_DECL std::shared_ptr<store> bounded(std::chrono::milliseconds timeout) const override;
-  std::string location() const override { return inner_->location(); }
-  std::string reached_from_other_hosts(std::chrono::milliseconds limit) override {
-    return inner_->reached_from_other_hosts(limit);
-  }
+  COHORT_DECL std::string location() const override;
+  COHORT_DECL std::string reached_from_other_hosts(std::chrono::milliseconds limit) override;
 
   const std::string& prefix() const noexcept { return prefix_; }
   const std::shared_ptr<store>& inner() const noexcept { return inner_; }
 
  private:
-  std::string full(std::string_view key) const { return prefix_ + std::string(key); }
+  COHORT_DECL std::string full(std::string_view key) const;
   COHORT_DECL std::vector<std::string> full(std::span<const std::string> keys) const;
   std::shared_ptr<store> inner_;
   std::string prefix_;

@@ -73,6 +73,30 @@ COHORT_COLD std::string compare_collective_counts(store& rendezvous, int world);
 // the verdict on a rank that did not fail itself (the caller rethrows its own failure).
 COHORT_COLD void finish_launched_rank(store& rendezvous, const launch_env& env, const std::exception_ptr& failure);
 
+// The trainer's function as the ranks' bodies call it: the bodies (threads, or the launched
+// rank's detection, store and end) are compiled once, in src.hpp, rather than instantiated
+// with each program's lambda in every unit that calls run_ranks (issue 44: about a third of a
+// CUDA trainer unit's code and of its host compile's memory). Refers to the caller's
+// callable, which outlives the call.
+class rank_function {
+ public:
+  template <class Call>
+  explicit rank_function(Call& call) noexcept
+      : object_(&call), call_([](void* object, std::shared_ptr<store> rendezvous, launch_env env) {
+          (*static_cast<Call*>(object))(std::move(rendezvous), std::move(env));
+        }) {}
+  void operator()(std::shared_ptr<store> rendezvous, launch_env env) const {
+    call_(object_, std::move(rendezvous), std::move(env));
+  }
+
+ private:
+  void* object_;
+  void (*call_)(void* object, std::shared_ptr<store> rendezvous, launch_env env);
+};
+
+COHORT_DECL void run_thread_ranks(int threads, const rank_function& fn);
+COHORT_DECL void run_ranks(int threads, const rank_function& fn);
+
 }  // namespace detail
 
 // Ranks as `threads` threads of this process, meeting in one memory_store; returns when every
@@ -80,52 +104,14 @@ COHORT_COLD void finish_launched_rank(store& rendezvous, const launch_env& env, 
 // collective counts that differ, when no rank failed).
 template <class Fn>
 void run_thread_ranks(int threads, Fn&& fn) {
-  if (threads <= 0)
-    throw error(-1, "run_thread_ranks", detail::text("threads = ", std::to_string(threads)), "pass a positive count");
-  auto shared = std::make_shared<memory_store>();
-  std::vector<std::exception_ptr> failures(static_cast<std::size_t>(threads));
-  std::vector<std::thread> ranks;
-  ranks.reserve(static_cast<std::size_t>(threads));
-  for (int rank = 0; rank < threads; ++rank)
-    ranks.emplace_back([&, rank] {
-      try {
-        fn(std::shared_ptr<store>(shared), launch_env::explicit_ranks(rank, threads));
-      } catch (...) {
-        failures[static_cast<std::size_t>(rank)] = std::current_exception();
-      }
-    });
-  for (auto& rank : ranks) rank.join();
-  for (auto& failure : failures)
-    if (failure) std::rethrow_exception(failure);
-  if (const std::string counts = detail::compare_collective_counts(*shared, threads); !counts.empty())
-    throw error(-1, "run_ranks", counts,
-                "every rank must issue the same collectives: a rank that stops early or late leaves the others "
-                "waiting (or a call of its own unanswered)");
+  auto call = [&fn](std::shared_ptr<store> rendezvous, launch_env env) { fn(std::move(rendezvous), std::move(env)); };
+  detail::run_thread_ranks(threads, detail::rank_function(call));
 }
 
 template <class Fn>
 void run_ranks(int threads, Fn&& fn) {
-  if (threads < 0)
-    throw error(-1, "run_ranks", detail::text("threads = ", std::to_string(threads)),
-                "pass 0 (launched) or a positive count");
-  if (threads == 0) {
-    const auto env = launch_env::detect();
-    std::shared_ptr<store> rendezvous = connect_store(env);
-    std::exception_ptr failure;
-    try {
-      fn(rendezvous, env);
-    } catch (...) {
-      failure = std::current_exception();
-    }
-    try {
-      detail::finish_launched_rank(*rendezvous, env, failure);
-    } catch (...) {
-      if (!failure) failure = std::current_exception();
-    }
-    if (failure) std::rethrow_exception(failure);
-    return;
-  }
-  run_thread_ranks(threads, std::forward<Fn>(fn));
+  auto call = [&fn](std::shared_ptr<store> rendezvous, launch_env env) { fn(std::move(rendezvous), std::move(env)); };
+  detail::run_ranks(threads, detail::rank_function(call));
 }
 
 }  // namespace cohort::inline v0

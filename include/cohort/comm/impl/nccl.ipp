@@ -21,6 +21,7 @@
 #include "cohort/comm/detail/device_identity.hpp"
 #include "cohort/comm/detail/device_scope.hpp"
 #include "cohort/comm/detail/failure_report.hpp"
+#include "cohort/comm/detail/nccl_state.hpp"
 #include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
 #include "cohort/rendezvous/launch.hpp"
@@ -267,6 +268,89 @@ COHORT_DECL auto detail::nccl_state::keep_trace(std::string_view failure) -> voi
   const std::string directory = trace_directory(trace_dir);
   if (directory.empty() || !recorder || trace_written.exchange(true)) return;
   detail::write_trace(directory, {group, "nccl", rank, size}, *recorder, failure);
+}
+
+COHORT_DECL auto nccl::rank() const noexcept -> int { return state_->rank; }
+COHORT_DECL auto nccl::size() const noexcept -> int { return state_->size; }
+COHORT_DECL auto nccl::device() const noexcept -> int { return state_->device; }
+COHORT_DECL auto nccl::stream() const noexcept -> cudaStream_t { return state_->stream; }
+COHORT_DECL auto nccl::communicator() const noexcept -> ncclComm_t { return state_->comm; }
+COHORT_DECL auto nccl::names() const -> detail::rank_naming {
+  return state_->board ? state_->board->names() : detail::rank_naming{};
+}
+COHORT_DECL auto nccl::recorder() const noexcept -> const flight_recorder& { return *state_->recorder; }
+
+COHORT_DECL auto nccl::work::test() const -> bool {
+  if (!event_) return true;
+  return poll(std::chrono::steady_clock::time_point::max(), false);
+}
+COHORT_DECL auto nccl::work::wait() const -> void {
+  if (!event_) return;
+  poll(std::chrono::steady_clock::now() + event_->state->timeout, true);
+}
+COHORT_DECL auto nccl::work::wait_for(std::chrono::milliseconds timeout) const -> bool {
+  if (!event_) return true;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!poll(deadline, false)) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  return true;
+}
+COHORT_DECL auto nccl::work::make_stream_wait(cudaStream_t caller) const -> void {
+  if (!event_) return;
+  if (const cudaError_t status = cudaStreamWaitEvent(caller, event_->event, 0); status != cudaSuccess)
+    detail::check_cuda(status, event_->state->rank, detail::text("stream_wait_event(", operation_, ")"));
+}
+COHORT_DECL auto nccl::work::event() const noexcept -> cudaEvent_t { return event_ ? event_->event : nullptr; }
+
+COHORT_DECL auto nccl::work::poll(std::chrono::steady_clock::time_point deadline, bool blocking) const -> bool {
+  auto& state = *event_->state;
+  for (int round = 0;; ++round) {
+    const cudaError_t status = cudaEventQuery(event_->event);
+    if (status == cudaSuccess) return true;
+    if (status != cudaErrorNotReady)
+      detail::check_cuda(status, state.rank, detail::text("event_query(", operation_, ")"));
+    {
+      std::unique_lock lock(state.mutex);
+      if (state.aborted)
+        throw error(state.rank, detail::text("nccl.", operation_),
+                    detail::text("communicator aborted: ", state.abort_reason),
+                    "an earlier failure or timeout ended this group");
+      ncclResult_t async = ncclSuccess;
+      ncclCommGetAsyncError(state.comm, &async);
+      if (async != ncclSuccess && async != ncclInProgress) {
+        lock.unlock();
+        state.fail(operation_, async, "a peer failed or the network broke (NCCL_DEBUG=WARN tells more)");
+      }
+    }
+    if (!blocking) return false;
+    if (std::chrono::steady_clock::now() > deadline) {
+      state.abort(detail::text(operation_, " exceeded the timeout"));
+      const std::string culprit = state.name_the_culprit(operation_);
+      state.keep_trace(culprit);
+      throw timeout_error(state.rank, detail::text("nccl.", operation_),
+                          detail::text(culprit, ": not complete after ", detail::format_duration(state.timeout),
+                                       "; communicator aborted"),
+                          "a peer never entered this collective: it hangs, crashed, or issued "
+                          "collectives in another order (COHORT_DEBUG=1 compares calls)");
+    }
+    if (round > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+template <class Call>
+auto nccl::issue(const char* operation, call_record recorded, Call&& call) -> work {
+  recorded.context = call_context_;
+  if (watchdog_) watchdog_->rethrow_if_failed();
+  const detail::device_scope on_device(state_->device);
+  state_->check_usable(operation);
+  // settle() only when NCCL did not answer ncclSuccess: it reads the clock for its deadline.
+  if (const ncclResult_t status = call(); status != ncclSuccess) state_->settle(operation, status);
+  if (group_depth_ > 0) return deferred(operation, recorded);
+  work done = record_event(operation);
+  state_->issued(recorded, done.event_);
+  return done;
 }
 
 COHORT_DECL nccl::nccl() : state_(std::make_shared<detail::nccl_state>()) {}

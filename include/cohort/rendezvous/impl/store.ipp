@@ -148,6 +148,52 @@ COHORT_DECL prefix_store::prefix_store(std::shared_ptr<store> inner, std::string
   set_rank(inner_->rank());
 }
 
+COHORT_DECL auto prefix_store::set(std::string_view key, std::span<const std::uint8_t> value) -> void {
+  inner_->set_within(full(key), value, timeout());
+}
+
+COHORT_DECL auto prefix_store::set_within(std::string_view key, std::span<const std::uint8_t> value,
+                                          std::chrono::milliseconds timeout) -> void {
+  inner_->set_within(full(key), value, std::min(timeout, this->timeout()));
+}
+
+COHORT_DECL auto prefix_store::get(std::string_view key, std::chrono::milliseconds timeout) -> bytes {
+  return inner_->get(full(key), timeout);
+}
+
+COHORT_DECL auto prefix_store::add(std::string_view key, std::int64_t delta) -> std::int64_t {
+  return inner_->add_within(full(key), delta, timeout());
+}
+
+COHORT_DECL auto prefix_store::add_within(std::string_view key, std::int64_t delta, std::chrono::milliseconds timeout)
+    -> std::int64_t {
+  return inner_->add_within(full(key), delta, std::min(timeout, this->timeout()));
+}
+
+COHORT_DECL auto prefix_store::compare_set(std::string_view key, std::span<const std::uint8_t> expected,
+                                           std::span<const std::uint8_t> desired) -> bytes {
+  return inner_->compare_set(full(key), expected, desired);
+}
+
+COHORT_DECL auto prefix_store::check(std::span<const std::string> keys) -> bool { return inner_->check(full(keys)); }
+
+COHORT_DECL auto prefix_store::delete_key(std::string_view key) -> bool { return inner_->delete_key(full(key)); }
+
+COHORT_DECL auto prefix_store::num_keys() -> std::int64_t { return inner_->num_keys(); }
+
+COHORT_DECL auto prefix_store::multi_get(std::span<const std::string> keys, std::chrono::milliseconds timeout)
+    -> std::vector<bytes> {
+  return inner_->multi_get(full(keys), timeout);
+}
+
+COHORT_DECL auto prefix_store::location() const -> std::string { return inner_->location(); }
+
+COHORT_DECL auto prefix_store::reached_from_other_hosts(std::chrono::milliseconds limit) -> std::string {
+  return inner_->reached_from_other_hosts(limit);
+}
+
+COHORT_DECL auto prefix_store::full(std::string_view key) const -> std::string { return prefix_ + std::string(key); }
+
 COHORT_DECL auto prefix_store::bounded(std::chrono::milliseconds timeout) const -> std::shared_ptr<store> {
   auto inner = inner_->bounded(timeout);
   if (!inner) return nullptr;

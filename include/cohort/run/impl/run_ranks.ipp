@@ -342,5 +342,53 @@ COHORT_COLD_BODY void finish_launched_rank(store& rendezvous, const launch_env& 
   }
 }
 
+COHORT_DECL void run_thread_ranks(int threads, const rank_function& fn) {
+  if (threads <= 0)
+    throw error(-1, "run_thread_ranks", detail::text("threads = ", std::to_string(threads)), "pass a positive count");
+  auto shared = std::make_shared<memory_store>();
+  std::vector<std::exception_ptr> failures(static_cast<std::size_t>(threads));
+  std::vector<std::thread> ranks;
+  ranks.reserve(static_cast<std::size_t>(threads));
+  for (int rank = 0; rank < threads; ++rank)
+    ranks.emplace_back([&, rank] {
+      try {
+        fn(std::shared_ptr<store>(shared), launch_env::explicit_ranks(rank, threads));
+      } catch (...) {
+        failures[static_cast<std::size_t>(rank)] = std::current_exception();
+      }
+    });
+  for (auto& rank : ranks) rank.join();
+  for (auto& failure : failures)
+    if (failure) std::rethrow_exception(failure);
+  if (const std::string counts = compare_collective_counts(*shared, threads); !counts.empty())
+    throw error(-1, "run_ranks", counts,
+                "every rank must issue the same collectives: a rank that stops early or late leaves the others "
+                "waiting (or a call of its own unanswered)");
+}
+
+COHORT_DECL void run_ranks(int threads, const rank_function& fn) {
+  if (threads < 0)
+    throw error(-1, "run_ranks", detail::text("threads = ", std::to_string(threads)),
+                "pass 0 (launched) or a positive count");
+  if (threads == 0) {
+    const auto env = launch_env::detect();
+    std::shared_ptr<store> rendezvous = connect_store(env);
+    std::exception_ptr failure;
+    try {
+      fn(rendezvous, env);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    try {
+      finish_launched_rank(*rendezvous, env, failure);
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
+    if (failure) std::rethrow_exception(failure);
+    return;
+  }
+  run_thread_ranks(threads, fn);
+}
+
 }  // namespace detail
 }  // namespace cohort::inline v0
