@@ -94,8 +94,10 @@ class rank_function {
   void (*call_)(void* object, std::shared_ptr<store> rendezvous, launch_env env);
 };
 
-COHORT_DECL void run_thread_ranks(int threads, const rank_function& fn);
-COHORT_DECL void run_ranks(int threads, const rank_function& fn);
+// Header-only, cold (config.hpp): a unit that includes run_ranks.hpp and calls neither does not
+// instantiate the threads, the launched half or the collective counts' comparison.
+COHORT_COLD void run_thread_ranks(int threads, const rank_function& fn);
+COHORT_COLD void run_ranks(int threads, const rank_function& fn);
 
 }  // namespace detail
 

@@ -342,7 +342,7 @@ COHORT_COLD_BODY void finish_launched_rank(store& rendezvous, const launch_env& 
   }
 }
 
-COHORT_DECL void run_thread_ranks(int threads, const rank_function& fn) {
+COHORT_COLD_BODY void run_thread_ranks(int threads, const rank_function& fn) {
   if (threads <= 0)
     throw error(-1, "run_thread_ranks", detail::text("threads = ", std::to_string(threads)), "pass a positive count");
   auto shared = std::make_shared<memory_store>();
@@ -366,7 +366,7 @@ COHORT_DECL void run_thread_ranks(int threads, const rank_function& fn) {
                 "waiting (or a call of its own unanswered)");
 }
 
-COHORT_DECL void run_ranks(int threads, const rank_function& fn) {
+COHORT_COLD_BODY void run_ranks(int threads, const rank_function& fn) {
   if (threads < 0)
     throw error(-1, "run_ranks", detail::text("threads = ", std::to_string(threads)),
                 "pass 0 (launched) or a positive count");
