@@ -100,8 +100,8 @@ int timeline_main(const std::vector<std::string>& args) {
   const auto merged = cohort::merge_timelines(directory);
   if (!merged_path.empty()) write_file(merged_path, merged.document.dump());
   if (!plot_path.empty()) write_file(plot_path, cohort::timeline_svg(merged.ranks));
-  std::printf("%zu ranks, %zu steps every rank recorded (aligned on step %llu); ms per step:\n", merged.ranks.size(),
-              merged.common_steps.size(), static_cast<unsigned long long>(merged.aligned_on_step));
+  std::printf("%zu ranks, %zu steps every rank recorded (from step %llu, aligned on their ends); ms per step:\n",
+              merged.ranks.size(), merged.common_steps.size(), static_cast<unsigned long long>(merged.aligned_on_step));
   for (const auto& r : merged.ranks)
     std::printf("  rank %d: step %.2f = compute %.2f + exposed communication %.2f (%.0f%%) + other %.2f\n", r.rank,
                 r.step_ms, r.compute_ms, r.exposed_ms, 100 * r.exposed_share(), r.other_ms);

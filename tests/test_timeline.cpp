@@ -169,6 +169,35 @@ TEST_CASE("cohort-trace timeline refuses files of two runs in one directory", "[
                                                            Catch::Contains("rank 1 of 2"));
 }
 
+TEST_CASE("cohort-trace timeline aligns the ranks on their steps' ends, not on when each made its timeline",
+          "[timeline]") {
+  // Rank 1 makes its timeline 40 ms after rank 0 (a late thread, a slow import), then both end
+  // every step together, as a collective ends it. On one clock their steps already sit side by
+  // side; the merge must not move them apart by the late start.
+  scratch_dir dir("late_start");
+  {
+    cohort::timeline early(0, {.directory = dir.path.string()});
+    std::this_thread::sleep_for(40ms);
+    cohort::timeline late(1, {.directory = dir.path.string()});
+    auto end = cohort::timeline::clock::now();
+    for (int step = 1; step <= 4; ++step) {
+      end += 10ms;
+      early.end_step(end);
+      late.end_step(end);
+    }
+  }
+  const auto merged = cohort::merge_timelines(dir.path);
+  REQUIRE(merged.common_steps.size() == 4);
+  std::map<std::int64_t, std::map<std::string, double>> ends;  // rank -> step -> its end
+  for (const json* e : check_trace_events(merged.document))
+    if (e->at("cat").as_string() == "step")
+      ends[e->at("pid").as_int64()][e->at("name").as_string()] = e->at("ts").as_number() + e->at("dur").as_number();
+  for (const std::string step : {"step 1", "step 2", "step 3", "step 4"}) {
+    INFO(step << ": rank 0 ends at " << ends[0][step] << " us, rank 1 at " << ends[1][step] << " us");
+    CHECK(std::abs(ends[0][step] - ends[1][step]) < 2.0);  // the file's microseconds, rounded
+  }
+}
+
 TEST_CASE("Gloo ranks' timelines hold the state's waits and merge with step k side by side", "[timeline][gloo]") {
   struct run {
     int world;

@@ -13,7 +13,7 @@
 // microseconds on the host's steady clock (CLOCK_MONOTONIC: one clock for every process of a
 // host), pid = the rank, and one "step" span per step that every other span of the step nests
 // in. `cohort-trace timeline DIR -o merged.json` merges the ranks' files into one, shifting
-// each rank so that its steps start where rank 0's do (ranks on other hosts have other
+// each rank so that its steps end where rank 0's do (ranks on other hosts have other
 // clocks), and `--plot verdict.svg` draws each rank's step as compute, exposed communication
 // and other.
 //

@@ -3,10 +3,13 @@
 // into one Chrome trace, each rank's step split into compute, exposed communication and
 // other, and that split drawn as an SVG. The tools' only (it reads JSON and files).
 //
-// Alignment: each rank's events are shifted so that the first step every rank recorded
-// begins where rank 0's does. Ranks of one host share the steady clock and shift by at most
-// the skew of that step boundary; ranks of other hosts have unrelated clocks, and the shift
-// is what makes their step k sit beside each other.
+// Alignment: each rank's events are shifted so that its steps end where rank 0's do, by the
+// median over the steps every rank recorded of the difference of their ends. A step ends once
+// its collectives did, which every rank had to enter, so the ends are the boundaries the ranks
+// share (a step's start is not: the first one is when each rank made its timeline, seconds
+// apart on a loaded host). Ranks of one host share the steady clock and shift by the ends'
+// usual skew, a fraction of a millisecond; ranks of other hosts have unrelated clocks, and
+// the shift is what makes their step k sit beside each other.
 //
 // The split of one step (span length S): compute is the union of its compute and optimizer
 // spans less the communication waits inside them; exposed communication is the union of its
@@ -46,7 +49,7 @@ struct timeline_rank_split {
 struct merged_timeline {
   detail::json document;                    // the merged Chrome trace
   std::vector<timeline_rank_split> ranks;   // in rank order
-  std::uint64_t aligned_on_step = 0;        // the step whose start is common to every rank
+  std::uint64_t aligned_on_step = 0;        // the first step every rank recorded (0: none)
   std::vector<std::uint64_t> common_steps;  // steps every rank recorded
   std::size_t unnested = 0;                 // spans that overlap another without nesting in it
 };
@@ -235,12 +238,17 @@ inline merged_timeline merge_timelines(const std::filesystem::path& directory) {
   merged.aligned_on_step = merged.common_steps.empty() ? 0 : merged.common_steps.front();
 
   json events = json::make_array();
-  const auto anchor = [&](const rank_file& file) {
-    return merged.common_steps.empty() ? 0.0 : file.steps.at(merged.aligned_on_step)->begin_us;
+  const auto shift_of = [&](const rank_file& file) {
+    std::vector<double> differences;
+    for (const std::uint64_t step : merged.common_steps)
+      differences.push_back(files.front().steps.at(step)->end_us - file.steps.at(step)->end_us);
+    if (differences.empty()) return 0.0;
+    const auto middle = differences.begin() + static_cast<std::ptrdiff_t>(differences.size() / 2);
+    std::nth_element(differences.begin(), middle, differences.end());
+    return *middle;
   };
-  const double reference = anchor(files.front());
   for (const auto& file : files) {
-    const double shift = reference - anchor(file);
+    const double shift = shift_of(file);
     json name = json::make_object();
     name.set("name", "process_name");
     name.set("ph", "M");
