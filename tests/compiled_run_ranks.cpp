@@ -1,7 +1,7 @@
 // A trainer's unit as the default targets compile it (issue 44), compiled only: it runs its ranks
 // with a lambda of its own and throws cohort's error. The ranks' threads, their memory_store and
 // the error's message are compiled once, in the library; this unit only calls them
-// (compiled_emits_none.sh).
+// (unit_defines_none.sh).
 #include <cohort/error.hpp>
 #include <cohort/run/run_ranks.hpp>
 
