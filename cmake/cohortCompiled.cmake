@@ -15,10 +15,18 @@
 # its own (cohort/src.cu; the project must enable CUDA): the program's translation units then
 # launch them through declarations, need not be .cu files to use the algorithms on NCCL, and
 # instantiate no cohort kernel.
+#
+# cohort/src.hpp is compiled as its four parts (cohort/impl/src_*.hpp), four units that a
+# machine's idle cores compile side by side: as one unit it was the longest of the build, which
+# every program that links the library waited for.
 function(cohort_add_compiled_library name)
-  set(source "${CMAKE_CURRENT_BINARY_DIR}/${name}_cohort_src.cpp")
-  file(CONFIGURE OUTPUT "${source}" CONTENT "#include <cohort/src.hpp>\n" @ONLY)
-  add_library(${name} STATIC "${source}")
+  set(sources "")
+  foreach(part comm parallel rendezvous templates)
+    set(source "${CMAKE_CURRENT_BINARY_DIR}/${name}_cohort_src_${part}.cpp")
+    file(CONFIGURE OUTPUT "${source}" CONTENT "#include <cohort/impl/src_${part}.hpp>\n" @ONLY)
+    list(APPEND sources "${source}")
+  endforeach()
+  add_library(${name} STATIC ${sources})
   target_compile_definitions(${name} PUBLIC COHORT_SEPARATE_COMPILATION=1)
   set_target_properties(${name} PROPERTIES POSITION_INDEPENDENT_CODE ON)
   if(TARGET cohort::header_only_gloo)

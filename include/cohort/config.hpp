@@ -5,8 +5,9 @@
 //       compiled once, by the one translation unit that includes <cohort/src.hpp> (and, with
 //       NCCL, the device code once, by the one .cu that includes <cohort/src.cu>). Undefined
 //       (the default), cohort is header-only: nothing to build or link. CMake:
-//       cohort_add_compiled_library(name) builds those units and defines the macro for
-//       whatever links the library (cmake/cohortCompiled.cmake).
+//       cohort_add_compiled_library(name) builds those units (src.hpp as its four parts,
+//       impl/src_*.hpp, one unit each) and defines the macro for whatever links the library
+//       (cmake/cohortCompiled.cmake).
 //   COHORT_DECL  on every declaration of a function compiled in src.hpp or src.cu, and on its
 //       definition in a subsystem's impl/*.ipp: `inline` header-only, nothing when separately
 //       compiled. A reader of a header sees on the declaration that its body lives elsewhere.

@@ -1,0 +1,13 @@
+#pragma once
+// A part of cohort/src.hpp: the training state's plain code (checkpoints, layouts,
+// fingerprints, reproducible sums), the data pipeline and the diagnostics.
+#include "cohort/config.hpp"
+#include "cohort/data/impl/batch.ipp"
+#include "cohort/data/impl/metrics.ipp"
+#include "cohort/data/impl/sampler.ipp"
+#include "cohort/diagnostics/impl/straggler.ipp"
+#include "cohort/diagnostics/impl/timeline.ipp"
+#include "cohort/parallel/impl/checkpoint.ipp"
+#include "cohort/parallel/impl/fingerprint.ipp"
+#include "cohort/parallel/impl/layout.ipp"
+#include "cohort/parallel/impl/reproducible.ipp"
