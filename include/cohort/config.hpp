@@ -40,6 +40,15 @@
 //       destructors cannot be cold, and what a non-template body calls is instantiated where
 //       that body is: a cold chain starts at a constructor or a free function. Compiled once,
 //       nothing changes: src.hpp compiles plain functions.
+//       COHORT_COLD is cold for the compiler (few units call it), not at run time, so it does
+//       not imply [[gnu::cold]]. That attribute is written by hand, on the declaration, for
+//       what runs only when something fails or on one launcher's branch (failure reports, the
+//       launched end of run_ranks, the launchers' readers, the store server's refusals): g++
+//       compiles such a function for size and inlines little into it, the cheaper for every
+//       unit that compiles it. Never on a function that a caller reaches on every path (a
+//       constructor, connect_store, launch_env::detect): g++ then takes the caller as cold as
+//       well, up to the trainer's own function and its loop
+//       (header:trainer_unit_compiles_failure_paths_cold).
 //
 // Gloo needs no macro: wherever <gloo/context.h> is found (__has_include), the umbrella header
 // brings the Gloo backend and src.hpp compiles it; link cohort::gloo (or -lgloo).

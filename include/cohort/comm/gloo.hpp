@@ -344,8 +344,8 @@ class gloo {
   COHORT_COLD [[gnu::cold]] void keep_trace(const std::exception_ptr& failure);
   // COHORT_DEBUG: both sides of a point-to-point pair publish what they move; the
   // completion (never the caller: a ring of sends would deadlock) compares them.
-  COHORT_COLD std::string p2p_debug_key(const detail::gloo_task& task, bool mine) const;
-  COHORT_COLD void check_p2p_pair(const detail::gloo_task& task);
+  COHORT_COLD [[gnu::cold]] std::string p2p_debug_key(const detail::gloo_task& task, bool mine) const;
+  COHORT_COLD [[gnu::cold]] void check_p2p_pair(const detail::gloo_task& task);
 
   COHORT_COLD void execute(detail::gloo_task& task);
 
@@ -379,9 +379,9 @@ class gloo {
   COHORT_COLD [[gnu::cold]] std::string name_the_culprit(const detail::gloo_task& task, bool connection_lost);
   // What `peer` is, without its help (for a rank that sent no failure report): its process
   // on this host and the state of its pair; asked before abort_transport closes the pairs.
-  COHORT_COLD detail::peer_status probe_peer(int peer) const;
+  COHORT_COLD [[gnu::cold]] detail::peer_status probe_peer(int peer) const;
   // Whether a remote peer's host answers a connection attempt (unreachable, or alive).
-  COHORT_COLD detail::peer_status probe_host(int peer) const;
+  COHORT_COLD [[gnu::cold]] detail::peer_status probe_host(int peer) const;
   // Which ranks never published their rendezvous address (a rendezvous that timed out).
   COHORT_COLD [[gnu::cold]] std::string missing_at_rendezvous(cohort::store& store) const;
   // " (world of 4; this rank published 10.0.0.1)", a subgroup's " (group of 2; ...)": what the

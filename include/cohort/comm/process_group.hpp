@@ -432,7 +432,7 @@ class process_group {
 
   // Every rank publishes the call it is about to make; all must agree. Uses the store, so
   // it works for device backends too, and costs a store round trip per call (debug only).
-  void check_signature(const char* operation, dtype type, std::size_t count, op reduce, int root);
+  [[gnu::cold]] void check_signature(const char* operation, dtype type, std::size_t count, op reduce, int root);
 
   launch_env env_;
   std::shared_ptr<prefix_store> store_;

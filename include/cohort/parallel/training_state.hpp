@@ -678,7 +678,7 @@ class training_state {
   void build_owned_spans();
 
   void agree_on_layout(const std::string& refusal, std::size_t elements);
-  void agree_on_replicas();
+  [[gnu::cold]] void agree_on_replicas();
   bool replicated() const noexcept { return replicas_ && replicas_->world_size() > 1; }
   void allocate_buffers();
   template <class T>

@@ -136,12 +136,12 @@ struct launch_env {
 // there is kept. Returns true when the file was written; false without the variable, when
 // the file exists, or when it cannot be written. run_ranks calls it for a launched rank
 // whose function threw; a trainer with its own main calls it from its catch.
-COHORT_DECL bool record_error_for_launcher(const std::exception& failure);
-COHORT_DECL bool record_error_for_launcher(std::string_view type_name, std::string_view message);
+[[gnu::cold]] COHORT_DECL bool record_error_for_launcher(const std::exception& failure);
+[[gnu::cold]] COHORT_DECL bool record_error_for_launcher(std::string_view type_name, std::string_view message);
 
 namespace detail {
 // `text` as the contents of a JSON string (quotes, backslashes and control characters escaped).
-COHORT_DECL std::string json_escape(std::string_view text);
+[[gnu::cold]] COHORT_DECL std::string json_escape(std::string_view text);
 }  // namespace detail
 
 }  // namespace cohort::inline v0

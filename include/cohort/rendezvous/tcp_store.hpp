@@ -148,7 +148,7 @@ class tcp_store final : public store {
 
   // A second connection to the same server (never hosting one), with `timeout` as its
   // timeout() and its connect timeout: see store::bounded.
-  COHORT_DECL std::shared_ptr<store> bounded(std::chrono::milliseconds timeout) const override;
+  [[gnu::cold]] COHORT_DECL std::shared_ptr<store> bounded(std::chrono::milliseconds timeout) const override;
   std::string location() const override { return endpoint(); }
   // Read from cohort's server (the key tcp_store_protocol::store_reached_key); empty under
   // torchrun's agent store, which writes no such key.
@@ -301,9 +301,9 @@ class tcp_store final : public store {
   // `deadline` is told the request ended (half-close) and what it answers then is named.
   COHORT_DECL void await_answer(clock::time_point deadline);
   // What arrives on the connection within `within` (up to 256 bytes), after what was read ahead.
-  COHORT_DECL std::string read_available(std::chrono::milliseconds within);
+  [[gnu::cold]] COHORT_DECL std::string read_available(std::chrono::milliseconds within);
   // "the server at X answered cohort's handshake with '...' ...": bytes that are not the protocol.
-  COHORT_DECL std::string not_a_store(std::string_view answered) const;
+  [[gnu::cold]] COHORT_DECL std::string not_a_store(std::string_view answered) const;
 
   // --- connecting.
 
@@ -316,7 +316,7 @@ class tcp_store final : public store {
   COHORT_DECL void handshake_locked(clock::time_point deadline);
   COHORT_DECL void prove_token(const detail::tcp_store_protocol::nonce& client, clock::time_point deadline);
 
-  COHORT_DECL void join_workers(int workers);
+  [[gnu::cold]] COHORT_DECL void join_workers(int workers);
 
   tcp_store_options options_;
   std::shared_ptr<tcp_store_server> server_;  // declared first: outlives the connection

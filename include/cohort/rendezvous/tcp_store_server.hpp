@@ -134,9 +134,9 @@ class tcp_store_server {
   COHORT_DECL void place(int fd);
   // Holds the connection's local address under store_reached_key (tcp_store_protocol.hpp)
   // unless it is a loopback (or link-local) one: where ranks of other hosts reach this one.
-  COHORT_DECL void note_reached_address(int fd);
-  COHORT_DECL bool evict_untrusted(const char* why);
-  COHORT_DECL void refuse_busy(int fd);
+  [[gnu::cold]] COHORT_DECL void note_reached_address(int fd);
+  [[gnu::cold]] COHORT_DECL bool evict_untrusted(const char* why);
+  [[gnu::cold]] COHORT_DECL void refuse_busy(int fd);
   COHORT_DECL void drain_and_close(int fd);
   bool trusted(const connection& conn) const noexcept {
     return conn.step == stage::ready && (!options_.token.empty() || conn.productive);
@@ -147,7 +147,7 @@ class tcp_store_server {
   COHORT_DECL void process(connection& conn);
   COHORT_DECL bool gatekeep(connection& conn, std::uint8_t code);
   COHORT_DECL void handle(connection& conn, detail::tcp_store_protocol::request& request);
-  COHORT_DECL void authenticate(connection& conn, detail::tcp_store_protocol::request& request);
+  [[gnu::cold]] COHORT_DECL void authenticate(connection& conn, detail::tcp_store_protocol::request& request);
 
   COHORT_DECL bool admit(std::uint64_t more, std::uint64_t request_size) const noexcept;
   COHORT_DECL bool store_value(connection& conn, const std::string& key, bytes_t value);
@@ -172,12 +172,13 @@ class tcp_store_server {
 
   // Logs why, writes the farewell bytes (a last reply, or a marker: busy_marker,
   // token_required_marker, when not 0) and closes.
-  COHORT_DECL void reject(connection& conn, const std::string& reason, std::span<const std::uint8_t> farewell);
-  COHORT_DECL void reject(connection& conn, const std::string& reason, std::uint32_t marker = 0);
+  [[gnu::cold]] COHORT_DECL void reject(connection& conn, const std::string& reason,
+                                        std::span<const std::uint8_t> farewell);
+  [[gnu::cold]] COHORT_DECL void reject(connection& conn, const std::string& reason, std::uint32_t marker = 0);
   COHORT_DECL void close_now(connection& conn);
-  COHORT_DECL void log_refusal(const std::string& peer, const std::string& reason);
+  [[gnu::cold]] COHORT_DECL void log_refusal(const std::string& peer, const std::string& reason);
   // A client presented another job's record where this server holds its job's (options.job).
-  COHORT_DECL void note_stranger(const connection& conn, std::span<const std::uint8_t> presented);
+  [[gnu::cold]] COHORT_DECL void note_stranger(const connection& conn, std::span<const std::uint8_t> presented);
   static constexpr std::size_t logged_rejections = 8;
 
   COHORT_DECL void remove_closed();

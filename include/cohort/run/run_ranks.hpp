@@ -71,7 +71,8 @@ COHORT_COLD std::string compare_collective_counts(store& rendezvous, int world);
 // Launched ranks report their end (and failing, why) to the store and read rank 0's verdict;
 // rank 0 serves the store until every rank has, or a grace period after a failure. Throws
 // the verdict on a rank that did not fail itself (the caller rethrows its own failure).
-COHORT_COLD void finish_launched_rank(store& rendezvous, const launch_env& env, const std::exception_ptr& failure);
+COHORT_COLD [[gnu::cold]] void finish_launched_rank(store& rendezvous, const launch_env& env,
+                                                    const std::exception_ptr& failure);
 
 // The trainer's function as the ranks' bodies call it: the bodies (threads, or the launched
 // rank's detection, store and end) are compiled once, in src.hpp, rather than instantiated

@@ -127,7 +127,7 @@ struct rank_status {
 };
 
 // "20 all_reduces and 1 all_gather": what by_kind counts.
-COHORT_COLD std::string describe_counts(const std::array<std::uint64_t, call_kinds>& by_kind);
+COHORT_COLD [[gnu::cold]] std::string describe_counts(const std::array<std::uint64_t, call_kinds>& by_kind);
 
 COHORT_COLD std::string encode_status(const rank_status& status);
 // False when `text` is not what encode_status writes.
@@ -208,13 +208,13 @@ inline constexpr std::string_view evaluation_alone_hint =
     "gathers on every rank (only rank 0 need print the output), or gather the whole model on every rank first and "
     "sample from that copy on one";
 
-COHORT_COLD std::string find_disagreement(int rank, const call_record& mine,
-                                          std::span<const std::optional<rank_status>> statuses,
-                                          const rank_naming& names = {});
+COHORT_COLD [[gnu::cold]] std::string find_disagreement(int rank, const call_record& mine,
+                                                        std::span<const std::optional<rank_status>> statuses,
+                                                        const rank_naming& names = {});
 
 // "recv #1 from rank 0 of 200 bytes (float x 50, tag 3)": a send or recv as its peer and size
 // name it (describe() for any other call).
-COHORT_COLD std::string describe_with_peer(const call_record& call);
+COHORT_COLD [[gnu::cold]] std::string describe_with_peer(const call_record& call);
 
 // After point-to-point call `mine` failed on this rank (its status `failed` already
 // published): what its peer said of itself, read for at most the report window (once, and
@@ -263,8 +263,8 @@ class progress_monitor {
   COHORT_COLD std::string tick(const std::optional<pending_call>& pending, const rank_status& now);
 
  private:
-  COHORT_COLD std::string compare(const pending_call& pending, const rank_status& now);
-  COHORT_COLD void say(const pending_call& pending, std::chrono::steady_clock::time_point now) const;
+  COHORT_COLD [[gnu::cold]] std::string compare(const pending_call& pending, const rank_status& now);
+  COHORT_COLD [[gnu::cold]] void say(const pending_call& pending, std::chrono::steady_clock::time_point now) const;
 
   status_board& board_;
   std::string group_;

@@ -145,13 +145,13 @@ COHORT_COLD inline bool status_concerns(const rank_status& status, std::uint64_t
          !is_point_to_point(status.call.kind);
 }
 
-COHORT_COLD inline std::string first_line_of(std::string_view text, std::size_t limit = 240) {
+COHORT_COLD [[gnu::cold]] inline std::string first_line_of(std::string_view text, std::size_t limit = 240) {
   std::string line(text.substr(0, text.find_first_of("\r\n")));
   if (line.size() > limit) line = detail::text(line.substr(0, limit), "...");
   return line;
 }
 
-COHORT_COLD inline std::string left_how(const rank_status& status) {
+COHORT_COLD [[gnu::cold]] inline std::string left_how(const rank_status& status) {
   std::string how = detail::text("left the group after issuing ", std::to_string(status.issued), " collective",
                                  (status.issued == 1 ? "" : "s"));
   if (!status.note.empty() || status.call.sequence != 0) {
@@ -171,9 +171,9 @@ struct disagreement {
 
 // `victims_doom`: a rank whose group failed in this very call dooms it too (a waiting rank
 // stops waiting); a failing rank names such ranks as being in the call with it instead.
-COHORT_COLD inline disagreement disagree(int rank, const call_record& mine,
-                                         std::span<const std::optional<rank_status>> statuses, bool victims_doom,
-                                         const rank_naming& names) {
+COHORT_COLD [[gnu::cold]] inline disagreement disagree(int rank, const call_record& mine,
+                                                       std::span<const std::optional<rank_status>> statuses,
+                                                       bool victims_doom, const rank_naming& names) {
   disagreement found;
   // Every call #s known: this rank's and those the others report, grouped by signature and
   // context, in rank order (so every rank lists them alike).
@@ -250,7 +250,7 @@ COHORT_COLD inline disagreement disagree(int rank, const call_record& mine,
   return found;
 }
 
-COHORT_COLD inline std::string join_parts(const std::vector<std::string>& parts) {
+COHORT_COLD [[gnu::cold]] inline std::string join_parts(const std::vector<std::string>& parts) {
   std::string text;
   for (const auto& part : parts) text += detail::text((text.empty() ? "" : "; "), part);
   return text;

@@ -262,7 +262,7 @@ inline void validate_ranks(const launch_env& env, const rank_names& names,
          "local ranks count from 0 to the number of ranks on this node - 1");
 }
 
-inline void read_explicit_overrides(const launch_reader& in, launch_env& env, rank_names& names) {
+[[gnu::cold]] inline void read_explicit_overrides(const launch_reader& in, launch_env& env, rank_names& names) {
   in.require_all({"COHORT_RANK", "COHORT_WORLD_SIZE"},
                  "set both COHORT_RANK and COHORT_WORLD_SIZE (and optionally COHORT_LOCAL_RANK with "
                  "COHORT_LOCAL_WORLD_SIZE), or unset all of them to use the launcher's variables");
@@ -282,7 +282,7 @@ inline void read_explicit_overrides(const launch_reader& in, launch_env& env, ra
   }
 }
 
-inline void read_torchrun(const launch_reader& in, launch_env& env, rank_names& names) {
+[[gnu::cold]] inline void read_torchrun(const launch_reader& in, launch_env& env, rank_names& names) {
   in.require_all({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
                  "torchrun sets all four; when launching by hand set every one of them, or use "
                  "COHORT_RANK/COHORT_WORLD_SIZE");
@@ -318,7 +318,7 @@ inline void read_torchrun(const launch_reader& in, launch_env& env, rank_names& 
   if (env.run_id == "none") env.run_id.clear();
 }
 
-inline void read_open_mpi(const launch_reader& in, launch_env& env, rank_names& names) {
+[[gnu::cold]] inline void read_open_mpi(const launch_reader& in, launch_env& env, rank_names& names) {
   names = {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"};
   in.require_all(
       {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
@@ -332,7 +332,7 @@ inline void read_open_mpi(const launch_reader& in, launch_env& env, rank_names& 
 }
 
 // Returns false when Slurm should be read instead (PMI ranks from srun's PMI plugin).
-inline bool read_mpich(const launch_reader& in, bool slurm_present, launch_env& env, rank_names& names) {
+[[gnu::cold]] inline bool read_mpich(const launch_reader& in, bool slurm_present, launch_env& env, rank_names& names) {
   names = {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"};
   const bool has_local = in.has_any({"MPI_LOCALRANKID", "MPI_LOCALNRANKS"});
   if (!has_local && slurm_present && in.has("PMI_RANK") && in.has("PMI_SIZE")) return false;
@@ -348,7 +348,7 @@ inline bool read_mpich(const launch_reader& in, bool slurm_present, launch_env& 
   return true;
 }
 
-inline void read_slurm(const launch_reader& in, launch_env& env, rank_names& names) {
+[[gnu::cold]] inline void read_slurm(const launch_reader& in, launch_env& env, rank_names& names) {
   in.require_all({"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"},
                  "srun sets these for every task; a program started directly in an sbatch script "
                  "is not an srun task (run it with srun, or unset the SLURM_ variables)");
@@ -419,7 +419,7 @@ inline void read_slurm(const launch_reader& in, launch_env& env, rank_names& nam
 // RANK/WORLD_SIZE set by something other than torchrun, beside a launcher that started this
 // process: see the precedence notes at the top. Read before torchrun's own checks, so that a
 // stale set that is also partial is named beside the launcher's, not alone as a partial launch.
-inline void refuse_stale_torchrun_names(const launch_reader& in) {
+[[gnu::cold]] inline void refuse_stale_torchrun_names(const launch_reader& in) {
   if (in.has_any({"TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "GROUP_RANK", "ROLE_RANK"})) return;
   struct family {
     launcher source;

@@ -823,7 +823,8 @@ COHORT_COLD inline std::string describe_claimant(const job_identity& mine) {
 
 // A second process claims a rank of a job it cannot be told apart from: the job is marked
 // collided, and every rank of it stops before its first collective (check_not_collided).
-COHORT_COLD inline void mark_collided(store& job_store, const job_identity& mine, const std::string& first) {
+COHORT_COLD [[gnu::cold]] inline void mark_collided(store& job_store, const job_identity& mine,
+                                                    const std::string& first) {
   const std::string what = detail::text("two processes claimed rank ", std::to_string(mine.rank), ": ", first,
                                         ", then ", describe_claimant(mine),
                                         " (two jobs without distinct ids share MASTER_ADDR:MASTER_PORT, or a "
@@ -838,7 +839,7 @@ COHORT_COLD inline void mark_collided(store& job_store, const job_identity& mine
 // (a cohort job's rank 0 says which job; anything else says what it is). A cohort job that
 // this rank 0 cannot be told apart from (the same id, or neither has one) now has two rank 0s:
 // it is marked collided.
-COHORT_COLD inline std::string who_holds_the_port(tcp_store_options options, const job_identity& mine) {
+COHORT_COLD [[gnu::cold]] inline std::string who_holds_the_port(tcp_store_options options, const job_identity& mine) {
   options.is_server = false;
   options.greeting_key.clear();  // nothing of this job is written to a store it does not hold
   options.num_workers.reset();

@@ -39,7 +39,8 @@ using group_end = std::optional<rank_status>;
 
 // The process groups `rank` made on `rendezvous` (process_group numbers them per rank:
 // cohort/groups_created/<rank>, then cohort/pg<n>/) and their ends.
-COHORT_COLD inline std::vector<group_end> groups_of(store& rendezvous, int rank, std::chrono::milliseconds bound) {
+COHORT_COLD [[gnu::cold]] inline std::vector<group_end> groups_of(store& rendezvous, int rank,
+                                                                  std::chrono::milliseconds bound) {
   const std::string made = detail::text("cohort/groups_created/", std::to_string(rank));
   const std::int64_t count = rendezvous.add_within(made, 0, bound);
   std::vector<group_end> groups;
@@ -106,14 +107,16 @@ COHORT_COLD_BODY std::string compare_collective_counts(store& rendezvous, int wo
 
 inline constexpr std::string_view run_ranks_keys = "cohort/run_ranks/";
 
-COHORT_COLD inline std::string outcome_key(int rank) {
+COHORT_COLD [[gnu::cold]] inline std::string outcome_key(int rank) {
   return detail::text(run_ranks_keys, "outcome/", std::to_string(rank));
 }
 
 // Rank 0: the job's collided mark, every rank's outcome, the counts of their groups: the
 // verdict on the run (empty when every rank ended well and the counts agree).
-COHORT_COLD inline std::string judge_run(store& rendezvous, const launch_env& env, std::chrono::milliseconds bound,
-                                         std::chrono::steady_clock::duration waited, const std::string& own_failure) {
+COHORT_COLD [[gnu::cold]] inline std::string judge_run(store& rendezvous, const launch_env& env,
+                                                       std::chrono::milliseconds bound,
+                                                       std::chrono::steady_clock::duration waited,
+                                                       const std::string& own_failure) {
   std::vector<int> failed, missing;
   std::string first_reason;
   if (!own_failure.empty()) {

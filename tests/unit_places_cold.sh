@@ -1,0 +1,51 @@
+#!/bin/sh
+# unit_places_cold.sh CXX OBJDUMP INCLUDE_DIR UNIT FLAG... --cold TEXT... --hot TEXT...: compiles
+# UNIT at -O2 with the FLAGs and fails unless every function whose demangled name contains a
+# --cold TEXT is in .text.unlikely (g++ puts a [[gnu::cold]] function there, optimized for
+# size and with little inlined into it: less for the compiler to do), and no function whose
+# name contains a --hot TEXT is (its outlined "[clone .cold]" parts and its lambdas aside). The --hot list is
+# what a cold attribute in the wrong place drags along: g++ takes a block that calls a cold
+# function as never run, and a function that calls one on every path as cold itself, up the
+# callers, so a setup function marked cold would put the trainer's own function, loop and all,
+# among them. Each TEXT must name at least one function of the unit.
+cxx=$1 objdump=$2 include=$3 unit=$4
+shift 4
+flags=
+while [ $# -gt 0 ] && [ "$1" != --cold ]; do
+  flags="$flags $1"
+  shift
+done
+[ "$1" = --cold ] && shift
+object=$(mktemp) || exit 2
+trap 'rm -f "$object"' EXIT
+# $flags is split into its words on purpose (each FLAG one argument; none holds a space).
+# shellcheck disable=SC2086
+"$cxx" -std=c++20 -O2 -I"$include" $flags -c -x c++ "$unit" -o "$object" || exit 2
+# One line per function: its section, a tab, its demangled name.
+functions=$("$objdump" -t -C "$object" | awk -F '\t' '/ F / { n = split($1, left, " "); name = $2; sub(/^[0-9a-f]+ /, "", name); print left[n] "\t" name }') || exit 2
+status=0
+want=cold
+for text in "$@"; do
+  if [ "$text" = --hot ]; then
+    want=hot
+    continue
+  fi
+  matching=$(printf '%s\n' "$functions" | grep -F -- "$text" | grep -v -F -e '[clone .cold]' -e '{lambda')
+  if [ -z "$matching" ]; then
+    echo "$unit: no function named $text; the unit or the name no longer says what the test means"
+    status=1
+    continue
+  fi
+  if [ $want = cold ]; then
+    misplaced=$(printf '%s\n' "$matching" | grep -v '^\.text\.unlikely')
+  else
+    misplaced=$(printf '%s\n' "$matching" | grep '^\.text\.unlikely')
+  fi
+  if [ -n "$misplaced" ]; then
+    echo "$unit: $text is not $want:"
+    printf '%s\n' "$misplaced" | head -3 | cut -c1-240
+    status=1
+  fi
+done
+[ $status = 0 ] && echo "$unit: the cold functions are in .text.unlikely, the hot ones are not"
+exit $status
