@@ -48,7 +48,7 @@
 //       unit that compiles it. Never on a function that a caller reaches on every path (a
 //       constructor, connect_store, launch_env::detect): g++ then takes the caller as cold as
 //       well, up to the trainer's own function and its loop
-//       (header:trainer_unit_compiles_failure_paths_cold).
+//       (header:compiled_library_places_failure_paths_cold).
 //
 // Gloo needs no macro: wherever <gloo/context.h> is found (__has_include), the umbrella header
 // brings the Gloo backend and src.hpp compiles it; link cohort::gloo (or -lgloo).
