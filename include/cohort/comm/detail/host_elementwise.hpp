@@ -21,27 +21,27 @@ namespace cohort::inline v0::detail {
 
 namespace host {
 
-COHORT_DECL void divide(void* data, std::size_t count, dtype type, int divisor);
-COHORT_DECL void scale(void* data, std::size_t count, dtype type, double factor);
+COHORT_COLD void divide(void* data, std::size_t count, dtype type, int divisor);
+COHORT_COLD void scale(void* data, std::size_t count, dtype type, double factor);
 // y = (to) x, or y += (to) x with `add`; floating dtypes.
-COHORT_DECL void convert(const void* in, dtype from, void* out, dtype to, std::size_t count, bool add);
-COHORT_DECL void fill(void* data, std::size_t count, dtype type, double value);
+COHORT_COLD void convert(const void* in, dtype from, void* out, dtype to, std::size_t count, bool add);
+COHORT_COLD void fill(void* data, std::size_t count, dtype type, double value);
 // out = the canonical tree over `part_count` parts of `count` elements each, laid one after
 // the other from `parts`, divided by `divisor` unless it is 0; floating dtypes. out may be
 // part 0 itself.
-COHORT_DECL void canonical_sum_parts(const void* parts, std::size_t part_count, std::size_t count, dtype type,
+COHORT_COLD void canonical_sum_parts(const void* parts, std::size_t part_count, std::size_t count, dtype type,
                                      int divisor, void* out);
-COHORT_DECL void copy_regions(const copy_region* regions, std::size_t count);
+COHORT_COLD void copy_regions(const copy_region* regions, std::size_t count);
 // 0 / 0.0 for a dtype that is not floating.
-COHORT_DECL std::int64_t count_nonfinite(const void* data, std::size_t count, dtype type);
-COHORT_DECL double sum_of_squares(const void* data, std::size_t count, dtype type);
+COHORT_COLD std::int64_t count_nonfinite(const void* data, std::size_t count, dtype type);
+COHORT_COLD double sum_of_squares(const void* data, std::size_t count, dtype type);
 // Adds the exact squares of the elements to `words` (exact_squares.hpp's bins of `type`).
-COHORT_DECL void add_exact_squares(const void* data, std::size_t count, dtype type, std::int64_t* words);
+COHORT_COLD void add_exact_squares(const void* data, std::size_t count, dtype type, std::int64_t* words);
 // AdamW (detail::adam_update) over `count` elements, on x86 four floats (two doubles) at a
 // time: the same operations in the same order for every element as adam_update's.
-COHORT_DECL void adam(float* parameters, const float* gradients, float* first, float* second, std::size_t count,
+COHORT_COLD void adam(float* parameters, const float* gradients, float* first, float* second, std::size_t count,
                       const adam_coefficients& c);
-COHORT_DECL void adam(double* parameters, const double* gradients, double* first, double* second, std::size_t count,
+COHORT_COLD void adam(double* parameters, const double* gradients, double* first, double* second, std::size_t count,
                       const adam_coefficients& c);
 
 }  // namespace host

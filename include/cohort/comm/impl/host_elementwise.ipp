@@ -24,7 +24,7 @@
 
 namespace cohort::inline v0::detail::host {
 
-COHORT_DECL void divide(void* data, std::size_t count, dtype type, int divisor) {
+COHORT_COLD_BODY void divide(void* data, std::size_t count, dtype type, int divisor) {
   visit_dtype(type, [&](auto sample) {
     using T = decltype(sample);
     T* x = static_cast<T*>(data);
@@ -32,7 +32,7 @@ COHORT_DECL void divide(void* data, std::size_t count, dtype type, int divisor) 
   });
 }
 
-COHORT_DECL void scale(void* data, std::size_t count, dtype type, double factor) {
+COHORT_COLD_BODY void scale(void* data, std::size_t count, dtype type, double factor) {
   visit_floating(type, [&](auto sample) {
     using T = decltype(sample);
     T* x = static_cast<T*>(data);
@@ -40,7 +40,7 @@ COHORT_DECL void scale(void* data, std::size_t count, dtype type, double factor)
   });
 }
 
-COHORT_DECL void convert(const void* in, dtype from, void* out, dtype to, std::size_t count, bool add) {
+COHORT_COLD_BODY void convert(const void* in, dtype from, void* out, dtype to, std::size_t count, bool add) {
   visit_floating(from, [&](auto source) {
     visit_floating(to, [&](auto target) {
       using F = decltype(source);
@@ -55,7 +55,7 @@ COHORT_DECL void convert(const void* in, dtype from, void* out, dtype to, std::s
   });
 }
 
-COHORT_DECL void fill(void* data, std::size_t count, dtype type, double value) {
+COHORT_COLD_BODY void fill(void* data, std::size_t count, dtype type, double value) {
   visit_dtype(type, [&](auto sample) {
     using T = decltype(sample);
     T* x = static_cast<T*>(data);
@@ -68,8 +68,8 @@ COHORT_DECL void fill(void* data, std::size_t count, dtype type, double value) {
 // per addition reads and writes the whole sum n times: within a block, canonical_tree_sum's
 // counter a level at a time (each addition a loop over the block, which vectorises), part 0
 // and every even part read in place rather than copied.
-COHORT_DECL void canonical_sum_parts(const void* parts, std::size_t part_count, std::size_t count, dtype type,
-                                     int divisor, void* out) {
+COHORT_COLD_BODY void canonical_sum_parts(const void* parts, std::size_t part_count, std::size_t count, dtype type,
+                                          int divisor, void* out) {
   visit_floating(type, [&](auto sample) {
     using T = decltype(sample);
     constexpr std::size_t block = 2048;
@@ -111,12 +111,12 @@ COHORT_DECL void canonical_sum_parts(const void* parts, std::size_t part_count, 
   });
 }
 
-COHORT_DECL void copy_regions(const copy_region* regions, std::size_t count) {
+COHORT_COLD_BODY void copy_regions(const copy_region* regions, std::size_t count) {
   for (std::size_t i = 0; i < count; ++i)  // empty regions may carry null pointers, which memmove must not see
     if (regions[i].bytes != 0) std::memmove(regions[i].destination, regions[i].source, regions[i].bytes);
 }
 
-COHORT_DECL std::int64_t count_nonfinite(const void* data, std::size_t count, dtype type) {
+COHORT_COLD_BODY std::int64_t count_nonfinite(const void* data, std::size_t count, dtype type) {
   std::int64_t bad = 0;
   if (!is_floating(type)) return bad;
   visit_floating(type, [&](auto sample) {
@@ -127,7 +127,7 @@ COHORT_DECL std::int64_t count_nonfinite(const void* data, std::size_t count, dt
   return bad;
 }
 
-COHORT_DECL double sum_of_squares(const void* data, std::size_t count, dtype type) {
+COHORT_COLD_BODY double sum_of_squares(const void* data, std::size_t count, dtype type) {
   if (!is_floating(type)) return 0;
   // Four sums side by side: one would wait for each addition before the next (a chain of
   // double additions, four times slower than the loads it follows).
@@ -184,7 +184,7 @@ void add_exact_squares_of(const T* x, std::size_t count, std::int64_t* words) {
 
 }  // namespace
 
-COHORT_DECL void add_exact_squares(const void* data, std::size_t count, dtype type, std::int64_t* words) {
+COHORT_COLD_BODY void add_exact_squares(const void* data, std::size_t count, dtype type, std::int64_t* words) {
   if (!is_floating(type)) return;
   visit_floating(type, [&](auto sample) {
     using T = decltype(sample);
@@ -260,12 +260,12 @@ void adam_lanes(T* parameters, const T* gradients, T* first, T* second, std::siz
 
 }  // namespace
 
-COHORT_DECL void adam(float* parameters, const float* gradients, float* first, float* second, std::size_t count,
-                      const adam_coefficients& c) {
+COHORT_COLD_BODY void adam(float* parameters, const float* gradients, float* first, float* second, std::size_t count,
+                           const adam_coefficients& c) {
   adam_lanes(parameters, gradients, first, second, count, c);
 }
-COHORT_DECL void adam(double* parameters, const double* gradients, double* first, double* second, std::size_t count,
-                      const adam_coefficients& c) {
+COHORT_COLD_BODY void adam(double* parameters, const double* gradients, double* first, double* second,
+                           std::size_t count, const adam_coefficients& c) {
   adam_lanes(parameters, gradients, first, second, count, c);
 }
 
