@@ -105,6 +105,14 @@ int timeline_main(const std::vector<std::string>& args) {
   for (const auto& r : merged.ranks)
     std::printf("  rank %d: step %.2f = compute %.2f + exposed communication %.2f (%.0f%%) + other %.2f\n", r.rank,
                 r.step_ms, r.compute_ms, r.exposed_ms, 100 * r.exposed_share(), r.other_ms);
+  if (!merged.missing_ranks.empty()) {
+    std::string missing;
+    for (const int rank : merged.missing_ranks) missing += (missing.empty() ? "" : ", ") + std::to_string(rank);
+    std::printf("warning: no timeline from rank %s of the world's %zu (a rank that ended no step, or died first)\n",
+                missing.c_str(), merged.ranks.size() + merged.missing_ranks.size());
+  }
+  if (merged.ranks.size() > 1 && merged.common_steps.empty())
+    std::printf("warning: no step every rank recorded, so the ranks are not aligned: each keeps its own clock\n");
   if (merged.unnested > 0) {
     std::printf("%zu spans overlap another without nesting in it: the split above counts them twice\n",
                 merged.unnested);

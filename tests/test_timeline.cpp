@@ -85,6 +85,15 @@ std::vector<const json*> check_trace_events(const json& document) {
   return spans;
 }
 
+// Where each rank's steps end in a merged trace: rank -> "step k" -> microseconds.
+std::map<std::int64_t, std::map<std::string, double>> step_ends(const json& document) {
+  std::map<std::int64_t, std::map<std::string, double>> ends;
+  for (const json* e : check_trace_events(document))
+    if (e->at("cat").as_string() == "step")
+      ends[e->at("pid").as_int64()][e->at("name").as_string()] = e->at("ts").as_number() + e->at("dur").as_number();
+  return ends;
+}
+
 }  // namespace
 
 TEST_CASE("a timeline is trace event JSON whose spans nest in their steps, the last steps kept", "[timeline]") {
@@ -188,14 +197,63 @@ TEST_CASE("cohort-trace timeline aligns the ranks on their steps' ends, not on w
   }
   const auto merged = cohort::merge_timelines(dir.path);
   REQUIRE(merged.common_steps.size() == 4);
-  std::map<std::int64_t, std::map<std::string, double>> ends;  // rank -> step -> its end
-  for (const json* e : check_trace_events(merged.document))
-    if (e->at("cat").as_string() == "step")
-      ends[e->at("pid").as_int64()][e->at("name").as_string()] = e->at("ts").as_number() + e->at("dur").as_number();
+  const auto ends = step_ends(merged.document);
   for (const std::string step : {"step 1", "step 2", "step 3", "step 4"}) {
-    INFO(step << ": rank 0 ends at " << ends[0][step] << " us, rank 1 at " << ends[1][step] << " us");
-    CHECK(std::abs(ends[0][step] - ends[1][step]) < 2.0);  // the file's microseconds, rounded
+    INFO(step << ": rank 0 ends at " << ends.at(0).at(step) << " us, rank 1 at " << ends.at(1).at(step) << " us");
+    CHECK(std::abs(ends.at(0).at(step) - ends.at(1).at(step)) < 2.0);  // the file's microseconds, rounded
   }
+}
+
+TEST_CASE("cohort-trace timeline aligns ranks of other clocks by the median of their steps' ends", "[timeline]") {
+  // Rank 1's clock runs 5 s ahead (another host), and one of its steps ends 3 ms late (a
+  // straggling rank): the merge moves it by the median difference, so every other step lines up.
+  scratch_dir dir("other_clock");
+  {
+    cohort::timeline zero(0, {.directory = dir.path.string()});
+    cohort::timeline one(1, {.directory = dir.path.string()});
+    auto end = cohort::timeline::clock::now();
+    for (int step = 1; step <= 5; ++step) {
+      end += 10ms;
+      zero.end_step(end);
+      one.end_step(end + 5s + (step == 3 ? 3ms : 0ms));
+    }
+  }
+  const auto merged = cohort::merge_timelines(dir.path);
+  REQUIRE(merged.common_steps.size() == 5);
+  CHECK(merged.missing_ranks.empty());
+  const auto ends = step_ends(merged.document);
+  for (const std::string step : {"step 1", "step 2", "step 4", "step 5"}) {
+    INFO(step << ": rank 0 ends at " << ends.at(0).at(step) << " us, rank 1 at " << ends.at(1).at(step) << " us");
+    CHECK(std::abs(ends.at(0).at(step) - ends.at(1).at(step)) < 2.0);
+  }
+  CHECK(std::abs(ends.at(1).at("step 3") - ends.at(0).at("step 3") - 3000.0) < 2.0);
+}
+
+TEST_CASE("cohort-trace timeline says which ranks wrote no timeline and when none can be aligned", "[timeline]") {
+  struct place {
+    int rank_in_group, ranks;
+    int rank() const { return rank_in_group; }
+    int world_size() const { return ranks; }
+  };
+  scratch_dir dir("unaligned");
+  {
+    // Ranks 0 and 2 of 3 (rank 1 ended no step); rank 0 keeps steps 1 and 2, rank 2 only its
+    // last, step 4.
+    place first{0, 3}, last{2, 3};
+    cohort::timeline zero(first, {.directory = dir.path.string()});
+    cohort::timeline two(last, {.directory = dir.path.string(), .keep_steps = 1});
+    auto end = cohort::timeline::clock::now();
+    for (int step = 1; step <= 4; ++step) {
+      end += 10ms;
+      if (step <= 2) zero.end_step(end);
+      two.end_step(end);
+    }
+  }
+  const auto merged = cohort::merge_timelines(dir.path);
+  CHECK(merged.ranks.size() == 2);
+  CHECK(merged.missing_ranks == std::vector<int>{1});
+  CHECK(merged.common_steps.empty());
+  CHECK_FALSE(merged.document.at("otherData").at("aligned").as_bool());
 }
 
 TEST_CASE("Gloo ranks' timelines hold the state's waits and merge with step k side by side", "[timeline][gloo]") {

@@ -368,7 +368,7 @@ class gloo {
   // different slots: they never match, and the mismatch surfaces as an error on every rank
   // instead of a crash, or of call n on one rank meeting call n+1 of another.
   COHORT_COLD static std::uint64_t signature(const detail::gloo_task& task);
-  static std::uint32_t collective_tag(const detail::gloo_task& task) {
+  COHORT_COLD static std::uint32_t collective_tag(const detail::gloo_task& task) {
     return static_cast<std::uint32_t>(signature(task) & 0x7fffffffu);
   }
 
@@ -390,7 +390,7 @@ class gloo {
 
   // Point-to-point slots carry the user tag and the message size (see signature), in a
   // range of their own, away from the slots Gloo's collectives use.
-  static std::uint64_t point_to_point_slot(const detail::gloo_task& task) {
+  COHORT_COLD static std::uint64_t point_to_point_slot(const detail::gloo_task& task) {
     return (1ull << 63) | (signature(task) >> 1);
   }
 

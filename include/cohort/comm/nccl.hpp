@@ -15,16 +15,10 @@
 #include <nccl.h>
 #include <unistd.h>
 
-#include <array>
-#include <atomic>
 #include <chrono>
-#include <cstring>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 #include "cohort/comm/detail/device_identity.hpp"

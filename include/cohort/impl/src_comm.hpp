@@ -1,6 +1,9 @@
 #pragma once
 // A part of cohort/src.hpp: the process groups' plain code, the engines' (where they are
 // available, as in the umbrella header) and run_ranks'.
+#if !defined(COHORT_SEPARATE_COMPILATION)
+#error "cohort/impl/src_comm.hpp, a part of cohort/src.hpp, needs COHORT_SEPARATE_COMPILATION everywhere"
+#endif
 #include "cohort/comm/impl/device_identity.ipp"
 #include "cohort/comm/impl/failure_report.ipp"
 #include "cohort/comm/impl/flight_recorder.ipp"

@@ -43,12 +43,10 @@
 #include <exception>
 #include <memory>
 #include <string>
-#include <thread>
+#include <type_traits>
 #include <utility>
-#include <vector>
 
 #include "cohort/config.hpp"
-#include "cohort/detail/text.hpp"
 #include "cohort/error.hpp"
 #include "cohort/rendezvous/launch.hpp"
 #include "cohort/rendezvous/store.hpp"
@@ -82,6 +80,7 @@ COHORT_COLD [[gnu::cold]] void finish_launched_rank(store& rendezvous, const lau
 class rank_function {
  public:
   template <class Call>
+    requires(!std::is_same_v<std::remove_cv_t<Call>, rank_function>)  // a copy refers to the callable
   explicit rank_function(Call& call) noexcept
       : object_(&call), call_([](void* object, std::shared_ptr<store> rendezvous, launch_env env) {
           (*static_cast<Call*>(object))(std::move(rendezvous), std::move(env));

@@ -50,7 +50,8 @@ struct merged_timeline {
   detail::json document;                    // the merged Chrome trace
   std::vector<timeline_rank_split> ranks;   // in rank order
   std::uint64_t aligned_on_step = 0;        // the first step every rank recorded (0: none)
-  std::vector<std::uint64_t> common_steps;  // steps every rank recorded
+  std::vector<std::uint64_t> common_steps;  // steps every rank recorded (none: the ranks stay unaligned)
+  std::vector<int> missing_ranks;           // ranks of the files' world that wrote no file
   std::size_t unnested = 0;                 // spans that overlap another without nesting in it
 };
 
@@ -243,10 +244,19 @@ inline merged_timeline merge_timelines(const std::filesystem::path& directory) {
     for (const std::uint64_t step : merged.common_steps)
       differences.push_back(files.front().steps.at(step)->end_us - file.steps.at(step)->end_us);
     if (differences.empty()) return 0.0;
-    const auto middle = differences.begin() + static_cast<std::ptrdiff_t>(differences.size() / 2);
-    std::nth_element(differences.begin(), middle, differences.end());
-    return *middle;
+    // The median, an even count's two middle values averaged (as straggler_spread's).
+    std::sort(differences.begin(), differences.end());
+    const std::size_t n = differences.size();
+    return n % 2 == 1 ? differences[n / 2] : (differences[n / 2 - 1] + differences[n / 2]) / 2;
   };
+  // A rank that ended no step (or died first) wrote no file: the merge holds the others, and
+  // says which are missing.
+  for (int rank = 0, next = 0; rank < files.front().world_size; ++rank) {
+    if (static_cast<std::size_t>(next) < files.size() && files[next].rank == rank)
+      ++next;
+    else
+      merged.missing_ranks.push_back(rank);
+  }
   for (const auto& file : files) {
     const double shift = shift_of(file);
     json name = json::make_object();
@@ -295,6 +305,7 @@ inline merged_timeline merge_timelines(const std::filesystem::path& directory) {
   other.set("aligned_on_step", merged.aligned_on_step);
   other.set("ranks", static_cast<unsigned long>(files.size()));
   if (files.front().world_size > 0) other.set("world_size", files.front().world_size);
+  other.set("aligned", files.size() == 1 || !merged.common_steps.empty());
   merged.document.set("otherData", std::move(other));
   return merged;
 }

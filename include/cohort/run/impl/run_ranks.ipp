@@ -39,8 +39,7 @@ using group_end = std::optional<rank_status>;
 
 // The process groups `rank` made on `rendezvous` (process_group numbers them per rank:
 // cohort/groups_created/<rank>, then cohort/pg<n>/) and their ends.
-COHORT_COLD [[gnu::cold]] inline std::vector<group_end> groups_of(store& rendezvous, int rank,
-                                                                  std::chrono::milliseconds bound) {
+COHORT_COLD inline std::vector<group_end> groups_of(store& rendezvous, int rank, std::chrono::milliseconds bound) {
   const std::string made = detail::text("cohort/groups_created/", std::to_string(rank));
   const std::int64_t count = rendezvous.add_within(made, 0, bound);
   std::vector<group_end> groups;
